@@ -1,0 +1,113 @@
+// refit — data model: dtypes, tensor metadata, references to tensor memory.
+//
+// Layer 1: no dependencies. Everything here is a plain value type; nothing owns tensor memory.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace refit {
+
+/// Element types. The numeric values are the wire codes and never change.
+enum class dtype : std::uint8_t {
+  bool_ = 0,
+  u8 = 1,
+  i8 = 2,
+  i16 = 3,
+  i32 = 4,
+  i64 = 5,
+  f16 = 6,
+  bf16 = 7,
+  f32 = 8,
+  f64 = 9,
+  f8_e4m3 = 10,
+  f8_e5m2 = 11,
+  u16 = 12,
+  u32 = 13,
+  u64 = 14,
+};
+
+/// Bytes per element.
+std::size_t itemsize(dtype t) noexcept;
+/// Canonical lower-case name: "bool", "u8", ..., "bf16", "f8_e4m3".
+std::string_view to_string(dtype t) noexcept;
+/// Parses a canonical name, a safetensors name ("BF16", "F8_E4M3", "BOOL") or a torch name
+/// ("bfloat16", "float16", "float32", "int64", "uint8", "float8_e4m3fn", ...). nullopt if unknown.
+std::optional<dtype> parse_dtype(std::string_view name) noexcept;
+/// The dtype with this wire code, nullopt if none.
+std::optional<dtype> dtype_from_code(std::uint64_t code) noexcept;
+
+/// Number of elements of a shape; nullopt if a dimension is negative or the product overflows.
+std::optional<std::uint64_t> checked_numel(std::span<const std::int64_t> shape) noexcept;
+/// Bytes of a tensor of this dtype and shape; nullopt on a negative dimension or overflow.
+std::optional<std::uint64_t> checked_nbytes(dtype t, std::span<const std::int64_t> shape) noexcept;
+
+/// Where memory lives.
+enum class device_kind : std::uint8_t { cpu = 0, cuda = 1 };
+
+struct device {
+  device_kind kind = device_kind::cpu;
+  int index = 0;  ///< CUDA ordinal; 0 for the CPU
+
+  static constexpr device cpu() noexcept { return {}; }
+  static constexpr device cuda(int ordinal) noexcept { return {device_kind::cuda, ordinal}; }
+  friend constexpr bool operator==(const device&, const device&) noexcept = default;
+};
+
+/// Name, element type and shape of a tensor (dense, contiguous, row-major).
+struct tensor_meta {
+  std::string name;
+  dtype type = dtype::u8;
+  std::vector<std::int64_t> shape;
+
+  /// Elements; throws refit::error(invalid_argument) on a negative dimension or overflow.
+  [[nodiscard]] std::uint64_t numel() const;
+  /// Bytes (numel × itemsize); throws like numel().
+  [[nodiscard]] std::uint64_t nbytes() const;
+  friend bool operator==(const tensor_meta&, const tensor_meta&) = default;
+};
+
+/// "name bf16[4096, 4096]" — for error messages.
+std::string describe(const tensor_meta& meta);
+
+/// A tensor the streamer reads (policy side). The memory must stay valid and unchanged until the
+/// refit that reads it returns.
+struct tensor_ref {
+  tensor_meta meta;
+  const void* data = nullptr;
+  device dev{};
+  /// For CUDA tensors: the cudaStream_t the tensor is produced on (nullptr: the legacy default
+  /// stream's work is assumed complete). The streamer orders its copies after the work enqueued
+  /// on this stream so far, with an event — never with a device-wide synchronisation.
+  void* stream = nullptr;
+};
+
+/// A destination the receiver writes (generation side, parameter table).
+struct tensor_dest {
+  tensor_meta meta;
+  void* data = nullptr;
+  device dev{};
+};
+
+/// What a batch callback sees of one entry: a byte range of a tensor, in the receiver's buffer.
+/// `data` points at the first byte of the range; it is valid only during the callback.
+struct tensor_view {
+  const tensor_meta* meta = nullptr;
+  const void* data = nullptr;
+  std::uint64_t offset = 0;  ///< first byte of the range within the tensor
+  std::uint64_t bytes = 0;   ///< length of the range
+  std::uint64_t total = 0;   ///< bytes of the whole tensor
+  device dev{};
+
+  /// True when the view covers the whole tensor (it was not split into chunks).
+  [[nodiscard]] bool whole() const noexcept { return offset == 0 && bytes == total; }
+  /// True for the last chunk of a tensor (also for a whole tensor).
+  [[nodiscard]] bool last() const noexcept { return offset + bytes == total; }
+};
+
+}  // namespace refit

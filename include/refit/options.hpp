@@ -1,0 +1,30 @@
+// refit — options shared by the streamer and the receiver.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace refit {
+
+/// How batch bytes reach the receiver.
+enum class transport_kind : std::uint8_t {
+  host_shm = 0,  ///< POSIX shared memory; CPU tensors; both processes on one host
+  cuda_ipc = 1,  ///< device buffers shared with CUDA IPC; GPUs of one host
+  nccl = 2,      ///< NCCL broadcast; other GPUs or hosts
+};
+std::string_view to_string(transport_kind t) noexcept;
+std::optional<transport_kind> parse_transport(std::string_view name) noexcept;
+
+using milliseconds = std::chrono::milliseconds;
+
+/// ZeroMQ CURVE keys (Z85 text, 40 characters each) for tcp endpoints across hosts. Empty: off.
+struct curve_keys {
+  std::string public_key;
+  std::string secret_key;
+  std::string server_key;  ///< streamer side: the receiver's public key
+};
+
+}  // namespace refit

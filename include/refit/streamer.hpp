@@ -1,0 +1,97 @@
+// refit — the policy side: packs tensors into ping-pong buffers and streams them to a receiver.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "refit/error.hpp"
+#include "refit/model.hpp"
+#include "refit/options.hpp"
+
+namespace refit {
+
+struct streamer_options {
+  /// The receiver's endpoint: "ipc:///path" or "tcp://host:port" (what receiver::endpoint() says).
+  std::string endpoint;
+  transport_kind transport = transport_kind::host_shm;
+  std::size_t buffer_count = 2;               ///< ping-pong: at least 2
+  std::uint64_t buffer_bytes = 256ull << 20;  ///< capacity of each buffer
+  std::uint64_t alignment = 256;              ///< power of two; entry offsets are multiples
+  /// Keep tensors that fit a buffer whole (see plan_options::keep_whole).
+  bool keep_whole = true;
+  /// CUDA device of the buffers (cuda_ipc, nccl); ignored by host_shm.
+  int device = 0;
+  /// Longest wait for any reply of the receiver; past it the refit fails with errc::timeout and
+  /// the next refit starts a new session.
+  milliseconds timeout{30000};
+  /// Session token; empty: the value of REFIT_TOKEN, or none.
+  std::string token;
+  /// host_shm: page-lock the shared buffers (cudaHostRegister) when CUDA is available.
+  bool page_locked = false;
+  curve_keys curve;
+};
+
+/// Figures of one refit.
+struct refit_stats {
+  std::uint64_t version = 0;
+  std::uint64_t tensors = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t batches = 0;
+  double seconds = 0;       ///< whole refit, BEGIN to END's reply
+  double source_seconds = 0;  ///< in the tensor source's next()
+  double pack_seconds = 0;  ///< enqueuing (cuda) or doing (cpu) the copies into buffers
+  double wait_seconds = 0;  ///< waiting for the receiver's replies
+};
+
+/// Yields the tensors of one refit one at a time, so that the caller can gather tensor k+1 while
+/// the receiver applies earlier batches. Return nullopt after the last one. A tensor returned by
+/// next() must stay valid until refit() returns.
+class tensor_source {
+ public:
+  virtual ~tensor_source() = default;
+  virtual std::optional<tensor_ref> next() = 0;
+};
+
+/// The streamer. Owns one ZeroMQ REQ socket and the buffers of its transport.
+///
+/// Thread rules: one thread at a time; a streamer may move between threads between calls.
+class streamer {
+ public:
+  /// Validates the options and creates the buffers; connects lazily (the first refit says HELLO).
+  /// Throws refit::error(invalid_argument) for bad options, (transport/cuda) if buffers cannot
+  /// be created.
+  explicit streamer(streamer_options options);
+  ~streamer();
+  streamer(streamer&&) noexcept;
+  streamer& operator=(streamer&&) noexcept;
+  streamer(const streamer&) = delete;
+  streamer& operator=(const streamer&) = delete;
+
+  /// Streams every tensor of `source` as version `version` and returns when the receiver has
+  /// committed it. Throws refit::error: the receiver's own code and message when it refused
+  /// (errc::apply when its sink failed, errc::incomplete when its manifest was not satisfied, ...),
+  /// errc::timeout when it did not answer within options.timeout (the socket is rebuilt and the
+  /// next refit starts a new session). After any error the receiver has not committed `version`.
+  refit_stats refit(std::uint64_t version, tensor_source& source);
+  /// Same, over a list of tensors.
+  refit_stats refit(std::uint64_t version, std::span<const tensor_ref> tensors);
+  /// Same, over a callback that yields the tensors one at a time.
+  refit_stats refit(std::uint64_t version, const std::function<std::optional<tensor_ref>()>& next);
+
+  /// Ends the session politely (BYE); the receiver unmaps the buffers. Safe to call twice; the
+  /// destructor calls it and swallows errors.
+  void close() noexcept;
+
+  [[nodiscard]] const streamer_options& options() const noexcept;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace refit

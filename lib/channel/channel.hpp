@@ -1,0 +1,93 @@
+// refit — the control channel: RAII over cppzmq REQ (streamer) and REP (receiver) sockets with
+// deadlines, linger 0, and recovery. Clear errors instead of hangs.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "refit/error.hpp"
+#include "refit/options.hpp"
+
+namespace zmq {
+class context_t;
+class socket_t;
+}  // namespace zmq
+
+namespace refit::channel {
+
+/// The process-wide ZeroMQ context (created on first use, never destroyed before exit).
+zmq::context_t& context();
+
+/// A private ipc endpoint: "ipc://<dir>/<name>.sock" where <dir> is a fresh directory of mode
+/// 0700 under $XDG_RUNTIME_DIR (or /tmp). The directory is removed by remove_private_endpoint().
+std::string make_private_endpoint(std::string_view name = "receiver");
+/// Removes the socket file and its private directory if `endpoint` was made by
+/// make_private_endpoint(); otherwise does nothing. Never throws.
+void remove_private_endpoint(std::string_view endpoint) noexcept;
+
+/// Applies the bind defaults: "" → make_private_endpoint(); "tcp://*:N" and "tcp://:N" →
+/// "tcp://127.0.0.1:N"; "tcp://N" (port only) → "tcp://127.0.0.1:N". Others unchanged. Throws
+/// errc::invalid_argument for a scheme other than ipc:// or tcp://.
+std::string bind_endpoint(std::string_view requested);
+
+/// Receiver side. Binds on construction.
+class rep_channel {
+ public:
+  /// Throws refit::error(io) naming the endpoint when bind fails.
+  rep_channel(std::string_view endpoint, const curve_keys& curve = {});
+  ~rep_channel();
+  rep_channel(rep_channel&&) noexcept;
+  rep_channel& operator=(rep_channel&&) noexcept;
+
+  /// The bound endpoint with its port resolved (ZMQ_LAST_ENDPOINT).
+  [[nodiscard]] const std::string& endpoint() const noexcept { return endpoint_; }
+
+  /// Waits up to `wait` for a request; nullopt when none came. Must be followed by reply() before
+  /// the next receive() when it returned a request.
+  std::optional<std::string> receive(std::chrono::milliseconds wait);
+  /// Replies to the last request. Never blocks for long (the peer may be gone: the reply is
+  /// dropped after the send timeout, and that is not an error).
+  void reply(std::string_view bytes);
+
+  [[nodiscard]] zmq::socket_t& handle() noexcept { return *socket_; }
+
+ private:
+  std::unique_ptr<zmq::socket_t> socket_;
+  std::string endpoint_;
+};
+
+/// Streamer side. Connects on construction (ZeroMQ connects in the background; the peer need
+/// not exist yet).
+class req_channel {
+ public:
+  req_channel(std::string endpoint, const curve_keys& curve = {});
+  ~req_channel();
+  req_channel(req_channel&&) noexcept;
+  req_channel& operator=(req_channel&&) noexcept;
+
+  /// Sends `bytes` and waits up to `timeout` for the reply. On timeout throws
+  /// refit::error(errc::timeout) with a message naming `what` (e.g. "BATCH 12 of version 7"),
+  /// the endpoint and how long it waited, and rebuilds the socket (so the channel is usable
+  /// again; the next request must start a new session).
+  std::string request(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what);
+
+  /// Closes and reconnects the socket (drops anything in flight).
+  void reset();
+
+  [[nodiscard]] const std::string& endpoint() const noexcept { return endpoint_; }
+  /// How many times the socket was rebuilt (for tests and logs).
+  [[nodiscard]] std::size_t resets() const noexcept { return resets_; }
+
+ private:
+  void connect();
+  std::string endpoint_;
+  curve_keys curve_;
+  std::unique_ptr<zmq::socket_t> socket_;
+  std::size_t resets_ = 0;
+};
+
+}  // namespace refit::channel

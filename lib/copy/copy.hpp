@@ -1,0 +1,41 @@
+// refit — moving bytes: pack (sources → buffer) and apply (buffer → destinations).
+//
+// Layer 6. One call per batch: on the CPU a memcpy per op; on the GPU one batched launch per batch
+// (a vectorised copy kernel over a device-side op list, or cudaMemcpyBatchAsync).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+namespace refit::copy {
+
+struct op {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::uint64_t bytes = 0;
+};
+
+enum class engine : std::uint8_t {
+  cpu = 0,         ///< memcpy on the calling thread
+  kernel = 1,      ///< one launch of refit's vectorised copy kernel per batch
+  memcpy_batch = 2,  ///< cudaMemcpyBatchAsync per batch
+  memcpy_each = 3,   ///< one cudaMemcpyAsync per op (the baseline the others beat)
+};
+std::string_view to_string(engine e) noexcept;
+
+/// Copies a batch of ops. GPU engines enqueue on `stream` (a cudaStream_t) and return without
+/// waiting; the CPU engine copies before returning and ignores `stream`.
+class copier {
+ public:
+  virtual ~copier() = default;
+  virtual void run(std::span<const op> ops, void* stream) = 0;
+  [[nodiscard]] virtual engine kind() const noexcept = 0;
+};
+
+/// Throws refit::error(invalid_argument) for a GPU engine in a build without CUDA.
+/// `device` is the CUDA ordinal GPU engines work on.
+std::unique_ptr<copier> make_copier(engine e, int device = 0);
+
+}  // namespace refit::copy

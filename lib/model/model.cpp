@@ -1,0 +1,126 @@
+#include "refit/model.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+
+#include "refit/error.hpp"
+
+namespace refit {
+namespace {
+
+struct dtype_info {
+  dtype type;
+  std::size_t size;
+  std::string_view name;
+};
+
+constexpr std::array<dtype_info, 15> dtypes = {{
+    {dtype::bool_, 1, "bool"},
+    {dtype::u8, 1, "u8"},
+    {dtype::i8, 1, "i8"},
+    {dtype::i16, 2, "i16"},
+    {dtype::i32, 4, "i32"},
+    {dtype::i64, 8, "i64"},
+    {dtype::f16, 2, "f16"},
+    {dtype::bf16, 2, "bf16"},
+    {dtype::f32, 4, "f32"},
+    {dtype::f64, 8, "f64"},
+    {dtype::f8_e4m3, 1, "f8_e4m3"},
+    {dtype::f8_e5m2, 1, "f8_e5m2"},
+    {dtype::u16, 2, "u16"},
+    {dtype::u32, 4, "u32"},
+    {dtype::u64, 8, "u64"},
+}};
+
+// Other spellings: safetensors (upper case of ours, plus BOOL), torch and numpy names.
+struct alias {
+  std::string_view name;
+  dtype type;
+};
+constexpr std::array<alias, 22> aliases = {{
+    {"bfloat16", dtype::bf16},   {"float16", dtype::f16},      {"half", dtype::f16},
+    {"float32", dtype::f32},     {"float", dtype::f32},        {"float64", dtype::f64},
+    {"double", dtype::f64},      {"int8", dtype::i8},          {"int16", dtype::i16},
+    {"int32", dtype::i32},       {"int64", dtype::i64},        {"uint8", dtype::u8},
+    {"uint16", dtype::u16},      {"uint32", dtype::u32},       {"uint64", dtype::u64},
+    {"float8_e4m3fn", dtype::f8_e4m3}, {"float8_e5m2", dtype::f8_e5m2}, {"f8_e4m3fn", dtype::f8_e4m3},
+    {"boolean", dtype::bool_},   {"short", dtype::i16},        {"int", dtype::i32},
+    {"long", dtype::i64},
+}};
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+}  // namespace
+
+std::size_t itemsize(dtype t) noexcept {
+  const auto i = static_cast<std::size_t>(t);
+  return i < dtypes.size() ? dtypes[i].size : 0;
+}
+
+std::string_view to_string(dtype t) noexcept {
+  const auto i = static_cast<std::size_t>(t);
+  return i < dtypes.size() ? dtypes[i].name : std::string_view("?");
+}
+
+std::optional<dtype> parse_dtype(std::string_view name) noexcept {
+  try {
+    std::string l = lower(name);
+    if (l.starts_with("torch.")) l.erase(0, 6);
+    for (const auto& d : dtypes)
+      if (d.name == l) return d.type;
+    for (const auto& a : aliases)
+      if (a.name == l) return a.type;
+  } catch (...) {
+  }
+  return std::nullopt;
+}
+
+std::optional<dtype> dtype_from_code(std::uint64_t code) noexcept {
+  if (code < dtypes.size()) return dtypes[code].type;
+  return std::nullopt;
+}
+
+std::optional<std::uint64_t> checked_numel(std::span<const std::int64_t> shape) noexcept {
+  std::uint64_t n = 1;
+  for (const std::int64_t d : shape) {
+    if (d < 0) return std::nullopt;
+    if (__builtin_mul_overflow(n, static_cast<std::uint64_t>(d), &n)) return std::nullopt;
+  }
+  return n;
+}
+
+std::optional<std::uint64_t> checked_nbytes(dtype t, std::span<const std::int64_t> shape) noexcept {
+  const auto n = checked_numel(shape);
+  const std::size_t size = itemsize(t);
+  std::uint64_t bytes = 0;
+  if (!n || size == 0 || __builtin_mul_overflow(*n, static_cast<std::uint64_t>(size), &bytes))
+    return std::nullopt;
+  return bytes;
+}
+
+std::uint64_t tensor_meta::numel() const {
+  const auto n = checked_numel(shape);
+  if (!n) throw error(errc::invalid_argument, fmt::format("tensor {}: shape has a negative dimension or too many elements", describe(*this)));
+  return *n;
+}
+
+std::uint64_t tensor_meta::nbytes() const {
+  const auto n = checked_nbytes(type, shape);
+  if (!n) throw error(errc::invalid_argument, fmt::format("tensor {}: shape has a negative dimension or too many bytes", describe(*this)));
+  return *n;
+}
+
+std::string describe(const tensor_meta& meta) {
+  return fmt::format("{} {}[{}]", meta.name, to_string(meta.type), fmt::join(meta.shape, ", "));
+}
+
+}  // namespace refit

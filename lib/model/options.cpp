@@ -1,0 +1,37 @@
+#include "refit/options.hpp"
+
+#include "refit/receiver.hpp"
+
+namespace refit {
+
+std::string_view to_string(transport_kind t) noexcept {
+  switch (t) {
+    case transport_kind::host_shm: return "host_shm";
+    case transport_kind::cuda_ipc: return "cuda_ipc";
+    case transport_kind::nccl: return "nccl";
+  }
+  return "?";
+}
+
+std::optional<transport_kind> parse_transport(std::string_view name) noexcept {
+  if (name == "host_shm") return transport_kind::host_shm;
+  if (name == "cuda_ipc") return transport_kind::cuda_ipc;
+  if (name == "nccl") return transport_kind::nccl;
+  return std::nullopt;
+}
+
+std::string_view to_string(receiver_event e) noexcept {
+  switch (e) {
+    case receiver_event::idle: return "idle";
+    case receiver_event::hello: return "hello";
+    case receiver_event::begin: return "begin";
+    case receiver_event::batch: return "batch";
+    case receiver_event::committed: return "committed";
+    case receiver_event::aborted: return "aborted";
+    case receiver_event::bye: return "bye";
+    case receiver_event::refused: return "refused";
+  }
+  return "?";
+}
+
+}  // namespace refit

@@ -1,0 +1,60 @@
+#include <fmt/format.h>
+
+#include "refit/config.hpp"
+#include "refit/error.hpp"
+#include "transport/host_shm.hpp"
+#include "transport/transport.hpp"
+#if REFIT_HAVE_CUDA
+#include "transport/cuda_ipc.hpp"
+#endif
+
+namespace refit::transport {
+namespace {
+
+constexpr const char* built_transports() {
+#if REFIT_HAVE_CUDA
+  return "host_shm, cuda_ipc";
+#else
+  return "host_shm";
+#endif
+}
+
+}  // namespace
+
+std::unique_ptr<source> make_source(const source_options& options) {
+  if (options.count < 2)
+    throw error(errc::invalid_argument,
+                fmt::format("buffer_count is {}: refit needs at least 2 buffers (ping-pong)", options.count));
+  if (options.bytes == 0) throw error(errc::invalid_argument, "buffer_bytes is 0: give each buffer a capacity");
+  switch (options.kind) {
+    case transport_kind::host_shm:
+      return make_host_shm_source(options);
+    case transport_kind::cuda_ipc:
+#if REFIT_HAVE_CUDA
+      return make_cuda_ipc_source(options);
+#else
+      break;
+#endif
+    case transport_kind::nccl:
+      break;
+  }
+  throw error(errc::invalid_argument,
+              fmt::format("transport {} is not built into this refit (built: {}); rebuild with "
+                          "-Dcuda=enabled / -Dnccl=enabled, or use host_shm",
+                          to_string(options.kind), built_transports()));
+}
+
+std::unique_ptr<sink> make_sink(std::string_view transport, int device) {
+  (void)device;
+  const auto kind = parse_transport(transport);
+  if (kind == transport_kind::host_shm) return make_host_shm_sink();
+#if REFIT_HAVE_CUDA
+  if (kind == transport_kind::cuda_ipc) return make_cuda_ipc_sink(device);
+#endif
+  throw error(errc::transport,
+              fmt::format("the streamer uses transport '{}', which this receiver does not support "
+                          "(built: {}); start the streamer with one of those",
+                          transport, built_transports()));
+}
+
+}  // namespace refit::transport

@@ -1,0 +1,111 @@
+// refit — transports: the buffers batch bytes travel through, how they are shared with the peer,
+// and the ordering between the side that writes a buffer and the side that reads it.
+//
+// Layer 5. Every place CUDA is touched lives here or in lib/copy. The streamer and receiver drive
+// a transport through the calls below, in this order per batch:
+//   streamer: begin_pack(i) → (copies on stream()) → end_pack(i) → send BATCH
+//   receiver: receive BATCH → begin_read(i) → (copies / callback on stream()) → end_read(i)
+// A transport where ordering is carried by the REQ/REP messages themselves (host_shm) makes
+// these calls no-ops.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "copy/copy.hpp"
+#include "refit/model.hpp"
+#include "refit/options.hpp"
+#include "wire/wire.hpp"
+
+namespace refit::transport {
+
+/// Options a transport is built from (the subset of streamer/receiver options it needs).
+struct source_options {
+  transport_kind kind = transport_kind::host_shm;
+  std::size_t count = 2;
+  std::uint64_t bytes = 256ull << 20;
+  int device = 0;
+  bool page_locked = false;
+};
+
+/// Streamer side: owns the buffers.
+class source {
+ public:
+  virtual ~source() = default;
+  [[nodiscard]] virtual transport_kind kind() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t count() const noexcept = 0;
+  [[nodiscard]] virtual std::uint64_t buffer_bytes() const noexcept = 0;
+  /// Base address of buffer i (a host pointer, or a device pointer for CUDA transports).
+  [[nodiscard]] virtual std::byte* data(std::size_t i) noexcept = 0;
+  /// Where the buffers live.
+  [[nodiscard]] virtual device where() const noexcept = 0;
+  /// The copy engine packing into these buffers should use.
+  [[nodiscard]] virtual copy::engine engine() const noexcept = 0;
+  /// The stream packs are enqueued on (cudaStream_t), nullptr on the CPU.
+  [[nodiscard]] virtual void* stream() noexcept = 0;
+
+  /// Prepares a new session and describes it in `h` (transport, buffers, handles, device).
+  /// May recreate buffers (host_shm makes fresh segments: the last session's were unlinked).
+  virtual void open_session(wire::hello& h) = 0;
+  /// The receiver replied OK to HELLO: everything is mapped (host_shm unlinks its segments).
+  virtual void session_accepted(const wire::ok& reply) = 0;
+  /// The session ended (BYE, or the peer was lost). Never throws.
+  virtual void close_session() noexcept = 0;
+
+  /// Before packing into buffer i: orders the packing after the receiver's last read of it.
+  virtual void begin_pack(std::size_t i) = 0;
+  /// Orders the packing after the work enqueued so far on a producer stream (cudaStream_t).
+  virtual void after(void* producer_stream) = 0;
+  /// After packing buffer i: makes its bytes visible to the receiver.
+  virtual void end_pack(std::size_t i) = 0;
+  /// Waits until all local work of this refit is complete.
+  virtual void drain() = 0;
+};
+
+/// Receiver side: maps the streamer's buffers.
+class sink {
+ public:
+  virtual ~sink() = default;
+  [[nodiscard]] virtual transport_kind kind() const noexcept = 0;
+  /// Maps what `h` describes and puts what the streamer needs back into `reply.handles`.
+  /// Throws refit::error (transport, cuda, peer) with a message that names the alternative
+  /// transport when this one cannot work between these two processes.
+  virtual void attach(const wire::hello& h, wire::ok& reply) = 0;
+  /// Unmaps everything attach() mapped. Never throws.
+  virtual void detach() noexcept = 0;
+  [[nodiscard]] virtual bool attached() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t count() const noexcept = 0;
+  [[nodiscard]] virtual std::uint64_t buffer_bytes(std::size_t i) const noexcept = 0;
+  [[nodiscard]] virtual const std::byte* data(std::size_t i) const noexcept = 0;
+  [[nodiscard]] virtual device where() const noexcept = 0;
+  [[nodiscard]] virtual copy::engine engine() const noexcept = 0;
+  [[nodiscard]] virtual void* stream() noexcept = 0;
+  /// True when copies are only enqueued (GPU), so the reply can be sent after enqueuing them;
+  /// false when they run on the host, so the reply goes first and the copy overlaps the
+  /// streamer packing the next batch.
+  [[nodiscard]] virtual bool asynchronous() const noexcept = 0;
+
+  /// Before reading buffer i: orders the reads after the streamer's packing of it.
+  virtual void begin_read(std::size_t i) = 0;
+  /// After the reads of buffer i are enqueued: lets the streamer reuse it.
+  virtual void end_read(std::size_t i) = 0;
+  /// Waits until every read and copy enqueued so far is complete (END, before committing).
+  virtual void drain() = 0;
+};
+
+/// Creates the streamer side. Throws refit::error(invalid_argument) for a transport this build
+/// lacks, (transport/cuda) when buffers cannot be created.
+std::unique_ptr<source> make_source(const source_options& options);
+/// Creates an unattached receiver side for the transport named in a HELLO ("host_shm", ...).
+/// Throws refit::error(transport) naming what this build supports when it lacks that one.
+std::unique_ptr<sink> make_sink(std::string_view transport, int device);
+
+/// "hostname/boot-id": equal on two processes exactly when they run on one host (one kernel).
+std::string host_identity();
+/// "hostname:pid", for messages.
+std::string process_identity();
+
+}  // namespace refit::transport

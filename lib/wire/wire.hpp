@@ -1,0 +1,191 @@
+// refit — the wire format: every message, its msgpack encoding, and the validation of everything
+// that arrives. The only place that knows the byte layout of a message.
+//
+// A message is a msgpack array whose first element is the message type and whose second is the
+// protocol version; the remaining elements are the message's fields, in the order of the structs
+// below. decode() checks structure and every stateless rule (types, ranges, dtype, shape × itemsize
+// against the byte range); refit_tracker checks the rules that need the session's state
+// (buffer index and bounds, sequence, version, duplicates, completeness).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <variant>
+#include <vector>
+
+#include "refit/error.hpp"
+#include "refit/model.hpp"
+
+namespace refit::wire {
+
+/// Bumped on every incompatible change of the format below.
+inline constexpr std::uint32_t protocol_version = 1;
+
+/// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
+inline constexpr std::size_t max_message_bytes = 64u << 20;
+inline constexpr std::size_t max_name_bytes = 4096;
+inline constexpr std::size_t max_rank = 8;  ///< dimensions of a shape
+inline constexpr std::size_t max_buffers = 64;
+inline constexpr std::size_t max_entries = 1u << 20;
+inline constexpr std::size_t max_handle_bytes = 4096;
+
+enum class msg_type : std::uint8_t {
+  hello = 1,
+  begin = 2,
+  batch = 3,
+  end = 4,
+  bye = 5,
+  ok = 6,
+  error = 7,
+};
+std::string_view to_string(msg_type t) noexcept;  // "HELLO", "BEGIN", ...
+
+/// One shared buffer as announced in HELLO. `handle` is transport-specific bytes: the shm object
+/// name (host_shm), the raw cudaIpcMemHandle_t (cuda_ipc); the event handles are raw
+/// cudaIpcEventHandle_t bytes (cuda_ipc) or empty.
+struct buffer_desc {
+  std::uint64_t bytes = 0;
+  std::string handle;
+  std::string packed_event;
+  std::string applied_event;
+  friend bool operator==(const buffer_desc&, const buffer_desc&) = default;
+};
+
+/// Streamer → receiver, once per session.
+struct hello {
+  std::string token;      ///< session token ("" when none)
+  std::string transport;  ///< "host_shm", "cuda_ipc", "nccl"
+  std::string peer;       ///< "host:pid" of the streamer, for messages
+  std::string host_id;    ///< hostname + boot id: same value ⇔ same host
+  std::string device_uuid;  ///< cuda: the 16-byte UUID of the streamer's GPU
+  std::uint64_t alignment = 256;
+  std::vector<buffer_desc> buffers;
+  std::string nccl_id;    ///< nccl: the 128-byte ncclUniqueId
+  std::uint32_t rank = 0;  ///< nccl: this receiver's rank
+  std::uint32_t nranks = 0;
+  friend bool operator==(const hello&, const hello&) = default;
+};
+
+/// Starts refit `version`.
+struct begin {
+  std::uint64_t version = 0;
+  friend bool operator==(const begin&, const begin&) = default;
+};
+
+/// One entry: bytes [tensor_offset, tensor_offset + bytes) of tensor `name`, at `buffer_offset`.
+struct entry {
+  std::string name;
+  dtype type = dtype::u8;
+  std::vector<std::int64_t> shape;
+  std::uint64_t tensor_offset = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t buffer_offset = 0;
+  friend bool operator==(const entry&, const entry&) = default;
+};
+
+/// The content of one buffer. `seq` counts batches of the refit from 0.
+struct batch {
+  std::uint64_t version = 0;
+  std::uint64_t seq = 0;
+  std::uint32_t buffer = 0;
+  std::vector<entry> entries;
+  friend bool operator==(const batch&, const batch&) = default;
+};
+
+/// Ends refit `version`: the receiver commits if what it received matches these totals.
+struct end {
+  std::uint64_t version = 0;
+  std::uint64_t tensors = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t batches = 0;
+  friend bool operator==(const end&, const end&) = default;
+};
+
+/// Ends the session.
+struct bye {
+  friend bool operator==(const bye&, const bye&) = default;
+};
+
+/// Success reply. `handles` carries what the receiver exports in reply to HELLO (transport
+/// specific, may be empty).
+struct ok {
+  std::optional<std::uint64_t> committed;
+  bool dirty = false;
+  std::vector<std::string> handles;
+  friend bool operator==(const ok&, const ok&) = default;
+};
+
+/// Failure reply.
+struct error {
+  errc code = errc::protocol;
+  std::string message;
+  friend bool operator==(const error&, const error&) = default;
+};
+
+using message = std::variant<hello, begin, batch, end, bye, ok, error>;
+
+msg_type type_of(const message& m) noexcept;
+
+/// Encodes a message (never fails for a well-formed struct).
+std::string encode(const message& m);
+
+/// Decodes and validates everything that needs no session state. Throws refit::error with
+/// errc::version_mismatch (message names both versions), or errc::protocol with a message naming
+/// the message type, the field and what is wrong.
+message decode(std::span<const std::byte> bytes);
+message decode(std::string_view bytes);
+
+/// Receiver-side state of one refit: applies the stateful rules to each batch.
+///
+/// Rules: begin() needs no refit in progress' version to be reused and a version greater than the
+/// committed one; check() needs version == the refit's, seq == batches seen, buffer < buffer count,
+/// buffer_offset + bytes <= that buffer's size, entries of a batch not overlapping, at most
+/// max_entries entries, every name's chunks in order and contiguous from offset 0, the same dtype
+/// and shape for every chunk of a name, and no name after it completed. finish() needs
+/// version == the refit's, every started tensor complete, and the END totals equal to what arrived.
+/// Each violation throws refit::error(errc::protocol, or errc::incomplete for finish()).
+class refit_tracker {
+ public:
+  /// `buffer_bytes[i]` is the size of buffer i of this session.
+  explicit refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint64_t max_entries = wire::max_entries);
+
+  /// Starts a refit. `committed`: the receiver's committed version, if any.
+  void begin(const wire::begin& b, std::optional<std::uint64_t> committed);
+  /// Checks a batch and records its entries.
+  void check(const wire::batch& b);
+  /// Checks END against what arrived.
+  void finish(const wire::end& e);
+  /// Forgets the refit in progress.
+  void reset() noexcept;
+
+  [[nodiscard]] bool active() const noexcept { return active_; }
+  [[nodiscard]] std::uint64_t version() const noexcept { return version_; }
+  [[nodiscard]] std::uint64_t batches() const noexcept { return next_seq_; }
+  [[nodiscard]] std::uint64_t tensors_completed() const noexcept { return completed_.size(); }
+  [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
+  /// Names that completed in this refit.
+  [[nodiscard]] const std::set<std::string, std::less<>>& completed() const noexcept { return completed_; }
+
+ private:
+  struct partial {
+    dtype type;
+    std::vector<std::int64_t> shape;
+    std::uint64_t next = 0;   ///< next expected tensor offset
+    std::uint64_t total = 0;  ///< bytes of the whole tensor
+  };
+  std::vector<std::uint64_t> buffer_bytes_;
+  std::uint64_t max_entries_;
+  bool active_ = false;
+  std::uint64_t version_ = 0;
+  std::uint64_t next_seq_ = 0;
+  std::uint64_t bytes_ = 0;
+  std::unordered_map<std::string, partial> partial_;
+  std::set<std::string, std::less<>> completed_;
+};
+
+}  // namespace refit::wire
