@@ -24,6 +24,27 @@ class cpu_copier final : public copier {
 
 }  // namespace
 
+std::uint64_t checksum(const void* p, std::uint64_t bytes, device dev) {
+  if (dev.kind == device_kind::cuda) {
+#if REFIT_HAVE_CUDA
+    return cuda_checksum(p, bytes, dev.index);
+#else
+    throw error(errc::invalid_argument, "checksum of CUDA memory needs a build with CUDA");
+#endif
+  }
+  const auto* b = static_cast<const unsigned char*>(p);
+  const std::uint64_t words = bytes / 8;
+  std::uint64_t sum = bytes;
+  for (std::uint64_t k = 0; k < words; ++k) {
+    std::uint64_t w;
+    std::memcpy(&w, b + 8 * k, 8);  // little-endian hosts only (x86-64, aarch64)
+    sum += w * (2 * k + 1);
+  }
+  for (std::uint64_t j = 0; j < bytes % 8; ++j)
+    sum += static_cast<std::uint64_t>(b[8 * words + j]) * (2 * j + 3) * 0x100000001b3ull;
+  return sum;
+}
+
 std::string_view to_string(engine e) noexcept {
   switch (e) {
     case engine::cpu: return "cpu";

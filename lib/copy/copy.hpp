@@ -9,6 +9,8 @@
 #include <span>
 #include <string_view>
 
+#include "refit/model.hpp"
+
 namespace refit::copy {
 
 struct op {
@@ -37,5 +39,13 @@ class copier {
 /// Throws refit::error(invalid_argument) for a GPU engine in a build without CUDA.
 /// `device` is the CUDA ordinal GPU engines work on.
 std::unique_ptr<copier> make_copier(engine e, int device = 0);
+
+/// Position-dependent checksum of `bytes` bytes at `p`, identical on every device:
+///   sum over 8-byte little-endian words w_k (k from 0) of w_k * (2k + 1), plus, for the tail
+///   bytes b_j (j from 0) after the last whole word, b_j * (2j + 3) * 0x100000001b3, plus `bytes`;
+///   all modulo 2^64. Order-independent, so a GPU computes it in parallel. For CUDA memory
+///   (`dev.kind == cuda`) it runs on that device and waits for the result (a build without CUDA
+///   throws errc::invalid_argument). Used by the bench and the tests to compare the two sides.
+std::uint64_t checksum(const void* p, std::uint64_t bytes, device dev = device::cpu());
 
 }  // namespace refit::copy

@@ -1,6 +1,7 @@
 // refit — GPU copy engines (built only with CUDA). See copy.hpp.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "copy/copy.hpp"
@@ -9,5 +10,8 @@ namespace refit::copy {
 
 /// kernel, memcpy_batch or memcpy_each on CUDA device `device`.
 std::unique_ptr<copier> make_cuda_copier(engine e, int device);
+
+/// copy::checksum() of device memory on CUDA device `device` (synchronous).
+std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device);
 
 }  // namespace refit::copy
