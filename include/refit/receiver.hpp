@@ -49,6 +49,17 @@ enum class receiver_event : std::uint8_t {
 };
 std::string_view to_string(receiver_event e) noexcept;
 
+/// Figures of the last refit the receiver committed.
+struct receiver_stats {
+  std::uint64_t version = 0;
+  std::uint64_t tensors = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t batches = 0;
+  double seconds = 0;        ///< BEGIN received to END replied
+  double apply_seconds = 0;  ///< copying / enqueuing copies and running callbacks
+  double drain_seconds = 0;  ///< waiting at END for the device to finish (GPU transports)
+};
+
 /// The receiver. Owns one ZeroMQ REP socket and the mappings of the streamer's buffers.
 ///
 /// Thread rules: serve_one() and the registration functions from one thread at a time;
@@ -85,6 +96,8 @@ class receiver {
   [[nodiscard]] std::optional<std::uint64_t> committed_version() const noexcept;
   /// True when weights were partly overwritten by a refit that did not commit.
   [[nodiscard]] bool dirty() const noexcept;
+  /// Figures of the last committed refit (zeros before the first).
+  [[nodiscard]] receiver_stats last_stats() const;
   /// Message of the last error this receiver reported (empty if none).
   [[nodiscard]] std::string last_error() const;
 

@@ -1,1 +1,474 @@
-// stub
+// refit — the receiver: the generation side's state machine.
+//
+// Sessions: a HELLO (with the right token) maps the streamer's buffers, replacing any earlier
+// session. Refits: BEGIN, BATCH..., END. Every message is validated (wire::decode and
+// wire::refit_tracker) before anything is applied; a bad one gets an ERROR reply and aborts the
+// refit, and the receiver stays up. A refit commits at END only when the tracker and the parameter
+// table agree that every tensor arrived exactly once.
+//
+// Replies and overlap: on GPU transports the copies of a batch are enqueued behind the streamer's
+// "packed" event and the reply follows at once. On host_shm the reply goes first and the copy
+// follows on this thread, overlapping the streamer packing the next batch into the other buffer;
+// a failure there is reported in the reply to the next message. Either way, by the time the
+// streamer has the reply to batch k+1, batch k is finished with its buffer.
+#include "refit/receiver.hpp"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "channel/channel.hpp"
+#include "copy/copy.hpp"
+#include "model/log.hpp"
+#include "transport/transport.hpp"
+#include "wire/wire.hpp"
+
+namespace refit {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+double seconds_since(clock::time_point t0) {
+  return std::chrono::duration<double>(clock::now() - t0).count();
+}
+
+/// Compares without an early exit, so the time taken does not tell how much of a guess was right.
+bool same_token(std::string_view a, std::string_view b) noexcept {
+  const std::size_t n = a.size() > b.size() ? a.size() : b.size();
+  unsigned diff = static_cast<unsigned>(a.size() ^ b.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto x = static_cast<unsigned char>(i < a.size() ? a[i] : 0);
+    const auto y = static_cast<unsigned char>(i < b.size() ? b[i] : 0);
+    diff |= static_cast<unsigned>(x ^ y);
+  }
+  return diff == 0;
+}
+
+/// A failure to report in an ERROR reply.
+struct refusal {
+  errc code;
+  std::string message;
+};
+
+}  // namespace
+
+struct receiver::impl {
+  receiver_options options;
+  std::string token;
+  channel::rep_channel channel;
+
+  // Sinks: a parameter table or a callback (exclusive).
+  std::unordered_map<std::string, tensor_dest> table;
+  batch_callback callback;
+
+  // Session.
+  std::unique_ptr<transport::sink> sink;
+  std::unique_ptr<copy::copier> copier;
+  std::optional<wire::refit_tracker> tracker;
+  std::string peer;
+
+  // Refit in progress.
+  clock::time_point refit_start{};
+  clock::time_point last_message{};
+  double apply_seconds = 0;
+  std::optional<refusal> deferred;  ///< a host-side apply that failed after its reply went out
+
+  // Readable from any thread.
+  std::atomic<bool> has_committed{false};
+  std::atomic<std::uint64_t> committed{0};
+  std::atomic<bool> is_dirty{false};
+  mutable std::mutex mutex;  // guards last_error_ and stats_
+  std::string last_error_;
+  receiver_stats stats_;
+
+  explicit impl(receiver_options o)
+      : options(std::move(o)),
+        token(options.token.empty() && std::getenv("REFIT_TOKEN") != nullptr ? std::getenv("REFIT_TOKEN")
+                                                                              : options.token),
+        channel(options.endpoint, options.curve) {
+    if (options.idle_timeout.count() <= 0)
+      throw error(errc::invalid_argument, "receiver_options.idle_timeout must be positive");
+  }
+
+  ~impl() {
+    end_session();
+    if (options.endpoint.empty()) channel::remove_private_endpoint(channel.endpoint());
+  }
+
+  std::optional<std::uint64_t> committed_version() const noexcept {
+    if (!has_committed.load(std::memory_order_acquire)) return std::nullopt;
+    return committed.load(std::memory_order_acquire);
+  }
+
+  void note_error(const std::string& message) {
+    std::lock_guard lock(mutex);
+    last_error_ = message;
+  }
+
+  bool refit_active() const noexcept { return tracker && tracker->active(); }
+
+  /// Ends the refit in progress without committing.
+  void abort_refit(const std::string& why) noexcept {
+    if (!refit_active()) return;
+    const std::uint64_t version = tracker->version();
+    tracker->reset();
+    deferred.reset();
+    try {
+      note_error(why);
+      REFIT_WARN("refit of version {} from {} aborted: {}{}", version, peer, why,
+                 is_dirty.load() ? " (weights partly overwritten: dirty until a refit commits)" : "");
+    } catch (...) {
+    }
+  }
+
+  void end_session() noexcept {
+    abort_refit("the session ended");
+    if (sink) {
+      try {
+        sink->drain();
+      } catch (const std::exception& e) {
+        REFIT_WARN("draining the session with {} failed: {}", peer, e.what());
+      }
+      sink->detach();
+    }
+    tracker.reset();
+    copier.reset();
+    peer.clear();
+  }
+
+  void reply_ok(std::vector<std::string> handles = {}) {
+    wire::ok ok;
+    ok.committed = committed_version();
+    ok.dirty = is_dirty.load();
+    ok.handles = std::move(handles);
+    channel.reply(wire::encode(ok));
+  }
+
+  void reply_error(errc code, const std::string& message) {
+    note_error(message);
+    channel.reply(wire::encode(wire::error{code, message}));
+  }
+
+  // ------------------------------------------------------------------ messages
+
+  receiver_event on_hello(const wire::hello& h) {
+    if (!same_token(h.token, token)) {
+      const std::string message = fmt::format(
+          "session token mismatch: this receiver expects {}; set the same REFIT_TOKEN (or options.token) on "
+          "both sides",
+          token.empty() ? "no token" : "another token");
+      REFIT_WARN("refused HELLO from {}: token mismatch", h.peer.empty() ? "an unnamed peer" : h.peer);
+      reply_error(errc::unauthorized, message);
+      return receiver_event::refused;
+    }
+    // A new session replaces the old one (its streamer is gone or restarted).
+    end_session();
+    try {
+      if (!sink || to_string(sink->kind()) != h.transport) sink = transport::make_sink(h.transport, options.device);
+      wire::ok reply;
+      sink->attach(h, reply);
+      std::vector<std::uint64_t> sizes;
+      for (std::size_t i = 0; i < sink->count(); ++i) sizes.push_back(sink->buffer_bytes(i));
+      tracker.emplace(std::move(sizes));
+      copier = copy::make_copier(sink->engine(), options.device);
+      peer = h.peer;
+      REFIT_INFO("session with {}: {} × {} MiB {} buffers", peer, sink->count(), sink->buffer_bytes(0) >> 20,
+                 h.transport);
+      reply_ok(std::move(reply.handles));
+      return receiver_event::hello;
+    } catch (const error& e) {
+      if (sink) sink->detach();
+      tracker.reset();
+      REFIT_WARN("refused HELLO from {}: {}", h.peer, e.what());
+      reply_error(e.code(), e.what());
+      return receiver_event::refused;
+    }
+  }
+
+  receiver_event on_begin(const wire::begin& b) {
+    if (!tracker) {
+      reply_error(errc::protocol, "BEGIN before HELLO: the streamer must start a session first");
+      return receiver_event::refused;
+    }
+    if (refit_active())
+      abort_refit(fmt::format("BEGIN of version {} arrived before END of version {}", b.version, tracker->version()));
+    if (!table.empty() || callback) {
+      // fine: a sink is configured
+    } else {
+      reply_error(errc::apply,
+                  "this receiver has no sink: register parameters (add_parameter) or a callback (on_batch) first");
+      return receiver_event::refused;
+    }
+    try {
+      tracker->begin(b, committed_version());
+    } catch (const error& e) {
+      reply_error(e.code(), e.what());
+      return receiver_event::aborted;
+    }
+    refit_start = clock::now();
+    apply_seconds = 0;
+    deferred.reset();
+    reply_ok();
+    return receiver_event::begin;
+  }
+
+  /// Builds the copies of a batch into the parameter table, checking every entry against it.
+  std::vector<copy::op> table_ops(const wire::batch& b, const std::byte* base) const {
+    std::vector<copy::op> ops;
+    ops.reserve(b.entries.size());
+    const device_kind where = sink->where().kind;
+    for (std::size_t k = 0; k < b.entries.size(); ++k) {
+      const wire::entry& e = b.entries[k];
+      const auto it = table.find(e.name);
+      if (it == table.end())
+        throw error(errc::apply, fmt::format("tensor '{}' (BATCH {} entry {}) is not in this receiver's parameter table",
+                                             e.name, b.seq, k));
+      const tensor_dest& d = it->second;
+      if (d.meta.type != e.type || d.meta.shape != e.shape)
+        throw error(errc::apply,
+                    fmt::format("tensor '{}': the streamer sends {} but the parameter table holds {}", e.name,
+                                describe(tensor_meta{e.name, e.type, e.shape}), describe(d.meta)));
+      if (e.bytes != 0 && d.dev.kind != where)
+        throw error(errc::apply,
+                    fmt::format("tensor '{}': its destination is in {} memory, but the {} transport applies into {} "
+                                "memory",
+                                e.name, d.dev.kind == device_kind::cuda ? "CUDA" : "host", to_string(sink->kind()),
+                                where == device_kind::cuda ? "CUDA" : "host"));
+      if (e.bytes != 0)
+        ops.push_back(copy::op{base + e.buffer_offset, static_cast<std::byte*>(d.data) + e.tensor_offset, e.bytes});
+    }
+    return ops;
+  }
+
+  /// Copies (or enqueues the copies of) one batch, or runs the callback over it.
+  void apply(const wire::batch& b, std::vector<copy::op>& ops) {
+    const auto t0 = clock::now();
+    sink->begin_read(b.buffer);
+    is_dirty.store(true);  // from here on the weights may be partly overwritten
+    if (callback) {
+      const std::byte* base = sink->data(b.buffer);
+      std::vector<tensor_meta> metas;
+      metas.reserve(b.entries.size());
+      std::vector<tensor_view> views;
+      views.reserve(b.entries.size());
+      for (const wire::entry& e : b.entries) {
+        metas.push_back(tensor_meta{e.name, e.type, e.shape});
+        const std::uint64_t total = *checked_nbytes(e.type, e.shape);  // validated by wire::decode
+        views.push_back(tensor_view{nullptr, base + e.buffer_offset, e.tensor_offset, e.bytes, total, sink->where()});
+      }
+      for (std::size_t i = 0; i < views.size(); ++i) views[i].meta = &metas[i];
+      try {
+        callback(views, sink->stream());
+      } catch (const error&) {
+        throw;
+      } catch (const std::exception& ex) {
+        throw error(errc::apply, fmt::format("the batch callback failed on BATCH {}: {}", b.seq, ex.what()));
+      } catch (...) {
+        throw error(errc::apply, fmt::format("the batch callback threw a non-standard exception on BATCH {}", b.seq));
+      }
+    } else {
+      copier->run(ops, sink->stream());
+    }
+    sink->end_read(b.buffer);
+    apply_seconds += seconds_since(t0);
+  }
+
+  receiver_event on_batch(const wire::batch& b) {
+    if (!refit_active()) {
+      reply_error(errc::protocol, fmt::format("BATCH {} of version {} without a refit in progress (no BEGIN, or the "
+                                              "refit was aborted: see the receiver's log)",
+                                              b.seq, b.version));
+      return receiver_event::refused;
+    }
+    if (deferred) {
+      const refusal r = *deferred;
+      abort_refit(r.message);
+      reply_error(r.code, r.message);
+      return receiver_event::aborted;
+    }
+    std::vector<copy::op> ops;
+    try {
+      tracker->check(b);
+      if (!callback) ops = table_ops(b, sink->data(b.buffer));
+    } catch (const error& e) {
+      abort_refit(e.what());
+      reply_error(e.code(), e.what());
+      return receiver_event::aborted;
+    }
+    if (sink->asynchronous()) {
+      try {
+        apply(b, ops);
+      } catch (const error& e) {
+        abort_refit(e.what());
+        reply_error(e.code(), e.what());
+        return receiver_event::aborted;
+      }
+      reply_ok();
+    } else {
+      reply_ok();
+      try {
+        apply(b, ops);
+      } catch (const error& e) {
+        deferred = refusal{e.code(), e.what()};
+      }
+    }
+    return receiver_event::batch;
+  }
+
+  receiver_event on_end(const wire::end& e) {
+    if (!refit_active()) {
+      reply_error(errc::protocol, fmt::format("END of version {} without a refit in progress", e.version));
+      return receiver_event::refused;
+    }
+    if (deferred) {
+      const refusal r = *deferred;
+      abort_refit(r.message);
+      reply_error(r.code, r.message);
+      return receiver_event::aborted;
+    }
+    double drain_seconds = 0;
+    try {
+      tracker->finish(e);
+      if (!callback) {
+        std::size_t missing = 0;
+        std::string first;
+        for (const auto& [name, dest] : table) {
+          if (!tracker->completed().contains(name)) {
+            if (missing++ == 0) first = name;
+          }
+        }
+        if (missing != 0)
+          throw error(errc::incomplete,
+                      fmt::format("version {} is missing {} of the {} registered tensors (first: '{}'); nothing was "
+                                  "committed",
+                                  e.version, missing, table.size(), first));
+      }
+      const auto td = clock::now();
+      sink->drain();
+      drain_seconds = seconds_since(td);
+    } catch (const error& ex) {
+      abort_refit(ex.what());
+      reply_error(ex.code(), ex.what());
+      return receiver_event::aborted;
+    }
+    committed.store(e.version, std::memory_order_release);
+    has_committed.store(true, std::memory_order_release);
+    is_dirty.store(false);
+    {
+      std::lock_guard lock(mutex);
+      stats_ = receiver_stats{e.version, e.tensors, e.bytes, e.batches, seconds_since(refit_start), apply_seconds,
+                              drain_seconds};
+    }
+    tracker->reset();
+    REFIT_INFO("committed version {} from {}: {} tensors, {:.3f} GB", e.version, peer, e.tensors,
+               static_cast<double>(e.bytes) / 1e9);
+    reply_ok();
+    return receiver_event::committed;
+  }
+
+  receiver_event handle(const std::string& bytes) {
+    wire::message m;
+    try {
+      m = wire::decode(bytes);
+    } catch (const error& e) {
+      const bool was_active = refit_active();
+      abort_refit(e.what());
+      reply_error(e.code(), e.what());
+      return was_active ? receiver_event::aborted : receiver_event::refused;
+    }
+    return std::visit(
+        [&](const auto& msg) -> receiver_event {
+          using T = std::decay_t<decltype(msg)>;
+          if constexpr (std::is_same_v<T, wire::hello>) {
+            return on_hello(msg);
+          } else if constexpr (std::is_same_v<T, wire::begin>) {
+            return on_begin(msg);
+          } else if constexpr (std::is_same_v<T, wire::batch>) {
+            return on_batch(msg);
+          } else if constexpr (std::is_same_v<T, wire::end>) {
+            return on_end(msg);
+          } else if constexpr (std::is_same_v<T, wire::bye>) {
+            end_session();
+            reply_ok();
+            return receiver_event::bye;
+          } else {
+            reply_error(errc::protocol, fmt::format("{} is a reply, not a request", wire::to_string(wire::type_of(m))));
+            return receiver_event::refused;
+          }
+        },
+        m);
+  }
+
+  receiver_event serve_one(milliseconds wait) {
+    if (refit_active()) {
+      // A refit in progress must not wait forever on a dead streamer.
+      const auto deadline = last_message + options.idle_timeout;
+      const auto now = clock::now();
+      if (now >= deadline) {
+        abort_refit(fmt::format("no message from the streamer {} for {} ms during version {}", peer,
+                                options.idle_timeout.count(), tracker->version()));
+        return receiver_event::aborted;
+      }
+      wait = std::min(wait, std::chrono::ceil<milliseconds>(deadline - now));
+    }
+    std::optional<std::string> request = channel.receive(wait);
+    if (!request) return receiver_event::idle;
+    last_message = clock::now();
+    return handle(*request);
+  }
+};
+
+receiver::receiver(receiver_options options) : impl_(std::make_unique<impl>(std::move(options))) {}
+receiver::~receiver() = default;
+receiver::receiver(receiver&&) noexcept = default;
+receiver& receiver::operator=(receiver&&) noexcept = default;
+
+std::string receiver::endpoint() const { return impl_->channel.endpoint(); }
+
+void receiver::add_parameter(const tensor_dest& dest) {
+  if (impl_->callback)
+    throw error(errc::invalid_argument, "add_parameter: this receiver applies through a callback (on_batch); use one "
+                                        "sink or the other");
+  if (dest.meta.name.empty()) throw error(errc::invalid_argument, "add_parameter: empty tensor name");
+  const std::uint64_t bytes = dest.meta.nbytes();  // throws for a bad shape
+  if (dest.data == nullptr && bytes != 0)
+    throw error(errc::invalid_argument, fmt::format("add_parameter: {} has no data (null pointer)", describe(dest.meta)));
+  if (!impl_->table.emplace(dest.meta.name, dest).second)
+    throw error(errc::invalid_argument, fmt::format("add_parameter: '{}' is already registered", dest.meta.name));
+}
+
+void receiver::clear_parameters() { impl_->table.clear(); }
+
+void receiver::on_batch(batch_callback callback) {
+  if (!callback) throw error(errc::invalid_argument, "on_batch: empty callback");
+  impl_->table.clear();
+  impl_->callback = std::move(callback);
+}
+
+receiver_event receiver::serve_one(milliseconds wait) { return impl_->serve_one(wait); }
+
+void receiver::serve(const std::function<bool()>& stop, milliseconds poll) {
+  while (!stop()) impl_->serve_one(poll);
+}
+
+std::optional<std::uint64_t> receiver::committed_version() const noexcept { return impl_->committed_version(); }
+bool receiver::dirty() const noexcept { return impl_->is_dirty.load(); }
+
+receiver_stats receiver::last_stats() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->stats_;
+}
+
+std::string receiver::last_error() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->last_error_;
+}
+
+}  // namespace refit

@@ -1,1 +1,309 @@
-// stub
+// refit — the streamer: the policy side's state machine.
+//
+// One refit: HELLO once per session, BEGIN, then for each tensor the source yields, the planner
+// places it into the open batch; when a batch closes it is packed into its ping-pong buffer with
+// one copy call, published, and sent as BATCH; the reply means the receiver has taken it (GPU:
+// enqueued its reads; CPU: finished the batch before it), so packing the next batch into the other
+// buffer overlaps the receiver applying this one. END commits.
+#include "refit/streamer.hpp"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <optional>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "channel/channel.hpp"
+#include "copy/copy.hpp"
+#include "model/log.hpp"
+#include "refit/plan.hpp"
+#include "transport/transport.hpp"
+#include "wire/wire.hpp"
+
+namespace refit {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+double seconds_since(clock::time_point t0) {
+  return std::chrono::duration<double>(clock::now() - t0).count();
+}
+
+std::string token_from(const std::string& configured) {
+  if (!configured.empty()) return configured;
+  const char* env = std::getenv("REFIT_TOKEN");
+  return env != nullptr ? std::string(env) : std::string();
+}
+
+plan_options plan_from(const streamer_options& o) {
+  plan_options p;
+  p.buffer_bytes = o.buffer_bytes;
+  p.alignment = o.alignment;
+  p.keep_whole = o.keep_whole;
+  return p;
+}
+
+void validate(const streamer_options& o) {
+  if (o.endpoint.empty())
+    throw error(errc::invalid_argument,
+                "streamer_options.endpoint is empty: pass the receiver's endpoint() (ipc://... or tcp://host:port)");
+  if (o.buffer_count < 2)
+    throw error(errc::invalid_argument,
+                fmt::format("streamer_options.buffer_count is {}: refit needs at least 2 buffers (ping-pong)",
+                            o.buffer_count));
+  if (o.buffer_count > wire::max_buffers)
+    throw error(errc::invalid_argument,
+                fmt::format("streamer_options.buffer_count is {}: at most {} buffers", o.buffer_count,
+                            wire::max_buffers));
+  if (o.timeout.count() <= 0)
+    throw error(errc::invalid_argument, "streamer_options.timeout must be positive");
+  refit::validate(plan_from(o));
+}
+
+class span_source final : public tensor_source {
+ public:
+  explicit span_source(std::span<const tensor_ref> tensors) : tensors_(tensors) {}
+  std::optional<tensor_ref> next() override {
+    if (next_ == tensors_.size()) return std::nullopt;
+    return tensors_[next_++];
+  }
+
+ private:
+  std::span<const tensor_ref> tensors_;
+  std::size_t next_ = 0;
+};
+
+class function_source final : public tensor_source {
+ public:
+  explicit function_source(const std::function<std::optional<tensor_ref>()>& next) : next_(next) {}
+  std::optional<tensor_ref> next() override { return next_(); }
+
+ private:
+  const std::function<std::optional<tensor_ref>()>& next_;
+};
+
+}  // namespace
+
+struct streamer::impl {
+  streamer_options options;
+  std::string token;
+  plan_options plan;
+  std::unique_ptr<transport::source> buffers;
+  std::unique_ptr<copy::copier> copier;
+  std::optional<channel::req_channel> channel;
+  bool in_session = false;
+
+  explicit impl(streamer_options o) : options(std::move(o)) {
+    validate(options);
+    token = token_from(options.token);
+    plan = plan_from(options);
+    transport::source_options so;
+    so.kind = options.transport;
+    so.count = options.buffer_count;
+    so.bytes = options.buffer_bytes;
+    so.device = options.device;
+    so.page_locked = options.page_locked;
+    buffers = transport::make_source(so);
+    copier = copy::make_copier(buffers->engine(), options.device);
+  }
+
+  /// Forgets the session: the next refit says HELLO again.
+  void drop_session() noexcept {
+    in_session = false;
+    buffers->close_session();
+  }
+
+  /// Sends one message and returns the receiver's OK. A refusal becomes a refit::error with the
+  /// receiver's code; a lost or confused peer also ends the session.
+  wire::ok request(const wire::message& m, const std::string& what) {
+    std::string reply;
+    try {
+      reply = channel->request(wire::encode(m), options.timeout, what);
+    } catch (const error&) {
+      drop_session();  // the channel was rebuilt; the receiver may be a new process
+      throw;
+    }
+    wire::message decoded;
+    try {
+      decoded = wire::decode(reply);
+    } catch (const error& e) {
+      drop_session();
+      channel->reset();
+      throw error(e.code(), fmt::format("bad reply from the receiver at {} to {}: {}", options.endpoint, what, e.what()));
+    }
+    if (auto* ok = std::get_if<wire::ok>(&decoded)) return std::move(*ok);
+    if (auto* err = std::get_if<wire::error>(&decoded))
+      throw error(err->code, fmt::format("the receiver at {} refused {}: {}", options.endpoint, what, err->message));
+    drop_session();
+    channel->reset();
+    throw error(errc::protocol, fmt::format("the receiver at {} answered {} with {}, not OK or ERROR",
+                                            options.endpoint, what, wire::to_string(wire::type_of(decoded))));
+  }
+
+  void ensure_session() {
+    if (in_session) return;
+    if (!channel) channel.emplace(options.endpoint, options.curve);
+    wire::hello h;
+    h.token = token;
+    h.alignment = options.alignment;
+    buffers->open_session(h);
+    try {
+      const wire::ok ok = request(h, "HELLO");
+      buffers->session_accepted(ok);
+    } catch (...) {
+      drop_session();
+      throw;
+    }
+    in_session = true;
+    REFIT_INFO("session with the receiver at {}: {} × {} MiB {} buffers", options.endpoint, options.buffer_count,
+               options.buffer_bytes >> 20, to_string(options.transport));
+  }
+
+  void check_tensor(const tensor_ref& t, std::uint64_t bytes) const {
+    if (t.meta.name.empty()) throw error(errc::invalid_argument, "a tensor of the source has an empty name");
+    if (t.meta.name.size() > wire::max_name_bytes)
+      throw error(errc::invalid_argument, fmt::format("tensor name of {} bytes is too long (at most {})",
+                                                      t.meta.name.size(), wire::max_name_bytes));
+    if (t.meta.shape.size() > wire::max_rank)
+      throw error(errc::invalid_argument, fmt::format("tensor {} has {} dimensions: at most {}",
+                                                      describe(t.meta), t.meta.shape.size(), wire::max_rank));
+    if (t.data == nullptr && bytes != 0)
+      throw error(errc::invalid_argument, fmt::format("tensor {} has no data (null pointer)", describe(t.meta)));
+    const device where = buffers->where();
+    if (bytes != 0 && t.dev.kind != where.kind)
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor {} is in {} memory, but the {} transport packs from {} memory; {}",
+                              describe(t.meta), t.dev.kind == device_kind::cuda ? "CUDA" : "host",
+                              to_string(options.transport), where.kind == device_kind::cuda ? "CUDA" : "host",
+                              where.kind == device_kind::cuda ? "move it to the GPU first"
+                                                              : "use the cuda_ipc or nccl transport for GPU tensors"));
+  }
+
+  refit_stats run(std::uint64_t version, tensor_source& source) {
+    const auto t0 = clock::now();
+    ensure_session();
+    refit_stats stats;
+    stats.version = version;
+
+    // Everything of the open batch: its entries for the wire and its copies for the packer.
+    struct open_batch {
+      std::uint64_t seq = 0;
+      std::vector<wire::entry> entries;
+      std::vector<copy::op> ops;
+      std::vector<void*> streams;
+    } open;
+
+    const auto flush = [&] {
+      const std::size_t buffer = open.seq % buffers->count();
+      auto tp = clock::now();
+      buffers->begin_pack(buffer);
+      for (void* s : open.streams) buffers->after(s);
+      copier->run(open.ops, buffers->stream());
+      buffers->end_pack(buffer);
+      stats.pack_seconds += seconds_since(tp);
+
+      wire::batch b;
+      b.version = version;
+      b.seq = open.seq;
+      b.buffer = static_cast<std::uint32_t>(buffer);
+      b.entries = std::move(open.entries);
+      tp = clock::now();
+      request(b, fmt::format("BATCH {} of version {}", open.seq, version));
+      stats.wait_seconds += seconds_since(tp);
+      ++stats.batches;
+      open.seq += 1;
+      open.entries.clear();
+      open.ops.clear();
+      open.streams.clear();
+    };
+
+    {
+      const auto tw = clock::now();
+      request(wire::begin{version}, fmt::format("BEGIN of version {}", version));
+      stats.wait_seconds += seconds_since(tw);
+    }
+
+    planner pl(plan);
+    std::unordered_set<std::string> names;
+    for (std::size_t index = 0;; ++index) {
+      auto ts = clock::now();
+      std::optional<tensor_ref> t = source.next();
+      stats.source_seconds += seconds_since(ts);
+      if (!t) break;
+      const std::uint64_t bytes = t->meta.nbytes();
+      check_tensor(*t, bytes);
+      if (!names.insert(t->meta.name).second)
+        throw error(errc::invalid_argument,
+                    fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
+      for (const placement& p : pl.add(index, bytes)) {
+        while (p.batch > open.seq) flush();
+        if (t->stream != nullptr && (open.streams.empty() || open.streams.back() != t->stream))
+          open.streams.push_back(t->stream);
+        open.entries.push_back(wire::entry{t->meta.name, t->meta.type, t->meta.shape, p.entry.tensor_offset,
+                                           p.entry.bytes, p.entry.buffer_offset});
+        if (p.entry.bytes != 0)
+          open.ops.push_back(copy::op{static_cast<const std::byte*>(t->data) + p.entry.tensor_offset,
+                                      buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
+                                      p.entry.bytes});
+      }
+      stats.tensors += 1;
+      stats.bytes += bytes;
+    }
+    if (!open.entries.empty()) flush();
+
+    wire::end e{version, stats.tensors, stats.bytes, stats.batches};
+    const auto tw = clock::now();
+    request(e, fmt::format("END of version {}", version));
+    stats.wait_seconds += seconds_since(tw);
+    buffers->drain();
+    stats.seconds = seconds_since(t0);
+    REFIT_INFO("version {} committed: {} tensors, {:.3f} GB in {} batches, {:.2f} ms", version, stats.tensors,
+               static_cast<double>(stats.bytes) / 1e9, stats.batches, stats.seconds * 1e3);
+    return stats;
+  }
+};
+
+streamer::streamer(streamer_options options) : impl_(std::make_unique<impl>(std::move(options))) {}
+streamer::~streamer() { close(); }
+streamer::streamer(streamer&&) noexcept = default;
+streamer& streamer::operator=(streamer&& other) noexcept {
+  if (this != &other) {
+    close();
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
+
+refit_stats streamer::refit(std::uint64_t version, tensor_source& source) {
+  if (!impl_) throw error(errc::invalid_argument, "refit() on a moved-from streamer");
+  return impl_->run(version, source);
+}
+
+refit_stats streamer::refit(std::uint64_t version, std::span<const tensor_ref> tensors) {
+  span_source source(tensors);
+  return refit(version, source);
+}
+
+refit_stats streamer::refit(std::uint64_t version, const std::function<std::optional<tensor_ref>()>& next) {
+  function_source source(next);
+  return refit(version, source);
+}
+
+void streamer::close() noexcept {
+  if (!impl_ || !impl_->in_session) return;
+  try {
+    // A polite goodbye, with a short deadline: a dead receiver must not delay shutdown.
+    const std::string bye = wire::encode(wire::bye{});
+    impl_->channel->request(bye, std::min(impl_->options.timeout, milliseconds{1000}), "BYE");
+  } catch (const std::exception& e) {
+    REFIT_DEBUG("BYE to {} not answered: {}", impl_->options.endpoint, e.what());
+  }
+  impl_->drop_session();
+}
+
+const streamer_options& streamer::options() const noexcept { return impl_->options; }
+
+}  // namespace refit
