@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "refit/error.hpp"
 #include "refit/model.hpp"
@@ -18,6 +19,9 @@ namespace refit {
 struct streamer_options {
   /// The receiver's endpoint: "ipc:///path" or "tcp://host:port" (what receiver::endpoint() says).
   std::string endpoint;
+  /// nccl: the endpoints of every receiver, rank k+1 being receivers[k]; when empty, `endpoint`
+  /// is the one receiver. host_shm and cuda_ipc serve exactly one receiver per streamer.
+  std::vector<std::string> receivers;
   transport_kind transport = transport_kind::host_shm;
   std::size_t buffer_count = 2;               ///< ping-pong: at least 2
   std::uint64_t buffer_bytes = 256ull << 20;  ///< capacity of each buffer

@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -120,6 +121,11 @@ struct receiver::impl {
     const std::uint64_t version = tracker->version();
     tracker->reset();
     deferred.reset();
+    if (sink) {
+      // Device work that waits on a peer which will not come (nccl) must not outlive the refit.
+      sink->abort();
+      if (!sink->attached()) tracker.reset();  // the session cannot go on: the next HELLO rebuilds
+    }
     try {
       note_error(why);
       REFIT_WARN("refit of version {} from {} aborted: {}{}", version, peer, why,
@@ -171,7 +177,7 @@ struct receiver::impl {
     // A new session replaces the old one (its streamer is gone or restarted).
     end_session();
     try {
-      if (!sink || to_string(sink->kind()) != h.transport) sink = transport::make_sink(h.transport, options.device);
+      if (!sink || to_string(sink->kind()) != h.transport) sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
       sink->attach(h, reply);
       std::vector<std::uint64_t> sizes;
@@ -250,6 +256,9 @@ struct receiver::impl {
   /// Copies (or enqueues the copies of) one batch, or runs the callback over it.
   void apply(const wire::batch& b, std::vector<copy::op>& ops) {
     const auto t0 = clock::now();
+    std::uint64_t used = 0;
+    for (const wire::entry& e : b.entries) used = std::max(used, e.buffer_offset + e.bytes);
+    sink->batch_bytes(b.buffer, used);
     sink->begin_read(b.buffer);
     is_dirty.store(true);  // from here on the weights may be partly overwritten
     if (callback) {

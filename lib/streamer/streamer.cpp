@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <optional>
@@ -202,6 +203,9 @@ struct streamer::impl {
       buffers->begin_pack(buffer);
       for (void* s : open.streams) buffers->after(s);
       copier->run(open.ops, buffers->stream());
+      std::uint64_t used = 0;
+      for (const wire::entry& e : open.entries) used = std::max(used, e.buffer_offset + e.bytes);
+      buffers->batch_bytes(buffer, used);
       buffers->end_pack(buffer);
       stats.pack_seconds += seconds_since(tp);
 

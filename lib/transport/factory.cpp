@@ -7,12 +7,17 @@
 #if REFIT_HAVE_CUDA
 #include "transport/cuda_ipc.hpp"
 #endif
+#if REFIT_HAVE_NCCL
+#include "transport/nccl.hpp"
+#endif
 
 namespace refit::transport {
 namespace {
 
 constexpr const char* built_transports() {
-#if REFIT_HAVE_CUDA
+#if REFIT_HAVE_NCCL
+  return "host_shm, cuda_ipc, nccl";
+#elif REFIT_HAVE_CUDA
   return "host_shm, cuda_ipc";
 #else
   return "host_shm";
@@ -36,7 +41,11 @@ std::unique_ptr<source> make_source(const source_options& options) {
       break;
 #endif
     case transport_kind::nccl:
+#if REFIT_HAVE_NCCL
+      return make_nccl_source(options);
+#else
       break;
+#endif
   }
   throw error(errc::invalid_argument,
               fmt::format("transport {} is not built into this refit (built: {}); rebuild with "
@@ -44,12 +53,15 @@ std::unique_ptr<source> make_source(const source_options& options) {
                           to_string(options.kind), built_transports()));
 }
 
-std::unique_ptr<sink> make_sink(std::string_view transport, int device) {
-  (void)device;
+std::unique_ptr<sink> make_sink(std::string_view transport, int device, milliseconds timeout) {
+  (void)device, (void)timeout;
   const auto kind = parse_transport(transport);
   if (kind == transport_kind::host_shm) return make_host_shm_sink();
 #if REFIT_HAVE_CUDA
   if (kind == transport_kind::cuda_ipc) return make_cuda_ipc_sink(device);
+#endif
+#if REFIT_HAVE_NCCL
+  if (kind == transport_kind::nccl) return make_nccl_sink(device, timeout);
 #endif
   throw error(errc::transport,
               fmt::format("the streamer uses transport '{}', which this receiver does not support "

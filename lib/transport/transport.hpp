@@ -29,6 +29,8 @@ struct source_options {
   std::uint64_t bytes = 256ull << 20;
   int device = 0;
   bool page_locked = false;
+  /// nccl: receivers (ranks 1..n); the streamer is rank 0.
+  std::size_t receivers = 1;
 };
 
 /// Streamer side: owns the buffers.
@@ -50,6 +52,10 @@ class source {
   /// Prepares a new session and describes it in `h` (transport, buffers, handles, device).
   /// May recreate buffers (host_shm makes fresh segments: the last session's were unlinked).
   virtual void open_session(wire::hello& h) = 0;
+  /// Called after HELLO went to every receiver and before their replies are awaited: transports
+  /// whose set-up needs every process at once (nccl: ncclCommInitRank) do it here, within
+  /// `timeout`. Throws refit::error (nccl, timeout) and leaves nothing half-built.
+  virtual void join(milliseconds timeout) { (void)timeout; }
   /// The receiver replied OK to HELLO: everything is mapped (host_shm unlinks its segments).
   virtual void session_accepted(const wire::ok& reply) = 0;
   /// The session ended (BYE, or the peer was lost). Never throws.
@@ -61,6 +67,9 @@ class source {
   virtual void after(void* producer_stream) = 0;
   /// After packing buffer i: makes its bytes visible to the receiver.
   virtual void end_pack(std::size_t i) = 0;
+  /// Called before end_pack(i) with the bytes of buffer i the batch uses (a prefix); transports
+  /// that move the bytes (nccl) send only these.
+  virtual void batch_bytes(std::size_t i, std::uint64_t used) { (void)i, (void)used; }
   /// Waits until all local work of this refit is complete.
   virtual void drain() = 0;
 };
@@ -88,12 +97,18 @@ class sink {
   /// streamer packing the next batch.
   [[nodiscard]] virtual bool asynchronous() const noexcept = 0;
 
+  /// Called before begin_read(i) with the bytes of buffer i the batch uses (a prefix).
+  virtual void batch_bytes(std::size_t i, std::uint64_t used) { (void)i, (void)used; }
   /// Before reading buffer i: orders the reads after the streamer's packing of it.
   virtual void begin_read(std::size_t i) = 0;
   /// After the reads of buffer i are enqueued: lets the streamer reuse it.
   virtual void end_read(std::size_t i) = 0;
   /// Waits until every read and copy enqueued so far is complete (END, before committing).
   virtual void drain() = 0;
+  /// The refit in progress was aborted (bad message, dead peer, idle timeout): transports whose
+  /// device work may wait on a peer that will never come (nccl) abort it here so that nothing
+  /// hangs; the next HELLO builds afresh. Never throws.
+  virtual void abort() noexcept {}
 };
 
 /// Creates the streamer side. Throws refit::error(invalid_argument) for a transport this build
@@ -101,7 +116,8 @@ class sink {
 std::unique_ptr<source> make_source(const source_options& options);
 /// Creates an unattached receiver side for the transport named in a HELLO ("host_shm", ...).
 /// Throws refit::error(transport) naming what this build supports when it lacks that one.
-std::unique_ptr<sink> make_sink(std::string_view transport, int device);
+/// `timeout` bounds every wait of the sink on its peer (nccl: communicator set-up and drain).
+std::unique_ptr<sink> make_sink(std::string_view transport, int device, milliseconds timeout = milliseconds{60000});
 
 /// "hostname/boot-id": equal on two processes exactly when they run on one host (one kernel).
 std::string host_identity();
