@@ -1,1 +1,445 @@
-// stub: to be implemented
+#include "wire/wire.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <msgpack.hpp>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+
+namespace refit::wire {
+
+std::string_view to_string(msg_type t) noexcept {
+  switch (t) {
+    case msg_type::hello: return "HELLO";
+    case msg_type::begin: return "BEGIN";
+    case msg_type::batch: return "BATCH";
+    case msg_type::end: return "END";
+    case msg_type::bye: return "BYE";
+    case msg_type::ok: return "OK";
+    case msg_type::error: return "ERROR";
+  }
+  return "UNKNOWN";
+}
+
+msg_type type_of(const message& m) noexcept {
+  return std::visit(
+      [](const auto& v) -> msg_type {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, hello>) return msg_type::hello;
+        else if constexpr (std::is_same_v<T, begin>) return msg_type::begin;
+        else if constexpr (std::is_same_v<T, batch>) return msg_type::batch;
+        else if constexpr (std::is_same_v<T, end>) return msg_type::end;
+        else if constexpr (std::is_same_v<T, bye>) return msg_type::bye;
+        else if constexpr (std::is_same_v<T, ok>) return msg_type::ok;
+        else return msg_type::error;
+      },
+      m);
+}
+
+// ------------------------------------------------------------------------------------- encoding
+namespace {
+
+using packer = msgpack::packer<msgpack::sbuffer>;
+
+void pack_str(packer& p, std::string_view s) {
+  p.pack_str(static_cast<std::uint32_t>(s.size()));
+  p.pack_str_body(s.data(), static_cast<std::uint32_t>(s.size()));
+}
+
+void pack_bin(packer& p, std::string_view s) {
+  p.pack_bin(static_cast<std::uint32_t>(s.size()));
+  p.pack_bin_body(s.data(), static_cast<std::uint32_t>(s.size()));
+}
+
+void pack_uint(packer& p, std::uint64_t v) { p.pack_uint64(v); }
+
+void head(packer& p, msg_type t, std::uint32_t fields) {
+  p.pack_array(2 + fields);
+  pack_uint(p, static_cast<std::uint64_t>(t));
+  pack_uint(p, protocol_version);
+}
+
+void encode_body(packer& p, const hello& m) {
+  head(p, msg_type::hello, 10);
+  pack_str(p, m.token);
+  pack_str(p, m.transport);
+  pack_str(p, m.peer);
+  pack_str(p, m.host_id);
+  pack_bin(p, m.device_uuid);
+  pack_uint(p, m.alignment);
+  p.pack_array(static_cast<std::uint32_t>(m.buffers.size()));
+  for (const auto& b : m.buffers) {
+    p.pack_array(4);
+    pack_uint(p, b.bytes);
+    pack_bin(p, b.handle);
+    pack_bin(p, b.packed_event);
+    pack_bin(p, b.applied_event);
+  }
+  pack_bin(p, m.nccl_id);
+  pack_uint(p, m.rank);
+  pack_uint(p, m.nranks);
+}
+
+void encode_body(packer& p, const begin& m) {
+  head(p, msg_type::begin, 1);
+  pack_uint(p, m.version);
+}
+
+void encode_body(packer& p, const batch& m) {
+  head(p, msg_type::batch, 4);
+  pack_uint(p, m.version);
+  pack_uint(p, m.seq);
+  pack_uint(p, m.buffer);
+  p.pack_array(static_cast<std::uint32_t>(m.entries.size()));
+  for (const auto& e : m.entries) {
+    p.pack_array(6);
+    pack_str(p, e.name);
+    pack_uint(p, static_cast<std::uint64_t>(e.type));
+    p.pack_array(static_cast<std::uint32_t>(e.shape.size()));
+    for (const std::int64_t d : e.shape) pack_uint(p, static_cast<std::uint64_t>(d));
+    pack_uint(p, e.tensor_offset);
+    pack_uint(p, e.bytes);
+    pack_uint(p, e.buffer_offset);
+  }
+}
+
+void encode_body(packer& p, const end& m) {
+  head(p, msg_type::end, 4);
+  pack_uint(p, m.version);
+  pack_uint(p, m.tensors);
+  pack_uint(p, m.bytes);
+  pack_uint(p, m.batches);
+}
+
+void encode_body(packer& p, const bye&) { head(p, msg_type::bye, 0); }
+
+void encode_body(packer& p, const ok& m) {
+  head(p, msg_type::ok, 3);
+  if (m.committed) pack_uint(p, *m.committed);
+  else p.pack_nil();
+  if (m.dirty) p.pack_true();
+  else p.pack_false();
+  p.pack_array(static_cast<std::uint32_t>(m.handles.size()));
+  for (const auto& h : m.handles) pack_bin(p, h);
+}
+
+void encode_body(packer& p, const error& m) {
+  head(p, msg_type::error, 2);
+  p.pack_int(static_cast<int>(m.code));
+  pack_str(p, m.message);
+}
+
+}  // namespace
+
+std::string encode(const message& m) {
+  msgpack::sbuffer buf;
+  packer p(buf);
+  std::visit([&](const auto& v) { encode_body(p, v); }, m);
+  return std::string(buf.data(), buf.size());
+}
+
+// ------------------------------------------------------------------------------------- decoding
+namespace {
+
+using msgpack::object;
+namespace mt = msgpack::type;
+
+[[noreturn]] void malformed(std::string_view what) {
+  throw refit::error(errc::protocol, fmt::format("malformed message: {}", what));
+}
+
+std::string_view kind(const object& o) noexcept {
+  switch (o.type) {
+    case mt::NIL: return "nil";
+    case mt::BOOLEAN: return "bool";
+    case mt::POSITIVE_INTEGER: return "unsigned int";
+    case mt::NEGATIVE_INTEGER: return "negative int";
+    case mt::FLOAT32:
+    case mt::FLOAT64: return "float";
+    case mt::STR: return "str";
+    case mt::BIN: return "bin";
+    case mt::ARRAY: return "array";
+    case mt::MAP: return "map";
+    case mt::EXT: return "ext";
+  }
+  return "unknown";
+}
+
+// Walks the fields of one message; every failure names the message type and the field.
+class reader {
+ public:
+  explicit reader(msg_type t) : type_(t) {}
+
+  [[noreturn]] void fail(std::string_view field, std::string_view what) const {
+    throw refit::error(errc::protocol,
+                       fmt::format("invalid {} message: {}{} {}", to_string(type_), context_, field, what));
+  }
+
+  // Prefix for fields of an entry or buffer ("entry 3 ('x'): ").
+  void set_context(std::string c) { context_ = std::move(c); }
+
+  void expect(const object& o, mt::object_type t, std::string_view field, std::string_view want) const {
+    if (o.type != t) fail(field, fmt::format("must be {}, got {}", want, kind(o)));
+  }
+
+  std::uint64_t u64(const object& o, std::string_view field) const {
+    expect(o, mt::POSITIVE_INTEGER, field, "an unsigned integer");
+    return o.via.u64;
+  }
+
+  std::uint32_t u32(const object& o, std::string_view field) const {
+    const std::uint64_t v = u64(o, field);
+    if (v > std::numeric_limits<std::uint32_t>::max())
+      fail(field, fmt::format("is {}, more than the largest allowed value {}", v,
+                              std::numeric_limits<std::uint32_t>::max()));
+    return static_cast<std::uint32_t>(v);
+  }
+
+  bool boolean(const object& o, std::string_view field) const {
+    expect(o, mt::BOOLEAN, field, "a bool");
+    return o.via.boolean;
+  }
+
+  std::string str(const object& o, std::string_view field, std::size_t max) const {
+    expect(o, mt::STR, field, "a str");
+    if (o.via.str.size > max)
+      fail(field, fmt::format("is {} bytes long, more than the limit of {}", o.via.str.size, max));
+    return std::string(o.via.str.ptr, o.via.str.size);
+  }
+
+  std::string bin(const object& o, std::string_view field, std::size_t max) const {
+    expect(o, mt::BIN, field, "a bin");
+    if (o.via.bin.size > max)
+      fail(field, fmt::format("is {} bytes long, more than the limit of {}", o.via.bin.size, max));
+    return std::string(o.via.bin.ptr, o.via.bin.size);
+  }
+
+  std::span<const object> array(const object& o, std::string_view field, std::size_t max) const {
+    expect(o, mt::ARRAY, field, "an array");
+    if (o.via.array.size > max)
+      fail(field, fmt::format("has {} elements, more than the limit of {}", o.via.array.size, max));
+    return {o.via.array.ptr, o.via.array.size};
+  }
+
+  // An array of exactly n elements (a nested record).
+  std::span<const object> record(const object& o, std::string_view field, std::size_t n) const {
+    expect(o, mt::ARRAY, field, "an array");
+    if (o.via.array.size != n)
+      fail(field, fmt::format("must have {} elements, got {}", n, o.via.array.size));
+    return {o.via.array.ptr, o.via.array.size};
+  }
+
+ private:
+  msg_type type_;
+  std::string context_;
+};
+
+// Fields of each message, after [type, protocol version].
+constexpr std::size_t field_count(msg_type t) noexcept {
+  switch (t) {
+    case msg_type::hello: return 10;
+    case msg_type::begin: return 1;
+    case msg_type::batch: return 4;
+    case msg_type::end: return 4;
+    case msg_type::bye: return 0;
+    case msg_type::ok: return 3;
+    case msg_type::error: return 2;
+  }
+  return 0;
+}
+
+hello decode_hello(reader& r, std::span<const object> f) {
+  hello m;
+  m.token = r.str(f[0], "token", max_handle_bytes);
+  m.transport = r.str(f[1], "transport", max_handle_bytes);
+  m.peer = r.str(f[2], "peer", max_handle_bytes);
+  m.host_id = r.str(f[3], "host_id", max_handle_bytes);
+  m.device_uuid = r.bin(f[4], "device_uuid", max_handle_bytes);
+  m.alignment = r.u64(f[5], "alignment");
+  if (m.alignment == 0 || (m.alignment & (m.alignment - 1)) != 0)
+    r.fail("alignment", fmt::format("{} is not a power of two", m.alignment));
+  const auto buffers = r.array(f[6], "buffers", max_buffers);
+  m.buffers.reserve(buffers.size());
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    r.set_context(fmt::format("buffer {}: ", i));
+    const auto b = r.record(buffers[i], "descriptor", 4);
+    buffer_desc d;
+    d.bytes = r.u64(b[0], "bytes");
+    d.handle = r.bin(b[1], "handle", max_handle_bytes);
+    d.packed_event = r.bin(b[2], "packed_event", max_handle_bytes);
+    d.applied_event = r.bin(b[3], "applied_event", max_handle_bytes);
+    m.buffers.push_back(std::move(d));
+  }
+  r.set_context({});
+  m.nccl_id = r.bin(f[7], "nccl_id", max_handle_bytes);
+  m.rank = r.u32(f[8], "rank");
+  m.nranks = r.u32(f[9], "nranks");
+  return m;
+}
+
+std::string describe_type(dtype t, std::span<const std::int64_t> shape) {
+  return fmt::format("{}[{}]", to_string(t), fmt::join(shape, ", "));
+}
+
+entry decode_entry(reader& r, const object& o, std::size_t index) {
+  r.set_context(fmt::format("entry {}: ", index));
+  const auto f = r.record(o, "descriptor", 6);
+  entry e;
+  e.name = r.str(f[0], "name", max_name_bytes);
+  if (e.name.empty()) r.fail("name", "is empty; every tensor needs a name");
+  r.set_context(fmt::format("entry {} ('{}'): ", index, e.name));
+
+  const std::uint64_t code = r.u64(f[1], "dtype");
+  const auto t = dtype_from_code(code);
+  if (!t) r.fail("dtype", fmt::format("has unknown code {}; the peer runs a newer refit or is broken", code));
+  e.type = *t;
+
+  const auto dims = r.array(f[2], "shape", max_rank);
+  e.shape.reserve(dims.size());
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    const std::string field = fmt::format("shape[{}]", d);
+    const std::uint64_t v = r.u64(dims[d], field);
+    if (v > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      r.fail(field, fmt::format("is {}, which does not fit a signed 64-bit dimension", v));
+    e.shape.push_back(static_cast<std::int64_t>(v));
+  }
+  const auto total = checked_nbytes(e.type, e.shape);
+  if (!total) r.fail("shape", fmt::format("{} has more bytes than fit 64 bits", describe_type(e.type, e.shape)));
+
+  e.tensor_offset = r.u64(f[3], "tensor_offset");
+  e.bytes = r.u64(f[4], "bytes");
+  e.buffer_offset = r.u64(f[5], "buffer_offset");
+
+  std::uint64_t last = 0;
+  if (__builtin_add_overflow(e.tensor_offset, e.bytes, &last))
+    r.fail("tensor_offset", fmt::format("{} + bytes {} overflows", e.tensor_offset, e.bytes));
+  if (last > *total)
+    r.fail("byte range", fmt::format("[{}, {}) exceeds the tensor's {} bytes ({})", e.tensor_offset, last,
+                                     *total, describe_type(e.type, e.shape)));
+  if (__builtin_add_overflow(e.buffer_offset, e.bytes, &last))
+    r.fail("buffer_offset", fmt::format("{} + bytes {} overflows", e.buffer_offset, e.bytes));
+  return e;
+}
+
+batch decode_batch(reader& r, std::span<const object> f) {
+  batch m;
+  m.version = r.u64(f[0], "version");
+  m.seq = r.u64(f[1], "seq");
+  m.buffer = r.u32(f[2], "buffer");
+  const auto entries = r.array(f[3], "entries", max_entries);
+  m.entries.reserve(entries.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) m.entries.push_back(decode_entry(r, entries[i], i));
+  r.set_context({});
+  return m;
+}
+
+ok decode_ok(reader& r, std::span<const object> f) {
+  ok m;
+  if (f[0].type != mt::NIL) {
+    if (f[0].type != mt::POSITIVE_INTEGER)
+      r.fail("committed", fmt::format("must be nil or an unsigned integer, got {}", kind(f[0])));
+    m.committed = f[0].via.u64;
+  }
+  m.dirty = r.boolean(f[1], "dirty");
+  const auto handles = r.array(f[2], "handles", max_entries);
+  m.handles.reserve(handles.size());
+  for (std::size_t i = 0; i < handles.size(); ++i)
+    m.handles.push_back(r.bin(handles[i], fmt::format("handles[{}]", i), max_handle_bytes));
+  return m;
+}
+
+error decode_error(reader& r, std::span<const object> f) {
+  error m;
+  constexpr auto lo = static_cast<std::int64_t>(errc::invalid_argument);
+  constexpr auto hi = static_cast<std::int64_t>(errc::internal);
+  if (f[0].type == mt::NEGATIVE_INTEGER)
+    r.fail("code", fmt::format("{} is not an error code ({}..{})", f[0].via.i64, lo, hi));
+  const std::uint64_t code = r.u64(f[0], "code");
+  if (code < static_cast<std::uint64_t>(lo) || code > static_cast<std::uint64_t>(hi))
+    r.fail("code", fmt::format("{} is not an error code ({}..{})", code, lo, hi));
+  m.code = static_cast<errc>(code);
+  m.message = r.str(f[1], "message", max_message_bytes);
+  return m;
+}
+
+}  // namespace
+
+message decode(std::span<const std::byte> bytes) {
+  if (bytes.empty()) malformed("empty input");
+  if (bytes.size() > max_message_bytes)
+    malformed(fmt::format("{} bytes, more than the limit of {}", bytes.size(), max_message_bytes));
+
+  // Every element takes at least one byte of input, so no array or map may claim more elements
+  // than there are bytes: hostile headers cannot make the parser allocate without bound. The
+  // limits are one above ours so that the field checks below, which name the field, see them.
+  const std::size_t n = bytes.size();
+  const std::size_t elements = std::min(n, max_entries + 1);
+  const msgpack::unpack_limit limit(elements, elements, max_message_bytes, max_message_bytes, max_message_bytes,
+                                    16);
+  msgpack::object_handle handle;
+  std::size_t off = 0;
+  try {
+    handle = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), n, off, nullptr, nullptr, limit);
+  } catch (const msgpack::insufficient_bytes&) {
+    malformed(fmt::format("truncated msgpack ({} bytes)", n));
+  } catch (const msgpack::array_size_overflow&) {
+    malformed(fmt::format("truncated or invalid msgpack: an array claims more than {} elements", elements));
+  } catch (const msgpack::map_size_overflow&) {
+    malformed(fmt::format("truncated or invalid msgpack: a map claims more than {} elements", elements));
+  } catch (const std::bad_alloc&) {
+    malformed("msgpack claims more memory than it carries");
+  } catch (const std::exception& e) {
+    malformed(fmt::format("invalid msgpack ({})", e.what()));
+  }
+  if (off != n) malformed(fmt::format("{} trailing bytes after the message", n - off));
+
+  const object& top = handle.get();
+  if (top.type != mt::ARRAY) malformed(fmt::format("top level must be an array, got {}", kind(top)));
+  const std::span<const object> all(top.via.array.ptr, top.via.array.size);
+  if (all.size() < 2)
+    malformed(fmt::format("{} elements; a message needs at least a type and a protocol version", all.size()));
+  if (all[0].type != mt::POSITIVE_INTEGER)
+    malformed(fmt::format("message type must be an unsigned integer, got {}", kind(all[0])));
+  if (all[1].type != mt::POSITIVE_INTEGER)
+    malformed(fmt::format("protocol version must be an unsigned integer, got {}", kind(all[1])));
+
+  // Before anything else about the fields: another version may have other fields.
+  if (all[1].via.u64 != protocol_version)
+    throw refit::error(errc::version_mismatch,
+                       fmt::format("protocol version mismatch: the peer speaks refit protocol {}, this side "
+                                   "speaks {}; run the same refit release on both sides",
+                                   all[1].via.u64, protocol_version));
+
+  const std::uint64_t code = all[0].via.u64;
+  if (code < static_cast<std::uint64_t>(msg_type::hello) || code > static_cast<std::uint64_t>(msg_type::error))
+    malformed(fmt::format("unknown message type {}", code));
+  const auto t = static_cast<msg_type>(code);
+  const auto fields = all.subspan(2);
+  if (fields.size() != field_count(t))
+    throw refit::error(errc::protocol,
+                       fmt::format("invalid {} message: {} fields, expected {}", to_string(t), fields.size(),
+                                   field_count(t)));
+
+  reader r(t);
+  switch (t) {
+    case msg_type::hello: return decode_hello(r, fields);
+    case msg_type::begin: return begin{r.u64(fields[0], "version")};
+    case msg_type::batch: return decode_batch(r, fields);
+    case msg_type::end:
+      return end{r.u64(fields[0], "version"), r.u64(fields[1], "tensors"), r.u64(fields[2], "bytes"),
+                 r.u64(fields[3], "batches")};
+    case msg_type::bye: return bye{};
+    case msg_type::ok: return decode_ok(r, fields);
+    case msg_type::error: return decode_error(r, fields);
+  }
+  malformed("unknown message type");
+}
+
+message decode(std::string_view bytes) {
+  return decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
+}
+
+}  // namespace refit::wire

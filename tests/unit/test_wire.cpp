@@ -1,1 +1,742 @@
 #include <catch2/catch.hpp>
+
+#include <msgpack.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "refit/error.hpp"
+#include "refit/plan.hpp"
+#include "wire/wire.hpp"
+
+namespace wire = refit::wire;
+using refit::dtype;
+using refit::errc;
+
+namespace {
+
+// ------------------------------------------------------------------------------------ matchers
+
+class error_matcher : public Catch::MatcherBase<refit::error> {
+ public:
+  error_matcher(errc code, std::string fragment) : code_(code), fragment_(std::move(fragment)) {}
+  bool match(const refit::error& e) const override {
+    return e.code() == code_ && std::string_view(e.what()).find(fragment_) != std::string_view::npos;
+  }
+  std::string describe() const override {
+    return "is a refit::error(" + std::string(refit::to_string(code_)) + ") containing \"" + fragment_ + "\"";
+  }
+
+ private:
+  errc code_;
+  std::string fragment_;
+};
+
+error_matcher is_error(errc code, std::string fragment) { return {code, std::move(fragment)}; }
+
+#define CHECK_REFIT_ERROR(expr, code, fragment) \
+  CHECK_THROWS_MATCHES(expr, refit::error, is_error(code, fragment))
+
+// ------------------------------------------------------------------------------ message builder
+
+// Packs arbitrary msgpack, so tests can build messages the encoder would never produce.
+class mp {
+ public:
+  mp& arr(std::uint32_t n) { return p_.pack_array(n), *this; }
+  mp& u(std::uint64_t v) { return p_.pack_uint64(v), *this; }
+  mp& i(std::int64_t v) { return p_.pack_int64(v), *this; }
+  mp& s(std::string_view v) {
+    p_.pack_str(static_cast<std::uint32_t>(v.size()));
+    p_.pack_str_body(v.data(), static_cast<std::uint32_t>(v.size()));
+    return *this;
+  }
+  mp& b(std::string_view v) {
+    p_.pack_bin(static_cast<std::uint32_t>(v.size()));
+    p_.pack_bin_body(v.data(), static_cast<std::uint32_t>(v.size()));
+    return *this;
+  }
+  mp& nil() { return p_.pack_nil(), *this; }
+  mp& t(bool v) { return (v ? p_.pack_true() : p_.pack_false()), *this; }
+  mp& f(double v) { return p_.pack_double(v), *this; }
+  mp& map0() { return p_.pack_map(0), *this; }
+  [[nodiscard]] std::string str() const { return std::string(buf_.data(), buf_.size()); }
+
+ private:
+  msgpack::sbuffer buf_;
+  msgpack::packer<msgpack::sbuffer> p_{buf_};
+};
+
+using field = std::function<void(mp&)>;
+
+// [type, protocol_version, fields...]
+std::string message(std::uint64_t type, const std::vector<field>& fields,
+                    std::uint64_t pv = wire::protocol_version) {
+  mp m;
+  m.arr(static_cast<std::uint32_t>(2 + fields.size())).u(type).u(pv);
+  for (const auto& f : fields) f(m);
+  return m.str();
+}
+
+field U(std::uint64_t v) { return [v](mp& m) { m.u(v); }; }
+field I(std::int64_t v) { return [v](mp& m) { m.i(v); }; }
+field S(std::string v) { return [v](mp& m) { m.s(v); }; }
+field B(std::string v) { return [v](mp& m) { m.b(v); }; }
+field NIL() { return [](mp& m) { m.nil(); }; }
+field T(bool v) { return [v](mp& m) { m.t(v); }; }
+field F(double v) { return [v](mp& m) { m.f(v); }; }
+field MAP() { return [](mp& m) { m.map0(); }; }
+field ARR(std::vector<field> items) {
+  return [items](mp& m) {
+    m.arr(static_cast<std::uint32_t>(items.size()));
+    for (const auto& f : items) f(m);
+  };
+}
+
+field good_buffer() { return ARR({U(1024), B("/refit-shm-1"), B(""), B("")}); }
+
+std::vector<field> hello_fields() {
+  return {S("token"), S("host_shm"), S("host:42"), S("host-boot"), B(std::string(16, '\x7f')), U(256),
+          ARR({good_buffer(), good_buffer()}), B(""), U(0), U(1)};
+}
+
+// An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset].
+field entry(std::string name, std::uint64_t code, std::vector<std::uint64_t> shape, std::uint64_t toff,
+            std::uint64_t bytes, std::uint64_t boff) {
+  std::vector<field> dims;
+  for (auto d : shape) dims.push_back(U(d));
+  return ARR({S(std::move(name)), U(code), ARR(dims), U(toff), U(bytes), U(boff)});
+}
+
+field good_entry() { return entry("w", static_cast<std::uint64_t>(dtype::f32), {10}, 0, 40, 0); }
+
+std::vector<field> batch_fields(std::vector<field> entries) { return {U(7), U(0), U(1), ARR(std::move(entries))}; }
+
+// Replaces field i of a field list.
+std::vector<field> with(std::vector<field> fields, std::size_t i, field f) {
+  fields.at(i) = std::move(f);
+  return fields;
+}
+
+constexpr std::uint64_t HELLO = 1, BEGIN = 2, BATCH = 3, END = 4, BYE = 5, OK = 6, ERROR = 7;
+
+wire::message roundtrip(const wire::message& m) {
+  const std::string bytes = wire::encode(m);
+  return wire::decode(bytes);
+}
+
+}  // namespace
+
+// ===================================================================================== round trips
+
+TEST_CASE("every message type survives encode and decode", "[wire]") {
+  SECTION("HELLO with buffers and binary handles") {
+    wire::hello h;
+    h.token = "s3cret";
+    h.transport = "cuda_ipc";
+    h.peer = "policy-0:1234";
+    h.host_id = "node7/boot-abc";
+    h.device_uuid = std::string("\x00\x01\x02\xff\x10\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x09", 16);
+    h.alignment = 512;
+    h.buffers = {{1ull << 30, std::string(64, '\0'), std::string("\x01\x00\x02", 3), "applied"},
+                 {(1ull << 30) + 7, "h2", "", ""}};
+    h.nccl_id = std::string(128, '\x5a');
+    h.rank = 3;
+    h.nranks = 0xffffffffu;
+    const auto m = roundtrip(h);
+    REQUIRE(std::holds_alternative<wire::hello>(m));
+    CHECK(std::get<wire::hello>(m) == h);
+    CHECK(wire::type_of(m) == wire::msg_type::hello);
+  }
+  SECTION("HELLO with every optional field empty") {
+    wire::hello h;
+    h.token = "";
+    h.alignment = 1;
+    const auto m = roundtrip(h);
+    CHECK(std::get<wire::hello>(m) == h);
+  }
+  SECTION("BEGIN") {
+    CHECK(std::get<wire::begin>(roundtrip(wire::begin{std::numeric_limits<std::uint64_t>::max()})).version ==
+          std::numeric_limits<std::uint64_t>::max());
+  }
+  SECTION("BATCH with chunks, scalars and empty tensors") {
+    wire::batch b;
+    b.version = 42;
+    b.seq = 9;
+    b.buffer = 1;
+    b.entries = {
+        {"model.embed_tokens.weight", dtype::bf16, {128256, 4096}, 1ull << 20, 4096, 0},
+        {"scale", dtype::f32, {}, 0, 4, 4096},
+        {"empty", dtype::i64, {0, 7}, 0, 0, 0},
+        {"mask", dtype::bool_, {3, 5}, 3, 12, 4352},
+        {"fp8", dtype::f8_e5m2, {2, 2, 2, 2, 2, 2, 2, 2}, 0, 256, 8192},
+    };
+    const auto m = roundtrip(b);
+    CHECK(std::get<wire::batch>(m) == b);
+    CHECK(wire::type_of(m) == wire::msg_type::batch);
+  }
+  SECTION("BATCH without entries") {
+    wire::batch b{1, 0, 0, {}};
+    CHECK(std::get<wire::batch>(roundtrip(b)) == b);
+  }
+  SECTION("END") {
+    wire::end e{3, 291, 16060000000ull, 62};
+    CHECK(std::get<wire::end>(roundtrip(e)) == e);
+  }
+  SECTION("BYE") {
+    CHECK(std::holds_alternative<wire::bye>(roundtrip(wire::bye{})));
+    CHECK(wire::type_of(wire::bye{}) == wire::msg_type::bye);
+  }
+  SECTION("OK with and without a committed version") {
+    wire::ok none{std::nullopt, false, {}};
+    CHECK(std::get<wire::ok>(roundtrip(none)) == none);
+    wire::ok some{0, true, {std::string("\x00\xff", 2), "", std::string(4096, 'h')}};
+    CHECK(std::get<wire::ok>(roundtrip(some)) == some);
+  }
+  SECTION("ERROR with every code") {
+    for (int c = 1; c <= 13; ++c) {
+      wire::error e{static_cast<errc>(c), "what to do: " + std::to_string(c)};
+      CHECK(std::get<wire::error>(roundtrip(e)) == e);
+    }
+    wire::error empty{errc::internal, ""};
+    CHECK(std::get<wire::error>(roundtrip(empty)) == empty);
+  }
+  SECTION("decode accepts bytes as a span") {
+    const std::string bytes = wire::encode(wire::begin{5});
+    const auto span = std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
+    CHECK(std::get<wire::begin>(wire::decode(span)).version == 5);
+  }
+}
+
+TEST_CASE("message type names are upper case", "[wire]") {
+  CHECK(wire::to_string(wire::msg_type::hello) == "HELLO");
+  CHECK(wire::to_string(wire::msg_type::begin) == "BEGIN");
+  CHECK(wire::to_string(wire::msg_type::batch) == "BATCH");
+  CHECK(wire::to_string(wire::msg_type::end) == "END");
+  CHECK(wire::to_string(wire::msg_type::bye) == "BYE");
+  CHECK(wire::to_string(wire::msg_type::ok) == "OK");
+  CHECK(wire::to_string(wire::msg_type::error) == "ERROR");
+}
+
+TEST_CASE("the hand-built good messages of these tests decode", "[wire]") {
+  CHECK_NOTHROW(wire::decode(message(HELLO, hello_fields())));
+  CHECK_NOTHROW(wire::decode(message(BATCH, batch_fields({good_entry()}))));
+  CHECK_NOTHROW(wire::decode(message(OK, {NIL(), T(false), ARR({})})));
+}
+
+// ============================================================================= malformed framing
+
+TEST_CASE("decode rejects empty input", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(std::string_view()), errc::protocol, "malformed message: empty");
+}
+
+TEST_CASE("decode rejects input over the message size limit", "[wire]") {
+  const std::string big(wire::max_message_bytes + 1, '\xc0');
+  CHECK_REFIT_ERROR(wire::decode(big), errc::protocol, "more than the limit");
+}
+
+TEST_CASE("decode rejects truncated msgpack at every length", "[wire]") {
+  wire::batch b{1, 0, 0, {{"a", dtype::f16, {3, 3}, 0, 18, 0}, {"b", dtype::u8, {5}, 0, 5, 256}}};
+  const std::string bytes = wire::encode(b);
+  for (std::size_t n = 1; n < bytes.size(); ++n) {
+    INFO("length " << n << " of " << bytes.size());
+    CHECK_REFIT_ERROR(wire::decode(std::string_view(bytes).substr(0, n)), errc::protocol, "malformed message");
+  }
+  CHECK_REFIT_ERROR(wire::decode(bytes.substr(0, 3)), errc::protocol, "truncated");
+}
+
+TEST_CASE("decode rejects invalid msgpack", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(std::string("\xc1")), errc::protocol, "invalid msgpack");
+}
+
+TEST_CASE("decode rejects trailing bytes after the message", "[wire]") {
+  const std::string bytes = wire::encode(wire::begin{1}) + std::string("\xc0\xc0", 2);
+  CHECK_REFIT_ERROR(wire::decode(bytes), errc::protocol, "2 trailing bytes");
+}
+
+TEST_CASE("decode rejects a top level that is not an array", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(mp().u(2).str()), errc::protocol, "top level must be an array");
+  CHECK_REFIT_ERROR(wire::decode(mp().map0().str()), errc::protocol, "got map");
+}
+
+TEST_CASE("decode rejects a message shorter than type and version", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(mp().arr(0).str()), errc::protocol, "0 elements");
+  CHECK_REFIT_ERROR(wire::decode(mp().arr(1).u(2).str()), errc::protocol, "1 elements");
+}
+
+TEST_CASE("decode rejects a type or version that is not an unsigned integer", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(mp().arr(3).s("BEGIN").u(1).u(5).str()), errc::protocol,
+                    "message type must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(mp().arr(3).i(-2).u(1).u(5).str()), errc::protocol, "got negative int");
+  CHECK_REFIT_ERROR(wire::decode(mp().arr(3).u(2).i(-1).u(5).str()), errc::protocol,
+                    "protocol version must be an unsigned integer");
+  CHECK_REFIT_ERROR(wire::decode(mp().arr(3).u(2).f(1.5).u(5).str()), errc::protocol, "got float");
+}
+
+TEST_CASE("decode reports a protocol version mismatch with both versions", "[wire]") {
+  const auto check_mismatch = [](const std::string& bytes, std::uint64_t theirs) {
+    try {
+      (void)wire::decode(bytes);
+      FAIL("decode accepted protocol version " << theirs);
+    } catch (const refit::error& e) {
+      CHECK(e.code() == errc::version_mismatch);
+      const std::string what = e.what();
+      CHECK_THAT(what, Catch::Contains("refit protocol " + std::to_string(theirs)));
+      CHECK_THAT(what, Catch::Contains("speaks " + std::to_string(wire::protocol_version)));
+      CHECK_THAT(what, Catch::Contains("same refit release"));
+    }
+  };
+  check_mismatch(message(BEGIN, {U(1)}, 2), 2);
+  check_mismatch(message(BEGIN, {U(1)}, 0), 0);
+  // A future version may have other fields and other types: the version is checked first.
+  check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 9), 9);
+  check_mismatch(message(99, {}, 2), 2);
+}
+
+TEST_CASE("decode rejects unknown message types", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(0, {})), errc::protocol, "unknown message type 0");
+  CHECK_REFIT_ERROR(wire::decode(message(8, {})), errc::protocol, "unknown message type 8");
+  CHECK_REFIT_ERROR(wire::decode(message(1ull << 40, {})), errc::protocol, "unknown message type");
+}
+
+TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(1), U(2)})), errc::protocol, "BEGIN message: 2 fields, expected 1");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {})), errc::protocol, "BEGIN message: 0 fields");
+  CHECK_REFIT_ERROR(wire::decode(message(BYE, {NIL()})), errc::protocol, "BYE message: 1 fields, expected 0");
+  auto h = hello_fields();
+  h.pop_back();
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 9 fields, expected 10");
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), U(3)})), errc::protocol, "END message: 3 fields");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true)})), errc::protocol, "OK message: 2 fields");
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2)})), errc::protocol, "ERROR message: 1 fields");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, {U(1), U(0), U(0)})), errc::protocol, "BATCH message: 3 fields");
+}
+
+TEST_CASE("decode rejects nesting deeper than any message has", "[wire]") {
+  mp m;
+  m.arr(3).u(BEGIN).u(wire::protocol_version);
+  for (int i = 0; i < 40; ++i) m.arr(1);
+  m.u(1);
+  CHECK_REFIT_ERROR(wire::decode(m.str()), errc::protocol, "malformed message");
+}
+
+// ============================================================================= wrong field types
+
+TEST_CASE("decode rejects HELLO fields of the wrong type", "[wire]") {
+  const auto h = hello_fields();
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 0, B("token")))), errc::protocol,
+                    "HELLO message: token must be a str, got bin");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 1, NIL()))), errc::protocol, "transport must be a str, got nil");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 2, U(5)))), errc::protocol, "peer must be a str");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 3, ARR({})))), errc::protocol, "host_id must be a str");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 4, S("uuid")))), errc::protocol,
+                    "device_uuid must be a bin, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 5, I(-256)))), errc::protocol,
+                    "alignment must be an unsigned integer, got negative int");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, MAP()))), errc::protocol, "buffers must be an array, got map");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, S("id")))), errc::protocol, "nccl_id must be a bin");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 8, T(true)))), errc::protocol, "rank must be an unsigned integer, got bool");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 9, U(1ull << 32)))), errc::protocol,
+                    "nranks is 4294967296, more than");
+}
+
+TEST_CASE("decode rejects buffer descriptors of the wrong shape or type", "[wire]") {
+  const auto h = hello_fields();
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({good_buffer(), U(1)})))), errc::protocol,
+                    "buffer 1: descriptor must be an array");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(""), B("")})})))), errc::protocol,
+                    "buffer 0: descriptor must have 4 elements, got 3");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({S("1"), B(""), B(""), B("")})})))),
+                    errc::protocol, "buffer 0: bytes must be an unsigned integer");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), S("/shm"), B(""), B("")})})))),
+                    errc::protocol, "buffer 0: handle must be a bin, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(""), NIL(), B("")})})))),
+                    errc::protocol, "packed_event must be a bin");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(""), B(""), U(0)})})))),
+                    errc::protocol, "applied_event must be a bin");
+}
+
+TEST_CASE("decode rejects BEGIN, END, BATCH header fields of the wrong type", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {S("1")})), errc::protocol, "BEGIN message: version must be an unsigned integer");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {I(-1)})), errc::protocol, "got negative int");
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), T(false), U(4)})), errc::protocol,
+                    "END message: bytes must be an unsigned integer, got bool");
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), F(2.5), U(3), U(4)})), errc::protocol, "tensors must be");
+  const auto b = batch_fields({good_entry()});
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 0, NIL()))), errc::protocol, "BATCH message: version must be");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 1, S("0")))), errc::protocol, "BATCH message: seq must be");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 2, I(-1)))), errc::protocol, "BATCH message: buffer must be");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 2, U(1ull << 32)))), errc::protocol, "buffer is 4294967296");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 3, B("entries")))), errc::protocol,
+                    "BATCH message: entries must be an array, got bin");
+}
+
+TEST_CASE("decode rejects entry fields of the wrong type", "[wire]") {
+  const auto bad = [](field e) { return wire::decode(message(BATCH, batch_fields({good_entry(), std::move(e)}))); };
+  CHECK_REFIT_ERROR(bad(U(3)), errc::protocol, "entry 1: descriptor must be an array");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4)})), errc::protocol,
+                    "entry 1: descriptor must have 6 elements, got 5");
+  CHECK_REFIT_ERROR(bad(ARR({B("x"), U(8), ARR({U(1)}), U(0), U(4), U(64)})), errc::protocol,
+                    "entry 1: name must be a str, got bin");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), S("f32"), ARR({U(1)}), U(0), U(4), U(64)})), errc::protocol,
+                    "entry 1 ('x'): dtype must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), S("[1]"), U(0), U(4), U(64)})), errc::protocol,
+                    "entry 1 ('x'): shape must be an array, got str");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(2), I(-1)}), U(0), U(4), U(64)})), errc::protocol,
+                    "entry 1 ('x'): shape[1] must be an unsigned integer, got negative int");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), NIL(), U(4), U(64)})), errc::protocol,
+                    "entry 1 ('x'): tensor_offset must be");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), S("4"), U(64)})), errc::protocol,
+                    "entry 1 ('x'): bytes must be");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), F(64.5)})), errc::protocol,
+                    "entry 1 ('x'): buffer_offset must be an unsigned integer, got float");
+}
+
+TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {S("3"), T(false), ARR({})})), errc::protocol,
+                    "OK message: committed must be nil or an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({})})), errc::protocol, "committed must be nil");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), U(0), ARR({})})), errc::protocol,
+                    "OK message: dirty must be a bool, got unsigned int");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL()})), errc::protocol, "handles must be an array");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({B("a"), S("b")})})), errc::protocol,
+                    "handles[1] must be a bin, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {S("protocol"), S("x")})), errc::protocol,
+                    "ERROR message: code must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2), B("x")})), errc::protocol, "ERROR message: message must be a str");
+}
+
+// ============================================================================== limits and ranges
+
+TEST_CASE("decode rejects an error code outside the errc range", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(0), S("x")})), errc::protocol, "0 is not an error code (1..13)");
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(14), S("x")})), errc::protocol, "14 is not an error code");
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {I(-5), S("x")})), errc::protocol, "-5 is not an error code");
+  CHECK(std::get<wire::error>(wire::decode(message(ERROR, {U(13), S("x")}))).code == errc::internal);
+}
+
+TEST_CASE("decode rejects an alignment that is not a power of two", "[wire]") {
+  const auto h = hello_fields();
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 5, U(384)))), errc::protocol,
+                    "alignment 384 is not a power of two");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 5, U(0)))), errc::protocol, "alignment 0 is not a power");
+}
+
+TEST_CASE("decode rejects more buffers than the limit", "[wire]") {
+  std::vector<field> buffers(wire::max_buffers + 1, good_buffer());
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(hello_fields(), 6, ARR(buffers)))), errc::protocol,
+                    "buffers has 65 elements, more than the limit of 64");
+  buffers.pop_back();
+  CHECK(std::get<wire::hello>(wire::decode(message(HELLO, with(hello_fields(), 6, ARR(buffers))))).buffers.size() ==
+        wire::max_buffers);
+}
+
+TEST_CASE("decode rejects handles longer than the limit", "[wire]") {
+  const std::string long_handle(wire::max_handle_bytes + 1, 'h');
+  const auto h = hello_fields();
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 0, S(long_handle)))), errc::protocol,
+                    "token is 4097 bytes long, more than the limit of 4096");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, B(long_handle)))), errc::protocol, "nccl_id is 4097 bytes");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(long_handle), B(""), B("")})})))),
+                    errc::protocol, "buffer 0: handle is 4097 bytes");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({B(long_handle)})})), errc::protocol,
+                    "handles[0] is 4097 bytes");
+}
+
+TEST_CASE("decode rejects more entries than the limit", "[wire]") {
+  // Each entry a nil: the count is checked before any entry is looked at.
+  mp m;
+  m.arr(6).u(BATCH).u(wire::protocol_version).u(1).u(0).u(0).arr(static_cast<std::uint32_t>(wire::max_entries + 1));
+  for (std::size_t i = 0; i < wire::max_entries + 1; ++i) m.nil();
+  CHECK_REFIT_ERROR(wire::decode(m.str()), errc::protocol, "entries has 1048577 elements, more than the limit");
+}
+
+TEST_CASE("decode rejects empty and over-long tensor names", "[wire]") {
+  const auto bad = [](std::string name) {
+    return wire::decode(message(BATCH, batch_fields({entry(std::move(name), 8, {1}, 0, 4, 0)})));
+  };
+  CHECK_REFIT_ERROR(bad(""), errc::protocol, "entry 0: name is empty");
+  CHECK_REFIT_ERROR(bad(std::string(wire::max_name_bytes + 1, 'n')), errc::protocol,
+                    "entry 0: name is 4097 bytes long, more than the limit of 4096");
+  CHECK_NOTHROW(bad(std::string(wire::max_name_bytes, 'n')));
+}
+
+TEST_CASE("decode rejects an unknown dtype code", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 15, {1}, 0, 1, 0)}))), errc::protocol,
+                    "entry 0 ('x'): dtype has unknown code 15");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("y", 1ull << 60, {1}, 0, 1, 0)}))),
+                    errc::protocol, "unknown code 1152921504606846976");
+}
+
+TEST_CASE("decode rejects shapes with too many dimensions", "[wire]") {
+  const std::vector<std::uint64_t> nine(wire::max_rank + 1, 1);
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("deep", 1, nine, 0, 1, 0)}))), errc::protocol,
+                    "entry 0 ('deep'): shape has 9 elements, more than the limit of 8");
+  const std::vector<std::uint64_t> eight(wire::max_rank, 1);
+  CHECK_NOTHROW(wire::decode(message(BATCH, batch_fields({entry("ok", 1, eight, 0, 1, 0)}))));
+}
+
+TEST_CASE("decode rejects dimensions and byte counts that do not fit", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {1ull << 63}, 0, 1, 0)}))),
+                    errc::protocol, "entry 0 ('x'): shape[0] is 9223372036854775808, which does not fit");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 8, {1ull << 31, 1ull << 31, 8}, 0, 1, 0)}))),
+                    errc::protocol, "entry 0 ('x'): shape f32[2147483648, 2147483648, 8] has more bytes than fit");
+}
+
+TEST_CASE("decode rejects a byte range past the end of the tensor", "[wire]") {
+  // shape × itemsize = 40, but the entry claims 48 bytes.
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({good_entry(), entry("x", 8, {10}, 0, 48, 64)}))),
+                    errc::protocol, "BATCH message: entry 1 ('x'): byte range [0, 48) exceeds the tensor's 40 bytes (f32[10])");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 7, {4, 4}, 30, 4, 0)}))), errc::protocol,
+                    "byte range [30, 34) exceeds the tensor's 32 bytes (bf16[4, 4])");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {0}, 0, 1, 0)}))), errc::protocol,
+                    "exceeds the tensor's 0 bytes");
+  // The last bytes exactly: fine.
+  CHECK_NOTHROW(wire::decode(message(BATCH, batch_fields({entry("x", 7, {4, 4}, 28, 4, 0)}))));
+}
+
+TEST_CASE("decode rejects offsets whose sum overflows", "[wire]") {
+  const std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {16}, max, 2, 0)}))), errc::protocol,
+                    "entry 0 ('x'): tensor_offset 18446744073709551615 + bytes 2 overflows");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {16}, 0, 16, max - 3)}))),
+                    errc::protocol, "entry 0 ('x'): buffer_offset 18446744073709551612 + bytes 16 overflows");
+}
+
+// ======================================================================================= tracker
+
+namespace {
+
+wire::entry E(std::string name, dtype t, std::vector<std::int64_t> shape, std::uint64_t toff, std::uint64_t bytes,
+              std::uint64_t boff) {
+  return {std::move(name), t, std::move(shape), toff, bytes, boff};
+}
+
+wire::batch BT(std::uint64_t version, std::uint64_t seq, std::uint32_t buffer, std::vector<wire::entry> entries) {
+  return {version, seq, buffer, std::move(entries)};
+}
+
+// A tracker for two buffers of 1024 bytes, in refit 5.
+wire::refit_tracker started(std::uint64_t max_entries = wire::max_entries) {
+  wire::refit_tracker t({1024, 1024}, max_entries);
+  t.begin({5}, std::nullopt);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("tracker accepts a chunked refit over many batches", "[wire]") {
+  // Plan a model with the real planner, send every batch through the wire, check it.
+  const std::vector<std::uint64_t> sizes{40, 4096, 0, 12, 1000, 1024, 2, 3000};
+  refit::plan_options o;
+  o.buffer_bytes = 1024;
+  o.alignment = 64;
+  const auto plan = refit::make_plan(sizes, o);
+  std::vector<refit::tensor_meta> metas;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    metas.push_back({"layer." + std::to_string(i), dtype::u8, {static_cast<std::int64_t>(sizes[i])}});
+  metas[1] = {"layer.1", dtype::f32, {32, 32}};  // 4096 bytes
+  metas[7] = {"layer.7", dtype::bf16, {1500}};   // 3000 bytes
+
+  wire::refit_tracker t({1024, 1024});
+  std::optional<std::uint64_t> committed = 3;
+  t.begin({4}, committed);
+  CHECK(t.active());
+  CHECK(t.version() == 4);
+  for (std::size_t b = 0; b < plan.size(); ++b) {
+    wire::batch msg{4, b, static_cast<std::uint32_t>(b % 2), {}};
+    for (const auto& e : plan[b].entries)
+      msg.entries.push_back({metas[e.tensor].name, metas[e.tensor].type, metas[e.tensor].shape, e.tensor_offset,
+                             e.bytes, e.buffer_offset});
+    const auto decoded = std::get<wire::batch>(wire::decode(wire::encode(msg)));
+    REQUIRE_NOTHROW(t.check(decoded));
+  }
+  std::uint64_t total = 0;
+  for (auto s : sizes) total += s;
+  CHECK(t.batches() == plan.size());
+  CHECK(t.bytes() == total);
+  CHECK(t.tensors_completed() == sizes.size());
+  REQUIRE_NOTHROW(t.finish({4, sizes.size(), total, plan.size()}));
+  CHECK_FALSE(t.active());
+  CHECK(t.completed().size() == sizes.size());
+  CHECK(t.completed().contains("layer.1"));
+  CHECK(t.completed().contains("layer.2"));
+}
+
+TEST_CASE("tracker rejects a BATCH without BEGIN", "[wire]") {
+  wire::refit_tracker t({1024});
+  CHECK_REFIT_ERROR(t.check(BT(1, 0, 0, {})), errc::protocol, "BATCH without BEGIN");
+  // Also after the refit finished.
+  t.begin({1}, std::nullopt);
+  t.check(BT(1, 0, 0, {E("a", dtype::u8, {4}, 0, 4, 0)}));
+  t.finish({1, 1, 4, 1});
+  CHECK_REFIT_ERROR(t.check(BT(1, 1, 0, {})), errc::protocol, "BATCH without BEGIN");
+  CHECK_REFIT_ERROR(t.finish({1, 1, 4, 1}), errc::protocol, "END without BEGIN");
+}
+
+TEST_CASE("tracker rejects a BEGIN version not newer than the committed one", "[wire]") {
+  wire::refit_tracker t({1024});
+  CHECK_REFIT_ERROR(t.begin({7}, 7), errc::protocol, "version 7 is not newer than the committed version 7");
+  CHECK_REFIT_ERROR(t.begin({3}, 7), errc::protocol, "version 3 is not newer than the committed version 7");
+  CHECK_FALSE(t.active());
+  CHECK_NOTHROW(t.begin({8}, 7));
+  CHECK_NOTHROW(t.begin({0}, std::nullopt));
+  CHECK(t.active());
+}
+
+TEST_CASE("tracker restarts on a BEGIN during a refit", "[wire]") {
+  auto t = started();
+  t.check(BT(5, 0, 0, {E("a", dtype::u8, {2048}, 0, 1024, 0)}));
+  t.begin({6}, std::nullopt);
+  CHECK(t.version() == 6);
+  CHECK(t.batches() == 0);
+  CHECK(t.bytes() == 0);
+  // The partial tensor of the aborted refit is forgotten: it may start again from 0.
+  CHECK_NOTHROW(t.check(BT(6, 0, 0, {E("a", dtype::u8, {2048}, 0, 1024, 0)})));
+}
+
+TEST_CASE("tracker rejects a batch of another version", "[wire]") {
+  auto t = started();
+  CHECK_REFIT_ERROR(t.check(BT(6, 0, 0, {})), errc::protocol, "version 6 does not match the refit in progress, version 5");
+}
+
+TEST_CASE("tracker rejects an out-of-order sequence number", "[wire]") {
+  auto t = started();
+  CHECK_REFIT_ERROR(t.check(BT(5, 1, 0, {})), errc::protocol, "sequence number 1 out of order, expected 0");
+  t.check(BT(5, 0, 0, {}));
+  CHECK_REFIT_ERROR(t.check(BT(5, 0, 1, {})), errc::protocol, "sequence number 0 out of order, expected 1");
+  CHECK_NOTHROW(t.check(BT(5, 1, 1, {})));
+}
+
+TEST_CASE("tracker rejects a buffer index out of range", "[wire]") {
+  auto t = started();
+  CHECK_REFIT_ERROR(t.check(BT(5, 0, 2, {})), errc::protocol, "buffer index 2 out of range: the session has 2 buffers");
+}
+
+TEST_CASE("tracker rejects an entry past the end of its buffer", "[wire]") {
+  wire::refit_tracker t({1024, 512});
+  t.begin({1}, std::nullopt);
+  CHECK_REFIT_ERROR(t.check(BT(1, 0, 1, {E("a", dtype::u8, {64}, 0, 64, 480)})), errc::protocol,
+                    "entry 0 ('a'): buffer range [480, 480 + 64) exceeds buffer 1's 512 bytes");
+  const std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
+  CHECK_REFIT_ERROR(t.check(BT(1, 0, 0, {E("a", dtype::u8, {64}, 0, 64, max)})), errc::protocol,
+                    "exceeds buffer 0's 1024 bytes");
+  CHECK_NOTHROW(t.check(BT(1, 0, 1, {E("a", dtype::u8, {64}, 0, 64, 448)})));
+}
+
+TEST_CASE("tracker rejects more entries than its limit", "[wire]") {
+  auto t = started(2);
+  CHECK_REFIT_ERROR(t.check(BT(5, 0, 0, {E("a", dtype::u8, {1}, 0, 1, 0), E("b", dtype::u8, {1}, 0, 1, 64),
+                                        E("c", dtype::u8, {1}, 0, 1, 128)})),
+                    errc::protocol, "3 entries, more than the limit of 2");
+}
+
+TEST_CASE("tracker rejects overlapping entries in a batch", "[wire]") {
+  auto t = started();
+  CHECK_REFIT_ERROR(t.check(BT(5, 0, 0, {E("b", dtype::f32, {10}, 0, 40, 32), E("a", dtype::f32, {10}, 0, 40, 0)})),
+                    errc::protocol, "entries 1 ('a') at [0, 40) and 0 ('b') at [32, 72) overlap in buffer 0");
+  // Zero-byte entries overlap nothing; touching ranges do not overlap.
+  CHECK_NOTHROW(t.check(BT(5, 0, 0, {E("a", dtype::f32, {10}, 0, 40, 0), E("z", dtype::f32, {0}, 0, 0, 0),
+                                    E("b", dtype::f32, {10}, 0, 40, 40)})));
+}
+
+TEST_CASE("tracker rejects a tensor sent twice", "[wire]") {
+  SECTION("in one batch") {
+    auto t = started();
+    CHECK_REFIT_ERROR(t.check(BT(5, 0, 0, {E("a", dtype::u8, {8}, 0, 8, 0), E("a", dtype::u8, {8}, 0, 8, 64)})),
+                      errc::protocol, "entry 1 ('a'): duplicate tensor 'a'");
+  }
+  SECTION("across batches") {
+    auto t = started();
+    t.check(BT(5, 0, 0, {E("a", dtype::u8, {8}, 0, 8, 0)}));
+    CHECK_REFIT_ERROR(t.check(BT(5, 1, 1, {E("a", dtype::u8, {8}, 0, 8, 0)})), errc::protocol,
+                      "duplicate tensor 'a'");
+  }
+  SECTION("a zero-byte tensor") {
+    auto t = started();
+    t.check(BT(5, 0, 0, {E("z", dtype::u8, {0}, 0, 0, 0)}));
+    CHECK(t.tensors_completed() == 1);
+    CHECK_REFIT_ERROR(t.check(BT(5, 1, 0, {E("z", dtype::u8, {0}, 0, 0, 0)})), errc::protocol, "duplicate tensor 'z'");
+  }
+  SECTION("a chunk after the last one") {
+    auto t = started();
+    t.check(BT(5, 0, 0, {E("big", dtype::u8, {2048}, 0, 1024, 0)}));
+    t.check(BT(5, 1, 1, {E("big", dtype::u8, {2048}, 1024, 1024, 0)}));
+    CHECK_REFIT_ERROR(t.check(BT(5, 2, 0, {E("big", dtype::u8, {2048}, 1024, 1024, 0)})), errc::protocol,
+                      "duplicate tensor 'big'");
+  }
+}
+
+TEST_CASE("tracker rejects a first chunk that does not start at 0", "[wire]") {
+  auto t = started();
+  CHECK_REFIT_ERROR(t.check(BT(5, 0, 0, {E("big", dtype::u8, {2048}, 1024, 1024, 0)})), errc::protocol,
+                    "entry 0 ('big'): the first chunk of a tensor must start at offset 0, got 1024");
+}
+
+TEST_CASE("tracker rejects a gap or an overlap between chunks", "[wire]") {
+  auto t = started();
+  t.check(BT(5, 0, 0, {E("big", dtype::f32, {512}, 0, 1024, 0)}));
+  CHECK_REFIT_ERROR(t.check(BT(5, 1, 1, {E("big", dtype::f32, {512}, 1040, 512, 0)})), errc::protocol,
+                    "chunk starts at byte 1040 but the previous chunk ended at byte 1024");
+  CHECK_REFIT_ERROR(t.check(BT(5, 1, 1, {E("big", dtype::f32, {512}, 512, 1024, 0)})), errc::protocol,
+                    "chunk starts at byte 512 but");
+  CHECK_NOTHROW(t.check(BT(5, 1, 1, {E("big", dtype::f32, {512}, 1024, 1024, 0)})));
+}
+
+TEST_CASE("tracker rejects a chunk that changes dtype or shape", "[wire]") {
+  auto t = started();
+  t.check(BT(5, 0, 0, {E("big", dtype::f32, {512}, 0, 1024, 0)}));
+  CHECK_REFIT_ERROR(t.check(BT(5, 1, 1, {E("big", dtype::i32, {512}, 1024, 1024, 0)})), errc::protocol,
+                    "entry 0 ('big'): chunk changes the tensor from f32[512] to i32[512]");
+  CHECK_REFIT_ERROR(t.check(BT(5, 1, 1, {E("big", dtype::f32, {2, 256}, 1024, 1024, 0)})), errc::protocol,
+                    "from f32[512] to f32[2, 256]");
+}
+
+TEST_CASE("tracker rejects a chunk past the end of its tensor", "[wire]") {
+  auto t = started();
+  t.check(BT(5, 0, 0, {E("big", dtype::u8, {1500}, 0, 1024, 0)}));
+  CHECK_REFIT_ERROR(t.check(BT(5, 1, 1, {E("big", dtype::u8, {1500}, 1024, 1000, 0)})), errc::protocol,
+                    "exceeds the tensor's 1500 bytes");
+}
+
+TEST_CASE("tracker state is unchanged by a rejected batch", "[wire]") {
+  auto t = started();
+  t.check(BT(5, 0, 0, {E("a", dtype::u8, {8}, 0, 8, 0)}));
+  // The first entry is good, the second a duplicate: nothing of the batch may stick.
+  CHECK_THROWS(t.check(BT(5, 1, 1, {E("b", dtype::u8, {8}, 0, 8, 0), E("a", dtype::u8, {8}, 0, 8, 64)})));
+  CHECK(t.batches() == 1);
+  CHECK(t.bytes() == 8);
+  CHECK(t.tensors_completed() == 1);
+  CHECK_NOTHROW(t.check(BT(5, 1, 1, {E("b", dtype::u8, {8}, 0, 8, 0)})));
+  CHECK_NOTHROW(t.finish({5, 2, 16, 2}));
+}
+
+TEST_CASE("tracker accepts several chunks of one tensor in one batch", "[wire]") {
+  auto t = started();
+  CHECK_NOTHROW(t.check(BT(5, 0, 0, {E("a", dtype::u8, {100}, 0, 60, 0), E("a", dtype::u8, {100}, 60, 40, 64)})));
+  CHECK(t.completed().contains("a"));
+  CHECK_NOTHROW(t.finish({5, 1, 100, 1}));
+}
+
+TEST_CASE("tracker END fails as incomplete when a chunk is missing", "[wire]") {
+  auto t = started();
+  t.check(BT(5, 0, 0, {E("small", dtype::u8, {4}, 0, 4, 0)}));
+  t.check(BT(5, 1, 1, {E("big", dtype::u8, {2048}, 0, 1024, 0)}));
+  CHECK_REFIT_ERROR(t.finish({5, 2, 2052, 2}), errc::incomplete, "tensor 'big' is incomplete: 1024 of 2048 bytes arrived");
+  CHECK(t.active());
+}
+
+TEST_CASE("tracker END fails as incomplete when the totals differ", "[wire]") {
+  auto t = started();
+  t.check(BT(5, 0, 0, {E("a", dtype::u8, {4}, 0, 4, 0), E("b", dtype::u8, {6}, 0, 6, 64)}));
+  t.check(BT(5, 1, 1, {E("c", dtype::u8, {10}, 0, 10, 0)}));
+  CHECK_REFIT_ERROR(t.finish({5, 4, 20, 2}), errc::incomplete, "the streamer sent 4 tensors but 3 arrived");
+  CHECK_REFIT_ERROR(t.finish({5, 3, 21, 2}), errc::incomplete, "the streamer sent 21 bytes but 20 arrived");
+  CHECK_REFIT_ERROR(t.finish({5, 3, 20, 3}), errc::incomplete, "the streamer sent 3 batches but 2 arrived");
+  CHECK_REFIT_ERROR(t.finish({6, 3, 20, 2}), errc::protocol, "END: version 6 does not match the refit in progress, version 5");
+  CHECK(t.active());
+  CHECK_NOTHROW(t.finish({5, 3, 20, 2}));
+  CHECK_FALSE(t.active());
+}
