@@ -1,1 +1,226 @@
-// stub: to be implemented
+// refit — GPU copy engines and the device checksum. See copy_cuda.hpp and copy_kernel.hpp.
+#include "copy/copy_cuda.hpp"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "copy/copy_kernel.hpp"
+#include "copy/cuda_check.hpp"
+#include "copy/cuda_handles.hpp"
+#include "refit/error.hpp"
+
+namespace refit::copy {
+namespace {
+
+int multiprocessors(int device) {
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             fmt::format("cudaDeviceGetAttribute(multiprocessor count, device {})", device));
+  return std::max(sms, 1);
+}
+
+std::size_t non_empty(std::span<const op> ops) noexcept {
+  return static_cast<std::size_t>(std::count_if(ops.begin(), ops.end(), [](const op& o) { return o.bytes != 0; }));
+}
+
+/// One launch of the copy kernel per run(). The op list reaches the device through a ring of
+/// slots, each a page-locked host array and a device array: run() fills a slot's host array,
+/// copies it to the slot's device array on the caller's stream and launches the kernel after it.
+/// A slot comes round again after `ring` calls; by then its host array's upload has normally
+/// finished (otherwise run() waits for that one copy), and the stream waits (on the device, not
+/// the host) for the kernel that last read its device array, in case that ran on another stream.
+class kernel_copier final : public copier {
+ public:
+  explicit kernel_copier(int device) : device_(device) {
+    device_guard guard(device_);
+    max_blocks_ = multiprocessors(device_) * kernel::blocks_per_sm;
+    for (slot& s : slots_) {
+      s.uploaded = cuda::event(cudaEventDisableTiming);
+      s.consumed = cuda::event(cudaEventDisableTiming);
+      grow(s, initial_capacity);
+    }
+  }
+
+  void run(std::span<const op> ops, void* stream) override {
+    const std::size_t count = non_empty(ops);
+    if (count == 0) return;
+    if (count > std::numeric_limits<std::uint32_t>::max())
+      throw error(errc::invalid_argument, fmt::format("a batch of {} copies is too many for one launch", count));
+    device_guard guard(device_);
+    const auto s = static_cast<cudaStream_t>(stream);
+    slot& sl = slots_[next_];
+    next_ = (next_ + 1) % slots_.size();
+
+    // The host array is overwritten below: its last upload must be complete.
+    const cudaError_t state = cudaEventQuery(sl.uploaded.handle());
+    if (state == cudaErrorNotReady)
+      check_cuda(cudaEventSynchronize(sl.uploaded.handle()), "cudaEventSynchronize(copy op list upload)");
+    else
+      check_cuda(state, "cudaEventQuery(copy op list upload)");
+    if (count > sl.capacity) {
+      // Both arrays are replaced: the kernel that last read the device array must be done too.
+      check_cuda(cudaEventSynchronize(sl.consumed.handle()), "cudaEventSynchronize(copy kernel)");
+      grow(sl, std::max<std::size_t>(count, 2 * sl.capacity));
+    }
+
+    auto* list = static_cast<kernel::device_op*>(sl.host.handle());
+    std::uint64_t tiles = 0;
+    std::size_t n = 0;
+    for (const op& o : ops) {
+      if (o.bytes == 0) continue;
+      list[n++] = kernel::device_op{o.src, o.dst, o.bytes, tiles};
+      tiles += kernel::tiles_of(o.bytes);
+    }
+
+    // The device array may still be read by the previous launch from this slot (another stream).
+    check_cuda(cudaStreamWaitEvent(s, sl.consumed.handle(), 0), "cudaStreamWaitEvent(copy kernel)");
+    check_cuda(cudaMemcpyAsync(sl.device.handle(), list, n * sizeof(kernel::device_op), cudaMemcpyHostToDevice, s),
+               [&] { return fmt::format("cudaMemcpyAsync(op list of {} copies to device {})", n, device_); });
+    check_cuda(cudaEventRecord(sl.uploaded.handle(), s), "cudaEventRecord(copy op list upload)");
+    const auto blocks = static_cast<int>(std::min<std::uint64_t>(tiles, static_cast<std::uint64_t>(max_blocks_)));
+    check_cuda(kernel::launch_copy(static_cast<const kernel::device_op*>(sl.device.handle()),
+                                   static_cast<std::uint32_t>(n), tiles, blocks, s),
+               [&] {
+                 return fmt::format("copy kernel launch ({} copies, {} tiles, {} blocks, device {})", n, tiles, blocks,
+                                    device_);
+               });
+    check_cuda(cudaEventRecord(sl.consumed.handle(), s), "cudaEventRecord(copy kernel)");
+  }
+
+  [[nodiscard]] engine kind() const noexcept override { return engine::kernel; }
+
+ private:
+  static constexpr std::size_t initial_capacity = 1024;  // ops; 32 KiB per array
+
+  struct slot {
+    cuda::pinned_buffer host;
+    cuda::device_buffer device;
+    std::size_t capacity = 0;
+    cuda::event uploaded;  ///< recorded after the op list's upload: the host array is free
+    cuda::event consumed;  ///< recorded after the kernel: the device array is free
+  };
+
+  static void grow(slot& s, std::size_t capacity) {
+    const std::uint64_t bytes = capacity * sizeof(kernel::device_op);
+    // Release first: a failed allocation must not leave the slot half replaced.
+    s.host = cuda::pinned_buffer();
+    s.device = cuda::device_buffer();
+    s.capacity = 0;
+    s.host = cuda::pinned_buffer(bytes);
+    s.device = cuda::device_buffer(bytes);
+    s.capacity = capacity;
+  }
+
+  int device_;
+  int max_blocks_ = 1;
+  std::array<slot, 4> slots_;
+  std::size_t next_ = 0;
+};
+
+/// cudaMemcpyBatchAsync: one call per run(). The runtime refuses the legacy default stream for
+/// batches, so on a null stream this falls back to one cudaMemcpyAsync per op.
+class batch_copier final : public copier {
+ public:
+  explicit batch_copier(int device) : device_(device) {}
+
+  void run(std::span<const op> ops, void* stream) override {
+    device_guard guard(device_);
+    const auto s = static_cast<cudaStream_t>(stream);
+    dsts_.clear();
+    srcs_.clear();
+    sizes_.clear();
+    for (const op& o : ops) {
+      if (o.bytes == 0) continue;
+      dsts_.push_back(o.dst);
+      srcs_.push_back(o.src);
+      sizes_.push_back(static_cast<std::size_t>(o.bytes));
+    }
+    if (dsts_.empty()) return;
+    if (s == nullptr) {
+      for (std::size_t i = 0; i < dsts_.size(); ++i)
+        check_cuda(cudaMemcpyAsync(dsts_[i], srcs_[i], sizes_[i], cudaMemcpyDefault, s),
+                   [&] { return fmt::format("cudaMemcpyAsync({} bytes, device {})", sizes_[i], device_); });
+      return;
+    }
+    cudaMemcpyAttributes attributes{};
+    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attributes.srcLocHint.type = cudaMemLocationTypeDevice;
+    attributes.srcLocHint.id = device_;
+    attributes.dstLocHint.type = cudaMemLocationTypeDevice;
+    attributes.dstLocHint.id = device_;
+    attributes.flags = cudaMemcpyFlagDefault;
+    std::size_t first = 0;  // the one attribute applies to copies [0, count)
+    check_cuda(cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), dsts_.size(), &attributes, &first, 1, s),
+               [&] { return fmt::format("cudaMemcpyBatchAsync({} copies, device {})", dsts_.size(), device_); });
+  }
+
+  [[nodiscard]] engine kind() const noexcept override { return engine::memcpy_batch; }
+
+ private:
+  int device_;
+  std::vector<void*> dsts_;
+  std::vector<const void*> srcs_;
+  std::vector<std::size_t> sizes_;
+};
+
+/// One cudaMemcpyAsync per op: the baseline.
+class each_copier final : public copier {
+ public:
+  explicit each_copier(int device) : device_(device) {}
+
+  void run(std::span<const op> ops, void* stream) override {
+    device_guard guard(device_);
+    const auto s = static_cast<cudaStream_t>(stream);
+    for (const op& o : ops) {
+      if (o.bytes == 0) continue;
+      check_cuda(cudaMemcpyAsync(o.dst, o.src, static_cast<std::size_t>(o.bytes), cudaMemcpyDefault, s),
+                 [&] { return fmt::format("cudaMemcpyAsync({} bytes, device {})", o.bytes, device_); });
+    }
+  }
+
+  [[nodiscard]] engine kind() const noexcept override { return engine::memcpy_each; }
+
+ private:
+  int device_;
+};
+
+}  // namespace
+
+std::unique_ptr<copier> make_cuda_copier(engine e, int device) {
+  switch (e) {
+    case engine::kernel: return std::make_unique<kernel_copier>(device);
+    case engine::memcpy_batch: return std::make_unique<batch_copier>(device);
+    case engine::memcpy_each: return std::make_unique<each_copier>(device);
+    case engine::cpu: break;
+  }
+  throw error(errc::invalid_argument, fmt::format("copy engine {} is not a CUDA engine", to_string(e)));
+}
+
+std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device) {
+  if (bytes == 0) return 0;  // the empty sum plus bytes
+  if (p == nullptr) throw error(errc::invalid_argument, fmt::format("checksum of {} bytes at a null pointer", bytes));
+  device_guard guard(device);
+  // Synchronous by contract: the bytes are final once the device's queued work is done.
+  check_cuda(cudaDeviceSynchronize(), fmt::format("cudaDeviceSynchronize(device {}) before a checksum", device));
+  cuda::device_buffer result(sizeof(unsigned long long));
+  check_cuda(cudaMemset(result.handle(), 0, sizeof(unsigned long long)), "cudaMemset(checksum accumulator)");
+  const std::uint64_t words = bytes / 8;
+  const std::uint64_t wanted =
+      std::max<std::uint64_t>(1, (words + kernel::checksum_threads - 1) / kernel::checksum_threads);
+  const auto blocks =
+      static_cast<int>(std::min<std::uint64_t>(wanted, static_cast<std::uint64_t>(multiprocessors(device)) * 4));
+  check_cuda(kernel::launch_checksum(p, bytes, static_cast<unsigned long long*>(result.handle()), blocks, nullptr),
+             fmt::format("checksum kernel launch ({} bytes, device {})", bytes, device));
+  unsigned long long sum = 0;
+  check_cuda(cudaMemcpy(&sum, result.handle(), sizeof sum, cudaMemcpyDeviceToHost),
+             fmt::format("checksum of {} bytes on device {}", bytes, device));
+  return static_cast<std::uint64_t>(sum) + bytes;
+}
+
+}  // namespace refit::copy

@@ -1,1 +1,443 @@
-// stub: to be implemented
+// refit — the cuda_ipc transport. See cuda_ipc.hpp, transport.hpp and DESIGN.md ("Synchronisation
+// without host stalls").
+//
+// The streamer owns `count` device buffers and two interprocess events per buffer: packed[i],
+// recorded on its pack stream after packing buffer i, and applied[i], recorded by the receiver on
+// its apply stream after reading buffer i. Each side makes its own stream wait on the other
+// side's event before touching a buffer, so nothing here blocks the host except drain().
+// Buffers and events are exported once and live as long as the source: a new receiver (a new
+// session) maps the same ones again.
+#include "transport/cuda_ipc.hpp"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "copy/cuda_check.hpp"
+#include "copy/cuda_handles.hpp"
+#include "model/log.hpp"
+#include "refit/error.hpp"
+
+namespace refit::transport {
+namespace {
+
+constexpr unsigned int ipc_event_flags = cudaEventDisableTiming | cudaEventInterprocess;
+constexpr std::string_view transport_name = "cuda_ipc";
+
+template <typename T>
+std::string raw_bytes(const T& value) {
+  return std::string(reinterpret_cast<const char*>(&value), sizeof value);
+}
+
+template <typename T>
+T from_raw_bytes(const std::string& bytes) {
+  T value{};
+  std::memcpy(&value, bytes.data(), sizeof value);  // callers checked bytes.size() == sizeof value
+  return value;
+}
+
+std::string human_bytes(std::uint64_t bytes) {
+  if (bytes >= (1ull << 30)) return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1ull << 30));
+  if (bytes >= (1ull << 20)) return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1ull << 20));
+  return fmt::format("{} bytes", bytes);
+}
+
+/// The 16 raw bytes of the device's UUID.
+std::string device_uuid(int device) {
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device), fmt::format("cudaGetDeviceProperties(device {})", device));
+  static_assert(sizeof prop.uuid.bytes == 16);
+  return std::string(prop.uuid.bytes, sizeof prop.uuid.bytes);
+}
+
+/// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" as nvidia-smi prints it; "unknown" unless 16 bytes.
+std::string uuid_text(std::string_view raw) {
+  if (raw.size() != 16) return "unknown";
+  std::string out = "GPU-";
+  for (std::size_t i = 0; i < raw.size(); ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    out += fmt::format("{:02x}", static_cast<unsigned char>(raw[i]));
+  }
+  return out;
+}
+
+/// Another process's device memory, mapped with cudaIpcOpenMemHandle on the current device.
+class ipc_mapping {
+ public:
+  ipc_mapping() noexcept = default;
+  /// Throws refit::error(errc::transport) naming `what` and the CUDA error.
+  ipc_mapping(const cudaIpcMemHandle_t& handle, std::string_view what) {
+    const cudaError_t status = cudaIpcOpenMemHandle(&p_, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: do not let it surface in an unrelated later check
+      p_ = nullptr;
+      throw error(errc::transport,
+                  fmt::format("cudaIpcOpenMemHandle({}): {}: {}: the receiver cannot map the streamer's GPU "
+                              "memory (different container/GPU visibility?); use host_shm or nccl",
+                              what, cudaGetErrorName(status), cudaGetErrorString(status)));
+    }
+  }
+  ~ipc_mapping() { reset(); }
+  ipc_mapping(ipc_mapping&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  ipc_mapping& operator=(ipc_mapping&& o) noexcept {
+    if (this != &o) {
+      reset();
+      p_ = std::exchange(o.p_, nullptr);
+    }
+    return *this;
+  }
+  ipc_mapping(const ipc_mapping&) = delete;
+  ipc_mapping& operator=(const ipc_mapping&) = delete;
+
+  [[nodiscard]] void* handle() const noexcept { return p_; }
+
+ private:
+  void reset() noexcept {
+    if (p_ != nullptr) (void)cudaIpcCloseMemHandle(p_);
+    p_ = nullptr;
+  }
+  void* p_ = nullptr;
+};
+
+/// Another process's interprocess event, opened with cudaIpcOpenEventHandle.
+class ipc_event {
+ public:
+  ipc_event() noexcept = default;
+  /// Throws refit::error(errc::transport) naming `what` and the CUDA error.
+  ipc_event(const cudaIpcEventHandle_t& handle, std::string_view what) {
+    const cudaError_t status = cudaIpcOpenEventHandle(&e_, handle);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      e_ = nullptr;
+      throw error(errc::transport,
+                  fmt::format("cudaIpcOpenEventHandle({}): {}: {}: the receiver cannot open the streamer's "
+                              "CUDA events (different container/GPU visibility?); use host_shm or nccl",
+                              what, cudaGetErrorName(status), cudaGetErrorString(status)));
+    }
+  }
+  ~ipc_event() { reset(); }
+  ipc_event(ipc_event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  ipc_event& operator=(ipc_event&& o) noexcept {
+    if (this != &o) {
+      reset();
+      e_ = std::exchange(o.e_, nullptr);
+    }
+    return *this;
+  }
+  ipc_event(const ipc_event&) = delete;
+  ipc_event& operator=(const ipc_event&) = delete;
+
+  [[nodiscard]] cudaEvent_t handle() const noexcept { return e_; }
+
+ private:
+  void reset() noexcept {
+    if (e_ != nullptr) (void)cudaEventDestroy(e_);
+    e_ = nullptr;
+  }
+  cudaEvent_t e_ = nullptr;
+};
+
+void check_index(std::size_t i, std::size_t count, std::string_view call) {
+  if (i >= count)
+    throw error(errc::internal, fmt::format("cuda_ipc {}: buffer {} out of range ({} buffers)", call, i, count));
+}
+
+class cuda_ipc_source final : public source {
+ public:
+  explicit cuda_ipc_source(const source_options& options) : device_(options.device), bytes_(options.bytes) {
+    device_guard guard(device_);
+    uuid_ = device_uuid(device_);
+    buffers_.reserve(options.count);
+    packed_.reserve(options.count);
+    applied_.reserve(options.count);
+    for (std::size_t i = 0; i < options.count; ++i) {
+      try {
+        buffers_.emplace_back(bytes_);
+      } catch (const error& e) {
+        throw error(errc::cuda,
+                    fmt::format("cannot allocate cuda_ipc buffer {} of {} ({} of {} bytes) on device {}: {}; use "
+                                "a smaller buffer_bytes (or fewer buffers)",
+                                i, options.count, human_bytes(bytes_), bytes_, device_, e.what()));
+      }
+      packed_.emplace_back(ipc_event_flags);
+      applied_.emplace_back(ipc_event_flags);
+    }
+    stream_ = cuda::stream(cudaStreamNonBlocking);
+    REFIT_DEBUG("cuda_ipc: {} buffers of {} on device {} ({})", options.count, human_bytes(bytes_), device_,
+                uuid_text(uuid_));
+  }
+
+  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::cuda_ipc; }
+  [[nodiscard]] std::size_t count() const noexcept override { return buffers_.size(); }
+  [[nodiscard]] std::uint64_t buffer_bytes() const noexcept override { return bytes_; }
+  [[nodiscard]] std::byte* data(std::size_t i) noexcept override {
+    return i < buffers_.size() ? static_cast<std::byte*>(buffers_[i].handle()) : nullptr;
+  }
+  [[nodiscard]] device where() const noexcept override { return device::cuda(device_); }
+  [[nodiscard]] copy::engine engine() const noexcept override { return copy::engine::kernel; }
+  [[nodiscard]] void* stream() noexcept override { return stream_.handle(); }
+
+  void open_session(wire::hello& h) override {
+    if (exported_.empty()) {
+      // Exported once: handles stay valid as long as the allocations and events do.
+      device_guard guard(device_);
+      std::vector<wire::buffer_desc> descs;
+      descs.reserve(buffers_.size());
+      for (std::size_t i = 0; i < buffers_.size(); ++i) {
+        cudaIpcMemHandle_t memory{};
+        cudaIpcEventHandle_t packed{};
+        cudaIpcEventHandle_t applied{};
+        check_cuda(cudaIpcGetMemHandle(&memory, buffers_[i].handle()),
+                   fmt::format("cudaIpcGetMemHandle(buffer {})", i));
+        check_cuda(cudaIpcGetEventHandle(&packed, packed_[i].handle()),
+                   fmt::format("cudaIpcGetEventHandle(packed[{}])", i));
+        check_cuda(cudaIpcGetEventHandle(&applied, applied_[i].handle()),
+                   fmt::format("cudaIpcGetEventHandle(applied[{}])", i));
+        descs.push_back(wire::buffer_desc{bytes_, raw_bytes(memory), raw_bytes(packed), raw_bytes(applied)});
+      }
+      exported_ = std::move(descs);
+    }
+    h.transport = std::string(transport_name);
+    h.host_id = host_identity();
+    h.peer = process_identity();
+    h.device_uuid = uuid_;
+    h.buffers = exported_;
+  }
+
+  void session_accepted(const wire::ok& /*reply*/) override {}
+  void close_session() noexcept override {}
+
+  void begin_pack(std::size_t i) override {
+    check_index(i, buffers_.size(), "begin_pack");
+    device_guard guard(device_);
+    // A never-recorded event is complete: the first pack of each buffer does not wait.
+    check_cuda(cudaStreamWaitEvent(stream_.handle(), applied_[i].handle(), 0),
+               [&] { return fmt::format("cudaStreamWaitEvent(pack stream, applied[{}])", i); });
+  }
+
+  void after(void* producer_stream) override {
+    device_guard guard(device_);
+    const auto producer = static_cast<cudaStream_t>(producer_stream);
+    int producer_device = device_;
+    if (producer != nullptr)
+      check_cuda(cudaStreamGetDevice(producer, &producer_device), "cudaStreamGetDevice(tensor's producer stream)");
+    cudaEvent_t e = next_local_event(producer_device);
+    // Recorded on the producer's device (an event must be recorded on a stream of its own
+    // device); the pack stream may wait on an event of any device.
+    {
+      device_guard on_producer(producer_device);
+      check_cuda(cudaEventRecord(e, producer), "cudaEventRecord(tensor's producer stream)");
+    }
+    check_cuda(cudaStreamWaitEvent(stream_.handle(), e, 0), "cudaStreamWaitEvent(pack stream, producer stream)");
+  }
+
+  void end_pack(std::size_t i) override {
+    check_index(i, buffers_.size(), "end_pack");
+    device_guard guard(device_);
+    check_cuda(cudaEventRecord(packed_[i].handle(), stream_.handle()),
+               [&] { return fmt::format("cudaEventRecord(packed[{}])", i); });
+  }
+
+  void drain() override {
+    device_guard guard(device_);
+    check_cuda(cudaStreamSynchronize(stream_.handle()), "cudaStreamSynchronize(cuda_ipc pack stream)");
+  }
+
+ private:
+  /// Events that order the pack stream after producer streams, round robin per device. Waiting
+  /// captures the event's state at the time of the call, so re-recording one is always safe; a
+  /// few of them merely keep that independent of how the runtime implements it.
+  cudaEvent_t next_local_event(int device) {
+    auto& pool = pools_[device];
+    if (!pool.events[0]) {
+      device_guard on(device);
+      for (auto& e : pool.events) e = cuda::event(cudaEventDisableTiming);
+    }
+    const cudaEvent_t e = pool.events[pool.next].handle();
+    pool.next = (pool.next + 1) % pool.events.size();
+    return e;
+  }
+
+  struct event_pool {
+    std::array<cuda::event, 4> events;
+    std::size_t next = 0;
+  };
+
+  int device_;
+  std::uint64_t bytes_;
+  std::string uuid_;
+  std::vector<cuda::device_buffer> buffers_;
+  std::vector<cuda::event> packed_;
+  std::vector<cuda::event> applied_;
+  std::map<int, event_pool> pools_;
+  std::vector<wire::buffer_desc> exported_;
+  cuda::stream stream_;  // last member: destroyed first, before the memory its work touches
+};
+
+class cuda_ipc_sink final : public sink {
+ public:
+  explicit cuda_ipc_sink(int device) : device_(device) {}
+  ~cuda_ipc_sink() override { detach(); }
+  cuda_ipc_sink(const cuda_ipc_sink&) = delete;
+  cuda_ipc_sink& operator=(const cuda_ipc_sink&) = delete;
+
+  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::cuda_ipc; }
+
+  void attach(const wire::hello& h, wire::ok& /*reply*/) override {
+    detach();
+    if (h.transport != transport_name)
+      throw error(errc::protocol,
+                  fmt::format("a HELLO for transport '{}' reached the cuda_ipc receiver side", h.transport));
+    const std::string local_host = host_identity();
+    if (h.host_id != local_host)
+      throw error(errc::transport,
+                  fmt::format("cuda_ipc needs both processes on one host (streamer on {}, receiver on {}): use the "
+                              "nccl transport",
+                              h.host_id, local_host));
+    if (h.buffers.empty()) throw error(errc::protocol, "cuda_ipc HELLO announces no buffers");
+    for (std::size_t i = 0; i < h.buffers.size(); ++i) {
+      const wire::buffer_desc& b = h.buffers[i];
+      if (b.handle.size() != sizeof(cudaIpcMemHandle_t) || b.packed_event.size() != sizeof(cudaIpcEventHandle_t) ||
+          b.applied_event.size() != sizeof(cudaIpcEventHandle_t))
+        throw error(
+            errc::protocol,
+            fmt::format("cuda_ipc HELLO buffer {}: handle sizes {}/{}/{} bytes (memory/packed/applied), "
+                        "expected {}/{}/{}",
+                        i, b.handle.size(), b.packed_event.size(), b.applied_event.size(), sizeof(cudaIpcMemHandle_t),
+                        sizeof(cudaIpcEventHandle_t), sizeof(cudaIpcEventHandle_t)));
+      if (b.bytes == 0) throw error(errc::protocol, fmt::format("cuda_ipc HELLO buffer {} has 0 bytes", i));
+    }
+
+    // Left current on purpose: the receiver's thread applies on this device, and a batch callback
+    // may launch kernels on stream(), which must belong to the current device.
+    check_cuda(cudaSetDevice(device_), fmt::format("cudaSetDevice({}) (receiver_options.device)", device_));
+    const std::string own_uuid = device_uuid(device_);
+    // Everything is built in locals and moved in at the end: a failure unmaps what was mapped.
+    std::vector<ipc_mapping> maps;
+    std::vector<std::uint64_t> sizes;
+    std::vector<ipc_event> packed;
+    std::vector<ipc_event> applied;
+    maps.reserve(h.buffers.size());
+    sizes.reserve(h.buffers.size());
+    packed.reserve(h.buffers.size());
+    applied.reserve(h.buffers.size());
+    for (std::size_t i = 0; i < h.buffers.size(); ++i) {
+      const wire::buffer_desc& b = h.buffers[i];
+      maps.emplace_back(from_raw_bytes<cudaIpcMemHandle_t>(b.handle),
+                        fmt::format("buffer {} of {} from {}", i, human_bytes(b.bytes), h.peer));
+      sizes.push_back(b.bytes);
+      packed.emplace_back(from_raw_bytes<cudaIpcEventHandle_t>(b.packed_event), fmt::format("packed[{}]", i));
+      applied.emplace_back(from_raw_bytes<cudaIpcEventHandle_t>(b.applied_event), fmt::format("applied[{}]", i));
+    }
+    cuda::stream stream(cudaStreamNonBlocking);
+
+    maps_ = std::move(maps);
+    sizes_ = std::move(sizes);
+    packed_ = std::move(packed);
+    applied_ = std::move(applied);
+    stream_ = std::move(stream);
+    attached_ = true;
+    REFIT_INFO("cuda_ipc: mapped {} buffers from {} on device {}: {} (streamer {}, receiver {})", maps_.size(), h.peer,
+               device_, h.device_uuid == own_uuid ? "same GPU" : "peer GPU", uuid_text(h.device_uuid),
+               uuid_text(own_uuid));
+  }
+
+  void detach() noexcept override {
+    if (stream_) {
+      device_guard_noexcept guard(device_);
+      const cudaError_t status = cudaStreamSynchronize(stream_.handle());
+      if (status != cudaSuccess) {
+        (void)cudaGetLastError();
+        REFIT_WARN("cuda_ipc: draining the apply stream before unmapping failed: {}: {}", cudaGetErrorName(status),
+                   cudaGetErrorString(status));
+      }
+    }
+    maps_.clear();
+    sizes_.clear();
+    packed_.clear();
+    applied_.clear();
+    stream_ = cuda::stream();
+    attached_ = false;
+  }
+
+  [[nodiscard]] bool attached() const noexcept override { return attached_; }
+  [[nodiscard]] std::size_t count() const noexcept override { return maps_.size(); }
+  [[nodiscard]] std::uint64_t buffer_bytes(std::size_t i) const noexcept override {
+    return i < sizes_.size() ? sizes_[i] : 0;
+  }
+  [[nodiscard]] const std::byte* data(std::size_t i) const noexcept override {
+    return i < maps_.size() ? static_cast<const std::byte*>(maps_[i].handle()) : nullptr;
+  }
+  [[nodiscard]] device where() const noexcept override { return device::cuda(device_); }
+  [[nodiscard]] copy::engine engine() const noexcept override { return copy::engine::kernel; }
+  [[nodiscard]] void* stream() noexcept override { return stream_.handle(); }
+  [[nodiscard]] bool asynchronous() const noexcept override { return true; }
+
+  void begin_read(std::size_t i) override {
+    check_index(i, maps_.size(), "begin_read");
+    device_guard guard(device_);
+    check_cuda(cudaStreamWaitEvent(stream_.handle(), packed_[i].handle(), 0),
+               [&] { return fmt::format("cudaStreamWaitEvent(apply stream, packed[{}])", i); });
+  }
+
+  void end_read(std::size_t i) override {
+    check_index(i, maps_.size(), "end_read");
+    device_guard guard(device_);
+    check_cuda(cudaEventRecord(applied_[i].handle(), stream_.handle()),
+               [&] { return fmt::format("cudaEventRecord(applied[{}])", i); });
+  }
+
+  void drain() override {
+    if (!stream_) return;
+    device_guard guard(device_);
+    check_cuda(cudaStreamSynchronize(stream_.handle()), "cudaStreamSynchronize(cuda_ipc apply stream)");
+  }
+
+ private:
+  /// device_guard for noexcept paths: switches when it can, restores, never throws.
+  class device_guard_noexcept {
+   public:
+    explicit device_guard_noexcept(int device) noexcept {
+      if (cudaGetDevice(&previous_) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+      }
+      if (previous_ != device) switched_ = cudaSetDevice(device) == cudaSuccess;
+    }
+    ~device_guard_noexcept() {
+      if (switched_) (void)cudaSetDevice(previous_);
+    }
+    device_guard_noexcept(const device_guard_noexcept&) = delete;
+    device_guard_noexcept& operator=(const device_guard_noexcept&) = delete;
+
+   private:
+    int previous_ = 0;
+    bool switched_ = false;
+  };
+
+  int device_;
+  bool attached_ = false;
+  std::vector<ipc_mapping> maps_;
+  std::vector<std::uint64_t> sizes_;
+  std::vector<ipc_event> packed_;
+  std::vector<ipc_event> applied_;
+  cuda::stream stream_;
+};
+
+}  // namespace
+
+std::unique_ptr<source> make_cuda_ipc_source(const source_options& options) {
+  return std::make_unique<cuda_ipc_source>(options);
+}
+
+std::unique_ptr<sink> make_cuda_ipc_sink(int device) { return std::make_unique<cuda_ipc_sink>(device); }
+
+}  // namespace refit::transport

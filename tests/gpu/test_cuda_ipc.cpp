@@ -1,1 +1,723 @@
+// GPU tests of the copy engines, the device checksum and the cuda_ipc transport.
+//
+// The parent process never touches CUDA (a forked child cannot use CUDA once its parent has): all
+// CUDA work runs in children made with refit::test::child, which coordinate with the parent through
+// signal pipes, never sleeps. A child reports a failure by throwing (exit code 1, the message on
+// stderr); the parent asserts on exit codes and on the lines children send.
 #include <catch2/catch.hpp>
+
+#include "refit/config.hpp"
+
+#if !REFIT_HAVE_CUDA
+
+TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cuda_ipc]") {
+  WARN("refit was built without CUDA: the [cuda_ipc] tests did not run");
+}
+
+#else
+
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "copy/copy.hpp"
+#include "copy/cuda_check.hpp"
+#include "copy/cuda_handles.hpp"
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+#include "support/support.hpp"
+
+using namespace std::chrono_literals;
+namespace rt = refit::test;
+
+namespace {
+
+constexpr std::uint64_t kib = 1ull << 10;
+constexpr std::uint64_t mib = 1ull << 20;
+/// Small buffers, so that the 300-tensor model takes many batches and its oversize tensor chunks.
+constexpr std::uint64_t buffer_bytes = 4 * mib;
+/// Every wait of the healthy tests.
+constexpr refit::milliseconds relaxed{30000};
+/// The streamer's timeout and the receivers' idle_timeout in the fault tests.
+constexpr refit::milliseconds fault_timeout{2000};
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+std::string code_name(refit::errc c) { return std::string(refit::to_string(c)); }
+
+std::uint64_t round_up(std::uint64_t n, std::uint64_t a) { return (n + a - 1) / a * a; }
+
+/// A model's tensors in one device allocation (each at a 256-byte aligned offset, at least one
+/// byte, so that every tensor has a real pointer), zero between the tensors. Lives in a child only.
+class device_tensors {
+ public:
+  device_tensors(const std::vector<refit::tensor_meta>& metas, int device) : metas_(metas), device_(device) {
+    refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    std::uint64_t cursor = 0;
+    for (const auto& m : metas_) {
+      offsets_.push_back(cursor);
+      cursor += round_up(std::max<std::uint64_t>(m.nbytes(), 1), 256);
+    }
+    total_ = std::max<std::uint64_t>(cursor, 256);
+    arena_ = refit::cuda::device_buffer(total_);
+    refit::check_cuda(cudaMemset(arena_.handle(), 0, total_), "cudaMemset(test tensors)");
+  }
+
+  [[nodiscard]] std::size_t size() const noexcept { return metas_.size(); }
+  [[nodiscard]] const refit::tensor_meta& meta(std::size_t i) const { return metas_[i]; }
+  [[nodiscard]] std::byte* data(std::size_t i) const { return static_cast<std::byte*>(arena_.handle()) + offsets_[i]; }
+
+  /// The whole allocation as it must be when every tensor holds `version`'s pattern.
+  [[nodiscard]] std::vector<std::uint8_t> image(std::uint64_t version) const {
+    std::vector<std::uint8_t> out(total_, 0);
+    for (std::size_t i = 0; i < metas_.size(); ++i)
+      rt::fill_pattern(metas_[i].name, version, out.data() + offsets_[i], metas_[i].nbytes());
+    return out;
+  }
+
+  /// Every tensor takes `version`'s pattern (synchronously).
+  void upload(std::uint64_t version) {
+    const auto host = image(version);
+    refit::check_cuda(cudaMemcpy(arena_.handle(), host.data(), total_, cudaMemcpyHostToDevice), "upload");
+  }
+
+  /// Empty when every byte (tensors and the gaps between them) is what `version` makes it; else
+  /// the first difference.
+  [[nodiscard]] std::string mismatch(std::uint64_t version) const {
+    std::vector<std::uint8_t> got(total_);
+    refit::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize before checking");
+    refit::check_cuda(cudaMemcpy(got.data(), arena_.handle(), total_, cudaMemcpyDeviceToHost), "download");
+    const auto want = image(version);
+    const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
+    if (w == want.end()) return {};
+    const auto at = static_cast<std::uint64_t>(w - want.begin());
+    const auto it = std::upper_bound(offsets_.begin(), offsets_.end(), at);
+    const auto i = static_cast<std::size_t>(it - offsets_.begin()) - 1;
+    const auto within = at - offsets_[i];
+    const std::string where = within < metas_[i].nbytes()
+                                  ? refit::describe(metas_[i]) + " byte " + std::to_string(within)
+                                  : "the gap after " + refit::describe(metas_[i]) + " at +" + std::to_string(within);
+    return "version " + std::to_string(version) + ": " + where + " is " + std::to_string(*g) + ", expected " +
+           std::to_string(*w);
+  }
+
+  [[nodiscard]] std::vector<refit::tensor_ref> refs() const {
+    std::vector<refit::tensor_ref> out;
+    for (std::size_t i = 0; i < metas_.size(); ++i)
+      out.push_back(refit::tensor_ref{metas_[i], data(i), refit::device::cuda(device_), nullptr});
+    return out;
+  }
+
+  void register_with(refit::receiver& r) const {
+    for (std::size_t i = 0; i < metas_.size(); ++i)
+      r.add_parameter(refit::tensor_dest{metas_[i], data(i), refit::device::cuda(device_)});
+  }
+
+ private:
+  std::vector<refit::tensor_meta> metas_;
+  int device_;
+  std::vector<std::uint64_t> offsets_;
+  std::uint64_t total_ = 0;
+  refit::cuda::device_buffer arena_;
+};
+
+std::size_t index_of(const std::vector<refit::tensor_meta>& metas, const std::string& name) {
+  for (std::size_t i = 0; i < metas.size(); ++i)
+    if (metas[i].name == name) return i;
+  throw std::runtime_error("no tensor " + name);
+}
+
+refit::streamer_options stream_options(const std::string& endpoint, int device, refit::milliseconds timeout) {
+  refit::streamer_options o;
+  o.endpoint = endpoint;
+  o.transport = refit::transport_kind::cuda_ipc;
+  o.buffer_count = 2;
+  o.buffer_bytes = buffer_bytes;
+  o.device = device;
+  o.timeout = timeout;
+  return o;
+}
+
+refit::receiver_options receive_options(const std::string& endpoint, int device, refit::milliseconds idle) {
+  refit::receiver_options o;
+  o.endpoint = endpoint;
+  o.device = device;
+  o.idle_timeout = idle;
+  return o;
+}
+
+/// Serves until the streamer says BYE. Calls on_commit after each commit (with the committed
+/// version) and on_begin at each BEGIN. Throws on an aborted or refused message, or when nothing
+/// arrives for 60 s.
+void serve_until_bye(refit::receiver& r, const std::function<void(std::uint64_t)>& on_commit,
+                     const std::function<void()>& on_begin = {}) {
+  auto last = std::chrono::steady_clock::now();
+  for (;;) {
+    const auto e = r.serve_one(100ms);
+    const auto now = std::chrono::steady_clock::now();
+    if (e == refit::receiver_event::idle) {
+      expect(now - last < 60s, "receiver: no message for 60 s");
+      continue;
+    }
+    last = now;
+    switch (e) {
+      case refit::receiver_event::bye: return;
+      case refit::receiver_event::begin:
+        if (on_begin) on_begin();
+        break;
+      case refit::receiver_event::committed: {
+        const auto v = r.committed_version();
+        expect(v.has_value(), "committed without a committed_version()");
+        expect(!r.dirty(), "dirty() after a commit");
+        on_commit(*v);
+        break;
+      }
+      case refit::receiver_event::aborted:
+      case refit::receiver_event::refused:
+        throw std::runtime_error("receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
+      default: break;
+    }
+  }
+}
+
+/// A line from `pipe` if one is there within `wait`; nullopt otherwise.
+std::optional<std::string> try_receive(rt::signal_pipe& pipe, std::chrono::milliseconds wait) {
+  try {
+    return pipe.receive(wait);
+  } catch (const std::runtime_error&) {
+    return std::nullopt;
+  }
+}
+
+/// Blocks the calling process until it is killed (no sleep: pause() returns only on a signal).
+[[noreturn]] void block_forever() {
+  for (;;) ::pause();
+}
+
+// ------------------------------------------------------------------------ the two sides
+
+/// Receiver child with a parameter table on `device`: checks every committed version against
+/// `versions` in order and every byte of its weights, then returns at BYE.
+void table_receiver(const std::string& endpoint, const std::vector<refit::tensor_meta>& metas, int device,
+                    const std::vector<std::uint64_t>& versions, rt::signal_pipe& ready) {
+  device_tensors weights(metas, device);
+  refit::receiver r(receive_options(endpoint, device, relaxed));
+  weights.register_with(r);
+  ready.send("ready");
+  std::size_t next = 0;
+  serve_until_bye(r, [&](std::uint64_t v) {
+    expect(next < versions.size(), "an unexpected commit of version " + std::to_string(v));
+    expect(v == versions[next],
+           "committed version " + std::to_string(v) + ", expected " + std::to_string(versions[next]));
+    const auto m = weights.mismatch(v);
+    expect(m.empty(), "parameter table: " + m);
+    ++next;
+  });
+  expect(next == versions.size(),
+         std::to_string(next) + " of " + std::to_string(versions.size()) + " versions committed");
+}
+
+/// Receiver child with a callback sink that copies every view into its own device buffers on the
+/// stream it is given, and checks them at every commit.
+void callback_receiver(const std::string& endpoint, const std::vector<refit::tensor_meta>& metas, int device,
+                       const std::vector<std::uint64_t>& versions, rt::signal_pipe& ready) {
+  device_tensors own(metas, device);
+  std::unordered_map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < metas.size(); ++i) index.emplace(metas[i].name, i);
+  std::vector<std::uint64_t> arrived(metas.size(), 0);
+  std::string problem;
+
+  refit::receiver r(receive_options(endpoint, device, relaxed));
+  r.on_batch([&](std::span<const refit::tensor_view> views, void* stream) {
+    if (stream == nullptr && problem.empty()) problem = "the callback got no stream on cuda_ipc";
+    for (const auto& v : views) {
+      expect(v.meta != nullptr, "a view without metadata");
+      const auto it = index.find(v.meta->name);
+      expect(it != index.end(), "unexpected tensor " + refit::describe(*v.meta));
+      const auto i = it->second;
+      expect(*v.meta == metas[i], refit::describe(*v.meta) + " arrived for " + refit::describe(metas[i]));
+      expect(v.dev == refit::device::cuda(device),
+             v.meta->name + ": the view is not on cuda:" + std::to_string(device));
+      expect(v.total == metas[i].nbytes() && v.offset <= v.total && v.bytes <= v.total - v.offset,
+             v.meta->name + ": a view outside the tensor");
+      if (v.bytes == 0) continue;
+      refit::check_cuda(cudaMemcpyAsync(own.data(i) + v.offset, v.data, v.bytes, cudaMemcpyDeviceToDevice,
+                                        static_cast<cudaStream_t>(stream)),
+                        "callback cudaMemcpyAsync");
+      arrived[i] += v.bytes;
+    }
+  });
+  ready.send("ready");
+  std::size_t next = 0;
+  serve_until_bye(
+      r,
+      [&](std::uint64_t v) {
+        expect(problem.empty(), problem);
+        expect(next < versions.size() && v == versions[next], "unexpected commit of version " + std::to_string(v));
+        for (std::size_t i = 0; i < metas.size(); ++i)
+          expect(arrived[i] == metas[i].nbytes(), metas[i].name + ": " + std::to_string(arrived[i]) + " of " +
+                                                      std::to_string(metas[i].nbytes()) + " bytes arrived");
+        const auto m = own.mismatch(v);
+        expect(m.empty(), "callback sink: " + m);
+        ++next;
+      },
+      [&] { std::fill(arrived.begin(), arrived.end(), 0); });
+  expect(next == versions.size(),
+         std::to_string(next) + " of " + std::to_string(versions.size()) + " versions committed");
+}
+
+/// Streamer child: refits `versions` in turn from device tensors on `device`.
+void streamer_of(const std::string& endpoint, const std::vector<refit::tensor_meta>& metas, int device,
+                 const std::vector<std::uint64_t>& versions) {
+  device_tensors weights(metas, device);
+  refit::streamer s(stream_options(endpoint, device, relaxed));
+  for (const auto v : versions) {
+    weights.upload(v);
+    const auto refs = weights.refs();
+    const auto stats = s.refit(v, refs);
+    expect(stats.version == v, "stats.version " + std::to_string(stats.version));
+    expect(stats.tensors == metas.size(), "stats.tensors " + std::to_string(stats.tensors));
+  }
+  s.close();
+}
+
+/// Runs a receiver child (ready once bound) and then a streamer child; both must exit 0.
+void two_processes(const std::function<void(rt::signal_pipe&)>& receiver_body,
+                   const std::function<void()>& streamer_body) {
+  rt::signal_pipe ready;
+  rt::child rx([&] { receiver_body(ready); });
+  REQUIRE(ready.receive(60s) == "ready");
+  rt::child tx(streamer_body);
+  CHECK(tx.wait(180s) == 0);
+  CHECK(rx.wait(60s) == 0);
+}
+
+// ------------------------------------------------------------------------ resource counts
+
+std::size_t open_fds() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+std::size_t map_lines() {
+  std::ifstream maps("/proc/self/maps");
+  std::size_t n = 0;
+  for (std::string line; std::getline(maps, line);) ++n;
+  return n;
+}
+
+struct resources {
+  std::size_t free_device = 0;
+  std::size_t fds = 0;
+  std::size_t maps = 0;
+
+  static resources now() {
+    resources r;
+    std::size_t total = 0;
+    refit::check_cuda(cudaMemGetInfo(&r.free_device, &total), "cudaMemGetInfo");
+    r.fds = open_fds();
+    r.maps = map_lines();
+    return r;
+  }
+};
+
+/// Throws unless `later` holds no more than `earlier` (device memory within a little slack for
+/// the driver's own bookkeeping, mappings within 2 lines).
+void expect_no_growth(const std::string& who, const resources& earlier, const resources& later) {
+  constexpr std::size_t device_slack = 4 * mib;
+  const std::string figures = who + ": at refit 10 / 1000: free device memory " + std::to_string(earlier.free_device) +
+                              " / " + std::to_string(later.free_device) + ", fds " + std::to_string(earlier.fds) +
+                              " / " + std::to_string(later.fds) + ", maps lines " + std::to_string(earlier.maps) +
+                              " / " + std::to_string(later.maps);
+  expect(later.free_device + device_slack >= earlier.free_device, "device memory grew: " + figures);
+  expect(later.fds <= earlier.fds, "file descriptors grew: " + figures);
+  expect(later.maps <= earlier.maps + 2, "mappings grew: " + figures);
+}
+
+// ------------------------------------------------------------------------ copy engines
+
+/// Random ops between two device buffers, with random sizes (0 to a few MiB) and misalignments,
+/// destinations disjoint; about half of them equally misaligned on both sides (the vector path).
+std::vector<refit::copy::op> random_ops(std::mt19937_64& rng, const std::byte* src, std::uint64_t src_bytes,
+                                        std::byte* dst, std::uint64_t dst_bytes, std::size_t count) {
+  std::vector<refit::copy::op> ops;
+  std::uint64_t cursor = 0;
+  for (std::size_t k = 0; k < count; ++k) {
+    const auto kind = rng() % 100;
+    std::uint64_t bytes = 0;
+    if (kind < 5)
+      bytes = 0;
+    else if (kind < 50)
+      bytes = 1 + rng() % 256;
+    else if (kind < 80)
+      bytes = 257 + rng() % (16 * kib);
+    else if (kind < 95)
+      bytes = 16 * kib + rng() % (128 * kib);
+    else if (kind < 99)
+      bytes = 128 * kib + rng() % mib;
+    else
+      bytes = mib + rng() % (3 * mib);
+    cursor += rng() % 32;  // a gap and a misalignment
+    if (cursor + bytes > dst_bytes) break;
+    std::uint64_t from = rng() % (src_bytes - bytes + 1);
+    if (rng() % 2 == 0) {  // same misalignment modulo 16 as the destination, where it fits
+      from = from - from % 16 + cursor % 16;
+      if (from + bytes > src_bytes) from -= 16;
+    }
+    ops.push_back(refit::copy::op{src + from, dst + cursor, bytes});
+    cursor += bytes;
+  }
+  return ops;
+}
+
+void copy_engine_body(refit::copy::engine engine) {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+  constexpr std::uint64_t src_bytes = 64 * mib + 13;
+  constexpr std::uint64_t dst_bytes = 256 * mib;
+  std::mt19937_64 rng(0x5eed + static_cast<unsigned>(engine));
+
+  std::vector<std::uint8_t> src_host(src_bytes);
+  for (auto& b : src_host) b = static_cast<std::uint8_t>(rng());
+  refit::cuda::device_buffer src(src_bytes);
+  refit::cuda::device_buffer dst(dst_bytes);
+  refit::check_cuda(cudaMemcpy(src.handle(), src_host.data(), src_bytes, cudaMemcpyHostToDevice), "upload");
+  refit::check_cuda(cudaMemset(dst.handle(), 0xab, dst_bytes), "cudaMemset");
+  std::vector<std::uint8_t> want(dst_bytes, 0xab);
+
+  const auto* s = static_cast<const std::byte*>(src.handle());
+  auto* d = static_cast<std::byte*>(dst.handle());
+  const auto ops = random_ops(rng, s, src_bytes, d, dst_bytes, 4000);
+  expect(ops.size() > 2000, "only " + std::to_string(ops.size()) + " ops fit");
+  for (const auto& o : ops)
+    if (o.bytes != 0)
+      std::memcpy(want.data() + (static_cast<const std::byte*>(o.dst) - d),
+                  src_host.data() + (static_cast<const std::byte*>(o.src) - s), o.bytes);
+
+  refit::cuda::stream stream(cudaStreamNonBlocking);
+  auto copier = refit::copy::make_copier(engine, 0);
+  expect(copier->kind() == engine, "make_copier made another engine");
+  // Uneven calls, without waiting in between: more calls than the kernel's ring has slots, one
+  // call larger than a slot's first capacity, an empty call and one of zero-byte ops only.
+  const std::size_t cuts[] = {1, 7, 1500, 0, 3, 300, 2, 1, 40, 9};
+  std::size_t at = 0;
+  for (const auto n : cuts) {
+    const auto take = std::min(n, ops.size() - at);
+    copier->run(std::span<const refit::copy::op>(ops).subspan(at, take), stream.handle());
+    at += take;
+  }
+  const refit::copy::op nothing[] = {refit::copy::op{s, d, 0}, refit::copy::op{s + 1, d + 1, 0}};
+  copier->run(nothing, stream.handle());
+  copier->run(std::span<const refit::copy::op>(ops).subspan(at), stream.handle());
+  refit::check_cuda(cudaStreamSynchronize(stream.handle()), "cudaStreamSynchronize");
+
+  std::vector<std::uint8_t> got(dst_bytes);
+  refit::check_cuda(cudaMemcpy(got.data(), dst.handle(), dst_bytes, cudaMemcpyDeviceToHost), "download");
+  const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
+  expect(w == want.end(), std::string(refit::copy::to_string(engine)) + ": byte " + std::to_string(w - want.begin()) +
+                              " of the destination is " + std::to_string(*g) + ", expected " + std::to_string(*w));
+
+  // The legacy default stream works too (memcpy_batch falls back to one copy per op there).
+  refit::check_cuda(cudaMemset(dst.handle(), 0, dst_bytes), "cudaMemset");
+  copier->run(std::span<const refit::copy::op>(ops).subspan(0, 100), nullptr);
+  refit::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  for (const auto& o : std::span<const refit::copy::op>(ops).subspan(0, 100)) {
+    if (o.bytes == 0) continue;
+    std::vector<std::uint8_t> part(o.bytes);
+    refit::check_cuda(cudaMemcpy(part.data(), o.dst, o.bytes, cudaMemcpyDeviceToHost), "download");
+    expect(std::memcmp(part.data(), src_host.data() + (static_cast<const std::byte*>(o.src) - s), o.bytes) == 0,
+           std::string(refit::copy::to_string(engine)) + ": a copy on the default stream differs");
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------- tests
+
+TEST_CASE("each GPU copy engine copies thousands of random misaligned ops bit-exact", "[cuda_ipc][copy]") {
+  for (const auto engine :
+       {refit::copy::engine::kernel, refit::copy::engine::memcpy_batch, refit::copy::engine::memcpy_each}) {
+    INFO("engine " << refit::copy::to_string(engine));
+    rt::child c([engine] { copy_engine_body(engine); });
+    CHECK(c.wait(300s) == 0);
+  }
+}
+
+TEST_CASE("the device checksum equals the CPU checksum for any size and offset", "[cuda_ipc][copy]") {
+  rt::child c([] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+    constexpr std::uint64_t bytes = 64 * mib + 7;
+    std::mt19937_64 rng(42);
+    std::vector<std::uint8_t> host(bytes);
+    for (auto& b : host) b = static_cast<std::uint8_t>(rng());
+    refit::cuda::device_buffer dev(bytes);
+    refit::check_cuda(cudaMemcpy(dev.handle(), host.data(), bytes, cudaMemcpyHostToDevice), "upload");
+    const auto* d = static_cast<const std::uint8_t*>(dev.handle());
+
+    std::vector<std::pair<std::uint64_t, std::uint64_t> > cases = {
+        {0, 0},        {0, 1}, {3, 7}, {5, 8}, {1, 9}, {0, 4096}, {7, 4096 + 3}, {0, bytes}, {13, 33 * mib + 5},
+        {8, bytes - 8}};
+    for (int k = 0; k < 200; ++k) {
+      const std::uint64_t n = rng() % 3 == 0 ? rng() % 64 : rng() % (4 * mib);
+      cases.emplace_back(rng() % (bytes - n + 1), n);
+    }
+    for (const auto& [offset, n] : cases) {
+      const auto cpu = refit::copy::checksum(host.data() + offset, n);
+      const auto gpu = refit::copy::checksum(d + offset, n, refit::device::cuda(0));
+      expect(cpu == gpu, "checksum of " + std::to_string(n) + " bytes at +" + std::to_string(offset) + ": device " +
+                             std::to_string(gpu) + ", CPU " + std::to_string(cpu));
+    }
+    // Not just a function of the length: one changed byte changes it.
+    host[12345] ^= 1;
+    expect(refit::copy::checksum(host.data(), bytes) != refit::copy::checksum(d, bytes, refit::device::cuda(0)),
+           "the checksum did not see a changed byte");
+  });
+  CHECK(c.wait(300s) == 0);
+}
+
+TEST_CASE("three refits of mixed dtypes over cuda_ipc on one GPU land bit-exact in the parameter table", "[cuda_ipc]") {
+  const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
+  const auto ep = rt::temp_endpoint();
+  const std::vector<std::uint64_t> versions = {1, 2, 3};
+  two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 0, versions, ready); },
+                [&] { streamer_of(ep, metas, 0, versions); });
+}
+
+TEST_CASE("three refits over cuda_ipc reach a callback sink that copies the views on its stream", "[cuda_ipc]") {
+  const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
+  const auto ep = rt::temp_endpoint();
+  const std::vector<std::uint64_t> versions = {4, 5, 9};
+  two_processes([&](rt::signal_pipe& ready) { callback_receiver(ep, metas, 0, versions, ready); },
+                [&] { streamer_of(ep, metas, 0, versions); });
+}
+
+TEST_CASE("a receiver on cuda:1 maps the buffers of a streamer on cuda:0 and refits bit-exact", "[cuda_ipc]") {
+  if (rt::cuda_device_count() < 2) {
+    WARN("one CUDA device: the two-GPU cuda_ipc test did not run");
+    return;
+  }
+  const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
+  const std::vector<std::uint64_t> versions = {1, 2};
+  {
+    const auto ep = rt::temp_endpoint();
+    two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 1, versions, ready); },
+                  [&] { streamer_of(ep, metas, 0, versions); });
+  }
+  {
+    const auto ep = rt::temp_endpoint();
+    two_processes([&](rt::signal_pipe& ready) { callback_receiver(ep, metas, 1, versions, ready); },
+                  [&] { streamer_of(ep, metas, 0, versions); });
+  }
+}
+
+TEST_CASE("a receiver killed mid-refit fails the streamer with a timeout, and a new receiver takes the next refit",
+          "[cuda_ipc][faults]") {
+  const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
+  const auto ep = rt::temp_endpoint();
+  constexpr int block_at_batch = 3;
+
+  rt::signal_pipe first_ready;
+  rt::signal_pipe first_blocked;
+  rt::child first([&] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+    refit::receiver r(receive_options(ep, 0, relaxed));
+    int batch = 0;
+    r.on_batch([&](std::span<const refit::tensor_view> /*views*/, void* stream) {
+      if (batch++ < block_at_batch) return;
+      // Everything this process enqueued so far is done before it dies: the kill lands between
+      // batches, as a crash of the host code would.
+      refit::check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+      first_blocked.send("blocked");
+      block_forever();
+    });
+    first_ready.send("ready");
+    for (;;) {
+      const auto e = r.serve_one(100ms);
+      expect(e != refit::receiver_event::aborted && e != refit::receiver_event::refused, r.last_error());
+    }
+  });
+  REQUIRE(first_ready.receive(60s) == "ready");
+
+  rt::signal_pipe outcome;  // streamer → parent
+  rt::signal_pipe go;       // parent → streamer
+  rt::child tx([&] {
+    device_tensors weights(metas, 0);
+    refit::streamer s(stream_options(ep, 0, fault_timeout));
+    weights.upload(1);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string line = "no error";
+    try {
+      s.refit(1, weights.refs());
+    } catch (const refit::error& e) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+      line = code_name(e.code()) + " " + std::to_string(ms.count());
+    }
+    outcome.send(line);
+    expect(go.receive(60s) == "go", "no go");
+    weights.upload(2);
+    const auto stats = s.refit(2, weights.refs());
+    expect(stats.version == 2, "stats.version " + std::to_string(stats.version));
+    s.close();
+  });
+
+  REQUIRE(first_blocked.receive(60s) == "blocked");
+  first.kill();
+
+  const auto line = outcome.receive(60s);
+  INFO("the streamer's first refit: " << line);
+  REQUIRE(line.rfind("timeout ", 0) == 0);
+  const auto ms = std::stoll(line.substr(8));
+  CHECK(ms >= fault_timeout.count() * 9 / 10);
+  CHECK(ms < 3 * fault_timeout.count());
+
+  rt::signal_pipe second_ready;
+  rt::child second([&] { table_receiver(ep, metas, 0, {2}, second_ready); });
+  REQUIRE(second_ready.receive(60s) == "ready");
+  go.send("go");
+  CHECK(tx.wait(120s) == 0);
+  CHECK(second.wait(60s) == 0);
+}
+
+TEST_CASE("a streamer killed mid-refit leaves the receiver's version and marks it dirty; the next streamer commits",
+          "[cuda_ipc][faults]") {
+  const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
+  const auto ep = rt::temp_endpoint();
+
+  rt::signal_pipe ready;
+  rt::signal_pipe reports;  // receiver → parent
+  rt::signal_pipe stop;     // parent → receiver
+  rt::child rx([&] {
+    device_tensors weights(metas, 0);
+    refit::receiver r(receive_options(ep, 0, fault_timeout));
+    weights.register_with(r);
+    ready.send("ready");
+    for (;;) {
+      const auto e = r.serve_one(100ms);
+      const auto committed = r.committed_version();
+      const std::string state = " committed=" + (committed ? std::to_string(*committed) : std::string("none")) +
+                                " dirty=" + (r.dirty() ? "1" : "0");
+      switch (e) {
+        case refit::receiver_event::idle:
+          if (try_receive(stop, 0ms)) return;
+          break;
+        case refit::receiver_event::committed: {
+          const auto m = weights.mismatch(*committed);
+          reports.send("committed" + state + " check=" + (m.empty() ? "ok" : m));
+          break;
+        }
+        case refit::receiver_event::aborted:
+        case refit::receiver_event::refused: reports.send(std::string(refit::to_string(e)) + state); break;
+        default: break;
+      }
+    }
+  });
+  REQUIRE(ready.receive(60s) == "ready");
+
+  {
+    rt::child tx([&] { streamer_of(ep, metas, 0, {1}); });
+    CHECK(tx.wait(120s) == 0);
+    CHECK(reports.receive(60s) == "committed committed=1 dirty=0 check=ok");
+  }
+
+  {
+    // Blocks when asked for the tensor after the oversize one: by then batches of version 2 have
+    // been applied, so the receiver's weights are partly overwritten.
+    const std::size_t block_at = index_of(metas, "oversize.weight") + 1;
+    rt::signal_pipe blocked;
+    rt::child tx([&] {
+      device_tensors weights(metas, 0);
+      weights.upload(2);
+      const auto refs = weights.refs();
+      refit::streamer s(stream_options(ep, 0, relaxed));
+      std::size_t i = 0;
+      s.refit(2, [&]() -> std::optional<refit::tensor_ref> {
+        if (i == block_at) {
+          // Packing enqueued so far is done: the kill lands between GPU work, as a crash of the
+          // host code would.
+          refit::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+          blocked.send("blocked");
+          block_forever();
+        }
+        if (i == refs.size()) return std::nullopt;
+        return refs[i++];
+      });
+      throw std::runtime_error("the refit that should have been killed returned");
+    });
+    REQUIRE(blocked.receive(60s) == "blocked");
+    tx.kill();
+    // The receiver aborts the refit after its idle timeout.
+    CHECK(reports.receive(30s) == "aborted committed=1 dirty=1");
+  }
+
+  {
+    rt::child tx([&] { streamer_of(ep, metas, 0, {3}); });
+    CHECK(tx.wait(120s) == 0);
+    CHECK(reports.receive(60s) == "committed committed=3 dirty=0 check=ok");
+  }
+  stop.send("stop");
+  CHECK(rx.wait(60s) == 0);
+}
+
+TEST_CASE("a thousand refits in one cuda_ipc session grow neither device memory, descriptors nor mappings",
+          "[cuda_ipc][resources]") {
+  const auto metas = rt::mixed_model(20, 0, 7);
+  const auto ep = rt::temp_endpoint();
+  constexpr std::uint64_t refits = 1000;
+  constexpr std::uint64_t early = 10;
+
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        device_tensors weights(metas, 0);
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        weights.register_with(r);
+        ready.send("ready");
+        std::optional<resources> at_early;
+        std::uint64_t expected = 1;
+        serve_until_bye(r, [&](std::uint64_t v) {
+          expect(v == expected, "committed version " + std::to_string(v) + ", expected " + std::to_string(expected));
+          ++expected;
+          if (v % 100 == 0 || v == early) {
+            const auto m = weights.mismatch(v);
+            expect(m.empty(), m);
+          }
+          if (v == early) at_early = resources::now();
+          if (v == refits) expect_no_growth("receiver", *at_early, resources::now());
+        });
+        expect(expected == refits + 1, "the receiver saw " + std::to_string(expected - 1) + " commits");
+      },
+      [&] {
+        device_tensors weights(metas, 0);
+        refit::streamer_options o = stream_options(ep, 0, relaxed);
+        o.buffer_bytes = 1 * mib;
+        refit::streamer s(o);
+        const auto refs = weights.refs();
+        std::optional<resources> at_early;
+        for (std::uint64_t v = 1; v <= refits; ++v) {
+          weights.upload(v);
+          const auto stats = s.refit(v, refs);
+          expect(stats.version == v, "stats.version " + std::to_string(stats.version));
+          if (v == early) at_early = resources::now();
+        }
+        expect_no_growth("streamer", *at_early, resources::now());
+        s.close();
+      });
+}
+
+#endif  // REFIT_HAVE_CUDA

@@ -1,0 +1,54 @@
+// refit — checking CUDA runtime calls, and a scoped current-device switch.
+//
+// Included only by code compiled with CUDA (lib/copy, lib/transport, the gpu tests).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <concepts>
+#include <source_location>
+#include <string_view>
+
+#include "refit/error.hpp"
+
+namespace refit {
+
+/// Throws refit::error(errc::cuda, "<what>: <name>: <description> (<file>:<line>)") unless
+/// `status` is cudaSuccess. Clears nothing: sticky errors stay sticky.
+inline void check_cuda(cudaError_t status, std::string_view what,
+                       std::source_location where = std::source_location::current()) {
+  if (status == cudaSuccess) return;
+  throw error(errc::cuda, fmt::format("{}: {}: {} ({}:{})", what, cudaGetErrorName(status), cudaGetErrorString(status),
+                                      where.file_name(), where.line()));
+}
+
+/// Same, with the description built by `describe()` only on failure: for hot paths, where
+/// formatting a message on every successful call would cost more than the call.
+template <std::invocable F>
+void check_cuda(cudaError_t status, F&& describe, std::source_location where = std::source_location::current()) {
+  if (status == cudaSuccess) return;
+  check_cuda(status, std::string_view(describe()), where);
+}
+
+/// Makes `device` current for the scope and restores the previous current device after it. The
+/// runtime's current device is per thread, so a library call must not leave it changed.
+class device_guard {
+ public:
+  /// Throws errc::cuda when the device cannot be made current (bad ordinal, no driver).
+  explicit device_guard(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), fmt::format("cudaSetDevice({})", device));
+  }
+  ~device_guard() {
+    int current = previous_;
+    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) (void)cudaSetDevice(previous_);
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace refit
