@@ -1,1 +1,301 @@
-// stub: to be implemented
+// refit — the control channel. Every ZeroMQ exception is converted to refit::error here; none
+// escapes this file.
+#include "channel/channel.hpp"
+
+#include <fmt/format.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <zmq.hpp>
+
+#include "model/log.hpp"
+
+namespace refit::channel {
+namespace {
+
+// wire::max_message_bytes; not included to keep the channel below the wire layer.
+constexpr std::int64_t max_message_bytes = std::int64_t{64} << 20;
+constexpr int reply_send_timeout_ms = 1000;
+constexpr int reconnect_ivl_ms = 50;
+constexpr int reconnect_ivl_max_ms = 1000;
+
+using clock = std::chrono::steady_clock;
+
+std::string zmq_reason(const zmq::error_t& e) { return fmt::format("{} (errno {})", e.what(), e.num()); }
+
+int remaining_ms(clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
+  if (left <= 0) return 0;
+  return left > 0x7fffffff ? 0x7fffffff : static_cast<int>(left);
+}
+
+/// Polls `socket` for `events` until `deadline`; retries on EINTR. True when ready.
+bool poll_until(zmq::socket_t& socket, short events, clock::time_point deadline) {
+  for (;;) {
+    zmq::pollitem_t item{socket.handle(), 0, events, 0};
+    try {
+      const int n = zmq::poll(&item, 1, std::chrono::milliseconds(remaining_ms(deadline)));
+      if (n > 0 && (item.revents & events) != 0) return true;
+      if (clock::now() >= deadline) return false;
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) throw;
+      if (clock::now() >= deadline) return false;
+    }
+  }
+}
+
+void set_curve_server(zmq::socket_t& s, const curve_keys& curve) {
+  if (curve.secret_key.empty()) return;
+  s.set(zmq::sockopt::curve_server, 1);
+  s.set(zmq::sockopt::curve_secretkey, curve.secret_key);
+}
+
+void set_curve_client(zmq::socket_t& s, const curve_keys& curve) {
+  if (curve.server_key.empty()) return;
+  s.set(zmq::sockopt::curve_serverkey, curve.server_key);
+  s.set(zmq::sockopt::curve_publickey, curve.public_key);
+  s.set(zmq::sockopt::curve_secretkey, curve.secret_key);
+}
+
+/// True when something accepts connections on the ipc endpoint's path. ZeroMQ replaces an
+/// existing socket file on bind, which would silently steal the endpoint from a live receiver.
+bool ipc_endpoint_in_use(std::string_view endpoint) {
+  constexpr std::string_view scheme = "ipc://";
+  if (!endpoint.starts_with(scheme)) return false;
+  const std::string_view path = endpoint.substr(scheme.size());
+  sockaddr_un addr{};
+  if (path.empty() || path.front() == '@' || path.size() >= sizeof addr.sun_path) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool connected = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return connected;
+}
+
+}  // namespace
+
+zmq::context_t& context() {
+  // Heap-allocated and leaked on purpose: no static-destruction order problems with sockets that
+  // outlive main(). ZeroMQ is not fork-safe, so a forked child gets its own context and leaves
+  // the inherited one (whose I/O threads do not exist in the child) untouched.
+  static std::mutex mutex;
+  static zmq::context_t* ctx = nullptr;
+  static pid_t owner = -1;
+  std::lock_guard lock(mutex);
+  const pid_t self = ::getpid();
+  if (ctx == nullptr || owner != self) {
+    try {
+      ctx = new zmq::context_t(1);
+    } catch (const zmq::error_t& e) {
+      throw error(errc::io, fmt::format("cannot create the ZeroMQ context: {}", zmq_reason(e)));
+    }
+    owner = self;
+  }
+  return *ctx;
+}
+
+// ------------------------------------------------------------------------------------ rep_channel
+
+rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve) {
+  const std::string target = bind_endpoint(endpoint);
+  const bool owns = endpoint.empty();
+  try {
+    socket_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::rep);
+    socket_->set(zmq::sockopt::linger, 0);
+    socket_->set(zmq::sockopt::maxmsgsize, max_message_bytes);
+    socket_->set(zmq::sockopt::sndtimeo, reply_send_timeout_ms);
+    set_curve_server(*socket_, curve);
+  } catch (const zmq::error_t& e) {
+    socket_.reset();
+    if (owns) remove_private_endpoint(target);
+    throw error(errc::io, fmt::format("cannot create the receiver socket for {}: {}", target, zmq_reason(e)));
+  }
+  if (ipc_endpoint_in_use(target)) {
+    socket_.reset();
+    throw error(errc::io, fmt::format("cannot bind the receiver to {}: another process is serving it already "
+                                      "(Address already in use)",
+                                      target));
+  }
+  try {
+    socket_->bind(target);
+  } catch (const zmq::error_t& e) {
+    socket_.reset();
+    if (owns) remove_private_endpoint(target);
+    throw error(errc::io, fmt::format("cannot bind the receiver to {}: {}; is another receiver already "
+                                      "serving it, or is the directory missing?",
+                                      target, zmq_reason(e)));
+  }
+  try {
+    endpoint_ = socket_->get(zmq::sockopt::last_endpoint);
+  } catch (const zmq::error_t&) {
+    endpoint_ = target;
+  }
+  if (endpoint_.empty()) endpoint_ = target;
+  owns_endpoint_ = owns;
+}
+
+rep_channel::~rep_channel() {
+  socket_.reset();
+  if (owns_endpoint_) remove_private_endpoint(endpoint_);
+}
+
+rep_channel::rep_channel(rep_channel&& other) noexcept
+    : socket_(std::move(other.socket_)), endpoint_(std::move(other.endpoint_)), owns_endpoint_(other.owns_endpoint_) {
+  other.endpoint_.clear();
+  other.owns_endpoint_ = false;
+}
+
+rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
+  if (this != &other) {
+    socket_.reset();
+    if (owns_endpoint_) remove_private_endpoint(endpoint_);
+    socket_ = std::move(other.socket_);
+    endpoint_ = std::move(other.endpoint_);
+    owns_endpoint_ = other.owns_endpoint_;
+    other.endpoint_.clear();
+    other.owns_endpoint_ = false;
+  }
+  return *this;
+}
+
+std::optional<std::string> rep_channel::receive(std::chrono::milliseconds wait) {
+  if (!socket_) throw error(errc::internal, "receive() on a moved-from rep_channel");
+  try {
+    const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
+    if (!poll_until(*socket_, ZMQ_POLLIN, deadline)) return std::nullopt;
+    zmq::message_t msg;
+    const auto got = socket_->recv(msg, zmq::recv_flags::dontwait);
+    if (!got) return std::nullopt;
+    return msg.to_string();
+  } catch (const zmq::error_t& e) {
+    throw error(errc::io, fmt::format("receiving a request on {} failed: {}", endpoint_, zmq_reason(e)));
+  }
+}
+
+void rep_channel::reply(std::string_view bytes) {
+  if (!socket_) throw error(errc::internal, "reply() on a moved-from rep_channel");
+  try {
+    const auto sent = socket_->send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::none);
+    if (!sent)
+      REFIT_WARN("reply on {} not sent within {} ms (the streamer is gone?); dropped", endpoint_,
+                 reply_send_timeout_ms);
+  } catch (const zmq::error_t& e) {
+    // A vanished peer is not an error of the receiver: the streamer times out and starts over.
+    REFIT_WARN("reply on {} dropped: {}", endpoint_, zmq_reason(e));
+  }
+}
+
+// ------------------------------------------------------------------------------------ req_channel
+
+req_channel::req_channel(std::string endpoint, const curve_keys& curve)
+    : endpoint_(std::move(endpoint)), curve_(curve) {
+  if (endpoint_.empty())
+    throw error(errc::invalid_argument, "the streamer needs the receiver's endpoint (ipc://... or tcp://host:port)");
+  connect();
+}
+
+req_channel::~req_channel() = default;
+req_channel::req_channel(req_channel&&) noexcept = default;
+req_channel& req_channel::operator=(req_channel&&) noexcept = default;
+
+void req_channel::connect() {
+  try {
+    auto s = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::req);
+    s->set(zmq::sockopt::linger, 0);
+    s->set(zmq::sockopt::reconnect_ivl, reconnect_ivl_ms);
+    s->set(zmq::sockopt::reconnect_ivl_max, reconnect_ivl_max_ms);
+    s->set(zmq::sockopt::maxmsgsize, max_message_bytes);
+    set_curve_client(*s, curve_);
+    s->connect(endpoint_);
+    socket_ = std::move(s);
+  } catch (const zmq::error_t& e) {
+    throw error(errc::io, fmt::format("cannot connect to the receiver at {}: {}", endpoint_, zmq_reason(e)));
+  }
+}
+
+void req_channel::reset() {
+  socket_.reset();
+  ++resets_;
+  connect();
+}
+
+namespace {
+
+/// The failure of a request step: rebuilds the socket (so the next session can start) and says
+/// what happened and what to check.
+error request_failure(req_channel& ch, errc code, std::string message) {
+  try {
+    ch.reset();
+  } catch (const error& e) {
+    message += fmt::format(" (reconnecting failed too: {})", e.what());
+  }
+  return error(code, message);
+}
+
+std::string timeout_message(std::string_view doing, const std::string& endpoint, std::string_view what,
+                            std::chrono::milliseconds timeout, clock::time_point start) {
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count();
+  return fmt::format(
+      "{} the receiver at {} to {} within {} ms (waited {} ms): is the generation process alive and serving "
+      "this endpoint? The session was reset; the next refit starts with HELLO",
+      doing, endpoint, what, timeout.count(), waited);
+}
+
+}  // namespace
+
+void req_channel::send(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what) {
+  if (!socket_) connect();
+  const auto start = clock::now();
+  const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
+  try {
+    socket_->set(zmq::sockopt::sndtimeo, std::max(remaining_ms(deadline), 1));
+    if (!socket_->send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::none))
+      throw request_failure(*this, errc::timeout, timeout_message("could not send to", endpoint_, what, timeout, start));
+  } catch (const zmq::error_t& e) {
+    // The socket may be stuck in the middle of a request (EFSM); rebuild it so the next one works.
+    throw request_failure(*this, errc::io,
+                          fmt::format("sending {} to the receiver at {} failed: {}; the session was reset", what,
+                                      endpoint_, zmq_reason(e)));
+  }
+}
+
+std::string req_channel::receive(std::chrono::milliseconds timeout, std::string_view what) {
+  if (!socket_) throw error(errc::internal, "req_channel::receive() without a send()");
+  const auto start = clock::now();
+  const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
+  try {
+    zmq::message_t msg;
+    if (!poll_until(*socket_, ZMQ_POLLIN, deadline) || !socket_->recv(msg, zmq::recv_flags::dontwait))
+      throw request_failure(*this, errc::timeout, timeout_message("no reply from", endpoint_, what, timeout, start));
+    return msg.to_string();
+  } catch (const zmq::error_t& e) {
+    throw request_failure(*this, errc::io,
+                          fmt::format("receiving the reply to {} from the receiver at {} failed: {}; the session "
+                                      "was reset",
+                                      what, endpoint_, zmq_reason(e)));
+  }
+}
+
+std::string req_channel::request(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what) {
+  const auto start = clock::now();
+  const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
+  send(bytes, timeout, what);
+  try {
+    return receive(std::max(std::chrono::milliseconds(1),
+                            std::chrono::ceil<std::chrono::milliseconds>(deadline - clock::now())),
+                   what);
+  } catch (const error& e) {
+    if (e.code() != errc::timeout) throw;
+    // receive() reset the socket already; report the caller's whole deadline, not what was left.
+    throw error(errc::timeout, timeout_message("no reply from", endpoint_, what, timeout, start));
+  }
+}
+
+}  // namespace refit::channel

@@ -58,6 +58,7 @@ class rep_channel {
  private:
   std::unique_ptr<zmq::socket_t> socket_;
   std::string endpoint_;
+  bool owns_endpoint_ = false;  ///< made by bind_endpoint(""): removed with the channel
 };
 
 /// Streamer side. Connects on construction (ZeroMQ connects in the background; the peer need
@@ -74,6 +75,12 @@ class req_channel {
   /// the endpoint and how long it waited, and rebuilds the socket (so the channel is usable
   /// again; the next request must start a new session).
   std::string request(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what);
+
+  /// The two halves of request(), for a streamer talking to several receivers at once: send()
+  /// to each, then receive() from each. Same deadlines, errors and recovery as request(); a
+  /// send() must be followed by a receive() before the next send().
+  void send(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what);
+  std::string receive(std::chrono::milliseconds timeout, std::string_view what);
 
   /// Closes and reconnects the socket (drops anything in flight).
   void reset();

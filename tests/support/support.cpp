@@ -1,1 +1,267 @@
-// stub
+// Test helpers shared by the unit and gpu suites.
+#include "support/support.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <stdexcept>
+#include <thread>
+
+#include "channel/channel.hpp"
+#include "refit/config.hpp"
+
+#if REFIT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace refit::test {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+void flush_all() {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+}
+
+constexpr std::uint64_t splitmix64(std::uint64_t x) noexcept {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+std::uint64_t fnv1a(const std::string& s) noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+constexpr std::uint64_t version_mix = 0xd6e8feb86659fd93ull;
+
+std::uint64_t pattern_seed(const std::string& name, std::uint64_t version) noexcept {
+  return fnv1a(name) ^ (version * version_mix);
+}
+
+int remaining_ms(clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
+  if (left <= 0) return 0;
+  return left > 0x7fffffff ? 0x7fffffff : static_cast<int>(left);
+}
+
+}  // namespace
+
+int cuda_device_count() {
+#if REFIT_HAVE_CUDA
+  // Asked in a short-lived child so that this process never initialises the CUDA runtime: tests
+  // fork afterwards, and a forked child cannot use CUDA once its parent has.
+  static const int count = [] {
+    flush_all();
+    const pid_t pid = ::fork();
+    if (pid < 0) return 0;
+    if (pid == 0) {
+      int n = 0;
+      if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+      ::_exit(std::clamp(n, 0, 255));
+    }
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0) {
+      if (errno != EINTR) return 0;
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+  }();
+  return count;
+#else
+  return 0;
+#endif
+}
+
+std::string temp_endpoint() {
+  static std::atomic<unsigned> counter{0};
+  // The directory is unique already; the counter only makes logs easier to follow.
+  return channel::make_private_endpoint("test-" + std::to_string(counter.fetch_add(1)));
+}
+
+// ------------------------------------------------------------------------------------ child
+
+child::child(const std::function<void()>& body) {
+  flush_all();
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error(std::string("fork failed: ") + std::strerror(errno));
+  if (pid == 0) {
+    int code = 0;
+    try {
+      body();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "child: %s\n", e.what());
+      code = 1;
+    } catch (...) {
+      code = 2;  // a failed Catch2 REQUIRE, or anything else that is not a std::exception
+    }
+    flush_all();
+    ::_exit(code);
+  }
+  pid_ = pid;
+}
+
+child::~child() { kill(); }
+
+int child::wait(std::chrono::milliseconds timeout) {
+  if (pid_ <= 0) throw std::runtime_error("child::wait: no child");
+  if (!reaped_) {
+    const auto deadline = clock::now() + timeout;
+    auto pause = std::chrono::microseconds(200);
+    for (;;) {
+      const pid_t r = ::waitpid(pid_, &status_, WNOHANG);
+      if (r == pid_) {
+        reaped_ = true;
+        break;
+      }
+      if (r < 0 && errno != EINTR) throw std::runtime_error(std::string("waitpid failed: ") + std::strerror(errno));
+      if (clock::now() >= deadline) {
+        kill();
+        throw std::runtime_error("child " + std::to_string(pid_) + " did not exit within " +
+                                 std::to_string(timeout.count()) + " ms (killed)");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(10000));
+    }
+  }
+  if (WIFEXITED(status_)) return WEXITSTATUS(status_);
+  if (WIFSIGNALED(status_)) return -WTERMSIG(status_);
+  return -1;
+}
+
+void child::kill() noexcept {
+  if (pid_ <= 0 || reaped_) return;
+  ::kill(pid_, SIGKILL);
+  while (::waitpid(pid_, &status_, 0) < 0) {
+    if (errno != EINTR) break;
+  }
+  reaped_ = true;
+}
+
+// ------------------------------------------------------------------------------------ signal_pipe
+
+signal_pipe::signal_pipe() {
+  if (::pipe(fds_) != 0) throw std::runtime_error(std::string("pipe failed: ") + std::strerror(errno));
+}
+
+signal_pipe::~signal_pipe() {
+  for (int& fd : fds_) {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+}
+
+void signal_pipe::send(const std::string& line) {
+  const std::string data = line + '\n';
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fds_[1], data.data() + done, data.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error(std::string("signal_pipe write failed: ") + std::strerror(errno));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+std::string signal_pipe::receive(std::chrono::milliseconds timeout) {
+  const auto deadline = clock::now() + timeout;
+  std::string line;
+  for (;;) {
+    pollfd p{fds_[0], POLLIN, 0};
+    const int r = ::poll(&p, 1, remaining_ms(deadline));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error(std::string("signal_pipe poll failed: ") + std::strerror(errno));
+    }
+    if (r == 0)
+      throw std::runtime_error("signal_pipe: no line within " + std::to_string(timeout.count()) + " ms (got '" +
+                               line + "' so far)");
+    char c = 0;
+    const ssize_t n = ::read(fds_[0], &c, 1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error(std::string("signal_pipe read failed: ") + std::strerror(errno));
+    }
+    if (n == 0) throw std::runtime_error("signal_pipe: end of file (the other side is gone)");
+    if (c == '\n') return line;
+    line.push_back(c);
+  }
+}
+
+// ------------------------------------------------------------------------------------ patterns
+
+std::uint8_t pattern_byte(const std::string& name, std::uint64_t version, std::uint64_t i) noexcept {
+  const std::uint64_t h = splitmix64(pattern_seed(name, version) ^ (i / 8));
+  return static_cast<std::uint8_t>(h >> (8 * (i % 8)));
+}
+
+void fill_pattern(const std::string& name, std::uint64_t version, std::uint8_t* out, std::uint64_t n) {
+  const std::uint64_t seed = pattern_seed(name, version);
+  const std::uint64_t words = n / 8;
+  for (std::uint64_t w = 0; w < words; ++w) {
+    const std::uint64_t h = splitmix64(seed ^ w);
+    if constexpr (std::endian::native == std::endian::little) {
+      std::memcpy(out + 8 * w, &h, 8);
+    } else {
+      for (int k = 0; k < 8; ++k) out[8 * w + k] = static_cast<std::uint8_t>(h >> (8 * k));
+    }
+  }
+  if (const std::uint64_t tail = n % 8; tail != 0) {
+    const std::uint64_t h = splitmix64(seed ^ words);
+    for (std::uint64_t k = 0; k < tail; ++k) out[8 * words + k] = static_cast<std::uint8_t>(h >> (8 * k));
+  }
+}
+
+// ------------------------------------------------------------------------------------ models
+
+std::vector<tensor_meta> mixed_model(std::size_t count, std::uint64_t oversize_bytes, std::uint64_t seed) {
+  static constexpr const char* kinds[] = {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.gate", "mlp.down",
+                                          "norm"};
+  constexpr std::uint64_t max_bytes = 64u << 10;
+  std::mt19937_64 rng(splitmix64(seed));
+  std::vector<tensor_meta> out;
+  out.reserve(count + 1);
+  for (std::size_t i = 0; i < count; ++i) {
+    tensor_meta m;
+    m.name = "layers." + std::to_string(i) + "." + kinds[i % std::size(kinds)] + ".weight";
+    m.type = static_cast<dtype>(i % 15);
+    const std::size_t rank = rng() % 5;
+    for (std::size_t d = 0; d < rank; ++d) m.shape.push_back(static_cast<std::int64_t>(1 + rng() % 96));
+    // Keep tensors small (at most 64 KiB) so a test model of a few hundred tensors stays cheap.
+    while (m.nbytes() > max_bytes) {
+      auto largest = std::max_element(m.shape.begin(), m.shape.end());
+      *largest = (*largest + 1) / 2;
+    }
+    if (i % 25 == 12) {
+      if (m.shape.empty()) m.shape.push_back(0);
+      else m.shape[rng() % m.shape.size()] = 0;
+    }
+    out.push_back(std::move(m));
+  }
+  if (oversize_bytes > 0) {
+    tensor_meta big{"oversize.weight", dtype::u8, {static_cast<std::int64_t>(oversize_bytes)}};
+    out.insert(out.begin() + static_cast<std::ptrdiff_t>(out.size() / 2), std::move(big));
+  }
+  return out;
+}
+
+}  // namespace refit::test
