@@ -1,0 +1,261 @@
+// refit-bench — shared declarations of the bench library (refit_bench_core).
+//
+// One file per concern: presets.cpp (built-in models), manifest.cpp (safetensors / JSON
+// manifests, --load mappings), report.cpp (table, JSON, SVG), ceiling.cpp (the hardware's own
+// copy bandwidth), runner_<transport>.cpp (where tensors live for one transport path), roles.cpp
+// (the streamer and receiver sides, the receiver process), cli.cpp (options).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "refit/model.hpp"
+#include "refit/options.hpp"
+
+namespace refit::bench {
+
+// ---------------------------------------------------------------- workloads
+
+/// One tensor of a workload. `file`/`offset` locate its bytes in a safetensors file (--load);
+/// file < 0 for presets and JSON manifests.
+struct manifest_entry {
+  tensor_meta meta;
+  int file = -1;
+  std::uint64_t offset = 0;  ///< absolute byte offset of the data in files[file]
+};
+
+/// A model: named tensors in the order they are streamed.
+struct manifest {
+  std::string name;
+  std::vector<manifest_entry> entries;
+  std::vector<std::string> files;  ///< safetensors files the entries' data lives in
+
+  [[nodiscard]] std::uint64_t bytes() const;
+  [[nodiscard]] std::uint64_t params() const;  ///< elements
+  [[nodiscard]] std::uint64_t largest() const;  ///< bytes of the largest tensor
+};
+
+/// Names of the built-in models.
+std::vector<std::string> preset_names();
+/// A built-in model with real parameter names and shapes (from its published config).
+/// Throws refit::error(invalid_argument) naming the known presets for an unknown name.
+manifest preset(std::string_view name, dtype type = dtype::bf16);
+
+/// Parses the header of a safetensors file held in memory (`data`, `size` bytes: at least the
+/// 8-byte length and the header; `file_size` is the size of the whole file, for offset checks).
+/// `file` names the file in errors. Entries come in data-offset order.
+/// Throws refit::error(invalid_argument) "manifest FILE: ...: what is wrong".
+manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t file_size,
+                           const std::string& file);
+/// Parses a JSON manifest {name: {dtype, shape}} (dtype optional: `fallback`), or a sharded
+/// checkpoint's "model.safetensors.index.json" ({"weight_map": {name: shard}}: the shards'
+/// headers, next to the index, are read). Entries keep the file's order.
+manifest parse_json_manifest(std::string_view text, const std::string& file, dtype fallback);
+/// Reads a manifest file: safetensors (by extension ".safetensors", or when it does not start
+/// with '{') or JSON. Throws refit::error(invalid_argument / io) naming the file.
+manifest load_manifest(const std::string& path, dtype fallback = dtype::bf16);
+
+/// A read-only view of a file, mapped private and writable (copy on write: the bench perturbs a
+/// byte per tensor between refits without touching the file).
+class mapped_file {
+ public:
+  explicit mapped_file(const std::string& path);  ///< throws refit::error(io)
+  ~mapped_file();
+  mapped_file(mapped_file&& other) noexcept;
+  mapped_file& operator=(mapped_file&& other) noexcept;
+  mapped_file(const mapped_file&) = delete;
+  mapped_file& operator=(const mapped_file&) = delete;
+
+  [[nodiscard]] std::byte* data() const noexcept { return data_; }
+  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  std::uint64_t size_ = 0;
+};
+
+// ---------------------------------------------------------------- tensor memory per transport
+
+/// The tensors of a workload on one side, in the memory a transport path uses (host memory for
+/// host_shm, device memory for cuda_ipc).
+class tensor_memory {
+ public:
+  virtual ~tensor_memory() = default;
+  [[nodiscard]] virtual device where() const noexcept = 0;
+  [[nodiscard]] virtual std::byte* data(std::size_t i) const noexcept = 0;
+  /// Flips the bits of `mask` in byte `offset` of tensor i; returns the old byte.
+  virtual std::uint8_t flip(std::size_t i, std::uint64_t offset, std::uint8_t mask) = 0;
+  /// copy::checksum of tensor i.
+  [[nodiscard]] virtual std::uint64_t checksum(std::size_t i) const = 0;
+};
+
+/// How tensors are allocated and filled, and the ceiling measured, for one transport.
+class transport_path {
+ public:
+  virtual ~transport_path() = default;
+  [[nodiscard]] virtual transport_kind kind() const noexcept = 0;
+  /// "cpu" or the device's name.
+  [[nodiscard]] virtual std::string describe_device() const = 0;
+  /// Streamer side: tensors filled with deterministic random bytes (seed), or with the data of
+  /// the manifest's files when `files` is not empty (--load).
+  virtual std::unique_ptr<tensor_memory> sources(const manifest& m, std::uint64_t seed,
+                                                 const std::vector<mapped_file>* files) = 0;
+  /// Receiver side: destination tensors (zeroed).
+  virtual std::unique_ptr<tensor_memory> destinations(const manifest& m) = 0;
+  /// Payload bandwidth (bytes/s) of the copy a refit through this path is bound by.
+  virtual double measure_ceiling() = 0;
+  /// What measure_ceiling() measures, for the preamble.
+  [[nodiscard]] virtual std::string ceiling_method() const = 0;
+};
+
+std::unique_ptr<transport_path> make_host_shm_path();
+/// Throws refit::error(invalid_argument) in a build without CUDA.
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device);
+/// Throws refit::error(invalid_argument): the bench has no nccl path yet.
+std::unique_ptr<transport_path> make_nccl_path(int device);
+std::unique_ptr<transport_path> make_path(transport_kind kind, int device);
+/// Transports this build of the bench can run.
+std::vector<transport_kind> built_transports();
+
+/// Deterministic random bytes: byte i of a tensor seeded `seed` (not zeros; cheap, parallel).
+void fill_random(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint64_t first = 0);
+/// Seed of tensor i of a run seeded `seed`.
+std::uint64_t tensor_seed(std::uint64_t seed, std::size_t i) noexcept;
+/// copy::checksum after byte `offset` of a `bytes`-byte tensor changed from `old_byte` to
+/// `new_byte`, given its checksum before: O(1), no pass over the data.
+std::uint64_t checksum_after_flip(std::uint64_t sum, std::uint64_t bytes, std::uint64_t offset,
+                                  std::uint8_t old_byte, std::uint8_t new_byte) noexcept;
+
+// ---------------------------------------------------------------- ceiling
+
+/// Best payload bandwidth (bytes/s) of memcpy between two host buffers of `bytes` bytes.
+double host_memcpy_bandwidth(std::uint64_t bytes, int reps = 5);
+/// Same for cudaMemcpyAsync device to device on `device`, timed with events (needs CUDA).
+double device_copy_bandwidth(int device, std::uint64_t bytes, int reps = 5);
+
+// ---------------------------------------------------------------- configuration
+
+enum class role : std::uint8_t { both, streamer, receiver };
+
+struct config {
+  role side = role::both;
+  std::string bind;     ///< receiver: endpoint to bind
+  std::string connect;  ///< streamer: endpoint of a receiver started by hand
+  std::vector<std::string> models{"qwen2.5-0.5b"};
+  std::string manifest_file;  ///< replaces models
+  bool load = false;
+  dtype type = dtype::bf16;
+  std::vector<transport_kind> transports{transport_kind::host_shm};
+  std::vector<double> buffer_mb{64};
+  std::vector<std::size_t> buffer_counts{2};
+  std::uint64_t alignment = 256;
+  std::string engine;  ///< requested copy engine (empty: the library's default)
+  int warmup = 1;
+  int iters = 5;
+  std::uint64_t seed = 1;
+  int device = 0;
+  bool page_locked = false;
+  std::uint64_t timeout_ms = 120000;
+  std::string json_file;
+  std::string plot_file;
+  std::string receiver_exe = "/proc/self/exe";  ///< what the streamer spawns
+  /// Receiver: corrupt one byte of tensor N after every commit (tests the verification).
+  std::optional<std::size_t> corrupt_tensor;
+  bool spawned = false;  ///< receiver: started by a streamer; exit when stdin closes
+  bool quiet = false;    ///< no progress lines
+  std::vector<std::string> argv;  ///< the command line, for the preamble
+};
+
+/// Parses the command line (argv[0] included). Returns nullopt and sets `exit_code` when the bench
+/// should stop (--help, a bad option: the message is printed).
+std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code);
+/// The arguments a spawned receiver gets for one (transport, model) group.
+std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
+                                       const std::string& endpoint);
+
+// ---------------------------------------------------------------- results
+
+struct model_info {
+  std::string name;
+  std::uint64_t tensors = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t params = 0;
+  std::uint64_t largest = 0;
+};
+
+struct preamble {
+  std::string refit_version;
+  std::string host;
+  int pid = 0;
+  std::string cpu;
+  std::vector<std::string> gpus;
+  std::vector<std::string> transports;
+  std::vector<model_info> models;
+  std::vector<double> buffer_mb;
+  std::vector<std::size_t> buffer_counts;
+  std::uint64_t alignment = 0;
+  int warmup = 0;
+  int iters = 0;
+  std::string dtype;
+  std::uint64_t seed = 0;
+  std::string engine;
+  std::string data;  ///< "random (seed 1)" or "loaded from FILE"
+  std::string command;
+  std::string date;
+};
+
+struct row {
+  std::string transport;
+  std::string model;
+  std::uint64_t buffer_bytes = 0;
+  std::size_t buffers = 0;
+  std::uint64_t tensors = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t batches = 0;
+  int iters = 0;
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  double gbps = 0;          ///< bytes / median
+  double ceiling_gbps = 0;  ///< measured copy bandwidth of this transport, same run
+  double floor_ms = 0;      ///< 2 × bytes / ceiling
+  double ratio = 0;         ///< floor / median
+  double source_ms = 0, pack_ms = 0, wait_ms = 0, apply_ms = -1;  ///< medians; apply -1: unknown
+  std::int64_t wrong = 0;   ///< tensors with a wrong checksum over every refit; -1: not verified
+
+  [[nodiscard]] std::uint64_t buffer_memory() const noexcept { return buffer_bytes * buffers; }
+};
+
+/// Median of a non-empty list (mean of the middle two for an even count).
+double median(std::vector<double> v);
+
+void write_preamble(std::ostream& out, const preamble& p);
+void write_header(std::ostream& out);
+void write_row(std::ostream& out, const row& r);
+/// The footer: wrong values ("OK" / "FAILED") and the average throughput.
+void write_footer(std::ostream& out, const std::vector<row>& rows);
+nlohmann::json to_json(const preamble& p, const std::vector<row>& rows);
+/// Throughput against buffer size (log2 axis), one series per (transport, model), with each
+/// transport's staged limit (ceiling / 2) and ceiling. A self-contained SVG document.
+std::string to_svg(const preamble& p, const std::vector<row>& rows);
+
+/// Total wrong values (rows with -1 count as 0).
+std::int64_t total_wrong(const std::vector<row>& rows);
+
+// ---------------------------------------------------------------- running
+
+/// The whole bench as `c` says (both sides, or one); the table goes to `out`. Returns the exit
+/// code: 0 when every refit was verified correct, 1 when a value was wrong. Throws refit::error.
+int run(const config& c, std::ostream& out);
+/// The receiver side alone (role receiver): serves until stdin closes (spawned) or a signal.
+int run_receiver(const config& c);
+/// Everything: parse, run, report errors. main() calls this.
+int bench_main(int argc, const char* const* argv);
+
+}  // namespace refit::bench

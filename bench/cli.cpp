@@ -1,0 +1,160 @@
+// Command line of refit-bench.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <bit>
+#include <cmath>
+#include <iostream>
+
+#include "bench/bench.hpp"
+#include "refit/config.hpp"
+#include "refit/error.hpp"
+
+namespace refit::bench {
+namespace {
+
+[[noreturn]] void bad(const std::string& what) { throw error(errc::invalid_argument, "refit-bench: " + what); }
+
+void list_models(std::ostream& out) {
+  out << fmt::format("{:<16} {:>8} {:>16} {:>10} {:>14}\n", "model", "tensors", "params", "GB (bf16)", "largest (MB)");
+  for (const auto& name : preset_names()) {
+    const manifest m = preset(name);
+    out << fmt::format("{:<16} {:>8} {:>16} {:>10.3f} {:>14.1f}\n", name, m.entries.size(), m.params(), m.bytes() / 1e9,
+                       m.largest() / 1e6);
+  }
+}
+
+}  // namespace
+
+std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code) {
+  config c;
+  for (int i = 0; i < argc; ++i) c.argv.emplace_back(argv[i]);
+  CLI::App app{"refit-bench: measures refit throughput (streamer → receiver) on real model shapes, "
+               "against the hardware's own copy bandwidth measured in the same run."};
+  app.name("refit-bench");
+
+  std::string role_name = "both", dtype_name = "bf16";
+  std::vector<std::string> transports{"host_shm"};
+  std::size_t corrupt = 0;
+  bool list = false;
+  app.add_option("--role", role_name, "both (default: streamer here, receiver spawned as its own process), "
+                                      "streamer or receiver (run the sides by hand)")
+      ->check(CLI::IsMember({"both", "streamer", "receiver"}));
+  app.add_option("--bind", c.bind, "receiver: endpoint to bind (ipc:///path, tcp://host:port); default: a private ipc socket");
+  app.add_option("--connect", c.connect, "streamer: endpoint of a receiver started with --role receiver");
+  app.add_option("--model", c.models, "built-in model(s), comma separated (see --list-models)")
+      ->delimiter(',')->capture_default_str();
+  app.add_flag("--list-models", list, "print the built-in models and exit");
+  app.add_option("--manifest", c.manifest_file, "any model: a .safetensors file (its header), a sharded checkpoint's "
+                                                "model.safetensors.index.json, or a JSON {name: {dtype, shape}}");
+  app.add_flag("--load", c.load, "refit the tensor data of the --manifest safetensors file(s) (mmap) instead of random data");
+  app.add_option("--dtype", dtype_name, "element type of the built-in models' tensors")->capture_default_str();
+  app.add_option("--transport", transports, "host_shm, cuda_ipc, nccl, comma separated, or all (every built one)")
+      ->delimiter(',')->capture_default_str();
+  app.add_option("--buffer-mb", c.buffer_mb, "buffer size(s) in MiB, comma separated: a sweep")
+      ->delimiter(',')->capture_default_str();
+  app.add_option("--buffers", c.buffer_counts, "number of buffers (ping-pong: at least 2), comma separated")
+      ->delimiter(',')->capture_default_str();
+  app.add_option("--alignment", c.alignment, "entry alignment in the buffers (power of two)")->capture_default_str();
+  app.add_option("--engine", c.engine, "CUDA copy engine")->check(CLI::IsMember({"kernel", "memcpy_batch", "memcpy_each"}));
+  app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
+  app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();
+  app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
+  app.add_option("--device", c.device, "CUDA device (cuda_ipc)")->capture_default_str();
+  app.add_flag("--page-locked", c.page_locked, "host_shm: page-lock the shared buffers");
+  app.add_option("--timeout-ms", c.timeout_ms, "longest wait for the peer")->capture_default_str();
+  app.add_option("--json", c.json_file, "write every row and the preamble as JSON to FILE");
+  app.add_option("--plot", c.plot_file, "write throughput vs buffer size as an SVG to FILE");
+  app.add_flag("-q,--quiet", c.quiet, "no progress lines on stderr");
+  // Hidden: for the tests and for the spawned receiver.
+  auto* corrupt_opt = app.add_option("--corrupt-byte", corrupt, "receiver: corrupt tensor N after every commit")->group("");
+  app.add_flag("--spawned", c.spawned, "receiver started by refit-bench: exit when stdin closes")->group("");
+  app.add_option("--receiver-exe", c.receiver_exe, "the binary the streamer spawns as receiver")->group("");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    exit_code = app.exit(e);
+    return std::nullopt;
+  }
+  if (list) {
+    list_models(std::cout);
+    exit_code = 0;
+    return std::nullopt;
+  }
+  if (*corrupt_opt) c.corrupt_tensor = corrupt;
+  c.side = role_name == "receiver" ? role::receiver : role_name == "streamer" ? role::streamer : role::both;
+
+  const auto t = parse_dtype(dtype_name);
+  if (!t) bad(fmt::format("--dtype {}: unknown (bf16, f16, f32, f8_e4m3, ...)", dtype_name));
+  c.type = *t;
+  c.transports.clear();
+  for (const auto& name : transports) {
+    if (name == "all") {
+      for (const auto k : built_transports())
+        if (std::find(c.transports.begin(), c.transports.end(), k) == c.transports.end()) c.transports.push_back(k);
+      continue;
+    }
+    const auto k = parse_transport(name);
+    if (!k) bad(fmt::format("--transport {}: unknown (host_shm, cuda_ipc, nccl or all)", name));
+    if (std::find(c.transports.begin(), c.transports.end(), *k) == c.transports.end()) c.transports.push_back(*k);
+  }
+  if (c.transports.empty()) bad("--transport: none given");
+  if (c.alignment == 0 || !std::has_single_bit(c.alignment)) bad(fmt::format("--alignment {}: must be a power of two", c.alignment));
+  if (c.buffer_mb.empty()) bad("--buffer-mb: none given");
+  for (const double mb : c.buffer_mb)
+    if (!(mb > 0) || !std::isfinite(mb) || mb * (1 << 20) < static_cast<double>(c.alignment))
+      bad(fmt::format("--buffer-mb {}: each buffer must hold at least the alignment ({} bytes)", mb, c.alignment));
+  if (c.buffer_counts.empty()) bad("--buffers: none given");
+  for (const auto n : c.buffer_counts)
+    if (n < 2) bad(fmt::format("--buffers {}: refit needs at least 2 buffers (ping-pong)", n));
+  if (c.iters < 1) bad("--iters must be at least 1");
+  if (c.warmup < 0) bad("--warmup must be 0 or more");
+  if (c.manifest_file.empty()) {
+    if (c.models.empty()) bad("--model: none given");
+    for (const auto& m : c.models) (void)preset(m, c.type);  // an unknown name fails here, with the list
+  }
+  if (c.load && c.manifest_file.empty()) bad("--load needs --manifest FILE.safetensors");
+  if (c.side == role::streamer && c.connect.empty())
+    bad("--role streamer needs --connect ENDPOINT (the receiver prints it when it starts)");
+  if (!c.engine.empty())
+    std::cerr << fmt::format("refit-bench: WARNING: --engine {}: streamer_options/receiver_options do not expose the "
+                             "copy engine yet; the library's default engine is used (TODO)\n", c.engine);
+  return c;
+}
+
+std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
+                                       const std::string& endpoint) {
+  std::vector<std::string> a{"--role", "receiver", "--bind", endpoint, "--transport", std::string(to_string(t)),
+                             "--device", std::to_string(c.device), "--timeout-ms", std::to_string(c.timeout_ms),
+                             "--spawned"};
+  if (!c.manifest_file.empty()) {
+    a.insert(a.end(), {"--manifest", c.manifest_file, "--dtype", std::string(to_string(c.type))});
+  } else {
+    a.insert(a.end(), {"--model", model, "--dtype", std::string(to_string(c.type))});
+  }
+  if (c.corrupt_tensor) a.insert(a.end(), {"--corrupt-byte", std::to_string(*c.corrupt_tensor)});
+  if (c.quiet) a.emplace_back("--quiet");
+  return a;
+}
+
+int bench_main(int argc, const char* const* argv) {
+  try {
+    int code = 0;
+    const auto c = parse_args(argc, argv, code);
+    if (!c) return code;
+    return run(*c, std::cout);
+  } catch (const error& e) {
+    std::cout.flush();
+    std::cerr << (std::string_view(e.what()).starts_with("refit-bench") ? "" : "refit-bench: ") << "error ("
+              << to_string(e.code()) << "): " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cout.flush();
+    std::cerr << "refit-bench: error: " << e.what() << std::endl;
+    return 2;
+  }
+}
+
+}  // namespace refit::bench

@@ -1,0 +1,301 @@
+// Output: the nccl-tests-style table, its JSON mirror and the throughput plot (SVG).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <ostream>
+#include <set>
+
+#include "bench/bench.hpp"
+
+namespace refit::bench {
+namespace {
+
+// name, unit, width. Every column is right-aligned to its width and separated by one space.
+struct column {
+  const char* name;
+  const char* unit;
+  int width;
+};
+constexpr column columns[] = {
+    {"transport", "", 9}, {"model", "", 14},   {"buf_MiB", "", 7},  {"nbuf", "", 4},
+    {"tensors", "", 7},   {"bytes", "(GB)", 8}, {"median", "(ms)", 9}, {"min", "(ms)", 9},
+    {"max", "(ms)", 9},   {"GB/s", "", 8},      {"ceiling", "(GB/s)", 8}, {"floor", "(ms)", 9},
+    {"ratio", "", 6},     {"source", "(ms)", 8}, {"pack", "(ms)", 8}, {"wait", "(ms)", 8},
+    {"apply", "(ms)", 8}, {"wrong", "", 6},
+};
+
+std::string fmt_ms(double ms) { return ms < 0 ? "n/a" : fmt::format("{:.2f}", ms); }
+
+std::string fmt_mb(double mb) { return fmt::format("{:g}", mb); }
+
+std::string xml_escape(std::string_view s) {
+  std::string out;
+  for (const char c : s) {
+    switch (c) {
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '&': out += "&amp;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+double nice_step(double range) {
+  const double raw = range / 5;
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  for (const double m : {1.0, 2.0, 2.5, 5.0, 10.0})
+    if (raw <= m * mag) return m * mag;
+  return 10 * mag;
+}
+
+}  // namespace
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+std::int64_t total_wrong(const std::vector<row>& rows) {
+  std::int64_t n = 0;
+  for (const auto& r : rows) n += std::max<std::int64_t>(r.wrong, 0);
+  return n;
+}
+
+void write_preamble(std::ostream& out, const preamble& p) {
+  out << fmt::format("# refit-bench: refit {}\n", p.refit_version);
+  out << fmt::format("# command   : {}\n", p.command);
+  out << fmt::format("# host      : {} (pid {}), {}\n", p.host, p.pid, p.date);
+  out << fmt::format("# cpu       : {}\n", p.cpu);
+  if (p.gpus.empty()) out << "# gpu       : none used\n";
+  for (const auto& g : p.gpus) out << fmt::format("# gpu       : {}\n", g);
+  out << fmt::format("# transports: {}\n", fmt::join(p.transports, ", "));
+  for (const auto& m : p.models)
+    out << fmt::format("# model     : {}: {} tensors, {} params, {:.3f} GB, largest tensor {:.1f} MB\n", m.name,
+                       m.tensors, m.params, m.bytes / 1e9, m.largest / 1e6);
+  out << fmt::format("# data      : {}, dtype {}\n", p.data, p.dtype);
+  out << fmt::format("# buffers   : {} x {} MiB, alignment {} B\n", fmt::join(p.buffer_counts, "|"),
+                     fmt::join(p.buffer_mb, "|"), p.alignment);
+  out << fmt::format("# copy      : engine {}\n", p.engine);
+  out << fmt::format("# iterations: {} warm-up + {} counted per row, each a new version with fresh data; every refit verified\n",
+                     p.warmup, p.iters);
+  out << "# GB/s = payload bytes / median time; floor = 2 x bytes / ceiling (a staged refit copies every byte twice);\n"
+         "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad checksum\n"
+         "#\n";
+}
+
+void write_header(std::ostream& out) {
+  std::string names = "#", units = "#";
+  for (const auto& c : columns) {
+    names += fmt::format(" {:>{}}", c.name, c.width);
+    units += fmt::format(" {:>{}}", c.unit, c.width);
+  }
+  out << names << '\n' << units << '\n';
+}
+
+void write_row(std::ostream& out, const row& r) {
+  const std::string cells[] = {
+      r.transport,
+      r.model,
+      fmt_mb(static_cast<double>(r.buffer_bytes) / (1 << 20)),
+      std::to_string(r.buffers),
+      std::to_string(r.tensors),
+      fmt::format("{:.3f}", r.bytes / 1e9),
+      fmt_ms(r.median_ms),
+      fmt_ms(r.min_ms),
+      fmt_ms(r.max_ms),
+      fmt::format("{:.2f}", r.gbps),
+      fmt::format("{:.2f}", r.ceiling_gbps),
+      fmt_ms(r.floor_ms),
+      fmt::format("{:.2f}", r.ratio),
+      fmt_ms(r.source_ms),
+      fmt_ms(r.pack_ms),
+      fmt_ms(r.wait_ms),
+      fmt_ms(r.apply_ms),
+      r.wrong < 0 ? std::string("n/a") : std::to_string(r.wrong),
+  };
+  std::string line = " ";
+  for (std::size_t i = 0; i < std::size(columns); ++i) line += fmt::format(" {:>{}}", cells[i], columns[i].width);
+  out << line << '\n';
+  out.flush();
+}
+
+void write_footer(std::ostream& out, const std::vector<row>& rows) {
+  const std::int64_t wrong = total_wrong(rows);
+  const bool unverified = std::any_of(rows.begin(), rows.end(), [](const row& r) { return r.wrong < 0; });
+  double sum = 0;
+  for (const auto& r : rows) sum += r.gbps;
+  out << fmt::format("# Wrong values          : {} {}\n", wrong,
+                     wrong ? "FAILED" : (unverified ? "OK (some rows not verified)" : "OK"));
+  out << fmt::format("# Avg throughput (GB/s) : {:.3f}\n", rows.empty() ? 0.0 : sum / static_cast<double>(rows.size()));
+  out << "#\n";
+  out.flush();
+}
+
+nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
+  nlohmann::json j;
+  auto& pj = j["preamble"];
+  pj["refit_version"] = p.refit_version;
+  pj["command"] = p.command;
+  pj["host"] = p.host;
+  pj["pid"] = p.pid;
+  pj["date"] = p.date;
+  pj["cpu"] = p.cpu;
+  pj["gpus"] = p.gpus;
+  pj["transports"] = p.transports;
+  pj["models"] = nlohmann::json::array();
+  for (const auto& m : p.models)
+    pj["models"].push_back({{"name", m.name}, {"tensors", m.tensors}, {"bytes", m.bytes}, {"params", m.params},
+                            {"largest_bytes", m.largest}});
+  pj["buffer_mb"] = p.buffer_mb;
+  pj["buffer_counts"] = p.buffer_counts;
+  pj["alignment"] = p.alignment;
+  pj["warmup"] = p.warmup;
+  pj["iters"] = p.iters;
+  pj["dtype"] = p.dtype;
+  pj["seed"] = p.seed;
+  pj["engine"] = p.engine;
+  pj["data"] = p.data;
+  auto& rj = j["rows"];
+  rj = nlohmann::json::array();
+  double sum = 0;
+  for (const auto& r : rows) {
+    auto opt = [](double v) { return v < 0 ? nlohmann::json(nullptr) : nlohmann::json(v); };
+    rj.push_back({{"transport", r.transport},
+                  {"model", r.model},
+                  {"buffer_bytes", r.buffer_bytes},
+                  {"buffer_mb", static_cast<double>(r.buffer_bytes) / (1 << 20)},
+                  {"buffers", r.buffers},
+                  {"buffer_memory_bytes", r.buffer_memory()},
+                  {"tensors", r.tensors},
+                  {"bytes", r.bytes},
+                  {"batches", r.batches},
+                  {"iters", r.iters},
+                  {"time_ms", {{"median", r.median_ms}, {"min", r.min_ms}, {"max", r.max_ms}}},
+                  {"gbps", r.gbps},
+                  {"ceiling_gbps", r.ceiling_gbps},
+                  {"floor_ms", r.floor_ms},
+                  {"ratio", r.ratio},
+                  {"source_ms", r.source_ms},
+                  {"pack_ms", r.pack_ms},
+                  {"wait_ms", r.wait_ms},
+                  {"apply_ms", opt(r.apply_ms)},
+                  {"wrong", r.wrong < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.wrong)}});
+    sum += r.gbps;
+  }
+  j["wrong"] = total_wrong(rows);
+  j["ok"] = total_wrong(rows) == 0;
+  j["avg_gbps"] = rows.empty() ? 0.0 : sum / static_cast<double>(rows.size());
+  return j;
+}
+
+std::string to_svg(const preamble& p, const std::vector<row>& rows) {
+  constexpr double width = 900, height = 540;
+  constexpr double left = 80, right = 260, top = 60, bottom = 70;
+  constexpr double plot_w = width - left - right, plot_h = height - top - bottom;
+  const char* palette[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
+
+  double x_lo = 1e300, x_hi = -1e300, y_hi = 0;
+  std::map<std::string, double> ceilings;  // transport → GB/s
+  std::vector<std::string> transports;
+  std::map<std::string, std::vector<const row*>> series;  // "transport model nbuf" → rows
+  std::vector<std::string> order;
+  for (const auto& r : rows) {
+    const double x = std::log2(static_cast<double>(r.buffer_bytes) / (1 << 20));
+    x_lo = std::min(x_lo, x);
+    x_hi = std::max(x_hi, x);
+    y_hi = std::max({y_hi, r.gbps, r.ceiling_gbps});
+    ceilings[r.transport] = std::max(ceilings[r.transport], r.ceiling_gbps);
+    if (std::find(transports.begin(), transports.end(), r.transport) == transports.end()) transports.push_back(r.transport);
+    const std::string key = fmt::format("{} {} x{}", r.transport, r.model, r.buffers);
+    if (!series.count(key)) order.push_back(key);
+    series[key].push_back(&r);
+  }
+  if (rows.empty()) x_lo = x_hi = 6;
+  x_lo = std::floor(x_lo);
+  x_hi = std::ceil(x_hi);
+  if (x_hi - x_lo < 2) {
+    x_lo -= 1;
+    x_hi += 1;
+  }
+  if (y_hi <= 0) y_hi = 1;
+  const double step = nice_step(y_hi * 1.08);
+  y_hi = std::ceil(y_hi * 1.08 / step) * step;
+  auto X = [&](double lx) { return left + (lx - x_lo) / (x_hi - x_lo) * plot_w; };
+  auto Y = [&](double gbps) { return top + plot_h - gbps / y_hi * plot_h; };
+
+  std::string s;
+  s += fmt::format(R"svg(<?xml version="1.0" encoding="UTF-8"?>
+<svg xmlns="http://www.w3.org/2000/svg" width="{0}" height="{1}" viewBox="0 0 {0} {1}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+)svg", width, height);
+  std::vector<std::string> names;
+  for (const auto& m : p.models) names.push_back(m.name);
+  s += fmt::format(R"svg(<text x="{}" y="24" font-size="16" font-weight="bold">refit throughput vs buffer size — {}</text>
+<text x="{}" y="42" fill="#555">refit {} on {}{}{}; {} warm-up + {} iterations, median</text>
+)svg", left, xml_escape(fmt::format("{}", fmt::join(names, ", "))), left, xml_escape(p.refit_version), xml_escape(p.host),
+                   p.gpus.empty() ? "" : ", ", xml_escape(p.gpus.empty() ? "" : p.gpus.front()), p.warmup, p.iters);
+  // Grid and axes.
+  for (double y = 0; y <= y_hi + step / 2; y += step)
+    s += fmt::format(R"svg(<line x1="{0}" y1="{1:.1f}" x2="{2}" y2="{1:.1f}" stroke="#e5e5e5"/><text x="{3}" y="{4:.1f}" text-anchor="end">{5:g}</text>
+)svg", left, Y(y), left + plot_w, left - 8, Y(y) + 4, y);
+  for (double lx = x_lo; lx <= x_hi + 0.5; lx += 1)
+    s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1}" x2="{0:.1f}" y2="{2}" stroke="#e5e5e5"/><text x="{0:.1f}" y="{3}" text-anchor="middle">{4:g}</text>
+)svg", X(lx), top, top + plot_h, top + plot_h + 18, std::exp2(lx));
+  s += fmt::format(R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="#333"/>
+<text x="{}" y="{}" text-anchor="middle">buffer size (MiB, log2 scale)</text>
+<text x="20" y="{}" text-anchor="middle" transform="rotate(-90 20 {})">throughput (GB/s of payload)</text>
+)svg", left, top, plot_w, plot_h, left + plot_w / 2, height - 24, top + plot_h / 2, top + plot_h / 2);
+
+  // Ceilings: the copy bandwidth (dashed) and the staged limit, ceiling / 2 (dotted).
+  double legend_y = top + 8;
+  auto legend = [&](const std::string& style, const std::string& color, const std::string& label) {
+    const double lx = left + plot_w + 16;
+    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="2" {}/><text x="{}" y="{:.1f}">{}</text>
+)svg", lx, legend_y, lx + 28, legend_y, color, style, lx + 34, legend_y + 4, xml_escape(label));
+    legend_y += 20;
+  };
+  // Series k has colour k; a transport's ceilings take the colour of its first series.
+  auto transport_color = [&](const std::string& t) {
+    for (std::size_t k = 0; k < order.size(); ++k)
+      if (series[order[k]].front()->transport == t) return std::string(palette[k % std::size(palette)]);
+    return std::string(palette[0]);
+  };
+  for (std::size_t t = 0; t < transports.size(); ++t) {
+    const std::string color = transport_color(transports[t]);
+    const double c = ceilings[transports[t]];
+    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="8 4"/>
+<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>
+)svg", left, Y(c), left + plot_w, Y(c), color, left, Y(c / 2), left + plot_w, Y(c / 2), color);
+    legend(R"(stroke-dasharray="8 4")", color, fmt::format("{} ceiling {:.1f} GB/s", transports[t], c));
+    legend(R"(stroke-dasharray="2 3")", color, fmt::format("{} staged limit {:.1f}", transports[t], c / 2));
+  }
+  // Measured series.
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    auto& pts = series[order[k]];
+    std::sort(pts.begin(), pts.end(), [](const row* a, const row* b) { return a->buffer_bytes < b->buffer_bytes; });
+    const std::string color = palette[k % std::size(palette)];
+    std::string poly;
+    for (const row* r : pts)
+      poly += fmt::format("{:.1f},{:.1f} ", X(std::log2(static_cast<double>(r->buffer_bytes) / (1 << 20))), Y(r->gbps));
+    s += fmt::format(R"svg(<polyline points="{}" fill="none" stroke="{}" stroke-width="2.5"/>
+)svg", poly, color);
+    for (const row* r : pts) {
+      const double x = X(std::log2(static_cast<double>(r->buffer_bytes) / (1 << 20)));
+      s += fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="4" fill="{}"><title>{} {} MiB x{}: {:.2f} GB/s, {:.2f} ms ({:.0f}% of floor){}</title></circle>
+)svg", x, Y(r->gbps), r->wrong > 0 ? "black" : color, xml_escape(r->transport), fmt_mb(static_cast<double>(r->buffer_bytes) / (1 << 20)),
+                       r->buffers, r->gbps, r->median_ms, r->ratio * 100, r->wrong > 0 ? ", WRONG VALUES" : "");
+    }
+    legend("", color, order[k]);
+  }
+  s += "</svg>\n";
+  return s;
+}
+
+}  // namespace refit::bench

@@ -1,0 +1,532 @@
+// The two sides of the bench and the process that ties them together.
+//
+// By default one command is the streamer and spawns the receiver as its own process: fork, then
+// execv("/proc/self/exe", "--role receiver --bind EP ...") so the child starts clean (never a
+// fork that keeps a CUDA context). The receiver reports each committed refit on its stdout as
+// one JSON line: {"event":"committed","version":v,"apply_ms":..,"checksums":[...]}; the streamer
+// compares every checksum with the one it expects. Started by hand (--role), the receiver prints
+// the same lines and the streamer skips verification with a warning.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "bench/bench.hpp"
+#include "refit/config.hpp"
+#include "refit/error.hpp"
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+
+namespace refit::bench {
+namespace {
+
+using clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double ms_since(clock::time_point t0) { return std::chrono::duration<double, std::milli>(clock::now() - t0).count(); }
+
+volatile sig_atomic_t stop_requested = 0;
+extern "C" void on_stop_signal(int) { stop_requested = 1; }
+
+void progress(const config& c, const std::string& line) {
+  if (!c.quiet) std::cerr << "refit-bench: " << line << std::endl;
+}
+
+// ---------------------------------------------------------------- the receiver process
+
+// A child running the bench as the receiver. Its stdin is a pipe we hold (closing it tells the
+// child to exit) and its stdout a pipe we read result lines from; stderr is shared.
+class receiver_process {
+ public:
+  receiver_process(const std::string& exe, const std::vector<std::string>& args) {
+    int in[2], out[2];
+    if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0)
+      throw error(errc::io, fmt::format("refit-bench: pipe failed: {}", std::strerror(errno)));
+    // Everything the child needs is prepared before fork: after it, only exec.
+    std::vector<std::string> storage{exe};
+    storage.insert(storage.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& s : storage) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    std::cout.flush();
+    std::cerr.flush();
+    pid_ = ::fork();
+    if (pid_ < 0) throw error(errc::io, fmt::format("refit-bench: fork failed: {}", std::strerror(errno)));
+    if (pid_ == 0) {
+      ::dup2(in[0], 0);
+      ::dup2(out[1], 1);
+      ::execv(exe.c_str(), argv.data());
+      const char msg[] = "refit-bench: execv of the receiver failed\n";
+      (void)!::write(2, msg, sizeof msg - 1);
+      ::_exit(127);
+    }
+    ::close(in[0]);
+    ::close(out[1]);
+    stdin_ = in[1];
+    stdout_ = out[0];
+  }
+  ~receiver_process() { finish(std::chrono::seconds(30)); }
+  receiver_process(const receiver_process&) = delete;
+  receiver_process& operator=(const receiver_process&) = delete;
+
+  /// The next line the child printed; throws when it exits or stays silent past `timeout`.
+  std::string read_line(std::chrono::milliseconds timeout) {
+    const auto deadline = clock::now() + timeout;
+    for (;;) {
+      const auto nl = buffer_.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = buffer_.substr(0, nl);
+        buffer_.erase(0, nl + 1);
+        return line;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
+      if (left <= 0)
+        throw error(errc::timeout, fmt::format("refit-bench: the receiver (pid {}) sent no result for {} ms", pid_,
+                                               timeout.count()));
+      pollfd p{stdout_, POLLIN, 0};
+      const int r = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
+      if (r < 0 && errno != EINTR) throw error(errc::io, fmt::format("refit-bench: poll failed: {}", std::strerror(errno)));
+      if (r <= 0) continue;
+      char chunk[65536];
+      const ssize_t n = ::read(stdout_, chunk, sizeof chunk);
+      if (n > 0) {
+        buffer_.append(chunk, static_cast<std::size_t>(n));
+      } else if (n == 0) {
+        throw error(errc::peer, fmt::format("refit-bench: the receiver process (pid {}) exited: {}", pid_,
+                                            describe_exit(finish(std::chrono::seconds(5)))));
+      } else if (errno != EINTR) {
+        throw error(errc::io, fmt::format("refit-bench: read from the receiver failed: {}", std::strerror(errno)));
+      }
+    }
+  }
+
+  /// Closes the child's stdin, waits for it (kills it past `grace`); returns its wait status.
+  int finish(std::chrono::milliseconds grace) noexcept {
+    if (stdin_ >= 0) ::close(std::exchange(stdin_, -1));
+    if (pid_ > 0 && !reaped_) {
+      const auto deadline = clock::now() + grace;
+      for (;;) {
+        const pid_t r = ::waitpid(pid_, &status_, WNOHANG);
+        if (r == pid_ || (r < 0 && errno != EINTR)) break;
+        if (clock::now() >= deadline) {
+          ::kill(pid_, SIGKILL);
+          ::waitpid(pid_, &status_, 0);
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      reaped_ = true;
+    }
+    if (stdout_ >= 0) ::close(std::exchange(stdout_, -1));
+    return status_;
+  }
+
+  static std::string describe_exit(int status) {
+    if (WIFEXITED(status)) return fmt::format("exit code {}", WEXITSTATUS(status));
+    if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
+    return "unknown status";
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int stdin_ = -1;
+  int stdout_ = -1;
+  bool reaped_ = false;
+  int status_ = 0;
+  std::string buffer_;
+};
+
+// A private directory (mode 0700) for the ipc socket; removed at the end.
+struct temp_dir {
+  temp_dir() {
+    const char* base = std::getenv("XDG_RUNTIME_DIR");
+    std::string tmpl = fmt::format("{}/refit-bench-XXXXXX", base && *base && ::access(base, W_OK) == 0 ? base : "/tmp");
+    if (!::mkdtemp(tmpl.data())) throw error(errc::io, fmt::format("refit-bench: mkdtemp failed: {}", std::strerror(errno)));
+    path = tmpl;
+  }
+  ~temp_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  temp_dir(const temp_dir&) = delete;
+  temp_dir& operator=(const temp_dir&) = delete;
+  std::string path;
+};
+
+// ---------------------------------------------------------------- workloads
+
+manifest workload(const config& c, const std::string& model) {
+  if (!c.manifest_file.empty()) return load_manifest(c.manifest_file, c.type);
+  return preset(model, c.type);
+}
+
+std::vector<std::string> model_list(const config& c) {
+  if (!c.manifest_file.empty()) return {c.manifest_file};
+  return c.models;
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  ::gethostname(buf, sizeof buf - 1);
+  return buf;
+}
+
+std::string now_text() {
+  const std::time_t t = std::time(nullptr);
+  char buf[64];
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S %Z", &tm);
+  return buf;
+}
+
+// ---------------------------------------------------------------- one (transport, model) group
+
+struct group {
+  const config& c;
+  transport_path& path;
+  transport_kind kind;
+  const manifest& m;
+  double ceiling;  // bytes/s
+  std::vector<mapped_file>* files;
+  std::uint64_t& version;
+};
+
+void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
+  const config& c = g.c;
+  const std::string tname(to_string(g.kind));
+  std::unique_ptr<temp_dir> dir;
+  std::unique_ptr<receiver_process> child;
+  std::string endpoint = c.connect;
+  const bool verify = c.side == role::both;
+  if (verify) {
+    dir = std::make_unique<temp_dir>();
+    const std::string bind = fmt::format("ipc://{}/receiver", dir->path);
+    child = std::make_unique<receiver_process>(c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind));
+    const json ready = json::parse(child->read_line(std::chrono::minutes(10)));
+    if (ready.value("event", "") != "ready")
+      throw error(errc::protocol, fmt::format("refit-bench: the receiver said {} instead of ready", ready.dump()));
+    endpoint = ready.at("endpoint").get<std::string>();
+  } else {
+    progress(c, "WARNING: receiver started by hand: its checksums are printed on its side and not "
+                "verified here (wrong = n/a)");
+  }
+
+  progress(c, fmt::format("{} {}: preparing {} tensors, {:.3f} GB of source data", tname, g.m.name, g.m.entries.size(),
+                          g.m.bytes() / 1e9));
+  const auto t_prep = clock::now();
+  auto src = g.path.sources(g.m, c.seed, g.files);
+  const std::size_t n = g.m.entries.size();
+  std::vector<tensor_ref> refs(n);
+  std::vector<std::uint64_t> sizes(n), expected(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    refs[i] = tensor_ref{g.m.entries[i].meta, src->data(i), src->where(), nullptr};
+    sizes[i] = g.m.entries[i].meta.nbytes();
+    if (verify) expected[i] = src->checksum(i);
+  }
+  progress(c, fmt::format("{} {}: ready in {:.1f} s", tname, g.m.name, ms_since(t_prep) / 1e3));
+
+  bool first = true;
+  for (const std::size_t nbuf : c.buffer_counts) {
+    for (const double mb : c.buffer_mb) {
+      streamer_options so;
+      so.endpoint = endpoint;
+      so.transport = g.kind;
+      so.buffer_count = nbuf;
+      so.buffer_bytes = static_cast<std::uint64_t>(std::llround(mb * (1 << 20)));
+      so.alignment = c.alignment;
+      so.device = c.device;
+      so.timeout = milliseconds(c.timeout_ms);
+      so.page_locked = c.page_locked;
+      streamer s(so);
+
+      row r;
+      r.transport = tname;
+      r.model = g.m.name;
+      r.buffer_bytes = so.buffer_bytes;
+      r.buffers = nbuf;
+      r.tensors = n;
+      r.bytes = g.m.bytes();
+      r.iters = c.iters;
+      r.wrong = verify ? 0 : -1;
+      std::vector<double> times, source, pack, wait, apply;
+      const int total = c.warmup + c.iters;
+      for (int it = 0; it < total; ++it) {
+        const std::uint64_t v = g.version++;
+        if (!first) {
+          // Fresh data for every refit: one byte per tensor changes, expected sums follow in O(1).
+          const auto mask = static_cast<std::uint8_t>(1 + v % 255);
+          for (std::size_t i = 0; i < n; ++i) {
+            if (sizes[i] == 0) continue;
+            const std::uint64_t off = (v * 0x9e3779b97f4a7c15ull + i * 0x2545f4914f6cdd1dull) % sizes[i];
+            const std::uint8_t old = src->flip(i, off, mask);
+            if (verify)
+              expected[i] = checksum_after_flip(expected[i], sizes[i], off, old, static_cast<std::uint8_t>(old ^ mask));
+          }
+        }
+        first = false;
+        const auto t0 = clock::now();
+        refit_stats st;
+        try {
+          st = s.refit(v, std::span<const tensor_ref>(refs));
+        } catch (const error& e) {
+          std::string detail;
+          if (child) {
+            try {
+              const json line = json::parse(child->read_line(std::chrono::seconds(2)));
+              if (line.value("event", "") == "aborted") detail = "; the receiver says: " + line.value("error", "");
+            } catch (...) {
+            }
+          }
+          throw error(e.code(), fmt::format("refit-bench: {} {} {} MiB x{}: refit of version {} failed: {}{}", tname,
+                                            g.m.name, mb, nbuf, v, e.what(), detail));
+        }
+        const double ms = ms_since(t0);
+        r.batches = st.batches;
+        std::int64_t wrong_now = 0;
+        double apply_ms = -1;
+        if (child) {
+          const json line = json::parse(child->read_line(milliseconds(std::max<std::uint64_t>(c.timeout_ms, 600000))));
+          if (line.value("event", "") != "committed" || line.value("version", std::uint64_t{0}) != v)
+            throw error(errc::protocol, fmt::format("refit-bench: expected the receiver's result for version {}, got {}",
+                                                    v, line.dump().substr(0, 300)));
+          apply_ms = line.value("apply_ms", -1.0);
+          const auto& sums = line.at("checksums");
+          if (sums.size() != n)
+            throw error(errc::protocol, fmt::format("refit-bench: the receiver sent {} checksums for {} tensors", sums.size(), n));
+          for (std::size_t i = 0; i < n; ++i) {
+            if (sums[i].get<std::uint64_t>() == expected[i]) continue;
+            if (wrong_now < 3)
+              progress(c, fmt::format("WRONG: version {} tensor {} ({}): checksum {:#018x}, expected {:#018x}", v, i,
+                                      describe(g.m.entries[i].meta), sums[i].get<std::uint64_t>(), expected[i]));
+            ++wrong_now;
+          }
+          r.wrong += wrong_now;
+        }
+        const bool counted = it >= c.warmup;
+        progress(c, fmt::format("{} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname, g.m.name, mb, nbuf,
+                                counted ? "iter" : "warm-up", counted ? it - c.warmup + 1 : it + 1,
+                                counted ? c.iters : c.warmup, ms, r.bytes / (ms * 1e6),
+                                wrong_now ? fmt::format(", {} WRONG", wrong_now) : ""));
+        if (!counted) continue;
+        times.push_back(ms);
+        source.push_back(st.source_seconds * 1e3);
+        pack.push_back(st.pack_seconds * 1e3);
+        wait.push_back(st.wait_seconds * 1e3);
+        if (apply_ms >= 0) apply.push_back(apply_ms);
+      }
+      s.close();
+      r.median_ms = median(times);
+      r.min_ms = *std::min_element(times.begin(), times.end());
+      r.max_ms = *std::max_element(times.begin(), times.end());
+      r.gbps = r.bytes / (r.median_ms * 1e6);
+      r.ceiling_gbps = g.ceiling / 1e9;
+      r.floor_ms = 2.0 * static_cast<double>(r.bytes) / g.ceiling * 1e3;
+      r.ratio = r.floor_ms / r.median_ms;
+      r.source_ms = median(source);
+      r.pack_ms = median(pack);
+      r.wait_ms = median(wait);
+      r.apply_ms = apply.empty() ? -1 : median(apply);
+      write_row(out, r);
+      rows.push_back(r);
+    }
+  }
+  if (child) {
+    const int status = child->finish(std::chrono::seconds(30));
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+      progress(c, fmt::format("WARNING: the receiver process ended with {}", receiver_process::describe_exit(status)));
+  }
+}
+
+void write_outputs(const config& c, const preamble& p, const std::vector<row>& rows) {
+  if (!c.json_file.empty()) {
+    std::ofstream f(c.json_file);
+    f << to_json(p, rows).dump(2) << '\n';
+    if (!f) throw error(errc::io, fmt::format("refit-bench: cannot write --json {}", c.json_file));
+  }
+  if (!c.plot_file.empty()) {
+    std::ofstream f(c.plot_file);
+    f << to_svg(p, rows);
+    if (!f) throw error(errc::io, fmt::format("refit-bench: cannot write --plot {}", c.plot_file));
+  }
+}
+
+}  // namespace
+
+std::vector<transport_kind> built_transports() {
+  std::vector<transport_kind> t{transport_kind::host_shm};
+#if REFIT_HAVE_CUDA
+  t.push_back(transport_kind::cuda_ipc);
+#endif
+  return t;
+}
+
+std::unique_ptr<transport_path> make_path(transport_kind kind, int device) {
+  switch (kind) {
+    case transport_kind::host_shm: return make_host_shm_path();
+    case transport_kind::cuda_ipc: return make_cuda_ipc_path(device);
+    case transport_kind::nccl: return make_nccl_path(device);
+  }
+  throw error(errc::invalid_argument, "refit-bench: unknown transport");
+}
+
+int run_receiver(const config& c) {
+  if (c.transports.size() != 1)
+    throw error(errc::invalid_argument, "refit-bench: --role receiver serves one --transport");
+  const auto models = model_list(c);
+  if (models.size() != 1) throw error(errc::invalid_argument, "refit-bench: --role receiver serves one --model");
+  const manifest m = workload(c, models.front());
+  auto path = make_path(c.transports.front(), c.device);
+  auto dest = path->destinations(m);
+
+  receiver_options ro;
+  ro.endpoint = c.bind;
+  ro.device = c.device;
+  ro.idle_timeout = milliseconds(c.timeout_ms);
+  receiver r(ro);
+  for (std::size_t i = 0; i < m.entries.size(); ++i)
+    r.add_parameter(tensor_dest{m.entries[i].meta, dest->data(i), dest->where()});
+
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  if (c.spawned) ::signal(SIGPIPE, SIG_IGN);
+
+  auto emit = [](const json& j) {
+    std::cout << j.dump() << '\n';
+    std::cout.flush();
+  };
+  emit({{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", path->describe_device()},
+        {"tensors", m.entries.size()}, {"bytes", m.bytes()}});
+  if (!c.spawned)
+    std::cerr << fmt::format("refit-bench: receiver for {} over {} listening on {} (Ctrl-C to stop)\n", m.name,
+                             to_string(c.transports.front()), r.endpoint());
+
+  for (;;) {
+    if (stop_requested) break;
+    if (c.spawned) {
+      // The streamer closes our stdin when it is done (or dies): then we are done too.
+      pollfd p{0, POLLIN, 0};
+      if (::poll(&p, 1, 0) > 0) {
+        char b[256];
+        if (::read(0, b, sizeof b) <= 0) break;
+      }
+    }
+    switch (r.serve_one(milliseconds(100))) {
+      case receiver_event::committed: {
+        const receiver_stats st = r.last_stats();
+        const std::uint64_t v = r.committed_version().value_or(0);
+        if (c.corrupt_tensor && !m.entries.empty()) {
+          // Deliberate damage after the commit, to prove the verification catches it.
+          std::size_t i = *c.corrupt_tensor % m.entries.size();
+          while (m.entries[i].meta.nbytes() == 0) i = (i + 1) % m.entries.size();
+          dest->flip(i, 0, 0x01);
+        }
+        const auto t1 = clock::now();
+        json sums = json::array();
+        for (std::size_t i = 0; i < m.entries.size(); ++i) sums.push_back(dest->checksum(i));
+        // apply: copying into the weights, plus the wait at END for the device to finish them.
+        emit({{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
+              {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
+              {"checksums", std::move(sums)}});
+        break;
+      }
+      case receiver_event::aborted:
+        emit({{"event", "aborted"}, {"error", r.last_error()}});
+        break;
+      default: break;
+    }
+  }
+  return 0;
+}
+
+int run(const config& c, std::ostream& out) {
+  if (c.side == role::receiver) return run_receiver(c);
+  if (c.side == role::streamer && c.connect.empty())
+    throw error(errc::invalid_argument, "refit-bench: --role streamer needs --connect ENDPOINT (what the receiver printed)");
+
+  // Resolve everything before measuring: a transport that is not built fails here.
+  std::vector<std::unique_ptr<transport_path>> paths;
+  for (const auto t : c.transports) paths.push_back(make_path(t, c.device));
+  std::vector<manifest> models;
+  for (const auto& name : model_list(c)) models.push_back(workload(c, name));
+  std::vector<mapped_file> files;
+  if (c.load) {
+    if (c.manifest_file.empty()) throw error(errc::invalid_argument, "refit-bench: --load needs --manifest FILE.safetensors");
+    for (const auto& e : models.front().entries)
+      if (e.file < 0)
+        throw error(errc::invalid_argument, fmt::format("refit-bench: --load needs a .safetensors manifest (or a sharded "
+                                                        "checkpoint's index); {} has no tensor data", c.manifest_file));
+    for (const auto& f : models.front().files) files.emplace_back(f);
+  }
+
+  preamble p;
+  p.refit_version = REFIT_VERSION;
+  p.host = host_name();
+  p.pid = ::getpid();
+  p.date = now_text();
+  p.cpu = make_host_shm_path()->describe_device();
+  for (const auto& path : paths) {
+    p.transports.emplace_back(to_string(path->kind()));
+    if (path->kind() != transport_kind::host_shm) p.gpus.push_back(path->describe_device());
+  }
+  for (const auto& m : models) p.models.push_back({m.name, m.entries.size(), m.bytes(), m.params(), m.largest()});
+  p.buffer_mb = c.buffer_mb;
+  p.buffer_counts = c.buffer_counts;
+  p.alignment = c.alignment;
+  p.warmup = c.warmup;
+  p.iters = c.iters;
+  p.dtype = c.manifest_file.empty() ? std::string(to_string(c.type)) : "from the manifest";
+  p.seed = c.seed;
+  p.engine = c.engine.empty() ? "library default"
+                              : fmt::format("library default (--engine {} requested: not exposed by the API yet)", c.engine);
+  p.data = c.load ? fmt::format("loaded from {} (mmap)", c.manifest_file) : fmt::format("random (seed {})", c.seed);
+  p.command = fmt::format("{}", fmt::join(c.argv, " "));
+
+  write_preamble(out, p);
+  std::vector<row> rows;
+  std::uint64_t version = 1;
+  try {
+    // Ceilings first, in the same run as the refits they are compared with.
+    std::vector<double> ceilings;
+    for (const auto& path : paths) {
+      progress(c, fmt::format("{}: measuring the ceiling ({})", to_string(path->kind()), path->ceiling_method()));
+      ceilings.push_back(path->measure_ceiling());
+      out << fmt::format("# ceiling   : {}: {:.2f} GB/s ({})\n", to_string(path->kind()), ceilings.back() / 1e9,
+                         path->ceiling_method());
+    }
+    out << "#\n";
+    write_header(out);
+    for (std::size_t t = 0; t < paths.size(); ++t) {
+      for (const auto& m : models) {
+        group g{c, *paths[t], paths[t]->kind(), m, ceilings[t], c.load ? &files : nullptr, version};
+        run_group(g, out, rows);
+      }
+    }
+  } catch (...) {
+    write_footer(out, rows);
+    write_outputs(c, p, rows);
+    throw;
+  }
+  write_footer(out, rows);
+  write_outputs(c, p, rows);
+  return total_wrong(rows) > 0 ? 1 : 0;
+}
+
+}  // namespace refit::bench

@@ -1,0 +1,165 @@
+// cuda_ipc path: tensors in device memory on both sides (same GPU by default); the ceiling is a
+// device-to-device cudaMemcpyAsync of 1 GiB timed with events.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "copy/copy.hpp"
+#include "refit/config.hpp"
+#include "refit/error.hpp"
+
+#if REFIT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace refit::bench {
+
+#if REFIT_HAVE_CUDA
+namespace {
+
+constexpr std::uint64_t tensor_alignment = 256;
+constexpr std::uint64_t ceiling_bytes = 1ull << 30;
+
+void check(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw error(errc::cuda, fmt::format("refit-bench: {} failed: {}", what, cudaGetErrorString(e)));
+}
+
+std::uint64_t align_up(std::uint64_t n, std::uint64_t a) { return (n + a - 1) / a * a; }
+
+class device_memory final : public tensor_memory {
+ public:
+  device_memory(const manifest& m, int dev, const char* what) : dev_(dev) {
+    check(cudaSetDevice(dev_), fmt::format("cudaSetDevice({})", dev_));
+    std::uint64_t total = 0;
+    std::vector<std::uint64_t> offsets;
+    for (const auto& e : m.entries) {
+      offsets.push_back(total);
+      sizes_.push_back(e.meta.nbytes());
+      total = align_up(total + sizes_.back(), tensor_alignment);
+    }
+    std::size_t free_b = 0, total_b = 0;
+    check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+    if (cudaMalloc(&arena_, std::max<std::uint64_t>(total, 1)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw error(errc::cuda, fmt::format("the {} of {} need {:.2f} GB of device memory on GPU {} and "
+                                          "{:.2f} GB are free: pick a smaller model or a larger GPU",
+                                          what, m.name, total / 1e9, dev_, free_b / 1e9));
+    }
+    check(cudaMemset(arena_, 0, std::max<std::uint64_t>(total, 1)), "cudaMemset");
+    for (const auto off : offsets) ptrs_.push_back(static_cast<std::byte*>(arena_) + off);
+  }
+  ~device_memory() override {
+    if (arena_) cudaFree(arena_);
+  }
+  device_memory(const device_memory&) = delete;
+  device_memory& operator=(const device_memory&) = delete;
+
+  [[nodiscard]] device where() const noexcept override { return device::cuda(dev_); }
+  [[nodiscard]] std::byte* data(std::size_t i) const noexcept override { return ptrs_[i]; }
+  [[nodiscard]] std::uint64_t size(std::size_t i) const { return sizes_.at(i); }
+  std::uint8_t flip(std::size_t i, std::uint64_t offset, std::uint8_t mask) override {
+    std::uint8_t b = 0;
+    check(cudaMemcpy(&b, ptrs_.at(i) + offset, 1, cudaMemcpyDeviceToHost), "cudaMemcpy (flip)");
+    const std::uint8_t old = b;
+    b = static_cast<std::uint8_t>(b ^ mask);
+    check(cudaMemcpy(ptrs_.at(i) + offset, &b, 1, cudaMemcpyHostToDevice), "cudaMemcpy (flip)");
+    return old;
+  }
+  [[nodiscard]] std::uint64_t checksum(std::size_t i) const override {
+    return copy::checksum(ptrs_.at(i), sizes_.at(i), device::cuda(dev_));
+  }
+
+ private:
+  int dev_;
+  void* arena_ = nullptr;
+  std::vector<std::uint64_t> sizes_;
+  std::vector<std::byte*> ptrs_;
+};
+
+// Pinned staging for uploads.
+struct pinned {
+  explicit pinned(std::uint64_t n) : size(n) { check(cudaMallocHost(&p, n), "cudaMallocHost (staging)"); }
+  ~pinned() { cudaFreeHost(p); }
+  pinned(const pinned&) = delete;
+  pinned& operator=(const pinned&) = delete;
+  void* p = nullptr;
+  std::uint64_t size;
+};
+
+class cuda_ipc_path final : public transport_path {
+ public:
+  explicit cuda_ipc_path(int dev) : dev_(dev) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      (void)cudaGetLastError();
+      throw error(errc::cuda, "refit-bench: --transport cuda_ipc needs a CUDA device and none is "
+                              "visible; use --transport host_shm");
+    }
+    if (dev_ < 0 || dev_ >= count)
+      throw error(errc::invalid_argument, fmt::format("refit-bench: --device {} but {} CUDA devices are visible", dev_, count));
+  }
+  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::cuda_ipc; }
+  [[nodiscard]] std::string describe_device() const override {
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, dev_), "cudaGetDeviceProperties");
+    int driver = 0, runtime = 0;
+    cudaDriverGetVersion(&driver);
+    cudaRuntimeGetVersion(&runtime);
+    return fmt::format("GPU {}: {} ({:.0f} GiB, sm_{}{}, driver {}.{}, runtime {}.{})", dev_, prop.name,
+                       static_cast<double>(prop.totalGlobalMem) / (1ull << 30), prop.major, prop.minor,
+                       driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+  }
+  std::unique_ptr<tensor_memory> sources(const manifest& m, std::uint64_t seed,
+                                         const std::vector<mapped_file>* files) override {
+    auto mem = std::make_unique<device_memory>(m, dev_, "source tensors");
+    if (files && !files->empty()) {
+      for (std::size_t i = 0; i < m.entries.size(); ++i) {
+        const auto& e = m.entries[i];
+        const std::byte* src = files->at(static_cast<std::size_t>(e.file)).data() + e.offset;
+        if (mem->size(i) != 0) check(cudaMemcpy(mem->data(i), src, mem->size(i), cudaMemcpyHostToDevice), "cudaMemcpy (load)");
+      }
+      return mem;
+    }
+    constexpr std::uint64_t chunk = 64ull << 20;
+    pinned staging(chunk);
+    auto* host = static_cast<std::byte*>(staging.p);
+    for (std::size_t i = 0; i < m.entries.size(); ++i) {
+      const std::uint64_t n = mem->size(i);
+      for (std::uint64_t off = 0; off < n; off += chunk) {
+        const std::uint64_t len = std::min(chunk, n - off);
+        fill_random(host, len, tensor_seed(seed, i), off);
+        check(cudaMemcpy(mem->data(i) + off, host, len, cudaMemcpyHostToDevice), "cudaMemcpy (fill)");
+      }
+    }
+    return mem;
+  }
+  std::unique_ptr<tensor_memory> destinations(const manifest& m) override {
+    return std::make_unique<device_memory>(m, dev_, "destination tensors");
+  }
+  double measure_ceiling() override { return device_copy_bandwidth(dev_, ceiling_bytes); }
+  [[nodiscard]] std::string ceiling_method() const override {
+    return fmt::format("cudaMemcpyAsync device to device of {} MiB on GPU {}, events, best of 5",
+                       ceiling_bytes >> 20, dev_);
+  }
+
+ private:
+  int dev_;
+};
+
+}  // namespace
+
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device) { return std::make_unique<cuda_ipc_path>(device); }
+
+#else
+
+std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/) {
+  throw error(errc::invalid_argument,
+              "refit-bench: the cuda_ipc transport is not built into this bench (refit was built "
+              "without CUDA); rebuild with -Dcuda=enabled or use --transport host_shm");
+}
+
+#endif
+
+}  // namespace refit::bench

@@ -1,0 +1,487 @@
+// refit-bench: manifests, presets, report formats and short end-to-end runs of the bench binary.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "copy/copy.hpp"
+#include "refit/error.hpp"
+
+namespace fs = std::filesystem;
+using namespace refit;
+using namespace refit::bench;
+using nlohmann::json;
+
+namespace {
+
+// A directory of its own for each test, removed at the end.
+struct scratch {
+  scratch() {
+    std::string t = (fs::temp_directory_path() / "refit-bench-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(t.data()) != nullptr);
+    dir = t;
+  }
+  ~scratch() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  [[nodiscard]] std::string file(const std::string& name) const { return (dir / name).string(); }
+  fs::path dir;
+};
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// A safetensors file: length, header, data.
+std::string safetensors(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  const std::uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header + data;
+}
+
+// The error message load_manifest() throws for these bytes ("" when none).
+std::string manifest_error(const std::string& path, const std::string& bytes) {
+  write_file(path, bytes);
+  try {
+    (void)load_manifest(path);
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::invalid_argument);
+    return e.what();
+  }
+  return "";
+}
+
+std::string bench_binary() {
+  if (const char* p = std::getenv("REFIT_BENCH")) return p;
+  return (fs::read_symlink("/proc/self/exe").parent_path().parent_path() / "bench" / "refit-bench").string();
+}
+
+config short_run(const std::string& model) {
+  config c;
+  c.models = {model};
+  c.buffer_mb = {0.25, 1};
+  c.warmup = 1;
+  c.iters = 2;
+  c.quiet = true;
+  c.receiver_exe = bench_binary();
+  c.argv = {"refit-bench", "(test)"};
+  return c;
+}
+
+// Runs the bench binary with these arguments; returns its exit code, stdout in `out`.
+int run_binary(const std::vector<std::string>& args, std::string& out) {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  std::vector<std::string> storage{bench_binary()};
+  storage.insert(storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& s : storage) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::close(fds[0]);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<std::size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- safetensors
+
+TEST_CASE("a good safetensors header gives every tensor in file order with its data offset", "[bench]") {
+  scratch s;
+  const std::string header =
+      R"({"__metadata__":{"format":"pt"},"b.weight":{"dtype":"F32","shape":[2,3],"data_offsets":[8,32]},)"
+      R"("a.bias":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]},"c.empty":{"dtype":"I64","shape":[0],"data_offsets":[32,32]}})";
+  const std::string path = s.file("model.safetensors");
+  write_file(path, safetensors(header, std::string(32, 'x')));
+  const manifest m = load_manifest(path);
+  REQUIRE(m.entries.size() == 3);
+  CHECK(m.entries[0].meta == tensor_meta{"a.bias", dtype::bf16, {4}});
+  CHECK(m.entries[1].meta == tensor_meta{"b.weight", dtype::f32, {2, 3}});
+  CHECK(m.entries[2].meta.name == "c.empty");
+  CHECK(m.entries[0].offset == 8 + header.size());
+  CHECK(m.entries[1].offset == 8 + header.size() + 8);
+  CHECK(m.entries[1].file == 0);
+  CHECK(m.files == std::vector<std::string>{path});
+  CHECK(m.bytes() == 32);
+  CHECK(m.name == "model.safetensors");
+}
+
+TEST_CASE("each kind of bad safetensors file gets an error naming the file, the entry and the fault", "[bench]") {
+  scratch s;
+  const std::string path = s.file("bad.safetensors");
+  auto with = [](const std::string& entry, std::size_t data = 64) {
+    return safetensors("{\"w\":" + entry + "}", std::string(data, 'x'));
+  };
+
+  SECTION("a file shorter than the length field") {
+    const auto msg = manifest_error(path, "abc");
+    CHECK_THAT(msg, Catch::Contains("truncated") && Catch::Contains(path));
+  }
+  SECTION("a length past the end of the file") {
+    std::string bytes = safetensors("{}", "");
+    const std::uint64_t n = 4096;
+    std::memcpy(bytes.data(), &n, 8);
+    CHECK_THAT(manifest_error(path, bytes), Catch::Contains("header length 4096 runs past the end of the file"));
+  }
+  SECTION("a length past the format's limit") {
+    std::string bytes(16, '\0');
+    const std::uint64_t n = 1ull << 40;
+    std::memcpy(bytes.data(), &n, 8);
+    CHECK_THAT(manifest_error(path, bytes), Catch::Contains("100 MB limit"));
+  }
+  SECTION("a header that is not JSON") {
+    CHECK_THAT(manifest_error(path, safetensors("{\"w\": [1, 2", "")), Catch::Contains("header is not valid JSON"));
+  }
+  SECTION("an unknown dtype") {
+    const auto msg = manifest_error(path, with(R"({"dtype":"Q7","shape":[2],"data_offsets":[0,2]})"));
+    CHECK_THAT(msg, Catch::Contains("tensor 'w'") && Catch::Contains("unknown dtype 'Q7'") && Catch::Contains(path));
+  }
+  SECTION("a shape whose size is not the span of its offsets") {
+    const auto msg = manifest_error(path, with(R"({"dtype":"F16","shape":[3,4],"data_offsets":[0,20]})"));
+    CHECK_THAT(msg, Catch::Contains("tensor 'w'") && Catch::Contains("size mismatch") && Catch::Contains("24 bytes") &&
+                        Catch::Contains("span 20 bytes"));
+  }
+  SECTION("offsets past the end of the data") {
+    const auto msg = manifest_error(path, with(R"({"dtype":"U8","shape":[100],"data_offsets":[0,100]})", 64));
+    CHECK_THAT(msg, Catch::Contains("tensor 'w'") && Catch::Contains("out of range") && Catch::Contains("64 bytes"));
+  }
+  SECTION("two tensors sharing bytes") {
+    const std::string header =
+        R"({"x":{"dtype":"U8","shape":[16],"data_offsets":[0,16]},"y":{"dtype":"U8","shape":[8],"data_offsets":[8,16]}})";
+    CHECK_THAT(manifest_error(path, safetensors(header, std::string(16, 'x'))),
+               Catch::Contains("tensor 'y'") && Catch::Contains("overlap") && Catch::Contains("'x'"));
+  }
+  SECTION("an entry without offsets") {
+    CHECK_THAT(manifest_error(path, with(R"({"dtype":"U8","shape":[1]})")), Catch::Contains("missing \"data_offsets\""));
+  }
+  SECTION("a negative dimension") {
+    CHECK_THAT(manifest_error(path, with(R"({"dtype":"U8","shape":[-1],"data_offsets":[0,0]})")),
+               Catch::Contains("not a non-negative integer"));
+  }
+  SECTION("offsets that end before they begin") {
+    CHECK_THAT(manifest_error(path, with(R"({"dtype":"U8","shape":[0],"data_offsets":[9,1]})")),
+               Catch::Contains("end before they begin"));
+  }
+}
+
+// ---------------------------------------------------------------- JSON manifests
+
+TEST_CASE("a JSON manifest keeps its order and takes --dtype where an entry has none", "[bench]") {
+  const manifest m = parse_json_manifest(
+      R"({"z.weight": {"dtype": "float32", "shape": [8, 2]}, "a.weight": {"shape": [3]}, "m": {"dtype": "torch.bfloat16", "shape": []}})",
+      "m.json", dtype::f16);
+  REQUIRE(m.entries.size() == 3);
+  CHECK(m.entries[0].meta == tensor_meta{"z.weight", dtype::f32, {8, 2}});
+  CHECK(m.entries[1].meta == tensor_meta{"a.weight", dtype::f16, {3}});
+  CHECK(m.entries[2].meta == tensor_meta{"m", dtype::bf16, {}});
+  CHECK(m.entries[0].file == -1);
+  CHECK(m.name == "m");
+  CHECK(m.bytes() == 64 + 6 + 2);
+}
+
+TEST_CASE("a bad JSON manifest is refused with the file, the entry and the fault", "[bench]") {
+  auto err = [](const std::string& text) {
+    try {
+      (void)parse_json_manifest(text, "bad.json", dtype::bf16);
+    } catch (const refit::error& e) {
+      CHECK(e.code() == errc::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK_THAT(err("{\"a\": "), Catch::Contains("manifest bad.json: not valid JSON"));
+  CHECK_THAT(err("[1]"), Catch::Contains("must be a JSON object"));
+  CHECK_THAT(err(R"({"a": {"dtype": "int3", "shape": [1]}})"), Catch::Contains("tensor 'a': unknown dtype 'int3'"));
+  CHECK_THAT(err(R"({"a": {"dtype": "bf16"}})"), Catch::Contains("tensor 'a': missing \"shape\""));
+  CHECK_THAT(err(R"({"a": {"shape": [2, "x"]}})"), Catch::Contains("tensor 'a'"));
+  CHECK_THAT(err("{}"), Catch::Contains("no tensors"));
+}
+
+TEST_CASE("a sharded checkpoint's index reads every shard's header", "[bench]") {
+  scratch s;
+  write_file(s.file("m-1.safetensors"),
+             safetensors(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "abcd"));
+  write_file(s.file("m-2.safetensors"),
+             safetensors(R"({"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "ef"));
+  write_file(s.file("model.safetensors.index.json"),
+             R"({"metadata": {}, "weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}})");
+  const manifest m = load_manifest(s.file("model.safetensors.index.json"));
+  REQUIRE(m.entries.size() == 2);
+  CHECK(m.files.size() == 2);
+  CHECK(m.entries[1].meta.name == "b");
+  CHECK(m.entries[1].file == 1);
+}
+
+// ---------------------------------------------------------------- presets
+
+TEST_CASE("built-in models add up to their published parameter counts", "[bench]") {
+  CHECK(preset("qwen2.5-0.5b").params() == 494'032'768ull);
+  CHECK(preset("llama3-8b").params() == 8'030'261'248ull);
+  CHECK(preset("qwen2.5-7b").params() == 7'615'616'512ull);
+  CHECK(preset("qwen3-30b-a3b").params() == 30'532'122'624ull);
+  CHECK(preset("mixtral-8x7b").params() == 46'702'792'704ull);
+
+  const manifest qwen = preset("qwen2.5-0.5b");
+  CHECK(qwen.entries.size() == 290);  // tied embeddings: no lm_head
+  CHECK(qwen.bytes() == 2 * 494'032'768ull);
+  CHECK(std::none_of(qwen.entries.begin(), qwen.entries.end(), [](const manifest_entry& e) { return e.meta.name == "lm_head.weight"; }));
+  const manifest llama = preset("llama3-8b");
+  CHECK(llama.entries.size() == 291);
+  CHECK(llama.bytes() == 16'060'522'496ull);
+  CHECK(llama.entries.front().meta == tensor_meta{"model.embed_tokens.weight", dtype::bf16, {128256, 4096}});
+  CHECK(preset("qwen3-30b-a3b").entries.size() > 10000);
+  CHECK(preset("qwen2.5-0.5b", dtype::f32).bytes() == 4 * 494'032'768ull);
+}
+
+TEST_CASE("an unknown model name is refused with the list of built-in ones", "[bench]") {
+  CHECK_THROWS_WITH(preset("gpt-5"), Catch::Contains("unknown model 'gpt-5'") && Catch::Contains("llama3-8b"));
+}
+
+// ---------------------------------------------------------------- data
+
+TEST_CASE("random tensor data is deterministic, not zeros, and the same when filled in pieces", "[bench]") {
+  std::vector<std::byte> a(1000), b(1000), c(1000);
+  fill_random(a.data(), a.size(), 7);
+  fill_random(b.data(), b.size(), 7);
+  CHECK(a == b);
+  fill_random(c.data(), 13, 7);
+  fill_random(c.data() + 13, 1000 - 13, 7, 13);
+  CHECK(a == c);
+  fill_random(b.data(), b.size(), 8);
+  CHECK(a != b);
+  CHECK(std::count(a.begin(), a.end(), std::byte{0}) < 20);
+}
+
+TEST_CASE("the checksum update after a flipped byte equals the checksum of the flipped data", "[bench]") {
+  for (const std::uint64_t n : {1ull, 7ull, 8ull, 13ull, 4096ull + 5}) {
+    std::vector<std::byte> v(n);
+    fill_random(v.data(), n, n);
+    std::uint64_t sum = copy::checksum(v.data(), n);
+    for (std::uint64_t off : {std::uint64_t{0}, n / 2, n - 1}) {
+      const auto old = static_cast<std::uint8_t>(v[off]);
+      const auto now = static_cast<std::uint8_t>(old ^ 0xa7);
+      v[off] = std::byte{now};
+      sum = checksum_after_flip(sum, n, off, old, now);
+      CHECK(sum == copy::checksum(v.data(), n));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- command line
+
+TEST_CASE("the command line defaults to host_shm, qwen2.5-0.5b and 2 x 64 MiB, and sweeps lists", "[bench]") {
+  int code = -1;
+  const char* none[] = {"refit-bench"};
+  const auto d = parse_args(static_cast<int>(std::size(none)), none, code);
+  REQUIRE(d);
+  CHECK(d->transports == std::vector<transport_kind>{transport_kind::host_shm});
+  CHECK(d->models == std::vector<std::string>{"qwen2.5-0.5b"});
+  CHECK(d->buffer_mb == std::vector<double>{64});
+  CHECK(d->buffer_counts == std::vector<std::size_t>{2});
+  CHECK(d->warmup == 1);
+  CHECK(d->iters == 5);
+  CHECK(d->side == role::both);
+
+  const char* sweep[] = {"refit-bench", "--buffer-mb", "16,64,256,1024", "--transport", "all", "--buffers", "2,3",
+                         "--model", "llama3-8b,tiny"};
+  const auto s = parse_args(static_cast<int>(std::size(sweep)), sweep, code);
+  REQUIRE(s);
+  CHECK(s->buffer_mb == std::vector<double>{16, 64, 256, 1024});
+  CHECK(s->transports == built_transports());
+  CHECK(s->buffer_counts == std::vector<std::size_t>{2, 3});
+  CHECK(s->models.size() == 2);
+
+  const char* bad_align[] = {"refit-bench", "--alignment", "100"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad_align)), bad_align, code), Catch::Contains("power of two"));
+  const char* one_buffer[] = {"refit-bench", "--buffers", "1"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(one_buffer)), one_buffer, code), Catch::Contains("at least 2"));
+  const char* nccl[] = {"refit-bench", "--transport", "nccl"};
+  const auto n = parse_args(static_cast<int>(std::size(nccl)), nccl, code);
+  REQUIRE(n);
+  CHECK_THROWS_WITH(make_path(n->transports.front(), 0), Catch::Contains("not built into the bench"));
+}
+
+// ---------------------------------------------------------------- report
+
+TEST_CASE("the table has a preamble, two header rows, fixed-width rows and a footer; JSON and SVG mirror it", "[bench]") {
+  preamble p;
+  p.refit_version = "0.1.0";
+  p.host = "h";
+  p.transports = {"host_shm"};
+  p.models = {{"tiny", 27, 3977728, 1988864, 512000}};
+  std::vector<row> rows;
+  for (const std::uint64_t mb : {1, 4, 16}) {
+    row r;
+    r.transport = "host_shm";
+    r.model = "tiny";
+    r.buffer_bytes = mb << 20;
+    r.buffers = 2;
+    r.tensors = 27;
+    r.bytes = 3977728;
+    r.median_ms = 1.5;
+    r.min_ms = 1.25;
+    r.max_ms = 2;
+    r.gbps = 2.65;
+    r.ceiling_gbps = 10;
+    r.floor_ms = 0.8;
+    r.ratio = 0.53;
+    r.apply_ms = mb == 16 ? -1 : 0.5;
+    rows.push_back(r);
+  }
+  std::ostringstream out;
+  write_preamble(out, p);
+  write_header(out);
+  for (const auto& r : rows) write_row(out, r);
+  write_footer(out, rows);
+  std::vector<std::string> lines;
+  std::istringstream in(out.str());
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  std::vector<std::string> data;
+  for (const auto& l : lines)
+    if (!l.starts_with("#")) data.push_back(l);
+  REQUIRE(data.size() == 3);
+  CHECK(data[0].size() == data[1].size());
+  CHECK(data[1].size() == data[2].size());
+  CHECK_THAT(data[2], Catch::Contains("n/a"));
+  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK"));
+  CHECK_THAT(out.str(), Catch::Contains("(GB/s)"));
+
+  const json j = to_json(p, rows);
+  CHECK(j["rows"].size() == 3);
+  CHECK(j["wrong"] == 0);
+  CHECK(j["rows"][1]["buffer_memory_bytes"] == 8ull << 20);
+  CHECK(j["rows"][2]["apply_ms"].is_null());
+  CHECK(j["preamble"]["models"][0]["name"] == "tiny");
+
+  const std::string svg = to_svg(p, rows);
+  CHECK(svg.starts_with("<?xml"));
+  CHECK_THAT(svg, Catch::Contains("<svg") && Catch::Contains("</svg>") && Catch::Contains("ceiling") &&
+                      Catch::Contains("<polyline"));
+
+  rows[1].wrong = 3;
+  std::ostringstream bad;
+  write_footer(bad, rows);
+  CHECK_THAT(bad.str(), Catch::Contains("3 FAILED"));
+}
+
+// ---------------------------------------------------------------- end to end
+
+TEST_CASE("a short host_shm run prints a row per buffer size and verifies every refit", "[bench][e2e]") {
+  scratch s;
+  config c = short_run("tiny");
+  c.json_file = s.file("out.json");
+  c.plot_file = s.file("out.svg");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  INFO(out.str());
+  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK"));
+  CHECK_THAT(out.str(), Catch::Contains("host_shm") && Catch::Contains("tiny"));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 2);
+  for (const auto& r : j["rows"]) {
+    CHECK(r["wrong"] == 0);
+    CHECK(r["tensors"] == 27);
+    CHECK(r["time_ms"]["median"].get<double>() > 0);
+    CHECK(r["ceiling_gbps"].get<double>() > 0);
+    CHECK(r["batches"].get<std::uint64_t>() >= 1);
+  }
+  CHECK(j["rows"][0]["buffer_bytes"] == 256 << 10);
+  CHECK(j["ok"] == true);
+  CHECK(fs::file_size(c.plot_file) > 1000);
+}
+
+TEST_CASE("a tensor larger than the buffer and odd sizes from a JSON manifest arrive intact", "[bench][e2e]") {
+  scratch s;
+  write_file(s.file("odd.json"),
+             R"({"big": {"dtype": "f32", "shape": [1000, 1001]}, "odd": {"dtype": "u8", "shape": [13]},
+                 "empty": {"dtype": "bf16", "shape": [0, 4]}, "scalar": {"dtype": "f64", "shape": []}})");
+  config c = short_run("tiny");
+  c.manifest_file = s.file("odd.json");
+  c.buffer_mb = {1};
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 1);
+  CHECK(j["rows"][0]["wrong"] == 0);
+  CHECK(j["rows"][0]["batches"].get<std::uint64_t>() >= 4);
+}
+
+TEST_CASE("--load refits the data of a safetensors file", "[bench][e2e]") {
+  scratch s;
+  std::string data(4096 + 6, '\0');
+  fill_random(reinterpret_cast<std::byte*>(data.data()), data.size(), 3);
+  const std::string path = s.file("w.safetensors");
+  write_file(path, safetensors(R"({"a":{"dtype":"BF16","shape":[2048],"data_offsets":[0,4096]},)"
+                               R"("b":{"dtype":"U8","shape":[6],"data_offsets":[4096,4102]}})", data));
+  config c = short_run("tiny");
+  c.manifest_file = path;
+  c.load = true;
+  c.buffer_mb = {1};
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  CHECK_THAT(out.str(), Catch::Contains("loaded from"));
+  std::ifstream f(c.json_file);
+  CHECK(json::parse(f)["wrong"] == 0);
+  // The file itself is never written.
+  std::ifstream back(path, std::ios::binary);
+  std::string again((std::istreambuf_iterator<char>(back)), std::istreambuf_iterator<char>());
+  CHECK(again.substr(again.size() - data.size()) == data);
+}
+
+TEST_CASE("a byte corrupted on the receiver is reported as wrong and fails the run", "[bench][e2e]") {
+  scratch s;
+  config c = short_run("tiny");
+  c.buffer_mb = {1};
+  c.corrupt_tensor = 5;
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 1);
+  CHECK_THAT(out.str(), Catch::Contains("FAILED"));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  CHECK(j["rows"][0]["wrong"] == c.warmup + c.iters);  // one tensor per refit
+  CHECK(j["ok"] == false);
+
+  // The binary's exit code says so too.
+  std::string stdout_text;
+  const int code = run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet",
+                               "--corrupt-byte", "0"}, stdout_text);
+  CHECK(code == 1);
+  CHECK_THAT(stdout_text, Catch::Contains("1 FAILED"));
+}
+
+TEST_CASE("the bench binary with a good run exits 0 and prints the table on stdout", "[bench][e2e]") {
+  std::string stdout_text;
+  const int code = run_binary({"--model", "tiny", "--buffer-mb", "1,2", "--iters", "2", "--quiet"}, stdout_text);
+  CHECK(code == 0);
+  CHECK_THAT(stdout_text, Catch::Contains("# refit-bench") && Catch::Contains("median") &&
+                              Catch::Contains("# Wrong values          : 0 OK"));
+}
