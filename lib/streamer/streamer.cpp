@@ -8,6 +8,7 @@
 #include "refit/streamer.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -47,10 +48,23 @@ plan_options plan_from(const streamer_options& o) {
   return p;
 }
 
+/// The receivers' endpoints: options.receivers, or the one options.endpoint.
+std::vector<std::string> endpoints_of(const streamer_options& o) {
+  if (!o.receivers.empty()) return o.receivers;
+  return {o.endpoint};
+}
+
 void validate(const streamer_options& o) {
-  if (o.endpoint.empty())
+  const auto endpoints = endpoints_of(o);
+  for (const auto& ep : endpoints)
+    if (ep.empty())
+      throw error(errc::invalid_argument,
+                  "streamer_options.endpoint is empty: pass the receiver's endpoint() (ipc://... or tcp://host:port)");
+  if (endpoints.size() > 1 && o.transport != transport_kind::nccl)
     throw error(errc::invalid_argument,
-                "streamer_options.endpoint is empty: pass the receiver's endpoint() (ipc://... or tcp://host:port)");
+                fmt::format("{} receivers given, but the {} transport serves one receiver per streamer; use the nccl "
+                            "transport to broadcast to several",
+                            endpoints.size(), to_string(o.transport)));
   if (o.buffer_count < 2)
     throw error(errc::invalid_argument,
                 fmt::format("streamer_options.buffer_count is {}: refit needs at least 2 buffers (ping-pong)",
@@ -94,7 +108,8 @@ struct streamer::impl {
   plan_options plan;
   std::unique_ptr<transport::source> buffers;
   std::unique_ptr<copy::copier> copier;
-  std::optional<channel::req_channel> channel;
+  std::vector<std::string> endpoints;
+  std::vector<channel::req_channel> channels;  ///< one per receiver; made on the first HELLO
   bool in_session = false;
 
   explicit impl(streamer_options o) : options(std::move(o)) {
@@ -107,6 +122,8 @@ struct streamer::impl {
     so.bytes = options.buffer_bytes;
     so.device = options.device;
     so.page_locked = options.page_locked;
+    endpoints = endpoints_of(options);
+    so.receivers = endpoints.size();
     buffers = transport::make_source(so);
     copier = copy::make_copier(buffers->engine(), options.device);
   }
@@ -117,50 +134,112 @@ struct streamer::impl {
     buffers->close_session();
   }
 
-  /// Sends one message and returns the receiver's OK. A refusal becomes a refit::error with the
-  /// receiver's code; a lost or confused peer also ends the session.
-  wire::ok request(const wire::message& m, const std::string& what) {
-    std::string reply;
-    try {
-      reply = channel->request(wire::encode(m), options.timeout, what);
-    } catch (const error&) {
-      drop_session();  // the channel was rebuilt; the receiver may be a new process
-      throw;
+  /// "the receiver at EP" or "receiver 2 of 3 (EP)".
+  std::string who(std::size_t k) const {
+    if (endpoints.size() == 1) return fmt::format("the receiver at {}", endpoints[k]);
+    return fmt::format("receiver {} of {} ({})", k + 1, endpoints.size(), endpoints[k]);
+  }
+
+  /// Sends a message to every receiver (made per receiver by `make`), runs `between` (the
+  /// transport's join at HELLO), then collects every reply, and returns the OKs. When any receiver
+  /// refuses or stays silent, throws refit::error naming each one that did (with the first
+  /// failure's code), after hearing out all the others, so every REQ socket stays usable. A silent,
+  /// lost or confused receiver also ends the session; so does any failure on nccl, whose
+  /// communicator cannot be trusted after one.
+  std::vector<wire::ok> request(const std::function<wire::message(std::size_t)>& make, const std::string& what,
+                                const std::function<void()>& between = {}) {
+    const auto deadline = clock::now() + options.timeout;
+    const auto left = [&] {
+      return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(deadline - clock::now()));
+    };
+    struct failure {
+      std::size_t receiver;
+      errc code;
+      std::string message;
+    };
+    std::vector<failure> failures;
+    std::vector<bool> sent(channels.size(), false);
+    bool session_lost = false;
+    for (std::size_t k = 0; k < channels.size(); ++k) {
+      try {
+        channels[k].send(wire::encode(make(k)), left(), what);
+        sent[k] = true;
+      } catch (const error& e) {
+        failures.push_back({k, e.code(), e.what()});
+        session_lost = true;
+      }
     }
-    wire::message decoded;
-    try {
-      decoded = wire::decode(reply);
-    } catch (const error& e) {
-      drop_session();
-      channel->reset();
-      throw error(e.code(), fmt::format("bad reply from the receiver at {} to {}: {}", options.endpoint, what, e.what()));
+    if (between && failures.empty()) {
+      try {
+        between();
+      } catch (const error& e) {
+        failures.push_back({channels.size(), e.code(), e.what()});
+        session_lost = true;
+      }
     }
-    if (auto* ok = std::get_if<wire::ok>(&decoded)) return std::move(*ok);
-    if (auto* err = std::get_if<wire::error>(&decoded))
-      throw error(err->code, fmt::format("the receiver at {} refused {}: {}", options.endpoint, what, err->message));
-    drop_session();
-    channel->reset();
-    throw error(errc::protocol, fmt::format("the receiver at {} answered {} with {}, not OK or ERROR",
-                                            options.endpoint, what, wire::to_string(wire::type_of(decoded))));
+    std::vector<wire::ok> oks(channels.size());
+    for (std::size_t k = 0; k < channels.size(); ++k) {
+      if (!sent[k]) continue;
+      try {
+        const wire::message reply = wire::decode(channels[k].receive(left(), what));
+        if (const auto* ok = std::get_if<wire::ok>(&reply)) {
+          oks[k] = *ok;
+        } else if (const auto* err = std::get_if<wire::error>(&reply)) {
+          failures.push_back({k, err->code, fmt::format("{} refused {}: {}", who(k), what, err->message)});
+        } else {
+          channels[k].reset();
+          session_lost = true;
+          failures.push_back({k, errc::protocol,
+                              fmt::format("{} answered {} with {}, not OK or ERROR", who(k), what,
+                                          wire::to_string(wire::type_of(reply)))});
+        }
+      } catch (const error& e) {
+        // A timeout (the channel rebuilt itself) or a reply that does not decode.
+        if (e.code() != errc::timeout) channels[k].reset();
+        session_lost = true;
+        failures.push_back({k, e.code(),
+                            e.code() == errc::timeout
+                                ? std::string(e.what())
+                                : fmt::format("bad reply from {} to {}: {}", who(k), what, e.what())});
+      }
+    }
+    if (failures.empty()) return oks;
+    if (session_lost || options.transport == transport_kind::nccl) drop_session();
+    if (failures.size() == 1) throw error(failures.front().code, failures.front().message);
+    std::string message = fmt::format("{} of {} receivers failed {}:", failures.size(), channels.size(), what);
+    for (const auto& f : failures) message += fmt::format("\n  - {}", f.message);
+    throw error(failures.front().code, message);
+  }
+
+  /// The same message to every receiver.
+  std::vector<wire::ok> request(const wire::message& m, const std::string& what) {
+    return request([&](std::size_t) { return m; }, what);
   }
 
   void ensure_session() {
     if (in_session) return;
-    if (!channel) channel.emplace(options.endpoint, options.curve);
+    if (channels.empty())
+      for (const auto& ep : endpoints) channels.emplace_back(ep, options.curve);
     wire::hello h;
     h.token = token;
     h.alignment = options.alignment;
     buffers->open_session(h);
     try {
-      const wire::ok ok = request(h, "HELLO");
-      buffers->session_accepted(ok);
+      const auto hello_to = [&](std::size_t k) {
+        wire::hello mine = h;
+        if (options.transport == transport_kind::nccl) mine.rank = static_cast<std::uint32_t>(k + 1);
+        return wire::message(std::move(mine));
+      };
+      const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
+      buffers->session_accepted(oks.front());
     } catch (...) {
       drop_session();
       throw;
     }
     in_session = true;
-    REFIT_INFO("session with the receiver at {}: {} × {} MiB {} buffers", options.endpoint, options.buffer_count,
-               options.buffer_bytes >> 20, to_string(options.transport));
+    REFIT_INFO("session with {} receiver(s) at {}: {} × {} MiB {} buffers", endpoints.size(),
+               fmt::join(endpoints, ", "), options.buffer_count, options.buffer_bytes >> 20,
+               to_string(options.transport));
   }
 
   void check_tensor(const tensor_ref& t, std::uint64_t bytes) const {
@@ -301,7 +380,7 @@ void streamer::close() noexcept {
   try {
     // A polite goodbye, with a short deadline: a dead receiver must not delay shutdown.
     const std::string bye = wire::encode(wire::bye{});
-    impl_->channel->request(bye, std::min(impl_->options.timeout, milliseconds{1000}), "BYE");
+    for (auto& ch : impl_->channels) ch.request(bye, std::min(impl_->options.timeout, milliseconds{1000}), "BYE");
   } catch (const std::exception& e) {
     REFIT_DEBUG("BYE to {} not answered: {}", impl_->options.endpoint, e.what());
   }
