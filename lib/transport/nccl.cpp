@@ -1,1 +1,647 @@
-// stub
+// refit — the nccl transport: one streamer (rank 0) broadcasts each batch into the ping-pong
+// receive buffers of N receivers (ranks 1..N). See nccl.hpp, transport.hpp and DESIGN.md.
+//
+// Sessions. Every session gets a fresh communicator: open_session() makes the ncclUniqueId, the
+// streamer sends it in HELLO to every receiver, then joins (join()) while each receiver joins
+// inside attach(). Both ends create the communicator non-blocking (config.blocking = 0) and poll
+// it against a deadline, so a rank that never comes makes a timeout, not a hang. Right after, every
+// rank broadcasts one warm-up buffer: NCCL connects its rings lazily at the first collective, and
+// that connection needs every rank at once. Here every rank is inside its set-up call; at the first
+// batch the streamer would be waiting inside end_pack() for receivers that have not yet seen
+// BATCH 0, which they only get after end_pack() returns.
+//
+// Ordering, streamer: pack stream (copies into send[i]) → packed[i] → comm stream (broadcast of
+// send[i]) → sent[i] → pack stream (the next pack into buffer i). Receiver: comm stream (broadcast
+// into recv[i]) → received[i] → apply stream (copies or the callback) → applied[i] → comm stream
+// (the next broadcast into buffer i). Ordinary events: nothing crosses a process but the bytes.
+//
+// Bounded waits. Before reusing buffer i each side also waits on the host, with the session's
+// deadline, for the work that last used it (sent[i] / applied[i], two batches back). In a healthy
+// pipeline that work is done already; when a peer has died, a broadcast never completes, and this
+// wait turns it into errc::timeout. It also bounds everything else enqueued behind those events
+// (the copy engine waits on the host for its own op-list uploads, which sit behind them on the
+// same stream). Every other wait polls cudaStreamQuery / ncclCommGetAsyncError with a deadline;
+// nothing here calls cudaStreamSynchronize.
+//
+// Ending. A communicator is ended with ncclCommAbort, also when the session ended cleanly (its
+// streams drained). ncclCommFinalize waits for every rank of the host to finalize too, but the
+// ranks leave at different times (the streamer only after every receiver answered BYE), so it
+// would wait on peers that are waiting on us; aborting a quiescent communicator is local and quick.
+#include "transport/nccl.hpp"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <optional>
+#include <source_location>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "copy/cuda_check.hpp"
+#include "copy/cuda_handles.hpp"
+#include "model/log.hpp"
+#include "refit/error.hpp"
+#include "wire/wire.hpp"
+
+namespace refit::transport {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+constexpr std::string_view transport_name = "nccl";
+
+double ms_since(clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+}
+
+// ------------------------------------------------------------------------------------ errors
+
+/// The error for an NCCL call that returned `status`: NCCL's name for it and, when it has one,
+/// its last error text (which says which peer or resource failed).
+error nccl_error(ncclResult_t status, std::string_view what, ncclComm_t comm,
+                 std::source_location where = std::source_location::current()) {
+  const char* last = ncclGetLastError(comm);
+  const std::string detail = last != nullptr && *last != '\0' ? fmt::format(" ({})", last) : std::string();
+  return error(errc::nccl, fmt::format("{}: {}{} ({}:{}); set NCCL_DEBUG=WARN for NCCL's own report", what,
+                                       ncclGetErrorString(status), detail, where.file_name(), where.line()));
+}
+
+/// Throws refit::error(errc::nccl) unless `status` is ncclSuccess. `comm` may be null.
+void check_nccl(ncclResult_t status, std::string_view what, ncclComm_t comm = nullptr,
+                std::source_location where = std::source_location::current()) {
+  if (status != ncclSuccess) throw nccl_error(status, what, comm, where);
+}
+
+// ------------------------------------------------------------------------------------ waiting
+
+/// A point in time a wait must not pass, and the budget it came from (for messages).
+struct deadline {
+  clock::time_point at;
+  milliseconds budget;
+
+  static deadline after(milliseconds budget) { return {clock::now() + budget, budget}; }
+  [[nodiscard]] bool passed() const { return clock::now() >= at; }
+};
+
+/// Spins first (a broadcast in flight ends within a millisecond or so, and the pipeline wants to
+/// know at once), then sleeps in growing steps up to a millisecond (communicator set-up takes
+/// hundreds of milliseconds and needs no microsecond reaction).
+class backoff {
+ public:
+  void pause() {
+    if (spins_ < 1000) {
+      ++spins_;
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(sleep_);
+    sleep_ = std::min(sleep_ * 2, std::chrono::microseconds(1000));
+  }
+
+ private:
+  int spins_ = 0;
+  std::chrono::microseconds sleep_{20};
+};
+
+/// Throws errc::nccl when the communicator holds an asynchronous error; returns its state
+/// (ncclSuccess or ncclInProgress) otherwise.
+ncclResult_t comm_state(ncclComm_t comm, std::string_view what) {
+  ncclResult_t state = ncclSuccess;
+  check_nccl(ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError", comm);
+  if (state != ncclSuccess && state != ncclInProgress) throw nccl_error(state, what, comm);
+  return state;
+}
+
+/// Waits until the communicator leaves ncclInProgress (its set-up, or a call that returned
+/// ncclInProgress). Throws errc::nccl when it fails, errc::timeout past `until` (message: `what`
+/// did not complete, then `late`). Aborts nothing: the caller owns the communicator.
+void wait_ready(ncclComm_t comm, const deadline& until, std::string_view what, std::string_view late) {
+  backoff b;
+  while (comm_state(comm, what) == ncclInProgress) {
+    if (until.passed())
+      throw error(errc::timeout,
+                  fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
+    b.pause();
+  }
+}
+
+/// Waits until `query` (cudaStreamQuery / cudaEventQuery on one handle) reports the work done,
+/// watching the communicator (may be null) for asynchronous errors. Throws errc::cuda, errc::nccl,
+/// or errc::timeout past `until`.
+template <class Query>
+void wait_work(Query query, ncclComm_t comm, const deadline& until, std::string_view what, std::string_view late) {
+  backoff b;
+  for (;;) {
+    const cudaError_t q = query();
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) check_cuda(q, what);
+    if (comm != nullptr) (void)comm_state(comm, what);
+    if (until.passed())
+      throw error(errc::timeout,
+                  fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
+    b.pause();
+  }
+}
+
+/// What is left of a deadline's budget (at least 1 ms, so that a last poll still happens).
+milliseconds remaining(const deadline& until) {
+  const auto left = std::chrono::duration_cast<milliseconds>(until.at - clock::now());
+  return std::max(left, milliseconds{1});
+}
+
+void wait_stream(cudaStream_t s, ncclComm_t comm, const deadline& until, std::string_view what,
+                 std::string_view late) {
+  wait_work([s] { return cudaStreamQuery(s); }, comm, until, what, late);
+}
+
+void wait_event(cudaEvent_t e, ncclComm_t comm, const deadline& until, std::string_view what,
+                std::string_view late) {
+  wait_work([e] { return cudaEventQuery(e); }, comm, until, what, late);
+}
+
+// ------------------------------------------------------------------------------------ handles
+
+/// One rank of an NCCL communicator, created non-blocking. cppzmq shape: the constructor joins or
+/// throws (leaving nothing behind), copy is deleted, a move empties the source, and the destructor
+/// aborts (ncclCommAbort: local, never waits on a peer).
+class communicator {
+ public:
+  communicator() noexcept = default;
+
+  /// Joins as `rank` of `nranks` on CUDA device `device`, waiting until `until`. Throws
+  /// errc::nccl when NCCL fails, errc::timeout (message ends with `late`) when the other ranks do
+  /// not all join in time; the half-made communicator is aborted either way.
+  communicator(int nranks, const ncclUniqueId& id, int rank, int device, const deadline& until,
+               std::string_view late)
+      : device_(device) {
+    const std::string what = fmt::format("ncclCommInitRankConfig (rank {} of {}, cuda:{})", rank, nranks, device);
+    device_guard guard(device);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // set-up runs in the background; we poll it against the deadline
+    const ncclResult_t started = ncclCommInitRankConfig(&c_, nranks, id, rank, &config);
+    try {
+      if (started != ncclSuccess && started != ncclInProgress) throw nccl_error(started, what, c_);
+      if (c_ == nullptr) throw error(errc::nccl, fmt::format("{} returned no communicator", what));
+      wait_ready(c_, until, what, late);
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }
+
+  ~communicator() { abort(); }
+  communicator(communicator&& o) noexcept : c_(std::exchange(o.c_, nullptr)), device_(o.device_) {}
+  communicator& operator=(communicator&& o) noexcept {
+    if (this != &o) {
+      abort();
+      c_ = std::exchange(o.c_, nullptr);
+      device_ = o.device_;
+    }
+    return *this;
+  }
+  communicator(const communicator&) = delete;
+  communicator& operator=(const communicator&) = delete;
+
+  [[nodiscard]] ncclComm_t handle() const noexcept { return c_; }
+  explicit operator bool() const noexcept { return c_ != nullptr; }
+
+  /// Ends the communicator: stops its kernels (they poll NCCL's abort flag) and frees what it
+  /// holds, without waiting for any peer. Safe on an empty one.
+  void abort() noexcept {
+    if (c_ == nullptr) return;
+    ncclComm_t c = std::exchange(c_, nullptr);
+    // NCCL switches to the communicator's device internally; keep the caller's current device.
+    int previous = -1;
+    const bool have_previous = cudaGetDevice(&previous) == cudaSuccess;
+    (void)ncclCommAbort(c);
+    if (have_previous) (void)cudaSetDevice(previous);
+  }
+
+ private:
+  ncclComm_t c_ = nullptr;
+  int device_ = 0;
+};
+
+/// Enqueues the broadcast of `bytes` bytes from rank 0's `p` into every other rank's `p` on `s`.
+/// In non-blocking mode NCCL may answer ncclInProgress: the call is then finished before
+/// returning (within `budget`), so that what follows on `s` is ordered after it. `what` names the
+/// call in errors; nothing is formatted unless something goes wrong.
+void broadcast(const communicator& comm, void* p, std::uint64_t bytes, cudaStream_t s, milliseconds budget,
+               std::string_view what, std::string_view late) {
+  const ncclResult_t r = ncclBroadcast(p, p, static_cast<std::size_t>(bytes), ncclUint8, 0, comm.handle(), s);
+  if (r == ncclSuccess) return;
+  const std::string call = fmt::format("{} ({} bytes)", what, bytes);
+  if (r != ncclInProgress) throw nccl_error(r, call, comm.handle());
+  wait_ready(comm.handle(), deadline::after(budget), call, late);
+}
+
+std::string device_uuid(int device) {
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device), fmt::format("cudaGetDeviceProperties({})", device));
+  return std::string(prop.uuid.bytes, sizeof prop.uuid.bytes);
+}
+
+/// Makes `device` current for the scope; a failure becomes errc::cuda naming `who` and host_shm.
+device_guard use_device(int device, std::string_view who) {
+  int n = 0;
+  const cudaError_t status = cudaGetDeviceCount(&n);
+  if (status != cudaSuccess || device < 0 || device >= n)
+    throw error(errc::cuda,
+                fmt::format("the nccl transport needs a CUDA device on the {}, but cuda:{} is not available ({}); "
+                            "run it on a GPU, or use the host_shm transport",
+                            who, device,
+                            status != cudaSuccess ? fmt::format("{}: {}", cudaGetErrorName(status),
+                                                                cudaGetErrorString(status))
+                                                  : fmt::format("{} device(s) visible", n)));
+  return device_guard(device);
+}
+
+cuda::event make_event() { return cuda::event(cudaEventDisableTiming); }
+cuda::stream make_stream() { return cuda::stream(cudaStreamNonBlocking); }
+
+// ------------------------------------------------------------------------------------ streamer
+
+class nccl_source final : public source {
+ public:
+  explicit nccl_source(const source_options& o)
+      : device_(o.device), bytes_(o.bytes), receivers_(o.receivers) {
+    if (o.receivers < 1 || o.receivers >= static_cast<std::size_t>(INT_MAX))
+      throw error(errc::invalid_argument,
+                  fmt::format("the nccl transport needs at least one receiver (got {})", o.receivers));
+    if (o.count > wire::max_buffers)
+      throw error(errc::invalid_argument,
+                  fmt::format("buffer_count is {}: at most {} buffers", o.count, wire::max_buffers));
+    auto guard = use_device(device_, "streamer");
+    uuid_ = device_uuid(device_);
+    pack_ = make_stream();
+    comm_stream_ = make_stream();
+    producer_ = make_event();
+    for (std::size_t i = 0; i < o.count; ++i) {
+      send_.emplace_back(o.bytes);
+      packed_.push_back(make_event());
+      sent_.push_back(make_event());
+    }
+    used_.assign(o.count, 0);
+  }
+
+  ~nccl_source() override { close_session(); }
+  nccl_source(const nccl_source&) = delete;
+  nccl_source& operator=(const nccl_source&) = delete;
+
+  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::nccl; }
+  [[nodiscard]] std::size_t count() const noexcept override { return send_.size(); }
+  [[nodiscard]] std::uint64_t buffer_bytes() const noexcept override { return bytes_; }
+  [[nodiscard]] std::byte* data(std::size_t i) noexcept override {
+    return static_cast<std::byte*>(send_[i].handle());
+  }
+  [[nodiscard]] device where() const noexcept override { return device::cuda(device_); }
+  [[nodiscard]] copy::engine engine() const noexcept override { return copy::engine::kernel; }
+  [[nodiscard]] void* stream() noexcept override { return pack_.handle(); }
+
+  void open_session(wire::hello& h) override {
+    close_session();  // a session that was never closed ends here
+    auto guard = use_device(device_, "streamer");
+    ncclUniqueId id{};
+    check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    id_ = id;
+    h.transport = std::string(transport_name);
+    h.peer = process_identity();
+    h.host_id = host_identity();
+    h.device_uuid = uuid_;
+    h.buffers.assign(send_.size(), wire::buffer_desc{bytes_, {}, {}, {}});
+    h.nccl_id.assign(id.internal, sizeof id.internal);
+    h.rank = 0;
+    h.nranks = static_cast<std::uint32_t>(receivers_ + 1);
+    std::fill(used_.begin(), used_.end(), 0);
+  }
+
+  void join(milliseconds timeout) override {
+    if (!id_) throw error(errc::internal, "nccl: join() without open_session()");
+    timeout_ = timeout;
+    const auto t0 = clock::now();
+    const deadline until = deadline::after(timeout);
+    const int nranks = static_cast<int>(receivers_ + 1);
+    const std::string late = fmt::format(
+        "a receiver did not join the communicator ({} receivers expected); check that every receiver is running, "
+        "answered HELLO without an error (see its log), has a free GPU and can reach this host "
+        "(NCCL_SOCKET_IFNAME)",
+        receivers_);
+    try {
+      auto guard = use_device(device_, "streamer");
+      comm_ = communicator(nranks, *id_, 0, device_, until, late);
+      // The warm-up broadcast (see the top of this file). Its bytes are whatever send[0] holds.
+      broadcast(comm_, send_[0].handle(), bytes_, comm_stream_.handle(), remaining(until),
+                "the warm-up broadcast (ncclBroadcast)", late);
+      wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up broadcast", late);
+    } catch (const error& e) {
+      end_comm();
+      throw error(e.code(), fmt::format("nccl: the streamer (rank 0 of {} on cuda:{}) could not set up the session: {}",
+                                        nranks, device_, e.what()));
+    }
+    late_ = fmt::format("a receiver of this session ({} in all) is stuck or gone; the communicator was aborted and "
+                        "the next refit builds a new one",
+                        receivers_);
+    REFIT_INFO("nccl: communicator ready: rank 0 of {} on cuda:{}, {} receivers, in {:.1f} ms", nranks, device_,
+               receivers_, ms_since(t0));
+  }
+
+  void session_accepted(const wire::ok& reply) override {
+    (void)reply;
+    if (!comm_)
+      throw error(errc::internal, "nccl: a receiver accepted the session before join() built the communicator");
+  }
+
+  void close_session() noexcept override {
+    end_comm();
+    id_.reset();
+  }
+
+  void begin_pack(std::size_t i) override {
+    require_session("begin_pack");
+    or_abort([&] {
+      // Bounded host wait (see the top of this file); usually done already, so checked first.
+      if (cudaEventQuery(sent_[i].handle()) != cudaSuccess)
+        wait_event(sent_[i].handle(), comm_.handle(), deadline::after(timeout_),
+                   fmt::format("the broadcast that last read send buffer {}", i), late_);
+      check_cuda(cudaStreamWaitEvent(pack_.handle(), sent_[i].handle(), 0), "cudaStreamWaitEvent(sent)");
+    });
+  }
+
+  void after(void* producer_stream) override {
+    const auto s = static_cast<cudaStream_t>(producer_stream);
+    check_cuda(cudaEventRecord(producer_.handle(), s), "cudaEventRecord(on the tensor's producer stream)");
+    check_cuda(cudaStreamWaitEvent(pack_.handle(), producer_.handle(), 0), "cudaStreamWaitEvent(producer)");
+  }
+
+  void batch_bytes(std::size_t i, std::uint64_t used) override {
+    if (i >= used_.size() || used > bytes_)
+      throw error(errc::internal, fmt::format("nccl: batch of {} bytes in buffer {} (of {} × {} bytes)", used, i,
+                                              used_.size(), bytes_));
+    used_[i] = used;
+  }
+
+  void end_pack(std::size_t i) override {
+    require_session("end_pack");
+    or_abort([&] {
+      device_guard guard(device_);
+      check_cuda(cudaEventRecord(packed_[i].handle(), pack_.handle()), "cudaEventRecord(packed)");
+      check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), packed_[i].handle(), 0), "cudaStreamWaitEvent(packed)");
+      // Both sides skip an empty batch (the receiver computes the same `used` from the entries).
+      if (used_[i] != 0)
+        broadcast(comm_, send_[i].handle(), used_[i], comm_stream_.handle(), timeout_, "ncclBroadcast of a batch",
+                  late_);
+      check_cuda(cudaEventRecord(sent_[i].handle(), comm_stream_.handle()), "cudaEventRecord(sent)");
+    });
+  }
+
+  void drain() override {
+    const deadline until = deadline::after(timeout_);
+    or_abort([&] {
+      wait_stream(pack_.handle(), comm_.handle(), until, "the streamer's packing", late_);
+      wait_stream(comm_stream_.handle(), comm_.handle(), until, "the streamer's broadcasts", late_);
+    });
+  }
+
+ private:
+  void require_session(std::string_view call) const {
+    if (!comm_)
+      throw error(errc::transport,
+                  fmt::format("nccl: {} without a communicator (the session was aborted or never joined); the next "
+                              "refit starts a new session",
+                              call));
+  }
+
+  /// Runs `f`; on any failure aborts the communicator first (a broadcast may be waiting on the peer
+  /// that failed us, and the session cannot go on) and rethrows.
+  template <class F>
+  void or_abort(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      end_comm();
+      throw;
+    }
+  }
+
+  void end_comm() noexcept { comm_.abort(); }
+
+  int device_;
+  std::uint64_t bytes_;
+  std::size_t receivers_;
+  std::string uuid_;
+  milliseconds timeout_{30000};  ///< from join(): every later wait of the session
+  std::string late_;             ///< what a timeout of the session means, for messages
+  cuda::stream pack_;
+  cuda::stream comm_stream_;
+  cuda::event producer_;
+  std::vector<cuda::device_buffer> send_;
+  std::vector<cuda::event> packed_;
+  std::vector<cuda::event> sent_;
+  std::vector<std::uint64_t> used_;
+  std::optional<ncclUniqueId> id_;
+  communicator comm_;  // last: aborted before the buffers and streams it uses are released
+};
+
+// ------------------------------------------------------------------------------------ receiver
+
+class nccl_sink final : public sink {
+ public:
+  nccl_sink(int device, milliseconds timeout) : device_(device), timeout_(timeout) {
+    if (timeout.count() <= 0) throw error(errc::invalid_argument, "nccl: the receiver's timeout must be positive");
+  }
+  ~nccl_sink() override { abort(); }
+  nccl_sink(const nccl_sink&) = delete;
+  nccl_sink& operator=(const nccl_sink&) = delete;
+
+  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::nccl; }
+
+  void attach(const wire::hello& h, wire::ok& reply) override {
+    (void)reply;  // nothing to send back: the communicator is the handshake
+    if (h.transport != transport_name)
+      throw error(errc::protocol, fmt::format("nccl: HELLO names transport '{}'", h.transport));
+    if (h.nccl_id.size() != sizeof(ncclUniqueId))
+      throw error(errc::protocol,
+                  fmt::format("nccl: HELLO carries an NCCL id of {} bytes, but an ncclUniqueId has {}: the streamer "
+                              "was built against another NCCL",
+                              h.nccl_id.size(), sizeof(ncclUniqueId)));
+    if (h.nranks < 2 || h.rank < 1 || h.rank >= h.nranks || h.nranks > static_cast<std::uint32_t>(INT_MAX))
+      throw error(errc::protocol,
+                  fmt::format("nccl: HELLO gives this receiver rank {} of {}: a receiver's rank is 1..nranks-1",
+                              h.rank, h.nranks));
+    if (h.buffers.empty() || h.buffers.size() > wire::max_buffers)
+      throw error(errc::protocol,
+                  fmt::format("nccl: HELLO announces {} buffers (1..{})", h.buffers.size(), wire::max_buffers));
+    for (std::size_t i = 0; i < h.buffers.size(); ++i)
+      if (h.buffers[i].bytes == 0) throw error(errc::protocol, fmt::format("nccl: HELLO buffer {} has 0 bytes", i));
+
+    detach();  // whatever the last session left
+    const auto t0 = clock::now();
+    auto guard = use_device(device_, "receiver");
+    prepare(h);
+
+    const int rank = static_cast<int>(h.rank);
+    const int nranks = static_cast<int>(h.nranks);
+    ncclUniqueId id{};
+    std::memcpy(id.internal, h.nccl_id.data(), sizeof id.internal);
+    const std::string late = fmt::format(
+        "the streamer {} or another of its {} receivers did not join the communicator", h.peer, nranks - 1);
+    try {
+      const deadline until = deadline::after(timeout_);
+      comm_ = communicator(nranks, id, rank, device_, until, late);
+      // The warm-up broadcast (see the top of this file) writes buffer 0: the last session's
+      // reads of the buffers must be over first.
+      for (const cuda::event& e : applied_)
+        check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), e.handle(), 0), "cudaStreamWaitEvent(applied)");
+      broadcast(comm_, recv_[0].handle(), h.buffers[0].bytes, comm_stream_.handle(), remaining(until),
+                "the warm-up broadcast (ncclBroadcast)", late);
+      wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up broadcast", late);
+    } catch (const error& e) {
+      abort();
+      throw error(e.code(), fmt::format("nccl: this receiver (rank {} of {} on cuda:{}) could not join the session "
+                                        "of {}: {}",
+                                        rank, nranks, device_, h.peer, e.what()));
+    }
+    peer_ = h.peer;
+    late_ = fmt::format("the streamer {} or another receiver of its session is stuck or gone; the communicator of "
+                        "rank {} was aborted and the next HELLO builds a new one",
+                        peer_, rank);
+    attached_ = true;
+    REFIT_INFO("nccl: communicator ready: rank {} of {} on cuda:{} (streamer {}), {} × {} MiB buffers, in {:.1f} ms",
+               rank, nranks, device_, peer_, recv_.size(), recv_[0].bytes() >> 20, ms_since(t0));
+  }
+
+  void detach() noexcept override {
+    if (attached_) {
+      try {
+        drain();  // bounded; aborts on failure
+      } catch (const std::exception& e) {
+        REFIT_WARN("nccl: detaching from {}: {}", peer_, e.what());
+      }
+    }
+    abort();
+    // The buffers, streams and events stay for the next session (reused when the sizes match).
+  }
+
+  [[nodiscard]] bool attached() const noexcept override { return attached_; }
+  [[nodiscard]] std::size_t count() const noexcept override { return recv_.size(); }
+  [[nodiscard]] std::uint64_t buffer_bytes(std::size_t i) const noexcept override { return recv_[i].bytes(); }
+  [[nodiscard]] const std::byte* data(std::size_t i) const noexcept override {
+    return static_cast<const std::byte*>(recv_[i].handle());
+  }
+  [[nodiscard]] device where() const noexcept override { return device::cuda(device_); }
+  [[nodiscard]] copy::engine engine() const noexcept override { return copy::engine::kernel; }
+  [[nodiscard]] void* stream() noexcept override { return apply_.handle(); }
+  [[nodiscard]] bool asynchronous() const noexcept override { return true; }
+
+  void batch_bytes(std::size_t i, std::uint64_t used) override {
+    if (i >= used_.size() || used > recv_[i].bytes())
+      throw error(errc::internal, fmt::format("nccl: batch of {} bytes in buffer {} (of {})", used, i, used_.size()));
+    used_[i] = used;
+  }
+
+  void begin_read(std::size_t i) override {
+    require_session("begin_read");
+    or_abort([&] {
+      device_guard guard(device_);
+      // Bounded host wait (see the top of this file); usually done already, so checked first.
+      if (cudaEventQuery(applied_[i].handle()) != cudaSuccess)
+        wait_event(applied_[i].handle(), comm_.handle(), deadline::after(timeout_),
+                   fmt::format("the apply that last read receive buffer {}", i), late_);
+      check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), applied_[i].handle(), 0), "cudaStreamWaitEvent(applied)");
+      if (used_[i] != 0)
+        broadcast(comm_, recv_[i].handle(), used_[i], comm_stream_.handle(), timeout_, "ncclBroadcast of a batch",
+                  late_);
+      check_cuda(cudaEventRecord(received_[i].handle(), comm_stream_.handle()), "cudaEventRecord(received)");
+      check_cuda(cudaStreamWaitEvent(apply_.handle(), received_[i].handle(), 0), "cudaStreamWaitEvent(received)");
+    });
+  }
+
+  void end_read(std::size_t i) override {
+    require_session("end_read");
+    or_abort([&] {
+      check_cuda(cudaEventRecord(applied_[i].handle(), apply_.handle()), "cudaEventRecord(applied)");
+    });
+  }
+
+  void drain() override {
+    if (!attached_) return;  // aborted: nothing of the session's is waited for any more
+    const deadline until = deadline::after(timeout_);
+    or_abort([&] {
+      wait_stream(comm_stream_.handle(), comm_.handle(), until, "the receiver's broadcasts", late_);
+      wait_stream(apply_.handle(), comm_.handle(), until, "the receiver's applies", late_);
+    });
+  }
+
+  void abort() noexcept override {
+    comm_.abort();
+    attached_ = false;
+  }
+
+ private:
+  void require_session(std::string_view call) const {
+    if (!attached_)
+      throw error(errc::transport, fmt::format("nccl: {} without a session (it was aborted); the streamer must say "
+                                               "HELLO again",
+                                               call));
+  }
+
+  template <class F>
+  void or_abort(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }
+
+  /// Buffers of the announced sizes (kept from the last session when they match), and the streams
+  /// and events, made once.
+  void prepare(const wire::hello& h) {
+    bool same = recv_.size() == h.buffers.size();
+    for (std::size_t i = 0; same && i < recv_.size(); ++i) same = recv_[i].bytes() == h.buffers[i].bytes;
+    if (!same) {
+      // Free first: two sessions' worth of buffers need not fit at once.
+      recv_.clear();
+      for (const wire::buffer_desc& b : h.buffers) recv_.emplace_back(b.bytes);
+    }
+    if (!comm_stream_) comm_stream_ = make_stream();
+    if (!apply_) apply_ = make_stream();
+    while (received_.size() < recv_.size()) received_.push_back(make_event());
+    while (applied_.size() < recv_.size()) applied_.push_back(make_event());
+    used_.assign(recv_.size(), 0);
+  }
+
+  int device_;
+  milliseconds timeout_;
+  std::string peer_;
+  std::string late_;  ///< what a timeout of the session means, for messages
+  bool attached_ = false;
+  cuda::stream comm_stream_;
+  cuda::stream apply_;
+  std::vector<cuda::device_buffer> recv_;
+  std::vector<cuda::event> received_;
+  std::vector<cuda::event> applied_;
+  std::vector<std::uint64_t> used_;
+  communicator comm_;  // last: aborted before the buffers and streams it uses are released
+};
+
+}  // namespace
+
+std::unique_ptr<source> make_nccl_source(const source_options& options) {
+  return std::make_unique<nccl_source>(options);
+}
+
+std::unique_ptr<sink> make_nccl_sink(int device, milliseconds timeout) {
+  return std::make_unique<nccl_sink>(device, timeout);
+}
+
+}  // namespace refit::transport

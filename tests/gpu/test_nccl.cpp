@@ -1,1 +1,493 @@
+// GPU tests of the nccl transport: one streamer (cuda:0) broadcasting to receivers on the other
+// GPUs, each process forked from a parent that never touches CUDA. Receivers report every outcome
+// (with a byte-for-byte check of their device weights against the committed version's pattern) and
+// the streamer reports every refit's result, as lines on signal pipes; the parent asserts on those.
+//
+// The machines these run on need NCCL_NVLS_ENABLE=0 (every test sets it before forking).
 #include <catch2/catch.hpp>
+
+#include "refit/config.hpp"
+
+#if !REFIT_HAVE_NCCL
+
+TEST_CASE("the nccl transport is not built: its GPU tests are skipped", "[nccl]") {
+  WARN("refit was built without NCCL: the [nccl] tests did not run");
+}
+
+#else
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+#include "support/support.hpp"
+
+using namespace std::chrono_literals;
+namespace rt = refit::test;
+
+namespace {
+
+constexpr std::uint64_t mib = 1ull << 20;
+constexpr std::uint64_t buffer_bytes = 4 * mib;
+/// Deadlines of the healthy tests: generous, communicator set-up included.
+constexpr refit::milliseconds relaxed{30000};
+/// Deadlines of the fault test: the streamer's timeout and the receivers' idle_timeout.
+constexpr refit::milliseconds fault_timeout{3000};
+
+void nccl_environment() {
+  // NVLink SHARP multicast is off on the test machines (and broadcast does not use it anyway).
+  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
+}
+
+void cuda_ok(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(what + ": " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+}
+
+// Empty when `data` holds the pattern of `meta` for `version`, else where it first differs.
+std::string pattern_mismatch(const refit::tensor_meta& meta, std::uint64_t version, const std::uint8_t* data) {
+  const auto n = meta.nbytes();
+  std::vector<std::uint8_t> want(n);
+  rt::fill_pattern(meta.name, version, want.data(), n);
+  const auto [w, d] = std::mismatch(want.begin(), want.end(), data);
+  if (w == want.end()) return {};
+  const auto i = static_cast<std::uint64_t>(w - want.begin());
+  return refit::describe(meta) + " byte " + std::to_string(i) + " is " + std::to_string(*d) + ", version " +
+         std::to_string(version) + " has " + std::to_string(*w);
+}
+
+/// One device allocation per tensor (at least one byte, so every tensor has a real pointer).
+/// Lives in a child process only.
+class device_tensors {
+ public:
+  device_tensors(int device, const std::vector<refit::tensor_meta>& metas) : device_(device), metas_(metas) {
+    cuda_ok(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+    ptrs_.reserve(metas_.size());
+    for (const auto& m : metas_) {
+      void* p = nullptr;
+      cuda_ok(cudaMalloc(&p, std::max<std::uint64_t>(m.nbytes(), 1)), "cudaMalloc for " + refit::describe(m));
+      ptrs_.push_back(static_cast<std::uint8_t*>(p));
+    }
+  }
+  ~device_tensors() {
+    for (auto* p : ptrs_) (void)cudaFree(p);
+  }
+  device_tensors(const device_tensors&) = delete;
+  device_tensors& operator=(const device_tensors&) = delete;
+
+  [[nodiscard]] std::size_t size() const noexcept { return metas_.size(); }
+  [[nodiscard]] std::uint8_t* data(std::size_t i) const noexcept { return ptrs_[i]; }
+  [[nodiscard]] refit::device dev() const noexcept { return refit::device::cuda(device_); }
+
+  /// Every tensor := the pattern of `version`.
+  void fill(std::uint64_t version) {
+    std::vector<std::uint8_t> host;
+    for (std::size_t i = 0; i < metas_.size(); ++i) {
+      const auto n = metas_[i].nbytes();
+      if (n == 0) continue;
+      host.resize(n);
+      rt::fill_pattern(metas_[i].name, version, host.data(), n);
+      cuda_ok(cudaMemcpy(ptrs_[i], host.data(), n, cudaMemcpyHostToDevice), "cudaMemcpy (fill)");
+    }
+  }
+
+  /// "ok" when every tensor holds the pattern of `version`, else the first difference.
+  std::string check(std::uint64_t version) const {
+    std::vector<std::uint8_t> host;
+    for (std::size_t i = 0; i < metas_.size(); ++i) {
+      const auto n = metas_[i].nbytes();
+      if (n == 0) continue;
+      host.resize(n);
+      cuda_ok(cudaMemcpy(host.data(), ptrs_[i], n, cudaMemcpyDeviceToHost), "cudaMemcpy (check)");
+      auto m = pattern_mismatch(metas_[i], version, host.data());
+      if (!m.empty()) return m;
+    }
+    return "ok";
+  }
+
+ private:
+  int device_;
+  std::vector<refit::tensor_meta> metas_;
+  std::vector<std::uint8_t*> ptrs_;
+};
+
+std::string event_name(refit::receiver_event e) { return std::string(refit::to_string(e)); }
+
+// The line a receiver reports for an outcome: event, committed_version(), dirty(), and for a
+// commit the result of comparing every byte it holds with the committed version's pattern.
+std::string outcome(const std::string& event, std::optional<std::uint64_t> committed, bool dirty,
+                    const std::string& check = "ok") {
+  return event + " committed=" + (committed ? std::to_string(*committed) : std::string("none")) +
+         " dirty=" + (dirty ? "1" : "0") + " check=" + (event == "committed" ? check : "-");
+}
+
+std::optional<std::string> try_receive(rt::signal_pipe& pipe, std::chrono::milliseconds wait) {
+  try {
+    return pipe.receive(wait);
+  } catch (const std::runtime_error&) {
+    return std::nullopt;
+  }
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+// ------------------------------------------------------------------------ the receiver child
+
+enum class sink_kind { table, callback };
+
+struct receiver_spec {
+  std::string endpoint;
+  int device = 1;
+  std::vector<refit::tensor_meta> tensors;
+  sink_kind sink = sink_kind::table;
+  refit::milliseconds idle_timeout = relaxed;
+  /// Callback sink: at callback call `block_batch` (from 0) of refit `block_refit` (from 0,
+  /// counting BEGINs) report "blocked" and wait until killed.
+  int block_refit = -1;
+  int block_batch = -1;
+};
+
+// A receiver in a forked child: parameter table or callback sink into device memory of its GPU.
+// Reports "ready" once bound, then an outcome() line for every committed, aborted, refused and
+// bye event (aborted and refused lines end with " | " and the receiver's last error).
+class receiver_child {
+ public:
+  explicit receiver_child(receiver_spec spec) : spec_(std::move(spec)), proc_([this] { run(); }) {}
+
+  std::string next_report(std::chrono::milliseconds wait = 60s) { return reports_.receive(wait); }
+  int stop() {
+    stop_.send("stop");
+    return proc_.wait(60s);
+  }
+  void kill() noexcept { proc_.kill(); }
+
+ private:
+  void run();
+
+  receiver_spec spec_;
+  rt::signal_pipe reports_;  // child → parent
+  rt::signal_pipe stop_;     // parent → child
+  rt::signal_pipe hold_;     // never written: a blocked callback waits on it
+  rt::child proc_;           // last: forks once the rest exists
+};
+
+void receiver_child::run() {
+  device_tensors dest(spec_.device, spec_.tensors);
+  std::unordered_map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < spec_.tensors.size(); ++i) index.emplace(spec_.tensors[i].name, i);
+
+  refit::receiver_options ro;
+  ro.endpoint = spec_.endpoint;
+  ro.device = spec_.device;
+  ro.idle_timeout = spec_.idle_timeout;
+  refit::receiver r(ro);
+  int refits = -1;  // BEGINs seen, minus one
+  int batch = 0;    // callback calls in this refit
+  if (spec_.sink == sink_kind::table) {
+    for (std::size_t i = 0; i < dest.size(); ++i)
+      r.add_parameter(refit::tensor_dest{spec_.tensors[i], dest.data(i), dest.dev()});
+  } else {
+    r.on_batch([&](std::span<const refit::tensor_view> views, void* stream) {
+      if (refits == spec_.block_refit && batch == spec_.block_batch) {
+        reports_.send("blocked");
+        (void)hold_.receive(600s);  // until the parent kills this process
+      }
+      ++batch;
+      if (stream == nullptr) throw std::runtime_error("the callback got no stream on a CUDA transport");
+      for (const auto& v : views) {
+        if (v.meta == nullptr) throw std::runtime_error("a view without metadata");
+        const auto it = index.find(v.meta->name);
+        if (it == index.end()) throw std::runtime_error("unexpected tensor " + refit::describe(*v.meta));
+        if (!(v.dev == dest.dev())) throw std::runtime_error(v.meta->name + " is not on this receiver's GPU");
+        if (v.offset + v.bytes > spec_.tensors[it->second].nbytes())
+          throw std::runtime_error(v.meta->name + ": a view outside the tensor");
+        if (v.bytes == 0) continue;
+        cuda_ok(cudaMemcpyAsync(dest.data(it->second) + v.offset, v.data, v.bytes, cudaMemcpyDeviceToDevice,
+                                static_cast<cudaStream_t>(stream)),
+                "cudaMemcpyAsync (callback)");
+      }
+    });
+  }
+  reports_.send("ready");
+
+  auto last_event = std::chrono::steady_clock::now();
+  for (;;) {
+    const auto e = r.serve_one(100ms);
+    const auto now = std::chrono::steady_clock::now();
+    if (e == refit::receiver_event::idle) {
+      if (try_receive(stop_, 0ms)) return;
+      if (now - last_event > 300s) throw std::runtime_error("receiver child: no message for 300 s");
+      continue;
+    }
+    last_event = now;
+    switch (e) {
+      case refit::receiver_event::begin:
+        ++refits;
+        batch = 0;
+        break;
+      case refit::receiver_event::committed: {
+        const auto v = r.committed_version();
+        reports_.send(outcome("committed", v, r.dirty(), v ? dest.check(*v) : "no committed version"));
+        break;
+      }
+      case refit::receiver_event::aborted:
+      case refit::receiver_event::refused:
+      case refit::receiver_event::bye:
+        reports_.send(outcome(event_name(e), r.committed_version(), r.dirty()) + " | " + r.last_error());
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------ the streamer child
+
+// The streamer in a forked child, on cuda:0. Refits on command ("refit <version>") and reports
+// "ok <version>" or "error <code> <milliseconds> <message>".
+class streamer_child {
+ public:
+  streamer_child(std::vector<std::string> receivers, std::vector<refit::tensor_meta> tensors,
+                 refit::milliseconds timeout)
+      : receivers_(std::move(receivers)), tensors_(std::move(tensors)), timeout_(timeout),
+        proc_([this] { run(); }) {}
+
+  /// Starts one refit; result() returns its report.
+  void start(std::uint64_t version) { commands_.send("refit " + std::to_string(version)); }
+  std::string result(std::chrono::milliseconds wait = 120s) { return reports_.receive(wait); }
+  /// Runs one refit and returns the child's report.
+  std::string refit(std::uint64_t version) {
+    start(version);
+    return result();
+  }
+  int stop() {
+    commands_.send("stop");
+    return proc_.wait(60s);
+  }
+
+ private:
+  void run();
+
+  std::vector<std::string> receivers_;
+  std::vector<refit::tensor_meta> tensors_;
+  refit::milliseconds timeout_;
+  rt::signal_pipe commands_;  // parent → child
+  rt::signal_pipe reports_;   // child → parent
+  rt::child proc_;            // last
+};
+
+void streamer_child::run() {
+  device_tensors src(0, tensors_);
+  std::vector<refit::tensor_ref> refs;
+  for (std::size_t i = 0; i < src.size(); ++i) refs.push_back(refit::tensor_ref{tensors_[i], src.data(i), src.dev(), nullptr});
+
+  refit::streamer_options so;
+  so.receivers = receivers_;
+  so.transport = refit::transport_kind::nccl;
+  so.buffer_count = 2;
+  so.buffer_bytes = buffer_bytes;
+  so.device = 0;
+  so.timeout = timeout_;
+  refit::streamer s(so);
+  for (;;) {
+    const std::string command = commands_.receive(600s);
+    if (command == "stop") {
+      s.close();
+      return;
+    }
+    const std::uint64_t version = std::stoull(command.substr(command.find(' ') + 1));
+    src.fill(version);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      const auto stats = s.refit(version, std::span<const refit::tensor_ref>(refs));
+      std::ostringstream line;
+      line << "ok " << stats.version << " tensors=" << stats.tensors << " bytes=" << stats.bytes;
+      reports_.send(line.str());
+    } catch (const refit::error& e) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+      std::string message = e.what();
+      std::replace(message.begin(), message.end(), '\n', ' ');
+      reports_.send("error " + std::string(refit::to_string(e.code())) + " " + std::to_string(ms.count()) + " " +
+                    message);
+    }
+  }
+}
+
+/// The receiver's next report that is not the end of an earlier session ("bye ...").
+std::string next_after_byes(receiver_child& rx) {
+  for (;;) {
+    std::string line = rx.next_report();
+    if (!starts_with(line, "bye ")) return line;
+  }
+}
+
+struct streamer_failure {
+  std::string code;
+  long long ms = 0;
+  std::string message;
+};
+
+std::optional<streamer_failure> parse_failure(const std::string& report) {
+  std::istringstream in(report);
+  std::string word;
+  streamer_failure f;
+  if (!(in >> word) || word != "error" || !(in >> f.code >> f.ms)) return std::nullopt;
+  std::getline(in, f.message);
+  return f;
+}
+
+std::uint64_t total_bytes(const std::vector<refit::tensor_meta>& metas) {
+  std::uint64_t sum = 0;
+  for (const auto& m : metas) sum += m.nbytes();
+  return sum;
+}
+
+std::string ok_line(std::uint64_t version, const std::vector<refit::tensor_meta>& metas) {
+  return "ok " + std::to_string(version) + " tensors=" + std::to_string(metas.size()) +
+         " bytes=" + std::to_string(total_bytes(metas));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------- bytes
+
+TEST_CASE("nccl: one receiver on a second GPU gets three versions of a mixed-dtype model bit-exact", "[nccl]") {
+  nccl_environment();
+  const int devices = rt::cuda_device_count();
+  if (devices < 2) {
+    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
+    return;
+  }
+  // 200 small tensors of every dtype (zero-size ones among them) and one three buffers large.
+  const auto metas = rt::mixed_model(200, 3 * buffer_bytes);
+  const auto ep = rt::temp_endpoint();
+  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas});
+  REQUIRE(rx.next_report() == "ready");
+  streamer_child tx({ep}, metas, relaxed);
+
+  for (std::uint64_t v : {1u, 2u, 3u}) {
+    CHECK(tx.refit(v) == ok_line(v, metas));
+    CHECK(rx.next_report() == outcome("committed", v, false));
+  }
+
+  CHECK(tx.stop() == 0);
+  CHECK(rx.stop() == 0);
+}
+
+TEST_CASE("nccl: three receivers on four GPUs, tables and a callback, all commit bit-exact", "[nccl]") {
+  nccl_environment();
+  const int devices = rt::cuda_device_count();
+  if (devices < 4) {
+    WARN("this test needs 4 GPUs (a streamer and 3 receivers); " << devices << " visible: skipped");
+    return;
+  }
+  const auto metas = rt::mixed_model(200, 3 * buffer_bytes + 77, 7);
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint(), rt::temp_endpoint()};
+  receiver_child rx1({.endpoint = eps[0], .device = 1, .tensors = metas});
+  receiver_child rx2({.endpoint = eps[1], .device = 2, .tensors = metas});
+  receiver_child rx3({.endpoint = eps[2], .device = 3, .tensors = metas, .sink = sink_kind::callback});
+  for (auto* rx : {&rx1, &rx2, &rx3}) REQUIRE(rx->next_report() == "ready");
+  streamer_child tx(eps, metas, relaxed);
+
+  for (std::uint64_t v : {5u, 6u}) {
+    CHECK(tx.refit(v) == ok_line(v, metas));
+    for (auto* rx : {&rx1, &rx2, &rx3}) CHECK(rx->next_report() == outcome("committed", v, false));
+  }
+
+  CHECK(tx.stop() == 0);
+  for (auto* rx : {&rx1, &rx2, &rx3}) CHECK(rx->stop() == 0);
+}
+
+// ---------------------------------------------------------------------------------- faults
+
+TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees the others, and a new set commits",
+          "[nccl]") {
+  nccl_environment();
+  const int devices = rt::cuda_device_count();
+  if (devices < 2) {
+    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
+    return;
+  }
+  // Up to 3 receivers; the last one dies. With 2 GPUs there is no survivor to check, but the
+  // streamer's failure and the fresh session still are.
+  const int receivers = std::min(devices - 1, 3);
+  if (receivers < 2) WARN("only " << devices << " GPUs: no surviving receiver to check (needs 3 GPUs)");
+  const auto metas = rt::mixed_model(120, 3 * buffer_bytes, 11);
+  std::vector<std::string> eps;
+  for (int k = 0; k < receivers; ++k) eps.push_back(rt::temp_endpoint());
+  const int victim = receivers - 1;
+
+  std::vector<std::unique_ptr<receiver_child>> rx;
+  for (int k = 0; k < receivers; ++k) {
+    receiver_spec spec{.endpoint = eps[static_cast<std::size_t>(k)],
+                       .device = k + 1,
+                       .tensors = metas,
+                       .sink = k == victim || k == 1 ? sink_kind::callback : sink_kind::table,
+                       .idle_timeout = fault_timeout};
+    if (k == victim) {
+      spec.block_refit = 1;  // the second refit
+      spec.block_batch = 2;  // its third batch
+    }
+    rx.push_back(std::make_unique<receiver_child>(std::move(spec)));
+  }
+  for (auto& r : rx) REQUIRE(r->next_report() == "ready");
+  streamer_child tx(eps, metas, fault_timeout);
+
+  // A good refit first: the session is up and version 1 is everybody's.
+  REQUIRE(tx.refit(1) == ok_line(1, metas));
+  for (auto& r : rx) REQUIRE(r->next_report() == outcome("committed", 1, false));
+
+  // Version 2: the victim's callback holds its third batch, and is killed there. The streamer
+  // waits for its reply to that BATCH and must give up within its deadline, naming it.
+  const std::string& victim_ep = eps[static_cast<std::size_t>(victim)];
+  tx.start(2);
+  REQUIRE(rx[static_cast<std::size_t>(victim)]->next_report() == "blocked");
+  rx[static_cast<std::size_t>(victim)]->kill();
+  const std::string report = tx.result(4 * fault_timeout + 30s);
+  const auto failure = parse_failure(report);
+  INFO("streamer report: " << report);
+  REQUIRE(failure);
+  CHECK(failure->message.find(victim_ep) != std::string::npos);
+  // BEGIN, two batches and the wait for the third: within about one deadline, two at most.
+  CHECK(failure->ms < 2 * fault_timeout.count() + 1000);
+
+  // The survivors are not left blocked: they give the refit up (idle_timeout, or the streamer's
+  // next move) and keep serving with version 1 committed.
+  for (int k = 0; k < victim; ++k) {
+    const std::string line = rx[static_cast<std::size_t>(k)]->next_report(4 * fault_timeout + 30s);
+    INFO("receiver " << k << " on cuda:" << k + 1 << ": " << line);
+    CHECK((starts_with(line, "aborted committed=1 ") || starts_with(line, "bye committed=1 ")));
+  }
+
+  // A fresh receiver set: a new process on the dead one's endpoint and GPU, the survivors as they
+  // are. The next refit makes a new communicator and commits everywhere.
+  rx[static_cast<std::size_t>(victim)] = std::make_unique<receiver_child>(receiver_spec{
+      .endpoint = victim_ep, .device = victim + 1, .tensors = metas, .idle_timeout = fault_timeout});
+  REQUIRE(rx[static_cast<std::size_t>(victim)]->next_report() == "ready");
+  CHECK(tx.refit(3) == ok_line(3, metas));
+  for (int k = 0; k < receivers; ++k) {
+    const std::string line = next_after_byes(*rx[static_cast<std::size_t>(k)]);
+    INFO("receiver " << k << " on cuda:" << k + 1);
+    CHECK(line == outcome("committed", 3, false));
+  }
+
+  CHECK(tx.stop() == 0);
+  for (auto& r : rx) CHECK(r->stop() == 0);
+}
+
+#endif  // REFIT_HAVE_NCCL
