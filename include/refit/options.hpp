@@ -18,6 +18,16 @@ enum class transport_kind : std::uint8_t {
 std::string_view to_string(transport_kind t) noexcept;
 std::optional<transport_kind> parse_transport(std::string_view name) noexcept;
 
+/// How GPU transports move the bytes of a batch (host_shm always uses memcpy).
+enum class copy_engine : std::uint8_t {
+  automatic = 0,     ///< the transport's choice (kernel)
+  kernel = 1,        ///< one launch of refit's vectorised copy kernel per batch
+  memcpy_batch = 2,  ///< one cudaMemcpyBatchAsync per batch
+  memcpy_each = 3,   ///< one cudaMemcpyAsync per tensor (the baseline)
+};
+std::string_view to_string(copy_engine e) noexcept;
+std::optional<copy_engine> parse_copy_engine(std::string_view name) noexcept;
+
 using milliseconds = std::chrono::milliseconds;
 
 /// ZeroMQ CURVE keys (Z85 text, 40 characters each) for tcp endpoints across hosts. Empty: off.

@@ -21,6 +21,8 @@ struct receiver_options {
   std::string endpoint;
   /// CUDA device applies run on (cuda_ipc, nccl).
   int device = 0;
+  /// How applies are copied on GPU transports.
+  copy_engine engine = copy_engine::automatic;
   /// A refit in progress that sees no message for this long is aborted (the streamer is
   /// presumed dead; committed_version() is unchanged and dirty() is true if anything was applied).
   milliseconds idle_timeout{60000};

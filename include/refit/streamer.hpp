@@ -30,6 +30,8 @@ struct streamer_options {
   bool keep_whole = true;
   /// CUDA device of the buffers (cuda_ipc, nccl); ignored by host_shm.
   int device = 0;
+  /// How packs are copied on GPU transports.
+  copy_engine engine = copy_engine::automatic;
   /// Longest wait for any reply of the receiver; past it the refit fails with errc::timeout and
   /// the next refit starts a new session.
   milliseconds timeout{30000};

@@ -55,6 +55,17 @@ std::string_view to_string(engine e) noexcept {
   return "?";
 }
 
+engine choose(engine preferred, copy_engine requested) noexcept {
+  if (preferred == engine::cpu || requested == copy_engine::automatic) return preferred;
+  switch (requested) {
+    case copy_engine::kernel: return engine::kernel;
+    case copy_engine::memcpy_batch: return engine::memcpy_batch;
+    case copy_engine::memcpy_each: return engine::memcpy_each;
+    case copy_engine::automatic: break;
+  }
+  return preferred;
+}
+
 std::unique_ptr<copier> make_copier(engine e, int device) {
   if (e == engine::cpu) return std::make_unique<cpu_copier>();
 #if REFIT_HAVE_CUDA

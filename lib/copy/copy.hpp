@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "refit/model.hpp"
+#include "refit/options.hpp"
 
 namespace refit::copy {
 
@@ -35,6 +36,10 @@ class copier {
   virtual void run(std::span<const op> ops, void* stream) = 0;
   [[nodiscard]] virtual engine kind() const noexcept = 0;
 };
+
+/// The engine to use for buffers whose transport prefers `preferred`: the user's choice on GPU
+/// transports, memcpy on the CPU.
+engine choose(engine preferred, copy_engine requested) noexcept;
 
 /// Throws refit::error(invalid_argument) for a GPU engine in a build without CUDA.
 /// `device` is the CUDA ordinal GPU engines work on.

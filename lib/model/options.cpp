@@ -20,6 +20,22 @@ std::optional<transport_kind> parse_transport(std::string_view name) noexcept {
   return std::nullopt;
 }
 
+std::string_view to_string(copy_engine e) noexcept {
+  switch (e) {
+    case copy_engine::automatic: return "automatic";
+    case copy_engine::kernel: return "kernel";
+    case copy_engine::memcpy_batch: return "memcpy_batch";
+    case copy_engine::memcpy_each: return "memcpy_each";
+  }
+  return "?";
+}
+
+std::optional<copy_engine> parse_copy_engine(std::string_view name) noexcept {
+  for (const auto e : {copy_engine::automatic, copy_engine::kernel, copy_engine::memcpy_batch, copy_engine::memcpy_each})
+    if (to_string(e) == name) return e;
+  return std::nullopt;
+}
+
 std::string_view to_string(receiver_event e) noexcept {
   switch (e) {
     case receiver_event::idle: return "idle";

@@ -183,7 +183,7 @@ struct receiver::impl {
       std::vector<std::uint64_t> sizes;
       for (std::size_t i = 0; i < sink->count(); ++i) sizes.push_back(sink->buffer_bytes(i));
       tracker.emplace(std::move(sizes));
-      copier = copy::make_copier(sink->engine(), options.device);
+      copier = copy::make_copier(copy::choose(sink->engine(), options.engine), options.device);
       peer = h.peer;
       REFIT_INFO("session with {}: {} × {} MiB {} buffers", peer, sink->count(), sink->buffer_bytes(0) >> 20,
                  h.transport);

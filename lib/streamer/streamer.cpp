@@ -125,7 +125,7 @@ struct streamer::impl {
     endpoints = endpoints_of(options);
     so.receivers = endpoints.size();
     buffers = transport::make_source(so);
-    copier = copy::make_copier(buffers->engine(), options.device);
+    copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device);
   }
 
   /// Forgets the session: the next refit says HELLO again.
