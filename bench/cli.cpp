@@ -147,8 +147,9 @@ int bench_main(int argc, const char* const* argv) {
     return run(*c, std::cout);
   } catch (const error& e) {
     std::cout.flush();
-    std::cerr << (std::string_view(e.what()).starts_with("refit-bench") ? "" : "refit-bench: ") << "error ("
-              << to_string(e.code()) << "): " << e.what() << std::endl;
+    std::string_view what = e.what();
+    if (what.starts_with("refit-bench: ")) what.remove_prefix(13);
+    std::cerr << "refit-bench: error (" << to_string(e.code()) << "): " << what << std::endl;
     return 2;
   } catch (const std::exception& e) {
     std::cout.flush();

@@ -44,7 +44,7 @@ std::uint64_t tensor_seed(std::uint64_t seed, std::size_t i) noexcept {
 }
 
 void fill_random(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint64_t first) {
-  constexpr std::uint64_t per_thread = 32ull << 20;
+  constexpr std::uint64_t per_thread = 8ull << 20;
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   const auto threads = static_cast<unsigned>(std::min<std::uint64_t>(hw, (n + per_thread - 1) / per_thread));
   if (threads <= 1) {

@@ -121,7 +121,12 @@ void write_row(std::ostream& out, const row& r) {
       r.wrong < 0 ? std::string("n/a") : std::to_string(r.wrong),
   };
   std::string line = " ";
-  for (std::size_t i = 0; i < std::size(columns); ++i) line += fmt::format(" {:>{}}", cells[i], columns[i].width);
+  for (std::size_t i = 0; i < std::size(columns); ++i) {
+    // Fixed width: a long model name is cut here (the preamble and the JSON keep it whole).
+    const auto width = static_cast<std::size_t>(columns[i].width);
+    const std::string& cell = cells[i];
+    line += fmt::format(" {:>{}}", cell.size() > width ? cell.substr(0, width - 1) + "~" : cell, width);
+  }
   out << line << '\n';
   out.flush();
 }
@@ -225,10 +230,37 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows) {
     x_hi += 1;
   }
   if (y_hi <= 0) y_hi = 1;
-  const double step = nice_step(y_hi * 1.08);
-  y_hi = std::ceil(y_hi * 1.08 / step) * step;
+  // Transports far apart (host memcpy vs HBM) share a log axis; otherwise a linear one from 0.
+  double y_min_pos = y_hi;
+  for (const auto& r : rows) {
+    if (r.gbps > 0) y_min_pos = std::min(y_min_pos, r.gbps);
+    if (r.ceiling_gbps > 0) y_min_pos = std::min(y_min_pos, r.ceiling_gbps / 2);
+  }
+  const bool log_y = y_hi / y_min_pos > 50;
+  double y_lo = 0;
+  std::vector<double> y_ticks;
+  if (log_y) {
+    y_lo = std::pow(10.0, std::floor(std::log10(y_min_pos)));
+    const double decade = std::pow(10.0, std::floor(std::log10(y_hi * 1.05)));
+    for (const double m : {1.0, 2.0, 5.0, 10.0})
+      if (m * decade >= y_hi * 1.05) {
+        y_hi = m * decade;
+        break;
+      }
+    for (double d = y_lo; d < y_hi * 1.01; d *= 10)
+      for (const double m : {1.0, 2.0, 5.0})
+        if (d * m <= y_hi * 1.01) y_ticks.push_back(d * m);
+  } else {
+    const double step = nice_step(y_hi * 1.08);
+    y_hi = std::ceil(y_hi * 1.08 / step) * step;
+    for (double y = 0; y <= y_hi + step / 2; y += step) y_ticks.push_back(y);
+  }
   auto X = [&](double lx) { return left + (lx - x_lo) / (x_hi - x_lo) * plot_w; };
-  auto Y = [&](double gbps) { return top + plot_h - gbps / y_hi * plot_h; };
+  auto Y = [&](double gbps) {
+    if (!log_y) return top + plot_h - gbps / y_hi * plot_h;
+    const double v = std::max(gbps, y_lo);
+    return top + plot_h - (std::log10(v) - std::log10(y_lo)) / (std::log10(y_hi) - std::log10(y_lo)) * plot_h;
+  };
 
   std::string s;
   s += fmt::format(R"svg(<?xml version="1.0" encoding="UTF-8"?>
@@ -242,7 +274,7 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows) {
 )svg", left, xml_escape(fmt::format("{}", fmt::join(names, ", "))), left, xml_escape(p.refit_version), xml_escape(p.host),
                    p.gpus.empty() ? "" : ", ", xml_escape(p.gpus.empty() ? "" : p.gpus.front()), p.warmup, p.iters);
   // Grid and axes.
-  for (double y = 0; y <= y_hi + step / 2; y += step)
+  for (const double y : y_ticks)
     s += fmt::format(R"svg(<line x1="{0}" y1="{1:.1f}" x2="{2}" y2="{1:.1f}" stroke="#e5e5e5"/><text x="{3}" y="{4:.1f}" text-anchor="end">{5:g}</text>
 )svg", left, Y(y), left + plot_w, left - 8, Y(y) + 4, y);
   for (double lx = x_lo; lx <= x_hi + 0.5; lx += 1)
@@ -250,8 +282,9 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows) {
 )svg", X(lx), top, top + plot_h, top + plot_h + 18, std::exp2(lx));
   s += fmt::format(R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="#333"/>
 <text x="{}" y="{}" text-anchor="middle">buffer size (MiB, log2 scale)</text>
-<text x="20" y="{}" text-anchor="middle" transform="rotate(-90 20 {})">throughput (GB/s of payload)</text>
-)svg", left, top, plot_w, plot_h, left + plot_w / 2, height - 24, top + plot_h / 2, top + plot_h / 2);
+<text x="20" y="{}" text-anchor="middle" transform="rotate(-90 20 {})">throughput (GB/s of payload{})</text>
+)svg", left, top, plot_w, plot_h, left + plot_w / 2, height - 24, top + plot_h / 2, top + plot_h / 2,
+                   log_y ? ", log scale" : "");
 
   // Ceilings: the copy bandwidth (dashed) and the staged limit, ceiling / 2 (dotted).
   double legend_y = top + 8;
@@ -274,7 +307,7 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows) {
 <line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>
 )svg", left, Y(c), left + plot_w, Y(c), color, left, Y(c / 2), left + plot_w, Y(c / 2), color);
     legend(R"(stroke-dasharray="8 4")", color, fmt::format("{} ceiling {:.1f} GB/s", transports[t], c));
-    legend(R"(stroke-dasharray="2 3")", color, fmt::format("{} staged limit {:.1f}", transports[t], c / 2));
+    legend(R"(stroke-dasharray="2 3")", color, fmt::format("{} staged limit {:.1f} GB/s", transports[t], c / 2));
   }
   // Measured series.
   for (std::size_t k = 0; k < order.size(); ++k) {

@@ -223,8 +223,9 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       throw error(errc::protocol, fmt::format("refit-bench: the receiver said {} instead of ready", ready.dump()));
     endpoint = ready.at("endpoint").get<std::string>();
   } else {
-    progress(c, "WARNING: receiver started by hand: its checksums are printed on its side and not "
-                "verified here (wrong = n/a)");
+    // Always said, --quiet or not: the table cannot vouch for the data in this mode.
+    std::cerr << "refit-bench: WARNING: receiver started by hand: its checksums are printed on its side "
+                 "and not verified here (wrong = n/a)" << std::endl;
   }
 
   progress(c, fmt::format("{} {}: preparing {} tensors, {:.3f} GB of source data", tname, g.m.name, g.m.entries.size(),

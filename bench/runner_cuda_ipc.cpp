@@ -122,7 +122,7 @@ class cuda_ipc_path final : public transport_path {
       }
       return mem;
     }
-    constexpr std::uint64_t chunk = 64ull << 20;
+    constexpr std::uint64_t chunk = 256ull << 20;
     pinned staging(chunk);
     auto* host = static_cast<std::byte*>(staging.p);
     for (std::size_t i = 0; i < m.entries.size(); ++i) {

@@ -382,6 +382,20 @@ TEST_CASE("the table has a preamble, two header rows, fixed-width rows and a foo
   CHECK_THAT(svg, Catch::Contains("<svg") && Catch::Contains("</svg>") && Catch::Contains("ceiling") &&
                       Catch::Contains("<polyline"));
 
+  CHECK_THAT(svg, !Catch::Contains("log scale"));
+  // A transport 100 times faster than another: the y axis turns logarithmic, and long model
+  // names are cut to keep the rows fixed-width.
+  auto wide = rows;
+  wide[0].transport = "cuda_ipc";
+  wide[0].gbps = 600;
+  wide[0].ceiling_gbps = 1500;
+  wide[0].model = "a-very-long-model-name.safetensors";
+  CHECK_THAT(to_svg(p, wide), Catch::Contains("log scale"));
+  std::ostringstream long_row, short_row;
+  write_row(long_row, wide[0]);
+  write_row(short_row, wide[1]);
+  CHECK(long_row.str().size() == short_row.str().size());
+
   rows[1].wrong = 3;
   std::ostringstream bad;
   write_footer(bad, rows);
