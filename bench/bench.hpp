@@ -157,7 +157,8 @@ struct config {
   std::vector<double> buffer_mb{64};
   std::vector<std::size_t> buffer_counts{2};
   std::uint64_t alignment = 256;
-  std::string engine;  ///< requested copy engine (empty: the library's default)
+  /// GPU copy engines to compare (one row each); host_shm always copies with memcpy.
+  std::vector<copy_engine> engines{copy_engine::automatic};
   int warmup = 1;
   int iters = 5;
   std::uint64_t seed = 1;
@@ -179,7 +180,7 @@ struct config {
 std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code);
 /// The arguments a spawned receiver gets for one (transport, model) group.
 std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
-                                       const std::string& endpoint);
+                                       const std::string& endpoint, copy_engine engine = copy_engine::automatic);
 
 // ---------------------------------------------------------------- results
 
@@ -215,6 +216,7 @@ struct preamble {
 struct row {
   std::string transport;
   std::string model;
+  std::string engine = "automatic";  ///< copy engine (GPU transports); "memcpy" for host_shm
   std::uint64_t buffer_bytes = 0;
   std::size_t buffers = 0;
   std::uint64_t tensors = 0;

@@ -36,6 +36,7 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
 
   std::string role_name = "both", dtype_name = "bf16";
   std::vector<std::string> transports{"host_shm"};
+  std::vector<std::string> engines{"automatic"};
   std::size_t corrupt = 0;
   bool list = false;
   app.add_option("--role", role_name, "both (default: streamer here, receiver spawned as its own process), "
@@ -57,7 +58,9 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   app.add_option("--buffers", c.buffer_counts, "number of buffers (ping-pong: at least 2), comma separated")
       ->delimiter(',')->capture_default_str();
   app.add_option("--alignment", c.alignment, "entry alignment in the buffers (power of two)")->capture_default_str();
-  app.add_option("--engine", c.engine, "CUDA copy engine")->check(CLI::IsMember({"kernel", "memcpy_batch", "memcpy_each"}));
+  app.add_option("--engine", engines, "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
+                                      "memcpy_each (one row each; host_shm always uses memcpy)")
+      ->delimiter(',')->capture_default_str();
   app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
   app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
@@ -118,15 +121,20 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   if (c.load && c.manifest_file.empty()) bad("--load needs --manifest FILE.safetensors");
   if (c.side == role::streamer && c.connect.empty())
     bad("--role streamer needs --connect ENDPOINT (the receiver prints it when it starts)");
-  if (!c.engine.empty())
-    std::cerr << fmt::format("refit-bench: WARNING: --engine {}: streamer_options/receiver_options do not expose the "
-                             "copy engine yet; the library's default engine is used (TODO)\n", c.engine);
+  c.engines.clear();
+  for (const auto& name : engines) {
+    const auto e = parse_copy_engine(name == "auto" ? "automatic" : name);
+    if (!e) bad(fmt::format("--engine {}: unknown (automatic, kernel, memcpy_batch, memcpy_each)", name));
+    if (std::find(c.engines.begin(), c.engines.end(), *e) == c.engines.end()) c.engines.push_back(*e);
+  }
+  if (c.engines.empty()) bad("--engine: none given");
   return c;
 }
 
 std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
-                                       const std::string& endpoint) {
+                                       const std::string& endpoint, copy_engine engine) {
   std::vector<std::string> a{"--role", "receiver", "--bind", endpoint, "--transport", std::string(to_string(t)),
+                             "--engine", std::string(to_string(engine)),
                              "--device", std::to_string(c.device), "--timeout-ms", std::to_string(c.timeout_ms),
                              "--spawned"};
   if (!c.manifest_file.empty()) {

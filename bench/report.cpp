@@ -20,7 +20,7 @@ struct column {
   int width;
 };
 constexpr column columns[] = {
-    {"transport", "", 9}, {"model", "", 14},   {"buf_MiB", "", 7},  {"nbuf", "", 4},
+    {"transport", "", 9}, {"model", "", 14},   {"engine", "", 12},  {"buf_MiB", "", 7},  {"nbuf", "", 4},
     {"tensors", "", 7},   {"bytes", "(GB)", 8}, {"median", "(ms)", 9}, {"min", "(ms)", 9},
     {"max", "(ms)", 9},   {"GB/s", "", 8},      {"ceiling", "(GB/s)", 8}, {"floor", "(ms)", 9},
     {"ratio", "", 6},     {"source", "(ms)", 8}, {"pack", "(ms)", 8}, {"wait", "(ms)", 8},
@@ -103,6 +103,7 @@ void write_row(std::ostream& out, const row& r) {
   const std::string cells[] = {
       r.transport,
       r.model,
+      r.engine,
       fmt_mb(static_cast<double>(r.buffer_bytes) / (1 << 20)),
       std::to_string(r.buffers),
       std::to_string(r.tensors),
@@ -174,6 +175,7 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
     auto opt = [](double v) { return v < 0 ? nlohmann::json(nullptr) : nlohmann::json(v); };
     rj.push_back({{"transport", r.transport},
                   {"model", r.model},
+                  {"engine", r.engine},
                   {"buffer_bytes", r.buffer_bytes},
                   {"buffer_mb", static_cast<double>(r.buffer_bytes) / (1 << 20)},
                   {"buffers", r.buffers},
@@ -218,7 +220,7 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows) {
     y_hi = std::max({y_hi, r.gbps, r.ceiling_gbps});
     ceilings[r.transport] = std::max(ceilings[r.transport], r.ceiling_gbps);
     if (std::find(transports.begin(), transports.end(), r.transport) == transports.end()) transports.push_back(r.transport);
-    const std::string key = fmt::format("{} {} x{}", r.transport, r.model, r.buffers);
+    const std::string key = fmt::format("{} {} {} x{}", r.transport, r.engine, r.model, r.buffers);
     if (!series.count(key)) order.push_back(key);
     series[key].push_back(&r);
   }

@@ -202,6 +202,7 @@ struct group {
   transport_path& path;
   transport_kind kind;
   const manifest& m;
+  copy_engine engine;
   double ceiling;  // bytes/s
   std::vector<mapped_file>* files;
   std::uint64_t& version;
@@ -217,7 +218,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
   if (verify) {
     dir = std::make_unique<temp_dir>();
     const std::string bind = fmt::format("ipc://{}/receiver", dir->path);
-    child = std::make_unique<receiver_process>(c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind));
+    child = std::make_unique<receiver_process>(c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind, g.engine));
     const json ready = json::parse(child->read_line(std::chrono::minutes(10)));
     if (ready.value("event", "") != "ready")
       throw error(errc::protocol, fmt::format("refit-bench: the receiver said {} instead of ready", ready.dump()));
@@ -254,11 +255,13 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       so.device = c.device;
       so.timeout = milliseconds(c.timeout_ms);
       so.page_locked = c.page_locked;
+      so.engine = g.engine;
       streamer s(so);
 
       row r;
       r.transport = tname;
       r.model = g.m.name;
+      r.engine = g.kind == transport_kind::host_shm ? "memcpy" : std::string(to_string(g.engine));
       r.buffer_bytes = so.buffer_bytes;
       r.buffers = nbuf;
       r.tensors = n;
@@ -320,7 +323,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
           r.wrong += wrong_now;
         }
         const bool counted = it >= c.warmup;
-        progress(c, fmt::format("{} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname, g.m.name, mb, nbuf,
+        progress(c, fmt::format("{} {} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname, r.engine, g.m.name, mb, nbuf,
                                 counted ? "iter" : "warm-up", counted ? it - c.warmup + 1 : it + 1,
                                 counted ? c.iters : c.warmup, ms, r.bytes / (ms * 1e6),
                                 wrong_now ? fmt::format(", {} WRONG", wrong_now) : ""));
@@ -398,6 +401,7 @@ int run_receiver(const config& c) {
   receiver_options ro;
   ro.endpoint = c.bind;
   ro.device = c.device;
+  ro.engine = c.engines.front();
   ro.idle_timeout = milliseconds(c.timeout_ms);
   receiver r(ro);
   for (std::size_t i = 0; i < m.entries.size(); ++i)
@@ -495,8 +499,10 @@ int run(const config& c, std::ostream& out) {
   p.iters = c.iters;
   p.dtype = c.manifest_file.empty() ? std::string(to_string(c.type)) : "from the manifest";
   p.seed = c.seed;
-  p.engine = c.engine.empty() ? "library default"
-                              : fmt::format("library default (--engine {} requested: not exposed by the API yet)", c.engine);
+  std::vector<std::string> engine_names;
+  for (const auto e : c.engines) engine_names.emplace_back(to_string(e));
+  p.engine = fmt::format("{} on GPU transports (automatic: the transport's choice), memcpy on host_shm",
+                         fmt::join(engine_names, ", "));
   p.data = c.load ? fmt::format("loaded from {} (mmap)", c.manifest_file) : fmt::format("random (seed {})", c.seed);
   p.command = fmt::format("{}", fmt::join(c.argv, " "));
 
@@ -515,10 +521,13 @@ int run(const config& c, std::ostream& out) {
     out << "#\n";
     write_header(out);
     for (std::size_t t = 0; t < paths.size(); ++t) {
-      for (const auto& m : models) {
-        group g{c, *paths[t], paths[t]->kind(), m, ceilings[t], c.load ? &files : nullptr, version};
-        run_group(g, out, rows);
-      }
+      // host_shm copies with memcpy whatever the engine: one pass there.
+      const std::size_t engines = paths[t]->kind() == transport_kind::host_shm ? 1 : c.engines.size();
+      for (std::size_t e = 0; e < engines; ++e)
+        for (const auto& m : models) {
+          group g{c, *paths[t], paths[t]->kind(), m, c.engines[e], ceilings[t], c.load ? &files : nullptr, version};
+          run_group(g, out, rows);
+        }
     }
   } catch (...) {
     write_footer(out, rows);

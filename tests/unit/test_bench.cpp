@@ -315,6 +315,13 @@ TEST_CASE("the command line defaults to host_shm, qwen2.5-0.5b and 2 x 64 MiB, a
   CHECK(s->buffer_counts == std::vector<std::size_t>{2, 3});
   CHECK(s->models.size() == 2);
 
+  const char* engines[] = {"refit-bench", "--engine", "kernel,memcpy_batch,memcpy_each"};
+  const auto e = parse_args(static_cast<int>(std::size(engines)), engines, code);
+  REQUIRE(e);
+  CHECK(e->engines == std::vector<copy_engine>{copy_engine::kernel, copy_engine::memcpy_batch, copy_engine::memcpy_each});
+  CHECK(d->engines == std::vector<copy_engine>{copy_engine::automatic});
+  const char* bad_engine[] = {"refit-bench", "--engine", "warp"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad_engine)), bad_engine, code), Catch::Contains("--engine warp"));
   const char* bad_align[] = {"refit-bench", "--alignment", "100"};
   CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad_align)), bad_align, code), Catch::Contains("power of two"));
   const char* one_buffer[] = {"refit-bench", "--buffers", "1"};
