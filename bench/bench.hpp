@@ -159,6 +159,8 @@ struct config {
   std::uint64_t alignment = 256;
   /// GPU copy engines to compare (one row each); host_shm always copies with memcpy.
   std::vector<copy_engine> engines{copy_engine::automatic};
+  /// The receiver's engine for each entry of `engines` ("--engine pack/apply"; same when not given).
+  std::vector<copy_engine> apply_engines{copy_engine::automatic};
   int warmup = 1;
   int iters = 5;
   std::uint64_t seed = 1;

@@ -59,7 +59,8 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
       ->delimiter(',')->capture_default_str();
   app.add_option("--alignment", c.alignment, "entry alignment in the buffers (power of two)")->capture_default_str();
   app.add_option("--engine", engines, "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
-                                      "memcpy_each (one row each; host_shm always uses memcpy)")
+                                      "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "
+                                      "receiver different ones, e.g. memcpy_batch/kernel")
       ->delimiter(',')->capture_default_str();
   app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
   app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();
@@ -122,10 +123,23 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   if (c.side == role::streamer && c.connect.empty())
     bad("--role streamer needs --connect ENDPOINT (the receiver prints it when it starts)");
   c.engines.clear();
-  for (const auto& name : engines) {
+  c.apply_engines.clear();
+  const auto engine_named = [&](std::string_view name) {
     const auto e = parse_copy_engine(name == "auto" ? "automatic" : name);
     if (!e) bad(fmt::format("--engine {}: unknown (automatic, kernel, memcpy_batch, memcpy_each)", name));
-    if (std::find(c.engines.begin(), c.engines.end(), *e) == c.engines.end()) c.engines.push_back(*e);
+    return *e;
+  };
+  for (const auto& name : engines) {
+    // "pack/apply" gives the streamer and the receiver different engines.
+    const auto slash = name.find('/');
+    const copy_engine pack = engine_named(std::string_view(name).substr(0, slash));
+    const copy_engine apply = slash == std::string::npos ? pack : engine_named(std::string_view(name).substr(slash + 1));
+    bool seen = false;
+    for (std::size_t i = 0; i < c.engines.size(); ++i) seen |= c.engines[i] == pack && c.apply_engines[i] == apply;
+    if (!seen) {
+      c.engines.push_back(pack);
+      c.apply_engines.push_back(apply);
+    }
   }
   if (c.engines.empty()) bad("--engine: none given");
   return c;

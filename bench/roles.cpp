@@ -203,6 +203,7 @@ struct group {
   transport_kind kind;
   const manifest& m;
   copy_engine engine;
+  copy_engine apply_engine;
   double ceiling;  // bytes/s
   std::vector<mapped_file>* files;
   std::uint64_t& version;
@@ -218,7 +219,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
   if (verify) {
     dir = std::make_unique<temp_dir>();
     const std::string bind = fmt::format("ipc://{}/receiver", dir->path);
-    child = std::make_unique<receiver_process>(c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind, g.engine));
+    child = std::make_unique<receiver_process>(c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind, g.apply_engine));
     const json ready = json::parse(child->read_line(std::chrono::minutes(10)));
     if (ready.value("event", "") != "ready")
       throw error(errc::protocol, fmt::format("refit-bench: the receiver said {} instead of ready", ready.dump()));
@@ -261,7 +262,9 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       row r;
       r.transport = tname;
       r.model = g.m.name;
-      r.engine = g.kind == transport_kind::host_shm ? "memcpy" : std::string(to_string(g.engine));
+      r.engine = g.kind == transport_kind::host_shm ? "memcpy"
+                 : g.engine == g.apply_engine ? std::string(to_string(g.engine))
+                                              : fmt::format("{}/{}", to_string(g.engine), to_string(g.apply_engine));
       r.buffer_bytes = so.buffer_bytes;
       r.buffers = nbuf;
       r.tensors = n;
@@ -525,7 +528,7 @@ int run(const config& c, std::ostream& out) {
       const std::size_t engines = paths[t]->kind() == transport_kind::host_shm ? 1 : c.engines.size();
       for (std::size_t e = 0; e < engines; ++e)
         for (const auto& m : models) {
-          group g{c, *paths[t], paths[t]->kind(), m, c.engines[e], ceilings[t], c.load ? &files : nullptr, version};
+          group g{c, *paths[t], paths[t]->kind(), m, c.engines[e], c.apply_engines[e], ceilings[t], c.load ? &files : nullptr, version};
           run_group(g, out, rows);
         }
     }
