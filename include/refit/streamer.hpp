@@ -32,6 +32,13 @@ struct streamer_options {
   int device = 0;
   /// How packs are copied on GPU transports.
   copy_engine engine = copy_engine::automatic;
+  /// cuda_ipc: when the receiver applies into a parameter table of CUDA memory it can export,
+  /// copy straight into its weights — one copy instead of two, all of it in this process, no
+  /// per-batch hand-off between the two processes' GPU work. The receiver still validates every
+  /// batch and commits only at END. Falls back to staging through the buffers, by itself, when
+  /// the receiver does not offer its weights (callback sink, memory it cannot export) or this
+  /// process cannot map them. false: always stage.
+  bool direct = true;
   /// Longest wait for any reply of the receiver; past it the refit fails with errc::timeout and
   /// the next refit starts a new session.
   milliseconds timeout{30000};
@@ -52,6 +59,7 @@ struct refit_stats {
   double source_seconds = 0;  ///< in the tensor source's next()
   double pack_seconds = 0;  ///< enqueuing (cuda) or doing (cpu) the copies into buffers
   double wait_seconds = 0;  ///< waiting for the receiver's replies
+  bool direct = false;      ///< written straight into the receiver's weights (cuda_ipc direct)
 };
 
 /// Yields the tensors of one refit one at a time, so that the caller can gather tensor k+1 while

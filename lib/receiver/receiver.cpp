@@ -74,6 +74,7 @@ struct receiver::impl {
   std::unique_ptr<copy::copier> copier;
   std::optional<wire::refit_tracker> tracker;
   std::string peer;
+  bool direct = false;  ///< the streamer writes straight into the table (cuda_ipc direct)
 
   // Refit in progress.
   clock::time_point refit_start{};
@@ -147,6 +148,7 @@ struct receiver::impl {
     tracker.reset();
     copier.reset();
     peer.clear();
+    direct = false;
   }
 
   void reply_ok(std::vector<std::string> handles = {}) {
@@ -177,9 +179,17 @@ struct receiver::impl {
     // A new session replaces the old one (its streamer is gone or restarted).
     end_session();
     try {
-      if (!sink || to_string(sink->kind()) != h.transport) sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
+      // "cuda_ipc/direct" is cuda_ipc asking for direct writes.
+      if (!sink || to_string(sink->kind()) != std::string_view(h.transport).substr(0, h.transport.find('/')))
+        sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
       sink->attach(h, reply);
+      if (!callback) {
+        std::vector<tensor_dest> dests;
+        dests.reserve(table.size());
+        for (const auto& [name, d] : table) dests.push_back(d);
+        direct = sink->offer_direct(h, dests, reply);
+      }
       std::vector<std::uint64_t> sizes;
       for (std::size_t i = 0; i < sink->count(); ++i) sizes.push_back(sink->buffer_bytes(i));
       tracker.emplace(std::move(sizes));
@@ -221,6 +231,8 @@ struct receiver::impl {
     refit_start = clock::now();
     apply_seconds = 0;
     deferred.reset();
+    // Direct writes start as soon as the streamer has this reply.
+    if (direct) is_dirty.store(true);
     reply_ok();
     return receiver_event::begin;
   }
@@ -311,7 +323,11 @@ struct receiver::impl {
       reply_error(e.code(), e.what());
       return receiver_event::aborted;
     }
-    if (sink->asynchronous()) {
+    if (direct) {
+      // The streamer has written the bytes already; what is left is the manifest, checked above.
+      is_dirty.store(true);
+      reply_ok();
+    } else if (sink->asynchronous()) {
       try {
         apply(b, ops);
       } catch (const error& e) {

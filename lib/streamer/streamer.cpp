@@ -124,6 +124,7 @@ struct streamer::impl {
     so.page_locked = options.page_locked;
     endpoints = endpoints_of(options);
     so.receivers = endpoints.size();
+    so.direct = options.direct && options.transport == transport_kind::cuda_ipc;
     buffers = transport::make_source(so);
     copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device);
   }
@@ -231,7 +232,19 @@ struct streamer::impl {
         return wire::message(std::move(mine));
       };
       const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
-      buffers->session_accepted(oks.front());
+      try {
+        buffers->session_accepted(oks.front());
+      } catch (const error& e) {
+        // The receiver offered its weights for direct writes, but they cannot be mapped here:
+        // start over with a session that stages through the buffers.
+        if (e.code() != errc::transport) throw;
+        REFIT_WARN("cannot write straight into the weights of {}: {}; staging through the buffers instead",
+                   who(0), e.what());
+        buffers->disable_direct();
+        drop_session();
+        ensure_session();
+        return;
+      }
     } catch (...) {
       drop_session();
       throw;
@@ -276,16 +289,22 @@ struct streamer::impl {
       std::vector<void*> streams;
     } open;
 
+    // A direct session copies straight into the receiver's weights; the batches then only carry
+    // the manifest, and no buffer is reused, so there is nothing to wait for between them.
+    const bool direct = buffers->direct();
+    stats.direct = direct;
     const auto flush = [&] {
       const std::size_t buffer = open.seq % buffers->count();
       auto tp = clock::now();
-      buffers->begin_pack(buffer);
+      if (!direct) buffers->begin_pack(buffer);
       for (void* s : open.streams) buffers->after(s);
       copier->run(open.ops, buffers->stream());
-      std::uint64_t used = 0;
-      for (const wire::entry& e : open.entries) used = std::max(used, e.buffer_offset + e.bytes);
-      buffers->batch_bytes(buffer, used);
-      buffers->end_pack(buffer);
+      if (!direct) {
+        std::uint64_t used = 0;
+        for (const wire::entry& e : open.entries) used = std::max(used, e.buffer_offset + e.bytes);
+        buffers->batch_bytes(buffer, used);
+        buffers->end_pack(buffer);
+      }
       stats.pack_seconds += seconds_since(tp);
 
       wire::batch b;
@@ -321,6 +340,7 @@ struct streamer::impl {
       if (!names.insert(t->meta.name).second)
         throw error(errc::invalid_argument,
                     fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
+      std::byte* const target = direct ? buffers->destination(t->meta.name, bytes) : nullptr;
       for (const placement& p : pl.add(index, bytes)) {
         while (p.batch > open.seq) flush();
         if (t->stream != nullptr && (open.streams.empty() || open.streams.back() != t->stream))
@@ -329,7 +349,8 @@ struct streamer::impl {
                                            p.entry.bytes, p.entry.buffer_offset});
         if (p.entry.bytes != 0)
           open.ops.push_back(copy::op{static_cast<const std::byte*>(t->data) + p.entry.tensor_offset,
-                                      buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
+                                      direct ? target + p.entry.tensor_offset
+                                             : buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
                                       p.entry.bytes});
       }
       stats.tensors += 1;
@@ -337,6 +358,12 @@ struct streamer::impl {
     }
     if (!open.entries.empty()) flush();
 
+    // Direct writes must be complete before the receiver commits: it never waits on them itself.
+    if (direct) {
+      const auto tp = clock::now();
+      buffers->drain();
+      stats.pack_seconds += seconds_since(tp);
+    }
     wire::end e{version, stats.tensors, stats.bytes, stats.batches};
     const auto tw = clock::now();
     request(e, fmt::format("END of version {}", version));

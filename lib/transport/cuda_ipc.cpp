@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <span>
+#include <unordered_map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -31,6 +33,46 @@ namespace {
 
 constexpr unsigned int ipc_event_flags = cudaEventDisableTiming | cudaEventInterprocess;
 constexpr std::string_view transport_name = "cuda_ipc";
+/// HELLO's transport when the streamer asks for direct writes (sink::offer_direct).
+constexpr std::string_view direct_transport_name = "cuda_ipc/direct";
+/// First handle of a receiver's direct offer; then one "A" + cudaIpcMemHandle_t per allocation,
+/// then one "T" + u64 allocation + u64 offset + u64 bytes + name per tensor (little-endian).
+constexpr std::string_view direct_offer_tag = "refit-direct/1";
+constexpr std::size_t tensor_record_header = 1 + 3 * sizeof(std::uint64_t);
+
+/// The allocation that holds `p` (cuMemGetAddressRange through the runtime's driver entry point,
+/// so that refit needs no link to libcuda): its base, or nullptr when the driver cannot say.
+void* allocation_base(const void* p) {
+  using get_range_fn = int (*)(unsigned long long*, std::size_t*, unsigned long long);
+  static get_range_fn get_range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<get_range_fn>(nullptr);
+    }
+    return reinterpret_cast<get_range_fn>(fn);
+  }();
+  if (get_range == nullptr) return nullptr;
+  unsigned long long base = 0;
+  std::size_t size = 0;
+  if (get_range(&base, &size, reinterpret_cast<unsigned long long>(p)) != 0) return nullptr;
+  return reinterpret_cast<void*>(base);
+}
+
+void put_u64(std::string& out, std::uint64_t v) {
+  char b[8];
+  std::memcpy(b, &v, 8);  // little-endian hosts (x86-64, aarch64)
+  out.append(b, 8);
+}
+
+std::uint64_t get_u64(std::string_view in, std::size_t at) {
+  std::uint64_t v = 0;
+  std::memcpy(&v, in.data() + at, 8);
+  return v;
+}
 
 template <typename T>
 std::string raw_bytes(const T& value) {
@@ -80,7 +122,7 @@ class ipc_mapping {
       (void)cudaGetLastError();  // not sticky: do not let it surface in an unrelated later check
       p_ = nullptr;
       throw error(errc::transport,
-                  fmt::format("cudaIpcOpenMemHandle({}): {}: {}: the receiver cannot map the streamer's GPU "
+                  fmt::format("cudaIpcOpenMemHandle({}): {}: {}: this process cannot map the peer's GPU "
                               "memory (different container/GPU visibility?); use host_shm or nccl",
                               what, cudaGetErrorName(status), cudaGetErrorString(status)));
     }
@@ -152,7 +194,8 @@ void check_index(std::size_t i, std::size_t count, std::string_view call) {
 
 class cuda_ipc_source final : public source {
  public:
-  explicit cuda_ipc_source(const source_options& options) : device_(options.device), bytes_(options.bytes) {
+  explicit cuda_ipc_source(const source_options& options)
+      : device_(options.device), bytes_(options.bytes), want_direct_(options.direct) {
     device_guard guard(device_);
     uuid_ = device_uuid(device_);
     buffers_.reserve(options.count);
@@ -205,15 +248,71 @@ class cuda_ipc_source final : public source {
       }
       exported_ = std::move(descs);
     }
-    h.transport = std::string(transport_name);
+    h.transport = std::string(want_direct_ ? direct_transport_name : transport_name);
     h.host_id = host_identity();
     h.peer = process_identity();
     h.device_uuid = uuid_;
     h.buffers = exported_;
   }
 
-  void session_accepted(const wire::ok& /*reply*/) override {}
-  void close_session() noexcept override {}
+  void session_accepted(const wire::ok& reply) override {
+    close_session();
+    if (!want_direct_ || reply.handles.empty() || reply.handles.front() != direct_offer_tag) return;
+    // The receiver offered its weights: map each allocation once for the session.
+    device_guard guard(device_);
+    std::vector<ipc_mapping> maps;
+    std::unordered_map<std::string, target> targets;
+    for (std::size_t k = 1; k < reply.handles.size(); ++k) {
+      const std::string& rec = reply.handles[k];
+      if (rec.size() == 1 + sizeof(cudaIpcMemHandle_t) && rec[0] == 'A') {
+        maps.emplace_back(from_raw_bytes<cudaIpcMemHandle_t>(rec.substr(1)),
+                          fmt::format("allocation {} of the receiver's weights", maps.size()));
+      } else if (rec.size() > tensor_record_header && rec[0] == 'T') {
+        const std::uint64_t alloc = get_u64(rec, 1);
+        const std::uint64_t offset = get_u64(rec, 9);
+        const std::uint64_t bytes = get_u64(rec, 17);
+        if (bytes == 0) {  // nothing to write: no allocation needed
+          targets.insert_or_assign(rec.substr(tensor_record_header), target{nullptr, 0});
+          continue;
+        }
+        if (alloc >= maps.size())
+          throw error(errc::protocol, fmt::format("direct offer: tensor record {} names allocation {} of {}", k,
+                                                  alloc, maps.size()));
+        targets.insert_or_assign(rec.substr(tensor_record_header),
+                                 target{static_cast<std::byte*>(maps[alloc].handle()) + offset, bytes});
+      } else {
+        throw error(errc::protocol, fmt::format("direct offer: record {} of {} bytes is malformed", k, rec.size()));
+      }
+    }
+    mapped_ = std::move(maps);
+    targets_ = std::move(targets);
+    direct_ = true;
+    REFIT_INFO("cuda_ipc: direct session: {} tensors in {} allocations of the receiver's weights", targets_.size(),
+               mapped_.size());
+  }
+
+  void close_session() noexcept override {
+    direct_ = false;
+    targets_.clear();
+    mapped_.clear();  // cudaIpcCloseMemHandle: nothing of the receiver stays mapped
+  }
+
+  [[nodiscard]] bool direct() const noexcept override { return direct_; }
+
+  std::byte* destination(std::string_view name, std::uint64_t bytes) override {
+    const auto it = targets_.find(std::string(name));
+    if (it == targets_.end())
+      throw error(errc::apply, fmt::format("tensor '{}' is not in the receiver's parameter table (direct cuda_ipc "
+                                           "session: nothing was written)",
+                                           name));
+    if (it->second.bytes != bytes)
+      throw error(errc::apply, fmt::format("tensor '{}' has {} bytes but the receiver's parameter table holds {} "
+                                           "(direct cuda_ipc session: nothing was written)",
+                                           name, bytes, it->second.bytes));
+    return it->second.data;
+  }
+
+  void disable_direct() noexcept override { want_direct_ = false; }
 
   void begin_pack(std::size_t i) override {
     check_index(i, buffers_.size(), "begin_pack");
@@ -271,8 +370,17 @@ class cuda_ipc_source final : public source {
     std::size_t next = 0;
   };
 
+  struct target {
+    std::byte* data;
+    std::uint64_t bytes;
+  };
+
   int device_;
   std::uint64_t bytes_;
+  bool want_direct_;
+  bool direct_ = false;
+  std::vector<ipc_mapping> mapped_;  ///< the receiver's weight allocations (direct sessions)
+  std::unordered_map<std::string, target> targets_;
   std::string uuid_;
   std::vector<cuda::device_buffer> buffers_;
   std::vector<cuda::event> packed_;
@@ -293,7 +401,7 @@ class cuda_ipc_sink final : public sink {
 
   void attach(const wire::hello& h, wire::ok& /*reply*/) override {
     detach();
-    if (h.transport != transport_name)
+    if (h.transport != transport_name && h.transport != direct_transport_name)
       throw error(errc::protocol,
                   fmt::format("a HELLO for transport '{}' reached the cuda_ipc receiver side", h.transport));
     const std::string local_host = host_identity();
@@ -348,6 +456,50 @@ class cuda_ipc_sink final : public sink {
     REFIT_INFO("cuda_ipc: mapped {} buffers from {} on device {}: {} (streamer {}, receiver {})", maps_.size(), h.peer,
                device_, h.device_uuid == own_uuid ? "same GPU" : "peer GPU", uuid_text(h.device_uuid),
                uuid_text(own_uuid));
+  }
+
+  bool offer_direct(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) override {
+    if (h.transport != direct_transport_name || table.empty()) return false;
+    std::vector<std::string> records{std::string(direct_offer_tag)};
+    std::map<void*, std::uint64_t> allocations;  // base → index
+    std::vector<std::string> tensors;
+    tensors.reserve(table.size());
+    for (const tensor_dest& d : table) {
+      const std::uint64_t bytes = d.meta.nbytes();
+      if (d.dev.kind != device_kind::cuda || d.meta.name.size() + tensor_record_header > wire::max_handle_bytes)
+        return decline(fmt::format("'{}' is not in CUDA memory, or its name is too long", d.meta.name));
+      std::uint64_t alloc = 0;
+      std::uint64_t offset = 0;
+      if (bytes != 0) {
+        device_guard on(d.dev.index);
+        void* base = allocation_base(d.data);
+        if (base == nullptr) return decline(fmt::format("the allocation of '{}' is unknown to the driver", d.meta.name));
+        auto [it, fresh] = allocations.emplace(base, allocations.size());
+        if (fresh) {
+          cudaIpcMemHandle_t handle{};
+          const cudaError_t status = cudaIpcGetMemHandle(&handle, base);
+          if (status != cudaSuccess) {
+            (void)cudaGetLastError();
+            return decline(fmt::format("cudaIpcGetMemHandle on the allocation of '{}': {}", d.meta.name,
+                                       cudaGetErrorName(status)));
+          }
+          records.push_back("A" + raw_bytes(handle));
+        }
+        alloc = it->second;
+        offset = static_cast<std::uint64_t>(static_cast<const std::byte*>(d.data) - static_cast<const std::byte*>(base));
+      }
+      std::string rec = "T";
+      put_u64(rec, alloc);
+      put_u64(rec, offset);
+      put_u64(rec, bytes);
+      rec += d.meta.name;
+      tensors.push_back(std::move(rec));
+    }
+    for (auto& t : tensors) records.push_back(std::move(t));
+    reply.handles = std::move(records);
+    REFIT_INFO("cuda_ipc: offering {} tensors in {} allocations for direct writes by {}", table.size(),
+               allocations.size(), h.peer);
+    return true;
   }
 
   void detach() noexcept override {
@@ -422,6 +574,11 @@ class cuda_ipc_sink final : public sink {
     int previous_ = 0;
     bool switched_ = false;
   };
+
+  static bool decline(const std::string& why) {
+    REFIT_INFO("cuda_ipc: staging through the buffers, not writing directly: {}", why);
+    return false;
+  }
 
   int device_;
   bool attached_ = false;

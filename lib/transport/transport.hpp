@@ -12,10 +12,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
 #include "copy/copy.hpp"
+#include "refit/error.hpp"
 #include "refit/model.hpp"
 #include "refit/options.hpp"
 #include "wire/wire.hpp"
@@ -31,6 +33,8 @@ struct source_options {
   bool page_locked = false;
   /// nccl: receivers (ranks 1..n); the streamer is rank 0.
   std::size_t receivers = 1;
+  /// cuda_ipc: ask the receiver to offer its weights for direct writes.
+  bool direct = false;
 };
 
 /// Streamer side: owns the buffers.
@@ -61,6 +65,19 @@ class source {
   /// The session ended (BYE, or the peer was lost). Never throws.
   virtual void close_session() noexcept = 0;
 
+  /// True when this session writes straight into the receiver's weights (cuda_ipc direct): the
+  /// receiver offered them in its reply to HELLO and session_accepted() mapped them. Then
+  /// destination() replaces the buffers and begin_pack/end_pack/batch_bytes are not called.
+  [[nodiscard]] virtual bool direct() const noexcept { return false; }
+  /// Where tensor `name` of `bytes` bytes goes in a direct session. Throws refit::error
+  /// (errc::apply) when the receiver's table has no such name or another size: nothing is written.
+  virtual std::byte* destination(std::string_view name, std::uint64_t bytes) {
+    (void)name, (void)bytes;
+    throw error(errc::internal, "destination() outside a direct session");
+  }
+  /// Stops asking for direct sessions (after the receiver's offer could not be mapped).
+  virtual void disable_direct() noexcept {}
+
   /// Before packing into buffer i: orders the packing after the receiver's last read of it.
   virtual void begin_pack(std::size_t i) = 0;
   /// Orders the packing after the work enqueued so far on a producer stream (cudaStream_t).
@@ -85,6 +102,14 @@ class sink {
   virtual void attach(const wire::hello& h, wire::ok& reply) = 0;
   /// Unmaps everything attach() mapped. Never throws.
   virtual void detach() noexcept = 0;
+  /// After attach(): when `h` asks for direct writes and every destination of `table` can be
+  /// shared with the streamer, describes them in `reply.handles` and returns true; the receiver
+  /// then only validates batches (the streamer writes the bytes). Returns false, changing
+  /// nothing, otherwise. Never throws for memory it cannot share (that just means staging).
+  virtual bool offer_direct(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) {
+    (void)h, (void)table, (void)reply;
+    return false;
+  }
   [[nodiscard]] virtual bool attached() const noexcept = 0;
   [[nodiscard]] virtual std::size_t count() const noexcept = 0;
   [[nodiscard]] virtual std::uint64_t buffer_bytes(std::size_t i) const noexcept = 0;

@@ -284,16 +284,27 @@ void callback_receiver(const std::string& endpoint, const std::vector<refit::ten
 }
 
 /// Streamer child: refits `versions` in turn from device tensors on `device`.
+/// How a refit must travel: straight into the receiver's weights, or through the buffers.
+enum class path { direct, staged };
+
+/// Streams `versions` in turn. `want`, when given, is the path every refit must take;
+/// `force_staged` turns the streamer's direct option off.
 void streamer_of(const std::string& endpoint, const std::vector<refit::tensor_meta>& metas, int device,
-                 const std::vector<std::uint64_t>& versions) {
+                 const std::vector<std::uint64_t>& versions, std::optional<path> want = std::nullopt,
+                 bool force_staged = false) {
   device_tensors weights(metas, device);
-  refit::streamer s(stream_options(endpoint, device, relaxed));
+  auto options = stream_options(endpoint, device, relaxed);
+  options.direct = !force_staged;
+  refit::streamer s(options);
   for (const auto v : versions) {
     weights.upload(v);
     const auto refs = weights.refs();
     const auto stats = s.refit(v, refs);
     expect(stats.version == v, "stats.version " + std::to_string(stats.version));
     expect(stats.tensors == metas.size(), "stats.tensors " + std::to_string(stats.tensors));
+    expect(!want || stats.direct == (want == path::direct),
+           std::string("version ") + std::to_string(v) + " travelled " + (stats.direct ? "direct" : "staged") +
+               ", expected " + (want == path::direct ? "direct" : "staged"));
   }
   s.close();
 }
@@ -493,11 +504,57 @@ TEST_CASE("the device checksum equals the CPU checksum for any size and offset",
 }
 
 TEST_CASE("three refits of mixed dtypes over cuda_ipc on one GPU land bit-exact in the parameter table", "[cuda_ipc]") {
+  // Direct by default: the streamer writes into the receiver's weights (one arena, so every
+  // tensor is an offset into one exported allocation); the check covers the gaps between them.
   const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
   const auto ep = rt::temp_endpoint();
   const std::vector<std::uint64_t> versions = {1, 2, 3};
   two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 0, versions, ready); },
-                [&] { streamer_of(ep, metas, 0, versions); });
+                [&] { streamer_of(ep, metas, 0, versions, path::direct); });
+}
+
+TEST_CASE("with direct writes turned off, cuda_ipc stages through the buffers into the parameter table bit-exact",
+          "[cuda_ipc]") {
+  const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
+  const auto ep = rt::temp_endpoint();
+  const std::vector<std::uint64_t> versions = {1, 2, 3};
+  two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 0, versions, ready); },
+                [&] { streamer_of(ep, metas, 0, versions, path::staged, true); });
+}
+
+TEST_CASE("a direct cuda_ipc refit of a tensor the receiver lacks fails before writing anything", "[cuda_ipc]") {
+  // The first tensor the streamer yields is not in the receiver's table: the streamer must refuse
+  // it from the offer alone, so every byte of the receiver's weights keeps its old value.
+  const auto metas = rt::mixed_model(50, 0);
+  const std::vector<refit::tensor_meta> registered(metas.begin() + 1, metas.end());
+  const auto ep = rt::temp_endpoint();
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        device_tensors weights(registered, 0);
+        weights.upload(7);
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        weights.register_with(r);
+        ready.send("ready");
+        serve_until_bye(r, [](std::uint64_t v) { expect(false, "committed version " + std::to_string(v)); });
+        expect(!r.committed_version().has_value(), "a version was committed");
+        const auto m = weights.mismatch(7);
+        expect(m.empty(), "a refused direct refit wrote into the weights: " + m);
+      },
+      [&] {
+        device_tensors source(metas, 0);
+        source.upload(1);
+        refit::streamer s(stream_options(ep, 0, relaxed));
+        const auto refs = source.refs();
+        try {
+          s.refit(1, refs);
+          expect(false, "a refit with a tensor the receiver lacks succeeded");
+        } catch (const refit::error& e) {
+          expect(e.code() == refit::errc::apply, "error code " + std::string(refit::to_string(e.code())));
+          expect(std::string(e.what()).find("not in the receiver's parameter table") != std::string::npos,
+                 std::string("message: ") + e.what());
+        }
+        s.close();
+      });
 }
 
 TEST_CASE("three refits over cuda_ipc reach a callback sink that copies the views on its stream", "[cuda_ipc]") {
@@ -505,7 +562,7 @@ TEST_CASE("three refits over cuda_ipc reach a callback sink that copies the view
   const auto ep = rt::temp_endpoint();
   const std::vector<std::uint64_t> versions = {4, 5, 9};
   two_processes([&](rt::signal_pipe& ready) { callback_receiver(ep, metas, 0, versions, ready); },
-                [&] { streamer_of(ep, metas, 0, versions); });
+                [&] { streamer_of(ep, metas, 0, versions, path::staged); });
 }
 
 TEST_CASE("a receiver on cuda:1 maps the buffers of a streamer on cuda:0 and refits bit-exact", "[cuda_ipc]") {
@@ -518,12 +575,12 @@ TEST_CASE("a receiver on cuda:1 maps the buffers of a streamer on cuda:0 and ref
   {
     const auto ep = rt::temp_endpoint();
     two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 1, versions, ready); },
-                  [&] { streamer_of(ep, metas, 0, versions); });
+                  [&] { streamer_of(ep, metas, 0, versions, path::direct); });
   }
   {
     const auto ep = rt::temp_endpoint();
     two_processes([&](rt::signal_pipe& ready) { callback_receiver(ep, metas, 1, versions, ready); },
-                  [&] { streamer_of(ep, metas, 0, versions); });
+                  [&] { streamer_of(ep, metas, 0, versions, path::staged); });
   }
 }
 
