@@ -191,7 +191,8 @@ struct receiver::impl {
         direct = sink->offer_direct(h, dests, reply);
       }
       std::vector<std::uint64_t> sizes;
-      for (std::size_t i = 0; i < sink->count(); ++i) sizes.push_back(sink->buffer_bytes(i));
+      for (std::size_t i = 0; i < sink->count(); ++i)
+        sizes.push_back(direct ? transport::direct_batch_bytes : sink->buffer_bytes(i));
       tracker.emplace(std::move(sizes));
       copier = copy::make_copier(copy::choose(sink->engine(), options.engine), options.device);
       peer = h.peer;

@@ -328,7 +328,11 @@ struct streamer::impl {
       stats.wait_seconds += seconds_since(tw);
     }
 
-    planner pl(plan);
+    planner pl([&] {
+      plan_options p = plan;
+      if (direct) p.buffer_bytes = transport::direct_batch_bytes;
+      return p;
+    }());
     std::unordered_set<std::string> names;
     for (std::size_t index = 0;; ++index) {
       auto ts = clock::now();

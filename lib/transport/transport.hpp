@@ -24,6 +24,11 @@
 
 namespace refit::transport {
 
+/// Bytes of one batch in a direct session (cuda_ipc direct). No buffer holds them, so both sides
+/// use this size instead of the buffers' when they plan and check batches: a batch is then only
+/// a manifest message, and larger ones mean fewer round trips.
+inline constexpr std::uint64_t direct_batch_bytes = 1ull << 30;
+
 /// Options a transport is built from (the subset of streamer/receiver options it needs).
 struct source_options {
   transport_kind kind = transport_kind::host_shm;
