@@ -13,6 +13,8 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <chrono>
+#include <thread>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -392,7 +394,7 @@ class cuda_ipc_source final : public source {
 
 class cuda_ipc_sink final : public sink {
  public:
-  explicit cuda_ipc_sink(int device) : device_(device) {}
+  cuda_ipc_sink(int device, milliseconds timeout) : device_(device), timeout_(timeout) {}
   ~cuda_ipc_sink() override { detach(); }
   cuda_ipc_sink(const cuda_ipc_sink&) = delete;
   cuda_ipc_sink& operator=(const cuda_ipc_sink&) = delete;
@@ -505,8 +507,16 @@ class cuda_ipc_sink final : public sink {
   void detach() noexcept override {
     if (stream_) {
       device_guard_noexcept guard(device_);
-      const cudaError_t status = cudaStreamSynchronize(stream_.handle());
-      if (status != cudaSuccess) {
+      const cudaError_t status = wait_for_stream();
+      if (status == cudaErrorNotReady) {
+        // The streamer's GPU work never completed (killed mid-refit?). Unmapping memory that
+        // queued work may still touch could block or fault: leave this session's mappings and
+        // stream behind rather than hang; the next session maps afresh.
+        REFIT_WARN("cuda_ipc: the apply stream did not finish within {} ms; abandoning the session's mappings",
+                   timeout_.count());
+        // Deliberately leaked: its destructors would close mappings under work that may never end.
+        (void)new abandoned{std::move(maps_), std::move(packed_), std::move(applied_), std::move(stream_)};
+      } else if (status != cudaSuccess) {
         (void)cudaGetLastError();
         REFIT_WARN("cuda_ipc: draining the apply stream before unmapping failed: {}: {}", cudaGetErrorName(status),
                    cudaGetErrorString(status));
@@ -550,7 +560,13 @@ class cuda_ipc_sink final : public sink {
   void drain() override {
     if (!stream_) return;
     device_guard guard(device_);
-    check_cuda(cudaStreamSynchronize(stream_.handle()), "cudaStreamSynchronize(cuda_ipc apply stream)");
+    const cudaError_t status = wait_for_stream();
+    if (status == cudaErrorNotReady)
+      throw error(errc::timeout, fmt::format("the cuda_ipc apply stream did not finish within {} ms: it waits on the "
+                                             "streamer's GPU work, which never completed (is the policy process "
+                                             "alive?); nothing was committed",
+                                             timeout_.count()));
+    check_cuda(status, "cudaStreamSynchronize(cuda_ipc apply stream)");
   }
 
  private:
@@ -575,12 +591,34 @@ class cuda_ipc_sink final : public sink {
     bool switched_ = false;
   };
 
+  /// Waits for the apply stream, at most `timeout_` (a peer that died with work queued must not
+  /// hang this process): cudaSuccess, an error, or cudaErrorNotReady when time ran out. Polls,
+  /// yielding the CPU between queries.
+  cudaError_t wait_for_stream() const noexcept {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (;;) {
+      const cudaError_t status = cudaStreamQuery(stream_.handle());
+      if (status != cudaErrorNotReady) return status;
+      if (std::chrono::steady_clock::now() >= deadline) return cudaErrorNotReady;
+      std::this_thread::yield();
+    }
+  }
+
+  /// What a session whose GPU work never finished left behind (see detach()).
+  struct abandoned {
+    std::vector<ipc_mapping> maps;
+    std::vector<ipc_event> packed;
+    std::vector<ipc_event> applied;
+    cuda::stream stream;
+  };
+
   static bool decline(const std::string& why) {
     REFIT_INFO("cuda_ipc: staging through the buffers, not writing directly: {}", why);
     return false;
   }
 
   int device_;
+  milliseconds timeout_;
   bool attached_ = false;
   std::vector<ipc_mapping> maps_;
   std::vector<std::uint64_t> sizes_;
@@ -595,6 +633,8 @@ std::unique_ptr<source> make_cuda_ipc_source(const source_options& options) {
   return std::make_unique<cuda_ipc_source>(options);
 }
 
-std::unique_ptr<sink> make_cuda_ipc_sink(int device) { return std::make_unique<cuda_ipc_sink>(device); }
+std::unique_ptr<sink> make_cuda_ipc_sink(int device, milliseconds timeout) {
+  return std::make_unique<cuda_ipc_sink>(device, timeout);
+}
 
 }  // namespace refit::transport

@@ -59,7 +59,7 @@ std::unique_ptr<sink> make_sink(std::string_view transport, int device, millisec
   const auto kind = parse_transport(transport.substr(0, transport.find('/')));
   if (kind == transport_kind::host_shm) return make_host_shm_sink();
 #if REFIT_HAVE_CUDA
-  if (kind == transport_kind::cuda_ipc) return make_cuda_ipc_sink(device);
+  if (kind == transport_kind::cuda_ipc) return make_cuda_ipc_sink(device, timeout);
 #endif
 #if REFIT_HAVE_NCCL
   if (kind == transport_kind::nccl) return make_nccl_sink(device, timeout);
