@@ -6,8 +6,10 @@
 // (the streamer and receiver sides, the receiver process), cli.cpp (options).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <optional>
@@ -119,11 +121,70 @@ class transport_path {
 std::unique_ptr<transport_path> make_host_shm_path();
 /// Throws refit::error(invalid_argument) in a build without CUDA.
 std::unique_ptr<transport_path> make_cuda_ipc_path(int device);
-/// Throws refit::error(invalid_argument): the bench has no nccl path yet.
-std::unique_ptr<transport_path> make_nccl_path(int device);
-std::unique_ptr<transport_path> make_path(transport_kind kind, int device);
-/// Transports this build of the bench can run.
+struct config;
+/// Device tensors like cuda_ipc; the streamer's on c.device, receiver k's on receiver_device(). On the
+/// streamer side its ceiling spawns c.receivers helper processes and times a raw ncclBroadcast among
+/// them (see runner_nccl.cpp). Throws refit::error(invalid_argument) in a build without NCCL, and
+/// on the streamer side when fewer than 2 GPUs are visible or c.receivers does not fit on them.
+std::unique_ptr<transport_path> make_nccl_path(const config& c);
+/// The path of `kind` for the side `c` describes (c.device, c.receivers, ...).
+std::unique_ptr<transport_path> make_path(transport_kind kind, const config& c);
+/// Transports this build of the bench can run (nccl included when built, whatever the GPU count).
 std::vector<transport_kind> built_transports();
+/// CUDA devices visible to this process; 0 without CUDA or without a device.
+int visible_gpus() noexcept;
+/// The GPU of nccl receiver k (0-based): the next GPUs after the streamer's, wrapping around.
+int receiver_device(int streamer_device, std::size_t k, int visible) noexcept;
+/// Lowercase hex of `n` bytes, and back (nullopt for odd length or a non-hex character).
+std::string to_hex(const void* data, std::size_t n);
+std::optional<std::string> from_hex(std::string_view hex);
+
+// ---------------------------------------------------------------- raw NCCL broadcast (the nccl ceiling)
+
+/// A fresh ncclUniqueId as hex (to_hex). Throws refit::error(nccl / invalid_argument without NCCL).
+std::string nccl_unique_id_hex();
+/// One rank of the nccl ceiling: joins the communicator `id_hex` as `rank` of `nranks` on `device`,
+/// broadcasts nccl_ceiling_bytes from rank 0 (warm-up, then nccl_ceiling_reps timed ones, each
+/// behind a one-element all-reduce so that every rank starts together), then calls `done` with the
+/// communicator still alive and aborts it. `watch` is called while waiting and may throw to give up.
+/// Every wait ends within `timeout` (errc::timeout). Returns, on rank 0, the payload bandwidth
+/// (bytes/s) of the median broadcast timed with CUDA events, and stores the best in *best; 0 elsewhere.
+double nccl_ceiling_rank(const std::string& id_hex, int rank, int nranks, int device, std::chrono::milliseconds timeout,
+                         const std::function<void()>& watch, const std::function<void()>& done, double* best = nullptr);
+inline constexpr std::uint64_t nccl_ceiling_bytes = 1ull << 30;
+inline constexpr int nccl_ceiling_warmup = 3;
+inline constexpr int nccl_ceiling_reps = 10;
+
+// ---------------------------------------------------------------- child processes
+
+/// A bench process spawned by the streamer: fork, then execv(exe, args) at once (never a fork
+/// that keeps a CUDA context). Its stdin is a pipe we hold (closing it tells the child to exit),
+/// its stdout a pipe we read JSON lines from; stderr is shared. The destructor finishes it.
+class child_process {
+ public:
+  child_process(const std::string& exe, const std::vector<std::string>& args);
+  ~child_process();
+  child_process(const child_process&) = delete;
+  child_process& operator=(const child_process&) = delete;
+
+  /// The next line the child printed; throws errc::timeout past `timeout`, errc::peer when it exits.
+  std::string read_line(std::chrono::milliseconds timeout);
+  /// False once the child has exited (reaps it; never blocks).
+  bool running() noexcept;
+  /// Closes the child's stdin, waits for it (kills it past `grace`); returns its wait status.
+  int finish(std::chrono::milliseconds grace) noexcept;
+  [[nodiscard]] int pid() const noexcept { return pid_; }
+  /// "exit code N" / "killed by signal N" for a wait status.
+  static std::string describe_exit(int status);
+
+ private:
+  int pid_ = -1;
+  int stdin_ = -1;
+  int stdout_ = -1;
+  bool reaped_ = false;
+  int status_ = 0;
+  std::string buffer_;
+};
 
 /// Deterministic random bytes: byte i of a tensor seeded `seed` (not zeros; cheap, parallel).
 void fill_random(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint64_t first = 0);
@@ -165,6 +226,10 @@ struct config {
   int iters = 5;
   std::uint64_t seed = 1;
   int device = 0;
+  /// nccl: receiver processes, one GPU each after --device; other transports ignore it.
+  std::size_t receivers = 1;
+  /// nccl came from "--transport all" only: dropped (with a note) when fewer than 2 GPUs are visible.
+  bool nccl_optional = false;
   bool page_locked = false;
   std::uint64_t timeout_ms = 120000;
   std::string json_file;
@@ -173,6 +238,10 @@ struct config {
   /// Receiver: corrupt one byte of tensor N after every commit (tests the verification).
   std::optional<std::size_t> corrupt_tensor;
   bool spawned = false;  ///< receiver: started by a streamer; exit when stdin closes
+  /// Receiver started as one rank of the nccl ceiling (hex ncclUniqueId) instead of a refit receiver.
+  std::string nccl_ceiling_id;
+  int nccl_rank = 0;
+  int nccl_ranks = 0;
   bool quiet = false;    ///< no progress lines
   std::vector<std::string> argv;  ///< the command line, for the preamble
 };
@@ -180,9 +249,13 @@ struct config {
 /// Parses the command line (argv[0] included). Returns nullopt and sets `exit_code` when the bench
 /// should stop (--help, a bad option: the message is printed).
 std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code);
-/// The arguments a spawned receiver gets for one (transport, model) group.
+/// The arguments a spawned receiver gets for one (transport, model) group; on GPU `device`
+/// (default: c.device).
 std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
-                                       const std::string& endpoint, copy_engine engine = copy_engine::automatic);
+                                       const std::string& endpoint, copy_engine engine = copy_engine::automatic,
+                                       std::optional<int> device = std::nullopt);
+/// The arguments of rank `rank` (1..nranks-1) of the nccl ceiling, on GPU `device`.
+std::vector<std::string> ceiling_args(const config& c, const std::string& id_hex, int rank, int nranks, int device);
 
 // ---------------------------------------------------------------- results
 
@@ -201,6 +274,7 @@ struct preamble {
   std::string cpu;
   std::vector<std::string> gpus;
   std::vector<std::string> transports;
+  std::vector<std::string> notes;  ///< "# note" lines: where nccl ranks run, transports skipped
   std::vector<model_info> models;
   std::vector<double> buffer_mb;
   std::vector<std::size_t> buffer_counts;
@@ -217,6 +291,7 @@ struct preamble {
 
 struct row {
   std::string transport;
+  std::size_t receivers = 1;  ///< receiver processes (nccl: --receivers)
   std::string model;
   std::string engine = "automatic";  ///< copy engine (GPU transports); "memcpy" for host_shm
   std::uint64_t buffer_bytes = 0;
@@ -228,7 +303,7 @@ struct row {
   double median_ms = 0, min_ms = 0, max_ms = 0;
   double gbps = 0;          ///< bytes / median
   double ceiling_gbps = 0;  ///< measured copy bandwidth of this transport, same run
-  double floor_ms = 0;      ///< 2 × bytes / ceiling
+  double floor_ms = 0;      ///< 2 × bytes / ceiling (staged copies); nccl: bytes / ceiling (one broadcast pass)
   double ratio = 0;         ///< floor / median
   double source_ms = 0, pack_ms = 0, wait_ms = 0, apply_ms = -1;  ///< medians; apply -1: unknown
   std::int64_t wrong = 0;   ///< tensors with a wrong checksum over every refit; -1: not verified

@@ -5,6 +5,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 
 #include "bench/bench.hpp"
@@ -65,7 +66,11 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
   app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
-  app.add_option("--device", c.device, "CUDA device (cuda_ipc)")->capture_default_str();
+  app.add_option("--device", c.device, "CUDA device (cuda_ipc; nccl: the streamer's, receivers on the next ones)")
+      ->capture_default_str();
+  app.add_option("--receivers", c.receivers, "nccl: receiver processes, one GPU each after --device's (wrapping "
+                                             "around the visible GPUs); other transports ignore it")
+      ->capture_default_str();
   app.add_flag("--page-locked", c.page_locked, "host_shm: page-lock the shared buffers");
   app.add_option("--timeout-ms", c.timeout_ms, "longest wait for the peer")->capture_default_str();
   app.add_option("--json", c.json_file, "write every row and the preamble as JSON to FILE");
@@ -75,6 +80,9 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   auto* corrupt_opt = app.add_option("--corrupt-byte", corrupt, "receiver: corrupt tensor N after every commit")->group("");
   app.add_flag("--spawned", c.spawned, "receiver started by refit-bench: exit when stdin closes")->group("");
   app.add_option("--receiver-exe", c.receiver_exe, "the binary the streamer spawns as receiver")->group("");
+  app.add_option("--nccl-ceiling", c.nccl_ceiling_id, "receiver: be a rank of the nccl ceiling (hex ncclUniqueId)")->group("");
+  app.add_option("--nccl-rank", c.nccl_rank, "nccl ceiling: this rank")->group("");
+  app.add_option("--nccl-ranks", c.nccl_ranks, "nccl ceiling: number of ranks")->group("");
 
   try {
     app.parse(argc, argv);
@@ -94,6 +102,7 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   if (!t) bad(fmt::format("--dtype {}: unknown (bf16, f16, f32, f8_e4m3, ...)", dtype_name));
   c.type = *t;
   c.transports.clear();
+  bool nccl_named = false;
   for (const auto& name : transports) {
     if (name == "all") {
       for (const auto k : built_transports())
@@ -102,8 +111,12 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     }
     const auto k = parse_transport(name);
     if (!k) bad(fmt::format("--transport {}: unknown (host_shm, cuda_ipc, nccl or all)", name));
+    nccl_named |= *k == transport_kind::nccl;
     if (std::find(c.transports.begin(), c.transports.end(), *k) == c.transports.end()) c.transports.push_back(*k);
   }
+  // "all" runs nccl only where it can (2 GPUs or more: checked at run time); named, it must.
+  c.nccl_optional = !nccl_named;
+  if (c.receivers < 1) bad("--receivers must be at least 1");
   if (c.transports.empty()) bad("--transport: none given");
   if (c.alignment == 0 || !std::has_single_bit(c.alignment)) bad(fmt::format("--alignment {}: must be a power of two", c.alignment));
   if (c.buffer_mb.empty()) bad("--buffer-mb: none given");
@@ -145,11 +158,19 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   return c;
 }
 
+std::vector<std::string> ceiling_args(const config& c, const std::string& id_hex, int rank, int nranks, int device) {
+  std::vector<std::string> a{"--role", "receiver", "--transport", "nccl", "--device", std::to_string(device),
+                             "--timeout-ms", std::to_string(c.timeout_ms), "--nccl-ceiling", id_hex,
+                             "--nccl-rank", std::to_string(rank), "--nccl-ranks", std::to_string(nranks), "--spawned"};
+  if (c.quiet) a.emplace_back("--quiet");
+  return a;
+}
+
 std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
-                                       const std::string& endpoint, copy_engine engine) {
+                                       const std::string& endpoint, copy_engine engine, std::optional<int> device) {
   std::vector<std::string> a{"--role", "receiver", "--bind", endpoint, "--transport", std::string(to_string(t)),
                              "--engine", std::string(to_string(engine)),
-                             "--device", std::to_string(c.device), "--timeout-ms", std::to_string(c.timeout_ms),
+                             "--device", std::to_string(device.value_or(c.device)), "--timeout-ms", std::to_string(c.timeout_ms),
                              "--spawned"};
   if (!c.manifest_file.empty()) {
     a.insert(a.end(), {"--manifest", c.manifest_file, "--dtype", std::string(to_string(c.type))});
@@ -162,6 +183,9 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
 }
 
 int bench_main(int argc, const char* const* argv) {
+  // NVLink SHARP (NVLS) stays off unless the caller says otherwise: the GPU machines require it,
+  // and the spawned receivers inherit the environment.
+  ::setenv("NCCL_NVLS_ENABLE", "0", 0);
   try {
     int code = 0;
     const auto c = parse_args(argc, argv, code);

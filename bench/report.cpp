@@ -76,6 +76,7 @@ void write_preamble(std::ostream& out, const preamble& p) {
   if (p.gpus.empty()) out << "# gpu       : none used\n";
   for (const auto& g : p.gpus) out << fmt::format("# gpu       : {}\n", g);
   out << fmt::format("# transports: {}\n", fmt::join(p.transports, ", "));
+  for (const auto& n : p.notes) out << fmt::format("# note      : {}\n", n);
   for (const auto& m : p.models)
     out << fmt::format("# model     : {}: {} tensors, {} params, {:.3f} GB, largest tensor {:.1f} MB\n", m.name,
                        m.tensors, m.params, m.bytes / 1e9, m.largest / 1e6);
@@ -86,8 +87,12 @@ void write_preamble(std::ostream& out, const preamble& p) {
   out << fmt::format("# iterations: {} warm-up + {} counted per row, each a new version with fresh data; every refit verified\n",
                      p.warmup, p.iters);
   out << "# GB/s = payload bytes / median time; floor = 2 x bytes / ceiling (a staged refit copies every byte twice);\n"
-         "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad checksum\n"
-         "#\n";
+         "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad checksum\n";
+  if (std::find(p.transports.begin(), p.transports.end(), "nccl") != p.transports.end())
+    out << "# nccl rows: ceiling = raw ncclBroadcast among the same GPUs; floor = 1 x bytes / ceiling (one pass: refit\n"
+           "#   broadcasts every byte once, packing and applying overlap it), so ratio = refit GB/s / raw broadcast GB/s;\n"
+           "#   apply = the slowest receiver's; wrong = summed over every receiver\n";
+  out << "#\n";
 }
 
 void write_header(std::ostream& out) {
@@ -155,6 +160,7 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
   pj["cpu"] = p.cpu;
   pj["gpus"] = p.gpus;
   pj["transports"] = p.transports;
+  pj["notes"] = p.notes;
   pj["models"] = nlohmann::json::array();
   for (const auto& m : p.models)
     pj["models"].push_back({{"name", m.name}, {"tensors", m.tensors}, {"bytes", m.bytes}, {"params", m.params},
@@ -174,6 +180,7 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
   for (const auto& r : rows) {
     auto opt = [](double v) { return v < 0 ? nlohmann::json(nullptr) : nlohmann::json(v); };
     rj.push_back({{"transport", r.transport},
+                  {"receivers", r.receivers},
                   {"model", r.model},
                   {"engine", r.engine},
                   {"buffer_bytes", r.buffer_bytes},
@@ -306,9 +313,11 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows) {
     const std::string color = transport_color(transports[t]);
     const double c = ceilings[transports[t]];
     s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="8 4"/>
-<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>
-)svg", left, Y(c), left + plot_w, Y(c), color, left, Y(c / 2), left + plot_w, Y(c / 2), color);
+)svg", left, Y(c), left + plot_w, Y(c), color);
     legend(R"(stroke-dasharray="8 4")", color, fmt::format("{} ceiling {:.1f} GB/s", transports[t], c));
+    if (transports[t] == "nccl") continue;  // its ceiling is the broadcast itself: no staged limit
+    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>
+)svg", left, Y(c / 2), left + plot_w, Y(c / 2), color);
     legend(R"(stroke-dasharray="2 3")", color, fmt::format("{} staged limit {:.1f} GB/s", transports[t], c / 2));
   }
   // Measured series.

@@ -4,8 +4,10 @@
 // execv("/proc/self/exe", "--role receiver --bind EP ...") so the child starts clean (never a
 // fork that keeps a CUDA context). The receiver reports each committed refit on its stdout as
 // one JSON line: {"event":"committed","version":v,"apply_ms":..,"checksums":[...]}; the streamer
-// compares every checksum with the one it expects. Started by hand (--role), the receiver prints
-// the same lines and the streamer skips verification with a warning.
+// compares every checksum with the one it expects. Over nccl it spawns --receivers of them, receiver
+// k on GPU (device + 1 + k) % visible, and every one must commit every version; wrong checksums are
+// summed over them. Started by hand (--role), the receiver prints the same lines and the streamer
+// skips verification with a warning.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -47,109 +49,106 @@ void progress(const config& c, const std::string& line) {
   if (!c.quiet) std::cerr << "refit-bench: " << line << std::endl;
 }
 
-// ---------------------------------------------------------------- the receiver process
+}  // namespace
 
-// A child running the bench as the receiver. Its stdin is a pipe we hold (closing it tells the
-// child to exit) and its stdout a pipe we read result lines from; stderr is shared.
-class receiver_process {
- public:
-  receiver_process(const std::string& exe, const std::vector<std::string>& args) {
-    int in[2], out[2];
-    if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0)
-      throw error(errc::io, fmt::format("refit-bench: pipe failed: {}", std::strerror(errno)));
-    // Everything the child needs is prepared before fork: after it, only exec.
-    std::vector<std::string> storage{exe};
-    storage.insert(storage.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& s : storage) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    std::cout.flush();
-    std::cerr.flush();
-    pid_ = ::fork();
-    if (pid_ < 0) throw error(errc::io, fmt::format("refit-bench: fork failed: {}", std::strerror(errno)));
-    if (pid_ == 0) {
-      ::dup2(in[0], 0);
-      ::dup2(out[1], 1);
-      ::execv(exe.c_str(), argv.data());
-      const char msg[] = "refit-bench: execv of the receiver failed\n";
-      (void)!::write(2, msg, sizeof msg - 1);
-      ::_exit(127);
-    }
-    ::close(in[0]);
-    ::close(out[1]);
-    stdin_ = in[1];
-    stdout_ = out[0];
+// ---------------------------------------------------------------- child processes
+
+child_process::child_process(const std::string& exe, const std::vector<std::string>& args) {
+  int in[2], out[2];
+  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0)
+    throw error(errc::io, fmt::format("refit-bench: pipe failed: {}", std::strerror(errno)));
+  // Everything the child needs is prepared before fork: after it, only exec.
+  std::vector<std::string> storage{exe};
+  storage.insert(storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& s : storage) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  std::cout.flush();
+  std::cerr.flush();
+  pid_ = ::fork();
+  if (pid_ < 0) throw error(errc::io, fmt::format("refit-bench: fork failed: {}", std::strerror(errno)));
+  if (pid_ == 0) {
+    ::dup2(in[0], 0);
+    ::dup2(out[1], 1);
+    ::execv(exe.c_str(), argv.data());
+    const char msg[] = "refit-bench: execv of the receiver failed\n";
+    (void)!::write(2, msg, sizeof msg - 1);
+    ::_exit(127);
   }
-  ~receiver_process() { finish(std::chrono::seconds(30)); }
-  receiver_process(const receiver_process&) = delete;
-  receiver_process& operator=(const receiver_process&) = delete;
+  ::close(in[0]);
+  ::close(out[1]);
+  stdin_ = in[1];
+  stdout_ = out[0];
+}
 
-  /// The next line the child printed; throws when it exits or stays silent past `timeout`.
-  std::string read_line(std::chrono::milliseconds timeout) {
-    const auto deadline = clock::now() + timeout;
+child_process::~child_process() { finish(std::chrono::seconds(30)); }
+
+std::string child_process::read_line(std::chrono::milliseconds timeout) {
+  const auto deadline = clock::now() + timeout;
+  for (;;) {
+    const auto nl = buffer_.find('\n');
+    if (nl != std::string::npos) {
+      std::string line = buffer_.substr(0, nl);
+      buffer_.erase(0, nl + 1);
+      return line;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
+    if (left <= 0)
+      throw error(errc::timeout, fmt::format("refit-bench: the receiver (pid {}) sent no result for {} ms", pid_,
+                                             timeout.count()));
+    if (stdout_ < 0)
+      throw error(errc::peer, fmt::format("refit-bench: the receiver process (pid {}) has ended", pid_));
+    pollfd p{stdout_, POLLIN, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
+    if (r < 0 && errno != EINTR) throw error(errc::io, fmt::format("refit-bench: poll failed: {}", std::strerror(errno)));
+    if (r <= 0) continue;
+    char chunk[65536];
+    const ssize_t n = ::read(stdout_, chunk, sizeof chunk);
+    if (n > 0) {
+      buffer_.append(chunk, static_cast<std::size_t>(n));
+    } else if (n == 0) {
+      throw error(errc::peer, fmt::format("refit-bench: the receiver process (pid {}) exited: {}", pid_,
+                                          describe_exit(finish(std::chrono::seconds(5)))));
+    } else if (errno != EINTR) {
+      throw error(errc::io, fmt::format("refit-bench: read from the receiver failed: {}", std::strerror(errno)));
+    }
+  }
+}
+
+bool child_process::running() noexcept {
+  if (pid_ <= 0 || reaped_) return false;
+  const pid_t r = ::waitpid(pid_, &status_, WNOHANG);
+  if (r == pid_ || (r < 0 && errno != EINTR)) reaped_ = true;
+  return !reaped_;
+}
+
+int child_process::finish(std::chrono::milliseconds grace) noexcept {
+  if (stdin_ >= 0) ::close(std::exchange(stdin_, -1));
+  if (pid_ > 0 && !reaped_) {
+    const auto deadline = clock::now() + grace;
     for (;;) {
-      const auto nl = buffer_.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = buffer_.substr(0, nl);
-        buffer_.erase(0, nl + 1);
-        return line;
+      const pid_t r = ::waitpid(pid_, &status_, WNOHANG);
+      if (r == pid_ || (r < 0 && errno != EINTR)) break;
+      if (clock::now() >= deadline) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &status_, 0);
+        break;
       }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
-      if (left <= 0)
-        throw error(errc::timeout, fmt::format("refit-bench: the receiver (pid {}) sent no result for {} ms", pid_,
-                                               timeout.count()));
-      pollfd p{stdout_, POLLIN, 0};
-      const int r = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
-      if (r < 0 && errno != EINTR) throw error(errc::io, fmt::format("refit-bench: poll failed: {}", std::strerror(errno)));
-      if (r <= 0) continue;
-      char chunk[65536];
-      const ssize_t n = ::read(stdout_, chunk, sizeof chunk);
-      if (n > 0) {
-        buffer_.append(chunk, static_cast<std::size_t>(n));
-      } else if (n == 0) {
-        throw error(errc::peer, fmt::format("refit-bench: the receiver process (pid {}) exited: {}", pid_,
-                                            describe_exit(finish(std::chrono::seconds(5)))));
-      } else if (errno != EINTR) {
-        throw error(errc::io, fmt::format("refit-bench: read from the receiver failed: {}", std::strerror(errno)));
-      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
+    reaped_ = true;
   }
+  if (stdout_ >= 0) ::close(std::exchange(stdout_, -1));
+  return status_;
+}
 
-  /// Closes the child's stdin, waits for it (kills it past `grace`); returns its wait status.
-  int finish(std::chrono::milliseconds grace) noexcept {
-    if (stdin_ >= 0) ::close(std::exchange(stdin_, -1));
-    if (pid_ > 0 && !reaped_) {
-      const auto deadline = clock::now() + grace;
-      for (;;) {
-        const pid_t r = ::waitpid(pid_, &status_, WNOHANG);
-        if (r == pid_ || (r < 0 && errno != EINTR)) break;
-        if (clock::now() >= deadline) {
-          ::kill(pid_, SIGKILL);
-          ::waitpid(pid_, &status_, 0);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      reaped_ = true;
-    }
-    if (stdout_ >= 0) ::close(std::exchange(stdout_, -1));
-    return status_;
-  }
+std::string child_process::describe_exit(int status) {
+  if (WIFEXITED(status)) return fmt::format("exit code {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
+  return "unknown status";
+}
 
-  static std::string describe_exit(int status) {
-    if (WIFEXITED(status)) return fmt::format("exit code {}", WEXITSTATUS(status));
-    if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
-    return "unknown status";
-  }
-
- private:
-  pid_t pid_ = -1;
-  int stdin_ = -1;
-  int stdout_ = -1;
-  bool reaped_ = false;
-  int status_ = 0;
-  std::string buffer_;
-};
+namespace {
 
 // A private directory (mode 0700) for the ipc socket; removed at the end.
 struct temp_dir {
@@ -213,17 +212,35 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
   const config& c = g.c;
   const std::string tname(to_string(g.kind));
   std::unique_ptr<temp_dir> dir;
-  std::unique_ptr<receiver_process> child;
+  // One receiver process, or for nccl --receivers of them, receiver k on GPU devices[k].
+  std::vector<std::unique_ptr<child_process>> children;
+  std::vector<int> devices;
+  std::vector<std::string> endpoints;
   std::string endpoint = c.connect;
   const bool verify = c.side == role::both;
+  const bool nccl = g.kind == transport_kind::nccl;
+  const auto who = [&](std::size_t k) {
+    return nccl ? fmt::format("receiver {} of {} (GPU {}, pid {})", k, children.size(), devices[k], children[k]->pid())
+                : fmt::format("the receiver (pid {})", children[k]->pid());
+  };
   if (verify) {
     dir = std::make_unique<temp_dir>();
-    const std::string bind = fmt::format("ipc://{}/receiver", dir->path);
-    child = std::make_unique<receiver_process>(c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind, g.apply_engine));
-    const json ready = json::parse(child->read_line(std::chrono::minutes(10)));
-    if (ready.value("event", "") != "ready")
-      throw error(errc::protocol, fmt::format("refit-bench: the receiver said {} instead of ready", ready.dump()));
-    endpoint = ready.at("endpoint").get<std::string>();
+    const std::size_t count = nccl ? c.receivers : 1;
+    const int visible = nccl ? visible_gpus() : 0;
+    for (std::size_t k = 0; k < count; ++k) {
+      devices.push_back(nccl ? receiver_device(c.device, k, visible) : c.device);
+      const std::string bind = fmt::format("ipc://{}/receiver-{}", dir->path, k);
+      children.push_back(std::make_unique<child_process>(
+          c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind, g.apply_engine, devices.back())));
+    }
+    // All spawned first, so that they fill their destination tensors in parallel.
+    for (std::size_t k = 0; k < count; ++k) {
+      const json ready = json::parse(children[k]->read_line(std::chrono::minutes(10)));
+      if (ready.value("event", "") != "ready")
+        throw error(errc::protocol, fmt::format("refit-bench: {} said {} instead of ready", who(k), ready.dump()));
+      endpoints.push_back(ready.at("endpoint").get<std::string>());
+    }
+    endpoint = endpoints.front();
   } else {
     // Always said, --quiet or not: the table cannot vouch for the data in this mode.
     std::cerr << "refit-bench: WARNING: receiver started by hand: its checksums are printed on its side "
@@ -249,6 +266,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
     for (const double mb : c.buffer_mb) {
       streamer_options so;
       so.endpoint = endpoint;
+      if (nccl && endpoints.size() > 1) so.receivers = endpoints;
       so.transport = g.kind;
       so.buffer_count = nbuf;
       so.buffer_bytes = static_cast<std::uint64_t>(std::llround(mb * (1 << 20)));
@@ -261,6 +279,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
 
       row r;
       r.transport = tname;
+      r.receivers = nccl && verify ? endpoints.size() : 1;
       r.model = g.m.name;
       r.engine = g.kind == transport_kind::host_shm ? "memcpy"
                  : g.engine == g.apply_engine ? std::string(to_string(g.engine))
@@ -293,10 +312,10 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
           st = s.refit(v, std::span<const tensor_ref>(refs));
         } catch (const error& e) {
           std::string detail;
-          if (child) {
+          for (std::size_t k = 0; k < children.size(); ++k) {
             try {
-              const json line = json::parse(child->read_line(std::chrono::seconds(2)));
-              if (line.value("event", "") == "aborted") detail = "; the receiver says: " + line.value("error", "");
+              const json line = json::parse(children[k]->read_line(std::chrono::seconds(2)));
+              if (line.value("event", "") == "aborted") detail += fmt::format("; {} says: {}", who(k), line.value("error", ""));
             } catch (...) {
             }
           }
@@ -307,24 +326,27 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
         r.batches = st.batches;
         std::int64_t wrong_now = 0;
         double apply_ms = -1;
-        if (child) {
-          const json line = json::parse(child->read_line(milliseconds(std::max<std::uint64_t>(c.timeout_ms, 600000))));
+        // Every receiver must have committed v; wrong checksums are summed over the receivers, and
+        // apply is the slowest receiver's.
+        for (std::size_t k = 0; k < children.size(); ++k) {
+          const json line = json::parse(children[k]->read_line(milliseconds(std::max<std::uint64_t>(c.timeout_ms, 600000))));
           if (line.value("event", "") != "committed" || line.value("version", std::uint64_t{0}) != v)
-            throw error(errc::protocol, fmt::format("refit-bench: expected the receiver's result for version {}, got {}",
-                                                    v, line.dump().substr(0, 300)));
-          apply_ms = line.value("apply_ms", -1.0);
+            throw error(errc::protocol, fmt::format("refit-bench: {} did not commit version {}: it said {}", who(k), v,
+                                                    line.dump().substr(0, 300)));
+          apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
           const auto& sums = line.at("checksums");
           if (sums.size() != n)
-            throw error(errc::protocol, fmt::format("refit-bench: the receiver sent {} checksums for {} tensors", sums.size(), n));
+            throw error(errc::protocol, fmt::format("refit-bench: {} sent {} checksums for {} tensors", who(k), sums.size(), n));
           for (std::size_t i = 0; i < n; ++i) {
             if (sums[i].get<std::uint64_t>() == expected[i]) continue;
             if (wrong_now < 3)
-              progress(c, fmt::format("WRONG: version {} tensor {} ({}): checksum {:#018x}, expected {:#018x}", v, i,
+              progress(c, fmt::format("WRONG: version {}{} tensor {} ({}): checksum {:#018x}, expected {:#018x}", v,
+                                      nccl ? fmt::format(" receiver {}", k) : std::string(), i,
                                       describe(g.m.entries[i].meta), sums[i].get<std::uint64_t>(), expected[i]));
             ++wrong_now;
           }
-          r.wrong += wrong_now;
         }
+        r.wrong += wrong_now;
         const bool counted = it >= c.warmup;
         progress(c, fmt::format("{} {} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname, r.engine, g.m.name, mb, nbuf,
                                 counted ? "iter" : "warm-up", counted ? it - c.warmup + 1 : it + 1,
@@ -343,7 +365,9 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       r.max_ms = *std::max_element(times.begin(), times.end());
       r.gbps = r.bytes / (r.median_ms * 1e6);
       r.ceiling_gbps = g.ceiling / 1e9;
-      r.floor_ms = 2.0 * static_cast<double>(r.bytes) / g.ceiling * 1e3;
+      // A staged refit copies every byte twice (pack, apply); over nccl the ceiling is itself the
+      // transfer (a raw broadcast), which refit makes once, with packing and applying overlapping it.
+      r.floor_ms = (nccl ? 1.0 : 2.0) * static_cast<double>(r.bytes) / g.ceiling * 1e3;
       r.ratio = r.floor_ms / r.median_ms;
       r.source_ms = median(source);
       r.pack_ms = median(pack);
@@ -353,10 +377,11 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       rows.push_back(r);
     }
   }
-  if (child) {
+  for (auto& child : children) {
     const int status = child->finish(std::chrono::seconds(30));
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-      progress(c, fmt::format("WARNING: the receiver process ended with {}", receiver_process::describe_exit(status)));
+      progress(c, fmt::format("WARNING: the receiver process (pid {}) ended with {}", child->pid(),
+                              child_process::describe_exit(status)));
   }
 }
 
@@ -380,25 +405,65 @@ std::vector<transport_kind> built_transports() {
 #if REFIT_HAVE_CUDA
   t.push_back(transport_kind::cuda_ipc);
 #endif
+#if REFIT_HAVE_NCCL
+  t.push_back(transport_kind::nccl);
+#endif
   return t;
 }
 
-std::unique_ptr<transport_path> make_path(transport_kind kind, int device) {
+std::unique_ptr<transport_path> make_path(transport_kind kind, const config& c) {
   switch (kind) {
     case transport_kind::host_shm: return make_host_shm_path();
-    case transport_kind::cuda_ipc: return make_cuda_ipc_path(device);
-    case transport_kind::nccl: return make_nccl_path(device);
+    case transport_kind::cuda_ipc: return make_cuda_ipc_path(c.device);
+    case transport_kind::nccl: return make_nccl_path(c);
   }
   throw error(errc::invalid_argument, "refit-bench: unknown transport");
 }
 
+namespace {
+
+// One rank (1..) of the nccl ceiling, spawned by the streamer's nccl path: broadcasts with the
+// others, says so on stdout, and stays in the communicator until the streamer closes our stdin
+// (leaving earlier would look like a failure to rank 0, which may still be finishing).
+int run_ceiling_rank(const config& c) {
+  const milliseconds timeout(c.timeout_ms);
+  if (c.spawned) ::signal(SIGPIPE, SIG_IGN);
+  // True once stdin is at its end: the streamer is done, or gone.
+  const auto stdin_closed = [](int wait_ms) {
+    pollfd p{0, POLLIN, 0};
+    if (::poll(&p, 1, wait_ms) <= 0) return false;
+    char b[256];
+    return ::read(0, b, sizeof b) <= 0;
+  };
+  const auto watch = [&] {
+    if (c.spawned && stdin_closed(0)) throw error(errc::peer, "the streamer went away (stdin closed)");
+  };
+  const auto done = [&] {
+    std::cout << json{{"event", "ceiling"}, {"rank", c.nccl_rank}, {"pid", ::getpid()}}.dump() << '\n' << std::flush;
+    if (!c.spawned) return;
+    const auto until = clock::now() + timeout;
+    while (clock::now() < until && !stdin_closed(100)) {
+    }
+  };
+  try {
+    nccl_ceiling_rank(c.nccl_ceiling_id, c.nccl_rank, c.nccl_ranks, c.device, timeout, watch, done);
+  } catch (const error& e) {
+    throw error(e.code(), fmt::format("refit-bench: nccl ceiling rank {} of {} on GPU {}: {}", c.nccl_rank, c.nccl_ranks,
+                                      c.device, e.what()));
+  }
+  return 0;
+}
+
+}  // namespace
+
 int run_receiver(const config& c) {
+  if (!c.nccl_ceiling_id.empty()) return run_ceiling_rank(c);
   if (c.transports.size() != 1)
     throw error(errc::invalid_argument, "refit-bench: --role receiver serves one --transport");
   const auto models = model_list(c);
   if (models.size() != 1) throw error(errc::invalid_argument, "refit-bench: --role receiver serves one --model");
   const manifest m = workload(c, models.front());
-  auto path = make_path(c.transports.front(), c.device);
+  auto path = make_path(c.transports.front(), c);
   auto dest = path->destinations(m);
 
   receiver_options ro;
@@ -471,7 +536,24 @@ int run(const config& c, std::ostream& out) {
 
   // Resolve everything before measuring: a transport that is not built fails here.
   std::vector<std::unique_ptr<transport_path>> paths;
-  for (const auto t : c.transports) paths.push_back(make_path(t, c.device));
+  std::vector<std::string> notes;
+  for (const auto t : c.transports) {
+    if (t == transport_kind::nccl && c.nccl_optional) {
+      // From "--transport all": nccl needs a GPU for the streamer and one per receiver.
+      const int visible = visible_gpus();
+      if (visible < 2) {
+        notes.push_back(fmt::format("nccl skipped: it needs at least 2 visible GPUs and {} visible", visible));
+        std::cerr << "refit-bench: " << notes.back() << std::endl;
+        continue;
+      }
+    }
+    paths.push_back(make_path(t, c));
+    if (t == transport_kind::nccl) {
+      const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+      notes.push_back(fmt::format("nccl: {} receiver process{} (--receivers), one GPU each; NCCL_NVLS_ENABLE={}",
+                                  c.receivers, c.receivers == 1 ? "" : "es", nvls ? nvls : "(unset)"));
+    }
+  }
   std::vector<manifest> models;
   for (const auto& name : model_list(c)) models.push_back(workload(c, name));
   std::vector<mapped_file> files;
@@ -494,6 +576,7 @@ int run(const config& c, std::ostream& out) {
     p.transports.emplace_back(to_string(path->kind()));
     if (path->kind() != transport_kind::host_shm) p.gpus.push_back(path->describe_device());
   }
+  p.notes = notes;
   for (const auto& m : models) p.models.push_back({m.name, m.entries.size(), m.bytes(), m.params(), m.largest()});
   p.buffer_mb = c.buffer_mb;
   p.buffer_counts = c.buffer_counts;

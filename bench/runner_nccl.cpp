@@ -1,17 +1,369 @@
-// nccl path: not built into the bench yet.
+// nccl path: tensors in device memory on both sides, as for cuda_ipc; the streamer's on --device,
+// receiver k's on GPU (device + 1 + k) % visible, one process each. The ceiling is a raw
+// ncclBroadcast of 1 GiB among the same GPUs, one bench process per rank (the streamer's own
+// process is rank 0, helpers spawned like the receivers are the others), measured in the same run
+// before the refit rows. Every wait is bounded by --timeout-ms.
+#include <sys/wait.h>
+
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "bench/bench.hpp"
+#include "refit/config.hpp"
 #include "refit/error.hpp"
+
+#if REFIT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+#if REFIT_HAVE_NCCL
+#include <nccl.h>
+
+#include "copy/cuda_check.hpp"
+#include "copy/cuda_handles.hpp"
+#endif
 
 namespace refit::bench {
 
-std::unique_ptr<transport_path> make_nccl_path(int /*device*/) {
-  // TODO(bench): an nccl path needs device tensors like cuda_ipc plus a raw-broadcast ceiling
-  // (ncclBroadcast of ≥ 1 GiB between the two processes); not written yet.
-  throw error(errc::invalid_argument,
-              "refit-bench: the nccl transport is not built into the bench yet; use "
-              "--transport host_shm or cuda_ipc");
+int receiver_device(int streamer_device, std::size_t k, int visible) noexcept {
+  if (visible <= 0) return streamer_device;
+  return static_cast<int>((static_cast<std::size_t>(streamer_device) + 1 + k) % static_cast<std::size_t>(visible));
 }
+
+std::string to_hex(const void* data, std::size_t n) {
+  static constexpr char digits[] = "0123456789abcdef";
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::string s;
+  s.reserve(2 * n);
+  for (std::size_t i = 0; i < n; ++i) {
+    s += digits[p[i] >> 4];
+    s += digits[p[i] & 15];
+  }
+  return s;
+}
+
+std::optional<std::string> from_hex(std::string_view hex) {
+  if (hex.size() % 2 != 0) return std::nullopt;
+  const auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(hex.size() / 2);
+  for (std::size_t i = 0; i < hex.size(); i += 2) {
+    const int hi = nibble(hex[i]), lo = nibble(hex[i + 1]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out += static_cast<char>(hi << 4 | lo);
+  }
+  return out;
+}
+
+int visible_gpus() noexcept {
+#if REFIT_HAVE_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+#else
+  return 0;
+#endif
+}
+
+#if REFIT_HAVE_NCCL
+namespace {
+
+using clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+error nccl_error(ncclResult_t status, std::string_view what, ncclComm_t comm) {
+  const char* last = ncclGetLastError(comm);
+  return error(errc::nccl, fmt::format("{}: {}{}; set NCCL_DEBUG=WARN for NCCL's own report", what,
+                                       ncclGetErrorString(status),
+                                       last != nullptr && *last != '\0' ? fmt::format(" ({})", last) : std::string()));
+}
+
+struct deadline {
+  clock::time_point at;
+  milliseconds budget;
+  static deadline after(milliseconds budget) { return {clock::now() + budget, budget}; }
+};
+
+/// Polls `done` (true: finished) until it says so; between polls checks the communicator for an
+/// asynchronous error and runs `watch` (which throws when a peer is gone). errc::timeout past `until`.
+template <class Done>
+void wait_for(Done done, ncclComm_t comm, const deadline& until, std::string_view what,
+              const std::function<void()>& watch) {
+  int spins = 0;
+  for (;;) {
+    if (done()) return;
+    if (comm != nullptr) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+      if (r != ncclSuccess) throw nccl_error(r, "ncclCommGetAsyncError", comm);
+      if (state != ncclSuccess && state != ncclInProgress) throw nccl_error(state, what, comm);
+    }
+    if (watch) watch();
+    if (clock::now() >= until.at)
+      throw error(errc::timeout, fmt::format("{} did not complete within {} ms (--timeout-ms): a rank is stuck or gone",
+                                             what, until.budget.count()));
+    if (++spins < 1000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+}
+
+/// The communicator's state has left ncclInProgress (non-blocking mode).
+bool comm_ready(ncclComm_t comm) {
+  ncclResult_t state = ncclSuccess;
+  return ncclCommGetAsyncError(comm, &state) == ncclSuccess && state != ncclInProgress;
+}
+
+/// One rank of a non-blocking communicator; the destructor aborts it (local, never waits on a peer).
+class communicator {
+ public:
+  communicator(int nranks, const ncclUniqueId& id, int rank, const deadline& until, const std::function<void()>& watch) {
+    const std::string what = fmt::format("ncclCommInitRankConfig (rank {} of {})", rank, nranks);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // set-up runs in the background and is polled against the deadline
+    const ncclResult_t r = ncclCommInitRankConfig(&c_, nranks, id, rank, &config);
+    try {
+      if (r != ncclSuccess && r != ncclInProgress) throw nccl_error(r, what, c_);
+      if (c_ == nullptr) throw error(errc::nccl, what + " returned no communicator");
+      wait_for([&] { return comm_ready(c_); }, c_, until, what, watch);
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }
+  ~communicator() { abort(); }
+  communicator(const communicator&) = delete;
+  communicator& operator=(const communicator&) = delete;
+
+  [[nodiscard]] ncclComm_t handle() const noexcept { return c_; }
+
+  /// A collective's result: in non-blocking mode ncclInProgress means "finish enqueuing first".
+  void enqueued(ncclResult_t r, std::string_view what, const deadline& until, const std::function<void()>& watch) {
+    if (r == ncclSuccess) return;
+    if (r != ncclInProgress) throw nccl_error(r, what, c_);
+    wait_for([&] { return comm_ready(c_); }, c_, until, what, watch);
+  }
+
+  void abort() noexcept {
+    if (c_ != nullptr) (void)ncclCommAbort(std::exchange(c_, nullptr));
+  }
+
+ private:
+  ncclComm_t c_ = nullptr;
+};
+
+}  // namespace
+
+std::string nccl_unique_id_hex() {
+  ncclUniqueId id{};
+  const ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess) throw nccl_error(r, "refit-bench: ncclGetUniqueId", nullptr);
+  return to_hex(id.internal, sizeof id.internal);
+}
+
+double nccl_ceiling_rank(const std::string& id_hex, int rank, int nranks, int device, milliseconds timeout,
+                         const std::function<void()>& watch, const std::function<void()>& done, double* best) {
+  ncclUniqueId id{};
+  const auto raw = from_hex(id_hex);
+  if (!raw || raw->size() != sizeof id.internal)
+    throw error(errc::invalid_argument, "--nccl-ceiling: not the hex of an ncclUniqueId");
+  std::memcpy(id.internal, raw->data(), sizeof id.internal);
+  if (nranks < 2 || rank < 0 || rank >= nranks)
+    throw error(errc::invalid_argument, fmt::format("--nccl-rank {} of --nccl-ranks {}: out of range", rank, nranks));
+
+  device_guard guard(device);
+  cuda::device_buffer buf(nccl_ceiling_bytes), flag(256);
+  check_cuda(cudaMemset(buf.handle(), rank == 0 ? 0x5a : 0, nccl_ceiling_bytes), "cudaMemset (ceiling buffer)");
+  check_cuda(cudaMemset(flag.handle(), 0, 256), "cudaMemset (ceiling flag)");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // local memsets only
+  cuda::stream s(cudaStreamNonBlocking);
+  std::vector<cuda::event> start, stop;
+  for (int i = 0; i < nccl_ceiling_reps; ++i) {
+    start.emplace_back(cudaEventDefault);
+    stop.emplace_back(cudaEventDefault);
+  }
+
+  communicator comm(nranks, id, rank, deadline::after(timeout), watch);
+  const deadline until = deadline::after(timeout);
+  for (int i = 0; i < nccl_ceiling_warmup + nccl_ceiling_reps; ++i) {
+    const int timed = i - nccl_ceiling_warmup;
+    // A one-element all-reduce first: it completes on the root only once every rank has reached
+    // it, so the timed broadcast does not include a peer arriving late.
+    comm.enqueued(ncclAllReduce(flag.handle(), flag.handle(), 1, ncclFloat, ncclSum, comm.handle(), s.handle()),
+                  "ncclAllReduce (ceiling barrier)", until, watch);
+    if (rank == 0 && timed >= 0) check_cuda(cudaEventRecord(start[timed].handle(), s.handle()), "cudaEventRecord");
+    comm.enqueued(ncclBroadcast(buf.handle(), buf.handle(), nccl_ceiling_bytes, ncclUint8, 0, comm.handle(), s.handle()),
+                  "ncclBroadcast (ceiling)", until, watch);
+    if (rank == 0 && timed >= 0) check_cuda(cudaEventRecord(stop[timed].handle(), s.handle()), "cudaEventRecord");
+  }
+  wait_for(
+      [&] {
+        const cudaError_t q = cudaStreamQuery(s.handle());
+        if (q == cudaErrorNotReady) return false;
+        check_cuda(q, "the ceiling broadcasts");
+        return true;
+      },
+      comm.handle(), until, fmt::format("the ceiling broadcasts of rank {} of {}", rank, nranks), watch);
+
+  double result = 0;
+  if (rank == 0) {
+    std::vector<double> seconds;
+    for (int i = 0; i < nccl_ceiling_reps; ++i) {
+      float ms = 0;
+      check_cuda(cudaEventElapsedTime(&ms, start[i].handle(), stop[i].handle()), "cudaEventElapsedTime");
+      seconds.push_back(static_cast<double>(ms) * 1e-3);
+    }
+    const double med = median(seconds);
+    result = static_cast<double>(nccl_ceiling_bytes) / med;
+    if (best) *best = static_cast<double>(nccl_ceiling_bytes) / *std::min_element(seconds.begin(), seconds.end());
+  }
+  if (done) done();
+  comm.abort();  // quiescent: local and quick (a finalize would wait for every rank to finalize too)
+  return result;
+}
+
+namespace {
+
+class nccl_path final : public transport_path {
+ public:
+  explicit nccl_path(const config& c)
+      : device_(c.device), receivers_(c.receivers), timeout_(c.timeout_ms), exe_(c.receiver_exe), config_(c) {
+    if (c.side != role::receiver) {
+      visible_ = visible_gpus();
+      if (visible_ < 2)
+        throw error(errc::invalid_argument,
+                    fmt::format("refit-bench: --transport nccl needs at least 2 visible GPUs (the streamer and each "
+                                "receiver on a GPU of its own) and {} visible; check CUDA_VISIBLE_DEVICES, or use "
+                                "--transport cuda_ipc on one GPU",
+                                visible_ == 0 ? std::string("none is") : fmt::format("{} is", visible_)));
+      if (device_ < 0 || device_ >= visible_)
+        throw error(errc::invalid_argument,
+                    fmt::format("refit-bench: --device {} but {} CUDA devices are visible", device_, visible_));
+      if (receivers_ < 1 || receivers_ > static_cast<std::size_t>(visible_ - 1))
+        throw error(errc::invalid_argument,
+                    fmt::format("refit-bench: --receivers {}: with {} visible GPUs at most {} receivers fit (one GPU "
+                                "each, besides the streamer's GPU {}); NCCL allows one rank per GPU",
+                                receivers_, visible_, visible_ - 1, device_));
+      for (std::size_t k = 0; k < receivers_; ++k) devices_.push_back(receiver_device(device_, k, visible_));
+    }
+    inner_ = make_cuda_ipc_path(device_);
+  }
+
+  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::nccl; }
+  [[nodiscard]] std::string describe_device() const override {
+    std::string s = inner_->describe_device();
+    if (devices_.empty()) return s;
+    s += fmt::format(" (streamer); {} receiver{} on", receivers_, receivers_ == 1 ? "" : "s");
+    for (const int d : devices_) {
+      cudaDeviceProp prop{};
+      const bool ok = cudaGetDeviceProperties(&prop, d) == cudaSuccess;
+      s += fmt::format(" GPU {} ({}){}", d, ok ? prop.name : "?", d == devices_.back() ? "" : ",");
+    }
+    return s;
+  }
+  std::unique_ptr<tensor_memory> sources(const manifest& m, std::uint64_t seed,
+                                         const std::vector<mapped_file>* files) override {
+    return inner_->sources(m, seed, files);
+  }
+  std::unique_ptr<tensor_memory> destinations(const manifest& m) override { return inner_->destinations(m); }
+
+  double measure_ceiling() override {
+    const std::string id = nccl_unique_id_hex();
+    const int nranks = static_cast<int>(receivers_) + 1;
+    std::vector<std::unique_ptr<child_process>> helpers;
+    for (std::size_t k = 0; k < receivers_; ++k)
+      helpers.push_back(std::make_unique<child_process>(
+          exe_, ceiling_args(config_, id, static_cast<int>(k) + 1, nranks, devices_[k])));
+    // A helper that exits before rank 0 is done failed (they wait for their stdin to close).
+    const auto watch = [&] {
+      for (std::size_t k = 0; k < helpers.size(); ++k)
+        if (!helpers[k]->running())
+          throw error(errc::peer, fmt::format("rank {} (GPU {}, pid {}) exited: {} (its error is on stderr above)",
+                                              k + 1, devices_[k], helpers[k]->pid(),
+                                              child_process::describe_exit(helpers[k]->finish(milliseconds(0)))));
+    };
+    double bandwidth = 0;
+    try {
+      bandwidth = nccl_ceiling_rank(id, 0, nranks, device_, timeout_, watch, nullptr, &best_);
+      for (std::size_t k = 0; k < helpers.size(); ++k) {
+        const auto line = nlohmann::json::parse(helpers[k]->read_line(timeout_), nullptr, false);
+        if (line.is_discarded() || line.value("event", "") != "ceiling")
+          throw error(errc::protocol, fmt::format("rank {} said {} instead of its ceiling result", k + 1,
+                                                  line.is_discarded() ? "something else" : line.dump()));
+      }
+    } catch (const error& e) {
+      std::string_view what = e.what();
+      if (what.starts_with("refit-bench: ")) what.remove_prefix(13);
+      throw error(e.code(), fmt::format("refit-bench: nccl ceiling (raw ncclBroadcast among GPU {} and {}) failed: {}",
+                                        device_, fmt::join(devices_, ", "), what));
+    }
+    for (auto& h : helpers) {
+      const int status = h->finish(timeout_);
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        std::cerr << fmt::format("refit-bench: WARNING: an nccl ceiling rank (pid {}) ended with {}\n", h->pid(),
+                                 child_process::describe_exit(status));
+    }
+    return bandwidth;
+  }
+  [[nodiscard]] std::string ceiling_method() const override {
+    return fmt::format("ncclBroadcast of {} MiB from GPU {} to GPU {} ({} ranks, one process each), {} warm-up + "
+                       "median of {}, CUDA events on the root{}",
+                       nccl_ceiling_bytes >> 20, device_, fmt::join(devices_, ", "), receivers_ + 1,
+                       nccl_ceiling_warmup, nccl_ceiling_reps,
+                       best_ > 0 ? fmt::format("; best {:.2f} GB/s", best_ / 1e9) : std::string());
+  }
+
+ private:
+  int device_;
+  std::size_t receivers_;
+  milliseconds timeout_;
+  std::string exe_;
+  config config_;
+  int visible_ = 0;
+  std::vector<int> devices_;
+  std::unique_ptr<transport_path> inner_;
+  double best_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<transport_path> make_nccl_path(const config& c) { return std::make_unique<nccl_path>(c); }
+
+#else
+
+namespace {
+[[noreturn]] void not_built() {
+  throw error(errc::invalid_argument,
+              "refit-bench: the nccl transport is not built into this bench (refit was built without NCCL); "
+              "rebuild with -Dnccl=enabled, or use --transport host_shm or cuda_ipc");
+}
+}  // namespace
+
+std::unique_ptr<transport_path> make_nccl_path(const config& /*c*/) { not_built(); }
+std::string nccl_unique_id_hex() { not_built(); }
+double nccl_ceiling_rank(const std::string&, int, int, int, std::chrono::milliseconds, const std::function<void()>&,
+                         const std::function<void()>&, double*) {
+  not_built();
+}
+
+#endif
 
 }  // namespace refit::bench

@@ -4,6 +4,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 
 #include "bench/bench.hpp"
 #include "copy/copy.hpp"
+#include "refit/config.hpp"
 #include "refit/error.hpp"
 
 namespace fs = std::filesystem;
@@ -329,7 +331,94 @@ TEST_CASE("the command line defaults to host_shm, qwen2.5-0.5b and 2 x 64 MiB, a
   const char* nccl[] = {"refit-bench", "--transport", "nccl"};
   const auto n = parse_args(static_cast<int>(std::size(nccl)), nccl, code);
   REQUIRE(n);
-  CHECK_THROWS_WITH(make_path(n->transports.front(), 0), Catch::Contains("not built into the bench"));
+  CHECK(n->transports == std::vector<transport_kind>{transport_kind::nccl});
+#if !REFIT_HAVE_NCCL
+  CHECK_THROWS_WITH(make_path(n->transports.front(), *n), Catch::Contains("not built into this bench"));
+#endif
+}
+
+TEST_CASE("--receivers spreads nccl receivers over the GPUs after the streamer's, and all runs nccl only where it can",
+          "[bench]") {
+  int code = -1;
+  const char* none[] = {"refit-bench"};
+  const auto d = parse_args(static_cast<int>(std::size(none)), none, code);
+  REQUIRE(d);
+  CHECK(d->receivers == 1);
+  const char* three[] = {"refit-bench", "--transport", "nccl", "--receivers", "3", "--device", "1"};
+  const auto t = parse_args(static_cast<int>(std::size(three)), three, code);
+  REQUIRE(t);
+  CHECK(t->receivers == 3);
+  CHECK_FALSE(t->nccl_optional);  // named: it must run (or fail saying why)
+  const char* all[] = {"refit-bench", "--transport", "all"};
+  const auto a = parse_args(static_cast<int>(std::size(all)), all, code);
+  REQUIRE(a);
+  CHECK(a->nccl_optional);  // from "all": skipped with a note below 2 GPUs
+  const char* zero[] = {"refit-bench", "--transport", "nccl", "--receivers", "0"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(zero)), zero, code), Catch::Contains("--receivers"));
+
+  // Receiver k sits on the k-th GPU after the streamer's, wrapping around.
+  CHECK(receiver_device(0, 0, 2) == 1);
+  CHECK(receiver_device(0, 2, 4) == 3);
+  CHECK(receiver_device(1, 0, 4) == 2);
+  CHECK(receiver_device(1, 2, 4) == 0);
+  CHECK(receiver_device(3, 0, 4) == 0);
+
+  // Each spawned receiver gets its own GPU; the ceiling ranks get the communicator's id and their rank.
+  const auto args = receiver_args(*t, transport_kind::nccl, "tiny", "ipc:///x/receiver-2", copy_engine::kernel, 0);
+  const auto dev = std::find(args.begin(), args.end(), "--device");
+  REQUIRE(dev != args.end());
+  CHECK(*std::next(dev) == "0");
+  const auto own = receiver_args(*t, transport_kind::nccl, "tiny", "ipc:///x/receiver-0");
+  CHECK(*std::next(std::find(own.begin(), own.end(), "--device")) == "1");
+  const auto ceil = ceiling_args(*t, "00ff", 2, 4, 3);
+  const std::vector<std::string> expect_tail{"--nccl-ceiling", "00ff", "--nccl-rank", "2", "--nccl-ranks", "4"};
+  CHECK(std::search(ceil.begin(), ceil.end(), expect_tail.begin(), expect_tail.end()) != ceil.end());
+  std::vector<const char*> ceil_argv{"refit-bench"};
+  for (const auto& s : ceil) ceil_argv.push_back(s.c_str());
+  const auto back = parse_args(static_cast<int>(ceil_argv.size()), ceil_argv.data(), code);
+  REQUIRE(back);
+  CHECK(back->side == role::receiver);
+  CHECK(back->nccl_ceiling_id == "00ff");
+  CHECK(back->nccl_rank == 2);
+  CHECK(back->nccl_ranks == 4);
+  CHECK(back->device == 3);
+  CHECK(back->spawned);
+
+  // The ncclUniqueId travels as hex.
+  unsigned char id[128];
+  for (std::size_t i = 0; i < sizeof id; ++i) id[i] = static_cast<unsigned char>(i * 37 + 11);
+  const std::string hex = to_hex(id, sizeof id);
+  CHECK(hex.size() == 256);
+  const auto raw = from_hex(hex);
+  REQUIRE(raw);
+  CHECK(std::memcmp(raw->data(), id, sizeof id) == 0);
+  CHECK(from_hex("abc") == std::nullopt);
+  CHECK(from_hex("zz") == std::nullopt);
+  CHECK(from_hex("A0") == std::string("\xa0"));
+}
+
+TEST_CASE("the preamble says how nccl rows are floored and lists the notes; JSON rows carry the receiver count",
+          "[bench]") {
+  preamble p;
+  p.transports = {"nccl"};
+  p.notes = {"nccl: 3 receiver processes (--receivers), one GPU each"};
+  std::ostringstream out;
+  write_preamble(out, p);
+  CHECK_THAT(out.str(), Catch::Contains("# note      : nccl: 3 receiver processes"));
+  CHECK_THAT(out.str(), Catch::Contains("floor = 1 x bytes / ceiling (one pass"));
+  row r;
+  r.transport = "nccl";
+  r.receivers = 3;
+  r.model = "tiny";
+  r.median_ms = r.min_ms = r.max_ms = 1;
+  const json j = to_json(p, {r});
+  CHECK(j["rows"][0]["receivers"] == 3);
+  CHECK(j["preamble"]["notes"].size() == 1);
+  std::ostringstream shm;
+  preamble q;
+  q.transports = {"host_shm"};
+  write_preamble(shm, q);
+  CHECK_THAT(shm.str(), !Catch::Contains("nccl rows"));
 }
 
 // ---------------------------------------------------------------- report
