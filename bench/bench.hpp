@@ -222,6 +222,8 @@ struct config {
   std::vector<copy_engine> engines{copy_engine::automatic};
   /// The receiver's engine for each entry of `engines` ("--engine pack/apply"; same when not given).
   std::vector<copy_engine> apply_engines{copy_engine::automatic};
+  /// cuda_ipc paths to measure: true = direct (into the receiver's weights), false = staged.
+  std::vector<bool> direct{true, false};
   int warmup = 1;
   int iters = 5;
   std::uint64_t seed = 1;
@@ -303,7 +305,7 @@ struct row {
   double median_ms = 0, min_ms = 0, max_ms = 0;
   double gbps = 0;          ///< bytes / median
   double ceiling_gbps = 0;  ///< measured copy bandwidth of this transport, same run
-  double floor_ms = 0;      ///< 2 × bytes / ceiling (staged copies); nccl: bytes / ceiling (one broadcast pass)
+  double floor_ms = 0;      ///< 2 × bytes / ceiling (staged), 1 × bytes / ceiling (direct; nccl: one broadcast pass)
   double ratio = 0;         ///< floor / median
   double source_ms = 0, pack_ms = 0, wait_ms = 0, apply_ms = -1;  ///< medians; apply -1: unknown
   std::int64_t wrong = 0;   ///< tensors with a wrong checksum over every refit; -1: not verified

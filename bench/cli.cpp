@@ -63,6 +63,10 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
                                       "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "
                                       "receiver different ones, e.g. memcpy_batch/kernel")
       ->delimiter(',')->capture_default_str();
+  std::vector<std::string> paths{"direct", "staged"};
+  app.add_option("--path", paths, "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
+                                  "staged (through the ping-pong buffers, two copies), comma separated: one row each")
+      ->delimiter(',')->capture_default_str();
   app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
   app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
@@ -155,6 +159,13 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     }
   }
   if (c.engines.empty()) bad("--engine: none given");
+  c.direct.clear();
+  for (const auto& name : paths) {
+    if (name != "direct" && name != "staged") bad(fmt::format("--path {}: unknown (direct, staged)", name));
+    const bool d = name == "direct";
+    if (std::find(c.direct.begin(), c.direct.end(), d) == c.direct.end()) c.direct.push_back(d);
+  }
+  if (c.direct.empty()) bad("--path: none given");
   return c;
 }
 

@@ -20,7 +20,7 @@ struct column {
   int width;
 };
 constexpr column columns[] = {
-    {"transport", "", 9}, {"model", "", 14},   {"engine", "", 12},  {"buf_MiB", "", 7},  {"nbuf", "", 4},
+    {"transport", "", 9}, {"model", "", 14},   {"engine", "", 19},  {"buf_MiB", "", 7},  {"nbuf", "", 4},
     {"tensors", "", 7},   {"bytes", "(GB)", 8}, {"median", "(ms)", 9}, {"min", "(ms)", 9},
     {"max", "(ms)", 9},   {"GB/s", "", 8},      {"ceiling", "(GB/s)", 8}, {"floor", "(ms)", 9},
     {"ratio", "", 6},     {"source", "(ms)", 8}, {"pack", "(ms)", 8}, {"wait", "(ms)", 8},
@@ -86,7 +86,8 @@ void write_preamble(std::ostream& out, const preamble& p) {
   out << fmt::format("# copy      : engine {}\n", p.engine);
   out << fmt::format("# iterations: {} warm-up + {} counted per row, each a new version with fresh data; every refit verified\n",
                      p.warmup, p.iters);
-  out << "# GB/s = payload bytes / median time; floor = 2 x bytes / ceiling (a staged refit copies every byte twice);\n"
+  out << "# GB/s = payload bytes / median time; floor = 2 x bytes / ceiling for a staged refit (every byte copied twice),\n"
+         "#   1 x bytes / ceiling for a direct one (engine +direct: written straight into the receiver's weights);\n"
          "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad checksum\n";
   if (std::find(p.transports.begin(), p.transports.end(), "nccl") != p.transports.end())
     out << "# nccl rows: ceiling = raw ncclBroadcast among the same GPUs; floor = 1 x bytes / ceiling (one pass: refit\n"
