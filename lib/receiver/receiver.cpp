@@ -164,6 +164,20 @@ struct receiver::impl {
     channel.reply(wire::encode(wire::error{code, message}));
   }
 
+  /// Ends the refit in progress and says why in the reply.
+  receiver_event fail_refit(errc code, const std::string& message) {
+    abort_refit(message);
+    reply_error(code, message);
+    return receiver_event::aborted;
+  }
+
+  /// A host-side apply that failed after its reply went out fails the refit at the next message.
+  std::optional<receiver_event> fail_if_deferred() {
+    if (!deferred) return std::nullopt;
+    const refusal r = *deferred;
+    return fail_refit(r.code, r.message);
+  }
+
   // ------------------------------------------------------------------ messages
 
   receiver_event on_hello(const wire::hello& h) {
@@ -309,20 +323,13 @@ struct receiver::impl {
                                               b.seq, b.version));
       return receiver_event::refused;
     }
-    if (deferred) {
-      const refusal r = *deferred;
-      abort_refit(r.message);
-      reply_error(r.code, r.message);
-      return receiver_event::aborted;
-    }
+    if (const auto failed = fail_if_deferred()) return *failed;
     std::vector<copy::op> ops;
     try {
       tracker->check(b);
       if (!callback) ops = table_ops(b, sink->data(b.buffer));
     } catch (const error& e) {
-      abort_refit(e.what());
-      reply_error(e.code(), e.what());
-      return receiver_event::aborted;
+      return fail_refit(e.code(), e.what());
     }
     if (direct) {
       // The streamer has written the bytes already; what is left is the manifest, checked above.
@@ -332,9 +339,7 @@ struct receiver::impl {
       try {
         apply(b, ops);
       } catch (const error& e) {
-        abort_refit(e.what());
-        reply_error(e.code(), e.what());
-        return receiver_event::aborted;
+        return fail_refit(e.code(), e.what());
       }
       reply_ok();
     } else {
@@ -353,12 +358,7 @@ struct receiver::impl {
       reply_error(errc::protocol, fmt::format("END of version {} without a refit in progress", e.version));
       return receiver_event::refused;
     }
-    if (deferred) {
-      const refusal r = *deferred;
-      abort_refit(r.message);
-      reply_error(r.code, r.message);
-      return receiver_event::aborted;
-    }
+    if (const auto failed = fail_if_deferred()) return *failed;
     double drain_seconds = 0;
     try {
       tracker->finish(e);
@@ -380,9 +380,7 @@ struct receiver::impl {
       sink->drain();
       drain_seconds = seconds_since(td);
     } catch (const error& ex) {
-      abort_refit(ex.what());
-      reply_error(ex.code(), ex.what());
-      return receiver_event::aborted;
+      return fail_refit(ex.code(), ex.what());
     }
     committed.store(e.version, std::memory_order_release);
     has_committed.store(true, std::memory_order_release);
