@@ -3,7 +3,8 @@
 // The streamer creates `count` segments with random names (mode 0600, O_EXCL), announces the names
 // in HELLO, and unlinks them as soon as the receiver has mapped them (OK to HELLO): from then on
 // only the two mappings keep the memory alive, so nothing is left in /dev/shm when either process
-// dies. A new session therefore needs fresh segments. Ordering between packing and reading is
+// dies. A new session therefore needs fresh segments. Names of a streamer that died before that
+// point are removed by the next streamer that starts on the host (reap_orphans()). Ordering between packing and reading is
 // carried by the REQ/REP messages, so the per-batch calls are no-ops.
 #include "transport/host_shm.hpp"
 
@@ -13,7 +14,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <signal.h>
+
 #include <cerrno>
+#include <cstdlib>
+#include <filesystem>
 #include <cstring>
 #include <random>
 #include <utility>
@@ -52,6 +57,30 @@ std::string random_name() {
     return (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^ static_cast<std::uint64_t>(::getpid());
   }()};
   return fmt::format("{}{}-{:016x}", name_prefix, ::getpid(), rng());
+}
+
+/// Unlinks the segments of refit streamers that died before their receiver mapped them (a
+/// streamer killed between creating its buffers and the OK to HELLO leaves its names behind).
+/// A name is "/refit-<pid>-<hex>": it is removed when no process <pid> exists. A reused pid keeps
+/// its names (they may be the new process's own), so this never removes a live streamer's buffer.
+void reap_orphans() noexcept {
+  try {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+      const std::string file = entry.path().filename().string();
+      const std::string_view prefix = name_prefix.substr(1);  // without the '/'
+      if (!file.starts_with(prefix)) continue;
+      const auto dash = file.find('-', prefix.size());
+      if (dash == std::string::npos) continue;
+      char* end = nullptr;
+      const long pid = std::strtol(file.c_str() + prefix.size(), &end, 10);
+      if (pid <= 0 || end != file.c_str() + dash) continue;
+      if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+      if (::shm_unlink(("/" + file).c_str()) == 0) REFIT_INFO("host_shm: removed {}, left by dead process {}", file, pid);
+    }
+  } catch (...) {
+    // Best effort: a failure here must not stop a streamer from starting.
+  }
 }
 
 /// A segment this process created: name, read-write mapping, size, and whether the name is
@@ -206,6 +235,7 @@ class host_shm_source final : public source {
                   fmt::format("host_shm: buffer_count is {}: give 1..{} buffers", count_, wire::max_buffers));
     if (bytes_ == 0) throw error(errc::invalid_argument, "host_shm: buffer_bytes is 0");
     if (o.page_locked) REFIT_DEBUG("host_shm: page_locked ignored (shared memory is not registered with CUDA)");
+    reap_orphans();
     create();
   }
 

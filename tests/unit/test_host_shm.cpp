@@ -12,6 +12,7 @@
 
 #include "support/support.hpp"
 #include "transport/host_shm.hpp"
+#include "wire/wire.hpp"
 
 using namespace std::chrono_literals;
 namespace tr = refit::transport;
@@ -300,4 +301,32 @@ TEST_CASE("host and process identities name this host and process", "[host_shm]"
   const auto proc = tr::process_identity();
   CHECK(proc.ends_with(":" + std::to_string(::getpid())));
   CHECK(host.starts_with(proc.substr(0, proc.rfind(':'))));
+}
+
+TEST_CASE("the segments of a streamer killed before HELLO are removed by the next streamer on the host",
+          "[host_shm]") {
+  refit::test::signal_pipe names;
+  refit::test::child victim([&] {
+    auto source = tr::make_host_shm_source(shm_options());
+    refit::wire::hello h;
+    source->open_session(h);  // names exist in /dev/shm, not yet accepted by any receiver
+    std::string line;
+    for (const auto& b : h.buffers) line += b.handle + " ";
+    names.send(line);
+    for (;;) ::pause();  // until killed
+  });
+  std::vector<std::string> left;
+  {
+    std::string line = names.receive();
+    for (std::size_t at = 0; (at = line.find('/', at)) != std::string::npos;) {
+      const auto space = line.find(' ', at);
+      left.push_back(line.substr(at + 1, space - at - 1));
+      at = space;
+    }
+  }
+  REQUIRE(left.size() == 2);
+  victim.kill();
+  for (const auto& n : left) REQUIRE(std::filesystem::exists("/dev/shm/" + n));
+  auto next = tr::make_host_shm_source(shm_options());  // starts by reaping what dead streamers left
+  for (const auto& n : left) CHECK_FALSE(std::filesystem::exists("/dev/shm/" + n));
 }
