@@ -101,9 +101,49 @@ zmq::context_t& context() {
   return *ctx;
 }
 
+// ------------------------------------------------------------------------------------ CURVE
+
+void validate_curve(const curve_keys& curve, bool server) {
+  const auto z85_key = [](const std::string& key, std::string_view option) {
+    std::uint8_t raw[32];
+    if (key.size() != 40 || zmq_z85_decode(raw, key.c_str()) == nullptr)
+      throw error(errc::invalid_argument,
+                  fmt::format("{} is not a CURVE key: expected 40 characters of Z85 text (zmq_curve_keypair)", option));
+  };
+  const bool any = !curve.public_key.empty() || !curve.secret_key.empty() || !curve.server_key.empty();
+  if (!any) return;
+  if (server) {
+    if (curve.secret_key.empty())
+      throw error(errc::invalid_argument,
+                  "receiver_options.curve has no secret_key: a CURVE receiver needs its secret key (the "
+                  "streamers get its public key as their server_key)");
+    z85_key(curve.secret_key, "receiver_options.curve.secret_key");
+    if (!curve.public_key.empty()) {
+      z85_key(curve.public_key, "receiver_options.curve.public_key");
+      char derived[41] = {};
+      if (zmq_curve_public(derived, curve.secret_key.c_str()) != 0 || curve.public_key != derived)
+        throw error(errc::invalid_argument,
+                    "receiver_options.curve.public_key does not belong to its secret_key: give the pair that "
+                    "zmq_curve_keypair made together");
+    }
+    return;
+  }
+  for (const auto& [key, option] : {std::pair{&curve.public_key, "streamer_options.curve.public_key"},
+                                    std::pair{&curve.secret_key, "streamer_options.curve.secret_key"},
+                                    std::pair{&curve.server_key, "streamer_options.curve.server_key"}}) {
+    if (key->empty())
+      throw error(errc::invalid_argument,
+                  fmt::format("{} is empty: a CURVE streamer needs its own key pair and the receiver's public key "
+                              "(server_key)",
+                              option));
+    z85_key(*key, option);
+  }
+}
+
 // ------------------------------------------------------------------------------------ rep_channel
 
 rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve) {
+  validate_curve(curve, true);
   const std::string target = bind_endpoint(endpoint);
   const bool owns = endpoint.empty();
   try {
@@ -198,6 +238,7 @@ req_channel::req_channel(std::string endpoint, const curve_keys& curve)
     : endpoint_(std::move(endpoint)), curve_(curve) {
   if (endpoint_.empty())
     throw error(errc::invalid_argument, "the streamer needs the receiver's endpoint (ipc://... or tcp://host:port)");
+  validate_curve(curve_, false);
   connect();
 }
 

@@ -34,6 +34,12 @@ void remove_private_endpoint(std::string_view endpoint) noexcept;
 /// errc::invalid_argument for a scheme other than ipc:// or tcp://.
 std::string bind_endpoint(std::string_view requested);
 
+/// Checks CURVE keys before any socket uses them. Receiver (`server`): none, or a secret key,
+/// with a public key that, when given, belongs to it. Streamer: none, or all three keys (its own
+/// pair and the receiver's public key). Keys are 40-character Z85 text. Throws
+/// refit::error(errc::invalid_argument) naming the option otherwise.
+void validate_curve(const curve_keys& curve, bool server);
+
 /// Receiver side. Binds on construction.
 class rep_channel {
  public:

@@ -75,6 +75,7 @@ void validate(const streamer_options& o) {
                             wire::max_buffers));
   if (o.timeout.count() <= 0)
     throw error(errc::invalid_argument, "streamer_options.timeout must be positive");
+  channel::validate_curve(o.curve, false);
   refit::validate(plan_from(o));
 }
 

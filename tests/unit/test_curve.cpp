@@ -268,3 +268,58 @@ TEST_CASE(
   legit.close();
   CHECK(rx.stop() == 0);
 }
+
+TEST_CASE("incomplete or mismatched CURVE keys are refused when the streamer or receiver is built", "[curve]") {
+  if (!have_curve()) return;
+  const key_pair server = make_key_pair();
+  const key_pair client = make_key_pair();
+  const auto code_and_message = [](const std::function<void()>& make) -> std::pair<refit::errc, std::string> {
+    try {
+      make();
+    } catch (const refit::error& e) {
+      return {e.code(), e.what()};
+    }
+    return {refit::errc::internal, "nothing was thrown"};
+  };
+  const auto receiver_with = [&](refit::curve_keys keys) {
+    return [keys] {
+      refit::receiver_options o;
+      o.endpoint = "tcp://127.0.0.1:0";
+      o.curve = keys;
+      refit::receiver r(o);
+    };
+  };
+  const auto streamer_with = [&](refit::curve_keys keys) {
+    return [keys] {
+      refit::streamer_options o;
+      o.endpoint = "tcp://127.0.0.1:1";
+      o.curve = keys;
+      refit::streamer s(o);
+    };
+  };
+  SECTION("a receiver with a public key but no secret key") {
+    const auto [code, message] = code_and_message(receiver_with({server.public_key, "", ""}));
+    CHECK(code == refit::errc::invalid_argument);
+    CHECK_THAT(message, Catch::Contains("no secret_key"));
+  }
+  SECTION("a receiver whose public key is not its secret key's") {
+    const auto [code, message] = code_and_message(receiver_with({client.public_key, server.secret_key, ""}));
+    CHECK(code == refit::errc::invalid_argument);
+    CHECK_THAT(message, Catch::Contains("does not belong to its secret_key"));
+  }
+  SECTION("a receiver with a malformed secret key") {
+    const auto [code, message] = code_and_message(receiver_with({"", "not-a-key", ""}));
+    CHECK(code == refit::errc::invalid_argument);
+    CHECK_THAT(message, Catch::Contains("receiver_options.curve.secret_key is not a CURVE key"));
+  }
+  SECTION("a streamer with its own pair but no server key") {
+    const auto [code, message] = code_and_message(streamer_with({client.public_key, client.secret_key, ""}));
+    CHECK(code == refit::errc::invalid_argument);
+    CHECK_THAT(message, Catch::Contains("streamer_options.curve.server_key is empty"));
+  }
+  SECTION("a streamer with a server key but no pair of its own") {
+    const auto [code, message] = code_and_message(streamer_with({"", "", server.public_key}));
+    CHECK(code == refit::errc::invalid_argument);
+    CHECK_THAT(message, Catch::Contains("streamer_options.curve.public_key is empty"));
+  }
+}
