@@ -40,6 +40,27 @@ constexpr std::uint64_t max_header = 100'000'000;
   throw error(errc::invalid_argument, fmt::format("manifest {}: tensor '{}': {}", file, name, what));
 }
 
+// A manifest nests 3 levels ({name: {"shape": [dims]}}). Deeper input is refused while it is
+// parsed: ordered_json copies values recursively when an object grows, so a header of
+// [[[[...]]]] a few hundred KB long would overflow the stack.
+constexpr int max_json_depth = 64;
+
+// Parses JSON; every failure (syntax, a number no double holds such as 1e999, nesting) comes as
+// refit::error. `invalid` leads the message for bad JSON, `subject` names the text for nesting.
+ojson parse_json(std::string_view text, const std::string& file, std::string_view invalid,
+                 std::string_view subject) {
+  const ojson::parser_callback_t bounded = [&](int depth, ojson::parse_event_t, ojson&) {
+    if (depth > max_json_depth)
+      fail(file, fmt::format("{} nests deeper than {} levels (a manifest needs 3)", subject, max_json_depth));
+    return true;
+  };
+  try {
+    return ojson::parse(text, bounded);
+  } catch (const ojson::exception& e) {  // parse_error, and out_of_range for numbers
+    fail(file, fmt::format("{}: {}", invalid, e.what()));
+  }
+}
+
 std::vector<std::int64_t> parse_shape(const ojson& v, const std::string& file, const std::string& name) {
   if (!v.is_array()) fail_entry(file, name, fmt::format("\"shape\" must be an array of integers, got {}", v.dump()));
   std::vector<std::int64_t> shape;
@@ -124,12 +145,7 @@ manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t f
   const std::uint64_t data_size = file_size - 8 - n;
   const std::string_view text(static_cast<const char*>(data) + 8, n);
 
-  ojson header;
-  try {
-    header = ojson::parse(text);
-  } catch (const ojson::parse_error& e) {
-    fail(file, fmt::format("header is not valid JSON: {}", e.what()));
-  }
+  ojson header = parse_json(text, file, "header is not valid JSON", "header");
   if (!header.is_object()) fail(file, "header must be a JSON object {name: {dtype, shape, data_offsets}}");
 
   manifest m;
@@ -189,12 +205,7 @@ manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t f
 }
 
 manifest parse_json_manifest(std::string_view text, const std::string& file, dtype fallback) {
-  ojson doc;
-  try {
-    doc = ojson::parse(text);
-  } catch (const ojson::parse_error& e) {
-    fail(file, fmt::format("not valid JSON: {}", e.what()));
-  }
+  ojson doc = parse_json(text, file, "not valid JSON", "JSON");
   if (!doc.is_object()) fail(file, "must be a JSON object {name: {dtype, shape}}");
   manifest m;
   m.name = std::filesystem::path(file).filename().string();
@@ -224,10 +235,13 @@ manifest parse_json_manifest(std::string_view text, const std::string& file, dty
       }
     }
     for (const auto& [name, shard] : map.items()) {
+      // An init-capture: clang 14 (the fuzz build) cannot capture a structured binding.
       const bool found = std::any_of(m.entries.begin(), m.entries.end(),
-                                     [&](const manifest_entry& e) { return e.meta.name == name; });
+                                     [&n = name](const manifest_entry& e) { return e.meta.name == n; });
       if (!found) fail_entry(file, name, fmt::format("listed in weight_map but not in shard {}", shard.get<std::string>()));
     }
+    // As for the other forms: a workload without tensors is a wrong file, not an empty bench.
+    if (m.entries.empty()) fail(file, "\"weight_map\" lists no tensors");
     return m;
   }
 

@@ -1,0 +1,173 @@
+// Writes the seed corpus of the fuzz targets: valid messages, sessions and manifests, one file
+// each, into DIR/<target>/ (tests/fuzz/corpus in the source tree; the files are committed).
+//
+//   make_corpus DIR
+//
+// Seeds are valid inputs so the fuzzers start from the deep paths (a BATCH that passes every
+// rule, a safetensors header that parses) rather than having to discover the format.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "refit/model.hpp"
+#include "wire/wire.hpp"
+
+namespace fs = std::filesystem;
+namespace wire = refit::wire;
+using refit::dtype;
+
+namespace {
+
+void write(const fs::path& dir, const std::string& name, const std::string& bytes) {
+  fs::create_directories(dir);
+  std::ofstream out(dir / name, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + (dir / name).string());
+}
+
+std::string concat(std::uint8_t flags, const std::vector<wire::message>& ms) {
+  std::string s(1, static_cast<char>(flags));
+  for (const auto& m : ms) s += wire::encode(m);
+  return s;
+}
+
+std::string safetensors(const std::string& header, std::size_t data_bytes) {
+  std::string s(8, '\0');
+  const std::uint64_t n = header.size();
+  std::memcpy(s.data(), &n, 8);
+  return s + header + std::string(data_bytes, '\x5a');
+}
+
+wire::hello hello_shm() {
+  wire::hello h;
+  h.token = "s3cret";
+  h.transport = "host_shm";
+  h.peer = "policy-0:4242";
+  h.host_id = "policy-0/6c1b2f0e";
+  h.alignment = 256;
+  h.buffers = {{4096, "/refit-4242-0", "", ""}, {1u << 20, "/refit-4242-1", "", ""}};
+  return h;
+}
+
+wire::hello hello_cuda() {
+  wire::hello h;
+  h.transport = "cuda_ipc";
+  h.peer = "policy-0:4242";
+  h.host_id = "policy-0/6c1b2f0e";
+  h.device_uuid = std::string(16, '\x11');
+  h.alignment = 4096;
+  h.buffers = {{1u << 30, std::string(64, '\x22'), std::string(64, '\x33'), std::string(64, '\x44')}};
+  return h;
+}
+
+wire::hello hello_nccl() {
+  wire::hello h;
+  h.transport = "nccl";
+  h.peer = "policy-0:4242";
+  h.host_id = "policy-0/6c1b2f0e";
+  h.buffers = {{1u << 24, "", "", ""}};
+  h.nccl_id = std::string(128, '\x55');
+  h.rank = 1;
+  h.nranks = 3;
+  return h;
+}
+
+// Batch 0 of version 7: a whole small tensor, and the first half of a larger one. Batch 1: its
+// second half and an empty tensor. Fits buffer 1 (4096 bytes) of the tracker target.
+wire::batch batch0() {
+  return {7, 0, 1,
+          {{"model.embed.weight", dtype::bf16, {4, 8}, 0, 64, 0},
+           {"model.layers.0.mlp.up_proj.weight", dtype::f32, {16, 16}, 0, 512, 256}}};
+}
+wire::batch batch1() {
+  return {7, 1, 2,
+          {{"model.layers.0.mlp.up_proj.weight", dtype::f32, {16, 16}, 512, 512, 0},
+           {"model.norm.bias", dtype::f16, {0}, 0, 0, 512},
+           {"lm_head.scale", dtype::u8, {}, 0, 1, 1024}}};
+}
+wire::end end7() { return {7, 4, 64 + 512 + 512 + 1, 2}; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: make_corpus DIR\n");
+    return 2;
+  }
+  try {
+    const fs::path root = argv[1];
+
+    // ------------------------------------------------------------- fuzz_wire_decode
+    const fs::path w = root / "fuzz_wire_decode";
+    write(w, "hello_host_shm", wire::encode(hello_shm()));
+    write(w, "hello_cuda_ipc", wire::encode(hello_cuda()));
+    write(w, "hello_nccl", wire::encode(hello_nccl()));
+    write(w, "begin", wire::encode(wire::begin{7}));
+    write(w, "batch_0", wire::encode(batch0()));
+    write(w, "batch_1", wire::encode(batch1()));
+    write(w, "batch_empty", wire::encode(wire::batch{3, 0, 0, {}}));
+    write(w, "end", wire::encode(end7()));
+    write(w, "bye", wire::encode(wire::bye{}));
+    write(w, "ok_hello", wire::encode(wire::ok{std::nullopt, false, {std::string(64, '\x66'), "h2"}}));
+    write(w, "ok_committed", wire::encode(wire::ok{7, false, {}}));
+    write(w, "ok_dirty", wire::encode(wire::ok{6, true, {}}));
+    write(w, "error_protocol",
+          wire::encode(wire::error{refit::errc::protocol, "BATCH 3: sequence number 4 out of order, expected 3"}));
+    write(w, "error_unauthorized", wire::encode(wire::error{refit::errc::unauthorized, "session token mismatch"}));
+
+    // ------------------------------------------------------------- fuzz_tracker
+    // Byte 0: bit 0 = a committed version exists, bits 1-3 = its value.
+    const fs::path t = root / "fuzz_tracker";
+    write(t, "refit_one", concat(0, {hello_shm(), wire::begin{7}, batch0(), batch1(), end7()}));
+    write(t, "refit_after_committed_5", concat(1 | (5 << 1), {wire::begin{7}, batch0(), batch1(), end7(), wire::bye{}}));
+    write(t, "refit_two_versions",
+          concat(0, {wire::begin{7}, batch0(), batch1(), end7(), wire::begin{8},
+                     wire::batch{8, 0, 0, {{"w", dtype::i32, {2, 3}, 0, 24, 0}}}, wire::end{8, 1, 24, 1}}));
+    write(t, "refit_restart", concat(0, {wire::begin{7}, batch0(), wire::begin{7}, batch0(), batch1(), end7()}));
+    write(t, "refit_incomplete", concat(0, {wire::begin{7}, batch0(), wire::end{7, 1, 576, 1}, wire::bye{}}));
+    write(t, "refit_many_chunks",
+          concat(0, {wire::begin{1},
+                     wire::batch{1, 0, 0, {{"x", dtype::f64, {64}, 0, 256, 0}}},
+                     wire::batch{1, 1, 0, {{"x", dtype::f64, {64}, 256, 256, 0}}},
+                     wire::end{1, 1, 512, 2}}));
+
+    // ------------------------------------------------------------- fuzz_manifest
+    // Byte 0: 0 = safetensors in memory, 1 = JSON in memory (next to shard.safetensors),
+    // 2 = a .safetensors file, 3 = a file sniffed by content.
+    const fs::path m = root / "fuzz_manifest";
+    const std::string st_header =
+        R"({"__metadata__":{"format":"pt"},"model.embed.weight":{"dtype":"BF16","shape":[4,8],"data_offsets":[0,64]},)"
+        R"("model.norm.weight":{"dtype":"F32","shape":[8],"data_offsets":[64,96]},)"
+        R"("empty":{"dtype":"F16","shape":[0,3],"data_offsets":[96,96]},)"
+        R"("flag":{"dtype":"BOOL","shape":[],"data_offsets":[96,97]}})";
+    const std::string st = safetensors(st_header, 97);
+    const std::string st_all_dtypes = safetensors(
+        R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"I8","shape":[1],"data_offsets":[1,2]},)"
+        R"("c":{"dtype":"I16","shape":[1],"data_offsets":[2,4]},"d":{"dtype":"I32","shape":[1],"data_offsets":[4,8]},)"
+        R"("e":{"dtype":"I64","shape":[1],"data_offsets":[8,16]},"f":{"dtype":"F64","shape":[1],"data_offsets":[16,24]},)"
+        R"("g":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[24,25]},"h":{"dtype":"F8_E5M2","shape":[1],"data_offsets":[25,26]},)"
+        R"("i":{"dtype":"U16","shape":[1],"data_offsets":[26,28]},"j":{"dtype":"U32","shape":[1],"data_offsets":[28,32]},)"
+        R"("k":{"dtype":"U64","shape":[1],"data_offsets":[32,40]}})",
+        40);
+    const std::string json =
+        R"({"model.embed.weight":{"dtype":"BF16","shape":[32000,4096]},"model.norm.weight":{"shape":[4096]},)"
+        R"("__metadata__":{"total_size":1}})";
+    const std::string index = R"({"metadata":{"total_size":8},"weight_map":{"a":"shard.safetensors","b":"shard.safetensors"}})";
+    write(m, "safetensors_mem", std::string(1, '\0') + st);
+    write(m, "safetensors_mem_all_dtypes", std::string(1, '\0') + st_all_dtypes);
+    write(m, "json_mem", std::string(1, '\1') + json);
+    write(m, "index_mem", std::string(1, '\1') + index);
+    write(m, "safetensors_file", std::string(1, '\2') + st);
+    write(m, "json_file", std::string(1, '\3') + json);
+    write(m, "index_file", std::string(1, '\3') + index);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "make_corpus: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
