@@ -264,4 +264,31 @@ std::vector<tensor_meta> mixed_model(std::size_t count, std::uint64_t oversize_b
   return out;
 }
 
+scoped_endpoint::~scoped_endpoint() { channel::remove_private_endpoint(name); }
+
+host_tensors::host_tensors(std::vector<tensor_meta> m, std::uint64_t version) : metas(std::move(m)) {
+  bytes.reserve(metas.size());
+  refs.reserve(metas.size());
+  for (const auto& meta : metas) {
+    const auto n = meta.nbytes();
+    // At least one byte, so that even a zero-size tensor has a real pointer.
+    auto& b = bytes.emplace_back(std::max<std::uint64_t>(n, 1), std::uint8_t{0});
+    fill_pattern(meta.name, version, b.data(), n);
+    refs.push_back(tensor_ref{meta, b.data(), device::cpu(), nullptr});
+  }
+}
+
+std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, const std::uint8_t* data) {
+  const auto n = meta.nbytes();
+  std::vector<std::uint8_t> want(n);
+  fill_pattern(meta.name, version, want.data(), n);
+  const auto [w, d] = std::mismatch(want.begin(), want.end(), data);
+  if (w == want.end()) return {};
+  const auto i = static_cast<std::uint64_t>(w - want.begin());
+  return describe(meta) + " byte " + std::to_string(i) + " is " + std::to_string(*d) + ", version " +
+         std::to_string(version) + " has " + std::to_string(*w);
+}
+
+std::string code_name(errc c) { return std::string(to_string(c)); }
+
 }  // namespace refit::test

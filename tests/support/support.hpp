@@ -6,9 +6,11 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "refit/error.hpp"
 #include "refit/model.hpp"
 
 namespace refit::test {
@@ -68,5 +70,45 @@ void fill_pattern(const std::string& name, std::uint64_t version, std::uint8_t* 
 /// A mixed-dtype model for end-to-end tests: `count` tensors of varied dtypes and shapes,
 /// including zero-size ones, plus one tensor of `oversize_bytes` (if non-zero).
 std::vector<tensor_meta> mixed_model(std::size_t count, std::uint64_t oversize_bytes, std::uint64_t seed = 1);
+
+/// A temp_endpoint() whose socket file and private directory go at the end of the scope.
+struct scoped_endpoint {
+  std::string name = temp_endpoint();
+  scoped_endpoint() = default;
+  scoped_endpoint(const scoped_endpoint&) = delete;
+  scoped_endpoint& operator=(const scoped_endpoint&) = delete;
+  ~scoped_endpoint();
+};
+
+/// The policy side of one version in host memory: every tensor filled with that version's pattern.
+struct host_tensors {
+  std::vector<tensor_meta> metas;
+  std::vector<std::vector<std::uint8_t>> bytes;
+  std::vector<tensor_ref> refs;
+
+  host_tensors(std::vector<tensor_meta> m, std::uint64_t version);
+};
+
+/// Empty when `data` holds the pattern of `meta` for `version`, else where it first differs.
+std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, const std::uint8_t* data);
+
+/// A refit::error as plain strings, so that Catch2 prints both sides of a failed check.
+struct failure {
+  std::string code;  ///< refit::to_string(errc)
+  std::string message;
+};
+
+std::string code_name(errc c);
+
+/// What `f` threw as a refit::error; nullopt when it returned normally.
+template <class F>
+std::optional<failure> failure_of(F&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return failure{code_name(e.code()), e.what()};
+  }
+  return std::nullopt;
+}
 
 }  // namespace refit::test

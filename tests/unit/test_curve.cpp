@@ -22,6 +22,8 @@ namespace rt = refit::test;
 
 namespace {
 
+using rt::host_tensors;
+
 using clock_type = std::chrono::steady_clock;
 
 constexpr refit::milliseconds streamer_timeout{1500};
@@ -55,20 +57,6 @@ refit::curve_keys client_keys(const key_pair& mine, const std::string& server_pu
   return refit::curve_keys{mine.public_key, mine.secret_key, server_public};
 }
 
-// The policy side of one version: every tensor filled with that version's pattern.
-struct host_tensors {
-  std::vector<std::vector<std::uint8_t>> bytes;
-  std::vector<refit::tensor_ref> refs;
-
-  host_tensors(const std::vector<refit::tensor_meta>& metas, std::uint64_t version) {
-    for (const auto& meta : metas) {
-      const auto n = meta.nbytes();
-      auto& b = bytes.emplace_back(std::max<std::uint64_t>(n, 1), std::uint8_t{0});
-      rt::fill_pattern(meta.name, version, b.data(), n);
-      refs.push_back(refit::tensor_ref{meta, b.data(), refit::device::cpu(), nullptr});
-    }
-  }
-};
 
 refit::streamer_options stream_options(const std::string& endpoint, refit::curve_keys curve,
                                        const std::string& token = {}) {

@@ -27,6 +27,12 @@ namespace rt = refit::test;
 
 namespace {
 
+using rt::scoped_endpoint;
+using rt::host_tensors;
+using rt::failure;
+using rt::failure_of;
+using rt::code_name;
+
 using clock_type = std::chrono::steady_clock;
 
 constexpr std::uint64_t kib = 1ull << 10;
@@ -41,28 +47,7 @@ refit::milliseconds since(clock_type::time_point start) {
 }
 
 // A private endpoint for one test; its socket file and directory go when the test ends.
-struct scoped_endpoint {
-  std::string name = rt::temp_endpoint();
-  scoped_endpoint() = default;
-  scoped_endpoint(const scoped_endpoint&) = delete;
-  scoped_endpoint& operator=(const scoped_endpoint&) = delete;
-  ~scoped_endpoint() { refit::channel::remove_private_endpoint(name); }
-};
 
-// The policy side of one version: every tensor filled with that version's pattern.
-struct host_tensors {
-  std::vector<std::vector<std::uint8_t>> bytes;
-  std::vector<refit::tensor_ref> refs;
-
-  host_tensors(const std::vector<refit::tensor_meta>& metas, std::uint64_t version) {
-    for (const auto& meta : metas) {
-      const auto n = meta.nbytes();
-      auto& b = bytes.emplace_back(std::max<std::uint64_t>(n, 1), std::uint8_t{0});
-      rt::fill_pattern(meta.name, version, b.data(), n);
-      refs.push_back(refit::tensor_ref{meta, b.data(), refit::device::cpu(), nullptr});
-    }
-  }
-};
 
 // A receiver's parameter table: one buffer per tensor.
 struct table {
@@ -91,22 +76,6 @@ struct table {
   }
 };
 
-struct failure {
-  std::string code;  // refit::to_string(errc), so that Catch2 prints it
-  std::string message;
-};
-
-std::string code_name(refit::errc c) { return std::string(refit::to_string(c)); }
-
-template <class F>
-std::optional<failure> failure_of(F&& f) {
-  try {
-    f();
-  } catch (const refit::error& e) {
-    return failure{code_name(e.code()), e.what()};
-  }
-  return std::nullopt;
-}
 
 std::optional<std::string> try_receive(rt::signal_pipe& pipe, std::chrono::milliseconds wait) {
   try {

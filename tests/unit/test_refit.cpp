@@ -27,6 +27,13 @@ namespace rt = refit::test;
 
 namespace {
 
+using rt::scoped_endpoint;
+using rt::host_tensors;
+using rt::pattern_mismatch;
+using rt::failure;
+using rt::failure_of;
+using rt::code_name;
+
 constexpr std::uint64_t kib = 1ull << 10;
 constexpr std::uint64_t mib = 1ull << 20;
 constexpr refit::milliseconds streamer_timeout{2000};
@@ -38,63 +45,9 @@ std::uint64_t total_bytes(const std::vector<refit::tensor_meta>& metas) {
 }
 
 // A private endpoint for one test; its socket file and directory go when the test ends.
-struct scoped_endpoint {
-  std::string name = rt::temp_endpoint();
-  scoped_endpoint() = default;
-  scoped_endpoint(const scoped_endpoint&) = delete;
-  scoped_endpoint& operator=(const scoped_endpoint&) = delete;
-  ~scoped_endpoint() { refit::channel::remove_private_endpoint(name); }
-};
 
-// The policy side of one version: every tensor filled with that version's pattern.
-struct host_tensors {
-  std::vector<refit::tensor_meta> metas;
-  std::vector<std::vector<std::uint8_t>> bytes;
-  std::vector<refit::tensor_ref> refs;
 
-  host_tensors(std::vector<refit::tensor_meta> m, std::uint64_t version) : metas(std::move(m)) {
-    bytes.reserve(metas.size());
-    refs.reserve(metas.size());
-    for (const auto& meta : metas) {
-      const auto n = meta.nbytes();
-      // At least one byte, so that even a zero-size tensor has a real pointer.
-      auto& b = bytes.emplace_back(std::max<std::uint64_t>(n, 1), std::uint8_t{0});
-      rt::fill_pattern(meta.name, version, b.data(), n);
-      refs.push_back(refit::tensor_ref{meta, b.data(), refit::device::cpu(), nullptr});
-    }
-  }
-};
 
-// Empty when `data` holds the pattern of `meta` for `version`, else where it first differs.
-std::string pattern_mismatch(const refit::tensor_meta& meta, std::uint64_t version, const std::uint8_t* data) {
-  const auto n = meta.nbytes();
-  std::vector<std::uint8_t> want(n);
-  rt::fill_pattern(meta.name, version, want.data(), n);
-  const auto [w, d] = std::mismatch(want.begin(), want.end(), data);
-  if (w == want.end()) return {};
-  const auto i = static_cast<std::uint64_t>(w - want.begin());
-  return refit::describe(meta) + " byte " + std::to_string(i) + " is " + std::to_string(*d) +
-         ", version " + std::to_string(version) + " has " + std::to_string(*w);
-}
-
-// A streamer's result as plain strings, so that Catch2 prints both sides of a failed check.
-struct failure {
-  std::string code;  // refit::to_string(errc)
-  std::string message;
-};
-
-std::string code_name(refit::errc c) { return std::string(refit::to_string(c)); }
-
-// What `f` threw as a refit::error; nullopt when it returned normally.
-template <class F>
-std::optional<failure> failure_of(F&& f) {
-  try {
-    f();
-  } catch (const refit::error& e) {
-    return failure{code_name(e.code()), e.what()};
-  }
-  return std::nullopt;
-}
 
 refit::streamer_options stream_options(const std::string& endpoint, std::size_t buffer_count,
                                        std::uint64_t buffer_bytes) {
