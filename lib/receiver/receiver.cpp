@@ -225,7 +225,10 @@ struct receiver::impl {
 
   receiver_event on_begin(const wire::begin& b) {
     if (!tracker) {
-      reply_error(errc::protocol, "BEGIN before HELLO: the streamer must start a session first");
+      // errc::peer tells the streamer that this process has no session with it (it restarted,
+      // or ended the session): the streamer then says HELLO again instead of failing.
+      reply_error(errc::peer, "no session: BEGIN before HELLO (this receiver restarted or ended the session); the "
+                              "streamer must say HELLO again");
       return receiver_event::refused;
     }
     if (refit_active())

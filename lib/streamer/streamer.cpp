@@ -282,6 +282,22 @@ struct streamer::impl {
     refit_stats stats;
     stats.version = version;
 
+    {
+      const auto tw = clock::now();
+      const std::string what = fmt::format("BEGIN of version {}", version);
+      try {
+        request(wire::begin{version}, what);
+      } catch (const error& e) {
+        // A receiver that restarted since our HELLO has no session with us: start one, once.
+        if (e.code() != errc::peer) throw;
+        REFIT_INFO("{}; saying HELLO again", e.what());
+        drop_session();
+        ensure_session();
+        request(wire::begin{version}, what);
+      }
+      stats.wait_seconds += seconds_since(tw);
+    }
+
     // Everything of the open batch: its entries for the wire and its copies for the packer.
     struct open_batch {
       std::uint64_t seq = 0;
@@ -323,11 +339,6 @@ struct streamer::impl {
       open.streams.clear();
     };
 
-    {
-      const auto tw = clock::now();
-      request(wire::begin{version}, fmt::format("BEGIN of version {}", version));
-      stats.wait_seconds += seconds_since(tw);
-    }
 
     planner pl([&] {
       plan_options p = plan;

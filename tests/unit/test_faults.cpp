@@ -366,6 +366,31 @@ TEST_CASE("a streamer whose receiver is not there yet fails with errc::timeout i
   CHECK(rx.stop() == 0);
 }
 
+TEST_CASE("a receiver restarted between two refits takes the next refit of the same streamer", "[faults]") {
+  // The new process has no session: the streamer must notice at BEGIN and say HELLO again, not
+  // fail every refit from then on.
+  const auto metas = rt::mixed_model(30, 0);
+  const scoped_endpoint endpoint;
+  const std::string& ep = endpoint.name;
+  refit::streamer s(stream_options(ep, 256 * kib));
+  {
+    receiver_child first(ep, metas);
+    REQUIRE(first.next_report() == "ready");
+    const host_tensors v1(metas, 1);
+    CHECK(s.refit(1, v1.refs).version == 1);
+    CHECK(first.next_report() == "committed 1 ok");
+    CHECK(first.stop() == 0);
+  }
+  receiver_child second(ep, metas);
+  REQUIRE(second.next_report() == "ready");
+  const host_tensors v2(metas, 2);
+  CHECK(s.refit(2, v2.refs).version == 2);
+  CHECK(second.next_report() == "refused none");  // the BEGIN without a session
+  CHECK(second.next_report() == "committed 2 ok");
+  s.close();
+  CHECK(second.stop() == 0);
+}
+
 TEST_CASE("a stranger with a wrong token is refused with errc::unauthorized and the session in use carries on",
           "[faults]") {
   const auto metas = rt::mixed_model(30, 300 * kib);
