@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace refit {
 
@@ -35,6 +36,10 @@ struct curve_keys {
   std::string public_key;
   std::string secret_key;
   std::string server_key;  ///< streamer side: the receiver's public key
+  /// Receiver side: the public keys (Z85) of the streamers allowed to connect. Empty: any
+  /// streamer that knows the receiver's public key completes the handshake (the session token
+  /// still applies).
+  std::vector<std::string> allowed_clients;
 };
 
 }  // namespace refit

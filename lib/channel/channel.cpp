@@ -8,10 +8,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <map>
+#include <set>
+#include <thread>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
 #include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include "model/log.hpp"
 
@@ -103,6 +108,86 @@ zmq::context_t& context() {
 
 // ------------------------------------------------------------------------------------ CURVE
 
+namespace {
+
+/// The process's ZAP handler (ZeroMQ's authentication protocol, RFC 27): a thread answering
+/// inproc://zeromq.zap.01 that admits a CURVE client to a receiver socket only when its public key
+/// is on that socket's list. Each receiver with a list gets its own ZAP domain; other CURVE
+/// sockets (domain "") are admitted as without a handler. Made on first use, never destroyed (as
+/// the context), and made afresh in a forked child, whose copy has no thread.
+class zap_authority {
+ public:
+  static zap_authority& instance() {
+    static std::mutex mutex;
+    static zap_authority* self = nullptr;
+    static pid_t owner = -1;
+    std::lock_guard lock(mutex);
+    if (self == nullptr || owner != ::getpid()) {
+      self = new zap_authority();  // leaked on purpose, like the context
+      owner = ::getpid();
+    }
+    return *self;
+  }
+
+  /// Registers a list of Z85 public keys; returns the domain to set on the socket.
+  std::string add(const std::vector<std::string>& keys) {
+    std::lock_guard lock(mutex_);
+    std::string domain = fmt::format("refit-{}", next_++);
+    domains_.emplace(domain, std::set<std::string>(keys.begin(), keys.end()));
+    return domain;
+  }
+  void remove(const std::string& domain) noexcept {
+    std::lock_guard lock(mutex_);
+    domains_.erase(domain);
+  }
+
+ private:
+  zap_authority() : socket_(context(), zmq::socket_type::rep) {
+    // Bound before any receiver socket exists, so that no handshake slips past it.
+    socket_.bind("inproc://zeromq.zap.01");
+    std::thread([this] { serve(); }).detach();
+  }
+
+  void serve() noexcept {
+    for (;;) {
+      try {
+        std::vector<zmq::message_t> request;
+        if (!zmq::recv_multipart(socket_, std::back_inserter(request))) continue;
+        if (request.size() < 6) continue;
+        const std::string request_id = request[1].to_string();
+        const std::string domain = request[2].to_string();
+        const std::string mechanism = request[5].to_string();
+        bool allowed = domain.empty();  // not one of ours: as if there were no handler
+        std::string client;
+        if (!allowed && mechanism == "CURVE" && request.size() >= 7 && request[6].size() == 32) {
+          char z85[41] = {};
+          zmq_z85_encode(z85, static_cast<const std::uint8_t*>(request[6].data()), 32);
+          client = z85;
+          std::lock_guard lock(mutex_);
+          const auto it = domains_.find(domain);
+          allowed = it != domains_.end() && it->second.contains(client);
+        }
+        if (!allowed) REFIT_WARN("refused a CURVE client{} (not in receiver_options.curve.allowed_clients)",
+                                 client.empty() ? std::string() : " with public key " + client);
+        std::array<zmq::const_buffer, 6> reply = {
+            zmq::str_buffer("1.0"), zmq::buffer(request_id), zmq::buffer(std::string_view(allowed ? "200" : "400")),
+            zmq::buffer(std::string_view(allowed ? "OK" : "client key not allowed")), zmq::str_buffer(""),
+            zmq::str_buffer("")};
+        zmq::send_multipart(socket_, reply);
+      } catch (...) {
+        // Keep serving: a failed reply only fails that one handshake.
+      }
+    }
+  }
+
+  zmq::socket_t socket_;
+  std::mutex mutex_;
+  std::map<std::string, std::set<std::string>> domains_;
+  std::uint64_t next_ = 0;
+};
+
+}  // namespace
+
 void validate_curve(const curve_keys& curve, bool server) {
   const auto z85_key = [](const std::string& key, std::string_view option) {
     std::uint8_t raw[32];
@@ -110,7 +195,8 @@ void validate_curve(const curve_keys& curve, bool server) {
       throw error(errc::invalid_argument,
                   fmt::format("{} is not a CURVE key: expected 40 characters of Z85 text (zmq_curve_keypair)", option));
   };
-  const bool any = !curve.public_key.empty() || !curve.secret_key.empty() || !curve.server_key.empty();
+  const bool any = !curve.public_key.empty() || !curve.secret_key.empty() || !curve.server_key.empty() ||
+                   !curve.allowed_clients.empty();
   if (!any) return;
   if (server) {
     if (curve.secret_key.empty())
@@ -118,6 +204,7 @@ void validate_curve(const curve_keys& curve, bool server) {
                   "receiver_options.curve has no secret_key: a CURVE receiver needs its secret key (the "
                   "streamers get its public key as their server_key)");
     z85_key(curve.secret_key, "receiver_options.curve.secret_key");
+    for (const auto& key : curve.allowed_clients) z85_key(key, "an entry of receiver_options.curve.allowed_clients");
     if (!curve.public_key.empty()) {
       z85_key(curve.public_key, "receiver_options.curve.public_key");
       char derived[41] = {};
@@ -151,6 +238,12 @@ rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve) {
     socket_->set(zmq::sockopt::linger, 0);
     socket_->set(zmq::sockopt::maxmsgsize, max_message_bytes);
     socket_->set(zmq::sockopt::sndtimeo, reply_send_timeout_ms);
+    if (!curve.allowed_clients.empty()) {
+      auto& authority = zap_authority::instance();
+      const std::string domain = authority.add(curve.allowed_clients);
+      zap_ = std::shared_ptr<const void>(nullptr, [&authority, domain](const void*) { authority.remove(domain); });
+      socket_->set(zmq::sockopt::zap_domain, domain);
+    }
     set_curve_server(*socket_, curve);
   } catch (const zmq::error_t& e) {
     socket_.reset();
@@ -183,11 +276,15 @@ rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve) {
 
 rep_channel::~rep_channel() {
   socket_.reset();
+  zap_.reset();
   if (owns_endpoint_) remove_private_endpoint(endpoint_);
 }
 
 rep_channel::rep_channel(rep_channel&& other) noexcept
-    : socket_(std::move(other.socket_)), endpoint_(std::move(other.endpoint_)), owns_endpoint_(other.owns_endpoint_) {
+    : zap_(std::move(other.zap_)),
+      socket_(std::move(other.socket_)),
+      endpoint_(std::move(other.endpoint_)),
+      owns_endpoint_(other.owns_endpoint_) {
   other.endpoint_.clear();
   other.owns_endpoint_ = false;
 }
@@ -197,6 +294,7 @@ rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
     socket_.reset();
     if (owns_endpoint_) remove_private_endpoint(endpoint_);
     socket_ = std::move(other.socket_);
+    zap_ = std::move(other.zap_);
     endpoint_ = std::move(other.endpoint_);
     owns_endpoint_ = other.owns_endpoint_;
     other.endpoint_.clear();

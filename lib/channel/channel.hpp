@@ -62,6 +62,7 @@ class rep_channel {
   [[nodiscard]] zmq::socket_t& handle() noexcept { return *socket_; }
 
  private:
+  std::shared_ptr<const void> zap_;  ///< this socket's ZAP domain (allowed client keys), if any
   std::unique_ptr<zmq::socket_t> socket_;
   std::string endpoint_;
   bool owns_endpoint_ = false;  ///< made by bind_endpoint(""): removed with the channel

@@ -54,7 +54,7 @@ key_pair make_key_pair() {
 
 /// Client keys: the streamer's own pair and the receiver's public key.
 refit::curve_keys client_keys(const key_pair& mine, const std::string& server_public) {
-  return refit::curve_keys{mine.public_key, mine.secret_key, server_public};
+  return refit::curve_keys{mine.public_key, mine.secret_key, server_public, {}};
 }
 
 
@@ -85,8 +85,13 @@ std::optional<std::string> failure_code(const std::function<void()>& f) {
 // every commit, abort and refusal; serves until the parent calls stop().
 class curve_receiver {
  public:
-  curve_receiver(std::vector<refit::tensor_meta> metas, key_pair keys, std::string token = {})
-      : metas_(std::move(metas)), keys_(std::move(keys)), token_(std::move(token)), proc_([this] { run(); }) {
+  curve_receiver(std::vector<refit::tensor_meta> metas, key_pair keys, std::string token = {},
+                 std::vector<std::string> allowed = {})
+      : metas_(std::move(metas)),
+        keys_(std::move(keys)),
+        token_(std::move(token)),
+        allowed_(std::move(allowed)),
+        proc_([this] { run(); }) {
     const std::string ready = from_child_.receive(20s);
     if (!ready.starts_with("ready ")) throw std::runtime_error("curve receiver: " + ready);
     endpoint_ = ready.substr(6);
@@ -113,7 +118,7 @@ class curve_receiver {
     o.endpoint = "tcp://127.0.0.1:0";
     o.idle_timeout = refit::milliseconds{1500};
     o.token = token_;
-    o.curve = refit::curve_keys{keys_.public_key, keys_.secret_key, {}};
+    o.curve = refit::curve_keys{keys_.public_key, keys_.secret_key, {}, allowed_};
     refit::receiver r(o);
     std::vector<std::vector<std::uint8_t>> data;
     for (const auto& m : metas_) {
@@ -152,6 +157,7 @@ class curve_receiver {
   std::vector<refit::tensor_meta> metas_;
   key_pair keys_;
   std::string token_;
+  std::vector<std::string> allowed_;
   std::string endpoint_;
   rt::signal_pipe to_child_;
   rt::signal_pipe from_child_;
@@ -286,28 +292,53 @@ TEST_CASE("incomplete or mismatched CURVE keys are refused when the streamer or 
     };
   };
   SECTION("a receiver with a public key but no secret key") {
-    const auto [code, message] = code_and_message(receiver_with({server.public_key, "", ""}));
+    const auto [code, message] = code_and_message(receiver_with({server.public_key, "", "", {}}));
     CHECK(code == refit::errc::invalid_argument);
     CHECK_THAT(message, Catch::Contains("no secret_key"));
   }
   SECTION("a receiver whose public key is not its secret key's") {
-    const auto [code, message] = code_and_message(receiver_with({client.public_key, server.secret_key, ""}));
+    const auto [code, message] = code_and_message(receiver_with({client.public_key, server.secret_key, "", {}}));
     CHECK(code == refit::errc::invalid_argument);
     CHECK_THAT(message, Catch::Contains("does not belong to its secret_key"));
   }
   SECTION("a receiver with a malformed secret key") {
-    const auto [code, message] = code_and_message(receiver_with({"", "not-a-key", ""}));
+    const auto [code, message] = code_and_message(receiver_with({"", "not-a-key", "", {}}));
     CHECK(code == refit::errc::invalid_argument);
     CHECK_THAT(message, Catch::Contains("receiver_options.curve.secret_key is not a CURVE key"));
   }
   SECTION("a streamer with its own pair but no server key") {
-    const auto [code, message] = code_and_message(streamer_with({client.public_key, client.secret_key, ""}));
+    const auto [code, message] = code_and_message(streamer_with({client.public_key, client.secret_key, "", {}}));
     CHECK(code == refit::errc::invalid_argument);
     CHECK_THAT(message, Catch::Contains("streamer_options.curve.server_key is empty"));
   }
   SECTION("a streamer with a server key but no pair of its own") {
-    const auto [code, message] = code_and_message(streamer_with({"", "", server.public_key}));
+    const auto [code, message] = code_and_message(streamer_with({"", "", server.public_key, {}}));
     CHECK(code == refit::errc::invalid_argument);
     CHECK_THAT(message, Catch::Contains("streamer_options.curve.public_key is empty"));
   }
+}
+
+TEST_CASE("a CURVE receiver with allowed client keys refuses any other streamer key and commits a listed one",
+          "[curve]") {
+  if (!have_curve()) return;
+  const auto metas = rt::mixed_model(30, 0);
+  const key_pair server = make_key_pair();
+  const key_pair listed = make_key_pair();
+  const key_pair stranger = make_key_pair();  // knows the server key, but is not on the list
+  curve_receiver rx(metas, server, {}, {listed.public_key});
+  const host_tensors v1(metas, 1);
+
+  refit::streamer refused(stream_options(rx.endpoint(), client_keys(stranger, server.public_key)));
+  const auto start = clock_type::now();
+  const auto code = failure_code([&] { refused.refit(1, v1.refs); });
+  REQUIRE(code);
+  CHECK(*code == std::string(refit::to_string(refit::errc::timeout)));
+  CHECK(since(start) < streamer_timeout + slack);
+  CHECK_FALSE(rx.report_within(0ms));  // refused in the handshake: no message reached the receiver
+
+  refit::streamer allowed(stream_options(rx.endpoint(), client_keys(listed, server.public_key)));
+  CHECK(allowed.refit(1, v1.refs).version == 1);
+  CHECK(rx.next_report() == "committed 1 ok");
+  allowed.close();
+  CHECK(rx.stop() == 0);
 }
