@@ -66,12 +66,12 @@ engine choose(engine preferred, copy_engine requested) noexcept {
   return preferred;
 }
 
-std::unique_ptr<copier> make_copier(engine e, int device) {
+std::unique_ptr<copier> make_copier(engine e, int device, milliseconds timeout) {
   if (e == engine::cpu) return std::make_unique<cpu_copier>();
 #if REFIT_HAVE_CUDA
-  return make_cuda_copier(e, device);
+  return make_cuda_copier(e, device, timeout);
 #else
-  (void)device;
+  (void)device, (void)timeout;
   throw error(errc::invalid_argument,
               fmt::format("copy engine {} needs CUDA, and this refit was built without it", to_string(e)));
 #endif

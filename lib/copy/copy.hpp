@@ -42,8 +42,10 @@ class copier {
 engine choose(engine preferred, copy_engine requested) noexcept;
 
 /// Throws refit::error(invalid_argument) for a GPU engine in a build without CUDA.
-/// `device` is the CUDA ordinal GPU engines work on.
-std::unique_ptr<copier> make_copier(engine e, int device = 0);
+/// `device` is the CUDA ordinal GPU engines work on. `timeout` bounds the one host wait a GPU
+/// engine may do (the kernel engine reusing an op-list slot whose upload is still queued behind
+/// work of a peer); past it, run() throws errc::timeout.
+std::unique_ptr<copier> make_copier(engine e, int device = 0, milliseconds timeout = milliseconds{60000});
 
 /// Position-dependent checksum of `bytes` bytes at `p`, identical on every device:
 ///   sum over 8-byte little-endian words w_k (k from 0) of w_k * (2k + 1), plus, for the tail

@@ -5,6 +5,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <string_view>
+#include <thread>
+#include <chrono>
 #include <array>
 #include <cstring>
 #include <limits>
@@ -37,7 +40,7 @@ std::size_t non_empty(std::span<const op> ops) noexcept {
 /// the host) for the kernel that last read its device array, in case that ran on another stream.
 class kernel_copier final : public copier {
  public:
-  explicit kernel_copier(int device) : device_(device) {
+  kernel_copier(int device, milliseconds timeout) : device_(device), timeout_(timeout) {
     device_guard guard(device_);
     max_blocks_ = multiprocessors(device_) * kernel::blocks_per_sm;
     for (slot& s : slots_) {
@@ -58,14 +61,10 @@ class kernel_copier final : public copier {
     next_ = (next_ + 1) % slots_.size();
 
     // The host array is overwritten below: its last upload must be complete.
-    const cudaError_t state = cudaEventQuery(sl.uploaded.handle());
-    if (state == cudaErrorNotReady)
-      check_cuda(cudaEventSynchronize(sl.uploaded.handle()), "cudaEventSynchronize(copy op list upload)");
-    else
-      check_cuda(state, "cudaEventQuery(copy op list upload)");
+    wait(sl.uploaded.handle(), "the upload of a copy op list");
     if (count > sl.capacity) {
       // Both arrays are replaced: the kernel that last read the device array must be done too.
-      check_cuda(cudaEventSynchronize(sl.consumed.handle()), "cudaEventSynchronize(copy kernel)");
+      wait(sl.consumed.handle(), "a copy kernel");
       grow(sl, std::max<std::size_t>(count, 2 * sl.capacity));
     }
 
@@ -98,6 +97,22 @@ class kernel_copier final : public copier {
  private:
   static constexpr std::size_t initial_capacity = 1024;  // ops; 32 KiB per array
 
+  /// Waits for `e` on the host, at most timeout_: the work before it may wait on a peer's event
+  /// (the other process's apply or pack), and a dead peer's event may never complete.
+  void wait(cudaEvent_t e, std::string_view what) const {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (;;) {
+      const cudaError_t state = cudaEventQuery(e);
+      if (state == cudaSuccess) return;
+      if (state != cudaErrorNotReady) check_cuda(state, fmt::format("cudaEventQuery({})", what));
+      if (std::chrono::steady_clock::now() >= deadline)
+        throw error(errc::timeout, fmt::format("{} on device {} did not complete within {} ms: the GPU work before "
+                                               "it waits on the peer process, which may have died",
+                                               what, device_, timeout_.count()));
+      std::this_thread::yield();
+    }
+  }
+
   struct slot {
     cuda::pinned_buffer host;
     cuda::device_buffer device;
@@ -118,6 +133,7 @@ class kernel_copier final : public copier {
   }
 
   int device_;
+  milliseconds timeout_;
   int max_blocks_ = 1;
   std::array<slot, 4> slots_;
   std::size_t next_ = 0;
@@ -192,9 +208,9 @@ class each_copier final : public copier {
 
 }  // namespace
 
-std::unique_ptr<copier> make_cuda_copier(engine e, int device) {
+std::unique_ptr<copier> make_cuda_copier(engine e, int device, milliseconds timeout) {
   switch (e) {
-    case engine::kernel: return std::make_unique<kernel_copier>(device);
+    case engine::kernel: return std::make_unique<kernel_copier>(device, timeout);
     case engine::memcpy_batch: return std::make_unique<batch_copier>(device);
     case engine::memcpy_each: return std::make_unique<each_copier>(device);
     case engine::cpu: break;

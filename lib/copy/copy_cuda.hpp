@@ -9,7 +9,7 @@
 namespace refit::copy {
 
 /// kernel, memcpy_batch or memcpy_each on CUDA device `device`.
-std::unique_ptr<copier> make_cuda_copier(engine e, int device);
+std::unique_ptr<copier> make_cuda_copier(engine e, int device, milliseconds timeout);
 
 /// copy::checksum() of device memory on CUDA device `device` (synchronous).
 std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device);

@@ -208,7 +208,7 @@ struct receiver::impl {
       for (std::size_t i = 0; i < sink->count(); ++i)
         sizes.push_back(direct ? transport::direct_batch_bytes : sink->buffer_bytes(i));
       tracker.emplace(std::move(sizes));
-      copier = copy::make_copier(copy::choose(sink->engine(), options.engine), options.device);
+      copier = copy::make_copier(copy::choose(sink->engine(), options.engine), options.device, options.idle_timeout);
       peer = h.peer;
       REFIT_INFO("session with {}: {} × {} MiB {} buffers", peer, sink->count(), sink->buffer_bytes(0) >> 20,
                  h.transport);

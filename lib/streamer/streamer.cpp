@@ -127,7 +127,7 @@ struct streamer::impl {
     so.receivers = endpoints.size();
     so.direct = options.direct && options.transport == transport_kind::cuda_ipc;
     buffers = transport::make_source(so);
-    copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device);
+    copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device, options.timeout);
   }
 
   /// Forgets the session: the next refit says HELLO again.
