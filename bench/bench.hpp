@@ -210,6 +210,11 @@ struct config {
   role side = role::both;
   std::string bind;     ///< receiver: endpoint to bind
   std::string connect;  ///< streamer: endpoint of a receiver started by hand
+  /// Receiver started by hand: the report endpoint to bind (default: default_report_endpoint() of
+  /// the bound --bind). Streamer started by hand: the report endpoint that receiver printed.
+  std::string report;
+  /// Streamer started by hand: run without --report, unverified (wrong = n/a).
+  bool no_verify = false;
   std::vector<std::string> models{"qwen2.5-0.5b"};
   std::string manifest_file;  ///< replaces models
   bool load = false;
@@ -248,6 +253,15 @@ struct config {
   std::vector<std::string> argv;  ///< the command line, for the preamble
 };
 
+/// The report endpoint a receiver started by hand binds when --report is not given, from the
+/// endpoint it serves refits on: "ipc://PATH" → "ipc://PATH.report", "tcp://HOST:PORT" →
+/// "tcp://HOST:*" (a free port: the receiver prints the one it got). Throws
+/// refit::error(invalid_argument) for another scheme or a tcp endpoint without a port.
+std::string default_report_endpoint(std::string_view refit_endpoint);
+/// Throws refit::error(invalid_argument) when the options of c's --role do not go together: a
+/// streamer started by hand without --connect, or with neither --report nor --no-verify (or
+/// both); --report or --no-verify without --role. parse_args() and run() both check.
+void check_role(const config& c);
 /// Parses the command line (argv[0] included). Returns nullopt and sets `exit_code` when the bench
 /// should stop (--help, a bad option: the message is printed).
 std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code);
@@ -329,12 +343,50 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows);
 /// Total wrong values (rows with -1 count as 0).
 std::int64_t total_wrong(const std::vector<row>& rows);
 
+// ---------------------------------------------------------------- verification
+
+/// The check of one receiver's report of refit `version`, the same for a spawned receiver (its
+/// stdout line) and one started by hand (its report endpoint's reply): `line` must be
+/// {"event":"committed","version":version,...,"checksums":[one per tensor of m]}. Returns how
+/// many checksums differ from `expected`, and prints a "WRONG: ..." progress line for each while
+/// fewer than 3 were printed for this refit (`printed`, updated; none with --quiet). `receiver`
+/// tells receivers apart in those lines (" receiver 2", or empty). Throws
+/// refit::error(protocol) naming `who` and quoting the line when it is anything else.
+std::int64_t count_wrong(const config& c, const nlohmann::json& line, std::uint64_t version, const manifest& m,
+                         const std::vector<std::uint64_t>& expected, const std::string& who,
+                         const std::string& receiver, std::int64_t& printed);
+
+/// What a receiver started by hand remembers of its last refits, to answer the streamer's report
+/// requests. Bounded: it keeps the last `capacity` events. Not thread-safe (the receiver's loop
+/// owns it).
+class report_log {
+ public:
+  explicit report_log(std::size_t capacity = 8);
+  /// A committed line, as printed: {"event":"committed","version":v,...}.
+  void committed(const nlohmann::json& line);
+  /// An aborted line, as printed: {"event":"aborted","error":...}.
+  void aborted(const nlohmann::json& line);
+  /// The reply to a request {"version": v}: the committed line of v; the aborted line when the
+  /// refit after the last commit of an earlier version was aborted (the receiver does not say
+  /// which version an abort ended); {"event":"unknown","version":v} otherwise; and
+  /// {"event":"error","error":...} for a request that is not of that form.
+  [[nodiscard]] std::string answer(std::string_view request) const;
+
+ private:
+  void add(const nlohmann::json& line);
+  std::size_t capacity_;
+  std::vector<nlohmann::json> events_;  ///< oldest first
+  bool forgot_ = false;                 ///< events were dropped for capacity
+};
+
 // ---------------------------------------------------------------- running
 
 /// The whole bench as `c` says (both sides, or one); the table goes to `out`. Returns the exit
 /// code: 0 when every refit was verified correct, 1 when a value was wrong. Throws refit::error.
 int run(const config& c, std::ostream& out);
 /// The receiver side alone (role receiver): serves until stdin closes (spawned) or a signal.
+/// Started by hand (not spawned), it also binds c.report (or default_report_endpoint()) and
+/// answers report requests there between refits (report_log).
 int run_receiver(const config& c);
 /// Everything: parse, run, report errors. main() calls this.
 int bench_main(int argc, const char* const* argv);

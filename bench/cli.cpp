@@ -41,10 +41,15 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   std::size_t corrupt = 0;
   bool list = false;
   app.add_option("--role", role_name, "both (default: streamer here, receiver spawned as its own process), "
-                                      "streamer or receiver (run the sides by hand)")
+                                      "streamer or receiver (run the sides by hand: start the receiver first; it prints the "
+                                      "streamer's command, with the --connect and --report endpoints to give it)")
       ->check(CLI::IsMember({"both", "streamer", "receiver"}));
   app.add_option("--bind", c.bind, "receiver: endpoint to bind (ipc:///path, tcp://host:port); default: a private ipc socket");
   app.add_option("--connect", c.connect, "streamer: endpoint of a receiver started with --role receiver");
+  app.add_option("--report", c.report, "by hand: receiver: endpoint to bind for the streamer's checksum requests (default: "
+                                       "ipc://PATH.report for --bind ipc://PATH, tcp://HOST:* for tcp://HOST:PORT); "
+                                       "streamer: the report endpoint the receiver printed (every refit is verified through it)");
+  app.add_flag("--no-verify", c.no_verify, "streamer by hand: run without --report; checksums are not compared (wrong = n/a)");
   app.add_option("--model", c.models, "built-in model(s), comma separated (see --list-models)")
       ->delimiter(',')->capture_default_str();
   app.add_flag("--list-models", list, "print the built-in models and exit");
@@ -137,8 +142,7 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     for (const auto& m : c.models) (void)preset(m, c.type);  // an unknown name fails here, with the list
   }
   if (c.load && c.manifest_file.empty()) bad("--load needs --manifest FILE.safetensors");
-  if (c.side == role::streamer && c.connect.empty())
-    bad("--role streamer needs --connect ENDPOINT (the receiver prints it when it starts)");
+  check_role(c);
   c.engines.clear();
   c.apply_engines.clear();
   const auto engine_named = [&](std::string_view name) {
@@ -167,6 +171,26 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   }
   if (c.direct.empty()) bad("--path: none given");
   return c;
+}
+
+void check_role(const config& c) {
+  switch (c.side) {
+    case role::streamer:
+      if (c.connect.empty()) bad("--role streamer needs --connect ENDPOINT (the receiver prints it when it starts)");
+      if (c.report.empty() && !c.no_verify)
+        bad("--role streamer needs --report ENDPOINT, the report endpoint the receiver printed (\"report\" in its ready "
+            "line and its banner), to verify every refit; or --no-verify to run unverified");
+      if (!c.report.empty() && c.no_verify) bad("--role streamer: --report and --no-verify exclude each other");
+      break;
+    case role::receiver:
+      if (c.no_verify) bad("--no-verify is for --role streamer (the receiver always answers on its report endpoint)");
+      break;
+    case role::both:
+      if (!c.report.empty() || c.no_verify)
+        bad("--report and --no-verify are for the sides run by hand (--role streamer / receiver); a spawned receiver is "
+            "always verified");
+      break;
+  }
 }
 
 std::vector<std::string> ceiling_args(const config& c, const std::string& id_hex, int rank, int nranks, int device) {

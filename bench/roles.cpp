@@ -6,8 +6,16 @@
 // one JSON line: {"event":"committed","version":v,"apply_ms":..,"checksums":[...]}; the streamer
 // compares every checksum with the one it expects. Over nccl it spawns --receivers of them, receiver
 // k on GPU (device + 1 + k) % visible, and every one must commit every version; wrong checksums are
-// summed over them. Started by hand (--role), the receiver prints the same lines and the streamer
-// skips verification with a warning.
+// summed over them.
+//
+// Started by hand (--role receiver, then --role streamer, on one host or two), the receiver prints
+// the same lines and also binds a report endpoint (--report; by default next to --bind): a REP
+// socket that answers {"version": v} with its committed line for v. The streamer (--report, the
+// endpoint the receiver printed) asks it after every refit and compares the checksums with the
+// same code as above (count_wrong), so a wrong byte fails the run in both modes. The receiver
+// answers only between refits (serve_one() with a short wait, then the report socket without
+// one): a request sent during a refit waits in the socket's queue and never slows the refit.
+// --no-verify runs the streamer without a report endpoint: unverified, wrong = n/a.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -29,6 +37,7 @@
 #include <thread>
 
 #include "bench/bench.hpp"
+#include "channel/channel.hpp"
 #include "refit/config.hpp"
 #include "refit/error.hpp"
 #include "refit/receiver.hpp"
@@ -47,6 +56,13 @@ extern "C" void on_stop_signal(int) { stop_requested = 1; }
 
 void progress(const config& c, const std::string& line) {
   if (!c.quiet) std::cerr << "refit-bench: " << line << std::endl;
+}
+
+// A JSON number that is a non-negative integer (a version, a checksum), else nullopt.
+std::optional<std::uint64_t> unsigned_of(const json& j) {
+  if (j.is_number_unsigned()) return j.get<std::uint64_t>();
+  if (j.is_number_integer() && j.get<std::int64_t>() >= 0) return static_cast<std::uint64_t>(j.get<std::int64_t>());
+  return std::nullopt;
 }
 
 }  // namespace
@@ -148,6 +164,97 @@ std::string child_process::describe_exit(int status) {
   return "unknown status";
 }
 
+// ---------------------------------------------------------------- verification
+
+std::string default_report_endpoint(std::string_view refit_endpoint) {
+  const std::string_view ep = refit_endpoint;
+  if (ep.starts_with("ipc://") && ep.size() > 6) return fmt::format("{}.report", ep);
+  if (ep.starts_with("tcp://")) {
+    // The last ':' separates the port, unless it is inside an IPv6 address ("tcp://[::1]").
+    const auto colon = ep.rfind(':');
+    if (colon > 5 && colon + 1 < ep.size() && ep.find(']', colon) == std::string_view::npos)
+      return fmt::format("{}:*", ep.substr(0, colon));
+  }
+  throw error(errc::invalid_argument, fmt::format("refit-bench: no default report endpoint for '{}': give --report "
+                                                  "ipc:///PATH or tcp://HOST:PORT",
+                                                  ep));
+}
+
+std::int64_t count_wrong(const config& c, const json& line, std::uint64_t version, const manifest& m,
+                         const std::vector<std::uint64_t>& expected, const std::string& who, const std::string& receiver,
+                         std::int64_t& printed) {
+  const auto said = [&] { return line.dump().substr(0, 300); };
+  const bool object = line.is_object();
+  const auto v = object ? line.find("version") : line.end();
+  if (!object || line.value("event", json()) != "committed" || v == line.end() || unsigned_of(*v) != version) {
+    const bool unknown = object && line.value("event", json()) == "unknown";
+    throw error(errc::protocol, fmt::format("refit-bench: {} did not commit version {}: it said {}{}", who, version, said(),
+                                            unknown ? " (it has no record of that version: is --connect the endpoint of "
+                                                      "the receiver that printed this report endpoint?)"
+                                                    : ""));
+  }
+  const std::size_t n = m.entries.size();
+  const auto sums = line.find("checksums");
+  if (sums == line.end() || !sums->is_array() || sums->size() != n)
+    throw error(errc::protocol, fmt::format("refit-bench: {} sent {} checksums for {} tensors", who,
+                                            sums == line.end() || !sums->is_array() ? 0 : sums->size(), n));
+  std::int64_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto sum = unsigned_of((*sums)[i]);
+    if (!sum)
+      throw error(errc::protocol,
+                  fmt::format("refit-bench: {} sent checksum {} as {}, not a number", who, i, (*sums)[i].dump()));
+    if (*sum == expected[i]) continue;
+    if (printed < 3) {
+      progress(c, fmt::format("WRONG: version {}{} tensor {} ({}): checksum {:#018x}, expected {:#018x}", version, receiver, i,
+                              describe(m.entries[i].meta), *sum, expected[i]));
+      ++printed;
+    }
+    ++wrong;
+  }
+  return wrong;
+}
+
+report_log::report_log(std::size_t capacity) : capacity_(std::max<std::size_t>(capacity, 1)) {}
+
+void report_log::committed(const json& line) { add(line); }
+void report_log::aborted(const json& line) { add(line); }
+
+void report_log::add(const json& line) {
+  if (events_.size() == capacity_) {
+    events_.erase(events_.begin());
+    forgot_ = true;
+  }
+  events_.push_back(line);
+}
+
+std::string report_log::answer(std::string_view request) const {
+  const json req = json::parse(request, nullptr, false);
+  const auto v = req.is_object() ? req.find("version") : req.end();
+  const auto asked = v == req.end() ? std::nullopt : unsigned_of(*v);
+  if (!asked) return json{{"event", "error"}, {"error", "a report request is {\"version\": N}"}}.dump();
+  const std::uint64_t version = *asked;
+  const auto is = [](const json& e, std::string_view event) { return e.value("event", std::string()) == event; };
+  for (auto e = events_.rbegin(); e != events_.rend(); ++e)
+    if (is(*e, "committed") && e->value("version", std::uint64_t{0}) == version) return e->dump();
+  // The first abort after the last commit of an earlier version, and before any later one, ended
+  // this version (or the refit that was to be it). Without such a commit in the log, only when
+  // nothing was forgotten: an abort could otherwise belong to an older version.
+  const json* abort = nullptr;
+  bool after_earlier = !forgot_;
+  for (const auto& e : events_) {
+    if (is(e, "committed")) {
+      if (e.value("version", std::uint64_t{0}) > version) break;
+      after_earlier = true;
+      abort = nullptr;
+    } else if (is(e, "aborted") && after_earlier && !abort) {
+      abort = &e;
+    }
+  }
+  if (abort) return abort->dump();
+  return json{{"event", "unknown"}, {"version", version}}.dump();
+}
+
 namespace {
 
 // A private directory (mode 0700) for the ipc socket; removed at the end.
@@ -217,13 +324,18 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
   std::vector<int> devices;
   std::vector<std::string> endpoints;
   std::string endpoint = c.connect;
-  const bool verify = c.side == role::both;
+  const bool spawn = c.side == role::both;
+  // Started by hand, the receiver answers for its checksums on its report endpoint; only
+  // --no-verify goes without.
+  const bool verify = spawn || !c.no_verify;
+  std::unique_ptr<channel::req_channel> report;
+  const std::string report_who = fmt::format("the receiver at report endpoint {}", c.report);
   const bool nccl = g.kind == transport_kind::nccl;
   const auto who = [&](std::size_t k) {
     return nccl ? fmt::format("receiver {} of {} (GPU {}, pid {})", k, children.size(), devices[k], children[k]->pid())
                 : fmt::format("the receiver (pid {})", children[k]->pid());
   };
-  if (verify) {
+  if (spawn) {
     dir = std::make_unique<temp_dir>();
     const std::size_t count = nccl ? c.receivers : 1;
     const int visible = nccl ? visible_gpus() : 0;
@@ -241,11 +353,37 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       endpoints.push_back(ready.at("endpoint").get<std::string>());
     }
     endpoint = endpoints.front();
+  } else if (verify) {
+    try {
+      report = std::make_unique<channel::req_channel>(c.report);
+    } catch (const error& e) {
+      throw error(e.code(), fmt::format("refit-bench: --report {}: {}", c.report, e.what()));
+    }
   } else {
     // Always said, --quiet or not: the table cannot vouch for the data in this mode.
-    std::cerr << "refit-bench: WARNING: receiver started by hand: its checksums are printed on its side "
+    std::cerr << "refit-bench: WARNING: --no-verify: the receiver's checksums are printed on its side "
                  "and not verified here (wrong = n/a)" << std::endl;
   }
+  // The receiver's committed line for version v, from its report endpoint.
+  const auto ask_report = [&](std::uint64_t v, milliseconds timeout) {
+    std::string reply;
+    try {
+      reply = report->request(json{{"version", v}}.dump(), timeout, fmt::format("the report of version {}", v));
+    } catch (const error& e) {
+      if (e.code() == errc::timeout)
+        throw error(errc::timeout, fmt::format("refit-bench: {} did not answer for version {} within {} ms: is it the "
+                                               "\"report\" endpoint the receiver printed, and is that receiver running?",
+                                               report_who, v, timeout.count()));
+      throw error(e.code(), fmt::format("refit-bench: asking {} for version {} failed: {}", report_who, v, e.what()));
+    }
+    json line = json::parse(reply, nullptr, false);
+    if (line.is_discarded())
+      throw error(errc::protocol, fmt::format("refit-bench: {} answered for version {} with something that is not JSON "
+                                              "(is it the refit endpoint, --connect, instead of the report one?): {}",
+                                              report_who, v,
+                                              json(reply.substr(0, 100)).dump(-1, ' ', false, json::error_handler_t::replace)));
+    return line;
+  };
 
   progress(c, fmt::format("{} {}: preparing {} tensors, {:.3f} GB of source data", tname, g.m.name, g.m.entries.size(),
                           g.m.bytes() / 1e9));
@@ -283,7 +421,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
 
       row r;
       r.transport = tname;
-      r.receivers = nccl && verify ? endpoints.size() : 1;
+      r.receivers = nccl && spawn ? endpoints.size() : 1;
       r.model = g.m.name;
       r.engine = g.kind == transport_kind::host_shm ? "memcpy"
                  : g.engine == g.apply_engine ? std::string(to_string(g.engine))
@@ -324,32 +462,32 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
             } catch (...) {
             }
           }
+          if (report) {
+            try {
+              const json line = ask_report(v, std::chrono::seconds(2));
+              if (line.value("event", "") == "aborted") detail += fmt::format("; {} says: {}", report_who, line.value("error", ""));
+            } catch (...) {
+            }
+          }
           throw error(e.code(), fmt::format("refit-bench: {} {} {} MiB x{}: refit of version {} failed: {}{}", tname,
                                             g.m.name, mb, nbuf, v, e.what(), detail));
         }
         const double ms = ms_since(t0);
         r.batches = st.batches;
-        std::int64_t wrong_now = 0;
+        std::int64_t wrong_now = 0, printed = 0;
         double apply_ms = -1;
         // Every receiver must have committed v; wrong checksums are summed over the receivers, and
         // apply is the slowest receiver's.
         for (std::size_t k = 0; k < children.size(); ++k) {
           const json line = json::parse(children[k]->read_line(milliseconds(std::max<std::uint64_t>(c.timeout_ms, 600000))));
-          if (line.value("event", "") != "committed" || line.value("version", std::uint64_t{0}) != v)
-            throw error(errc::protocol, fmt::format("refit-bench: {} did not commit version {}: it said {}", who(k), v,
-                                                    line.dump().substr(0, 300)));
+          wrong_now += count_wrong(c, line, v, g.m, expected, who(k), nccl ? fmt::format(" receiver {}", k) : std::string(),
+                                   printed);
           apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
-          const auto& sums = line.at("checksums");
-          if (sums.size() != n)
-            throw error(errc::protocol, fmt::format("refit-bench: {} sent {} checksums for {} tensors", who(k), sums.size(), n));
-          for (std::size_t i = 0; i < n; ++i) {
-            if (sums[i].get<std::uint64_t>() == expected[i]) continue;
-            if (wrong_now < 3)
-              progress(c, fmt::format("WRONG: version {}{} tensor {} ({}): checksum {:#018x}, expected {:#018x}", v,
-                                      nccl ? fmt::format(" receiver {}", k) : std::string(), i,
-                                      describe(g.m.entries[i].meta), sums[i].get<std::uint64_t>(), expected[i]));
-            ++wrong_now;
-          }
+        }
+        if (report) {
+          const json line = ask_report(v, milliseconds(c.timeout_ms));
+          wrong_now += count_wrong(c, line, v, g.m, expected, report_who, std::string(), printed);
+          apply_ms = line.value("apply_ms", -1.0);
         }
         r.wrong += wrong_now;
         const bool counted = it >= c.warmup;
@@ -463,6 +601,33 @@ int run_ceiling_rank(const config& c) {
   return 0;
 }
 
+// The report endpoint of a receiver started by hand: a REP socket, and for ipc its socket file,
+// removed with it. ZeroMQ removes the file too, but later, from its own thread: the receiver's
+// private directory, where the default one lives, would still hold it when it is removed.
+class report_endpoint {
+ public:
+  explicit report_endpoint(const std::string& endpoint) {
+    try {
+      channel_.emplace(endpoint);
+    } catch (const error& e) {
+      throw error(e.code(), fmt::format("refit-bench: the report endpoint {}: {}; choose another with --report ENDPOINT",
+                                        endpoint, e.what()));
+    }
+  }
+  ~report_endpoint() {
+    const std::string bound = channel_->endpoint();
+    channel_.reset();
+    if (bound.starts_with("ipc://")) ::unlink(bound.c_str() + 6);
+  }
+  report_endpoint(const report_endpoint&) = delete;
+  report_endpoint& operator=(const report_endpoint&) = delete;
+
+  [[nodiscard]] channel::rep_channel& channel() noexcept { return *channel_; }
+
+ private:
+  std::optional<channel::rep_channel> channel_;
+};
+
 }  // namespace
 
 int run_receiver(const config& c) {
@@ -483,6 +648,12 @@ int run_receiver(const config& c) {
   receiver r(ro);
   for (std::size_t i = 0; i < m.entries.size(); ++i)
     r.add_parameter(tensor_dest{m.entries[i].meta, dest->data(i), dest->where()});
+  // Started by hand: the streamer asks for our checksums here (a spawned one reads our stdout).
+  // Declared after the receiver, so that it goes first: its ipc file may sit in the receiver's
+  // private directory.
+  std::optional<report_endpoint> reports;
+  if (!c.spawned) reports.emplace(c.report.empty() ? default_report_endpoint(r.endpoint()) : c.report);
+  report_log log;
 
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
@@ -494,12 +665,29 @@ int run_receiver(const config& c) {
     std::cout << j.dump() << '\n';
     std::cout.flush();
   };
-  emit({{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", path->describe_device()},
-        {"tensors", m.entries.size()}, {"bytes", m.bytes()}});
-  if (!c.spawned)
-    std::cerr << fmt::format("refit-bench: receiver for {} over {} listening on {} (Ctrl-C to stop)\n", m.name,
-                             to_string(c.transports.front()), r.endpoint());
+  json ready{{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", path->describe_device()},
+             {"tensors", m.entries.size()}, {"bytes", m.bytes()}};
+  if (reports) ready["report"] = reports->channel().endpoint();
+  // The banner before the ready line: whoever has seen that line can read the banner too.
+  if (reports) {
+    const std::string transport(to_string(c.transports.front()));
+    std::string same = fmt::format("--transport {} {} {}", transport, c.manifest_file.empty() ? "--model" : "--manifest",
+                                   models.front());
+    if (c.type != dtype::bf16) same += fmt::format(" --dtype {}", to_string(c.type));
+    const std::string& report_ep = reports->channel().endpoint();
+    const bool wildcard = r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
+    std::cerr << fmt::format("refit-bench: receiver for {} over {} listening on {}, checksums on {} (Ctrl-C to stop)\n"
+                             "refit-bench: start the streamer with:\n"
+                             "  refit-bench --role streamer --connect {} --report {} {}\n{}",
+                             m.name, transport, r.endpoint(), report_ep, r.endpoint(), report_ep, same,
+                             wildcard ? "refit-bench: (from another host, put this host's address in place of 0.0.0.0)\n"
+                                      : "");
+  }
+  emit(ready);
 
+  // Started by hand we also watch the report endpoint, between messages: a short wait here keeps
+  // its answers prompt, and a message of a refit still ends the wait at once.
+  const milliseconds wait(reports ? 10 : 100);
   for (;;) {
     if (stop_requested) break;
     if (c.spawned) {
@@ -510,7 +698,8 @@ int run_receiver(const config& c) {
         if (::read(0, b, sizeof b) <= 0) break;
       }
     }
-    switch (r.serve_one(milliseconds(100))) {
+    const receiver_event event = r.serve_one(wait);
+    switch (event) {
       case receiver_event::committed: {
         const receiver_stats st = r.last_stats();
         const std::uint64_t v = r.committed_version().value_or(0);
@@ -524,24 +713,31 @@ int run_receiver(const config& c) {
         json sums = json::array();
         for (std::size_t i = 0; i < m.entries.size(); ++i) sums.push_back(dest->checksum(i));
         // apply: copying into the weights, plus the wait at END for the device to finish them.
-        emit({{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
-              {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
-              {"checksums", std::move(sums)}});
+        const json line{{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
+                        {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
+                        {"checksums", std::move(sums)}};
+        emit(line);
+        if (reports) log.committed(line);
         break;
       }
-      case receiver_event::aborted:
-        emit({{"event", "aborted"}, {"error", r.last_error()}});
+      case receiver_event::aborted: {
+        const json line{{"event", "aborted"}, {"error", r.last_error()}};
+        emit(line);
+        if (reports) log.aborted(line);
         break;
+      }
       default: break;
     }
+    // Not in the middle of a refit: a report request sent during one waits in the socket's queue.
+    if (reports && event != receiver_event::hello && event != receiver_event::begin && event != receiver_event::batch)
+      while (const auto request = reports->channel().receive(milliseconds(0))) reports->channel().reply(log.answer(*request));
   }
   return 0;
 }
 
 int run(const config& c, std::ostream& out) {
+  check_role(c);
   if (c.side == role::receiver) return run_receiver(c);
-  if (c.side == role::streamer && c.connect.empty())
-    throw error(errc::invalid_argument, "refit-bench: --role streamer needs --connect ENDPOINT (what the receiver printed)");
 
   // Resolve everything before measuring: a transport that is not built fails here.
   std::vector<std::unique_ptr<transport_path>> paths;
@@ -563,6 +759,10 @@ int run(const config& c, std::ostream& out) {
                                   c.receivers, c.receivers == 1 ? "" : "es", nvls ? nvls : "(unset)"));
     }
   }
+  if (c.side == role::streamer)
+    notes.push_back(c.no_verify ? std::string("--no-verify: the receiver's checksums are not compared here (wrong = n/a)")
+                                : fmt::format("receiver started by hand: every refit verified through its report endpoint {}",
+                                              c.report));
   std::vector<manifest> models;
   for (const auto& name : model_list(c)) models.push_back(workload(c, name));
   std::vector<mapped_file> files;

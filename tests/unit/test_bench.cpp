@@ -1,10 +1,13 @@
 // refit-bench: manifests, presets, report formats and short end-to-end runs of the bench binary.
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -81,8 +84,9 @@ config short_run(const std::string& model) {
   return c;
 }
 
-// Runs the bench binary with these arguments; returns its exit code, stdout in `out`.
-int run_binary(const std::vector<std::string>& args, std::string& out) {
+// Runs the bench binary with these arguments; returns its exit code, stdout in `out` (and stderr
+// in the file `err_file` when given).
+int run_binary(const std::vector<std::string>& args, std::string& out, const std::string& err_file = "") {
   int fds[2];
   REQUIRE(::pipe(fds) == 0);
   std::vector<std::string> storage{bench_binary()};
@@ -95,6 +99,10 @@ int run_binary(const std::vector<std::string>& args, std::string& out) {
   if (pid == 0) {
     ::dup2(fds[1], 1);
     ::close(fds[0]);
+    if (!err_file.empty()) {
+      const int err = ::open(err_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (err >= 0) ::dup2(err, 2);
+    }
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
@@ -106,6 +114,75 @@ int run_binary(const std::vector<std::string>& args, std::string& out) {
   int status = 0;
   ::waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// A receiver started by hand (--role receiver, not --spawned) in its own process, as a user
+// would: the bench binary, its stdout (JSON lines) read here, its stderr (the banner) in the file
+// NAME.err of the scratch directory. Stopped with SIGTERM, as Ctrl-C would.
+struct hand_receiver {
+  hand_receiver(const scratch& s, const std::string& name, const std::vector<std::string>& args)
+      : err_file(s.file(name + ".err")), process("/bin/sh", shell_args(err_file, args)) {
+    ready = json::parse(process.read_line(std::chrono::seconds(60)));
+    REQUIRE(ready["event"] == "ready");
+  }
+  ~hand_receiver() { (void)stop(); }
+  hand_receiver(const hand_receiver&) = delete;
+  hand_receiver& operator=(const hand_receiver&) = delete;
+
+  // Its wait status.
+  int stop() {
+    if (!stopped) {
+      ::kill(process.pid(), SIGTERM);
+      status = process.finish(std::chrono::seconds(10));
+      stopped = true;
+    }
+    return status;
+  }
+  [[nodiscard]] std::string endpoint() const { return ready["endpoint"].get<std::string>(); }
+  [[nodiscard]] std::string report() const { return ready.value("report", std::string()); }
+  [[nodiscard]] std::string banner() const { return read_file(err_file); }
+
+  // sh execs the bench in its own place (same pid), with stderr redirected.
+  static std::vector<std::string> shell_args(const std::string& err_file, const std::vector<std::string>& args) {
+    std::vector<std::string> a{"-c", "exec \"$0\" \"$@\" 2>'" + err_file + "'", bench_binary(), "--role", "receiver"};
+    a.insert(a.end(), args.begin(), args.end());
+    return a;
+  }
+
+  std::string err_file;
+  child_process process;
+  json ready;
+  bool stopped = false;
+  int status = 0;
+};
+
+// A streamer started by hand against `rx`, run in this process.
+config hand_streamer(const hand_receiver& rx) {
+  config c = short_run("tiny");
+  c.side = role::streamer;
+  c.connect = rx.endpoint();
+  c.report = rx.report();
+  return c;
+}
+
+// The lines of the table that are rows (not '#').
+std::vector<std::string> table_rows(const std::string& out) {
+  std::vector<std::string> rows;
+  std::istringstream in(out);
+  for (std::string l; std::getline(in, l);)
+    if (!l.empty() && !l.starts_with("#")) rows.push_back(l);
+  return rows;
+}
+
+std::string last_word(const std::string& line) {
+  const auto end = line.find_last_not_of(' ');
+  const auto start = line.find_last_of(' ', end);
+  return line.substr(start + 1, end - start);
 }
 
 }  // namespace
@@ -594,4 +671,267 @@ TEST_CASE("the bench binary with a good run exits 0 and prints the table on stdo
   CHECK(code == 0);
   CHECK_THAT(stdout_text, Catch::Contains("# refit-bench") && Catch::Contains("median") &&
                               Catch::Contains("# Wrong values          : 0 OK"));
+}
+
+// ---------------------------------------------------------------- by hand: --role receiver / streamer
+
+TEST_CASE("the default report endpoint sits next to an ipc endpoint and on a free port of a tcp one's host", "[bench]") {
+  CHECK(default_report_endpoint("ipc:///run/user/1/refit-ab/receiver.sock") == "ipc:///run/user/1/refit-ab/receiver.sock.report");
+  CHECK(default_report_endpoint("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:*");
+  CHECK(default_report_endpoint("tcp://gpu-node-7:40001") == "tcp://gpu-node-7:*");
+  CHECK(default_report_endpoint("tcp://[::1]:5555") == "tcp://[::1]:*");
+  for (const char* bad : {"ipc://", "tcp://", "tcp://[::1]", "inproc://x", "receiver.sock"})
+    CHECK_THROWS_WITH(default_report_endpoint(bad), Catch::Contains("no default report endpoint") && Catch::Contains("--report"));
+}
+
+TEST_CASE("a streamer started by hand without --report is refused and told what to pass", "[bench]") {
+  int code = -1;
+  const std::string expected =
+      "refit-bench: --role streamer needs --report ENDPOINT, the report endpoint the receiver printed (\"report\" in "
+      "its ready line and its banner), to verify every refit; or --no-verify to run unverified";
+  const char* bare[] = {"refit-bench", "--role", "streamer", "--connect", "ipc:///x"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bare)), bare, code), expected);
+  // The same for a caller that builds the config itself.
+  config c = short_run("tiny");
+  c.side = role::streamer;
+  c.connect = "ipc:///x";
+  std::ostringstream out;
+  CHECK_THROWS_WITH(run(c, out), expected);
+  CHECK(out.str().empty());
+
+  // The binary says so and exits 2, before measuring anything.
+  scratch s;
+  std::string stdout_text;
+  CHECK(run_binary({"--role", "streamer", "--connect", "ipc:///x"}, stdout_text, s.file("err")) == 2);
+  CHECK(stdout_text.empty());
+  CHECK_THAT(read_file(s.file("err")), Catch::Contains("error (invalid_argument): --role streamer needs --report ENDPOINT"));
+
+  const char* report[] = {"refit-bench", "--role", "streamer", "--connect", "ipc:///x", "--report", "ipc:///x.report"};
+  const auto r = parse_args(static_cast<int>(std::size(report)), report, code);
+  REQUIRE(r);
+  CHECK(r->report == "ipc:///x.report");
+  CHECK_FALSE(r->no_verify);
+  const char* unverified[] = {"refit-bench", "--role", "streamer", "--connect", "ipc:///x", "--no-verify"};
+  const auto u = parse_args(static_cast<int>(std::size(unverified)), unverified, code);
+  REQUIRE(u);
+  CHECK(u->no_verify);
+  const char* both[] = {"refit-bench", "--role", "streamer", "--connect", "ipc:///x", "--report", "ipc:///r", "--no-verify"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(both)), both, code), Catch::Contains("exclude each other"));
+  const char* spawned[] = {"refit-bench", "--report", "ipc:///r"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(spawned)), spawned, code),
+                    Catch::Contains("--report and --no-verify are for the sides run by hand"));
+  const char* receiver[] = {"refit-bench", "--role", "receiver", "--report", "ipc:///r"};
+  const auto rx = parse_args(static_cast<int>(std::size(receiver)), receiver, code);
+  REQUIRE(rx);
+  CHECK(rx->report == "ipc:///r");
+}
+
+TEST_CASE("the report log answers with a version's committed line, its abort or unknown, and keeps the last few",
+          "[bench]") {
+  report_log log(3);
+  const auto committed = [](std::uint64_t v) {
+    return json{{"event", "committed"}, {"version", v}, {"apply_ms", 0.5}, {"checksums", {v, v + 1}}};
+  };
+  const auto ask = [&](std::uint64_t v) { return json::parse(log.answer(json{{"version", v}}.dump())); };
+  CHECK(ask(1) == json{{"event", "unknown"}, {"version", 1}});
+  log.committed(committed(1));
+  log.committed(committed(2));
+  CHECK(ask(1) == committed(1));
+  CHECK(ask(2) == committed(2));
+  CHECK(ask(3)["event"] == "unknown");
+  log.aborted(json{{"event", "aborted"}, {"error", "no message from the streamer for 100 ms"}});
+  // The abort came after version 2's commit: it ended version 3.
+  CHECK(ask(3) == json{{"event", "aborted"}, {"error", "no message from the streamer for 100 ms"}});
+  CHECK(ask(2) == committed(2));
+  log.committed(committed(4));
+  CHECK(ask(3)["event"] == "aborted");
+  CHECK(ask(4) == committed(4));
+  CHECK(ask(5)["event"] == "unknown");  // nothing went wrong after 4
+  // Three events kept: version 1 is forgotten, then version 2.
+  CHECK(ask(1)["event"] == "unknown");
+  CHECK(ask(2) == committed(2));
+  log.committed(committed(5));
+  CHECK(ask(2)["event"] == "unknown");
+  CHECK(ask(4) == committed(4));
+  CHECK(ask(5) == committed(5));
+  CHECK(ask(3)["event"] == "unknown");  // its abort is still there, but not version 2's commit before it
+
+  // An abort before any commit ended the first version.
+  report_log fresh;
+  fresh.aborted(json{{"event", "aborted"}, {"error", "BEGIN of version 1 arrived before END"}});
+  CHECK(json::parse(fresh.answer(R"({"version": 1})"))["event"] == "aborted");
+  for (const char* bad : {"", "[1]", "{\"version\": -1}", "{\"v\": 1}", "{\"version\": \"1\"}"})
+    CHECK(json::parse(log.answer(bad))["event"] == "error");
+}
+
+TEST_CASE("a receiver's report counts each checksum unlike the expected one and refuses anything but that version's commit",
+          "[bench]") {
+  manifest m;
+  m.name = "two";
+  m.entries = {{tensor_meta{"a", dtype::u8, {4}}}, {tensor_meta{"b", dtype::u8, {2}}}};
+  const std::vector<std::uint64_t> expected{11, 22};
+  config c;
+  c.quiet = true;
+  std::int64_t printed = 0;
+  const auto line = [](std::uint64_t v, json sums) {
+    return json{{"event", "committed"}, {"version", v}, {"checksums", std::move(sums)}};
+  };
+  CHECK(count_wrong(c, line(7, {11, 22}), 7, m, expected, "rx", "", printed) == 0);
+  CHECK(count_wrong(c, line(7, {11, 23}), 7, m, expected, "rx", "", printed) == 1);
+  CHECK(count_wrong(c, line(7, {10, 23}), 7, m, expected, "rx", "", printed) == 2);
+  const auto refused = [&](const json& l) {
+    try {
+      (void)count_wrong(c, l, 7, m, expected, "the receiver at report endpoint ipc:///r", "", printed);
+    } catch (const refit::error& e) {
+      CHECK(e.code() == errc::protocol);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK_THAT(refused(line(6, {11, 22})), Catch::Contains("the receiver at report endpoint ipc:///r did not commit version 7"));
+  CHECK_THAT(refused(json{{"event", "unknown"}, {"version", 7}}),
+             Catch::Contains("ipc:///r did not commit version 7: it said {\"event\":\"unknown\",\"version\":7}") &&
+                 Catch::Contains("no record of that version"));
+  CHECK_THAT(refused(json{{"event", "aborted"}, {"error", "sink threw"}}), Catch::Contains("sink threw"));
+  CHECK_THAT(refused(line(7, {11})), Catch::Contains("sent 1 checksums for 2 tensors"));
+  CHECK_THAT(refused(line(7, {11, "x"})), Catch::Contains("checksum 1"));
+  CHECK_THAT(refused(json::array()), Catch::Contains("did not commit version 7"));
+}
+
+TEST_CASE("a streamer started by hand verifies every refit through the receiver's report endpoint", "[bench][e2e]") {
+  scratch s;
+  const std::string bind = "ipc://" + s.file("x");
+  hand_receiver rx(s, "receiver", {"--bind", bind, "--model", "tiny"});
+  CHECK(rx.endpoint() == bind);
+  CHECK(rx.report() == bind + ".report");
+  CHECK_THAT(rx.banner(), Catch::Contains("refit-bench --role streamer --connect " + bind + " --report " + bind +
+                                          ".report --transport host_shm --model tiny"));
+
+  config c = hand_streamer(rx);
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  INFO(out.str());
+  // Every row verified: 0 wrong, not n/a (and the receiver's apply time, from its report).
+  const auto rows = table_rows(out.str());
+  REQUIRE(rows.size() == 2);
+  for (const auto& row : rows) {
+    CHECK(last_word(row) == "0");
+    CHECK_THAT(row, !Catch::Contains("n/a"));
+  }
+  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK\n"));
+  CHECK_THAT(out.str(), Catch::Contains("every refit verified through its report endpoint " + bind + ".report"));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 2);
+  for (const auto& r : j["rows"]) {
+    CHECK(r["wrong"] == 0);
+    CHECK(r["apply_ms"].is_number());
+  }
+  CHECK(j["ok"] == true);
+
+  // Ctrl-C ends the receiver cleanly, and its report socket file goes with it.
+  const int status = rx.stop();
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK_FALSE(fs::exists(s.file("x.report")));
+}
+
+TEST_CASE("a byte corrupted on a receiver started by hand is reported as wrong and fails the streamer's run",
+          "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny", "--corrupt-byte", "0"});
+  std::string stdout_text;
+  const int code = run_binary({"--role", "streamer", "--connect", rx.endpoint(), "--report", rx.report(), "--model", "tiny",
+                               "--buffer-mb", "1", "--warmup", "0", "--iters", "2", "--json", s.file("out.json")},
+                              stdout_text, s.file("streamer.err"));
+  INFO(stdout_text);
+  CHECK(code == 1);
+  CHECK_THAT(stdout_text, Catch::Contains("# Wrong values          : 2 FAILED"));
+  const std::string err = read_file(s.file("streamer.err"));
+  CHECK_THAT(err, Catch::Contains("WRONG: version 1 tensor 0 (model.embed_tokens.weight") &&
+                      Catch::Contains("WRONG: version 2 tensor 0"));
+  std::ifstream f(s.file("out.json"));
+  const json j = json::parse(f);
+  CHECK(j["rows"][0]["wrong"] == 2);  // one tensor per refit
+  CHECK(j["ok"] == false);
+}
+
+TEST_CASE("a report endpoint nobody serves fails the run within the timeout, naming the endpoint", "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny"});
+  config c = hand_streamer(rx);
+  c.report = "ipc://" + s.file("nobody");
+  c.timeout_ms = 1500;
+  c.buffer_mb = {1};
+  std::ostringstream out;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    (void)run(c, out);
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::timeout);
+    what = e.what();
+  }
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  CHECK_THAT(what, Catch::Contains("the receiver at report endpoint " + c.report + " did not answer for version 1 within 1500 ms"));
+  // Set-up, one refit and one unanswered request: nowhere near the default --timeout-ms (120 s),
+  // with room for a sanitizer build.
+  CHECK(waited < std::chrono::seconds(20));
+  CHECK(table_rows(out.str()).empty());
+}
+
+TEST_CASE("another receiver's report endpoint answers unknown and the run fails quoting it", "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny"});
+  hand_receiver other(s, "other", {"--bind", "ipc://" + s.file("y"), "--model", "tiny"});
+  config c = hand_streamer(rx);
+  c.report = other.report();
+  c.buffer_mb = {1};
+  std::ostringstream out;
+  std::string what;
+  try {
+    (void)run(c, out);
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::protocol);
+    what = e.what();
+  }
+  CHECK_THAT(what, Catch::Contains("the receiver at report endpoint " + other.report() +
+                                   " did not commit version 1: it said {\"event\":\"unknown\",\"version\":1}"));
+}
+
+TEST_CASE("a receiver started by hand on tcp reports on a free port of its own, and the streamer verifies through it",
+          "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "tcp://127.0.0.1:0", "--model", "tiny"});
+  const std::string ep = rx.endpoint(), report = rx.report();
+  REQUIRE(ep.starts_with("tcp://127.0.0.1:"));
+  REQUIRE(report.starts_with("tcp://127.0.0.1:"));
+  const std::string port = report.substr(std::string("tcp://127.0.0.1:").size());
+  CHECK(std::all_of(port.begin(), port.end(), [](char ch) { return ch >= '0' && ch <= '9'; }));
+  CHECK(report != ep);
+  config c = hand_streamer(rx);
+  c.buffer_mb = {1};
+  c.warmup = 0;
+  c.iters = 1;
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  std::ifstream f(c.json_file);
+  CHECK(json::parse(f)["rows"][0]["wrong"] == 0);
+}
+
+TEST_CASE("--no-verify runs a streamer started by hand unverified, and says so", "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny", "--corrupt-byte", "0"});
+  config c = hand_streamer(rx);
+  c.report.clear();
+  c.no_verify = true;
+  c.buffer_mb = {1};
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);  // the corruption goes unseen: that is what --no-verify means
+  CHECK_THAT(out.str(), Catch::Contains("OK (some rows not verified)") && Catch::Contains("--no-verify"));
+  std::ifstream f(c.json_file);
+  CHECK(json::parse(f)["rows"][0]["wrong"].is_null());
 }
