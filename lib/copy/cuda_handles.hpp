@@ -115,12 +115,21 @@ class event {
   cudaEvent_t e_ = nullptr;
 };
 
-/// A stream of the current device, created with `flags` (cudaStreamNonBlocking, ...).
+/// A stream of the current device, created with `flags` (cudaStreamNonBlocking, ...) and
+/// `priority` (lower numbers run first; 0 is the default, see greatest_priority()).
 class stream {
  public:
   stream() noexcept = default;
-  explicit stream(unsigned int flags) {
-    check_cuda(cudaStreamCreateWithFlags(&s_, flags), fmt::format("cudaStreamCreateWithFlags({:#x})", flags));
+  explicit stream(unsigned int flags, int priority = 0) {
+    check_cuda(cudaStreamCreateWithPriority(&s_, flags, priority),
+               fmt::format("cudaStreamCreateWithPriority({:#x}, {})", flags, priority));
+  }
+  /// The highest priority a stream of the current device can have: its kernels get the SMs first
+  /// when kernels of several streams are ready at once.
+  static int greatest_priority() {
+    int least = 0, greatest = 0;
+    check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    return greatest;
   }
   ~stream() { reset(); }
   stream(stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}

@@ -256,7 +256,11 @@ struct receiver::impl {
   }
 
   /// Builds the copies of a batch into the parameter table, checking every entry against it.
-  std::vector<copy::op> table_ops(const wire::batch& b, const std::byte* base) const {
+  /// With `segments` (a sink that moves entries one by one), an entry whose destination is on the
+  /// sink's device is received straight into it (a segment, no copy); the others are staged in
+  /// the buffer (a segment there, and a copy).
+  std::vector<copy::op> table_ops(const wire::batch& b, const std::byte* base,
+                                  std::vector<transport::segment>* segments) const {
     std::vector<copy::op> ops;
     ops.reserve(b.entries.size());
     const device_kind where = sink->where().kind;
@@ -277,18 +281,30 @@ struct receiver::impl {
                                 "memory",
                                 e.name, d.dev.kind == device_kind::cuda ? "CUDA" : "host", to_string(sink->kind()),
                                 where == device_kind::cuda ? "CUDA" : "host"));
-      if (e.bytes != 0)
-        ops.push_back(copy::op{base + e.buffer_offset, static_cast<std::byte*>(d.data) + e.tensor_offset, e.bytes});
+      if (e.bytes == 0) continue;
+      auto* to = static_cast<std::byte*>(d.data) + e.tensor_offset;
+      if (segments != nullptr && d.dev == sink->where()) {
+        segments->push_back(transport::segment{to, 0, e.bytes});
+        continue;
+      }
+      ops.push_back(copy::op{base + e.buffer_offset, to, e.bytes});
+      if (segments != nullptr) segments->push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
     }
     return ops;
   }
 
   /// Copies (or enqueues the copies of) one batch, or runs the callback over it.
-  void apply(const wire::batch& b, std::vector<copy::op>& ops) {
+  void apply(const wire::batch& b, std::vector<copy::op>& ops, std::vector<transport::segment>& segments) {
     const auto t0 = clock::now();
     std::uint64_t used = 0;
     for (const wire::entry& e : b.entries) used = std::max(used, e.buffer_offset + e.bytes);
     sink->batch_bytes(b.buffer, used);
+    if (sink->moves_entries()) {
+      if (callback)  // the callback reads every entry from the buffer
+        for (const wire::entry& e : b.entries)
+          if (e.bytes != 0) segments.push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
+      sink->entries(b.buffer, segments);
+    }
     sink->begin_read(b.buffer);
     is_dirty.store(true);  // from here on the weights may be partly overwritten
     if (callback) {
@@ -328,9 +344,10 @@ struct receiver::impl {
     }
     if (const auto failed = fail_if_deferred()) return *failed;
     std::vector<copy::op> ops;
+    std::vector<transport::segment> segments;
     try {
       tracker->check(b);
-      if (!callback) ops = table_ops(b, sink->data(b.buffer));
+      if (!callback) ops = table_ops(b, sink->data(b.buffer), sink->moves_entries() && !direct ? &segments : nullptr);
     } catch (const error& e) {
       return fail_refit(e.code(), e.what());
     }
@@ -340,7 +357,7 @@ struct receiver::impl {
       reply_ok();
     } else if (sink->asynchronous()) {
       try {
-        apply(b, ops);
+        apply(b, ops, segments);
       } catch (const error& e) {
         return fail_refit(e.code(), e.what());
       }
@@ -348,7 +365,7 @@ struct receiver::impl {
     } else {
       reply_ok();
       try {
-        apply(b, ops);
+        apply(b, ops, segments);
       } catch (const error& e) {
         deferred = refusal{e.code(), e.what()};
       }

@@ -304,12 +304,16 @@ struct streamer::impl {
       std::vector<wire::entry> entries;
       std::vector<copy::op> ops;
       std::vector<void*> streams;
+      std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
     } open;
 
     // A direct session copies straight into the receiver's weights; the batches then only carry
     // the manifest, and no buffer is reused, so there is nothing to wait for between them.
     const bool direct = buffers->direct();
     stats.direct = direct;
+    // A transport that moves entries one by one (nccl) sends a tensor already on its device from
+    // the tensor itself: only the others are packed.
+    const bool by_entry = !direct && buffers->moves_entries();
     const auto flush = [&] {
       const std::size_t buffer = open.seq % buffers->count();
       auto tp = clock::now();
@@ -320,6 +324,7 @@ struct streamer::impl {
         std::uint64_t used = 0;
         for (const wire::entry& e : open.entries) used = std::max(used, e.buffer_offset + e.bytes);
         buffers->batch_bytes(buffer, used);
+        if (by_entry) buffers->entries(buffer, open.segments);
         buffers->end_pack(buffer);
       }
       stats.pack_seconds += seconds_since(tp);
@@ -337,6 +342,7 @@ struct streamer::impl {
       open.entries.clear();
       open.ops.clear();
       open.streams.clear();
+      open.segments.clear();
     };
 
 
@@ -363,11 +369,18 @@ struct streamer::impl {
           open.streams.push_back(t->stream);
         open.entries.push_back(wire::entry{t->meta.name, t->meta.type, t->meta.shape, p.entry.tensor_offset,
                                            p.entry.bytes, p.entry.buffer_offset});
-        if (p.entry.bytes != 0)
-          open.ops.push_back(copy::op{static_cast<const std::byte*>(t->data) + p.entry.tensor_offset,
-                                      direct ? target + p.entry.tensor_offset
-                                             : buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
-                                      p.entry.bytes});
+        if (p.entry.bytes == 0) continue;
+        const auto* from = static_cast<const std::byte*>(t->data) + p.entry.tensor_offset;
+        if (by_entry && t->dev == buffers->where()) {
+          // Sent in place: rank 0 of an in-place broadcast only reads its buffer.
+          open.segments.push_back(transport::segment{const_cast<std::byte*>(from), 0, p.entry.bytes});
+          continue;
+        }
+        open.ops.push_back(copy::op{from,
+                                    direct ? target + p.entry.tensor_offset
+                                           : buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
+                                    p.entry.bytes});
+        if (by_entry) open.segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
       }
       stats.tensors += 1;
       stats.bytes += bytes;

@@ -1,5 +1,17 @@
-// refit — the nccl transport: one streamer (rank 0) broadcasts each batch into the ping-pong
-// receive buffers of N receivers (ranks 1..N). See nccl.hpp, transport.hpp and DESIGN.md.
+// refit — the nccl transport: one streamer (rank 0) broadcasts each batch to N receivers (ranks
+// 1..N). See nccl.hpp, transport.hpp and DESIGN.md.
+//
+// Entry by entry. A batch is broadcast as one NCCL group of one ncclBroadcast per entry (one
+// kernel launch), not as one broadcast of a packed buffer. So an entry whose tensor lives on the
+// streamer's GPU is sent from the tensor itself, and one whose destination lives on the receiver's
+// GPU (a parameter table) lands in it: no pack, no apply. Measured on two H200s (NVLink, llama3-8b
+// shapes): the copies that packing and applying add run concurrently with the broadcasts and slow
+// them by 8-13% (HBM traffic, even on copy engines), which capped the packed pipeline at ~0.88 of a
+// raw broadcast; grouped per-entry broadcasts of 256 MiB batches reach 0.98 of it (0.97 with the
+// 18,770 tensors of a mixture of experts). The ping-pong buffers remain for what cannot go in
+// place: a tensor on another GPU (packed into send[i]), a callback sink or a destination on another
+// GPU (staged in recv[i], then copied or handed to the callback as before). Each rank chooses its
+// own pointers; only the entries and their order, which come from the batch's manifest, must agree.
 //
 // Sessions. Every session gets a fresh communicator: open_session() makes the ncclUniqueId, the
 // streamer sends it in HELLO to every receiver, then joins (join()) while each receiver joins
@@ -10,18 +22,35 @@
 // batch the streamer would be waiting inside end_pack() for receivers that have not yet seen
 // BATCH 0, which they only get after end_pack() returns.
 //
-// Ordering, streamer: pack stream (copies into send[i]) → packed[i] → comm stream (broadcast of
-// send[i]) → sent[i] → pack stream (the next pack into buffer i). Receiver: comm stream (broadcast
-// into recv[i]) → received[i] → apply stream (copies or the callback) → applied[i] → comm stream
-// (the next broadcast into buffer i). Ordinary events: nothing crosses a process but the bytes.
+// Ordering, streamer: pack stream (waits on the tensors' producer streams, copies into send[i]) →
+// packed[i] → comm stream (the batch's broadcasts) → sent[i] → pack stream (the next pack into
+// buffer i). Receiver: comm stream (the batch's broadcasts) → received[i] → apply stream (copies
+// of staged entries, or the callback) → applied[i] → comm stream (the next broadcast into buffer
+// i). Ordinary events: nothing crosses a process but the bytes. A refit is complete on a receiver
+// when both its streams have drained (END), on the streamer when its comm stream has: only then
+// may the caller change the tensors it sent from.
 //
-// Bounded waits. Before reusing buffer i each side also waits on the host, with the session's
-// deadline, for the work that last used it (sent[i] / applied[i], two batches back). In a healthy
-// pipeline that work is done already; when a peer has died, a broadcast never completes, and this
-// wait turns it into errc::timeout. It also bounds everything else enqueued behind those events
-// (the copy engine waits on the host for its own op-list uploads, which sit behind them on the
-// same stream). Every other wait polls cudaStreamQuery / ncclCommGetAsyncError with a deadline;
-// nothing here calls cudaStreamSynchronize.
+// Running ahead. Reusing a buffer is ordered on the device only (the stream waits on sent[i] /
+// applied[i]); the host does not wait for it. So the streamer packs and enqueues batch k+1, and a
+// receiver enqueues its broadcast and answers BATCH k+1, while broadcast k is still on the link:
+// every rank has the next broadcast queued before the current one ends, and the link never waits
+// for a host (waiting on the host there cost ~0.1-0.2 ms per batch: a round trip to every receiver
+// and a poll's wake-up, on the critical path). How far the host may run ahead is bounded: before
+// enqueuing batch k, each side waits on the host, with the session's deadline, for the broadcast of
+// batch k - lookahead (a ring of events). In a healthy pipeline that is long done; when a peer has
+// died, a broadcast never completes, and this wait turns it into errc::timeout (as does the copy
+// engine's own wait for its op-list slots, and every other wait: they poll cudaStreamQuery /
+// ncclCommGetAsyncError with a deadline; nothing here calls cudaStreamSynchronize).
+//
+// Priorities. The broadcast streams are created with the device's greatest priority, the pack and
+// apply streams with the default one: on a receiver the apply of batch k and the broadcast of k+1
+// become ready at the same instant (the end of broadcast k), and the copy kernel's grid fills
+// every SM, so without it NCCL's kernel could wait for a whole apply to finish.
+//
+// Timeline. With REFIT_LOG=debug every broadcast (and every apply, on a receiver) is bracketed by
+// timing events, and drain() logs one line per refit: how long the link was busy, how long it
+// idled between broadcasts and where, how long the applies took. It says where a refit's time
+// goes without a profiler; otherwise no timing event is recorded.
 //
 // Ending. A communicator is ended with ncclCommAbort, also when the session ended cleanly (its
 // streams drained). ncclCommFinalize waits for every rank of the host to finalize too, but the
@@ -34,11 +63,13 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cstring>
 #include <optional>
 #include <source_location>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -243,6 +274,47 @@ void broadcast(const communicator& comm, void* p, std::uint64_t bytes, cudaStrea
   wait_ready(comm.handle(), deadline::after(budget), call, late);
 }
 
+/// Keeps a batch's entries (see transport::segment) for the next end_pack / begin_read, checking
+/// those staged in the buffer against its size; returns the batch's bytes.
+std::uint64_t take_entries(std::span<const segment> batch, std::uint64_t buffer_bytes, std::size_t i,
+                           std::vector<segment>& into) {
+  into.assign(batch.begin(), batch.end());
+  std::uint64_t total = 0;
+  for (const segment& s : into) {
+    if (s.data == nullptr && (s.offset > buffer_bytes || s.bytes > buffer_bytes - s.offset))
+      throw error(errc::internal, fmt::format("nccl: an entry of {} bytes at offset {} of buffer {} ({} bytes)", s.bytes,
+                                              s.offset, i, buffer_bytes));
+    total += s.bytes;
+  }
+  return total;
+}
+
+/// Enqueues the broadcast of a batch on `s`: one ncclBroadcast per entry, rank 0's bytes into
+/// every other rank's, in place, the batch's as one NCCL group (one launch). Every rank passes the
+/// same entries in the same order (both sides take them from the batch's manifest); where the
+/// bytes are is each rank's own business. An entry with data == nullptr is in `buffer` at its
+/// offset. In non-blocking mode ncclGroupEnd may answer ncclInProgress: the group is then
+/// finished before returning (within `budget`), so that what follows on `s` is ordered after it.
+void broadcast_entries(const communicator& comm, std::span<const segment> batch, std::byte* buffer, cudaStream_t s,
+                       milliseconds budget, std::string_view late) {
+  check_nccl(ncclGroupStart(), "ncclGroupStart", comm.handle());
+  ncclResult_t failed = ncclSuccess;
+  std::size_t k = 0;
+  for (; k < batch.size(); ++k) {
+    const segment& e = batch[k];
+    if (e.bytes == 0) continue;
+    std::byte* p = e.data != nullptr ? e.data : buffer + e.offset;
+    failed = ncclBroadcast(p, p, static_cast<std::size_t>(e.bytes), ncclUint8, 0, comm.handle(), s);
+    if (failed != ncclSuccess && failed != ncclInProgress) break;
+  }
+  const ncclResult_t ended = ncclGroupEnd();  // always: the group must be closed
+  if (failed != ncclSuccess && failed != ncclInProgress)
+    throw nccl_error(failed, fmt::format("ncclBroadcast of entry {} of a batch of {}", k, batch.size()), comm.handle());
+  const std::string what = "ncclGroupEnd (the broadcasts of a batch)";
+  if (ended == ncclInProgress) wait_ready(comm.handle(), deadline::after(budget), what, late);
+  else if (ended != ncclSuccess) throw nccl_error(ended, what, comm.handle());
+}
+
 std::string device_uuid(int device) {
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, device), fmt::format("cudaGetDeviceProperties({})", device));
@@ -265,7 +337,122 @@ device_guard use_device(int device, std::string_view who) {
 }
 
 cuda::event make_event() { return cuda::event(cudaEventDisableTiming); }
+
+/// How many batches a side may enqueue ahead of the broadcasts the device has finished (see
+/// "Running ahead" at the top of this file).
+constexpr std::size_t lookahead = 4;
+
+/// A ring of `lookahead` events, one recorded after each broadcast: wait() before enqueuing a
+/// batch bounds how far the host runs ahead of the link.
+class lookahead_ring {
+ public:
+  lookahead_ring() {
+    for (cuda::event& e : ring_) e = make_event();
+  }
+  /// Starts counting batches again (a new session).
+  void reset() noexcept { issued_ = 0; }
+  /// Waits (bounded) for the broadcast `lookahead` batches before the next one.
+  void wait(ncclComm_t comm, milliseconds timeout, std::string_view late) {
+    const cudaEvent_t e = ring_[issued_ % lookahead].handle();
+    if (cudaEventQuery(e) == cudaSuccess) return;  // the usual case; also an event never recorded
+    wait_event(e, comm, deadline::after(timeout),
+               fmt::format("the broadcast of batch {} of this session", issued_ - lookahead), late);
+  }
+  /// Marks the end of the next batch's broadcast, enqueued on `s`.
+  void record(cudaStream_t s) {
+    check_cuda(cudaEventRecord(ring_[issued_ % lookahead].handle(), s), "cudaEventRecord(lookahead)");
+    ++issued_;
+  }
+
+ private:
+  std::array<cuda::event, lookahead> ring_;
+  std::uint64_t issued_ = 0;
+};
 cuda::stream make_stream() { return cuda::stream(cudaStreamNonBlocking); }
+
+/// The stream that broadcasts: the device's greatest priority (see the top of this file).
+cuda::stream make_comm_stream() { return cuda::stream(cudaStreamNonBlocking, cuda::stream::greatest_priority()); }
+
+/// Timing events around the broadcasts (and the applies) of one refit; see the top of this file.
+/// Records nothing unless REFIT_LOG=debug.
+class timeline {
+ public:
+  /// Starts a refit's record. Cheap when logging is below debug.
+  void reset() {
+    on_ = log::enabled(log::level::debug);
+    spans_[0].n = spans_[1].n = 0;
+    bytes_ = 0;
+  }
+
+  /// Brackets a broadcast of `bytes` bytes (or an apply: kind 1) enqueued on `s`.
+  void begin(int kind, cudaStream_t s) {
+    if (!on_) return;
+    span_list& l = spans_[kind];
+    if (l.n == l.events.size()) l.events.emplace_back(cuda::event(0), cuda::event(0));
+    check_cuda(cudaEventRecord(l.events[l.n].first.handle(), s), "cudaEventRecord(timeline)");
+  }
+  void end(int kind, cudaStream_t s, std::uint64_t bytes = 0) {
+    if (!on_) return;
+    span_list& l = spans_[kind];
+    if (l.n >= l.events.size()) return;  // no begin() since the last reset()
+    check_cuda(cudaEventRecord(l.events[l.n].second.handle(), s), "cudaEventRecord(timeline)");
+    ++l.n;
+    bytes_ += bytes;
+  }
+
+  /// Logs the refit's line; call once its streams are drained. Never throws.
+  void report(std::string_view who) noexcept {
+    if (!on_ || spans_[0].n == 0) return;
+    try {
+      const span_list& b = spans_[0];
+      std::vector<float> dur(b.n);
+      double busy = 0, idle = 0, longest_idle = 0;
+      std::size_t at = 0;
+      for (std::size_t k = 0; k < b.n; ++k) {
+        dur[k] = elapsed(b.events[k].first, b.events[k].second);
+        busy += dur[k];
+        if (k == 0) continue;
+        const double gap = elapsed(b.events[k - 1].second, b.events[k].first);
+        idle += gap;
+        if (gap > longest_idle) longest_idle = gap, at = k;
+      }
+      const double span = elapsed(b.events[0].first, b.events[b.n - 1].second);
+      std::sort(dur.begin(), dur.end());
+      std::string applies;
+      if (const span_list& a = spans_[1]; a.n != 0) {
+        double total = 0, longest = 0;
+        for (std::size_t k = 0; k < a.n; ++k) {
+          const double d = elapsed(a.events[k].first, a.events[k].second);
+          total += d;
+          longest = std::max(longest, d);
+        }
+        applies = fmt::format("; {} applies {:.2f} ms (longest {:.3f} ms)", a.n, total, longest);
+      }
+      REFIT_DEBUG("nccl timeline, {}: {} broadcasts, {:.3f} GB, {:.2f} ms first start to last end; busy {:.2f} ms "
+                  "({:.1f} GB/s while busy; each {:.3f}/{:.3f}/{:.3f} ms min/median/max), idle between them {:.2f} "
+                  "ms (longest {:.3f} ms, before batch {}){}",
+                  who, b.n, static_cast<double>(bytes_) / 1e9, span, busy,
+                  busy > 0 ? static_cast<double>(bytes_) / (busy * 1e6) : 0.0, dur.front(), dur[dur.size() / 2],
+                  dur.back(), idle, longest_idle, at, applies);
+    } catch (const std::exception& e) {
+      REFIT_WARN("nccl timeline: {}", e.what());
+    }
+  }
+
+ private:
+  static double elapsed(const cuda::event& a, const cuda::event& b) {
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, a.handle(), b.handle()), "cudaEventElapsedTime(timeline)");
+    return ms;
+  }
+  struct span_list {
+    std::vector<std::pair<cuda::event, cuda::event>> events;
+    std::size_t n = 0;
+  };
+  bool on_ = false;
+  std::array<span_list, 2> spans_;
+  std::uint64_t bytes_ = 0;
+};
 
 // ------------------------------------------------------------------------------------ streamer
 
@@ -282,14 +469,14 @@ class nccl_source final : public source {
     auto guard = use_device(device_, "streamer");
     uuid_ = device_uuid(device_);
     pack_ = make_stream();
-    comm_stream_ = make_stream();
+    comm_stream_ = make_comm_stream();
+    ahead_.emplace();
     producer_ = make_event();
     for (std::size_t i = 0; i < o.count; ++i) {
       send_.emplace_back(o.bytes);
       packed_.push_back(make_event());
       sent_.push_back(make_event());
     }
-    used_.assign(o.count, 0);
   }
 
   ~nccl_source() override { close_session(); }
@@ -320,7 +507,8 @@ class nccl_source final : public source {
     h.nccl_id.assign(id.internal, sizeof id.internal);
     h.rank = 0;
     h.nranks = static_cast<std::uint32_t>(receivers_ + 1);
-    std::fill(used_.begin(), used_.end(), 0);
+    ahead_->reset();
+    timeline_.reset();
   }
 
   void join(milliseconds timeout) override {
@@ -367,10 +555,7 @@ class nccl_source final : public source {
   void begin_pack(std::size_t i) override {
     require_session("begin_pack");
     or_abort([&] {
-      // Bounded host wait (see the top of this file); usually done already, so checked first.
-      if (cudaEventQuery(sent_[i].handle()) != cudaSuccess)
-        wait_event(sent_[i].handle(), comm_.handle(), deadline::after(timeout_),
-                   fmt::format("the broadcast that last read send buffer {}", i), late_);
+      ahead_->wait(comm_.handle(), timeout_, late_);
       check_cuda(cudaStreamWaitEvent(pack_.handle(), sent_[i].handle(), 0), "cudaStreamWaitEvent(sent)");
     });
   }
@@ -381,11 +566,11 @@ class nccl_source final : public source {
     check_cuda(cudaStreamWaitEvent(pack_.handle(), producer_.handle(), 0), "cudaStreamWaitEvent(producer)");
   }
 
-  void batch_bytes(std::size_t i, std::uint64_t used) override {
-    if (i >= used_.size() || used > bytes_)
-      throw error(errc::internal, fmt::format("nccl: batch of {} bytes in buffer {} (of {} × {} bytes)", used, i,
-                                              used_.size(), bytes_));
-    used_[i] = used;
+  [[nodiscard]] bool moves_entries() const noexcept override { return true; }
+
+  void entries(std::size_t i, std::span<const segment> batch) override {
+    if (i >= send_.size()) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, send_.size()));
+    batch_total_ = take_entries(batch, bytes_, i, batch_);
   }
 
   void end_pack(std::size_t i) override {
@@ -394,11 +579,17 @@ class nccl_source final : public source {
       device_guard guard(device_);
       check_cuda(cudaEventRecord(packed_[i].handle(), pack_.handle()), "cudaEventRecord(packed)");
       check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), packed_[i].handle(), 0), "cudaStreamWaitEvent(packed)");
-      // Both sides skip an empty batch (the receiver computes the same `used` from the entries).
-      if (used_[i] != 0)
-        broadcast(comm_, send_[i].handle(), used_[i], comm_stream_.handle(), timeout_, "ncclBroadcast of a batch",
-                  late_);
+      // Both sides skip a batch of empty entries (the receiver sees the same entries).
+      if (batch_total_ != 0) {
+        timeline_.begin(0, comm_stream_.handle());
+        broadcast_entries(comm_, batch_, static_cast<std::byte*>(send_[i].handle()), comm_stream_.handle(), timeout_,
+                          late_);
+        timeline_.end(0, comm_stream_.handle(), batch_total_);
+      }
+      batch_.clear();
+      batch_total_ = 0;
       check_cuda(cudaEventRecord(sent_[i].handle(), comm_stream_.handle()), "cudaEventRecord(sent)");
+      ahead_->record(comm_stream_.handle());
     });
   }
 
@@ -408,6 +599,8 @@ class nccl_source final : public source {
       wait_stream(pack_.handle(), comm_.handle(), until, "the streamer's packing", late_);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the streamer's broadcasts", late_);
     });
+    timeline_.report(fmt::format("rank 0 (streamer, cuda:{})", device_));
+    timeline_.reset();
   }
 
  private:
@@ -445,8 +638,11 @@ class nccl_source final : public source {
   std::vector<cuda::device_buffer> send_;
   std::vector<cuda::event> packed_;
   std::vector<cuda::event> sent_;
-  std::vector<std::uint64_t> used_;
+  std::vector<segment> batch_;  ///< the entries of the batch being packed (entries())
+  std::uint64_t batch_total_ = 0;
   std::optional<ncclUniqueId> id_;
+  std::optional<lookahead_ring> ahead_;  // made with the streams (on device_)
+  timeline timeline_;
   communicator comm_;  // last: aborted before the buffers and streams it uses are released
 };
 
@@ -510,6 +706,9 @@ class nccl_sink final : public sink {
                                         rank, nranks, device_, h.peer, e.what()));
     }
     peer_ = h.peer;
+    rank_ = rank;
+    ahead_->reset();
+    timeline_.reset();
     late_ = fmt::format("the streamer {} or another receiver of its session is stuck or gone; the communicator of "
                         "rank {} was aborted and the next HELLO builds a new one",
                         peer_, rank);
@@ -541,32 +740,38 @@ class nccl_sink final : public sink {
   [[nodiscard]] void* stream() noexcept override { return apply_.handle(); }
   [[nodiscard]] bool asynchronous() const noexcept override { return true; }
 
-  void batch_bytes(std::size_t i, std::uint64_t used) override {
-    if (i >= used_.size() || used > recv_[i].bytes())
-      throw error(errc::internal, fmt::format("nccl: batch of {} bytes in buffer {} (of {})", used, i, used_.size()));
-    used_[i] = used;
+  [[nodiscard]] bool moves_entries() const noexcept override { return true; }
+
+  void entries(std::size_t i, std::span<const segment> batch) override {
+    if (i >= recv_.size()) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, recv_.size()));
+    batch_total_ = take_entries(batch, recv_[i].bytes(), i, batch_);
   }
 
   void begin_read(std::size_t i) override {
     require_session("begin_read");
     or_abort([&] {
       device_guard guard(device_);
-      // Bounded host wait (see the top of this file); usually done already, so checked first.
-      if (cudaEventQuery(applied_[i].handle()) != cudaSuccess)
-        wait_event(applied_[i].handle(), comm_.handle(), deadline::after(timeout_),
-                   fmt::format("the apply that last read receive buffer {}", i), late_);
+      ahead_->wait(comm_.handle(), timeout_, late_);
       check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), applied_[i].handle(), 0), "cudaStreamWaitEvent(applied)");
-      if (used_[i] != 0)
-        broadcast(comm_, recv_[i].handle(), used_[i], comm_stream_.handle(), timeout_, "ncclBroadcast of a batch",
-                  late_);
+      if (batch_total_ != 0) {
+        timeline_.begin(0, comm_stream_.handle());
+        broadcast_entries(comm_, batch_, static_cast<std::byte*>(recv_[i].handle()), comm_stream_.handle(), timeout_,
+                          late_);
+        timeline_.end(0, comm_stream_.handle(), batch_total_);
+      }
+      batch_.clear();
+      batch_total_ = 0;
       check_cuda(cudaEventRecord(received_[i].handle(), comm_stream_.handle()), "cudaEventRecord(received)");
+      ahead_->record(comm_stream_.handle());
       check_cuda(cudaStreamWaitEvent(apply_.handle(), received_[i].handle(), 0), "cudaStreamWaitEvent(received)");
+      timeline_.begin(1, apply_.handle());
     });
   }
 
   void end_read(std::size_t i) override {
     require_session("end_read");
     or_abort([&] {
+      timeline_.end(1, apply_.handle());
       check_cuda(cudaEventRecord(applied_[i].handle(), apply_.handle()), "cudaEventRecord(applied)");
     });
   }
@@ -578,6 +783,8 @@ class nccl_sink final : public sink {
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the receiver's broadcasts", late_);
       wait_stream(apply_.handle(), comm_.handle(), until, "the receiver's applies", late_);
     });
+    timeline_.report(fmt::format("rank {} (receiver, cuda:{})", rank_, device_));
+    timeline_.reset();
   }
 
   void abort() noexcept override {
@@ -613,11 +820,11 @@ class nccl_sink final : public sink {
       recv_.clear();
       for (const wire::buffer_desc& b : h.buffers) recv_.emplace_back(b.bytes);
     }
-    if (!comm_stream_) comm_stream_ = make_stream();
+    if (!comm_stream_) comm_stream_ = make_comm_stream();
+    if (!ahead_) ahead_.emplace();
     if (!apply_) apply_ = make_stream();
     while (received_.size() < recv_.size()) received_.push_back(make_event());
     while (applied_.size() < recv_.size()) applied_.push_back(make_event());
-    used_.assign(recv_.size(), 0);
   }
 
   int device_;
@@ -630,7 +837,11 @@ class nccl_sink final : public sink {
   std::vector<cuda::device_buffer> recv_;
   std::vector<cuda::event> received_;
   std::vector<cuda::event> applied_;
-  std::vector<std::uint64_t> used_;
+  std::vector<segment> batch_;  ///< where the entries of the next batch land (entries())
+  std::uint64_t batch_total_ = 0;
+  int rank_ = 0;
+  std::optional<lookahead_ring> ahead_;  // made with the streams (needs a device)
+  timeline timeline_;
   communicator comm_;  // last: aborted before the buffers and streams it uses are released
 };
 

@@ -29,6 +29,17 @@ namespace refit::transport {
 /// a manifest message, and larger ones mean fewer round trips.
 inline constexpr std::uint64_t direct_batch_bytes = 1ull << 30;
 
+/// One entry of a batch, for transports that move a batch entry by entry (nccl: one broadcast
+/// per entry, the batch's as one group). On the streamer: the bytes to send; on a receiver: where
+/// they land. `data` null means "in the batch's buffer at `offset`" (a packed entry on the
+/// streamer, a staged one on a receiver); otherwise the entry's own tensor, sent from or received
+/// into in place.
+struct segment {
+  std::byte* data = nullptr;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+};
+
 /// Options a transport is built from (the subset of streamer/receiver options it needs).
 struct source_options {
   transport_kind kind = transport_kind::host_shm;
@@ -89,9 +100,15 @@ class source {
   virtual void after(void* producer_stream) = 0;
   /// After packing buffer i: makes its bytes visible to the receiver.
   virtual void end_pack(std::size_t i) = 0;
-  /// Called before end_pack(i) with the bytes of buffer i the batch uses (a prefix); transports
-  /// that move the bytes (nccl) send only these.
+  /// Called before end_pack(i) with the bytes of buffer i the batch uses (a prefix).
   virtual void batch_bytes(std::size_t i, std::uint64_t used) { (void)i, (void)used; }
+  /// True when the transport moves a batch entry by entry (nccl). An entry whose tensor is
+  /// already where() the buffers are is then not packed: it is sent from the tensor itself. The
+  /// streamer passes every entry of the batch to entries() before end_pack(i), in entry order.
+  [[nodiscard]] virtual bool moves_entries() const noexcept { return false; }
+  /// The entries of the batch in buffer i (see segment). Throws refit::error(internal) for a
+  /// segment outside buffer i.
+  virtual void entries(std::size_t i, std::span<const segment> batch) { (void)i, (void)batch; }
   /// Waits until all local work of this refit is complete.
   virtual void drain() = 0;
 };
@@ -129,6 +146,14 @@ class sink {
 
   /// Called before begin_read(i) with the bytes of buffer i the batch uses (a prefix).
   virtual void batch_bytes(std::size_t i, std::uint64_t used) { (void)i, (void)used; }
+  /// True when the transport moves a batch entry by entry (nccl). An entry whose destination is
+  /// where() the buffers are is then received straight into it, with nothing to apply; the
+  /// receiver passes every entry of the batch to entries() before begin_read(i), in entry order,
+  /// and copies (or hands to the callback) only those staged in buffer i.
+  [[nodiscard]] virtual bool moves_entries() const noexcept { return false; }
+  /// Where each entry of the batch in buffer i lands (see segment). Throws refit::error(internal)
+  /// for a segment outside buffer i.
+  virtual void entries(std::size_t i, std::span<const segment> batch) { (void)i, (void)batch; }
   /// Before reading buffer i: orders the reads after the streamer's packing of it.
   virtual void begin_read(std::size_t i) = 0;
   /// After the reads of buffer i are enqueued: lets the streamer reuse it.

@@ -160,6 +160,9 @@ struct receiver_spec {
   /// counting BEGINs) report "blocked" and wait until killed.
   int block_refit = -1;
   int block_batch = -1;
+  /// Fill the weights with this version's pattern before serving, and after every aborted or
+  /// refused refit report "untouched <check>" (whether every byte still holds it).
+  std::optional<std::uint64_t> prefill = std::nullopt;
 };
 
 // A receiver in a forked child: parameter table or callback sink into device memory of its GPU.
@@ -188,6 +191,7 @@ class receiver_child {
 
 void receiver_child::run() {
   device_tensors dest(spec_.device, spec_.tensors);
+  if (spec_.prefill) dest.fill(*spec_.prefill);
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < spec_.tensors.size(); ++i) index.emplace(spec_.tensors[i].name, i);
 
@@ -249,6 +253,7 @@ void receiver_child::run() {
       case refit::receiver_event::refused:
       case refit::receiver_event::bye:
         reports_.send(outcome(event_name(e), r.committed_version(), r.dirty()) + " | " + r.last_error());
+        if (spec_.prefill && e != refit::receiver_event::bye) reports_.send("untouched " + dest.check(*spec_.prefill));
         break;
       default:
         break;
@@ -316,7 +321,9 @@ void streamer_child::run() {
     try {
       const auto stats = s.refit(version, std::span<const refit::tensor_ref>(refs));
       std::ostringstream line;
-      line << "ok " << stats.version << " tensors=" << stats.tensors << " bytes=" << stats.bytes;
+      // Entries are broadcast from the tensors themselves (rank 0, in place): they must be intact.
+      line << "ok " << stats.version << " tensors=" << stats.tensors << " bytes=" << stats.bytes
+           << " source=" << src.check(version);
       reports_.send(line.str());
     } catch (const refit::error& e) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
@@ -359,7 +366,7 @@ std::uint64_t total_bytes(const std::vector<refit::tensor_meta>& metas) {
 
 std::string ok_line(std::uint64_t version, const std::vector<refit::tensor_meta>& metas) {
   return "ok " + std::to_string(version) + " tensors=" + std::to_string(metas.size()) +
-         " bytes=" + std::to_string(total_bytes(metas));
+         " bytes=" + std::to_string(total_bytes(metas)) + " source=ok";
 }
 
 }  // namespace
@@ -411,6 +418,48 @@ TEST_CASE("nccl: three receivers on four GPUs, tables and a callback, all commit
 
   CHECK(tx.stop() == 0);
   for (auto* rx : {&rx1, &rx2, &rx3}) CHECK(rx->stop() == 0);
+}
+
+TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte of it lands; nothing is committed",
+          "[nccl]") {
+  nccl_environment();
+  const int devices = rt::cuda_device_count();
+  if (devices < 2) {
+    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
+    return;
+  }
+  // Entries land straight in the table's tensors, so the check of a batch must come before its
+  // broadcast is posted. The receiver's table holds the first non-empty tensor (batch 0) in
+  // another shape of the same size: BATCH 0 is refused, and every byte keeps version 9.
+  const auto metas = rt::mixed_model(60, 0, 3);
+  auto table = metas;
+  const auto odd = static_cast<std::size_t>(
+      std::find_if(table.begin(), table.end(), [](const refit::tensor_meta& m) { return m.nbytes() > 0; }) -
+      table.begin());
+  REQUIRE(odd < table.size());
+  const auto elements = table[odd].numel();
+  table[odd].shape = {1, static_cast<std::int64_t>(elements)};
+  if (metas[odd].shape == table[odd].shape) table[odd].shape = {static_cast<std::int64_t>(elements), 1};
+  REQUIRE(table[odd].nbytes() == metas[odd].nbytes());
+
+  const auto ep = rt::temp_endpoint();
+  receiver_child rx({.endpoint = ep, .device = 1, .tensors = table, .prefill = 9});
+  REQUIRE(rx.next_report() == "ready");
+  streamer_child tx({ep}, metas, relaxed);
+
+  const std::string report = tx.refit(1);
+  const auto failure = parse_failure(report);
+  INFO("streamer report: " << report);
+  REQUIRE(failure);
+  CHECK(failure->code == "apply");
+  CHECK(failure->message.find("'" + metas[odd].name + "'") != std::string::npos);
+  const std::string line = rx.next_report();
+  INFO("receiver: " << line);
+  CHECK(starts_with(line, outcome("aborted", std::nullopt, false)));
+  CHECK(rx.next_report() == "untouched ok");
+
+  CHECK(tx.stop() == 0);
+  CHECK(rx.stop() == 0);
 }
 
 // ---------------------------------------------------------------------------------- faults
