@@ -303,6 +303,7 @@ struct preamble {
   std::string data;  ///< "random (seed 1)" or "loaded from FILE"
   std::string command;
   std::string date;
+  bool verified = true;  ///< false with --no-verify: the table cannot vouch for the data
 };
 
 struct row {

@@ -84,8 +84,8 @@ void write_preamble(std::ostream& out, const preamble& p) {
   out << fmt::format("# buffers   : {} x {} MiB, alignment {} B\n", fmt::join(p.buffer_counts, "|"),
                      fmt::join(p.buffer_mb, "|"), p.alignment);
   out << fmt::format("# copy      : engine {}\n", p.engine);
-  out << fmt::format("# iterations: {} warm-up + {} counted per row, each a new version with fresh data; every refit verified\n",
-                     p.warmup, p.iters);
+  out << fmt::format("# iterations: {} warm-up + {} counted per row, each a new version with fresh data; {}\n", p.warmup,
+                     p.iters, p.verified ? "every refit verified" : "NOT verified (--no-verify)");
   out << "# GB/s = payload bytes / median time; floor = 2 x bytes / ceiling for a staged refit (every byte copied twice),\n"
          "#   1 x bytes / ceiling for a direct one (engine +direct: written straight into the receiver's weights);\n"
          "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad checksum\n";

@@ -786,6 +786,7 @@ int run(const config& c, std::ostream& out) {
     if (path->kind() != transport_kind::host_shm) p.gpus.push_back(path->describe_device());
   }
   p.notes = notes;
+  p.verified = !(c.side == role::streamer && c.no_verify);
   for (const auto& m : models) p.models.push_back({m.name, m.entries.size(), m.bytes(), m.params(), m.largest()});
   p.buffer_mb = c.buffer_mb;
   p.buffer_counts = c.buffer_counts;

@@ -932,6 +932,7 @@ TEST_CASE("--no-verify runs a streamer started by hand unverified, and says so",
   std::ostringstream out;
   CHECK(run(c, out) == 0);  // the corruption goes unseen: that is what --no-verify means
   CHECK_THAT(out.str(), Catch::Contains("OK (some rows not verified)") && Catch::Contains("--no-verify"));
+  CHECK_THAT(out.str(), Catch::Contains("NOT verified (--no-verify)") && !Catch::Contains("every refit verified"));
   std::ifstream f(c.json_file);
   CHECK(json::parse(f)["rows"][0]["wrong"].is_null());
 }
