@@ -60,8 +60,6 @@ void expect(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error(what);
 }
 
-std::string code_name(refit::errc c) { return std::string(refit::to_string(c)); }
-
 std::uint64_t round_up(std::uint64_t n, std::uint64_t a) { return (n + a - 1) / a * a; }
 
 /// A model's tensors in one device allocation (each at a 256-byte aligned offset, at least one
@@ -194,15 +192,6 @@ void serve_until_bye(refit::receiver& r, const std::function<void(std::uint64_t)
         throw std::runtime_error("receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
       default: break;
     }
-  }
-}
-
-/// A line from `pipe` if one is there within `wait`; nullopt otherwise.
-std::optional<std::string> try_receive(rt::signal_pipe& pipe, std::chrono::milliseconds wait) {
-  try {
-    return pipe.receive(wait);
-  } catch (const std::runtime_error&) {
-    return std::nullopt;
   }
 }
 
@@ -624,7 +613,7 @@ TEST_CASE("a receiver killed mid-refit fails the streamer with a timeout, and a 
       s.refit(1, weights.refs());
     } catch (const refit::error& e) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
-      line = code_name(e.code()) + " " + std::to_string(ms.count());
+      line = rt::code_name(e.code()) + " " + std::to_string(ms.count());
     }
     outcome.send(line);
     expect(go.receive(60s) == "go", "no go");
@@ -672,7 +661,7 @@ TEST_CASE("a streamer killed mid-refit leaves the receiver's version and marks i
                                 " dirty=" + (r.dirty() ? "1" : "0");
       switch (e) {
         case refit::receiver_event::idle:
-          if (try_receive(stop, 0ms)) return;
+          if (stop.try_receive(0ms)) return;
           break;
         case refit::receiver_event::committed: {
           const auto m = weights.mismatch(*committed);

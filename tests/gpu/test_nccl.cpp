@@ -59,18 +59,6 @@ void cuda_ok(cudaError_t status, const std::string& what) {
     throw std::runtime_error(what + ": " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
 }
 
-// Empty when `data` holds the pattern of `meta` for `version`, else where it first differs.
-std::string pattern_mismatch(const refit::tensor_meta& meta, std::uint64_t version, const std::uint8_t* data) {
-  const auto n = meta.nbytes();
-  std::vector<std::uint8_t> want(n);
-  rt::fill_pattern(meta.name, version, want.data(), n);
-  const auto [w, d] = std::mismatch(want.begin(), want.end(), data);
-  if (w == want.end()) return {};
-  const auto i = static_cast<std::uint64_t>(w - want.begin());
-  return refit::describe(meta) + " byte " + std::to_string(i) + " is " + std::to_string(*d) + ", version " +
-         std::to_string(version) + " has " + std::to_string(*w);
-}
-
 /// One device allocation per tensor (at least one byte, so every tensor has a real pointer).
 /// Lives in a child process only.
 class device_tensors {
@@ -114,7 +102,7 @@ class device_tensors {
       if (n == 0) continue;
       host.resize(n);
       cuda_ok(cudaMemcpy(host.data(), ptrs_[i], n, cudaMemcpyDeviceToHost), "cudaMemcpy (check)");
-      auto m = pattern_mismatch(metas_[i], version, host.data());
+      auto m = rt::pattern_mismatch(metas_[i], version, host.data());
       if (!m.empty()) return m;
     }
     return "ok";
@@ -126,25 +114,9 @@ class device_tensors {
   std::vector<std::uint8_t*> ptrs_;
 };
 
+using rt::outcome;
+
 std::string event_name(refit::receiver_event e) { return std::string(refit::to_string(e)); }
-
-// The line a receiver reports for an outcome: event, committed_version(), dirty(), and for a
-// commit the result of comparing every byte it holds with the committed version's pattern.
-std::string outcome(const std::string& event, std::optional<std::uint64_t> committed, bool dirty,
-                    const std::string& check = "ok") {
-  return event + " committed=" + (committed ? std::to_string(*committed) : std::string("none")) +
-         " dirty=" + (dirty ? "1" : "0") + " check=" + (event == "committed" ? check : "-");
-}
-
-std::optional<std::string> try_receive(rt::signal_pipe& pipe, std::chrono::milliseconds wait) {
-  try {
-    return pipe.receive(wait);
-  } catch (const std::runtime_error&) {
-    return std::nullopt;
-  }
-}
-
-bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
 
 // ------------------------------------------------------------------------ the receiver child
 
@@ -234,7 +206,7 @@ void receiver_child::run() {
     const auto e = r.serve_one(100ms);
     const auto now = std::chrono::steady_clock::now();
     if (e == refit::receiver_event::idle) {
-      if (try_receive(stop_, 0ms)) return;
+      if (stop_.try_receive(0ms)) return;
       if (now - last_event > 300s) throw std::runtime_error("receiver child: no message for 300 s");
       continue;
     }
@@ -339,7 +311,7 @@ void streamer_child::run() {
 std::string next_after_byes(receiver_child& rx) {
   for (;;) {
     std::string line = rx.next_report();
-    if (!starts_with(line, "bye ")) return line;
+    if (!line.starts_with("bye ")) return line;
   }
 }
 
@@ -455,7 +427,7 @@ TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte o
   CHECK(failure->message.find("'" + metas[odd].name + "'") != std::string::npos);
   const std::string line = rx.next_report();
   INFO("receiver: " << line);
-  CHECK(starts_with(line, outcome("aborted", std::nullopt, false)));
+  CHECK(line.starts_with(outcome("aborted", std::nullopt, false)));
   CHECK(rx.next_report() == "untouched ok");
 
   CHECK(tx.stop() == 0);
@@ -520,7 +492,7 @@ TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees t
   for (int k = 0; k < victim; ++k) {
     const std::string line = rx[static_cast<std::size_t>(k)]->next_report(4 * fault_timeout + 30s);
     INFO("receiver " << k << " on cuda:" << k + 1 << ": " << line);
-    CHECK((starts_with(line, "aborted committed=1 ") || starts_with(line, "bye committed=1 ")));
+    CHECK((line.starts_with("aborted committed=1 ") || line.starts_with("bye committed=1 ")));
   }
 
   // A fresh receiver set: a new process on the dead one's endpoint and GPU, the survivors as they

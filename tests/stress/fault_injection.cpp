@@ -217,7 +217,7 @@ void receiver_main(const std::string& endpoint, const std::vector<refit::tensor_
       out.send(state_line(since(settle_start)));
       settling = false;
     }
-    while (const auto cmd = rs::try_receive(in, 0ms)) {
+    while (const auto cmd = in.try_receive(0ms)) {
       if (*cmd == "peek") {
         out.send(state_line(0ms));
       } else if (*cmd == "settle") {
@@ -429,7 +429,7 @@ void run_killed_streamer(const round_plan& p, tally& t) {
     if (p.lockstep) s1_in.send("go");
   }
   REQUIRE(s1.wait(5s) == -SIGKILL);
-  while (const auto line = rs::try_receive(s1_out, 0ms)) slog.add(*line);
+  while (const auto line = s1_out.try_receive(0ms)) slog.add(*line);
   INFO("streamer failures: " << slog.failures.size());
   REQUIRE(slog.failures.empty());
 
@@ -481,7 +481,7 @@ void run_killed_streamer(const round_plan& p, tally& t) {
   REQUIRE(s2.wait(step_wait) == 0);
   r_in.send("stop");
   REQUIRE(rx.wait(step_wait) == 0);
-  while (const auto line = rs::try_receive(r_out, 0ms)) rlog.add(*line);
+  while (const auto line = r_out.try_receive(0ms)) rlog.add(*line);
   for (const auto& [v, c] : rlog.commits) {
     INFO("commit of version " << v);
     REQUIRE(c == "ok");
@@ -520,7 +520,7 @@ void run_killed_receiver(const round_plan& p, tally& t) {
     if (p.lockstep) r1_in.send("go");
   }
   REQUIRE(r1.wait(5s) == -SIGKILL);
-  while (const auto line = rs::try_receive(r1_out, 0ms)) r1log.add(*line);
+  while (const auto line = r1_out.try_receive(0ms)) r1log.add(*line);
 
   // The streamer fails with errc::timeout within its deadline (after finishing, if it had).
   std::vector<std::uint64_t> done;
@@ -581,7 +581,7 @@ void run_killed_receiver(const round_plan& p, tally& t) {
   REQUIRE(s.wait(step_wait) == 0);
   r2_in.send("stop");
   REQUIRE(r2.wait(step_wait) == 0);
-  while (const auto line = rs::try_receive(r2_out, 0ms)) r2log.add(*line);
+  while (const auto line = r2_out.try_receive(0ms)) r2log.add(*line);
   REQUIRE(r2log.refusals.empty());
   REQUIRE(shm_left_by(s.pid()).empty());
   ++t.killed_receiver;

@@ -70,7 +70,7 @@ void receiver_main(const std::string& endpoint, const std::vector<refit::tensor_
     if (e == refit::receiver_event::refused) ++refusals;
     if (e == refit::receiver_event::aborted || e == refit::receiver_event::refused)
       std::cerr << "soak receiver: " << refit::to_string(e) << ": " << r.last_error() << std::endl;
-    while (const auto cmd = rs::try_receive(in, 0ms)) {
+    while (const auto cmd = in.try_receive(0ms)) {
       last_activity = clock_type::now();
       if (*cmd == "baseline") {
         baseline = rs::process_figures::settled();

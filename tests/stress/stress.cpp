@@ -57,14 +57,6 @@ std::string table::check(std::optional<std::uint64_t> version) const {
   return "ok";
 }
 
-std::optional<std::string> try_receive(test::signal_pipe& pipe, std::chrono::milliseconds wait) {
-  try {
-    return pipe.receive(wait);
-  } catch (const std::runtime_error&) {
-    return std::nullopt;
-  }
-}
-
 namespace {
 
 /// Calls f(name) for every entry of a directory but "." and "..".

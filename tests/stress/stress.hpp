@@ -58,9 +58,6 @@ struct table {
   [[nodiscard]] std::string check(std::optional<std::uint64_t> version) const;
 };
 
-/// Reads a line from `pipe` within `wait`; nullopt on timeout or end of file.
-std::optional<std::string> try_receive(test::signal_pipe& pipe, std::chrono::milliseconds wait);
-
 /// What a process holds; read from /proc/self and /dev/shm.
 struct process_figures {
   long fds = 0;         ///< entries of /proc/self/fd

@@ -64,6 +64,29 @@ int remaining_ms(clock::time_point deadline) {
   return left > 0x7fffffff ? 0x7fffffff : static_cast<int>(left);
 }
 
+// Reads one line (without its newline) from `fd` into `line`. False when `deadline` passed first,
+// `line` then holding what had arrived; throws std::runtime_error at end of file or on an error.
+bool read_line(int fd, clock::time_point deadline, std::string& line) {
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    const int r = ::poll(&p, 1, remaining_ms(deadline));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error(std::string("signal_pipe poll failed: ") + std::strerror(errno));
+    }
+    if (r == 0) return false;
+    char c = 0;
+    const ssize_t n = ::read(fd, &c, 1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error(std::string("signal_pipe read failed: ") + std::strerror(errno));
+    }
+    if (n == 0) throw std::runtime_error("signal_pipe: end of file (the other side is gone)");
+    if (c == '\n') return true;
+    line.push_back(c);
+  }
+}
+
 }  // namespace
 
 int cuda_device_count() {
@@ -183,28 +206,17 @@ void signal_pipe::send(const std::string& line) {
 }
 
 std::string signal_pipe::receive(std::chrono::milliseconds timeout) {
-  const auto deadline = clock::now() + timeout;
   std::string line;
-  for (;;) {
-    pollfd p{fds_[0], POLLIN, 0};
-    const int r = ::poll(&p, 1, remaining_ms(deadline));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      throw std::runtime_error(std::string("signal_pipe poll failed: ") + std::strerror(errno));
-    }
-    if (r == 0)
-      throw std::runtime_error("signal_pipe: no line within " + std::to_string(timeout.count()) + " ms (got '" +
-                               line + "' so far)");
-    char c = 0;
-    const ssize_t n = ::read(fds_[0], &c, 1);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw std::runtime_error(std::string("signal_pipe read failed: ") + std::strerror(errno));
-    }
-    if (n == 0) throw std::runtime_error("signal_pipe: end of file (the other side is gone)");
-    if (c == '\n') return line;
-    line.push_back(c);
-  }
+  if (!read_line(fds_[0], clock::now() + timeout, line))
+    throw std::runtime_error("signal_pipe: no line within " + std::to_string(timeout.count()) + " ms (got '" + line +
+                             "' so far)");
+  return line;
+}
+
+std::optional<std::string> signal_pipe::try_receive(std::chrono::milliseconds wait) {
+  std::string line;
+  if (!read_line(fds_[0], clock::now() + wait, line)) return std::nullopt;
+  return line;
 }
 
 // ------------------------------------------------------------------------------------ patterns
@@ -287,6 +299,12 @@ std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, con
   const auto i = static_cast<std::uint64_t>(w - want.begin());
   return describe(meta) + " byte " + std::to_string(i) + " is " + std::to_string(*d) + ", version " +
          std::to_string(version) + " has " + std::to_string(*w);
+}
+
+std::string outcome(const std::string& event, std::optional<std::uint64_t> committed, bool dirty,
+                    const std::string& check) {
+  return event + " committed=" + (committed ? std::to_string(*committed) : std::string("none")) +
+         " dirty=" + (dirty ? "1" : "0") + " check=" + (event == "committed" ? check : "-");
 }
 
 std::string code_name(errc c) { return std::string(to_string(c)); }

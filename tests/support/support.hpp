@@ -47,6 +47,9 @@ class child {
 
 /// A pipe to pass small messages between a parent and a forked child (one direction each way).
 /// Used as the synchronisation point of multi-process tests instead of sleeps.
+///
+/// Both processes keep both ends open, so a reader never sees end of file while its own
+/// signal_pipe exists: a peer that died shows as silence, and every read has a deadline.
 class signal_pipe {
  public:
   signal_pipe();
@@ -55,8 +58,14 @@ class signal_pipe {
   signal_pipe& operator=(const signal_pipe&) = delete;
   /// Writes a line.
   void send(const std::string& line);
-  /// Reads a line, waiting at most `timeout`; throws std::runtime_error on timeout or EOF.
+  /// Reads a line, waiting at most `timeout`; throws std::runtime_error on timeout, at end of
+  /// file or when reading fails.
   std::string receive(std::chrono::milliseconds timeout = std::chrono::seconds(30));
+  /// Reads a line if one arrives within `wait` (0 ms: only a line already there); nullopt when
+  /// none does. At end of file or when reading fails it throws std::runtime_error as receive()
+  /// does: only silence reads as "no line". Bytes of a line still incomplete at the deadline are
+  /// dropped, as by receive() (send() writes a short line in one piece, so a poll sees it whole).
+  std::optional<std::string> try_receive(std::chrono::milliseconds wait);
 
  private:
   int fds_[2] = {-1, -1};
@@ -91,6 +100,12 @@ struct host_tensors {
 
 /// Empty when `data` holds the pattern of `meta` for `version`, else where it first differs.
 std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, const std::uint8_t* data);
+
+/// The line a receiver child reports for an outcome: "<event> committed=<version|none>
+/// dirty=<0|1> check=<check>", where `check` (what comparing every byte the receiver holds with
+/// the committed version's pattern found) stands for a commit only and is "-" for other events.
+std::string outcome(const std::string& event, std::optional<std::uint64_t> committed, bool dirty,
+                    const std::string& check = "ok");
 
 /// A refit::error as plain strings, so that Catch2 prints both sides of a failed check.
 struct failure {

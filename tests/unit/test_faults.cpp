@@ -46,9 +46,6 @@ refit::milliseconds since(clock_type::time_point start) {
   return std::chrono::duration_cast<refit::milliseconds>(clock_type::now() - start);
 }
 
-// A private endpoint for one test; its socket file and directory go when the test ends.
-
-
 // A receiver's parameter table: one buffer per tensor.
 struct table {
   std::vector<refit::tensor_meta> metas;
@@ -75,15 +72,6 @@ struct table {
     return "ok";
   }
 };
-
-
-std::optional<std::string> try_receive(rt::signal_pipe& pipe, std::chrono::milliseconds wait) {
-  try {
-    return pipe.receive(wait);
-  } catch (const std::runtime_error&) {
-    return std::nullopt;
-  }
-}
 
 refit::streamer_options stream_options(const std::string& endpoint, std::uint64_t buffer_bytes,
                                        const std::string& token = {}) {
@@ -153,7 +141,7 @@ class receiver_child {
     for (;;) {
       const auto e = r.serve_one(100ms);
       if (e == refit::receiver_event::idle) {
-        if (try_receive(to_child_, 0ms)) return;
+        if (to_child_.try_receive(0ms)) return;
         if (clock_type::now() - last_event > 30s) throw std::runtime_error("receiver child: no message for 30 s");
         continue;
       }
@@ -233,7 +221,7 @@ TEST_CASE("a receiver killed mid-refit fails the streamer with errc::timeout in 
   std::atomic<bool> refit_returned{false};
   bool killed_during_refit = false;
   std::thread killer([&] {
-    if (try_receive(from_a, 20s) == std::optional<std::string>("blocked")) {
+    if (from_a.try_receive(20s) == std::optional<std::string>("blocked")) {
       killed_during_refit = !refit_returned.load();
       a.kill();
     }
@@ -317,7 +305,7 @@ TEST_CASE("a streamer killed mid-refit leaves the receiver on its previous versi
     if (e == refit::receiver_event::committed || e == refit::receiver_event::aborted)
       FAIL("serve_one returned " << refit::to_string(e) << " during version 2: " << r.last_error());
     if (e == refit::receiver_event::batch) ++batches;
-    if (!blocked) blocked = try_receive(from_s1, 0ms) == std::optional<std::string>("blocked");
+    if (!blocked) blocked = from_s1.try_receive(0ms) == std::optional<std::string>("blocked");
   }
   s1.kill();
   CHECK(s1.wait(5s) == -SIGKILL);
