@@ -103,22 +103,7 @@ std::string event_name(refit::receiver_event e) {
   return "unknown";
 }
 
-// The line the child reports for an outcome: event, committed_version(), dirty(), and for a
-// commit the result of comparing every byte it holds with the committed version's pattern.
-std::string outcome(const std::string& event, std::optional<std::uint64_t> committed, bool dirty,
-                    const std::string& check = "ok") {
-  return event + " committed=" + (committed ? std::to_string(*committed) : std::string("none")) +
-         " dirty=" + (dirty ? "1" : "0") + " check=" + (event == "committed" ? check : "-");
-}
-
-// A line from `pipe` if one is there within `wait`; nullopt otherwise.
-std::optional<std::string> try_receive(rt::signal_pipe& pipe, std::chrono::milliseconds wait) {
-  try {
-    return pipe.receive(wait);
-  } catch (const std::runtime_error&) {
-    return std::nullopt;
-  }
-}
+using rt::outcome;
 
 // A receiver in a forked child. It reports every committed, aborted and refused event as an
 // outcome() line, answers state() between messages, and serves until the parent calls stop().
@@ -252,7 +237,7 @@ void receiver_child::run() {
     const auto e = r.serve_one(100ms);
     const auto now = std::chrono::steady_clock::now();
     if (e == refit::receiver_event::idle) {
-      if (const auto line = try_receive(to_child_, 0ms)) {
+      if (const auto line = to_child_.try_receive(0ms)) {
         if (*line == "stop") return;
         reports_.send(outcome("state", r.committed_version(), r.dirty()));
       }
