@@ -223,6 +223,7 @@ struct config {
   std::vector<double> buffer_mb{64};
   std::vector<std::size_t> buffer_counts{2};
   std::uint64_t alignment = 256;
+  bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
   /// GPU copy engines to compare (one row each); host_shm always copies with memcpy.
   std::vector<copy_engine> engines{copy_engine::automatic};
   /// The receiver's engine for each entry of `engines` ("--engine pack/apply"; same when not given).
@@ -295,6 +296,7 @@ struct preamble {
   std::vector<double> buffer_mb;
   std::vector<std::size_t> buffer_counts;
   std::uint64_t alignment = 0;
+  bool keep_whole = true;
   int warmup = 0;
   int iters = 0;
   std::string dtype;

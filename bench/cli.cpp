@@ -64,6 +64,10 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   app.add_option("--buffers", c.buffer_counts, "number of buffers (ping-pong: at least 2), comma separated")
       ->delimiter(',')->capture_default_str();
   app.add_option("--alignment", c.alignment, "entry alignment in the buffers (power of two)")->capture_default_str();
+  app.add_option("--keep-whole", c.keep_whole,
+                 "1: a tensor that fits a buffer is never split over two batches (streamer_options::keep_whole); "
+                 "0: batches are filled up, tensors chunked at their edges")
+      ->capture_default_str();
   app.add_option("--engine", engines, "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
                                       "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "
                                       "receiver different ones, e.g. memcpy_batch/kernel")

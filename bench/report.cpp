@@ -81,8 +81,9 @@ void write_preamble(std::ostream& out, const preamble& p) {
     out << fmt::format("# model     : {}: {} tensors, {} params, {:.3f} GB, largest tensor {:.1f} MB\n", m.name,
                        m.tensors, m.params, m.bytes / 1e9, m.largest / 1e6);
   out << fmt::format("# data      : {}, dtype {}\n", p.data, p.dtype);
-  out << fmt::format("# buffers   : {} x {} MiB, alignment {} B\n", fmt::join(p.buffer_counts, "|"),
-                     fmt::join(p.buffer_mb, "|"), p.alignment);
+  out << fmt::format("# buffers   : {} x {} MiB, alignment {} B, {}\n", fmt::join(p.buffer_counts, "|"),
+                     fmt::join(p.buffer_mb, "|"), p.alignment,
+                     p.keep_whole ? "tensors kept whole where they fit a buffer" : "batches filled up (--keep-whole 0)");
   out << fmt::format("# copy      : engine {}\n", p.engine);
   out << fmt::format("# iterations: {} warm-up + {} counted per row, each a new version with fresh data; {}\n", p.warmup,
                      p.iters, p.verified ? "every refit verified" : "NOT verified (--no-verify)");
@@ -169,6 +170,7 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
   pj["buffer_mb"] = p.buffer_mb;
   pj["buffer_counts"] = p.buffer_counts;
   pj["alignment"] = p.alignment;
+  pj["keep_whole"] = p.keep_whole;
   pj["warmup"] = p.warmup;
   pj["iters"] = p.iters;
   pj["dtype"] = p.dtype;

@@ -413,6 +413,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       so.buffer_count = nbuf;
       so.buffer_bytes = static_cast<std::uint64_t>(std::llround(mb * (1 << 20)));
       so.alignment = c.alignment;
+      so.keep_whole = c.keep_whole;
       so.device = c.device;
       so.timeout = milliseconds(c.timeout_ms);
       so.page_locked = c.page_locked;
@@ -791,6 +792,7 @@ int run(const config& c, std::ostream& out) {
   p.buffer_mb = c.buffer_mb;
   p.buffer_counts = c.buffer_counts;
   p.alignment = c.alignment;
+  p.keep_whole = c.keep_whole;
   p.warmup = c.warmup;
   p.iters = c.iters;
   p.dtype = c.manifest_file.empty() ? std::string(to_string(c.type)) : "from the manifest";

@@ -620,6 +620,35 @@ TEST_CASE("a tensor larger than the buffer and odd sizes from a JSON manifest ar
   CHECK(j["rows"][0]["batches"].get<std::uint64_t>() >= 4);
 }
 
+TEST_CASE("--keep-whole 0 fills every batch up, chunking tensors at its edges, and still verifies", "[bench][e2e]") {
+  // Three 600 KiB tensors in 1 MiB buffers: kept whole they need three batches; filled up, two.
+  scratch s;
+  write_file(s.file("three.json"), R"({"a": {"dtype": "u8", "shape": [614400]}, "b": {"dtype": "u8", "shape": [614400]},
+                                       "c": {"dtype": "u8", "shape": [614400]}})");
+  for (const bool whole : {true, false}) {
+    config c = short_run("tiny");
+    c.manifest_file = s.file("three.json");
+    c.buffer_mb = {1};
+    c.keep_whole = whole;
+    c.json_file = s.file("out.json");
+    std::ostringstream out;
+    CHECK(run(c, out) == 0);
+    CHECK_THAT(out.str(), Catch::Contains(whole ? "tensors kept whole where they fit a buffer"
+                                                : "batches filled up (--keep-whole 0)"));
+    std::ifstream f(c.json_file);
+    const json j = json::parse(f);
+    REQUIRE(j["rows"].size() == 1);
+    CHECK(j["rows"][0]["wrong"] == 0);
+    CHECK(j["rows"][0]["batches"] == (whole ? 3 : 2));
+    CHECK(j["preamble"]["keep_whole"] == whole);
+  }
+  int code = -1;
+  const char* argv[] = {"refit-bench", "--keep-whole", "0"};
+  const auto parsed = parse_args(static_cast<int>(std::size(argv)), argv, code);
+  REQUIRE(parsed);
+  CHECK_FALSE(parsed->keep_whole);
+}
+
 TEST_CASE("--load refits the data of a safetensors file", "[bench][e2e]") {
   scratch s;
   std::string data(4096 + 6, '\0');
