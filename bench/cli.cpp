@@ -74,7 +74,9 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
       ->delimiter(',')->capture_default_str();
   std::vector<std::string> paths{"direct", "staged"};
   app.add_option("--path", paths, "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
-                                  "staged (through the ping-pong buffers, two copies), comma separated: one row each")
+                                  "staged (through the ping-pong buffers, two copies); nccl: direct (in place: 1 GiB "
+                                  "batches whatever the buffer size), staged (buffer-sized batches); comma separated: "
+                                  "one row each")
       ->delimiter(',')->capture_default_str();
   app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
   app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();

@@ -92,8 +92,10 @@ void write_preamble(std::ostream& out, const preamble& p) {
          "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad checksum\n";
   if (std::find(p.transports.begin(), p.transports.end(), "nccl") != p.transports.end())
     out << "# nccl rows: ceiling = raw ncclBroadcast among the same GPUs; floor = 1 x bytes / ceiling (one pass: refit\n"
-           "#   broadcasts every byte once, packing and applying overlap it), so ratio = refit GB/s / raw broadcast GB/s;\n"
-           "#   apply = the slowest receiver's; wrong = summed over every receiver\n";
+           "#   broadcasts every byte once, from the tensors into the weights where they are on the GPUs), so ratio =\n"
+           "#   refit GB/s / raw broadcast GB/s; +in-place: every entry in place, 1 GiB batches whatever the buffer size\n"
+           "#   (--path direct); without: buffer-sized batches (--path staged); apply = the slowest receiver's; wrong =\n"
+           "#   summed over every receiver\n";
   out << "#\n";
 }
 

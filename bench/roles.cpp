@@ -400,8 +400,8 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
   progress(c, fmt::format("{} {}: ready in {:.1f} s", tname, g.m.name, ms_since(t_prep) / 1e3));
 
   bool first = true;
-  // Only cuda_ipc has a direct path; other transports run each row once.
-  const std::vector<bool> paths = g.kind == transport_kind::cuda_ipc ? c.direct : std::vector<bool>{false};
+  // cuda_ipc and nccl have a direct path (nccl: in place); host_shm runs each row once.
+  const std::vector<bool> paths = g.kind != transport_kind::host_shm ? c.direct : std::vector<bool>{false};
   for (const std::size_t nbuf : c.buffer_counts) {
     for (const double mb : c.buffer_mb) {
      for (const bool want_direct : paths) {
@@ -511,7 +511,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       r.gbps = r.bytes / (r.median_ms * 1e6);
       r.ceiling_gbps = g.ceiling / 1e9;
       // A direct refit copies every byte once, a staged one twice: each is held to its own floor.
-      if (went_direct) r.engine += "+direct";
+      if (went_direct) r.engine += nccl ? "+in-place" : "+direct";
       // Over nccl the ceiling is itself the transfer (a raw broadcast), which refit makes once, with
       // packing and applying overlapping it: one pass too.
       r.floor_ms = (went_direct || nccl ? 1.0 : 2.0) * static_cast<double>(r.bytes) / g.ceiling * 1e3;

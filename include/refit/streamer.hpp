@@ -38,6 +38,12 @@ struct streamer_options {
   /// batch and commits only at END. Falls back to staging through the buffers, by itself, when
   /// the receiver does not offer its weights (callback sink, memory it cannot export) or this
   /// process cannot map them. false: always stage.
+  /// nccl: ask the receivers to receive every entry in place (each one does when its parameter
+  /// table is all on its GPU); when all of them do, batches are 1 GiB whatever buffer_bytes is and
+  /// every tensor is sent from where it is, so every tensor must then be on `device` (another
+  /// one fails the refit with errc::invalid_argument before it is sent). When a receiver stages
+  /// (callback sink), batches are buffer-sized and a tensor on another GPU is packed. false:
+  /// always buffer-sized batches (entries still go in place where they can).
   bool direct = true;
   /// Longest wait for any reply of the receiver; past it the refit fails with errc::timeout and
   /// the next refit starts a new session.
@@ -59,7 +65,7 @@ struct refit_stats {
   double source_seconds = 0;  ///< in the tensor source's next()
   double pack_seconds = 0;  ///< enqueuing (cuda) or doing (cpu) the copies into buffers
   double wait_seconds = 0;  ///< waiting for the receiver's replies
-  bool direct = false;      ///< written straight into the receiver's weights (cuda_ipc direct)
+  bool direct = false;      ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
 };
 
 /// Yields the tensors of one refit one at a time, so that the caller can gather tensor k+1 while

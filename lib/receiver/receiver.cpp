@@ -75,6 +75,7 @@ struct receiver::impl {
   std::optional<wire::refit_tracker> tracker;
   std::string peer;
   bool direct = false;  ///< the streamer writes straight into the table (cuda_ipc direct)
+  bool in_place = false;  ///< every entry is received straight into the table (nccl)
 
   // Refit in progress.
   clock::time_point refit_start{};
@@ -149,6 +150,7 @@ struct receiver::impl {
     copier.reset();
     peer.clear();
     direct = false;
+    in_place = false;
   }
 
   void reply_ok(std::vector<std::string> handles = {}) {
@@ -203,10 +205,11 @@ struct receiver::impl {
         dests.reserve(table.size());
         for (const auto& [name, d] : table) dests.push_back(d);
         direct = sink->offer_direct(h, dests, reply);
+        in_place = !direct && sink->offer_in_place(h, dests, reply);
       }
       std::vector<std::uint64_t> sizes;
       for (std::size_t i = 0; i < sink->count(); ++i)
-        sizes.push_back(direct ? transport::direct_batch_bytes : sink->buffer_bytes(i));
+        sizes.push_back(direct || in_place ? transport::direct_batch_bytes : sink->buffer_bytes(i));
       tracker.emplace(std::move(sizes));
       copier = copy::make_copier(copy::choose(sink->engine(), options.engine), options.device, options.idle_timeout);
       peer = h.peer;

@@ -125,7 +125,7 @@ struct streamer::impl {
     so.page_locked = options.page_locked;
     endpoints = endpoints_of(options);
     so.receivers = endpoints.size();
-    so.direct = options.direct && options.transport == transport_kind::cuda_ipc;
+    so.direct = options.direct && options.transport != transport_kind::host_shm;
     buffers = transport::make_source(so);
     copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device, options.timeout);
   }
@@ -234,7 +234,7 @@ struct streamer::impl {
       };
       const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
       try {
-        buffers->session_accepted(oks.front());
+        buffers->session_accepted(oks);
       } catch (const error& e) {
         // The receiver offered its weights for direct writes, but they cannot be mapped here:
         // start over with a session that stages through the buffers.
@@ -310,10 +310,12 @@ struct streamer::impl {
     // A direct session copies straight into the receiver's weights; the batches then only carry
     // the manifest, and no buffer is reused, so there is nothing to wait for between them.
     const bool direct = buffers->direct();
-    stats.direct = direct;
     // A transport that moves entries one by one (nccl) sends a tensor already on its device from
-    // the tensor itself: only the others are packed.
+    // the tensor itself: only the others are packed. When every receiver receives in place too,
+    // no buffer holds a batch, and every tensor must be sent from where it is.
     const bool by_entry = !direct && buffers->moves_entries();
+    const bool in_place = by_entry && buffers->in_place();
+    stats.direct = direct || in_place;
     const auto flush = [&] {
       const std::size_t buffer = open.seq % buffers->count();
       auto tp = clock::now();
@@ -348,7 +350,7 @@ struct streamer::impl {
 
     planner pl([&] {
       plan_options p = plan;
-      if (direct) p.buffer_bytes = transport::direct_batch_bytes;
+      if (direct || in_place) p.buffer_bytes = transport::direct_batch_bytes;
       return p;
     }());
     std::unordered_set<std::string> names;
@@ -363,6 +365,13 @@ struct streamer::impl {
         throw error(errc::invalid_argument,
                     fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
       std::byte* const target = direct ? buffers->destination(t->meta.name, bytes) : nullptr;
+      if (in_place && bytes != 0 && !(t->dev == buffers->where()))
+        throw error(errc::invalid_argument,
+                    fmt::format("tensor {} is on cuda:{}, but this nccl session sends every tensor in place from the "
+                                "streamer's GPU, cuda:{} (nothing of it was sent; receivers that took earlier "
+                                "batches of version {} stay dirty until a refit commits): move it there, or set "
+                                "streamer_options::direct = false to pack such tensors",
+                                describe(t->meta), t->dev.index, buffers->where().index, version));
       for (const placement& p : pl.add(index, bytes)) {
         while (p.batch > open.seq) flush();
         if (t->stream != nullptr && (open.streams.empty() || open.streams.back() != t->stream))

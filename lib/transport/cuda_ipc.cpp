@@ -257,8 +257,10 @@ class cuda_ipc_source final : public source {
     h.buffers = exported_;
   }
 
-  void session_accepted(const wire::ok& reply) override {
+  void session_accepted(std::span<const wire::ok> replies) override {
     close_session();
+    if (replies.empty()) return;
+    const wire::ok& reply = replies.front();  // cuda_ipc has one receiver
     if (!want_direct_ || reply.handles.empty() || reply.handles.front() != direct_offer_tag) return;
     // The receiver offered its weights: map each allocation once for the session.
     device_guard guard(device_);

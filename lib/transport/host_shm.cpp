@@ -266,8 +266,8 @@ class host_shm_source final : public source {
     shared_ = true;
   }
 
-  void session_accepted(const wire::ok& reply) override {
-    (void)reply;
+  void session_accepted(std::span<const wire::ok> replies) override {
+    (void)replies;
     for (auto& s : segments_) s.unlink();
   }
 

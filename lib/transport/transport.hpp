@@ -28,6 +28,8 @@ namespace refit::transport {
 /// use this size instead of the buffers' when they plan and check batches: a batch is then only
 /// a manifest message, and larger ones mean fewer round trips.
 inline constexpr std::uint64_t direct_batch_bytes = 1ull << 30;
+/// The first handle of a receiver's reply to HELLO when it receives every entry in place (nccl).
+inline constexpr std::string_view in_place_offer_tag = "refit-in-place/1";
 
 /// One entry of a batch, for transports that move a batch entry by entry (nccl: one broadcast
 /// per entry, the batch's as one group). On the streamer: the bytes to send; on a receiver: where
@@ -76,8 +78,9 @@ class source {
   /// whose set-up needs every process at once (nccl: ncclCommInitRank) do it here, within
   /// `timeout`. Throws refit::error (nccl, timeout) and leaves nothing half-built.
   virtual void join(milliseconds timeout) { (void)timeout; }
-  /// The receiver replied OK to HELLO: everything is mapped (host_shm unlinks its segments).
-  virtual void session_accepted(const wire::ok& reply) = 0;
+  /// Every receiver replied OK to HELLO (`replies`, one per receiver, in order): everything is
+  /// mapped (host_shm unlinks its segments).
+  virtual void session_accepted(std::span<const wire::ok> replies) = 0;
   /// The session ended (BYE, or the peer was lost). Never throws.
   virtual void close_session() noexcept = 0;
 
@@ -93,6 +96,11 @@ class source {
   }
   /// Stops asking for direct sessions (after the receiver's offer could not be mapped).
   virtual void disable_direct() noexcept {}
+  /// True when every receiver of this session receives every entry in place (nccl: each one
+  /// offered it in its reply to HELLO, see sink::offer_in_place). No buffer holds a batch then,
+  /// so batches are planned with direct_batch_bytes, and every tensor must be where() the
+  /// transport sends from.
+  [[nodiscard]] virtual bool in_place() const noexcept { return false; }
 
   /// Before packing into buffer i: orders the packing after the receiver's last read of it.
   virtual void begin_pack(std::size_t i) = 0;
@@ -129,6 +137,14 @@ class sink {
   /// then only validates batches (the streamer writes the bytes). Returns false, changing
   /// nothing, otherwise. Never throws for memory it cannot share (that just means staging).
   virtual bool offer_direct(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) {
+    (void)h, (void)table, (void)reply;
+    return false;
+  }
+  /// After attach(), for a transport that moves entries one by one (nccl): when `h` asks for it
+  /// and every destination of `table` can be received into in place, says so in `reply.handles`
+  /// and returns true; batches are then planned with direct_batch_bytes (no buffer holds them)
+  /// and every entry lands in its destination. Returns false, changing nothing, otherwise.
+  virtual bool offer_in_place(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) {
     (void)h, (void)table, (void)reply;
     return false;
   }

@@ -235,14 +235,15 @@ void receiver_child::run() {
 
 // ------------------------------------------------------------------------ the streamer child
 
-// The streamer in a forked child, on cuda:0. Refits on command ("refit <version>") and reports
-// "ok <version>" or "error <code> <milliseconds> <message>".
+// The streamer in a forked child, on cuda:0, its tensors on `tensor_device`. Refits on command
+// ("refit <version>") and reports "ok <version> ... in_place=<0|1> batches=<n>" or
+// "error <code> <milliseconds> <message>". `direct` is streamer_options::direct.
 class streamer_child {
  public:
   streamer_child(std::vector<std::string> receivers, std::vector<refit::tensor_meta> tensors,
-                 refit::milliseconds timeout)
-      : receivers_(std::move(receivers)), tensors_(std::move(tensors)), timeout_(timeout),
-        proc_([this] { run(); }) {}
+                 refit::milliseconds timeout, bool direct = true, int tensor_device = 0)
+      : receivers_(std::move(receivers)), tensors_(std::move(tensors)), timeout_(timeout), direct_(direct),
+        tensor_device_(tensor_device), proc_([this] { run(); }) {}
 
   /// Starts one refit; result() returns its report.
   void start(std::uint64_t version) { commands_.send("refit " + std::to_string(version)); }
@@ -263,13 +264,15 @@ class streamer_child {
   std::vector<std::string> receivers_;
   std::vector<refit::tensor_meta> tensors_;
   refit::milliseconds timeout_;
+  bool direct_;
+  int tensor_device_;
   rt::signal_pipe commands_;  // parent → child
   rt::signal_pipe reports_;   // child → parent
   rt::child proc_;            // last
 };
 
 void streamer_child::run() {
-  device_tensors src(0, tensors_);
+  device_tensors src(tensor_device_, tensors_);
   std::vector<refit::tensor_ref> refs;
   for (std::size_t i = 0; i < src.size(); ++i) refs.push_back(refit::tensor_ref{tensors_[i], src.data(i), src.dev(), nullptr});
 
@@ -280,6 +283,7 @@ void streamer_child::run() {
   so.buffer_bytes = buffer_bytes;
   so.device = 0;
   so.timeout = timeout_;
+  so.direct = direct_;
   refit::streamer s(so);
   for (;;) {
     const std::string command = commands_.receive(600s);
@@ -295,7 +299,7 @@ void streamer_child::run() {
       std::ostringstream line;
       // Entries are broadcast from the tensors themselves (rank 0, in place): they must be intact.
       line << "ok " << stats.version << " tensors=" << stats.tensors << " bytes=" << stats.bytes
-           << " source=" << src.check(version);
+           << " source=" << src.check(version) << " in_place=" << stats.direct << " batches=" << stats.batches;
       reports_.send(line.str());
     } catch (const refit::error& e) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
@@ -336,9 +340,19 @@ std::uint64_t total_bytes(const std::vector<refit::tensor_meta>& metas) {
   return sum;
 }
 
-std::string ok_line(std::uint64_t version, const std::vector<refit::tensor_meta>& metas) {
+/// The streamer's report of a good refit of `metas`, up to its batch count.
+std::string ok_line(std::uint64_t version, const std::vector<refit::tensor_meta>& metas, bool in_place) {
   return "ok " + std::to_string(version) + " tensors=" + std::to_string(metas.size()) +
-         " bytes=" + std::to_string(total_bytes(metas)) + " source=ok";
+         " bytes=" + std::to_string(total_bytes(metas)) + " source=ok in_place=" + (in_place ? "1" : "0");
+}
+
+/// The report without its batch count (" batches=<n>" at the end).
+std::string without_batches(const std::string& report) { return report.substr(0, report.rfind(" batches=")); }
+
+/// The batch count of a good refit's report.
+std::uint64_t batches_of(const std::string& report) {
+  const auto at = report.rfind(" batches=");
+  return at == std::string::npos ? 0 : std::stoull(report.substr(at + 9));
 }
 
 }  // namespace
@@ -360,7 +374,10 @@ TEST_CASE("nccl: one receiver on a second GPU gets three versions of a mixed-dty
   streamer_child tx({ep}, metas, relaxed);
 
   for (std::uint64_t v : {1u, 2u, 3u}) {
-    CHECK(tx.refit(v) == ok_line(v, metas));
+    // A parameter table on the receiver's GPU: every entry goes in place, in 1 GiB batches.
+    const std::string report = tx.refit(v);
+    CHECK(without_batches(report) == ok_line(v, metas, true));
+    CHECK(batches_of(report) == 1);
     CHECK(rx.next_report() == outcome("committed", v, false));
   }
 
@@ -384,12 +401,69 @@ TEST_CASE("nccl: three receivers on four GPUs, tables and a callback, all commit
   streamer_child tx(eps, metas, relaxed);
 
   for (std::uint64_t v : {5u, 6u}) {
-    CHECK(tx.refit(v) == ok_line(v, metas));
+    // The callback receiver stages: batches are buffer-sized for everyone.
+    const std::string report = tx.refit(v);
+    CHECK(without_batches(report) == ok_line(v, metas, false));
+    CHECK(batches_of(report) >= (total_bytes(metas) + buffer_bytes - 1) / buffer_bytes);
     for (auto* rx : {&rx1, &rx2, &rx3}) CHECK(rx->next_report() == outcome("committed", v, false));
   }
 
   CHECK(tx.stop() == 0);
   for (auto* rx : {&rx1, &rx2, &rx3}) CHECK(rx->stop() == 0);
+}
+
+TEST_CASE("nccl: with direct = false the same model goes through the buffers in buffer-sized batches, bit-exact",
+          "[nccl]") {
+  nccl_environment();
+  const int devices = rt::cuda_device_count();
+  if (devices < 2) {
+    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
+    return;
+  }
+  const auto metas = rt::mixed_model(200, 3 * buffer_bytes, 5);
+  const auto ep = rt::temp_endpoint();
+  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas});
+  REQUIRE(rx.next_report() == "ready");
+  streamer_child tx({ep}, metas, relaxed, /*direct=*/false);
+  for (std::uint64_t v : {1u, 2u}) {
+    const std::string report = tx.refit(v);
+    CHECK(without_batches(report) == ok_line(v, metas, false));
+    CHECK(batches_of(report) >= (total_bytes(metas) + buffer_bytes - 1) / buffer_bytes);  // not one 1 GiB batch
+    CHECK(rx.next_report() == outcome("committed", v, false));
+  }
+  CHECK(tx.stop() == 0);
+  CHECK(rx.stop() == 0);
+}
+
+TEST_CASE("nccl: in an in-place session a tensor on another GPU than the streamer's is refused before it is sent",
+          "[nccl]") {
+  nccl_environment();
+  const int devices = rt::cuda_device_count();
+  if (devices < 2) {
+    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
+    return;
+  }
+  // The streamer runs on cuda:0 but its tensors live on cuda:1: nothing can be sent in place.
+  const auto metas = rt::mixed_model(40, 0, 8);
+  const auto first = std::find_if(metas.begin(), metas.end(), [](const refit::tensor_meta& m) { return m.nbytes() > 0; });
+  REQUIRE(first != metas.end());
+  const auto ep = rt::temp_endpoint();
+  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas, .prefill = 4});
+  REQUIRE(rx.next_report() == "ready");
+  streamer_child tx({ep}, metas, relaxed, /*direct=*/true, /*tensor_device=*/1);
+  const std::string report = tx.refit(5);
+  const auto failure = parse_failure(report);
+  INFO("streamer report: " << report);
+  REQUIRE(failure);
+  CHECK(failure->code == "invalid_argument");
+  CHECK(failure->message.find(refit::describe(*first) + " is on cuda:1") != std::string::npos);
+  CHECK(failure->message.find("streamer_options::direct = false") != std::string::npos);
+  CHECK(tx.stop() == 0);
+  // The session ends with BYE: nothing was committed and nothing written.
+  const std::string line = rx.next_report();
+  INFO("receiver: " << line);
+  CHECK(line.starts_with(outcome("bye", std::nullopt, false)));
+  CHECK(rx.stop() == 0);
 }
 
 TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte of it lands; nothing is committed",
@@ -470,7 +544,7 @@ TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees t
   streamer_child tx(eps, metas, fault_timeout);
 
   // A good refit first: the session is up and version 1 is everybody's.
-  REQUIRE(tx.refit(1) == ok_line(1, metas));
+  REQUIRE(without_batches(tx.refit(1)) == ok_line(1, metas, false));
   for (auto& r : rx) REQUIRE(r->next_report() == outcome("committed", 1, false));
 
   // Version 2: the victim's callback holds its third batch, and is killed there. The streamer
@@ -500,7 +574,8 @@ TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees t
   rx[static_cast<std::size_t>(victim)] = std::make_unique<receiver_child>(receiver_spec{
       .endpoint = victim_ep, .device = victim + 1, .tensors = metas, .idle_timeout = fault_timeout});
   REQUIRE(rx[static_cast<std::size_t>(victim)]->next_report() == "ready");
-  CHECK(tx.refit(3) == ok_line(3, metas));
+  // In place again only where every receiver now has a table (no callback survivor).
+  CHECK(without_batches(tx.refit(3)) == ok_line(3, metas, receivers == 1));
   for (int k = 0; k < receivers; ++k) {
     const std::string line = next_after_byes(*rx[static_cast<std::size_t>(k)]);
     INFO("receiver " << k << " on cuda:" << k + 1);

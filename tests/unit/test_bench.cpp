@@ -483,6 +483,7 @@ TEST_CASE("the preamble says how nccl rows are floored and lists the notes; JSON
   write_preamble(out, p);
   CHECK_THAT(out.str(), Catch::Contains("# note      : nccl: 3 receiver processes"));
   CHECK_THAT(out.str(), Catch::Contains("floor = 1 x bytes / ceiling (one pass"));
+  CHECK_THAT(out.str(), Catch::Contains("+in-place: every entry in place, 1 GiB batches"));
   row r;
   r.transport = "nccl";
   r.receivers = 3;

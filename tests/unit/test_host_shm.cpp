@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -89,7 +90,7 @@ TEST_CASE("host_shm segments are private files until the receiver accepts, then 
     CHECK(st.st_uid == ::getuid());
   }
   CHECK(names.size() == 3);
-  src->session_accepted(refit::wire::ok{});
+  src->session_accepted(std::array{refit::wire::ok{}});
   for (const auto& b : h.buffers) CHECK_FALSE(std::filesystem::exists(shm_path(b.handle)));
   // The memory itself stays usable.
   std::memset(src->data(0), 0xab, 4096);
@@ -126,7 +127,7 @@ TEST_CASE("a host_shm sink in the same process reads what the source wrote", "[h
   CHECK_FALSE(sink->attached());
   refit::wire::ok reply;
   sink->attach(h, reply);
-  src->session_accepted(reply);
+  src->session_accepted({&reply, 1});
   REQUIRE(sink->attached());
   REQUIRE(sink->count() == 2);
   CHECK_FALSE(sink->asynchronous());
@@ -158,7 +159,7 @@ TEST_CASE("each host_shm session gets fresh segment names", "[host_shm]") {
   auto src = tr::make_host_shm_source(shm_options());
   refit::wire::hello a;
   src->open_session(a);
-  src->session_accepted(refit::wire::ok{});
+  src->session_accepted(std::array{refit::wire::ok{}});
   src->close_session();
   refit::wire::hello b;
   src->open_session(b);
@@ -169,7 +170,7 @@ TEST_CASE("each host_shm session gets fresh segment names", "[host_shm]") {
   auto sink = tr::make_host_shm_sink();
   refit::wire::ok reply;
   CHECK_NOTHROW(sink->attach(b, reply));
-  src->session_accepted(reply);
+  src->session_accepted({&reply, 1});
 }
 
 TEST_CASE("a host_shm sink refuses what it cannot or must not map", "[host_shm]") {
@@ -248,7 +249,7 @@ TEST_CASE("host_shm sessions do not leak file descriptors or segments", "[host_s
       src->open_session(h);
       refit::wire::ok reply;
       sink->attach(h, reply);
-      src->session_accepted(reply);
+      src->session_accepted({&reply, 1});
       REQUIRE(sink->data(1)[0] == src->data(1)[0]);
       sink->detach();
       src->close_session();
@@ -287,7 +288,7 @@ TEST_CASE("a host_shm sink in a forked child reads the parent's bytes exactly", 
     to_parent.send("verified");
   });
   REQUIRE(to_parent.receive(20s) == "mapped");
-  src->session_accepted(refit::wire::ok{});
+  src->session_accepted(std::array{refit::wire::ok{}});
   for (const auto& b : h.buffers) CHECK_FALSE(std::filesystem::exists(shm_path(b.handle)));
   to_child.send("unlinked");
   CHECK(to_parent.receive(20s) == "verified");
