@@ -285,21 +285,6 @@ void broadcast(const communicator& comm, void* p, std::uint64_t bytes, cudaStrea
   wait_ready(comm.handle(), deadline::after(budget), call, late);
 }
 
-/// Keeps a batch's entries (see transport::segment) for the next end_pack / begin_read, checking
-/// those staged in the buffer against its size; returns the batch's bytes.
-std::uint64_t take_entries(std::span<const segment> batch, std::uint64_t buffer_bytes, std::size_t i,
-                           std::vector<segment>& into) {
-  into.assign(batch.begin(), batch.end());
-  std::uint64_t total = 0;
-  for (const segment& s : into) {
-    if (s.data == nullptr && (s.offset > buffer_bytes || s.bytes > buffer_bytes - s.offset))
-      throw error(errc::internal, fmt::format("nccl: an entry of {} bytes at offset {} of buffer {} ({} bytes)", s.bytes,
-                                              s.offset, i, buffer_bytes));
-    total += s.bytes;
-  }
-  return total;
-}
-
 /// Enqueues the broadcast of a batch on `s`: one ncclBroadcast per entry, rank 0's bytes into
 /// every other rank's, in place, the batch's as one NCCL group (one launch). Every rank passes the
 /// same entries in the same order (both sides take them from the batch's manifest); where the
@@ -465,6 +450,40 @@ class timeline {
   std::uint64_t bytes_ = 0;
 };
 
+/// The entries of the next batch (see transport::segment), from entries() to the broadcast of
+/// the batch in end_pack() / begin_read().
+class pending_batch {
+ public:
+  /// Keeps `batch`, checking the entries staged in buffer i (of `buffer_bytes`) against its size.
+  void take(std::span<const segment> batch, std::uint64_t buffer_bytes, std::size_t i) {
+    entries_.assign(batch.begin(), batch.end());
+    total_ = 0;
+    for (const segment& s : entries_) {
+      if (s.data == nullptr && (s.offset > buffer_bytes || s.bytes > buffer_bytes - s.offset))
+        throw error(errc::internal, fmt::format("nccl: an entry of {} bytes at offset {} of buffer {} ({} bytes)",
+                                                s.bytes, s.offset, i, buffer_bytes));
+      total_ += s.bytes;
+    }
+  }
+
+  /// Enqueues the batch's broadcasts on `s` (nothing for a batch of empty entries: both sides
+  /// see the same entries), bracketed in `tl`, and forgets the batch.
+  void broadcast(const communicator& comm, std::byte* buffer, cudaStream_t s, milliseconds budget,
+                 std::string_view late, timeline& tl) {
+    if (total_ != 0) {
+      tl.begin(0, s);
+      broadcast_entries(comm, entries_, buffer, s, budget, late);
+      tl.end(0, s, total_);
+    }
+    entries_.clear();
+    total_ = 0;
+  }
+
+ private:
+  std::vector<segment> entries_;
+  std::uint64_t total_ = 0;
+};
+
 // ------------------------------------------------------------------------------------ streamer
 
 class nccl_source final : public source {
@@ -588,7 +607,7 @@ class nccl_source final : public source {
 
   void entries(std::size_t i, std::span<const segment> batch) override {
     if (i >= send_.size()) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, send_.size()));
-    batch_total_ = take_entries(batch, bytes_, i, batch_);
+    batch_.take(batch, bytes_, i);
   }
 
   void end_pack(std::size_t i) override {
@@ -597,15 +616,8 @@ class nccl_source final : public source {
       device_guard guard(device_);
       check_cuda(cudaEventRecord(packed_[i].handle(), pack_.handle()), "cudaEventRecord(packed)");
       check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), packed_[i].handle(), 0), "cudaStreamWaitEvent(packed)");
-      // Both sides skip a batch of empty entries (the receiver sees the same entries).
-      if (batch_total_ != 0) {
-        timeline_.begin(0, comm_stream_.handle());
-        broadcast_entries(comm_, batch_, static_cast<std::byte*>(send_[i].handle()), comm_stream_.handle(), timeout_,
-                          late_);
-        timeline_.end(0, comm_stream_.handle(), batch_total_);
-      }
-      batch_.clear();
-      batch_total_ = 0;
+      batch_.broadcast(comm_, static_cast<std::byte*>(send_[i].handle()), comm_stream_.handle(), timeout_, late_,
+                       timeline_);
       check_cuda(cudaEventRecord(sent_[i].handle(), comm_stream_.handle()), "cudaEventRecord(sent)");
       ahead_->record(comm_stream_.handle());
     });
@@ -658,8 +670,7 @@ class nccl_source final : public source {
   std::vector<cuda::device_buffer> send_;
   std::vector<cuda::event> packed_;
   std::vector<cuda::event> sent_;
-  std::vector<segment> batch_;  ///< the entries of the batch being packed (entries())
-  std::uint64_t batch_total_ = 0;
+  pending_batch batch_;  ///< the entries of the batch being packed (entries())
   std::optional<ncclUniqueId> id_;
   std::optional<lookahead_ring> ahead_;  // made with the streams (on device_)
   timeline timeline_;
@@ -772,7 +783,7 @@ class nccl_sink final : public sink {
 
   void entries(std::size_t i, std::span<const segment> batch) override {
     if (i >= recv_.size()) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, recv_.size()));
-    batch_total_ = take_entries(batch, recv_[i].bytes(), i, batch_);
+    batch_.take(batch, recv_[i].bytes(), i);
   }
 
   void begin_read(std::size_t i) override {
@@ -781,14 +792,8 @@ class nccl_sink final : public sink {
       device_guard guard(device_);
       ahead_->wait(comm_.handle(), timeout_, late_);
       check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), applied_[i].handle(), 0), "cudaStreamWaitEvent(applied)");
-      if (batch_total_ != 0) {
-        timeline_.begin(0, comm_stream_.handle());
-        broadcast_entries(comm_, batch_, static_cast<std::byte*>(recv_[i].handle()), comm_stream_.handle(), timeout_,
-                          late_);
-        timeline_.end(0, comm_stream_.handle(), batch_total_);
-      }
-      batch_.clear();
-      batch_total_ = 0;
+      batch_.broadcast(comm_, static_cast<std::byte*>(recv_[i].handle()), comm_stream_.handle(), timeout_, late_,
+                       timeline_);
       check_cuda(cudaEventRecord(received_[i].handle(), comm_stream_.handle()), "cudaEventRecord(received)");
       ahead_->record(comm_stream_.handle());
       check_cuda(cudaStreamWaitEvent(apply_.handle(), received_[i].handle(), 0), "cudaStreamWaitEvent(received)");
@@ -865,8 +870,7 @@ class nccl_sink final : public sink {
   std::vector<cuda::device_buffer> recv_;
   std::vector<cuda::event> received_;
   std::vector<cuda::event> applied_;
-  std::vector<segment> batch_;  ///< where the entries of the next batch land (entries())
-  std::uint64_t batch_total_ = 0;
+  pending_batch batch_;  ///< where the entries of the next batch land (entries())
   int rank_ = 0;
   std::optional<lookahead_ring> ahead_;  // made with the streams (needs a device)
   timeline timeline_;

@@ -54,6 +54,17 @@ void nccl_environment() {
   ::setenv("NCCL_NVLS_ENABLE", "0", 1);
 }
 
+/// Sets up the environment of an nccl test and returns true when at least `needed` GPUs are
+/// visible (a streamer and needed - 1 receivers); otherwise says why the test is skipped.
+bool nccl_gpus(int needed) {
+  nccl_environment();
+  const int devices = rt::cuda_device_count();
+  if (devices >= needed) return true;
+  WARN("this test needs " << needed << " GPUs (a streamer and " << needed - 1 << " receiver"
+                          << (needed == 2 ? "" : "s") << "); " << devices << " visible: skipped");
+  return false;
+}
+
 void cuda_ok(cudaError_t status, const std::string& what) {
   if (status != cudaSuccess)
     throw std::runtime_error(what + ": " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
@@ -360,12 +371,7 @@ std::uint64_t batches_of(const std::string& report) {
 // ---------------------------------------------------------------------------------- bytes
 
 TEST_CASE("nccl: one receiver on a second GPU gets three versions of a mixed-dtype model bit-exact", "[nccl]") {
-  nccl_environment();
-  const int devices = rt::cuda_device_count();
-  if (devices < 2) {
-    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
-    return;
-  }
+  if (!nccl_gpus(2)) return;
   // 200 small tensors of every dtype (zero-size ones among them) and one three buffers large.
   const auto metas = rt::mixed_model(200, 3 * buffer_bytes);
   const auto ep = rt::temp_endpoint();
@@ -386,12 +392,7 @@ TEST_CASE("nccl: one receiver on a second GPU gets three versions of a mixed-dty
 }
 
 TEST_CASE("nccl: three receivers on four GPUs, tables and a callback, all commit bit-exact", "[nccl]") {
-  nccl_environment();
-  const int devices = rt::cuda_device_count();
-  if (devices < 4) {
-    WARN("this test needs 4 GPUs (a streamer and 3 receivers); " << devices << " visible: skipped");
-    return;
-  }
+  if (!nccl_gpus(4)) return;
   const auto metas = rt::mixed_model(200, 3 * buffer_bytes + 77, 7);
   const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint(), rt::temp_endpoint()};
   receiver_child rx1({.endpoint = eps[0], .device = 1, .tensors = metas});
@@ -414,12 +415,7 @@ TEST_CASE("nccl: three receivers on four GPUs, tables and a callback, all commit
 
 TEST_CASE("nccl: with direct = false the same model goes through the buffers in buffer-sized batches, bit-exact",
           "[nccl]") {
-  nccl_environment();
-  const int devices = rt::cuda_device_count();
-  if (devices < 2) {
-    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
-    return;
-  }
+  if (!nccl_gpus(2)) return;
   const auto metas = rt::mixed_model(200, 3 * buffer_bytes, 5);
   const auto ep = rt::temp_endpoint();
   receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas});
@@ -437,12 +433,7 @@ TEST_CASE("nccl: with direct = false the same model goes through the buffers in 
 
 TEST_CASE("nccl: in an in-place session a tensor on another GPU than the streamer's is refused before it is sent",
           "[nccl]") {
-  nccl_environment();
-  const int devices = rt::cuda_device_count();
-  if (devices < 2) {
-    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
-    return;
-  }
+  if (!nccl_gpus(2)) return;
   // The streamer runs on cuda:0 but its tensors live on cuda:1: nothing can be sent in place.
   const auto metas = rt::mixed_model(40, 0, 8);
   const auto first = std::find_if(metas.begin(), metas.end(), [](const refit::tensor_meta& m) { return m.nbytes() > 0; });
@@ -468,12 +459,7 @@ TEST_CASE("nccl: in an in-place session a tensor on another GPU than the streame
 
 TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte of it lands; nothing is committed",
           "[nccl]") {
-  nccl_environment();
-  const int devices = rt::cuda_device_count();
-  if (devices < 2) {
-    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
-    return;
-  }
+  if (!nccl_gpus(2)) return;
   // Entries land straight in the table's tensors, so the check of a batch must come before its
   // broadcast is posted. The receiver's table holds the first non-empty tensor (batch 0) in
   // another shape of the same size: BATCH 0 is refused, and every byte keeps version 9.
@@ -512,12 +498,8 @@ TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte o
 
 TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees the others, and a new set commits",
           "[nccl]") {
-  nccl_environment();
+  if (!nccl_gpus(2)) return;
   const int devices = rt::cuda_device_count();
-  if (devices < 2) {
-    WARN("the nccl transport needs 2 GPUs for this test; " << devices << " visible: skipped");
-    return;
-  }
   // Up to 3 receivers; the last one dies. With 2 GPUs there is no survivor to check, but the
   // streamer's failure and the fresh session still are.
   const int receivers = std::min(devices - 1, 3);
