@@ -66,6 +66,13 @@ engine choose(engine preferred, copy_engine requested) noexcept {
   return preferred;
 }
 
+#if !REFIT_HAVE_CUDA
+void enable_peer_access(int device, int peer) {
+  throw error(errc::invalid_argument,
+              fmt::format("copies between cuda:{} and cuda:{} need CUDA, and this refit was built without it", device, peer));
+}
+#endif
+
 std::unique_ptr<copier> make_copier(engine e, int device, milliseconds timeout) {
   if (e == engine::cpu) return std::make_unique<cpu_copier>();
 #if REFIT_HAVE_CUDA

@@ -47,6 +47,13 @@ engine choose(engine preferred, copy_engine requested) noexcept;
 /// work of a peer); past it, run() throws errc::timeout.
 std::unique_ptr<copier> make_copier(engine e, int device = 0, milliseconds timeout = milliseconds{60000});
 
+/// Lets kernels on CUDA device `device` read and write memory of device `peer`
+/// (cudaDeviceEnablePeerAccess), once per pair per process; nothing when they are the same.
+/// refit's copy kernel needs it to copy between a tensor on one GPU and buffers on another (the
+/// memcpy engines do not). Throws refit::error(cuda) when the two cannot access each other,
+/// naming them and what to do; (invalid_argument) in a build without CUDA. Thread-safe.
+void enable_peer_access(int device, int peer);
+
 /// Position-dependent checksum of `bytes` bytes at `p`, identical on every device:
 ///   sum over 8-byte little-endian words w_k (k from 0) of w_k * (2k + 1), plus, for the tail
 ///   bytes b_j (j from 0) after the last whole word, b_j * (2j + 3) * 0x100000001b3, plus `bytes`;

@@ -11,6 +11,9 @@
 #include <array>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "copy/copy_kernel.hpp"
@@ -237,6 +240,29 @@ std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device) {
   check_cuda(cudaMemcpy(&sum, result.handle(), sizeof sum, cudaMemcpyDeviceToHost),
              fmt::format("checksum of {} bytes on device {}", bytes, device));
   return static_cast<std::uint64_t>(sum) + bytes;
+}
+
+void enable_peer_access(int device, int peer) {
+  if (device == peer) return;
+  static std::mutex mutex;
+  static std::set<std::pair<int, int>> enabled;
+  std::lock_guard lock(mutex);
+  if (enabled.contains({device, peer})) return;
+  int can = 0;
+  check_cuda(cudaDeviceCanAccessPeer(&can, device, peer),
+             fmt::format("cudaDeviceCanAccessPeer(cuda:{}, cuda:{})", device, peer));
+  if (can == 0)
+    throw error(errc::cuda, fmt::format("cuda:{} cannot access the memory of cuda:{} (no peer access between these "
+                                        "GPUs), which refit's copy kernel needs to copy between them: keep the "
+                                        "tensor on cuda:{}, or use copy_engine::memcpy_batch",
+                                        device, peer, device));
+  device_guard guard(device);
+  const cudaError_t status = cudaDeviceEnablePeerAccess(peer, 0);
+  if (status == cudaErrorPeerAccessAlreadyEnabled)
+    (void)cudaGetLastError();  // enabled by someone else in this process: fine
+  else
+    check_cuda(status, fmt::format("cudaDeviceEnablePeerAccess(cuda:{} to cuda:{})", device, peer));
+  enabled.insert({device, peer});
 }
 
 }  // namespace refit::copy

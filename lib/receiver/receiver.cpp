@@ -290,6 +290,8 @@ struct receiver::impl {
         segments->push_back(transport::segment{to, 0, e.bytes});
         continue;
       }
+      if (where == device_kind::cuda && !(d.dev == sink->where()) && copier->kind() == copy::engine::kernel)
+        copy::enable_peer_access(sink->where().index, d.dev.index);
       ops.push_back(copy::op{base + e.buffer_offset, to, e.bytes});
       if (segments != nullptr) segments->push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
     }

@@ -385,6 +385,8 @@ struct streamer::impl {
           open.segments.push_back(transport::segment{const_cast<std::byte*>(from), 0, p.entry.bytes});
           continue;
         }
+        if (t->dev.kind == device_kind::cuda && !(t->dev == buffers->where()) && copier->kind() == copy::engine::kernel)
+          copy::enable_peer_access(buffers->where().index, t->dev.index);
         open.ops.push_back(copy::op{from,
                                     direct ? target + p.entry.tensor_offset
                                            : buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,

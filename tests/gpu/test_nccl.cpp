@@ -146,6 +146,8 @@ struct receiver_spec {
   /// Fill the weights with this version's pattern before serving, and after every aborted or
   /// refused refit report "untouched <check>" (whether every byte still holds it).
   std::optional<std::uint64_t> prefill = std::nullopt;
+  /// The GPU of the parameter table's tensors; -1: the receiver's own.
+  int table_device = -1;
 };
 
 // A receiver in a forked child: parameter table or callback sink into device memory of its GPU.
@@ -173,7 +175,7 @@ class receiver_child {
 };
 
 void receiver_child::run() {
-  device_tensors dest(spec_.device, spec_.tensors);
+  device_tensors dest(spec_.table_device >= 0 ? spec_.table_device : spec_.device, spec_.tensors);
   if (spec_.prefill) dest.fill(*spec_.prefill);
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < spec_.tensors.size(); ++i) index.emplace(spec_.tensors[i].name, i);
@@ -425,6 +427,26 @@ TEST_CASE("nccl: with direct = false the same model goes through the buffers in 
     const std::string report = tx.refit(v);
     CHECK(without_batches(report) == ok_line(v, metas, false));
     CHECK(batches_of(report) >= (total_bytes(metas) + buffer_bytes - 1) / buffer_bytes);  // not one 1 GiB batch
+    CHECK(rx.next_report() == outcome("committed", v, false));
+  }
+  CHECK(tx.stop() == 0);
+  CHECK(rx.stop() == 0);
+}
+
+TEST_CASE("nccl: tensors and weights on other GPUs than the streamer's and the receiver's are packed and staged, "
+          "bit-exact",
+          "[nccl]") {
+  if (!nccl_gpus(2)) return;
+  // The streamer runs on cuda:0 with its tensors on cuda:1 (packed into its buffers across GPUs);
+  // the receiver runs on cuda:1 with its table on cuda:0 (staged, then copied across GPUs). Both
+  // copies are refit's kernel, which needs peer access between the two GPUs.
+  const auto metas = rt::mixed_model(150, 3 * buffer_bytes, 9);
+  const auto ep = rt::temp_endpoint();
+  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas, .table_device = 0});
+  REQUIRE(rx.next_report() == "ready");
+  streamer_child tx({ep}, metas, relaxed, /*direct=*/false, /*tensor_device=*/1);
+  for (std::uint64_t v : {1u, 2u}) {
+    CHECK(without_batches(tx.refit(v)) == ok_line(v, metas, false));
     CHECK(rx.next_report() == outcome("committed", v, false));
   }
   CHECK(tx.stop() == 0);
