@@ -200,13 +200,13 @@ struct receiver::impl {
         sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
       sink->attach(h, reply);
+      std::vector<tensor_dest> dests;  // none for a callback sink: it cannot be written in place
       if (!callback) {
-        std::vector<tensor_dest> dests;
         dests.reserve(table.size());
         for (const auto& [name, d] : table) dests.push_back(d);
         direct = sink->offer_direct(h, dests, reply);
-        in_place = !direct && sink->offer_in_place(h, dests, reply);
       }
+      in_place = !direct && sink->offer_in_place(h, dests, reply);
       std::vector<std::uint64_t> sizes;
       for (std::size_t i = 0; i < sink->count(); ++i)
         sizes.push_back(direct || in_place ? transport::direct_batch_bytes : sink->buffer_bytes(i));

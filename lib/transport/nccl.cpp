@@ -334,6 +334,10 @@ device_guard use_device(int device, std::string_view who) {
 
 cuda::event make_event() { return cuda::event(cudaEventDisableTiming); }
 
+/// Bytes of the warm-up broadcast (see the top of this file): enough to connect NCCL's rings,
+/// from a small scratch buffer of each rank's own, so that no ping-pong buffer is needed for it.
+std::uint64_t warm_up_bytes(std::uint64_t first_buffer) { return std::min<std::uint64_t>(first_buffer, 1u << 20); }
+
 /// How many batches a side may enqueue ahead of the broadcasts the device has finished (see
 /// "Running ahead" at the top of this file).
 constexpr std::size_t lookahead = 4;
@@ -489,7 +493,7 @@ class pending_batch {
 class nccl_source final : public source {
  public:
   explicit nccl_source(const source_options& o)
-      : device_(o.device), bytes_(o.bytes), receivers_(o.receivers), want_in_place_(o.direct) {
+      : device_(o.device), bytes_(o.bytes), count_(o.count), receivers_(o.receivers), want_in_place_(o.direct) {
     if (o.receivers < 1 || o.receivers >= static_cast<std::size_t>(INT_MAX))
       throw error(errc::invalid_argument,
                   fmt::format("the nccl transport needs at least one receiver (got {})", o.receivers));
@@ -503,10 +507,11 @@ class nccl_source final : public source {
     ahead_.emplace();
     producer_ = make_event();
     for (std::size_t i = 0; i < o.count; ++i) {
-      send_.emplace_back(o.bytes);
       packed_.push_back(make_event());
       sent_.push_back(make_event());
     }
+    // The send buffers are made when a session needs them (session_accepted).
+    scratch_ = cuda::device_buffer(warm_up_bytes(bytes_));
   }
 
   ~nccl_source() override { close_session(); }
@@ -514,10 +519,11 @@ class nccl_source final : public source {
   nccl_source& operator=(const nccl_source&) = delete;
 
   [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::nccl; }
-  [[nodiscard]] std::size_t count() const noexcept override { return send_.size(); }
+  [[nodiscard]] std::size_t count() const noexcept override { return count_; }
   [[nodiscard]] std::uint64_t buffer_bytes() const noexcept override { return bytes_; }
+  /// Null in an in-place session (no send buffer exists then).
   [[nodiscard]] std::byte* data(std::size_t i) noexcept override {
-    return static_cast<std::byte*>(send_[i].handle());
+    return i < send_.size() ? static_cast<std::byte*>(send_[i].handle()) : nullptr;
   }
   [[nodiscard]] device where() const noexcept override { return device::cuda(device_); }
   [[nodiscard]] copy::engine engine() const noexcept override { return copy::engine::kernel; }
@@ -533,7 +539,7 @@ class nccl_source final : public source {
     h.peer = process_identity();
     h.host_id = host_identity();
     h.device_uuid = uuid_;
-    h.buffers.assign(send_.size(), wire::buffer_desc{bytes_, {}, {}, {}});
+    h.buffers.assign(count_, wire::buffer_desc{bytes_, {}, {}, {}});
     h.nccl_id.assign(id.internal, sizeof id.internal);
     h.rank = 0;
     h.nranks = static_cast<std::uint32_t>(receivers_ + 1);
@@ -555,8 +561,8 @@ class nccl_source final : public source {
     try {
       auto guard = use_device(device_, "streamer");
       comm_ = communicator(nranks, *id_, 0, device_, until, late);
-      // The warm-up broadcast (see the top of this file). Its bytes are whatever send[0] holds.
-      broadcast(comm_, send_[0].handle(), bytes_, comm_stream_.handle(), remaining(until),
+      // The warm-up broadcast (see the top of this file). Its bytes are whatever the scratch holds.
+      broadcast(comm_, scratch_.handle(), warm_up_bytes(bytes_), comm_stream_.handle(), remaining(until),
                 "the warm-up broadcast (ncclBroadcast)", late);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up broadcast", late);
     } catch (const error& e) {
@@ -578,7 +584,22 @@ class nccl_source final : public source {
     in_place_ = want_in_place_ && !replies.empty() && std::all_of(replies.begin(), replies.end(), [](const wire::ok& r) {
                   return !r.handles.empty() && r.handles.front() == in_place_offer_tag;
                 });
-    REFIT_INFO("nccl: {} session with {} receiver(s)", in_place_ ? "in-place" : "buffered", replies.size());
+    if (in_place_) {
+      send_.clear();  // nothing is ever packed in this session: the memory goes back
+    } else if (send_.empty()) {
+      device_guard guard(device_);
+      try {
+        for (std::size_t i = 0; i < count_; ++i) send_.emplace_back(bytes_);
+      } catch (const error& e) {
+        send_.clear();
+        throw error(errc::cuda, fmt::format("nccl: cannot allocate the streamer's {} send buffers of {} bytes on "
+                                            "cuda:{}: {}; use a smaller buffer_bytes (receivers whose parameter "
+                                            "tables are on their GPUs need none)",
+                                            count_, bytes_, device_, e.what()));
+      }
+    }
+    REFIT_INFO("nccl: {} session with {} receiver(s){}", in_place_ ? "in-place" : "buffered", replies.size(),
+               in_place_ ? "" : fmt::format(", {} × {} MiB send buffers", count_, bytes_ >> 20));
   }
 
   [[nodiscard]] bool in_place() const noexcept override { return in_place_; }
@@ -606,8 +627,9 @@ class nccl_source final : public source {
   [[nodiscard]] bool moves_entries() const noexcept override { return true; }
 
   void entries(std::size_t i, std::span<const segment> batch) override {
-    if (i >= send_.size()) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, send_.size()));
-    batch_.take(batch, bytes_, i);
+    if (i >= count_) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, count_));
+    // Without send buffers (in place) no entry may be packed: a buffer of 0 bytes refuses it.
+    batch_.take(batch, send_.empty() ? 0 : bytes_, i);
   }
 
   void end_pack(std::size_t i) override {
@@ -616,8 +638,7 @@ class nccl_source final : public source {
       device_guard guard(device_);
       check_cuda(cudaEventRecord(packed_[i].handle(), pack_.handle()), "cudaEventRecord(packed)");
       check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), packed_[i].handle(), 0), "cudaStreamWaitEvent(packed)");
-      batch_.broadcast(comm_, static_cast<std::byte*>(send_[i].handle()), comm_stream_.handle(), timeout_, late_,
-                       timeline_);
+      batch_.broadcast(comm_, data(i), comm_stream_.handle(), timeout_, late_, timeline_);
       check_cuda(cudaEventRecord(sent_[i].handle(), comm_stream_.handle()), "cudaEventRecord(sent)");
       ahead_->record(comm_stream_.handle());
     });
@@ -658,6 +679,7 @@ class nccl_source final : public source {
 
   int device_;
   std::uint64_t bytes_;
+  std::size_t count_;
   std::size_t receivers_;
   bool want_in_place_;     ///< streamer_options::direct: ask the receivers to receive in place
   bool in_place_ = false;  ///< this session: every receiver does (batches of direct_batch_bytes)
@@ -667,7 +689,8 @@ class nccl_source final : public source {
   cuda::stream pack_;
   cuda::stream comm_stream_;
   cuda::event producer_;
-  std::vector<cuda::device_buffer> send_;
+  std::vector<cuda::device_buffer> send_;  ///< made for buffered sessions only
+  cuda::device_buffer scratch_;            ///< the warm-up broadcast's bytes
   std::vector<cuda::event> packed_;
   std::vector<cuda::event> sent_;
   pending_batch batch_;  ///< the entries of the batch being packed (entries())
@@ -723,11 +746,8 @@ class nccl_sink final : public sink {
     try {
       const deadline until = deadline::after(timeout_);
       comm_ = communicator(nranks, id, rank, device_, until, late);
-      // The warm-up broadcast (see the top of this file) writes buffer 0: the last session's
-      // reads of the buffers must be over first.
-      for (const cuda::event& e : applied_)
-        check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), e.handle(), 0), "cudaStreamWaitEvent(applied)");
-      broadcast(comm_, recv_[0].handle(), h.buffers[0].bytes, comm_stream_.handle(), remaining(until),
+      // The warm-up broadcast (see the top of this file), into this rank's scratch buffer.
+      broadcast(comm_, scratch_.handle(), warm_up_bytes(sizes_[0]), comm_stream_.handle(), remaining(until),
                 "the warm-up broadcast (ncclBroadcast)", late);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up broadcast", late);
     } catch (const error& e) {
@@ -744,8 +764,9 @@ class nccl_sink final : public sink {
                         "rank {} was aborted and the next HELLO builds a new one",
                         peer_, rank);
     attached_ = true;
-    REFIT_INFO("nccl: communicator ready: rank {} of {} on cuda:{} (streamer {}), {} × {} MiB buffers, in {:.1f} ms",
-               rank, nranks, device_, peer_, recv_.size(), recv_[0].bytes() >> 20, ms_since(t0));
+    REFIT_INFO("nccl: communicator ready: rank {} of {} on cuda:{} (streamer {}), {} × {} MiB buffers announced, in "
+               "{:.1f} ms",
+               rank, nranks, device_, peer_, sizes_.size(), sizes_[0] >> 20, ms_since(t0));
   }
 
   void detach() noexcept override {
@@ -761,18 +782,24 @@ class nccl_sink final : public sink {
   }
 
   bool offer_in_place(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) override {
-    if (!attached_ || h.transport != in_place_transport_name || table.empty()) return false;
+    bool offer = attached_ && h.transport == in_place_transport_name && !table.empty();
     for (const tensor_dest& d : table)
-      if (d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) return false;
-    reply.handles.insert(reply.handles.begin(), std::string(in_place_offer_tag));
-    return true;
+      if (offer && d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) offer = false;
+    if (offer) {
+      recv_.clear();  // nothing is ever staged in this session: the memory goes back
+      reply.handles.insert(reply.handles.begin(), std::string(in_place_offer_tag));
+      return true;
+    }
+    make_buffers();  // batches will be staged here as they come
+    return false;
   }
 
   [[nodiscard]] bool attached() const noexcept override { return attached_; }
-  [[nodiscard]] std::size_t count() const noexcept override { return recv_.size(); }
-  [[nodiscard]] std::uint64_t buffer_bytes(std::size_t i) const noexcept override { return recv_[i].bytes(); }
+  [[nodiscard]] std::size_t count() const noexcept override { return sizes_.size(); }
+  [[nodiscard]] std::uint64_t buffer_bytes(std::size_t i) const noexcept override { return sizes_[i]; }
+  /// Null in an in-place session (no receive buffer exists then).
   [[nodiscard]] const std::byte* data(std::size_t i) const noexcept override {
-    return static_cast<const std::byte*>(recv_[i].handle());
+    return i < recv_.size() ? static_cast<const std::byte*>(recv_[i].handle()) : nullptr;
   }
   [[nodiscard]] device where() const noexcept override { return device::cuda(device_); }
   [[nodiscard]] copy::engine engine() const noexcept override { return copy::engine::kernel; }
@@ -782,8 +809,9 @@ class nccl_sink final : public sink {
   [[nodiscard]] bool moves_entries() const noexcept override { return true; }
 
   void entries(std::size_t i, std::span<const segment> batch) override {
-    if (i >= recv_.size()) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, recv_.size()));
-    batch_.take(batch, recv_[i].bytes(), i);
+    if (i >= sizes_.size()) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, sizes_.size()));
+    // Without receive buffers (in place) no entry may be staged: a buffer of 0 bytes refuses it.
+    batch_.take(batch, i < recv_.size() ? sizes_[i] : 0, i);
   }
 
   void begin_read(std::size_t i) override {
@@ -792,8 +820,8 @@ class nccl_sink final : public sink {
       device_guard guard(device_);
       ahead_->wait(comm_.handle(), timeout_, late_);
       check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), applied_[i].handle(), 0), "cudaStreamWaitEvent(applied)");
-      batch_.broadcast(comm_, static_cast<std::byte*>(recv_[i].handle()), comm_stream_.handle(), timeout_, late_,
-                       timeline_);
+      batch_.broadcast(comm_, i < recv_.size() ? static_cast<std::byte*>(recv_[i].handle()) : nullptr,
+                       comm_stream_.handle(), timeout_, late_, timeline_);
       check_cuda(cudaEventRecord(received_[i].handle(), comm_stream_.handle()), "cudaEventRecord(received)");
       ahead_->record(comm_stream_.handle());
       check_cuda(cudaStreamWaitEvent(apply_.handle(), received_[i].handle(), 0), "cudaStreamWaitEvent(received)");
@@ -843,21 +871,40 @@ class nccl_sink final : public sink {
     }
   }
 
-  /// Buffers of the announced sizes (kept from the last session when they match), and the streams
-  /// and events, made once.
+  /// The announced buffer sizes, the warm-up scratch, and the streams and events, made once. The
+  /// receive buffers themselves come with offer_in_place() (none for an in-place session); the
+  /// last session's are kept when the sizes match and freed first otherwise (two sessions' worth
+  /// need not fit at once).
   void prepare(const wire::hello& h) {
-    bool same = recv_.size() == h.buffers.size();
-    for (std::size_t i = 0; same && i < recv_.size(); ++i) same = recv_[i].bytes() == h.buffers[i].bytes;
-    if (!same) {
-      // Free first: two sessions' worth of buffers need not fit at once.
-      recv_.clear();
-      for (const wire::buffer_desc& b : h.buffers) recv_.emplace_back(b.bytes);
+    sizes_.clear();
+    for (const wire::buffer_desc& b : h.buffers) sizes_.push_back(b.bytes);
+    bool same = recv_.size() == sizes_.size();
+    for (std::size_t i = 0; same && i < recv_.size(); ++i) same = recv_[i].bytes() == sizes_[i];
+    if (!same) recv_.clear();
+    if (scratch_.bytes() != warm_up_bytes(sizes_[0])) {
+      scratch_ = cuda::device_buffer();
+      scratch_ = cuda::device_buffer(warm_up_bytes(sizes_[0]));
     }
     if (!comm_stream_) comm_stream_ = make_comm_stream();
     if (!ahead_) ahead_.emplace();
     if (!apply_) apply_ = make_stream();
-    while (received_.size() < recv_.size()) received_.push_back(make_event());
-    while (applied_.size() < recv_.size()) applied_.push_back(make_event());
+    while (received_.size() < sizes_.size()) received_.push_back(make_event());
+    while (applied_.size() < sizes_.size()) applied_.push_back(make_event());
+  }
+
+  /// The receive buffers of the announced sizes, unless they exist already.
+  void make_buffers() {
+    if (!recv_.empty()) return;
+    device_guard guard(device_);
+    try {
+      for (const std::uint64_t bytes : sizes_) recv_.emplace_back(bytes);
+    } catch (const error& e) {
+      recv_.clear();
+      throw error(errc::cuda, fmt::format("nccl: cannot allocate this receiver's {} receive buffers of {} bytes on "
+                                          "cuda:{}: {}; ask for smaller buffer_bytes on the streamer, or register a "
+                                          "parameter table on this GPU (then nothing is staged)",
+                                          sizes_.size(), sizes_.empty() ? 0 : sizes_[0], device_, e.what()));
+    }
   }
 
   int device_;
@@ -867,7 +914,9 @@ class nccl_sink final : public sink {
   bool attached_ = false;
   cuda::stream comm_stream_;
   cuda::stream apply_;
-  std::vector<cuda::device_buffer> recv_;
+  std::vector<std::uint64_t> sizes_;      ///< the buffers the streamer announced
+  std::vector<cuda::device_buffer> recv_;  ///< made for sessions that stage (make_buffers)
+  cuda::device_buffer scratch_;            ///< the warm-up broadcast's bytes
   std::vector<cuda::event> received_;
   std::vector<cuda::event> applied_;
   pending_batch batch_;  ///< where the entries of the next batch land (entries())

@@ -140,10 +140,13 @@ class sink {
     (void)h, (void)table, (void)reply;
     return false;
   }
-  /// After attach(), for a transport that moves entries one by one (nccl): when `h` asks for it
-  /// and every destination of `table` can be received into in place, says so in `reply.handles`
-  /// and returns true; batches are then planned with direct_batch_bytes (no buffer holds them)
-  /// and every entry lands in its destination. Returns false, changing nothing, otherwise.
+  /// Called once per session after attach() (and offer_direct() when that declined; `table` is
+  /// empty for a callback sink). For a transport that moves entries one by one (nccl): when `h`
+  /// asks for it and every destination of `table` can be received into in place, says so in
+  /// `reply.handles` and returns true; batches are then planned with direct_batch_bytes, every
+  /// entry lands in its destination, and no buffer exists (data() is null). Otherwise returns
+  /// false, having made the buffers batches are staged in. Throws refit::error(cuda) when those
+  /// cannot be allocated.
   virtual bool offer_in_place(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) {
     (void)h, (void)table, (void)reply;
     return false;

@@ -148,7 +148,16 @@ struct receiver_spec {
   std::optional<std::uint64_t> prefill = std::nullopt;
   /// The GPU of the parameter table's tensors; -1: the receiver's own.
   int table_device = -1;
+  /// After every commit also report "free <bytes>": the receiver GPU's free memory.
+  bool report_free = false;
 };
+
+/// Free memory of the current CUDA device.
+std::uint64_t free_device_memory() {
+  std::size_t free = 0, total = 0;
+  cuda_ok(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return free;
+}
 
 // A receiver in a forked child: parameter table or callback sink into device memory of its GPU.
 // Reports "ready" once bound, then an outcome() line for every committed, aborted, refused and
@@ -232,6 +241,10 @@ void receiver_child::run() {
       case refit::receiver_event::committed: {
         const auto v = r.committed_version();
         reports_.send(outcome("committed", v, r.dirty(), v ? dest.check(*v) : "no committed version"));
+        if (spec_.report_free) {
+          cuda_ok(cudaSetDevice(spec_.device), "cudaSetDevice");
+          reports_.send("free " + std::to_string(free_device_memory()));
+        }
         break;
       }
       case refit::receiver_event::aborted:
@@ -254,9 +267,10 @@ void receiver_child::run() {
 class streamer_child {
  public:
   streamer_child(std::vector<std::string> receivers, std::vector<refit::tensor_meta> tensors,
-                 refit::milliseconds timeout, bool direct = true, int tensor_device = 0)
+                 refit::milliseconds timeout, bool direct = true, int tensor_device = 0,
+                 std::uint64_t buffers = buffer_bytes)
       : receivers_(std::move(receivers)), tensors_(std::move(tensors)), timeout_(timeout), direct_(direct),
-        tensor_device_(tensor_device), proc_([this] { run(); }) {}
+        tensor_device_(tensor_device), buffers_(buffers), proc_([this] { run(); }) {}
 
   /// Starts one refit; result() returns its report.
   void start(std::uint64_t version) { commands_.send("refit " + std::to_string(version)); }
@@ -279,6 +293,7 @@ class streamer_child {
   refit::milliseconds timeout_;
   bool direct_;
   int tensor_device_;
+  std::uint64_t buffers_;
   rt::signal_pipe commands_;  // parent → child
   rt::signal_pipe reports_;   // child → parent
   rt::child proc_;            // last
@@ -293,7 +308,7 @@ void streamer_child::run() {
   so.receivers = receivers_;
   so.transport = refit::transport_kind::nccl;
   so.buffer_count = 2;
-  so.buffer_bytes = buffer_bytes;
+  so.buffer_bytes = buffers_;
   so.device = 0;
   so.timeout = timeout_;
   so.direct = direct_;
@@ -313,6 +328,8 @@ void streamer_child::run() {
       // Entries are broadcast from the tensors themselves (rank 0, in place): they must be intact.
       line << "ok " << stats.version << " tensors=" << stats.tensors << " bytes=" << stats.bytes
            << " source=" << src.check(version) << " in_place=" << stats.direct << " batches=" << stats.batches;
+      cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+      line << " free=" << free_device_memory();
       reports_.send(line.str());
     } catch (const refit::error& e) {
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
@@ -361,6 +378,12 @@ std::string ok_line(std::uint64_t version, const std::vector<refit::tensor_meta>
 
 /// The report without its batch count (" batches=<n>" at the end).
 std::string without_batches(const std::string& report) { return report.substr(0, report.rfind(" batches=")); }
+
+/// The "free=<bytes>" (the streamer GPU's free memory after the refit) of a good refit's report.
+std::uint64_t free_of(const std::string& report) {
+  const auto at = report.rfind(" free=");
+  return at == std::string::npos ? 0 : std::stoull(report.substr(at + 6));
+}
 
 /// The batch count of a good refit's report.
 std::uint64_t batches_of(const std::string& report) {
@@ -450,6 +473,37 @@ TEST_CASE("nccl: tensors and weights on other GPUs than the streamer's and the r
     CHECK(rx.next_report() == outcome("committed", v, false));
   }
   CHECK(tx.stop() == 0);
+  CHECK(rx.stop() == 0);
+}
+
+TEST_CASE("nccl: an in-place session holds no ping-pong buffers on either side; a buffered one does", "[nccl]") {
+  if (!nccl_gpus(2)) return;
+  // 2 x 64 MiB buffers: an in-place session (direct) must leave 128 MiB more free memory than a
+  // buffered one (direct = false), on the streamer's GPU and on the receiver's. Each session has a
+  // fresh communicator of the same shape, and each streamer is a fresh process on cuda:0.
+  constexpr std::uint64_t big = 64 * mib;
+  const auto metas = rt::mixed_model(100, 3 * buffer_bytes, 12);
+  const auto ep = rt::temp_endpoint();
+  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas, .report_free = true});
+  REQUIRE(rx.next_report() == "ready");
+  const auto free_after = [&](bool direct, std::uint64_t version) {
+    streamer_child tx({ep}, metas, relaxed, direct, 0, big);
+    const std::string report = tx.refit(version);
+    INFO("streamer report: " << report);
+    CHECK(without_batches(report) == ok_line(version, metas, direct));
+    CHECK(next_after_byes(rx) == outcome("committed", version, false));
+    const std::string free_line = rx.next_report();
+    REQUIRE(free_line.starts_with("free "));
+    CHECK(tx.stop() == 0);
+    return std::pair{free_of(report), std::stoull(free_line.substr(5))};
+  };
+  const auto [streamer_in_place, receiver_in_place] = free_after(true, 1);
+  const auto [streamer_buffered, receiver_buffered] = free_after(false, 2);
+  INFO("free on the streamer's GPU: in place " << streamer_in_place << ", buffered " << streamer_buffered);
+  INFO("free on the receiver's GPU: in place " << receiver_in_place << ", buffered " << receiver_buffered);
+  const auto fuzz = 8 * mib;  // allocation granularity and NCCL's own bookkeeping
+  CHECK(streamer_in_place + fuzz >= streamer_buffered + 2 * big);
+  CHECK(receiver_in_place + fuzz >= receiver_buffered + 2 * big);
   CHECK(rx.stop() == 0);
 }
 
