@@ -98,13 +98,7 @@ std::vector<std::string> shm_left_by(pid_t pid) {
 }
 
 refit::streamer_options stream_options(const std::string& endpoint) {
-  refit::streamer_options o;
-  o.endpoint = endpoint;
-  o.transport = refit::transport_kind::host_shm;
-  o.buffer_count = 2;
-  o.buffer_bytes = buffer_bytes;
-  o.timeout = streamer_timeout;
-  return o;
+  return rt::host_shm_streamer(endpoint, buffer_bytes, streamer_timeout);
 }
 
 // ------------------------------------------------------------------------------------ the plan

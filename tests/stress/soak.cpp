@@ -38,13 +38,7 @@ constexpr std::uint64_t warmup_reconnects = 2;
 constexpr ms step_wait{20000};
 
 refit::streamer_options stream_options(const std::string& endpoint) {
-  refit::streamer_options o;
-  o.endpoint = endpoint;
-  o.transport = refit::transport_kind::host_shm;
-  o.buffer_count = 2;
-  o.buffer_bytes = buffer_bytes;
-  o.timeout = ms{10000};
-  return o;
+  return rt::host_shm_streamer(endpoint, buffer_bytes, ms{10000});
 }
 
 /// The receiver: serves until "stop". "baseline" → "m <figures>" (settled), "final" → "m

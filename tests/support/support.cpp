@@ -301,6 +301,17 @@ std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, con
          std::to_string(version) + " has " + std::to_string(*w);
 }
 
+refit::streamer_options host_shm_streamer(const std::string& endpoint, std::uint64_t buffer_bytes,
+                                          refit::milliseconds timeout, std::size_t buffer_count) {
+  refit::streamer_options o;
+  o.endpoint = endpoint;
+  o.transport = refit::transport_kind::host_shm;
+  o.buffer_count = buffer_count;
+  o.buffer_bytes = buffer_bytes;
+  o.timeout = timeout;
+  return o;
+}
+
 std::string outcome(const std::string& event, std::optional<std::uint64_t> committed, bool dirty,
                     const std::string& check) {
   return event + " committed=" + (committed ? std::to_string(*committed) : std::string("none")) +

@@ -12,6 +12,7 @@
 
 #include "refit/error.hpp"
 #include "refit/model.hpp"
+#include "refit/streamer.hpp"
 
 namespace refit::test {
 
@@ -100,6 +101,11 @@ struct host_tensors {
 
 /// Empty when `data` holds the pattern of `meta` for `version`, else where it first differs.
 std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, const std::uint8_t* data);
+
+/// Options of a host_shm streamer to `endpoint` with `buffer_count` buffers of `buffer_bytes`
+/// and `timeout` for every reply: what the CPU tests' streamers share.
+refit::streamer_options host_shm_streamer(const std::string& endpoint, std::uint64_t buffer_bytes,
+                                          refit::milliseconds timeout, std::size_t buffer_count = 2);
 
 /// The line a receiver child reports for an outcome: "<event> committed=<version|none>
 /// dirty=<0|1> check=<check>", where `check` (what comparing every byte the receiver holds with

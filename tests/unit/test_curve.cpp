@@ -60,12 +60,7 @@ refit::curve_keys client_keys(const key_pair& mine, const std::string& server_pu
 
 refit::streamer_options stream_options(const std::string& endpoint, refit::curve_keys curve,
                                        const std::string& token = {}) {
-  refit::streamer_options o;
-  o.endpoint = endpoint;
-  o.transport = refit::transport_kind::host_shm;
-  o.buffer_count = 2;
-  o.buffer_bytes = 256 << 10;
-  o.timeout = streamer_timeout;
+  refit::streamer_options o = rt::host_shm_streamer(endpoint, 256 << 10, streamer_timeout);
   o.token = token;
   o.curve = std::move(curve);
   return o;

@@ -75,12 +75,7 @@ struct table {
 
 refit::streamer_options stream_options(const std::string& endpoint, std::uint64_t buffer_bytes,
                                        const std::string& token = {}) {
-  refit::streamer_options o;
-  o.endpoint = endpoint;
-  o.transport = refit::transport_kind::host_shm;
-  o.buffer_count = 2;
-  o.buffer_bytes = buffer_bytes;
-  o.timeout = streamer_timeout;
+  refit::streamer_options o = rt::host_shm_streamer(endpoint, buffer_bytes, streamer_timeout);
   o.token = token;
   return o;
 }

@@ -51,13 +51,7 @@ std::uint64_t total_bytes(const std::vector<refit::tensor_meta>& metas) {
 
 refit::streamer_options stream_options(const std::string& endpoint, std::size_t buffer_count,
                                        std::uint64_t buffer_bytes) {
-  refit::streamer_options o;
-  o.endpoint = endpoint;
-  o.transport = refit::transport_kind::host_shm;
-  o.buffer_count = buffer_count;
-  o.buffer_bytes = buffer_bytes;
-  o.timeout = streamer_timeout;
-  return o;
+  return rt::host_shm_streamer(endpoint, buffer_bytes, streamer_timeout, buffer_count);
 }
 
 // ------------------------------------------------------------------------ the receiver child
