@@ -301,9 +301,6 @@ struct receiver::impl {
   /// Copies (or enqueues the copies of) one batch, or runs the callback over it.
   void apply(const wire::batch& b, std::vector<copy::op>& ops, std::vector<transport::segment>& segments) {
     const auto t0 = clock::now();
-    std::uint64_t used = 0;
-    for (const wire::entry& e : b.entries) used = std::max(used, e.buffer_offset + e.bytes);
-    sink->batch_bytes(b.buffer, used);
     if (sink->moves_entries()) {
       if (callback)  // the callback reads every entry from the buffer
         for (const wire::entry& e : b.entries)

@@ -323,9 +323,6 @@ struct streamer::impl {
       for (void* s : open.streams) buffers->after(s);
       copier->run(open.ops, buffers->stream());
       if (!direct) {
-        std::uint64_t used = 0;
-        for (const wire::entry& e : open.entries) used = std::max(used, e.buffer_offset + e.bytes);
-        buffers->batch_bytes(buffer, used);
         if (by_entry) buffers->entries(buffer, open.segments);
         buffers->end_pack(buffer);
       }

@@ -86,7 +86,7 @@ class source {
 
   /// True when this session writes straight into the receiver's weights (cuda_ipc direct): the
   /// receiver offered them in its reply to HELLO and session_accepted() mapped them. Then
-  /// destination() replaces the buffers and begin_pack/end_pack/batch_bytes are not called.
+  /// destination() replaces the buffers and begin_pack/end_pack/entries are not called.
   [[nodiscard]] virtual bool direct() const noexcept { return false; }
   /// Where tensor `name` of `bytes` bytes goes in a direct session. Throws refit::error
   /// (errc::apply) when the receiver's table has no such name or another size: nothing is written.
@@ -108,8 +108,6 @@ class source {
   virtual void after(void* producer_stream) = 0;
   /// After packing buffer i: makes its bytes visible to the receiver.
   virtual void end_pack(std::size_t i) = 0;
-  /// Called before end_pack(i) with the bytes of buffer i the batch uses (a prefix).
-  virtual void batch_bytes(std::size_t i, std::uint64_t used) { (void)i, (void)used; }
   /// True when the transport moves a batch entry by entry (nccl). An entry whose tensor is
   /// already where() the buffers are is then not packed: it is sent from the tensor itself. The
   /// streamer passes every entry of the batch to entries() before end_pack(i), in entry order.
@@ -163,8 +161,6 @@ class sink {
   /// streamer packing the next batch.
   [[nodiscard]] virtual bool asynchronous() const noexcept = 0;
 
-  /// Called before begin_read(i) with the bytes of buffer i the batch uses (a prefix).
-  virtual void batch_bytes(std::size_t i, std::uint64_t used) { (void)i, (void)used; }
   /// True when the transport moves a batch entry by entry (nccl). An entry whose destination is
   /// where() the buffers are is then received straight into it, with nothing to apply; the
   /// receiver passes every entry of the batch to entries() before begin_read(i), in entry order,
