@@ -1,0 +1,620 @@
+// refit Python binding — the extension module refit._refit.
+//
+// A thin layer over refit::receiver and refit::streamer: tensors converted without a copy
+// (tensors.hpp), the GIL released while bytes move, refit::error raised as refit.RefitError, and
+// Python callbacks run with the GIL taken back. No protocol logic lives here.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "refit/error.hpp"
+#include "refit/model.hpp"
+#include "refit/options.hpp"
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+#include "tensors.hpp"
+
+#ifndef REFIT_PY_VERSION
+#define REFIT_PY_VERSION "unknown"
+#endif
+
+namespace refit::python {
+namespace {
+
+using std::chrono::milliseconds;
+
+tensor_world& world() {
+  // Made on first use with the GIL held; never destroyed (it holds Python objects, and static
+  // destructors run after the interpreter is gone).
+  static auto* w = new tensor_world();
+  return *w;
+}
+
+/// Seconds (Python float) to a positive deadline; `what` names the argument in the error.
+milliseconds to_deadline(double seconds, const char* what, bool allow_zero = false) {
+  if (!std::isfinite(seconds) || seconds < 0 || (!allow_zero && seconds == 0))
+    throw py::value_error(std::string(what) + " must be a positive number of seconds, got " + std::to_string(seconds));
+  return milliseconds{static_cast<std::int64_t>(std::ceil(seconds * 1000.0))};
+}
+
+curve_keys to_curve(const py::object& curve) {
+  curve_keys k;
+  if (curve.is_none()) return k;
+  const auto field = [&](const char* name) -> py::object {
+    if (py::isinstance<py::dict>(curve)) {
+      const py::dict d = curve;
+      return d.contains(name) ? py::object(d[name]) : py::object(py::none());
+    }
+    return py::getattr(curve, name, py::none());
+  };
+  const auto text = [&](const char* name) {
+    const py::object v = field(name);
+    return v.is_none() ? std::string() : v.cast<std::string>();
+  };
+  k.public_key = text("public_key");
+  k.secret_key = text("secret_key");
+  k.server_key = text("server_key");
+  const py::object allowed = field("allowed_clients");
+  if (!allowed.is_none()) k.allowed_clients = allowed.cast<std::vector<std::string>>();
+  return k;
+}
+
+/// Type and message of a Python exception, as the streamer will read it ("ValueError: bad q").
+std::string describe(const py::error_already_set& e) {
+  std::string type = "Exception";
+  try {
+    type = py::str(e.type().attr("__name__"));
+  } catch (...) {
+  }
+  std::string message;
+  try {
+    message = py::str(e.value());
+  } catch (...) {
+  }
+  return message.empty() ? type : type + ": " + message;
+}
+
+bool is_interrupt(const py::error_already_set& e) {
+  return e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit);
+}
+
+// ------------------------------------------------------------------------------- views
+
+/// What on_batch hands to Python for one entry. Valid only during the call: `alive` is cleared
+/// when the callback returns, after which .tensor raises instead of reading reused memory.
+struct view {
+  tensor_meta meta;
+  const void* data = nullptr;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t total = 0;
+  device dev{};
+  std::shared_ptr<bool> alive;
+  py::object tensor;  // made on first access
+
+  [[nodiscard]] bool whole() const noexcept { return offset == 0 && bytes == total; }
+  [[nodiscard]] bool last() const noexcept { return offset + bytes == total; }
+
+  py::object get_tensor() {
+    if (!*alive)
+      throw std::runtime_error("refit.View '" + meta.name +
+                               "' was used after its on_batch call returned: views alias the receiver's buffer, "
+                               "which is reused; copy what you need during the call (view.tensor.clone())");
+    if (!tensor) tensor = world().alias(meta, data, bytes, dev, whole());
+    return tensor;
+  }
+};
+
+// ----------------------------------------------------------------------------- receiver
+
+class py_receiver {
+ public:
+  py_receiver(std::optional<std::string> endpoint, int device, double idle_timeout, std::optional<std::string> token,
+              const py::object& curve, const std::string& engine) {
+    receiver_options o;
+    o.endpoint = endpoint.value_or("");
+    o.device = device;
+    o.idle_timeout = to_deadline(idle_timeout, "idle_timeout");
+    o.token = token.value_or("");
+    o.curve = to_curve(curve);
+    const auto e = parse_copy_engine(engine);
+    if (!e) throw py::value_error("engine must be one of automatic, kernel, memcpy_batch, memcpy_each; got '" + engine + "'");
+    o.engine = *e;
+    device_ = device;
+    py::gil_scoped_release nogil;  // binding a socket may take a moment
+    rx_ = std::make_unique<receiver>(std::move(o));
+  }
+
+  ~py_receiver() { close(); }
+
+  void close() {
+    if (!rx_) return;
+    std::unique_ptr<receiver> rx = std::move(rx_);
+    {
+      py::gil_scoped_release nogil;  // ends the session: unmaps, drains the device
+      rx.reset();
+    }
+    keep_.clear();
+  }
+
+  receiver& rx() {
+    if (!rx_) throw error(errc::invalid_argument, "this refit.Receiver is closed");
+    return *rx_;
+  }
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+  std::string endpoint() { return rx().endpoint(); }
+
+  void add_parameter(const std::string& name, const py::handle& tensor) {
+    borrowed_tensor b = world().borrow(tensor, name);
+    rx().add_parameter(tensor_dest{b.meta, b.data, b.dev});
+    keep_[name] = std::move(b.keep);
+  }
+
+  void clear_parameters() {
+    rx().clear_parameters();
+    keep_.clear();
+  }
+
+  /// fn(views: list[View], stream: int)
+  void on_batch(py::function fn) {
+    batch_fn_ = std::move(fn);
+    rx().on_batch([this](std::span<const tensor_view> views, void* stream) { run_batch(views, stream); });
+    keep_.clear();  // the callback replaces the table
+  }
+
+#if REFIT_PY_HOOKS
+  void on_begin(py::object fn) {
+    begin_fn_ = std::move(fn);
+    if (begin_fn_.is_none()) {
+      rx().on_begin({});
+      return;
+    }
+    rx().on_begin([this](std::uint64_t version) {
+      py::gil_scoped_acquire gil;
+      call_hook(begin_fn_, "on_begin", version);
+    });
+  }
+
+  void on_commit(py::object fn) {
+    commit_fn_ = std::move(fn);
+    if (commit_fn_.is_none()) {
+      rx().on_commit({});
+      return;
+    }
+    rx().on_commit([this](std::uint64_t version) {
+      py::gil_scoped_acquire gil;
+      call_hook(commit_fn_, "on_commit", version);
+    });
+  }
+
+  void on_abort(py::object fn) {
+    abort_fn_ = std::move(fn);
+    if (abort_fn_.is_none()) {
+      rx().on_abort({});
+      return;
+    }
+    rx().on_abort([this](std::uint64_t version, const std::string& reason) {
+      py::gil_scoped_acquire gil;
+      call_hook(abort_fn_, "on_abort", version, reason);
+    });
+  }
+#else
+  void on_begin(py::object) { throw std::runtime_error("hooks: not yet"); }
+  void on_commit(py::object) { throw std::runtime_error("hooks: not yet"); }
+  void on_abort(py::object) { throw std::runtime_error("hooks: not yet"); }
+#endif
+
+  receiver_event serve_one(double timeout) {
+    const milliseconds wait = to_deadline(timeout, "timeout", true);
+    receiver& r = rx();
+    receiver_event e{};
+    {
+      py::gil_scoped_release nogil;
+      e = r.serve_one(wait);
+    }
+    raise_interrupt();
+    return e;
+  }
+
+  void serve(const py::object& stop, double poll) {
+    const milliseconds wait = to_deadline(poll, "poll");
+    receiver& r = rx();
+    for (;;) {
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // Ctrl-C within one poll
+      if (!stop.is_none() && stop().cast<bool>()) return;
+      try {
+        py::gil_scoped_release nogil;
+        r.serve_one(wait);
+      } catch (const error&) {
+        // A signal may interrupt the socket's wait: report the signal, not the interrupted wait.
+        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        throw;
+      }
+      raise_interrupt();
+    }
+  }
+
+  std::optional<std::uint64_t> committed_version() { return rx().committed_version(); }
+  bool dirty() { return rx().dirty(); }
+  receiver_stats last_stats() { return rx().last_stats(); }
+  std::optional<std::string> last_error() {
+    std::string e = rx().last_error();
+    if (e.empty()) return std::nullopt;
+    return e;
+  }
+
+ private:
+  void run_batch(std::span<const tensor_view> views, void* stream) {
+    py::gil_scoped_acquire gil;
+    auto alive = std::make_shared<bool>(true);
+    py::list list(views.size());
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      const tensor_view& v = views[i];
+      list[i] = py::cast(view{*v.meta, v.data, v.offset, v.bytes, v.total, v.dev, alive, py::object()});
+    }
+    try {
+      batch_fn_(list, reinterpret_cast<std::uintptr_t>(stream));
+    } catch (py::error_already_set& e) {
+      *alive = false;
+      throw_from_python(std::move(e), "the batch callback");
+    }
+    *alive = false;
+  }
+
+  template <typename... Args>
+  void call_hook(const py::object& fn, const char* which, Args&&... args) {
+    try {
+      fn(std::forward<Args>(args)...);
+    } catch (py::error_already_set& e) {
+      throw_from_python(std::move(e), which);
+    }
+  }
+
+  /// A Python exception raised inside a callback becomes errc::apply with its type and message,
+  /// so the streamer reads it. Ctrl-C and SystemExit are also kept and raised again from serve().
+  [[noreturn]] void throw_from_python(py::error_already_set&& e, const std::string& where) {
+    const std::string message = where + " raised " + describe(e);
+    if (is_interrupt(e)) interrupt_ = std::make_unique<py::error_already_set>(std::move(e));
+    throw error(errc::apply, message);
+  }
+
+  void raise_interrupt() {
+    if (!interrupt_) return;
+    std::unique_ptr<py::error_already_set> e = std::move(interrupt_);
+    e->restore();
+    throw py::error_already_set();
+  }
+
+  std::unique_ptr<receiver> rx_;
+  int device_ = 0;
+  std::unordered_map<std::string, py::object> keep_;  ///< registered tensors stay alive
+  py::object batch_fn_, begin_fn_, commit_fn_, abort_fn_;
+  std::unique_ptr<py::error_already_set> interrupt_;
+};
+
+// ----------------------------------------------------------------------------- streamer
+
+/// The tensors of one refit and what keeps them alive until refit() returns.
+class python_tensors final : public tensor_source {
+ public:
+  python_tensors(const py::object& stream, int default_device) : default_device_(default_device) {
+    if (stream.is_none()) return;
+    const py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
+    const auto h = handle.cast<std::uintptr_t>();
+    given_stream_ = h == 0 ? reinterpret_cast<void*>(std::uintptr_t{1}) : reinterpret_cast<void*>(h);
+  }
+
+  /// Reads one (name, tensor) pair. Needs the GIL.
+  tensor_ref take(const py::handle& pair) {
+    if (!py::isinstance<py::tuple>(pair) || py::len(pair) != 2)
+      throw py::type_error("refit(): tensors must be a mapping of name to tensor or (name, tensor) pairs; got a " +
+                           std::string(py::str(py::type::handle_of(pair).attr("__name__"))));
+    const py::tuple t = py::reinterpret_borrow<py::tuple>(pair);
+    if (!py::isinstance<py::str>(t[0]))
+      throw py::type_error("refit(): a tensor name must be a str, got " +
+                           std::string(py::str(py::type::handle_of(t[0]).attr("__name__"))));
+    borrowed_tensor b = world().borrow(t[1], t[0].cast<std::string>());
+    tensor_ref r{std::move(b.meta), b.data, b.dev, nullptr};
+    if (r.dev.kind == device_kind::cuda) r.stream = stream_of(r.dev.index);
+    keep_.push_back(std::move(b.keep));
+    return r;
+  }
+
+  /// Lazy: pulls from a Python iterator, taking the GIL for each tensor.
+  void pull_from(py::iterator it) { iterator_ = std::move(it); }
+
+  std::optional<tensor_ref> next() override {
+    py::gil_scoped_acquire gil;
+    try {
+      if (iterator_ == py::iterator::sentinel()) return std::nullopt;
+      const py::handle pair = *iterator_;
+      tensor_ref r = take(pair);
+      ++iterator_;
+      return r;
+    } catch (py::error_already_set& e) {
+      // Kept as it is, raised again once refit() has failed: a generator's own exception reaches
+      // the caller unchanged. The streamer sees a refit::error and aborts the refit.
+      const std::string message = "the tensor source raised " + describe(e);
+      failure_ = std::make_unique<py::error_already_set>(std::move(e));
+      throw error(errc::invalid_argument, message);
+    } catch (const py::builtin_exception& e) {
+      failure_ = std::make_unique<py::error_already_set>(capture(e));
+      throw error(errc::invalid_argument, e.what());
+    }
+  }
+
+  /// Raises the Python exception the source raised, if any. Needs the GIL.
+  void raise_source_failure() {
+    if (!failure_) return;
+    std::unique_ptr<py::error_already_set> e = std::move(failure_);
+    e->restore();
+    throw py::error_already_set();
+  }
+
+  void release() { keep_.clear(); }
+
+ private:
+  static py::error_already_set capture(const py::builtin_exception& e) {
+    e.set_error();
+    return py::error_already_set();
+  }
+
+  void* stream_of(int index) {
+    if (given_stream_ != nullptr) return given_stream_;
+    const auto it = streams_.find(index);
+    if (it != streams_.end()) return it->second;
+    void* s = world().current_stream(index);
+    streams_.emplace(index, s);
+    return s;
+  }
+
+  [[maybe_unused]] int default_device_;
+  void* given_stream_ = nullptr;
+  std::unordered_map<int, void*> streams_;
+  std::vector<py::object> keep_;
+  py::iterator iterator_;
+  std::unique_ptr<py::error_already_set> failure_;
+};
+
+class py_streamer {
+ public:
+  explicit py_streamer(streamer_options o) : device_(o.device) {
+    py::gil_scoped_release nogil;  // creates the buffers
+    st_ = std::make_unique<streamer>(std::move(o));
+  }
+  ~py_streamer() { close(); }
+
+  void close() {
+    if (!st_) return;
+    std::unique_ptr<streamer> st = std::move(st_);
+    py::gil_scoped_release nogil;  // BYE waits up to 1 s for a reply
+    st.reset();
+  }
+
+  refit_stats refit(std::uint64_t version, const py::object& tensors, const py::object& stream) {
+    if (!st_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
+    streamer& s = *st_;
+    python_tensors source(stream, device_);
+    const bool eager = py::hasattr(tensors, "items") || py::isinstance<py::list>(tensors) ||
+                       py::isinstance<py::tuple>(tensors);
+    try {
+      if (eager) {
+        // Tensors that already exist are read up front: no GIL hand-off per tensor.
+        const py::object pairs = py::hasattr(tensors, "items") ? tensors.attr("items")() : tensors;
+        std::vector<tensor_ref> refs;
+        if (py::hasattr(pairs, "__len__")) refs.reserve(py::len(pairs));
+        for (const py::handle pair : pairs) refs.push_back(source.take(pair));
+        py::gil_scoped_release nogil;
+        return s.refit(version, std::span<const tensor_ref>(refs));
+      }
+      source.pull_from(py::iter(tensors));
+      refit_stats stats;
+      {
+        py::gil_scoped_release nogil;
+        stats = s.refit(version, source);
+      }
+      source.release();
+      return stats;
+    } catch (const error&) {
+      source.raise_source_failure();
+      throw;
+    }
+  }
+
+ private:
+  std::unique_ptr<streamer> st_;
+  int device_ = 0;
+};
+
+streamer_options streamer_options_from(std::string endpoint, const std::string& transport,
+                                       std::optional<std::vector<std::string>> receivers, std::uint64_t buffer_bytes,
+                                       std::size_t buffers, bool direct, double timeout,
+                                       std::optional<std::string> token, int device, const py::object& curve,
+                                       std::uint64_t alignment, bool keep_whole, const std::string& engine,
+                                       bool page_locked) {
+  streamer_options o;
+  o.endpoint = std::move(endpoint);
+  const auto t = parse_transport(transport);
+  if (!t) throw py::value_error("transport must be 'host_shm', 'cuda_ipc' or 'nccl'; got '" + transport + "'");
+  o.transport = *t;
+  if (receivers) o.receivers = std::move(*receivers);
+  o.buffer_bytes = buffer_bytes;
+  o.buffer_count = buffers;
+  o.direct = direct;
+  o.timeout = to_deadline(timeout, "timeout");
+  o.token = token.value_or("");
+  o.device = device;
+  o.curve = to_curve(curve);
+  o.alignment = alignment;
+  o.keep_whole = keep_whole;
+  const auto e = parse_copy_engine(engine);
+  if (!e) throw py::value_error("engine must be one of automatic, kernel, memcpy_batch, memcpy_each; got '" + engine + "'");
+  o.engine = *e;
+  o.page_locked = page_locked;
+  return o;
+}
+
+// ------------------------------------------------------------------------------- errors
+
+/// refit.RefitError and refit.RefitTimeout, defined in Python (refit/_errors.py).
+struct error_types {
+  py::object refit_error;
+  py::object refit_timeout;
+};
+
+error_types& errors() {
+  static auto* e = new error_types;  // never destroyed: see world()
+  return *e;
+}
+
+void translate(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const error& e) {
+    const error_types& t = errors();
+    if (!t.refit_error) {  // the module imported on its own, without the refit package
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return;
+    }
+    const py::object& cls = e.code() == errc::timeout ? t.refit_timeout : t.refit_error;
+    const py::object exc = cls(e.what(), py::cast(e.code()));
+    PyErr_SetObject(cls.ptr(), exc.ptr());
+  }
+}
+
+template <typename T>
+std::string stats_repr(const char* name, const T& s) {
+  return std::string(name) + "(version=" + std::to_string(s.version) + ", tensors=" + std::to_string(s.tensors) +
+         ", bytes=" + std::to_string(s.bytes) + ", batches=" + std::to_string(s.batches) +
+         ", seconds=" + std::to_string(s.seconds) + ")";
+}
+
+}  // namespace
+}  // namespace refit::python
+
+PYBIND11_MODULE(_refit, m) {
+  using namespace refit;
+  using namespace refit::python;
+  namespace py = pybind11;
+  m.doc() = "refit's native core (use the refit package, not this module)";
+  m.attr("__version__") = REFIT_PY_VERSION;
+
+  py::enum_<errc>(m, "Errc", "The C++ error codes (refit::errc); RefitError.code is one of them.")
+      .value("invalid_argument", errc::invalid_argument)
+      .value("protocol", errc::protocol)
+      .value("version_mismatch", errc::version_mismatch)
+      .value("timeout", errc::timeout)
+      .value("peer", errc::peer)
+      .value("unauthorized", errc::unauthorized)
+      .value("transport", errc::transport)
+      .value("cuda", errc::cuda)
+      .value("nccl", errc::nccl)
+      .value("apply", errc::apply)
+      .value("incomplete", errc::incomplete)
+      .value("io", errc::io)
+      .value("internal", errc::internal);
+
+  py::enum_<receiver_event>(m, "Event", "What Receiver.serve_one() did.")
+      .value("idle", receiver_event::idle)
+      .value("hello", receiver_event::hello)
+      .value("begin", receiver_event::begin)
+      .value("batch", receiver_event::batch)
+      .value("committed", receiver_event::committed)
+      .value("aborted", receiver_event::aborted)
+      .value("bye", receiver_event::bye)
+      .value("refused", receiver_event::refused);
+
+  py::class_<refit_stats>(m, "RefitStats", "Figures of one refit, as the streamer saw it.")
+      .def_readonly("version", &refit_stats::version)
+      .def_readonly("tensors", &refit_stats::tensors)
+      .def_readonly("bytes", &refit_stats::bytes)
+      .def_readonly("batches", &refit_stats::batches)
+      .def_readonly("seconds", &refit_stats::seconds, "BEGIN to END's reply")
+      .def_readonly("source_seconds", &refit_stats::source_seconds, "in the tensor source (a generator's gathers)")
+      .def_readonly("pack_seconds", &refit_stats::pack_seconds)
+      .def_readonly("wait_seconds", &refit_stats::wait_seconds)
+      .def_readonly("direct", &refit_stats::direct, "written straight into the receiver's weights")
+      .def("__repr__", [](const refit_stats& s) { return stats_repr("RefitStats", s); });
+
+  py::class_<receiver_stats>(m, "ReceiverStats", "Figures of the last refit a receiver committed.")
+      .def_readonly("version", &receiver_stats::version)
+      .def_readonly("tensors", &receiver_stats::tensors)
+      .def_readonly("bytes", &receiver_stats::bytes)
+      .def_readonly("batches", &receiver_stats::batches)
+      .def_readonly("seconds", &receiver_stats::seconds)
+      .def_readonly("apply_seconds", &receiver_stats::apply_seconds)
+      .def_readonly("drain_seconds", &receiver_stats::drain_seconds)
+      .def("__repr__", [](const receiver_stats& s) { return stats_repr("ReceiverStats", s); });
+
+  py::class_<view>(m, "View", "One entry of a batch: a whole tensor or a byte range (chunk) of one.")
+      .def_property_readonly("name", [](const view& v) { return v.meta.name; })
+      .def_property_readonly("offset", [](const view& v) { return v.offset; }, "first byte of the range in the tensor")
+      .def_property_readonly("nbytes", [](const view& v) { return v.bytes; })
+      .def_property_readonly("total", [](const view& v) { return v.total; }, "bytes of the whole tensor")
+      .def_property_readonly("whole", &view::whole)
+      .def_property_readonly("last", &view::last)
+      .def_property_readonly("shape", [](const view& v) { return py::tuple(py::cast(v.meta.shape)); })
+      .def_property_readonly("dtype", [](const view& v) { return world().python_dtype(v.meta.type); })
+      .def_property_readonly("tensor", &view::get_tensor,
+                             "the bytes as a tensor (typed and shaped when whole, flat uint8 for a chunk)")
+      .def("__repr__", [](const view& v) {
+        return "View('" + v.meta.name + "', offset=" + std::to_string(v.offset) + ", nbytes=" +
+               std::to_string(v.bytes) + ", total=" + std::to_string(v.total) + ")";
+      });
+
+  py::class_<py_receiver>(m, "Receiver")
+      .def(py::init<std::optional<std::string>, int, double, std::optional<std::string>, py::object, std::string>(),
+           py::arg("endpoint") = py::none(), py::kw_only(), py::arg("device") = 0, py::arg("idle_timeout") = 60.0,
+           py::arg("token") = py::none(), py::arg("curve") = py::none(), py::arg("engine") = "automatic")
+      .def_property_readonly("endpoint", &py_receiver::endpoint)
+      .def_property_readonly("device", &py_receiver::device)
+      .def("add_parameter", &py_receiver::add_parameter, py::arg("name"), py::arg("tensor"))
+      .def("clear_parameters", &py_receiver::clear_parameters)
+      .def("_on_batch", &py_receiver::on_batch, py::arg("fn"))
+      .def("_on_begin", &py_receiver::on_begin, py::arg("fn"))
+      .def("_on_commit", &py_receiver::on_commit, py::arg("fn"))
+      .def("_on_abort", &py_receiver::on_abort, py::arg("fn"))
+      .def("serve_one", &py_receiver::serve_one, py::arg("timeout") = 0.1)
+      .def("_serve", &py_receiver::serve, py::arg("stop"), py::arg("poll"))
+      .def_property_readonly("committed_version", &py_receiver::committed_version)
+      .def_property_readonly("dirty", &py_receiver::dirty)
+      .def_property_readonly("last_stats", &py_receiver::last_stats)
+      .def_property_readonly("last_error", &py_receiver::last_error)
+      .def("close", &py_receiver::close);
+
+  py::class_<py_streamer>(m, "Streamer")
+      .def(py::init([](std::string endpoint, const std::string& transport,
+                       std::optional<std::vector<std::string>> receivers, std::uint64_t buffer_bytes,
+                       std::size_t buffers, bool direct, double timeout, std::optional<std::string> token, int device,
+                       const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
+                       bool page_locked) {
+             return std::make_unique<py_streamer>(streamer_options_from(
+                 std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
+                 std::move(token), device, curve, alignment, keep_whole, engine, page_locked));
+           }),
+           py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
+           py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
+           py::arg("timeout") = 30.0, py::arg("token") = py::none(), py::arg("device") = 0,
+           py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
+           py::arg("engine") = "automatic", py::arg("page_locked") = false)
+      .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
+           py::arg("stream") = py::none())
+      .def("close", &py_streamer::close);
+
+  m.def("_set_error_types", [](py::object refit_error, py::object refit_timeout) {
+    errors().refit_error = std::move(refit_error);
+    errors().refit_timeout = std::move(refit_timeout);
+  });
+  py::register_exception_translator(&translate);
+}

@@ -1,0 +1,342 @@
+"""refit — stream model weights from RL trainers to inference engines, at C++ speed.
+
+The trainer (policy worker) streams a ``state_dict()`` after every step; the engine (generation
+worker) registers its parameters once and serves. Bytes move in refit's C++ core through
+shared memory, CUDA IPC or NCCL, with the GIL released; a version is committed only when every
+tensor arrived exactly once.
+
+Engine::
+
+    import refit
+    with refit.Receiver() as rx:                      # binds a private ipc:// endpoint
+        rx.add_parameters(model.named_parameters())   # written in place, no extra copy
+        send_to_trainer(rx.endpoint)
+        rx.serve(stop_event)                          # or rx.serve_one(timeout=0.01) in a loop
+
+Trainer::
+
+    import refit
+    with refit.Streamer(endpoint, transport="cuda_ipc") as st:
+        for step in range(steps):
+            train_step()
+            st.refit(step, model.state_dict())        # returns once the engine committed
+
+Errors are :class:`RefitError` (``.code`` is an :class:`Errc`); deadlines are
+:class:`RefitTimeout`, also a ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Union
+
+from ._errors import RefitError, RefitTimeout
+from . import _refit
+from ._refit import Errc, Event, ReceiverStats, RefitStats, View
+
+_refit._set_error_types(RefitError, RefitTimeout)
+
+__version__ = _refit.__version__
+__all__ = [
+    "Errc",
+    "Event",
+    "Receiver",
+    "ReceiverStats",
+    "RefitError",
+    "RefitStats",
+    "RefitTimeout",
+    "Streamer",
+    "View",
+]
+
+try:  # torch is optional: without it, views are numpy arrays and sources any DLPack producer
+    import torch as _torch
+except ImportError:  # pragma: no cover - exercised where torch is absent
+    _torch = None
+
+Tensors = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
+
+
+def _device_index(device: Any) -> int:
+    """The CUDA ordinal of ``device`` (int, "cuda:1", torch.device); the current CUDA device
+    (or 0) for None."""
+    if device is None:
+        if _torch is not None and _torch.cuda.is_available():
+            return _torch.cuda.current_device()
+        return 0
+    if isinstance(device, int):
+        return device
+    if _torch is not None and isinstance(device, (str, _torch.device)):
+        d = _torch.device(device)
+        if d.type == "cpu":
+            return 0
+        if d.type != "cuda":
+            raise ValueError(f"device {device!r}: refit reads CPU and CUDA memory")
+        return d.index if d.index is not None else (_torch.cuda.current_device() if _torch.cuda.is_available() else 0)
+    if isinstance(device, str):
+        if device == "cpu":
+            return 0
+        if device.startswith("cuda:") and device[5:].isdigit():
+            return int(device[5:])
+        if device == "cuda":
+            return 0
+    raise TypeError(f"device must be an int, 'cuda:N', 'cpu' or a torch.device; got {device!r}")
+
+
+def _stream_context(stream: int, device: int):
+    """Runs Python callbacks on the stream the receiver's views are ready on, so that torch work
+    they enqueue is ordered after the bytes arrived and before the buffer is reused."""
+    if not stream or _torch is None or not _torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return _torch.cuda.stream(_torch.cuda.ExternalStream(stream, device=device))
+
+
+class Receiver(_refit.Receiver):
+    """The engine's side: binds a socket, applies refits into its weights.
+
+    Args:
+        endpoint: where to bind. None: a fresh private ``ipc://`` socket (mode 0700);
+            ``"tcp://*:0"`` binds to 127.0.0.1 on a free port (read it back from
+            :attr:`endpoint`).
+        device: CUDA device applies run on (int, ``"cuda:1"``, torch.device; default: the
+            current one).
+        idle_timeout: seconds a refit in progress may see no message before it is aborted (its
+            streamer is presumed dead).
+        token: session token (default ``REFIT_TOKEN``); a streamer with another one is refused.
+        curve: CURVE keys for tcp across hosts: a dict (or object) with ``public_key``,
+            ``secret_key`` and optionally ``allowed_clients``.
+        engine: how GPU copies are made (``"automatic"``, ``"kernel"``, ``"memcpy_batch"``,
+            ``"memcpy_each"``).
+
+    Example::
+
+        with refit.Receiver() as rx:
+            rx.add_parameters(model.named_parameters())
+            print(rx.endpoint)             # hand it to the trainer
+            while not done:
+                if rx.serve_one(timeout=0.01) is refit.Event.committed:
+                    print("now at version", rx.committed_version)
+
+    Thread rules: ``serve_one``/``serve`` and the registration calls from one thread at a time;
+    the properties from any thread.
+    """
+
+    def __init__(
+        self,
+        endpoint: Optional[str] = None,
+        *,
+        device: Any = None,
+        idle_timeout: float = 60.0,
+        token: Optional[str] = None,
+        curve: Any = None,
+        engine: str = "automatic",
+    ) -> None:
+        super().__init__(
+            endpoint,
+            device=_device_index(device),
+            idle_timeout=idle_timeout,
+            token=token,
+            curve=curve,
+            engine=engine,
+        )
+
+    def add_parameters(self, params: Tensors) -> None:
+        """Registers every ``(name, tensor)`` of a ``state_dict()``, ``named_parameters()`` or
+        any iterable of pairs. Tensors are written in place: they must stay alive (the receiver
+        keeps a reference) and contiguous. Raises TypeError/ValueError naming a bad tensor,
+        RefitError(invalid_argument) for a name registered twice."""
+        items = params.items() if hasattr(params, "items") else params
+        for name, tensor in items:
+            self.add_parameter(name, tensor)
+
+    def on_batch(self, fn: Callable[[List[View]], None]) -> Callable[[List[View]], None]:
+        """Applies through ``fn(views)``, called once per batch with its entries (each a
+        :class:`View`: ``.name``, ``.offset``, ``.tensor``, ``.whole``, ``.last``) instead of a
+        parameter table. Views alias the receiver's buffer and are valid only during the call;
+        on CUDA the call runs on the stream they are ready on (torch's current stream). An
+        exception aborts the refit; the streamer sees ``Errc.apply`` with its type and message.
+        Returns ``fn`` (usable as a decorator)."""
+        device = self.device
+
+        def call(views, stream):
+            with _stream_context(stream, device):
+                fn(views)
+
+        self._on_batch(call)
+        return fn
+
+    def on_tensor(self, fn: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+        """Applies through ``fn(name, tensor)``, once per whole tensor — the shape of an
+        engine's ``load_weights``. Tensors split into chunks on the way are reassembled first
+        (in a tensor of their own); others alias the receiver's buffer and are valid only
+        during the call. Returns ``fn``."""
+        partial = {}
+
+        def assemble(v: View):
+            if v.offset == 0:  # a tensor's first chunk: a fresh buffer (drops one left by an abort)
+                like = v.tensor
+                if _torch is not None:
+                    partial[v.name] = _torch.empty(v.total, dtype=_torch.uint8, device=like.device)
+                else:
+                    import numpy
+
+                    partial[v.name] = numpy.empty(v.total, dtype=numpy.uint8)
+            buf = partial.get(v.name)
+            if buf is None:
+                raise RefitError(f"tensor '{v.name}': a chunk at byte {v.offset} arrived without its first chunk")
+            if _torch is not None:
+                buf[v.offset : v.offset + v.nbytes].copy_(v.tensor)
+            else:
+                buf[v.offset : v.offset + v.nbytes] = v.tensor
+            if not v.last:
+                return None
+            del partial[v.name]
+            if _torch is not None:
+                return buf.view(v.dtype).reshape(v.shape)
+            return buf
+
+        def on_views(views):
+            for v in views:
+                if v.whole:
+                    fn(v.name, v.tensor)
+                    continue
+                t = assemble(v)
+                if t is not None:
+                    fn(v.name, t)
+
+        self.on_batch(on_views)
+        return fn
+
+    def on_begin(self, fn: Optional[Callable[[int], None]]):
+        """``fn(version)`` when a refit starts, before its first batch (pause generation,
+        open a staging area). Raising refuses the refit (``Errc.apply`` at the streamer).
+        None removes it. Returns ``fn``."""
+        self._on_begin(fn)
+        return fn
+
+    def on_commit(self, fn: Optional[Callable[[int], None]]):
+        """``fn(version)`` once ``version`` is committed (:attr:`committed_version` says so).
+        Exceptions are logged, not raised. None removes it. Returns ``fn``."""
+        self._on_commit(fn)
+        return fn
+
+    def on_abort(self, fn: Optional[Callable[[int, str], None]]):
+        """``fn(version, reason)`` when a refit in progress ends without committing, for any
+        reason. Exceptions are logged, not raised. None removes it. Returns ``fn``."""
+        self._on_abort(fn)
+        return fn
+
+    def serve(self, stop: Any = None, *, poll: float = 0.1) -> None:
+        """Serves until ``stop`` says so: a callable returning True, a ``threading.Event`` that
+        is set, or None (until Ctrl-C). ``stop`` is checked between messages, at least every
+        ``poll`` seconds; Ctrl-C interrupts within one poll. The GIL is released while waiting."""
+        if stop is None:
+            check = None
+        elif hasattr(stop, "is_set"):
+            check = stop.is_set
+        elif callable(stop):
+            check = stop
+        else:
+            raise TypeError(f"stop must be a callable, a threading.Event or None; got {type(stop).__name__}")
+        self._serve(check, poll)
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        try:
+            return f"refit.Receiver({self.endpoint!r}, committed_version={self.committed_version})"
+        except RefitError:
+            return "refit.Receiver(closed)"
+
+
+class Streamer(_refit.Streamer):
+    """The trainer's side: streams named tensors to one receiver (host_shm, cuda_ipc) or
+    broadcasts them to several (nccl).
+
+    Args:
+        endpoint: the receiver's :attr:`Receiver.endpoint`.
+        transport: ``"cuda_ipc"`` (same host GPUs), ``"nccl"`` (other GPUs or hosts, one to many)
+            or ``"host_shm"`` (CPU tensors).
+        receivers: nccl: every receiver's endpoint (``endpoint`` is then ignored).
+        buffer_bytes, buffers: the ping-pong staging buffers (capacity of each, how many).
+        direct: write straight into the receiver's weights where it can (cuda_ipc direct, nccl in
+            place); False always stages.
+        timeout: seconds to wait for any reply before :class:`RefitTimeout`.
+        token, curve: as for :class:`Receiver` (curve: ``public_key``, ``secret_key``,
+            ``server_key``).
+        device: CUDA device of the buffers (default: the current one).
+
+    Example::
+
+        with refit.Streamer(endpoint, transport="cuda_ipc") as st:
+            stats = st.refit(step, model.state_dict())
+            print(stats.bytes / stats.seconds / 1e9, "GB/s")
+
+    Thread rules: one thread at a time.
+    """
+
+    def __init__(
+        self,
+        endpoint: Optional[str] = None,
+        *,
+        transport: str = "cuda_ipc",
+        receivers: Optional[List[str]] = None,
+        buffer_bytes: int = 256 << 20,
+        buffers: int = 2,
+        direct: bool = True,
+        timeout: float = 30.0,
+        token: Optional[str] = None,
+        device: Any = None,
+        curve: Any = None,
+        alignment: int = 256,
+        keep_whole: bool = True,
+        engine: str = "automatic",
+        page_locked: bool = False,
+    ) -> None:
+        if endpoint is None:
+            if not receivers:
+                raise ValueError("Streamer needs the receiver's endpoint (or receivers=[...] for nccl)")
+            endpoint = receivers[0]
+        super().__init__(
+            endpoint,
+            transport=transport,
+            receivers=receivers,
+            buffer_bytes=buffer_bytes,
+            buffers=buffers,
+            direct=direct,
+            timeout=timeout,
+            token=token,
+            device=_device_index(device),
+            curve=curve,
+            alignment=alignment,
+            keep_whole=keep_whole,
+            engine=engine,
+            page_locked=page_locked,
+        )
+
+    def refit(self, version: int, tensors: Tensors, *, stream: Any = None) -> RefitStats:
+        """Streams ``tensors`` as ``version`` and returns once the receiver committed it.
+
+        ``tensors``: a mapping (``state_dict()``), a list of ``(name, tensor)`` pairs, or a
+        generator of pairs — the generator's next tensor is gathered while earlier batches are
+        applied. Tensors are read in place (no copy) and must stay unchanged until this returns;
+        the streamer keeps a reference to each. CUDA tensors are read after the work enqueued so
+        far on torch's current stream of their device (or on ``stream``), never with a device
+        synchronisation. The GIL is released while bytes move.
+
+        Raises TypeError/ValueError naming a bad tensor (unsupported dtype, not contiguous),
+        RefitError with the receiver's code (``Errc.apply`` for a shape or dtype mismatch), or
+        RefitTimeout. An exception raised by a generator is raised again as it is. After any
+        error the receiver has not committed ``version``.
+        """
+        return super().refit(version, tensors, stream=stream)
+
+    def __enter__(self) -> "Streamer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,100 @@
+# Type hints of refit's native module (lib/python/module.cpp). Use the refit package, whose
+# Receiver and Streamer extend these classes.
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Union
+import enum
+
+__version__: str
+
+class Errc(enum.IntEnum):
+    invalid_argument: int
+    protocol: int
+    version_mismatch: int
+    timeout: int
+    peer: int
+    unauthorized: int
+    transport: int
+    cuda: int
+    nccl: int
+    apply: int
+    incomplete: int
+    io: int
+    internal: int
+
+class Event(enum.IntEnum):
+    idle: int
+    hello: int
+    begin: int
+    batch: int
+    committed: int
+    aborted: int
+    bye: int
+    refused: int
+
+class RefitStats:
+    version: int
+    tensors: int
+    bytes: int
+    batches: int
+    seconds: float
+    source_seconds: float
+    pack_seconds: float
+    wait_seconds: float
+    direct: bool
+
+class ReceiverStats:
+    version: int
+    tensors: int
+    bytes: int
+    batches: int
+    seconds: float
+    apply_seconds: float
+    drain_seconds: float
+
+class View:
+    @property
+    def name(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def total(self) -> int: ...
+    @property
+    def whole(self) -> bool: ...
+    @property
+    def last(self) -> bool: ...
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+    @property
+    def dtype(self) -> Any: ...
+    @property
+    def tensor(self) -> Any: ...
+
+class Receiver:
+    def __init__(self, endpoint: Optional[str] = None, *, device: int = 0, idle_timeout: float = 60.0,
+                 token: Optional[str] = None, curve: Any = None, engine: str = "automatic") -> None: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def device(self) -> int: ...
+    def add_parameter(self, name: str, tensor: Any) -> None: ...
+    def clear_parameters(self) -> None: ...
+    def serve_one(self, timeout: float = 0.1) -> Event: ...
+    @property
+    def committed_version(self) -> Optional[int]: ...
+    @property
+    def dirty(self) -> bool: ...
+    @property
+    def last_stats(self) -> ReceiverStats: ...
+    @property
+    def last_error(self) -> Optional[str]: ...
+    def close(self) -> None: ...
+
+class Streamer:
+    def __init__(self, endpoint: str, *, transport: str = "cuda_ipc", receivers: Optional[List[str]] = None,
+                 buffer_bytes: int = ..., buffers: int = 2, direct: bool = True, timeout: float = 30.0,
+                 token: Optional[str] = None, device: int = 0, curve: Any = None, alignment: int = 256,
+                 keep_whole: bool = True, engine: str = "automatic", page_locked: bool = False) -> None: ...
+    def refit(self, version: int, tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], *,
+              stream: Any = None) -> RefitStats: ...
+    def close(self) -> None: ...
