@@ -20,6 +20,7 @@ std::string_view to_string(msg_type t) noexcept {
     case msg_type::bye: return "BYE";
     case msg_type::ok: return "OK";
     case msg_type::error: return "ERROR";
+    case msg_type::abort: return "ABORT";
   }
   return "UNKNOWN";
 }
@@ -34,7 +35,8 @@ msg_type type_of(const message& m) noexcept {
         else if constexpr (std::is_same_v<T, end>) return msg_type::end;
         else if constexpr (std::is_same_v<T, bye>) return msg_type::bye;
         else if constexpr (std::is_same_v<T, ok>) return msg_type::ok;
-        else return msg_type::error;
+        else if constexpr (std::is_same_v<T, error>) return msg_type::error;
+        else return msg_type::abort;
       },
       m);
 }
@@ -130,6 +132,13 @@ void encode_body(packer& p, const error& m) {
   head(p, msg_type::error, 2);
   p.pack_int(static_cast<int>(m.code));
   pack_str(p, m.message);
+}
+
+void encode_body(packer& p, const abort& m) {
+  head(p, msg_type::abort, 3);
+  pack_uint(p, m.version);
+  p.pack_int(static_cast<int>(m.code));
+  pack_str(p, m.reason);
 }
 
 }  // namespace
@@ -247,6 +256,7 @@ constexpr std::size_t field_count(msg_type t) noexcept {
     case msg_type::bye: return 0;
     case msg_type::ok: return 3;
     case msg_type::error: return 2;
+    case msg_type::abort: return 3;
   }
   return 0;
 }
@@ -351,17 +361,28 @@ ok decode_ok(reader& r, std::span<const object> f) {
   return m;
 }
 
-error decode_error(reader& r, std::span<const object> f) {
-  error m;
+errc decode_errc(reader& r, const object& o) {
   constexpr auto lo = static_cast<std::int64_t>(errc::invalid_argument);
   constexpr auto hi = static_cast<std::int64_t>(errc::internal);
-  if (f[0].type == mt::NEGATIVE_INTEGER)
-    r.fail("code", fmt::format("{} is not an error code ({}..{})", f[0].via.i64, lo, hi));
-  const std::uint64_t code = r.u64(f[0], "code");
+  if (o.type == mt::NEGATIVE_INTEGER) r.fail("code", fmt::format("{} is not an error code ({}..{})", o.via.i64, lo, hi));
+  const std::uint64_t code = r.u64(o, "code");
   if (code < static_cast<std::uint64_t>(lo) || code > static_cast<std::uint64_t>(hi))
     r.fail("code", fmt::format("{} is not an error code ({}..{})", code, lo, hi));
-  m.code = static_cast<errc>(code);
+  return static_cast<errc>(code);
+}
+
+error decode_error(reader& r, std::span<const object> f) {
+  error m;
+  m.code = decode_errc(r, f[0]);
   m.message = r.str(f[1], "message", max_message_bytes);
+  return m;
+}
+
+abort decode_abort(reader& r, std::span<const object> f) {
+  abort m;
+  m.version = r.u64(f[0], "version");
+  m.code = decode_errc(r, f[1]);
+  m.reason = r.str(f[2], "reason", max_message_bytes);
   return m;
 }
 
@@ -414,7 +435,7 @@ message decode(std::span<const std::byte> bytes) {
                                    all[1].via.u64, protocol_version));
 
   const std::uint64_t code = all[0].via.u64;
-  if (code < static_cast<std::uint64_t>(msg_type::hello) || code > static_cast<std::uint64_t>(msg_type::error))
+  if (code < static_cast<std::uint64_t>(msg_type::hello) || code > static_cast<std::uint64_t>(msg_type::abort))
     malformed(fmt::format("unknown message type {}", code));
   const auto t = static_cast<msg_type>(code);
   const auto fields = all.subspan(2);
@@ -434,6 +455,7 @@ message decode(std::span<const std::byte> bytes) {
     case msg_type::bye: return bye{};
     case msg_type::ok: return decode_ok(r, fields);
     case msg_type::error: return decode_error(r, fields);
+    case msg_type::abort: return decode_abort(r, fields);
   }
   malformed("unknown message type");
 }

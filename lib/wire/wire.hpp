@@ -23,7 +23,9 @@
 
 namespace refit::wire {
 
-/// Bumped on every incompatible change of the format below.
+/// Bumped on every incompatible change of the format below. A new message type is not one: a
+/// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
+/// ERROR and aborts the refit all the same), and a streamer never receives a request.
 inline constexpr std::uint32_t protocol_version = 1;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
@@ -42,6 +44,7 @@ enum class msg_type : std::uint8_t {
   bye = 5,
   ok = 6,
   error = 7,
+  abort = 8,  ///< a request, like HELLO..BYE; numbered after the replies because codes never change
 };
 std::string_view to_string(msg_type t) noexcept;  // "HELLO", "BEGIN", ...
 
@@ -111,6 +114,17 @@ struct bye {
   friend bool operator==(const bye&, const bye&) = default;
 };
 
+/// Streamer → receiver: the streamer failed refit `version` on its own side after BEGIN (a tensor
+/// it could not send, its source threw), so the refit will never reach END. `code` is the error
+/// the streamer's caller gets; `reason` its message. The receiver aborts the refit if it is the
+/// one in progress and answers OK in every case.
+struct abort {
+  std::uint64_t version = 0;
+  errc code = errc::internal;
+  std::string reason;
+  friend bool operator==(const abort&, const abort&) = default;
+};
+
 /// Success reply. `handles` carries what the receiver exports in reply to HELLO (transport
 /// specific, may be empty).
 struct ok {
@@ -127,7 +141,7 @@ struct error {
   friend bool operator==(const error&, const error&) = default;
 };
 
-using message = std::variant<hello, begin, batch, end, bye, ok, error>;
+using message = std::variant<hello, begin, batch, end, bye, ok, error, abort>;
 
 msg_type type_of(const message& m) noexcept;
 

@@ -119,6 +119,8 @@ int main(int argc, char** argv) {
     write(w, "error_protocol",
           wire::encode(wire::error{refit::errc::protocol, "BATCH 3: sequence number 4 out of order, expected 3"}));
     write(w, "error_unauthorized", wire::encode(wire::error{refit::errc::unauthorized, "session token mismatch"}));
+    write(w, "abort", wire::encode(wire::abort{7, refit::errc::invalid_argument,
+                                               "the source yielded tensor 'w' twice in version 7"}));
 
     // ------------------------------------------------------------- fuzz_tracker
     // Byte 0: bit 0 = a committed version exists, bits 1-3 = its value.

@@ -120,7 +120,7 @@ std::vector<field> with(std::vector<field> fields, std::size_t i, field f) {
   return fields;
 }
 
-constexpr std::uint64_t HELLO = 1, BEGIN = 2, BATCH = 3, END = 4, BYE = 5, OK = 6, ERROR = 7;
+constexpr std::uint64_t HELLO = 1, BEGIN = 2, BATCH = 3, END = 4, BYE = 5, OK = 6, ERROR = 7, ABORT = 8;
 
 wire::message roundtrip(const wire::message& m) {
   const std::string bytes = wire::encode(m);
@@ -203,6 +203,16 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     wire::error empty{errc::internal, ""};
     CHECK(std::get<wire::error>(roundtrip(empty)) == empty);
   }
+  SECTION("ABORT with every code") {
+    for (int c = 1; c <= 13; ++c) {
+      wire::abort a{static_cast<std::uint64_t>(c) << 40, static_cast<errc>(c), "the source failed: " + std::to_string(c)};
+      const auto m = roundtrip(a);
+      CHECK(std::get<wire::abort>(m) == a);
+      CHECK(wire::type_of(m) == wire::msg_type::abort);
+    }
+    wire::abort empty{0, errc::invalid_argument, ""};
+    CHECK(std::get<wire::abort>(roundtrip(empty)) == empty);
+  }
   SECTION("decode accepts bytes as a span") {
     const std::string bytes = wire::encode(wire::begin{5});
     const auto span = std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
@@ -218,12 +228,15 @@ TEST_CASE("message type names are upper case", "[wire]") {
   CHECK(wire::to_string(wire::msg_type::bye) == "BYE");
   CHECK(wire::to_string(wire::msg_type::ok) == "OK");
   CHECK(wire::to_string(wire::msg_type::error) == "ERROR");
+  CHECK(wire::to_string(wire::msg_type::abort) == "ABORT");
 }
 
 TEST_CASE("the hand-built good messages of these tests decode", "[wire]") {
   CHECK_NOTHROW(wire::decode(message(HELLO, hello_fields())));
   CHECK_NOTHROW(wire::decode(message(BATCH, batch_fields({good_entry()}))));
   CHECK_NOTHROW(wire::decode(message(OK, {NIL(), T(false), ARR({})})));
+  CHECK(std::get<wire::abort>(wire::decode(message(ABORT, {U(7), U(1), S("dup")}))) ==
+        wire::abort{7, errc::invalid_argument, "dup"});
 }
 
 // ============================================================================= malformed framing
@@ -297,7 +310,7 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(0, {})), errc::protocol, "unknown message type 0");
-  CHECK_REFIT_ERROR(wire::decode(message(8, {})), errc::protocol, "unknown message type 8");
+  CHECK_REFIT_ERROR(wire::decode(message(9, {})), errc::protocol, "unknown message type 9");
   CHECK_REFIT_ERROR(wire::decode(message(1ull << 40, {})), errc::protocol, "unknown message type");
 }
 
@@ -312,6 +325,9 @@ TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true)})), errc::protocol, "OK message: 2 fields");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2)})), errc::protocol, "ERROR message: 1 fields");
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, {U(1), U(0), U(0)})), errc::protocol, "BATCH message: 3 fields");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(1), U(1)})), errc::protocol, "ABORT message: 2 fields, expected 3");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(1), U(1), S("x"), S("y")})), errc::protocol,
+                    "ABORT message: 4 fields, expected 3");
 }
 
 TEST_CASE("decode rejects nesting deeper than any message has", "[wire]") {
@@ -408,7 +424,31 @@ TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2), B("x")})), errc::protocol, "ERROR message: message must be a str");
 }
 
+TEST_CASE("decode rejects ABORT fields of the wrong type", "[wire]") {
+  const std::vector<field> a = {U(7), U(1), S("the source threw")};
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, with(a, 0, S("7")))), errc::protocol,
+                    "ABORT message: version must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, with(a, 0, I(-7)))), errc::protocol,
+                    "ABORT message: version must be an unsigned integer, got negative int");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, with(a, 1, S("invalid_argument")))), errc::protocol,
+                    "ABORT message: code must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, with(a, 1, NIL()))), errc::protocol,
+                    "ABORT message: code must be an unsigned integer, got nil");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, with(a, 2, B("the source threw")))), errc::protocol,
+                    "ABORT message: reason must be a str, got bin");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, with(a, 2, NIL()))), errc::protocol,
+                    "ABORT message: reason must be a str, got nil");
+}
+
 // ============================================================================== limits and ranges
+
+TEST_CASE("decode rejects an ABORT code outside the errc range", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(7), U(0), S("x")})), errc::protocol,
+                    "ABORT message: code 0 is not an error code (1..13)");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(7), U(14), S("x")})), errc::protocol, "14 is not an error code");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(7), I(-5), S("x")})), errc::protocol, "-5 is not an error code");
+  CHECK(std::get<wire::abort>(wire::decode(message(ABORT, {U(7), U(13), S("x")}))).code == errc::internal);
+}
 
 TEST_CASE("decode rejects an error code outside the errc range", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(0), S("x")})), errc::protocol, "0 is not an error code (1..13)");
