@@ -76,7 +76,8 @@ struct tensor_meta {
 std::string describe(const tensor_meta& meta);
 
 /// A tensor the streamer reads (policy side). The memory must stay valid and unchanged until the
-/// refit that reads it returns.
+/// refit that reads it returns (or throws). `data` may be null only for a tensor with no elements
+/// (a 0 in its shape); a 0-d tensor (shape {}) is a scalar of one element and needs memory.
 struct tensor_ref {
   tensor_meta meta;
   const void* data = nullptr;
@@ -87,7 +88,11 @@ struct tensor_ref {
   void* stream = nullptr;
 };
 
-/// A destination the receiver writes (generation side, parameter table).
+/// A destination the receiver writes (generation side, parameter table). The memory must stay
+/// valid, at its address, while it is registered and, after it is removed, until the receiver's
+/// next refit has committed or its session has ended (GPU copies are asynchronous; cuda_ipc direct
+/// writes map it for a whole session): see refit::receiver. `data` may be null only for a tensor
+/// with no elements; a 0-d tensor is one element and needs memory.
 struct tensor_dest {
   tensor_meta meta;
   void* data = nullptr;

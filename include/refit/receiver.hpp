@@ -35,7 +35,8 @@ struct receiver_options {
 /// Called with the entries of one batch. Views are valid only during the call. On CUDA
 /// transports `stream` is the cudaStream_t the views are ready on; enqueue work on it and return
 /// (the buffer is reused once that stream's work completes). On the CPU `stream` is nullptr.
-/// Throwing aborts the refit; the streamer sees errc::apply with the exception's message.
+/// Throwing aborts the refit; the streamer sees errc::apply with the exception's message (a
+/// refit::error keeps its own code and message).
 using batch_callback = std::function<void(std::span<const tensor_view> views, void* stream)>;
 
 /// What serve_one() did.
@@ -45,9 +46,17 @@ enum class receiver_event : std::uint8_t {
   begin,      ///< a refit started
   batch,      ///< a batch was applied (or enqueued)
   committed,  ///< END: the version is live
-  aborted,    ///< a refit failed (bad message, sink error, incomplete manifest, idle timeout)
+  /// A refit ended without committing: a bad message, a sink error or a refusing on_begin hook,
+  /// an incomplete manifest, the idle timeout, the streamer's ABORT (it failed on its side), or a
+  /// HELLO, BEGIN or BYE that arrived before END (that message is handled by the next serve_one()).
+  /// Also a BEGIN the receiver refused for its version. committed_version() is unchanged; dirty()
+  /// says whether the weights were partly overwritten; last_error() says why.
+  aborted,
   bye,        ///< the session ended
-  refused,    ///< a message was refused without touching the session (stranger, bad HELLO)
+  /// A message was refused or ignored without touching the session: a stranger's or a bad HELLO,
+  /// a BEGIN without a session or a sink, a BATCH or END without a refit, an ABORT of no refit in
+  /// progress (answered OK: that refit already ended here).
+  refused,
 };
 std::string_view to_string(receiver_event e) noexcept;
 
@@ -64,8 +73,46 @@ struct receiver_stats {
 
 /// The receiver. Owns one ZeroMQ REP socket and the mappings of the streamer's buffers.
 ///
-/// Thread rules: serve_one() and the registration functions from one thread at a time;
-/// committed_version(), dirty() and endpoint() from any thread.
+/// Thread rules: serve_one() and the registration functions (add_parameter, clear_parameters,
+/// on_batch, on_begin, on_commit, on_abort) from one thread at a time; committed_version(),
+/// dirty(), last_error(), last_stats() and endpoint() from any thread.
+///
+/// Lifetimes and rules of the parameter table:
+/// - Memory: a destination must stay valid, at its address, while it is registered, and after
+///   it is removed (clear_parameters(), on_batch()) until the next refit has committed or the
+///   session has ended (BYE, a new HELLO). On GPU transports copies are asynchronous (an aborted
+///   refit's may still be queued), and with cuda_ipc direct writes the streamer maps the weights
+///   at HELLO and writes them from its own process for the whole session. On host_shm nothing
+///   touches a destination outside serve_one(), so it may be freed once removed between refits.
+/// - Changes: registering or clearing between refits (no refit in progress, or from on_commit /
+///   on_abort) is allowed and takes effect at the next refit. A session laid out from the table at
+///   HELLO (cuda_ipc direct, nccl in place) is then replaced: the receiver refuses the next BEGIN
+///   with errc::peer, and the streamer says HELLO again and repeats it by itself (serve_one()
+///   returns refused, then hello, then begin). Changing the table or the callback while a refit is
+///   in progress (BEGIN accepted, not yet committed or aborted; on_begin included) fails that
+///   refit at its next message with errc::apply; nothing is committed.
+/// - Empty tensors: a tensor with no elements (a 0 in its shape) has no bytes; its pointer may be
+///   null and is never read or written, and it still counts in the manifest (it must arrive,
+///   exactly once). A 0-d tensor (shape {}) is a scalar of one element and needs memory: a null
+///   pointer is refused (errc::invalid_argument), as for any tensor with bytes. The streamer
+///   applies the same rule to tensor_ref.
+/// - Refusals: errors the receiver reports reach the streamer's refit() with the same code, their
+///   message included: errc::apply for a tensor the table does not know, a dtype or shape that differs
+///   from its destination's, a destination in the wrong kind of memory for the transport, a
+///   throwing callback or on_begin hook, a sink changed mid-refit, or no sink at all;
+///   errc::incomplete when END arrives with registered tensors missing; errc::protocol for a
+///   malformed or out-of-order message or a version not newer than the committed one;
+///   errc::unauthorized for a wrong token; errc::peer for a BEGIN without a session.
+///
+/// Hooks (on_begin, on_commit, on_abort) run on the thread calling serve_one(), inside it. They
+/// must not call serve_one() or serve(); the other member functions may be called (change the
+/// table only from on_commit and on_abort, see above). For every refit whose BEGIN was accepted,
+/// on_begin runs first, then the batch callback (callback sink) for each batch, then exactly one
+/// of on_commit or on_abort. A BEGIN refused for its version or for want of a sink runs no hook;
+/// one that on_begin refuses runs no other. on_commit and on_abort run after the reply to the streamer has
+/// gone out, just before serve_one() returns committed or aborted, so a slow hook does not hold up
+/// the streamer (it does hold up the next message). They are not called by the destructor: a
+/// receiver destroyed during a refit aborts it silently.
 class receiver {
  public:
   /// Binds the socket. Throws refit::error(invalid_argument / io) when it cannot.
@@ -81,17 +128,45 @@ class receiver {
 
   /// Parameter-table sink: registers a destination. Incoming tensors are checked against it
   /// (name known, dtype and shape equal) and copied into place; END commits only when every
-  /// registered name arrived exactly once. Throws errc::invalid_argument for a duplicate name,
-  /// a null pointer or a bad shape, or when a callback sink is set.
+  /// registered name arrived exactly once. Throws errc::invalid_argument for an empty or
+  /// duplicate name, a bad shape, a null pointer for a tensor with bytes (see the class comment
+  /// for empty and 0-d tensors), or when a callback sink is set. `dest.data` must stay valid as
+  /// the class comment says; takes effect at the next refit.
   void add_parameter(const tensor_dest& dest);
-  /// Removes every registered destination.
+  /// Removes every registered destination (their memory: see the class comment). Takes effect
+  /// at the next refit.
   void clear_parameters();
-  /// Callback sink; replaces the parameter table (exclusive with add_parameter).
+  /// Callback sink; replaces the parameter table (exclusive with add_parameter). Throws
+  /// errc::invalid_argument for an empty callback. Takes effect at the next refit.
   void on_batch(batch_callback callback);
 
-  /// Waits up to `wait` for one message and handles it.
+  /// Called on the serving thread when a refit starts (BEGIN accepted), before its first batch.
+  /// Throwing refuses the refit: the streamer sees errc::apply with the exception's message.
+  /// (A refit::error keeps its own code. Nothing is committed, serve_one() returns aborted, no
+  /// on_abort follows, and the receiver keeps serving.) An empty function removes the hook.
+  void on_begin(std::function<void(std::uint64_t version)> hook);
+  /// Called on the serving thread after `version` is committed (committed_version() already says
+  /// so), once END's reply is out, before serve_one() returns committed. What it throws is logged
+  /// (REFIT_WARN) and ignored: the version stays committed. An empty function removes the hook.
+  void on_commit(std::function<void(std::uint64_t version)> hook);
+  /// Called on the serving thread when a refit in progress ends without committing, for any
+  /// reason (bad message, sink error, incomplete manifest, idle timeout, superseded, ABORT, session
+  /// end); `reason` is what last_error() then says. Runs once the call's reply (if any) is out,
+  /// before serve_one() returns aborted. What it throws is logged (REFIT_WARN) and ignored. An
+  /// empty function removes the hook.
+  void on_abort(std::function<void(std::uint64_t version, const std::string& reason)> hook);
+
+  /// Waits up to `wait` for one message and handles it (or first, without waiting, a message
+  /// the previous call kept: see below).
+  ///
+  /// A HELLO (with the right token), BEGIN or BYE that arrives while a refit is in progress ends
+  /// that refit: this call returns aborted without answering it, and the next call handles it
+  /// first, without waiting (returning hello, begin, bye or refused). Its streamer waits for that
+  /// reply within its own timeout (streamer_options::timeout, 30 s by default), so call
+  /// serve_one() again soon after aborted; serve() does.
   receiver_event serve_one(milliseconds wait);
-  /// Serves until `stop()` returns true (checked between messages, at least every `poll`).
+  /// Serves until `stop()` returns true (checked between messages, at least every `poll`); a
+  /// message kept by serve_one() (see above) is answered before it returns.
   void serve(const std::function<bool()>& stop, milliseconds poll = milliseconds{100});
 
   /// Last version committed; nullopt before the first commit.

@@ -70,7 +70,8 @@ struct refit_stats {
 
 /// Yields the tensors of one refit one at a time, so that the caller can gather tensor k+1 while
 /// the receiver applies earlier batches. Return nullopt after the last one. A tensor returned by
-/// next() must stay valid until refit() returns.
+/// next() must stay valid until refit() returns (or throws). next() may throw: refit() then tells
+/// the receivers (ABORT) and rethrows the exception unchanged.
 class tensor_source {
  public:
   virtual ~tensor_source() = default;
@@ -97,6 +98,16 @@ class streamer {
   /// (errc::apply when its sink failed, errc::incomplete when its manifest was not satisfied, ...),
   /// errc::timeout when it did not answer within options.timeout (the socket is rebuilt and the
   /// next refit starts a new session). After any error the receiver has not committed `version`.
+  ///
+  /// Every tensor must have a name, at most wire limits of rank and name length, memory of the
+  /// transport's kind (host for host_shm, CUDA otherwise) and a pointer unless it has no elements
+  /// (a 0 in its shape: its pointer may be null and is never read; a 0-d tensor is one element and
+  /// needs one); a name may appear once per version. A tensor that breaks these rules fails the
+  /// refit with errc::invalid_argument. When the refit fails on this side after the receivers
+  /// accepted BEGIN — such a tensor, the source throwing, a copy failing — every receiver is told
+  /// at once (an ABORT message, answered within at most 1 s; a receiver that misses it aborts at
+  /// its idle timeout), and then the original exception is rethrown unchanged: the receivers
+  /// report the refit aborted, with committed_version() unchanged.
   refit_stats refit(std::uint64_t version, tensor_source& source);
   /// Same, over a list of tensors.
   refit_stats refit(std::uint64_t version, std::span<const tensor_ref> tensors);

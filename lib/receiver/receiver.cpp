@@ -1,10 +1,18 @@
 // refit — the receiver: the generation side's state machine.
 //
 // Sessions: a HELLO (with the right token) maps the streamer's buffers, replacing any earlier
-// session. Refits: BEGIN, BATCH..., END. Every message is validated (wire::decode and
-// wire::refit_tracker) before anything is applied; a bad one gets an ERROR reply and aborts the
-// refit, and the receiver stays up. A refit commits at END only when the tracker and the parameter
-// table agree that every tensor arrived exactly once.
+// session. Refits: BEGIN, BATCH..., END (or ABORT from the streamer). Every message is validated
+// (wire::decode and wire::refit_tracker) before anything is applied; a bad one gets an ERROR reply
+// and aborts the refit, and the receiver stays up. A refit commits at END only when the tracker and
+// the parameter table agree that every tensor arrived exactly once.
+//
+// Every refit that ends without committing is reported as `aborted` by the serve_one() call that
+// ended it. A HELLO, BEGIN or BYE that arrives during a refit ends it that way too, and is itself kept
+// (unanswered: REP owes it exactly one reply) and handled at the start of the next serve_one().
+//
+// Hooks: on_begin runs before the reply to BEGIN (it may refuse the refit); on_commit and on_abort
+// run once the call's reply is out, just before serve_one() returns, so that a slow hook never holds
+// up the streamer.
 //
 // Replies and overlap: on GPU transports the copies of a batch are enqueued behind the streamer's
 // "packed" event and the reply follows at once. On host_shm the reply goes first and the copy
@@ -58,6 +66,17 @@ struct refusal {
   std::string message;
 };
 
+/// A refit that ended, for the on_commit / on_abort hooks.
+struct ending {
+  std::uint64_t version = 0;
+  bool committed = false;
+  std::string reason;  ///< why it aborted
+};
+
+/// True when a session of this HELLO transport is laid out from the parameter table (cuda_ipc
+/// direct, nccl in place: "kind/variant").
+bool asks_for_table(std::string_view transport) noexcept { return transport.find('/') != std::string_view::npos; }
+
 }  // namespace
 
 struct receiver::impl {
@@ -68,6 +87,15 @@ struct receiver::impl {
   // Sinks: a parameter table or a callback (exclusive).
   std::unordered_map<std::string, tensor_dest> table;
   batch_callback callback;
+  /// Counts changes of the sink (add_parameter, clear_parameters, on_batch), so that a session or
+  /// refit can tell whether the table it was built from is still the one registered.
+  std::uint64_t sink_generation = 0;
+
+  // Lifecycle hooks.
+  std::function<void(std::uint64_t)> begin_hook;
+  std::function<void(std::uint64_t)> commit_hook;
+  std::function<void(std::uint64_t, const std::string&)> abort_hook;
+  std::vector<ending> endings;  ///< refits ended by this serve_one() call, for the hooks
 
   // Session.
   std::unique_ptr<transport::sink> sink;
@@ -76,8 +104,15 @@ struct receiver::impl {
   std::string peer;
   bool direct = false;  ///< the streamer writes straight into the table (cuda_ipc direct)
   bool in_place = false;  ///< every entry is received straight into the table (nccl)
+  bool laid_out = false;  ///< the session's HELLO asked for a layout from the table (direct, in place)
+  std::uint64_t session_generation = 0;  ///< sink_generation when the session was set up
+
+  /// A HELLO, BEGIN or BYE that superseded a refit in progress: received, not yet answered,
+  /// handled at the start of the next serve_one().
+  std::optional<wire::message> pending;
 
   // Refit in progress.
+  std::uint64_t refit_generation = 0;  ///< sink_generation at its BEGIN
   clock::time_point refit_start{};
   clock::time_point last_message{};
   double apply_seconds = 0;
@@ -117,7 +152,7 @@ struct receiver::impl {
 
   bool refit_active() const noexcept { return tracker && tracker->active(); }
 
-  /// Ends the refit in progress without committing.
+  /// Ends the refit in progress without committing (on_abort runs before serve_one() returns).
   void abort_refit(const std::string& why) noexcept {
     if (!refit_active()) return;
     const std::uint64_t version = tracker->version();
@@ -132,7 +167,31 @@ struct receiver::impl {
       note_error(why);
       REFIT_WARN("refit of version {} from {} aborted: {}{}", version, peer, why,
                  is_dirty.load() ? " (weights partly overwritten: dirty until a refit commits)" : "");
+      endings.push_back(ending{version, false, why});
     } catch (...) {
+    }
+  }
+
+  /// Runs on_commit / on_abort for the refits this serve_one() call ended. Exceptions are logged.
+  void run_hooks() noexcept {
+    std::vector<ending> ended;
+    ended.swap(endings);
+    for (const ending& e : ended) {
+      const char* name = e.committed ? "on_commit" : "on_abort";
+      try {
+        if (e.committed && commit_hook) commit_hook(e.version);
+        if (!e.committed && abort_hook) abort_hook(e.version, e.reason);
+      } catch (const std::exception& ex) {
+        try {
+          REFIT_WARN("the {} hook threw for version {} (ignored): {}", name, e.version, ex.what());
+        } catch (...) {
+        }
+      } catch (...) {
+        try {
+          REFIT_WARN("the {} hook threw a non-standard exception for version {} (ignored)", name, e.version);
+        } catch (...) {
+        }
+      }
     }
   }
 
@@ -151,6 +210,7 @@ struct receiver::impl {
     peer.clear();
     direct = false;
     in_place = false;
+    laid_out = false;
   }
 
   void reply_ok(std::vector<std::string> handles = {}) {
@@ -213,6 +273,8 @@ struct receiver::impl {
       tracker.emplace(std::move(sizes));
       copier = copy::make_copier(copy::choose(sink->engine(), options.engine), options.device, options.idle_timeout);
       peer = h.peer;
+      laid_out = asks_for_table(h.transport);
+      session_generation = sink_generation;
       REFIT_INFO("session with {}: {} × {} MiB {} buffers", peer, sink->count(), sink->buffer_bytes(0) >> 20,
                  h.transport);
       reply_ok(std::move(reply.handles));
@@ -234,11 +296,17 @@ struct receiver::impl {
                               "streamer must say HELLO again");
       return receiver_event::refused;
     }
-    if (refit_active())
-      abort_refit(fmt::format("BEGIN of version {} arrived before END of version {}", b.version, tracker->version()));
-    if (!table.empty() || callback) {
-      // fine: a sink is configured
-    } else {
+    if (laid_out && session_generation != sink_generation) {
+      // The session was laid out from the table as it was at HELLO (the streamer maps those
+      // weights, or receives into them): a new table needs a new session. errc::peer makes the
+      // streamer say HELLO again and repeat this BEGIN by itself.
+      end_session();
+      REFIT_INFO("the parameter table changed since the session's HELLO: asking the streamer for a new session");
+      reply_error(errc::peer, "no session: the receiver's parameter table changed since HELLO, which laid the "
+                              "session out from it; the streamer must say HELLO again");
+      return receiver_event::refused;
+    }
+    if (table.empty() && !callback) {
       reply_error(errc::apply,
                   "this receiver has no sink: register parameters (add_parameter) or a callback (on_batch) first");
       return receiver_event::refused;
@@ -249,6 +317,12 @@ struct receiver::impl {
       reply_error(e.code(), e.what());
       return receiver_event::aborted;
     }
+    refit_generation = sink_generation;
+    if (const auto refused = run_begin_hook(b.version)) {
+      tracker->reset();
+      reply_error(refused->code, refused->message);
+      return receiver_event::aborted;
+    }
     refit_start = clock::now();
     apply_seconds = 0;
     deferred.reset();
@@ -256,6 +330,33 @@ struct receiver::impl {
     if (direct) is_dirty.store(true);
     reply_ok();
     return receiver_event::begin;
+  }
+
+  /// Runs on_begin; what it threw, as the refusal to send (a refit::error keeps its code, anything
+  /// else is errc::apply, as from the batch callback).
+  std::optional<refusal> run_begin_hook(std::uint64_t version) {
+    if (!begin_hook) return std::nullopt;
+    try {
+      begin_hook(version);
+      return std::nullopt;
+    } catch (const error& e) {
+      return refusal{e.code(), e.what()};
+    } catch (const std::exception& e) {
+      return refusal{errc::apply, fmt::format("the on_begin hook refused version {}: {}", version, e.what())};
+    } catch (...) {
+      return refusal{errc::apply,
+                     fmt::format("the on_begin hook refused version {} (a non-standard exception)", version)};
+    }
+  }
+
+  /// The sink changed since BEGIN: the batches so far went by the old one, so the refit cannot
+  /// be trusted to commit.
+  std::optional<refusal> sink_changed() const {
+    if (refit_generation == sink_generation) return std::nullopt;
+    return refusal{errc::apply,
+                   fmt::format("the receiver's parameter table or callback changed while version {} was in progress "
+                               "(change it only between refits); nothing was committed",
+                               tracker->version())};
   }
 
   /// Builds the copies of a batch into the parameter table, checking every entry against it.
@@ -345,6 +446,7 @@ struct receiver::impl {
       return receiver_event::refused;
     }
     if (const auto failed = fail_if_deferred()) return *failed;
+    if (const auto changed = sink_changed()) return fail_refit(changed->code, changed->message);
     std::vector<copy::op> ops;
     std::vector<transport::segment> segments;
     try {
@@ -381,6 +483,7 @@ struct receiver::impl {
       return receiver_event::refused;
     }
     if (const auto failed = fail_if_deferred()) return *failed;
+    if (const auto changed = sink_changed()) return fail_refit(changed->code, changed->message);
     double drain_seconds = 0;
     try {
       tracker->finish(e);
@@ -415,8 +518,40 @@ struct receiver::impl {
     tracker->reset();
     REFIT_INFO("committed version {} from {}: {} tensors, {:.3f} GB", e.version, peer, e.tensors,
                static_cast<double>(e.bytes) / 1e9);
+    endings.push_back(ending{e.version, true, {}});
     reply_ok();
     return receiver_event::committed;
+  }
+
+  /// The streamer gave up the refit on its side (ABORT).
+  receiver_event on_abort(const wire::abort& a) {
+    if (!refit_active() || tracker->version() != a.version) {
+      // Nothing to abort: the refit already ended here (refused, timed out, superseded) or never
+      // began. The streamer only wants to know that it need not wait.
+      REFIT_INFO("ABORT of version {} from {} ignored: {}", a.version, peer.empty() ? "a streamer" : peer,
+                 refit_active() ? fmt::format("version {} is in progress", tracker->version())
+                                : std::string("no refit in progress"));
+      reply_ok();
+      return receiver_event::refused;
+    }
+    abort_refit(fmt::format("the streamer {}aborted version {} ({}): {}", peer.empty() ? "" : peer + " ", a.version,
+                            to_string(a.code), a.reason));
+    reply_ok();
+    return receiver_event::aborted;
+  }
+
+  /// Why `m` ends the refit in progress before it is handled (a new session or a new refit), or
+  /// nullopt. A HELLO with the wrong token does not: it is refused without touching the session.
+  std::optional<std::string> supersedes(const wire::message& m) const {
+    if (!refit_active()) return std::nullopt;
+    if (const auto* b = std::get_if<wire::begin>(&m))
+      return fmt::format("BEGIN of version {} arrived before END of version {}", b->version, tracker->version());
+    if (const auto* h = std::get_if<wire::hello>(&m); h != nullptr && same_token(h->token, token))
+      return fmt::format("a new session (HELLO from {}) replaced the session with {} before END of version {}",
+                         h->peer.empty() ? "an unnamed peer" : h->peer, peer, tracker->version());
+    if (std::holds_alternative<wire::bye>(m))
+      return fmt::format("the streamer {} ended the session (BYE) before END of version {}", peer, tracker->version());
+    return std::nullopt;
   }
 
   receiver_event handle(const std::string& bytes) {
@@ -429,6 +564,16 @@ struct receiver::impl {
       reply_error(e.code(), e.what());
       return was_active ? receiver_event::aborted : receiver_event::refused;
     }
+    if (const auto why = supersedes(m)) {
+      // Reported on its own; the message that ended the refit is answered by the next call.
+      abort_refit(*why);
+      pending = std::move(m);
+      return receiver_event::aborted;
+    }
+    return dispatch(m);
+  }
+
+  receiver_event dispatch(const wire::message& m) {
     return std::visit(
         [&](const auto& msg) -> receiver_event {
           using T = std::decay_t<decltype(msg)>;
@@ -444,6 +589,8 @@ struct receiver::impl {
             end_session();
             reply_ok();
             return receiver_event::bye;
+          } else if constexpr (std::is_same_v<T, wire::abort>) {
+            return on_abort(msg);
           } else {
             reply_error(errc::protocol, fmt::format("{} is a reply, not a request", wire::to_string(wire::type_of(m))));
             return receiver_event::refused;
@@ -453,6 +600,25 @@ struct receiver::impl {
   }
 
   receiver_event serve_one(milliseconds wait) {
+    receiver_event e = receiver_event::idle;
+    try {
+      e = step(wait);
+    } catch (...) {
+      run_hooks();
+      throw;
+    }
+    run_hooks();
+    return e;
+  }
+
+  receiver_event step(milliseconds wait) {
+    if (pending) {
+      // Received by the last call, which ended the refit it superseded; its streamer is waiting.
+      const wire::message m = std::move(*pending);
+      pending.reset();
+      last_message = clock::now();
+      return dispatch(m);
+    }
     if (refit_active()) {
       // A refit in progress must not wait forever on a dead streamer.
       const auto deadline = last_message + options.idle_timeout;
@@ -485,23 +651,40 @@ void receiver::add_parameter(const tensor_dest& dest) {
   if (dest.meta.name.empty()) throw error(errc::invalid_argument, "add_parameter: empty tensor name");
   const std::uint64_t bytes = dest.meta.nbytes();  // throws for a bad shape
   if (dest.data == nullptr && bytes != 0)
-    throw error(errc::invalid_argument, fmt::format("add_parameter: {} has no data (null pointer)", describe(dest.meta)));
+    throw error(errc::invalid_argument,
+                fmt::format("add_parameter: {} has no data (null pointer); only a tensor with no elements may have "
+                            "none (a 0-d tensor is one element: {} bytes)",
+                            describe(dest.meta), bytes));
   if (!impl_->table.emplace(dest.meta.name, dest).second)
     throw error(errc::invalid_argument, fmt::format("add_parameter: '{}' is already registered", dest.meta.name));
+  ++impl_->sink_generation;
 }
 
-void receiver::clear_parameters() { impl_->table.clear(); }
+void receiver::clear_parameters() {
+  impl_->table.clear();
+  ++impl_->sink_generation;
+}
 
 void receiver::on_batch(batch_callback callback) {
   if (!callback) throw error(errc::invalid_argument, "on_batch: empty callback");
   impl_->table.clear();
   impl_->callback = std::move(callback);
+  ++impl_->sink_generation;
+}
+
+void receiver::on_begin(std::function<void(std::uint64_t version)> hook) { impl_->begin_hook = std::move(hook); }
+
+void receiver::on_commit(std::function<void(std::uint64_t version)> hook) { impl_->commit_hook = std::move(hook); }
+
+void receiver::on_abort(std::function<void(std::uint64_t version, const std::string& reason)> hook) {
+  impl_->abort_hook = std::move(hook);
 }
 
 receiver_event receiver::serve_one(milliseconds wait) { return impl_->serve_one(wait); }
 
 void receiver::serve(const std::function<bool()>& stop, milliseconds poll) {
-  while (!stop()) impl_->serve_one(poll);
+  // A message kept by the last call is owed its reply, stop or not.
+  while (impl_->pending || !stop()) impl_->serve_one(poll);
 }
 
 std::optional<std::uint64_t> receiver::committed_version() const noexcept { return impl_->committed_version(); }

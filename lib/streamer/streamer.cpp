@@ -5,6 +5,12 @@
 // one copy call, published, and sent as BATCH; the reply means the receiver has taken it (GPU:
 // enqueued its reads; CPU: finished the batch before it), so packing the next batch into the other
 // buffer overlaps the receiver applying this one. END commits.
+//
+// A refit that fails on this side after BEGIN (a tensor it cannot send, the source throwing, a
+// copy failing) sends ABORT to every receiver, best effort with a short deadline, so that none is
+// left holding a half-applied refit until its idle timeout; then the caller gets the original
+// error. A refit that fails because a receiver refused or stayed silent needs none: that receiver
+// knows, and the session is rebuilt.
 #include "refit/streamer.hpp"
 
 #include <fmt/format.h>
@@ -112,6 +118,9 @@ struct streamer::impl {
   std::vector<std::string> endpoints;
   std::vector<channel::req_channel> channels;  ///< one per receiver; made on the first HELLO
   bool in_session = false;
+  /// Set by request() when it throws: a receiver refused or stayed silent, so the failure is
+  /// known on that side (no ABORT needed).
+  bool receivers_failed = false;
 
   explicit impl(streamer_options o) : options(std::move(o)) {
     validate(options);
@@ -206,6 +215,7 @@ struct streamer::impl {
       }
     }
     if (failures.empty()) return oks;
+    receivers_failed = true;
     if (session_lost || options.transport == transport_kind::nccl) drop_session();
     if (failures.size() == 1) throw error(failures.front().code, failures.front().message);
     std::string message = fmt::format("{} of {} receivers failed {}:", failures.size(), channels.size(), what);
@@ -265,7 +275,10 @@ struct streamer::impl {
       throw error(errc::invalid_argument, fmt::format("tensor {} has {} dimensions: at most {}",
                                                       describe(t.meta), t.meta.shape.size(), wire::max_rank));
     if (t.data == nullptr && bytes != 0)
-      throw error(errc::invalid_argument, fmt::format("tensor {} has no data (null pointer)", describe(t.meta)));
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor {} has no data (null pointer); only a tensor with no elements may have none "
+                              "(a 0-d tensor is one element: {} bytes)",
+                              describe(t.meta), bytes));
     const device where = buffers->where();
     if (bytes != 0 && t.dev.kind != where.kind)
       throw error(errc::invalid_argument,
@@ -288,7 +301,8 @@ struct streamer::impl {
       try {
         request(wire::begin{version}, what);
       } catch (const error& e) {
-        // A receiver that restarted since our HELLO has no session with us: start one, once.
+        // A receiver that restarted since our HELLO has no session with us (or one that must
+        // lay the session out anew): start one, once.
         if (e.code() != errc::peer) throw;
         REFIT_INFO("{}; saying HELLO again", e.what());
         drop_session();
@@ -298,6 +312,73 @@ struct streamer::impl {
       stats.wait_seconds += seconds_since(tw);
     }
 
+    receivers_failed = false;
+    try {
+      send_tensors(version, source, stats);
+    } catch (const error& e) {
+      if (!receivers_failed) abort_everywhere(version, e.code(), e.what());
+      throw;
+    } catch (const std::exception& e) {
+      if (!receivers_failed) abort_everywhere(version, errc::invalid_argument, e.what());
+      throw;
+    } catch (...) {
+      if (!receivers_failed) abort_everywhere(version, errc::invalid_argument, "a non-standard exception");
+      throw;
+    }
+
+    wire::end e{version, stats.tensors, stats.bytes, stats.batches};
+    const auto tw = clock::now();
+    request(e, fmt::format("END of version {}", version));
+    stats.wait_seconds += seconds_since(tw);
+    buffers->drain();
+    stats.seconds = seconds_since(t0);
+    REFIT_INFO("version {} committed: {} tensors, {:.3f} GB in {} batches, {:.2f} ms", version, stats.tensors,
+               static_cast<double>(stats.bytes) / 1e9, stats.batches, stats.seconds * 1e3);
+    return stats;
+  }
+
+  /// Tells every receiver that this side gave up refit `version` (ABORT), within a short
+  /// deadline, and ignores their answers: a receiver that misses it still aborts at its idle
+  /// timeout. A silent one ends the session; so does nccl, whose receivers drop their
+  /// communicator when they abort.
+  void abort_everywhere(std::uint64_t version, errc code, const std::string& reason) noexcept {
+    try {
+      REFIT_INFO("version {} failed on the streamer's side: {}; telling {} receiver(s)", version, reason,
+                 channels.size());
+      const std::string bytes = wire::encode(wire::abort{version, code, reason});
+      const std::string what = fmt::format("ABORT of version {}", version);
+      const auto deadline = clock::now() + std::min(options.timeout, milliseconds{1000});
+      const auto left = [&] {
+        return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(deadline - clock::now()));
+      };
+      bool lost = options.transport == transport_kind::nccl;
+      std::vector<bool> sent(channels.size(), false);
+      for (std::size_t k = 0; k < channels.size(); ++k) {
+        try {
+          channels[k].send(bytes, left(), what);
+          sent[k] = true;
+        } catch (const std::exception& e) {
+          REFIT_DEBUG("{} to {} not sent: {}", what, who(k), e.what());
+          lost = true;
+        }
+      }
+      for (std::size_t k = 0; k < channels.size(); ++k) {
+        if (!sent[k]) continue;
+        try {
+          (void)channels[k].receive(left(), what);  // OK, or ERROR from a receiver too old to know ABORT
+        } catch (const std::exception& e) {
+          REFIT_DEBUG("{} not answered by {}: {}", what, who(k), e.what());
+          lost = true;  // the channel rebuilt itself
+        }
+      }
+      if (lost) drop_session();
+    } catch (...) {
+      drop_session();
+    }
+  }
+
+  /// Everything between BEGIN and END: plans, packs and sends the batches of `source`.
+  void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats) {
     // Everything of the open batch: its entries for the wire and its copies for the packer.
     struct open_batch {
       std::uint64_t seq = 0;
@@ -401,15 +482,6 @@ struct streamer::impl {
       buffers->drain();
       stats.pack_seconds += seconds_since(tp);
     }
-    wire::end e{version, stats.tensors, stats.bytes, stats.batches};
-    const auto tw = clock::now();
-    request(e, fmt::format("END of version {}", version));
-    stats.wait_seconds += seconds_since(tw);
-    buffers->drain();
-    stats.seconds = seconds_since(t0);
-    REFIT_INFO("version {} committed: {} tensors, {:.3f} GB in {} batches, {:.2f} ms", version, stats.tensors,
-               static_cast<double>(stats.bytes) / 1e9, stats.batches, stats.seconds * 1e3);
-    return stats;
   }
 };
 

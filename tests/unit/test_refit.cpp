@@ -580,7 +580,8 @@ TEST_CASE("a version not newer than the committed one is refused, from the same 
   CHECK(rx.stop() == 0);
 }
 
-TEST_CASE("a tensor the streamer cannot send fails the refit at the streamer; the receiver commits nothing of it",
+TEST_CASE("a tensor the streamer cannot send fails the refit at the streamer; the receiver, told by ABORT, reports "
+          "it aborted and commits nothing of it",
           "[refit]") {
   const auto metas = rt::mixed_model(60, 600 * kib);
   const scoped_endpoint endpoint;
@@ -609,6 +610,8 @@ TEST_CASE("a tensor the streamer cannot send fails the refit at the streamer; th
     CHECK(f->code == code_name(refit::errc::invalid_argument));
     CHECK_THAT(f->message, Catch::Contains("lm_head.weight bf16[16, 16] has no data (null pointer)"));
   }
+  // ABORT reached the receiver before refit() threw: the report is there without any timeout.
+  CHECK(rx.next_report() == outcome("aborted", 1, true));
   CHECK(rx.state() == outcome("state", 1, true));
 
   // The next refit of the same streamer replaces the abandoned one and commits.
