@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "bench/bench.hpp"
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "refit/error.hpp"
 
 #if REFIT_HAVE_CUDA

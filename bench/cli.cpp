@@ -9,7 +9,7 @@
 #include <iostream>
 
 #include "bench/bench.hpp"
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "refit/error.hpp"
 
 namespace refit::bench {

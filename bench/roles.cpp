@@ -38,7 +38,7 @@
 
 #include "bench/bench.hpp"
 #include "channel/channel.hpp"
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "refit/error.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"

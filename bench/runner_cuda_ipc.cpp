@@ -7,7 +7,7 @@
 
 #include "bench/bench.hpp"
 #include "copy/copy.hpp"
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "refit/error.hpp"
 
 #if REFIT_HAVE_CUDA

@@ -18,7 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.hpp"
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "refit/error.hpp"
 
 #if REFIT_HAVE_CUDA

@@ -1,10 +1,10 @@
 // refit — umbrella header.
 #pragma once
 
-#include "refit/config.hpp"
 #include "refit/error.hpp"
 #include "refit/model.hpp"
 #include "refit/options.hpp"
 #include "refit/plan.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
+#include "refit/version.hpp"

@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "refit/error.hpp"
 #if REFIT_HAVE_CUDA
 #include "copy/copy_cuda.hpp"

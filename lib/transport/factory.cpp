@@ -1,6 +1,6 @@
 #include <fmt/format.h>
 
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "refit/error.hpp"
 #include "transport/host_shm.hpp"
 #include "transport/transport.hpp"

@@ -5,7 +5,7 @@
 
 #include <cstdio>
 
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "support/support.hpp"
 
 int main(int argc, char** argv) {

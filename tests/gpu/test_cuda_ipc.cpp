@@ -6,7 +6,7 @@
 // stderr); the parent asserts on exit codes and on the lines children send.
 #include <catch2/catch.hpp>
 
-#include "refit/config.hpp"
+#include "config/config.hpp"
 
 #if !REFIT_HAVE_CUDA
 

@@ -6,7 +6,7 @@
 // The machines these run on need NCCL_NVLS_ENABLE=0 (every test sets it before forking).
 #include <catch2/catch.hpp>
 
-#include "refit/config.hpp"
+#include "config/config.hpp"
 
 #if !REFIT_HAVE_NCCL
 

@@ -19,7 +19,7 @@
 #include <thread>
 
 #include "channel/channel.hpp"
-#include "refit/config.hpp"
+#include "config/config.hpp"
 
 #if REFIT_HAVE_CUDA
 #include <cuda_runtime_api.h>

@@ -17,7 +17,7 @@
 
 #include "bench/bench.hpp"
 #include "copy/copy.hpp"
-#include "refit/config.hpp"
+#include "config/config.hpp"
 #include "refit/error.hpp"
 
 namespace fs = std::filesystem;

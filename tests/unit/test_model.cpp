@@ -4,8 +4,10 @@
 #include <limits>
 #include <vector>
 
+#include "config/config.hpp"
 #include "refit/error.hpp"
 #include "refit/model.hpp"
+#include "refit/version.hpp"
 
 using refit::dtype;
 
@@ -99,4 +101,12 @@ TEST_CASE("tensor_meta::nbytes throws invalid_argument on a bad shape", "[model]
 
 TEST_CASE("describe names the tensor, its dtype and its shape", "[model]") {
   CHECK(refit::describe({"layers.0.w", dtype::bf16, {4096, 4096}}) == "layers.0.w bf16[4096, 4096]");
+}
+
+TEST_CASE("version and has_transport report what the library was built with", "[model]") {
+  CHECK(refit::version() == REFIT_VERSION);
+  CHECK(refit::has_cuda() == (REFIT_HAVE_CUDA != 0));
+  CHECK(refit::has_transport(refit::transport_kind::host_shm));
+  CHECK(refit::has_transport(refit::transport_kind::cuda_ipc) == (REFIT_HAVE_CUDA != 0));
+  CHECK(refit::has_transport(refit::transport_kind::nccl) == (REFIT_HAVE_NCCL != 0));
 }
