@@ -1,0 +1,215 @@
+"""GPU refits (skipped without CUDA): cuda_ipc (direct, staged, on_tensor) and nccl (2 GPUs),
+and a transformers Llama trained here and refit after every step, logits equal there.
+
+The receiver runs in the shared peer process (spawned: it never inherits a CUDA context); each
+job sets its device before it makes a CUDA tensor.
+"""
+
+import os
+
+import pytest
+import torch
+
+import refit
+from conftest import (
+    mixed_state,
+    need_gpus,
+    serve_loop,
+    spec_of,
+    state_bytes,
+    streamer,
+    tensor_bytes,
+    zeros_like_spec,
+)
+
+
+@pytest.fixture
+def one_gpu():
+    need_gpus(1)
+    torch.cuda.set_device(0)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    need_gpus(2)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+    torch.cuda.set_device(0)
+
+
+def gpu_streamer(endpoint, transport, **options):
+    """A streamer on cuda:0; nccl broadcasts to ``receivers=[endpoint]``."""
+    if transport == "nccl":
+        return streamer(None, transport="nccl", receivers=[endpoint], device=0, **options)
+    return streamer(endpoint, transport=transport, device=0, **options)
+
+
+def use_device(device: int, nccl: bool) -> None:
+    """In a job: NCCL's environment, then the device, before any CUDA tensor exists."""
+    if nccl:
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+    torch.cuda.set_device(device)
+
+
+# ------------------------------------------------------------------------- peer jobs
+
+
+def gpu_table(chan, spec, device: int, nccl: bool):
+    """Job: a parameter table of CUDA tensors on ``device``. Commands: ``state``."""
+    use_device(device, nccl)
+    params = zeros_like_spec(spec, device=f"cuda:{device}")
+    with refit.Receiver(device=device) as rx:
+        rx.add_parameters(params)
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {"state": lambda: state_bytes(params)})
+
+
+def gpu_on_tensor(chan, device: int, nccl: bool):
+    """Job: an on_tensor sink on ``device`` keeping a copy of each tensor. Commands: ``take``."""
+    use_device(device, nccl)
+    got = {}
+    with refit.Receiver(device=device) as rx:
+
+        @rx.on_tensor
+        def load_weights(name, tensor):
+            assert tensor.device == torch.device("cuda", device), tensor.device
+            got[name] = tensor.clone()  # on the stream the bytes are ready on
+
+        def take():
+            torch.cuda.synchronize(device)
+            out = state_bytes(got)
+            got.clear()
+            return out
+
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {"take": take})
+
+
+# -------------------------------------------------------------------- state_dict refits
+
+
+def refit_three_versions(job, st, read):
+    for version in (1, 2, 3):
+        state = mixed_state(version, device="cuda:0")
+        stats = st.refit(version, state)
+        assert job.request(read) == state_bytes(state), f"version {version}"
+        assert job.request("status")["committed_version"] == version
+    return stats
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_cuda_ipc_state_dict_arrives_bit_exact(peer, one_gpu, direct):
+    job = peer.run(gpu_table, spec_of(mixed_state(1)), 0, False)
+    endpoint = job.recv()
+    with gpu_streamer(endpoint, "cuda_ipc", direct=direct, buffer_bytes=64 << 10) as st:
+        stats = refit_three_versions(job, st, "state")
+    assert stats.direct is direct
+    job.stop()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_cuda_ipc_through_on_tensor_arrives_bit_exact(peer, one_gpu, direct):
+    job = peer.run(gpu_on_tensor, 0, False)
+    endpoint = job.recv()
+    with gpu_streamer(endpoint, "cuda_ipc", direct=direct, buffer_bytes=64 << 10) as st:
+        stats = refit_three_versions(job, st, "take")
+    assert stats.direct is False  # a callback sink is always staged
+    job.stop()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["in-place", "buffered"])
+def test_nccl_state_dict_arrives_bit_exact_on_another_gpu(peer, two_gpus, direct):
+    job = peer.run(gpu_table, spec_of(mixed_state(1)), 1, True)
+    endpoint = job.recv()
+    with gpu_streamer(endpoint, "nccl", direct=direct, buffer_bytes=64 << 10) as st:
+        refit_three_versions(job, st, "state")
+    job.stop()
+
+
+def test_nccl_through_on_tensor_arrives_bit_exact_on_another_gpu(peer, two_gpus):
+    job = peer.run(gpu_on_tensor, 1, True)
+    endpoint = job.recv()
+    with gpu_streamer(endpoint, "nccl", buffer_bytes=64 << 10) as st:
+        refit_three_versions(job, st, "take")
+    job.stop()
+
+
+# ------------------------------------------------------------------- a transformers model
+
+
+def llama(device: int):
+    """A small Llama from a config (no download), bf16, on ``device``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    major = int(transformers.__version__.split(".")[0])
+    dtype_arg = {"dtype": torch.bfloat16} if major >= 5 else {"torch_dtype": torch.bfloat16}
+    model = transformers.AutoModelForCausalLM.from_config(config, **dtype_arg)
+    model = model.to(f"cuda:{device}")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    return model
+
+
+def fixed_ids(device: int):
+    return torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(3)).to(f"cuda:{device}")
+
+
+def logits(model, device: int):
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=fixed_ids(device)).logits
+    torch.cuda.synchronize(device)
+    return out
+
+
+def llama_worker(chan, device: int, nccl: bool):
+    """Job: the generation side: the same Llama (other initial weights), its parameters and
+    persistent buffers registered. Commands: ``logits``."""
+    use_device(device, nccl)
+    torch.manual_seed(1)
+    model = llama(device)
+    params = dict(model.named_parameters())
+    with refit.Receiver(device=device) as rx:
+        rx.add_parameters(model.named_parameters())
+        rx.add_parameters((k, v) for k, v in model.state_dict().items() if k not in params)
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {"logits": lambda: tensor_bytes(logits(model, device))})
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
+def test_a_llama_trained_here_gives_the_same_logits_there_after_every_refit(peer, monkeypatch, transport):
+    need_gpus(2 if transport == "nccl" else 1)
+    pytest.importorskip("transformers")
+    if transport == "nccl":
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = llama(0)
+    remote_device = 1 if transport == "nccl" else 0
+    job = peer.run(llama_worker, remote_device, transport == "nccl")
+    endpoint = job.recv()
+    assert job.request("logits") != tensor_bytes(logits(model, 0))  # other weights before the first refit
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, 1000, (4, 33), generator=torch.Generator().manual_seed(5)).to("cuda:0")
+    seen = []
+    with gpu_streamer(endpoint, transport, buffer_bytes=1 << 20) as st:
+        for step in range(1, 4):
+            model.train()
+            loss = model(input_ids=data[:, :-1], labels=data[:, 1:]).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            st.refit(step, model.state_dict())  # ordered after optimizer.step() on the stream
+            expected = tensor_bytes(logits(model, 0))
+            assert job.request("logits") == expected, f"step {step}: the logits differ"
+            seen.append(expected)
+    job.stop()
+    assert seen[0] != seen[1] != seen[2]  # every step changed the weights
