@@ -114,7 +114,7 @@ class Receiver(_refit.Receiver):
             rx.add_parameters(model.named_parameters())
             print(rx.endpoint)             # hand it to the trainer
             while not done:
-                if rx.serve_one(timeout=0.01) is refit.Event.committed:
+                if rx.serve_one(timeout=0.01) == refit.Event.committed:
                     print("now at version", rx.committed_version)
 
     Thread rules: ``serve_one``/``serve`` and the registration calls from one thread at a time;
