@@ -121,3 +121,37 @@ def test_an_on_begin_hook_that_raises_refuses_the_refit(peer):
         st.refit(3, state(3))
         assert job.request("take") == [("begin", 3), ("commit", 3, 3)]
     job.stop()
+
+
+def commit_hook_raises(chan):
+    """Job: on_commit and on_abort hooks that raise (logged, not raised)."""
+    calls = []
+    with refit.Receiver() as rx:
+        rx.add_parameters({name: torch.zeros_like(t) for name, t in state(0).items()})
+
+        def commit(version):
+            calls.append(("commit", version))
+            raise RuntimeError("the engine could not resume")
+
+        def abort(version, reason):
+            calls.append(("abort", version))
+            raise RuntimeError("the engine could not roll back")
+
+        rx.on_commit(commit)
+        rx.on_abort(abort)
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {"calls": lambda: list(calls)})
+
+
+def test_exceptions_of_on_commit_and_on_abort_are_not_raised_and_the_version_stays_committed(peer):
+    job = peer.run(commit_hook_raises)
+    endpoint = job.recv()
+    with streamer(endpoint) as st:
+        st.refit(1, state(1))
+        with pytest.raises(refit.RefitError):
+            st.refit(2, state(2, dtype=torch.float16))
+        st.refit(3, state(3))
+        assert job.request("calls") == [("commit", 1), ("abort", 2), ("commit", 3)]
+        assert job.request("status")["committed_version"] == 3
+    events = job.stop()
+    assert events.count("committed") == 2 and events.count("aborted") == 1
