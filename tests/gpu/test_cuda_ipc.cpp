@@ -162,10 +162,10 @@ refit::receiver_options receive_options(const std::string& endpoint, int device,
 }
 
 /// Serves until the streamer says BYE. Calls on_commit after each commit (with the committed
-/// version) and on_begin at each BEGIN. Throws on an aborted or refused message, or when nothing
-/// arrives for 60 s.
+/// version), on_begin at each BEGIN and on_aborted at each abort. Throws on an aborted (without
+/// on_aborted) or refused message, or when nothing arrives for 60 s.
 void serve_until_bye(refit::receiver& r, const std::function<void(std::uint64_t)>& on_commit,
-                     const std::function<void()>& on_begin = {}) {
+                     const std::function<void()>& on_begin = {}, const std::function<void()>& on_aborted = {}) {
   auto last = std::chrono::steady_clock::now();
   for (;;) {
     const auto e = r.serve_one(100ms);
@@ -188,6 +188,11 @@ void serve_until_bye(refit::receiver& r, const std::function<void(std::uint64_t)
         break;
       }
       case refit::receiver_event::aborted:
+        if (on_aborted) {
+          on_aborted();
+          break;
+        }
+        [[fallthrough]];
       case refit::receiver_event::refused:
         throw std::runtime_error("receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
       default: break;
@@ -513,7 +518,8 @@ TEST_CASE("with direct writes turned off, cuda_ipc stages through the buffers in
 
 TEST_CASE("a direct cuda_ipc refit of a tensor the receiver lacks fails before writing anything", "[cuda_ipc]") {
   // The first tensor the streamer yields is not in the receiver's table: the streamer must refuse
-  // it from the offer alone, so every byte of the receiver's weights keeps its old value.
+  // it from the offer alone, so every byte of the receiver's weights keeps its old value. It tells
+  // the receiver (ABORT), which reports the refit aborted at once.
   const auto metas = rt::mixed_model(50, 0);
   const std::vector<refit::tensor_meta> registered(metas.begin() + 1, metas.end());
   const auto ep = rt::temp_endpoint();
@@ -524,7 +530,16 @@ TEST_CASE("a direct cuda_ipc refit of a tensor the receiver lacks fails before w
         refit::receiver r(receive_options(ep, 0, relaxed));
         weights.register_with(r);
         ready.send("ready");
-        serve_until_bye(r, [](std::uint64_t v) { expect(false, "committed version " + std::to_string(v)); });
+        int aborts = 0;
+        serve_until_bye(
+            r, [](std::uint64_t v) { expect(false, "committed version " + std::to_string(v)); }, {},
+            [&] {
+              ++aborts;
+              expect(r.last_error().find("aborted version 1 (apply)") != std::string::npos &&
+                         r.last_error().find("not in the receiver's parameter table") != std::string::npos,
+                     "last_error: " + r.last_error());
+            });
+        expect(aborts == 1, std::to_string(aborts) + " aborts reported, expected the streamer's one");
         expect(!r.committed_version().has_value(), "a version was committed");
         const auto m = weights.mismatch(7);
         expect(m.empty(), "a refused direct refit wrote into the weights: " + m);
@@ -544,6 +559,56 @@ TEST_CASE("a direct cuda_ipc refit of a tensor the receiver lacks fails before w
         }
         s.close();
       });
+}
+
+TEST_CASE("a parameter table moved to new memory between two direct cuda_ipc refits gets the second one there, "
+          "and its old memory keeps the first",
+          "[cuda_ipc]") {
+  // The session's direct offer was made from the first table: the receiver asks for a new
+  // session at the next BEGIN (refused, errc::peer), the streamer says HELLO again by itself, and
+  // maps the new weights. Nothing of version 2 may reach the memory the table no longer holds.
+  const auto metas = rt::mixed_model(80, buffer_bytes + 5);
+  const auto ep = rt::temp_endpoint();
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        device_tensors first(metas, 0);
+        device_tensors second(metas, 0);
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        first.register_with(r);
+        r.on_commit([&](std::uint64_t v) {
+          if (v != 1) return;
+          const auto m = first.mismatch(1);
+          expect(m.empty(), "first table: " + m);
+          r.clear_parameters();  // allowed from on_commit: between refits
+          second.register_with(r);
+        });
+        ready.send("ready");
+        std::vector<std::string> events;
+        auto last = std::chrono::steady_clock::now();
+        for (;;) {
+          const auto e = r.serve_one(100ms);
+          if (e == refit::receiver_event::idle) {
+            expect(std::chrono::steady_clock::now() - last < 60s, "receiver: no message for 60 s");
+            continue;
+          }
+          last = std::chrono::steady_clock::now();
+          if (e == refit::receiver_event::batch) continue;
+          events.emplace_back(refit::to_string(e));
+          if (e == refit::receiver_event::aborted) throw std::runtime_error("receiver: aborted: " + r.last_error());
+          if (e == refit::receiver_event::bye) break;
+        }
+        const std::vector<std::string> want = {"hello", "begin", "committed", "refused", "hello", "begin",
+                                               "committed", "bye"};
+        std::string got;
+        for (const auto& e : events) got += e + " ";
+        expect(events == want, "events: " + got);
+        expect(r.committed_version() == std::optional<std::uint64_t>(2), "version 2 not committed");
+        auto m = second.mismatch(2);
+        expect(m.empty(), "second table: " + m);
+        m = first.mismatch(1);
+        expect(m.empty(), "the table's old memory was written after it was removed: " + m);
+      },
+      [&] { streamer_of(ep, metas, 0, {1, 2}, path::direct); });
 }
 
 TEST_CASE("three refits over cuda_ipc reach a callback sink that copies the views on its stream", "[cuda_ipc]") {
