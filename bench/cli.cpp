@@ -26,6 +26,22 @@ void list_models(std::ostream& out) {
   }
 }
 
+/// The models as JSON, [{"name": ..., "tensors": [[name, dtype, shape], ...]}, ...]: what
+/// `python3 -m refit.bench` streams through the Python API, so both benches run the same shapes.
+void print_manifests(std::ostream& out, const std::vector<std::string>& models, dtype type) {
+  out << "[";
+  for (std::size_t i = 0; i < models.size(); ++i) {
+    const manifest m = preset(models[i], type);
+    out << (i == 0 ? "" : ",") << fmt::format("{{\"name\": \"{}\", \"tensors\": [", m.name);
+    for (std::size_t k = 0; k < m.entries.size(); ++k) {
+      const tensor_meta& t = m.entries[k].meta;
+      out << (k == 0 ? "" : ",") << fmt::format("[\"{}\", \"{}\", [{}]]", t.name, to_string(t.type), fmt::join(t.shape, ", "));
+    }
+    out << "]}";
+  }
+  out << "]\n";
+}
+
 }  // namespace
 
 std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code) {
@@ -53,6 +69,10 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   app.add_option("--model", c.models, "built-in model(s), comma separated (see --list-models)")
       ->delimiter(',')->capture_default_str();
   app.add_flag("--list-models", list, "print the built-in models and exit");
+  bool print_manifest = false;
+  app.add_flag("--print-manifest", print_manifest,
+               "print the --model(s) as JSON [{name, tensors: [[name, dtype, shape], ...]}] and exit "
+               "(python3 -m refit.bench reads it)");
   app.add_option("--manifest", c.manifest_file, "any model: a .safetensors file (its header), a sharded checkpoint's "
                                                 "model.safetensors.index.json, or a JSON {name: {dtype, shape}}");
   app.add_flag("--load", c.load, "refit the tensor data of the --manifest safetensors file(s) (mmap) instead of random data");
@@ -107,6 +127,13 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   }
   if (list) {
     list_models(std::cout);
+    exit_code = 0;
+    return std::nullopt;
+  }
+  if (print_manifest) {
+    const auto t = parse_dtype(dtype_name);
+    if (!t) bad(fmt::format("--dtype {}: unknown (bf16, f16, f32, f8_e4m3, ...)", dtype_name));
+    print_manifests(std::cout, c.models, *t);
     exit_code = 0;
     return std::nullopt;
   }

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <exception>
@@ -145,6 +146,7 @@ class py_receiver {
       rx.reset();
     }
     keep_.clear();
+    retired_.clear();
   }
 
   receiver& rx() {
@@ -163,17 +165,16 @@ class py_receiver {
 
   void clear_parameters() {
     rx().clear_parameters();
-    keep_.clear();
+    retire();
   }
 
   /// fn(views: list[View], stream: int)
   void on_batch(py::function fn) {
     batch_fn_ = std::move(fn);
     rx().on_batch([this](std::span<const tensor_view> views, void* stream) { run_batch(views, stream); });
-    keep_.clear();  // the callback replaces the table
+    retire();  // the callback replaces the table
   }
 
-#if REFIT_PY_HOOKS
   void on_begin(py::object fn) {
     begin_fn_ = std::move(fn);
     if (begin_fn_.is_none()) {
@@ -209,13 +210,8 @@ class py_receiver {
       call_hook(abort_fn_, "on_abort", version, reason);
     });
   }
-#else
-  void on_begin(py::object) { throw std::runtime_error("hooks: not yet"); }
-  void on_commit(py::object) { throw std::runtime_error("hooks: not yet"); }
-  void on_abort(py::object) { throw std::runtime_error("hooks: not yet"); }
-#endif
 
-  receiver_event serve_one(double timeout) {
+  int serve_one(double timeout) {
     const milliseconds wait = to_deadline(timeout, "timeout", true);
     receiver& r = rx();
     receiver_event e{};
@@ -223,8 +219,8 @@ class py_receiver {
       py::gil_scoped_release nogil;
       e = r.serve_one(wait);
     }
-    raise_interrupt();
-    return e;
+    after(e, wait);
+    return static_cast<int>(e);
   }
 
   void serve(const py::object& stop, double poll) {
@@ -233,15 +229,16 @@ class py_receiver {
     for (;;) {
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // Ctrl-C within one poll
       if (!stop.is_none() && stop().cast<bool>()) return;
+      receiver_event e{};
       try {
         py::gil_scoped_release nogil;
-        r.serve_one(wait);
+        e = r.serve_one(wait);
       } catch (const error&) {
         // A signal may interrupt the socket's wait: report the signal, not the interrupted wait.
         if (PyErr_CheckSignals() != 0) throw py::error_already_set();
         throw;
       }
-      raise_interrupt();
+      after(e, wait);
     }
   }
 
@@ -255,6 +252,32 @@ class py_receiver {
   }
 
  private:
+  /// What follows an event: tensors removed from the table are let go once nothing can write
+  /// them any more (a commit, or the session's end: see receiver.hpp), and a Ctrl-C raised in a
+  /// callback is raised here — once the streamer has been told that the refit failed, which the
+  /// receiver does in its reply to the streamer's next message.
+  void after(receiver_event e, milliseconds wait) {
+    if (e == receiver_event::committed || e == receiver_event::bye || e == receiver_event::hello) retired_.clear();
+    if (!interrupt_) return;
+    receiver& r = rx();
+    // Bounded: a streamer that sends nothing more is presumed dead after idle_timeout, and
+    // serve_one() then reports the refit aborted.
+    const milliseconds step = std::max(wait, milliseconds{10});
+    while (e == receiver_event::begin || e == receiver_event::batch || e == receiver_event::idle) {
+      py::gil_scoped_release nogil;
+      e = r.serve_one(step);
+    }
+    std::unique_ptr<py::error_already_set> pending = std::move(interrupt_);
+    pending->restore();
+    throw py::error_already_set();
+  }
+
+  /// Registered tensors stop being held by the table but stay alive until after().
+  void retire() {
+    for (auto& [name, t] : keep_) retired_.push_back(std::move(t));
+    keep_.clear();
+  }
+
   void run_batch(std::span<const tensor_view> views, void* stream) {
     py::gil_scoped_acquire gil;
     auto alive = std::make_shared<bool>(true);
@@ -289,16 +312,10 @@ class py_receiver {
     throw error(errc::apply, message);
   }
 
-  void raise_interrupt() {
-    if (!interrupt_) return;
-    std::unique_ptr<py::error_already_set> e = std::move(interrupt_);
-    e->restore();
-    throw py::error_already_set();
-  }
-
   std::unique_ptr<receiver> rx_;
   int device_ = 0;
   std::unordered_map<std::string, py::object> keep_;  ///< registered tensors stay alive
+  std::vector<py::object> retired_;                   ///< removed ones, until after() lets go
   py::object batch_fn_, begin_fn_, commit_fn_, abort_fn_;
   std::unique_ptr<py::error_already_set> interrupt_;
 };
@@ -331,29 +348,27 @@ class python_tensors final : public tensor_source {
     return r;
   }
 
-  /// Lazy: pulls from a Python iterator, taking the GIL for each tensor.
-  void pull_from(py::iterator it) { iterator_ = std::move(it); }
-
-  std::optional<tensor_ref> next() override {
-    py::gil_scoped_acquire gil;
-    try {
-      if (iterator_ == py::iterator::sentinel()) return std::nullopt;
-      const py::handle pair = *iterator_;
-      tensor_ref r = take(pair);
-      ++iterator_;
-      return r;
-    } catch (py::error_already_set& e) {
-      // Kept as it is, raised again once refit() has failed: a generator's own exception reaches
-      // the caller unchanged. The streamer sees a refit::error and aborts the refit.
-      const std::string message = "the tensor source raised " + describe(e);
-      failure_ = std::make_unique<py::error_already_set>(std::move(e));
-      throw error(errc::invalid_argument, message);
-    } catch (const py::builtin_exception& e) {
-      failure_ = std::make_unique<py::error_already_set>(capture(e));
-      throw error(errc::invalid_argument, e.what());
-    }
+  /// Pulls from a Python iterator. `ahead` pairs are read per visit under the GIL: more than one
+  /// only for containers, whose tensors exist already; a generator gathers its next tensor only
+  /// when the streamer asks for it. Every tensor is held until refit() returns (the C++ rule:
+  /// copies of it may still be queued on the device), so a generator that gathers fresh tensors
+  /// holds all of them by the end of the refit.
+  void pull_from(py::iterator it, std::size_t ahead) {
+    iterator_ = std::move(it);
+    ahead_ = ahead;
   }
 
+  std::optional<tensor_ref> next() override {
+    if (next_ == ready_.size()) {
+      if (failed_) throw error(errc::invalid_argument, failure_message_);
+      if (done_) return std::nullopt;
+      ready_.clear();
+      next_ = 0;
+      fill();
+      if (ready_.empty()) return next();
+    }
+    return std::move(ready_[next_++]);
+  }
   /// Raises the Python exception the source raised, if any. Needs the GIL.
   void raise_source_failure() {
     if (!failure_) return;
@@ -365,6 +380,31 @@ class python_tensors final : public tensor_source {
   void release() { keep_.clear(); }
 
  private:
+  /// Reads up to `ahead_` pairs; a Python exception is kept (raised again once refit() failed: a
+  /// generator's own exception reaches the caller unchanged) and reported to the streamer after
+  /// the pairs read before it.
+  void fill() {
+    py::gil_scoped_acquire gil;
+    try {
+      while (ready_.size() < ahead_) {
+        if (iterator_ == py::iterator::sentinel()) {
+          done_ = true;
+          return;
+        }
+        ready_.push_back(take(*iterator_));
+        ++iterator_;
+      }
+    } catch (py::error_already_set& e) {
+      failure_message_ = "the tensor source raised " + describe(e);
+      failure_ = std::make_unique<py::error_already_set>(std::move(e));
+      failed_ = true;
+    } catch (const py::builtin_exception& e) {
+      failure_message_ = e.what();
+      failure_ = std::make_unique<py::error_already_set>(capture(e));
+      failed_ = true;
+    }
+  }
+
   static py::error_already_set capture(const py::builtin_exception& e) {
     e.set_error();
     return py::error_already_set();
@@ -384,6 +424,12 @@ class python_tensors final : public tensor_source {
   std::unordered_map<int, void*> streams_;
   std::vector<py::object> keep_;
   py::iterator iterator_;
+  std::size_t ahead_ = 1;
+  std::vector<tensor_ref> ready_;
+  std::size_t next_ = 0;
+  bool done_ = false;
+  bool failed_ = false;
+  std::string failure_message_;
   std::unique_ptr<py::error_already_set> failure_;
 };
 
@@ -406,19 +452,13 @@ class py_streamer {
     if (!st_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
     streamer& s = *st_;
     python_tensors source(stream, device_);
-    const bool eager = py::hasattr(tensors, "items") || py::isinstance<py::list>(tensors) ||
-                       py::isinstance<py::tuple>(tensors);
+    // Containers (a state_dict, a list of pairs) are read 64 pairs per visit under the GIL, while
+    // the streamer moves the bytes of the ones before: the conversion overlaps the transfer.
+    const bool container = py::hasattr(tensors, "items") || py::isinstance<py::list>(tensors) ||
+                           py::isinstance<py::tuple>(tensors);
+    const py::object pairs = py::hasattr(tensors, "items") ? tensors.attr("items")() : tensors;
+    source.pull_from(py::iter(pairs), container ? 64 : 1);
     try {
-      if (eager) {
-        // Tensors that already exist are read up front: no GIL hand-off per tensor.
-        const py::object pairs = py::hasattr(tensors, "items") ? tensors.attr("items")() : tensors;
-        std::vector<tensor_ref> refs;
-        if (py::hasattr(pairs, "__len__")) refs.reserve(py::len(pairs));
-        for (const py::handle pair : pairs) refs.push_back(source.take(pair));
-        py::gil_scoped_release nogil;
-        return s.refit(version, std::span<const tensor_ref>(refs));
-      }
-      source.pull_from(py::iter(tensors));
       refit_stats stats;
       {
         py::gil_scoped_release nogil;
@@ -488,7 +528,7 @@ void translate(std::exception_ptr p) {
       return;
     }
     const py::object& cls = e.code() == errc::timeout ? t.refit_timeout : t.refit_error;
-    const py::object exc = cls(e.what(), py::cast(e.code()));
+    const py::object exc = cls(e.what(), static_cast<int>(e.code()));
     PyErr_SetObject(cls.ptr(), exc.ptr());
   }
 }
@@ -509,31 +549,6 @@ PYBIND11_MODULE(_refit, m) {
   namespace py = pybind11;
   m.doc() = "refit's native core (use the refit package, not this module)";
   m.attr("__version__") = REFIT_PY_VERSION;
-
-  py::enum_<errc>(m, "Errc", "The C++ error codes (refit::errc); RefitError.code is one of them.")
-      .value("invalid_argument", errc::invalid_argument)
-      .value("protocol", errc::protocol)
-      .value("version_mismatch", errc::version_mismatch)
-      .value("timeout", errc::timeout)
-      .value("peer", errc::peer)
-      .value("unauthorized", errc::unauthorized)
-      .value("transport", errc::transport)
-      .value("cuda", errc::cuda)
-      .value("nccl", errc::nccl)
-      .value("apply", errc::apply)
-      .value("incomplete", errc::incomplete)
-      .value("io", errc::io)
-      .value("internal", errc::internal);
-
-  py::enum_<receiver_event>(m, "Event", "What Receiver.serve_one() did.")
-      .value("idle", receiver_event::idle)
-      .value("hello", receiver_event::hello)
-      .value("begin", receiver_event::begin)
-      .value("batch", receiver_event::batch)
-      .value("committed", receiver_event::committed)
-      .value("aborted", receiver_event::aborted)
-      .value("bye", receiver_event::bye)
-      .value("refused", receiver_event::refused);
 
   py::class_<refit_stats>(m, "RefitStats", "Figures of one refit, as the streamer saw it.")
       .def_readonly("version", &refit_stats::version)

@@ -30,9 +30,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Union
 
-from ._errors import RefitError, RefitTimeout
+from ._errors import Errc, Event, RefitError, RefitTimeout
 from . import _refit
-from ._refit import Errc, Event, ReceiverStats, RefitStats, View
+from ._refit import ReceiverStats, RefitStats, View
 
 _refit._set_error_types(RefitError, RefitTimeout)
 
@@ -67,7 +67,10 @@ def _device_index(device: Any) -> int:
     if isinstance(device, int):
         return device
     if _torch is not None and isinstance(device, (str, _torch.device)):
-        d = _torch.device(device)
+        try:
+            d = _torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device {device!r}: {e}") from None
         if d.type == "cpu":
             return 0
         if d.type != "cuda":
@@ -206,6 +209,13 @@ class Receiver(_refit.Receiver):
 
         self.on_batch(on_views)
         return fn
+
+    def serve_one(self, timeout: float = 0.1) -> Event:
+        """Waits up to ``timeout`` seconds for one message and handles it; returns what happened
+        (an :class:`Event`). The GIL is released while waiting and applying. A refit superseded
+        by a new HELLO or BEGIN is reported as ``Event.aborted``; the message that superseded it
+        is handled by the next call."""
+        return Event(super().serve_one(timeout))
 
     def on_begin(self, fn: Optional[Callable[[int], None]]):
         """``fn(version)`` when a refit starts, before its first batch (pause generation,

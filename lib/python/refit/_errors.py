@@ -2,7 +2,40 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Optional
+
+
+class Errc(enum.IntEnum):
+    """What kind of failure a :class:`RefitError` is: the C++ ``refit::errc`` codes (stable
+    values: they travel in ERROR replies)."""
+
+    invalid_argument = 1  #: the caller passed something unusable (bad option, bad tensor)
+    protocol = 2  #: a message was malformed or out of order
+    version_mismatch = 3  #: the peers speak different protocol versions
+    timeout = 4  #: a deadline passed while waiting for the peer (RefitTimeout)
+    peer = 5  #: the peer is gone, or refused the request
+    unauthorized = 6  #: session token or CURVE key mismatch
+    transport = 7  #: buffers could not be created, shared or mapped
+    cuda = 8  #: a CUDA call failed
+    nccl = 9  #: an NCCL call failed
+    apply = 10  #: the receiver's sink (table or callback) failed: shape/dtype mismatch, callback raised
+    incomplete = 11  #: END arrived but the manifest was not complete: nothing committed
+    io = 12  #: a file or system call failed
+    internal = 13  #: a bug in refit
+
+
+class Event(enum.IntEnum):
+    """What :meth:`Receiver.serve_one` did."""
+
+    idle = 0  #: nothing arrived within the wait
+    hello = 1  #: a session started (buffers mapped)
+    begin = 2  #: a refit started
+    batch = 3  #: a batch was applied (or enqueued)
+    committed = 4  #: END: the version is live
+    aborted = 5  #: a refit failed; committed_version is unchanged, dirty if partly applied
+    bye = 6  #: the session ended
+    refused = 7  #: a message was refused without touching the session (stranger, bad HELLO)
 
 
 class RefitError(Exception):
@@ -21,7 +54,10 @@ class RefitError(Exception):
 
     def __init__(self, message: str, code: Optional[Any] = None) -> None:
         super().__init__(message)
-        self.code = code
+        try:
+            self.code = Errc(code) if code is not None else None
+        except ValueError:  # a code this version does not know: keep the number
+            self.code = code
 
     def __reduce__(self):  # keeps .code across pickling (multiprocessing, Ray)
         return (type(self), (str(self), self.code))

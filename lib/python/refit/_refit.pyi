@@ -1,34 +1,8 @@
 # Type hints of refit's native module (lib/python/module.cpp). Use the refit package, whose
 # Receiver and Streamer extend these classes.
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Union
-import enum
 
 __version__: str
-
-class Errc(enum.IntEnum):
-    invalid_argument: int
-    protocol: int
-    version_mismatch: int
-    timeout: int
-    peer: int
-    unauthorized: int
-    transport: int
-    cuda: int
-    nccl: int
-    apply: int
-    incomplete: int
-    io: int
-    internal: int
-
-class Event(enum.IntEnum):
-    idle: int
-    hello: int
-    begin: int
-    batch: int
-    committed: int
-    aborted: int
-    bye: int
-    refused: int
 
 class RefitStats:
     version: int
@@ -79,7 +53,7 @@ class Receiver:
     def device(self) -> int: ...
     def add_parameter(self, name: str, tensor: Any) -> None: ...
     def clear_parameters(self) -> None: ...
-    def serve_one(self, timeout: float = 0.1) -> Event: ...
+    def serve_one(self, timeout: float = 0.1) -> int: ...  # an Event value
     @property
     def committed_version(self) -> Optional[int]: ...
     @property
