@@ -1,7 +1,8 @@
 """Every ```python block of README.md runs (issue 18, item 6).
 
 tests/readme/readme_blocks.py writes each block (fragments after tests/readme/readme_prelude.py,
-whose placeholders run the other side of the refit in a thread); each is run in a fresh Python,
+whose placeholders run the other side of the refit in a process: tests/readme/readme_peer.py);
+each is run in a fresh Python,
 then its readme_check() compares both models bit for bit. Without a GPU the blocks' cuda_ipc
 becomes host_shm (the prelude's models are then on the CPU); on a GPU machine they run as written.
 """
@@ -68,6 +69,6 @@ def test_readme_python_block_runs_and_refits(line, tmp_path):
         with open(path, "w", encoding="utf-8") as f:
             f.write(text.replace('transport="cuda_ipc"', 'transport="host_shm"'))
     run = subprocess.run([sys.executable, "-c", DRIVER, path], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"), check=False)
+                         env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1", REFIT_README_DIR=os.path.join(ROOT, "tests", "readme")), check=False)
     assert run.returncode == 0, f"README.md:{line} failed:\n{run.stdout}\n{run.stderr}"
     assert "readme_check: ok" in run.stdout, run.stdout

@@ -4,43 +4,33 @@
 # `<!-- README-test: fragment -->` Python block; tests/python/test_readme.py runs the result and
 # then calls readme_check().
 #
-# Unlike the C++ prelude these are real: the other side of the refit runs in a thread of the same
-# process (a receiver serving a model of the same architecture for a trainer block, a streamer
-# refitting `steps` versions for an engine block), so a block that runs has really refitted, and
-# readme_check() compares the weights bit for bit.
+# Unlike the C++ prelude these are real: the other side of the refit runs in a process of its own
+# (tests/readme/readme_peer.py: a receiver for a trainer block, a streamer refitting `steps`
+# versions for an engine block), so a block that runs has really refitted, and readme_check()
+# compares both sides' weights bit for bit.
+import os as _os
+import subprocess as _subprocess
+import sys as _sys
+import tempfile as _tempfile
 import threading as _threading
 
-import refit as _refit
 import torch as _torch
 
-_CUDA = _torch.cuda.is_available()
-_DEVICE = "cuda" if _CUDA else "cpu"
-_TRANSPORT = "cuda_ipc" if _CUDA else "host_shm"
+_HERE = _os.environ["REFIT_README_DIR"]   # tests/readme, set by test_readme.py
+_sys.path.insert(0, _HERE)
+import readme_peer as _peer  # noqa: E402
 
-
-def _make_model(seed):
-    g = _torch.Generator().manual_seed(seed)
-    m = _torch.nn.Sequential(_torch.nn.Linear(16, 48), _torch.nn.GELU(), _torch.nn.Linear(48, 8))
-    with _torch.no_grad():
-        for p in m.parameters():
-            p.copy_(_torch.randn(p.shape, generator=g))
-    return m.to(device=_DEVICE, dtype=_torch.bfloat16)
-
-
-steps = 3                        # training steps the trainer block runs
-model = _make_model(1)           # this side's model
-_other = _make_model(2)          # the other side's: different weights until refitted
-stop = _threading.Event()        # set by the streamer thread after its last refit
-hooks = []                       # what pause_generation/resume_generation saw
-_threads = []
-_errors = []
-_served = {}                     # endpoint_from_generation_worker(): the receiver thread's state
+steps = 3                                # training steps the trainer block runs
+model = _peer.make_model(1)              # this side's model
+stop = _threading.Event()                # set once the peer trainer finished
+hooks = []                               # what pause_generation/resume_generation saw
+_procs = []
+_tmp = _tempfile.mkdtemp(prefix="refit-readme-")
+_out = _os.path.join(_tmp, "peer.pt")
 
 
 def train_step(m):
-    with _torch.no_grad():
-        for p in m.parameters():
-            p.add_(_torch.randn_like(p) * 0.01)
+    _peer.train_step(m)
 
 
 def pause_generation():
@@ -66,70 +56,36 @@ class _Engine:
 engine = _Engine(model)
 
 
-def _thread(fn):
-    def run():
-        try:
-            fn()
-        except BaseException as e:  # reported by readme_check()
-            _errors.append(e)
-            stop.set()
-
-    t = _threading.Thread(target=run, daemon=True)
-    t.start()
-    _threads.append(t)
-
-
 def endpoint_from_generation_worker():
-    """A generation worker serving `_other` in a thread; its endpoint."""
-    rx = _refit.Receiver()
-    rx.add_parameters(_other.named_parameters())
-    _served["rx"] = rx
-    done = _threading.Event()
-    _served["done"] = done
-    _thread(lambda: rx.serve(done))
-    return rx.endpoint
+    """A generation worker in another process; its endpoint."""
+    p = _subprocess.Popen([_sys.executable, _os.path.join(_HERE, "readme_peer.py"), "serve", _out],
+                          stdout=_subprocess.PIPE, text=True)
+    _procs.append(p)
+    return p.stdout.readline().strip()
 
 
 def send_to_trainer(endpoint):
-    """A trainer refitting `_other`'s weights to `endpoint` `steps` times, in a thread; sets `stop`
-    once the last version is committed (and the streamer closed)."""
-
-    def run():
-        try:
-            with _refit.Streamer(endpoint, transport=_TRANSPORT, timeout=60.0) as st:
-                for step in range(1, steps + 1):
-                    train_step(_other)
-                    _served.setdefault("stats", []).append(st.refit(step, _other.state_dict()))
-        finally:
-            stop.set()
-
-    _thread(run)
-
-
-def _same_bits(a, b):
-    return _torch.equal(a.detach().cpu().view(_torch.int16), b.detach().cpu().view(_torch.int16))
+    """A trainer in another process refits `steps` versions to `endpoint`; `stop` is set when it
+    is done."""
+    p = _subprocess.Popen([_sys.executable, _os.path.join(_HERE, "readme_peer.py"), "stream", endpoint,
+                           str(steps), _out])
+    _procs.append(p)
+    _threading.Thread(target=lambda: (p.wait(), stop.set()), daemon=True).start()
 
 
 def readme_check():
-    """After a block ran: the other side finished without error and both models hold the same
-    bits, at version `steps`."""
-    if "done" in _served:
-        _served["done"].set()
-    for t in _threads:
-        t.join(120)
-        assert not t.is_alive(), "the other side's thread did not finish within 120 s"
-    if _errors:
-        raise _errors[0]
-    assert _threads, "the block never called endpoint_from_generation_worker() or send_to_trainer()"
-    if "rx" in _served:
-        assert _served["rx"].committed_version == steps, _served["rx"].committed_version
-        _served["rx"].close()
-    else:
-        assert [s.version for s in _served["stats"]] == list(range(1, steps + 1))
-    mine, theirs = dict(model.named_parameters()), dict(_other.named_parameters())
-    assert mine.keys() == theirs.keys()
-    for name in mine:
-        assert _same_bits(mine[name], theirs[name]), f"{name} differs after the refits"
+    """After a block ran: the peer finished without error, and both sides hold the same bits at
+    version `steps`."""
+    assert _procs, "the block never called endpoint_from_generation_worker() or send_to_trainer()"
+    for p in _procs:
+        assert p.wait(120) == 0, f"the peer process failed ({p.returncode})"
+    peer = _torch.load(_out)
+    assert peer.get("version", steps) == steps, peer.get("version")
+    assert peer.get("versions", list(range(1, steps + 1))) == list(range(1, steps + 1)), peer.get("versions")
+    mine = _peer.weights(model)
+    assert mine.keys() == peer["weights"].keys()
+    for name, t in mine.items():
+        assert _torch.equal(t.view(_torch.int16), peer["weights"][name].view(_torch.int16)), f"{name} differs"
     with open(__file__, encoding="utf-8") as f:
         hooked = "rx.on_" + "begin(" in f.read()  # the block registered hooks (split: not this line)
     if hooked:
