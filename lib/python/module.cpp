@@ -348,14 +348,16 @@ class python_tensors final : public tensor_source {
     return r;
   }
 
-  /// Pulls from a Python iterator. `ahead` pairs are read per visit under the GIL: more than one
-  /// only for containers, whose tensors exist already; a generator gathers its next tensor only
-  /// when the streamer asks for it. Every tensor is held until refit() returns (the C++ rule:
+  /// Pulls from a Python iterator. Up to `ahead` pairs are read per visit under the GIL: more than
+  /// one only for containers, whose tensors exist already (1, then 4, 16, ... up to `ahead`, so the
+  /// first copy starts after one conversion); a generator gathers its next tensor only when the
+  /// streamer asks for it. Every tensor is held until refit() returns (the C++ rule:
   /// copies of it may still be queued on the device), so a generator that gathers fresh tensors
   /// holds all of them by the end of the refit.
   void pull_from(py::iterator it, std::size_t ahead) {
     iterator_ = std::move(it);
     ahead_ = ahead;
+    visit_ = 1;
   }
 
   std::optional<tensor_ref> next() override {
@@ -386,7 +388,9 @@ class python_tensors final : public tensor_source {
   void fill() {
     py::gil_scoped_acquire gil;
     try {
-      while (ready_.size() < ahead_) {
+      const std::size_t want = visit_;
+      visit_ = std::min(ahead_, visit_ * 4);
+      while (ready_.size() < want) {
         if (iterator_ == py::iterator::sentinel()) {
           done_ = true;
           return;
@@ -425,6 +429,7 @@ class python_tensors final : public tensor_source {
   std::vector<py::object> keep_;
   py::iterator iterator_;
   std::size_t ahead_ = 1;
+  std::size_t visit_ = 1;  ///< pairs the next visit reads
   std::vector<tensor_ref> ready_;
   std::size_t next_ = 0;
   bool done_ = false;
