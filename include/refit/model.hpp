@@ -88,15 +88,51 @@ struct tensor_ref {
   void* stream = nullptr;
 };
 
+/// `source[..., start:start + length, ...]` along dimension `dim`: the part of a source tensor a
+/// destination takes (see tensor_dest).
+struct source_slice {
+  int dim = 0;
+  std::int64_t start = 0;
+  std::int64_t length = 0;
+  friend bool operator==(const source_slice&, const source_slice&) = default;
+};
+
 /// A destination the receiver writes (generation side, parameter table). The memory must stay
 /// valid, at its address, while it is registered and, after it is removed, until the receiver's
 /// next refit has committed or its session has ended (GPU copies are asynchronous; cuda_ipc direct
 /// writes map it for a whole session): see refit::receiver. `data` may be null only for a tensor
-/// with no elements; a 0-d tensor is one element and needs memory.
+/// with no elements; a 0-d tensor is one element and needs memory. Alone it is a dense row-major
+/// tensor that takes all of the source of the same name, dtype and shape; with a dest_layout it
+/// is a view that may take part of it.
 struct tensor_dest {
   tensor_meta meta;
   void* data = nullptr;
   device dev{};
+};
+
+/// A destination in the engine's own layout (receiver::add_parameter(dest, layout)): a view into a
+/// larger engine tensor that may take only part of its source (fused q/k/v or gate/up,
+/// tensor-parallel shards, stacked experts, tied weights).
+/// - The tensor_dest's `meta.name` names the source tensor, `meta.type` its dtype and
+///   `meta.shape` the shape of the view (what lands here); `data` is the view's first element.
+/// - `strides` (elements, one per dimension; empty: dense row-major) describe the view as torch's
+///   `tensor.stride()` does: `qkv.narrow(0, q, kv)` or `w[:, a:b]`. Strides must be non-negative
+///   and must not make the view overlap itself. Copies are fastest when the last dimension has
+///   stride 1 (rows of bytes); a view split into more than 65,536 separate strided blocks is
+///   refused.
+/// - `slice` takes `source[..., start:start + length, ...]` along `dim` (a TP shard, a vocab
+///   range, one of q/k/v out of a fused source): the source's shape must equal the view's except
+///   along `dim`, where it may be longer; `length` is the view's size there.
+/// - `alloc` and `alloc_bytes`, when given, bound the allocation the view lies in (torch:
+///   `untyped_storage()`): a view that leaves it is refused at registration.
+/// Several destinations may take the same source (tied weights, a source split between fused
+/// tensors) and several sources may land in one allocation; no two destinations may write the
+/// same byte (refused at registration, errc::invalid_argument, naming both).
+struct dest_layout {
+  std::vector<std::int64_t> strides;  ///< of the view, in elements; empty: dense
+  std::optional<source_slice> slice;  ///< the part of the source this view takes; none: all of it
+  const void* alloc = nullptr;        ///< first byte of the allocation holding the view (optional)
+  std::uint64_t alloc_bytes = 0;      ///< its size (0: unknown, not checked)
 };
 
 /// What a batch callback sees of one entry: a byte range of a tensor, in the receiver's buffer.

@@ -133,6 +133,18 @@ class receiver {
   /// for empty and 0-d tensors), or when a callback sink is set. `dest.data` must stay valid as
   /// the class comment says; takes effect at the next refit.
   void add_parameter(const tensor_dest& dest);
+  /// The same for a destination in the engine's own layout (see dest_layout): a strided view of an
+  /// engine tensor that may take a slice of its source. The same source name may be registered
+  /// several times (tied weights, a source split between fused tensors), once per destination.
+  /// Throws errc::invalid_argument, naming the tensors, for what add_parameter(dest) refuses and:
+  /// strides that are negative, not one per dimension or make the view overlap itself; a slice
+  /// whose dimension does not exist, whose start is negative or whose length is not the view's
+  /// size along it; a view outside `alloc_bytes` of `alloc`; a destination that writes a byte
+  /// another registered destination writes; a name registered before with another dtype. Whether
+  /// the source fits (its shape around the slice) is checked when it arrives: errc::apply, before
+  /// anything of its batch is written. A version commits when every registered destination was
+  /// written exactly once (every registered source name arrived exactly once).
+  void add_parameter(const tensor_dest& dest, const dest_layout& layout);
   /// Removes every registered destination (their memory: see the class comment). Takes effect
   /// at the next refit.
   void clear_parameters();

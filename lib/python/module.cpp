@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -157,10 +158,24 @@ class py_receiver {
   [[nodiscard]] int device() const noexcept { return device_; }
   std::string endpoint() { return rx().endpoint(); }
 
-  void add_parameter(const std::string& name, const py::handle& tensor) {
-    borrowed_tensor b = world().borrow(tensor, name);
-    rx().add_parameter(tensor_dest{b.meta, b.data, b.dev});
-    keep_[name] = std::move(b.keep);
+  /// `source_slice`: None or (dim, start, length); dim may be negative (counted from the end).
+  void add_parameter(const std::string& name, const py::handle& tensor, const py::object& source_slice) {
+    borrowed_tensor b = world().borrow(tensor, name, /*views=*/true);
+    dest_layout layout;
+    layout.strides = std::move(b.strides);
+    layout.alloc = b.alloc;
+    layout.alloc_bytes = b.alloc_bytes;
+    if (!source_slice.is_none()) {
+      const auto s = source_slice.cast<std::tuple<std::int64_t, std::int64_t, std::int64_t>>();
+      const auto rank = static_cast<std::int64_t>(b.meta.shape.size());
+      const std::int64_t dim = std::get<0>(s) < 0 ? std::get<0>(s) + rank : std::get<0>(s);
+      if (dim < 0 || dim >= rank)
+        throw py::value_error("tensor '" + name + "': source_slice dimension " + std::to_string(std::get<0>(s)) +
+                              " is not one of the view's " + std::to_string(rank) + " dimensions");
+      layout.slice = refit::source_slice{static_cast<int>(dim), std::get<1>(s), std::get<2>(s)};
+    }
+    rx().add_parameter(tensor_dest{b.meta, b.data, b.dev}, layout);
+    keep_.emplace(name, std::move(b.keep));
   }
 
   void clear_parameters() {
@@ -314,7 +329,7 @@ class py_receiver {
 
   std::unique_ptr<receiver> rx_;
   int device_ = 0;
-  std::unordered_map<std::string, py::object> keep_;  ///< registered tensors stay alive
+  std::unordered_multimap<std::string, py::object> keep_;  ///< registered tensors stay alive
   std::vector<py::object> retired_;                   ///< removed ones, until after() lets go
   py::object batch_fn_, begin_fn_, commit_fn_, abort_fn_;
   std::unique_ptr<py::error_already_set> interrupt_;
@@ -599,7 +614,8 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("token") = py::none(), py::arg("curve") = py::none(), py::arg("engine") = "automatic")
       .def_property_readonly("endpoint", &py_receiver::endpoint)
       .def_property_readonly("device", &py_receiver::device)
-      .def("add_parameter", &py_receiver::add_parameter, py::arg("name"), py::arg("tensor"))
+      .def("add_parameter", &py_receiver::add_parameter, py::arg("name"), py::arg("tensor"),
+           py::arg("source_slice") = py::none())
       .def("clear_parameters", &py_receiver::clear_parameters)
       .def("_on_batch", &py_receiver::on_batch, py::arg("fn"))
       .def("_on_begin", &py_receiver::on_begin, py::arg("fn"))

@@ -152,14 +152,14 @@ tensor_world::tensor_world() : torch_(py::none()) {
   }
 }
 
-borrowed_tensor tensor_world::borrow(py::handle obj, const std::string& name) {
-  if (has_torch() && PyObject_IsInstance(obj.ptr(), tensor_type_.ptr()) == 1) return borrow_torch(obj, name);
-  if (py::hasattr(obj, "__dlpack__")) return borrow_dlpack(obj, name);
+borrowed_tensor tensor_world::borrow(py::handle obj, const std::string& name, bool views) {
+  if (has_torch() && PyObject_IsInstance(obj.ptr(), tensor_type_.ptr()) == 1) return borrow_torch(obj, name, views);
+  if (py::hasattr(obj, "__dlpack__")) return borrow_dlpack(obj, name, views);
   throw py::type_error(where(name) + " is a " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
                        ", not a tensor (a torch.Tensor or any object with __dlpack__: numpy, cupy, jax)");
 }
 
-borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& name) {
+borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& name, bool views) {
   borrowed_tensor b;
   b.meta.name = name;
   const py::object type = obj.attr("dtype");
@@ -172,9 +172,20 @@ borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& na
   if (rank < 0) throw py::error_already_set();
   b.meta.shape.reserve(static_cast<std::size_t>(rank));
   for (Py_ssize_t i = 0; i < rank; ++i) b.meta.shape.push_back(dim_of(PyTuple_GET_ITEM(shape.ptr(), i), name));
-  if (!obj.attr("is_contiguous")().cast<bool>())
+  if (views) {
+    if (!obj.attr("is_contiguous")().cast<bool>()) {
+      const py::tuple strides = obj.attr("stride")();
+      for (const py::handle s : strides) b.strides.push_back(s.cast<std::int64_t>());
+    }
+    // The allocation the view lies in, so that a view outside it is refused (torch >= 2 has
+    // untyped_storage(); 1.13 a typed storage with the same two calls).
+    py::object storage = py::hasattr(obj, "untyped_storage") ? obj.attr("untyped_storage")() : obj.attr("storage")();
+    b.alloc = reinterpret_cast<const void*>(storage.attr("data_ptr")().cast<std::uintptr_t>());
+    b.alloc_bytes = storage.attr("nbytes")().cast<std::uint64_t>();
+  } else if (!obj.attr("is_contiguous")().cast<bool>()) {
     throw py::value_error(where(name) + " is not contiguous: refit reads dense row-major tensors (pass "
                                         "tensor.contiguous())");
+  }
   if (obj.attr("is_cuda").cast<bool>()) {
     b.dev = device::cuda(obj.attr("get_device")().cast<int>());
   } else if (!obj.attr("is_cpu").cast<bool>()) {
@@ -186,7 +197,7 @@ borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& na
   return b;
 }
 
-borrowed_tensor tensor_world::borrow_dlpack(py::handle obj, const std::string& name) {
+borrowed_tensor tensor_world::borrow_dlpack(py::handle obj, const std::string& name, bool views) {
   py::object capsule = obj.attr("__dlpack__")();
   auto* m = static_cast<dl::managed_tensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
   if (m == nullptr) throw py::error_already_set();
@@ -204,11 +215,14 @@ borrowed_tensor tensor_world::borrow_dlpack(py::handle obj, const std::string& n
     if (d < 0) throw py::value_error(where(name) + " has a negative dimension");
   if (t.strides != nullptr) {
     std::int64_t expected = 1;
+    bool dense = true;
     for (std::int32_t i = t.ndim - 1; i >= 0; --i) {
-      if (t.shape[i] != 1 && t.strides[i] != expected)
-        throw py::value_error(where(name) + " is not contiguous: refit reads dense row-major tensors");
+      if (t.shape[i] != 1 && t.strides[i] != expected) dense = false;
       expected *= t.shape[i];
     }
+    if (!dense && !views)
+      throw py::value_error(where(name) + " is not contiguous: refit reads dense row-major tensors");
+    if (!dense) b.strides.assign(t.strides, t.strides + t.ndim);
   }
   switch (t.dev.kind) {
     case dl::kind_cpu:

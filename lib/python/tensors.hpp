@@ -27,6 +27,11 @@ struct borrowed_tensor {
   void* data = nullptr;
   device dev{};
   py::object keep;
+  /// Only from borrow(..., views = true): the strides (elements; empty when dense) and the
+  /// allocation the tensor lies in (alloc_bytes 0 when unknown).
+  std::vector<std::int64_t> strides;
+  const void* alloc = nullptr;
+  std::uint64_t alloc_bytes = 0;
 };
 
 /// What the binding knows of the Python side: torch (when importable) and its dtypes.
@@ -40,7 +45,9 @@ class tensor_world {
   /// Reads `obj` as a dense tensor named `name`. Raises TypeError for an object that is not a
   /// tensor or has a dtype refit does not carry, ValueError for a non-contiguous tensor or one on
   /// a device refit cannot reach; both name the tensor. Needs the GIL.
-  borrowed_tensor borrow(py::handle obj, const std::string& name);
+  /// With `views`, a strided tensor (a view into an engine tensor: `qkv.narrow(0, q, kv)`,
+  /// `w[:, a:b]`) is accepted and its strides and allocation are read too.
+  borrowed_tensor borrow(py::handle obj, const std::string& name, bool views = false);
 
   /// A tensor aliasing `bytes` bytes at `data` (on `dev`): typed and shaped like `meta` when
   /// `whole`, else a flat uint8 tensor of the byte range. torch when importable, numpy otherwise
@@ -55,8 +62,8 @@ class tensor_world {
   void* current_stream(int index);
 
  private:
-  borrowed_tensor borrow_torch(py::handle obj, const std::string& name);
-  borrowed_tensor borrow_dlpack(py::handle obj, const std::string& name);
+  borrowed_tensor borrow_torch(py::handle obj, const std::string& name, bool views);
+  borrowed_tensor borrow_dlpack(py::handle obj, const std::string& name, bool views);
   py::object torch_dtype(dtype t);
 
   py::object torch_;         // the torch module, or None

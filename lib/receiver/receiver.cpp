@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -36,6 +37,7 @@
 #include "channel/channel.hpp"
 #include "copy/copy.hpp"
 #include "model/log.hpp"
+#include "plan/route.hpp"
 #include "transport/transport.hpp"
 #include "wire/wire.hpp"
 
@@ -77,6 +79,115 @@ struct ending {
 /// direct, nccl in place: "kind/variant").
 bool asks_for_table(std::string_view transport) noexcept { return transport.find('/') != std::string_view::npos; }
 
+/// One registered destination and how its source's bytes reach it.
+struct slot {
+  plan::destination dest;
+  std::vector<plan::run> foot;  ///< the bytes it writes, for overlap checks
+  /// The runs for the source dtype and shape last seen (a source keeps its shape across refits,
+  /// so they are computed once).
+  std::optional<std::pair<dtype, std::vector<std::int64_t>>> routed_for;
+  std::vector<plan::run> runs;
+
+  const std::vector<plan::run>& route(dtype type, const std::vector<std::int64_t>& shape) {
+    if (!routed_for || routed_for->first != type || routed_for->second != shape) {
+      runs = plan::route(dest, type, shape);  // throws errc::apply when the source does not fit
+      routed_for.emplace(type, shape);
+    }
+    return runs;
+  }
+};
+
+/// The parameter table: destinations by source name, with an index of the bytes they write.
+class table_t {
+ public:
+  [[nodiscard]] bool empty() const noexcept { return by_name_.empty(); }
+  [[nodiscard]] std::size_t names() const noexcept { return by_name_.size(); }
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  [[nodiscard]] auto begin() { return by_name_.begin(); }
+  [[nodiscard]] auto end() { return by_name_.end(); }
+  [[nodiscard]] auto begin() const { return by_name_.begin(); }
+  [[nodiscard]] auto end() const { return by_name_.end(); }
+  std::vector<slot>* find(const std::string& name) {
+    const auto it = by_name_.find(name);
+    return it == by_name_.end() ? nullptr : &it->second;
+  }
+
+  void clear() {
+    by_name_.clear();
+    spans_.clear();
+    count_ = 0;
+    longest_ = 0;
+  }
+
+  /// Registers `d` (checked: see receiver::add_parameter). Throws errc::invalid_argument.
+  void add(plan::destination d) {
+    const std::uint64_t reach = plan::check_view(d).bytes;
+    slot s{std::move(d), {}, std::nullopt, {}};
+    s.foot = plan::footprint(s.dest);
+    std::vector<slot>* same = find(s.dest.meta.name);
+    if (same != nullptr) {
+      const plan::destination& first = same->front().dest;
+      if (first.meta.type != s.dest.meta.type)
+        throw error(errc::invalid_argument,
+                    fmt::format("add_parameter: '{}' is registered as {} and again as {}: every destination of one "
+                                "source has its dtype",
+                                s.dest.meta.name, to_string(first.meta.type), to_string(s.dest.meta.type)));
+      if (plan::is_plain(first) && plan::is_plain(s.dest) && first.meta.shape == s.dest.meta.shape &&
+          first.data == s.dest.data)
+        throw error(errc::invalid_argument, fmt::format("add_parameter: '{}' is already registered", s.dest.meta.name));
+    }
+    const auto lo = reinterpret_cast<std::uintptr_t>(s.dest.data);
+    if (reach != 0) {
+      if (const auto clash = overlapping(s, lo, lo + reach))
+        throw error(errc::invalid_argument,
+                    fmt::format("add_parameter: the destination of '{}' ({}) writes bytes that the destination of '{}' "
+                                "({}) writes too: no two destinations may share a byte",
+                                s.dest.meta.name, describe(s.dest.meta), clash->meta.name, describe(clash->meta)));
+    }
+    const std::string name = s.dest.meta.name;
+    auto& slots = by_name_[name];
+    slots.push_back(std::move(s));
+    ++count_;
+    if (reach != 0) {
+      spans_.emplace(lo, span{lo + reach, name, slots.size() - 1});
+      longest_ = std::max(longest_, reach);
+    }
+  }
+
+ private:
+  struct span {
+    std::uintptr_t hi;
+    std::string name;
+    std::size_t index;
+  };
+
+  /// A registered destination sharing a byte with `s` (whose bytes lie in [lo, hi)), or nullopt.
+  std::optional<plan::destination> overlapping(const slot& s, std::uintptr_t lo, std::uintptr_t hi) const {
+    auto it = spans_.lower_bound(lo > longest_ ? lo - longest_ : 0);
+    for (; it != spans_.end() && it->first < hi; ++it) {
+      if (it->second.hi <= lo) continue;
+      const slot& other = by_name_.at(it->second.name)[it->second.index];
+      if (!(other.dest.dev == s.dest.dev)) continue;
+      if (plan::overlaps(lo, s.foot, it->first, other.foot)) return other.dest;
+    }
+    return std::nullopt;
+  }
+
+  std::unordered_map<std::string, std::vector<slot>> by_name_;
+  std::multimap<std::uintptr_t, span> spans_;  ///< by first byte
+  std::uint64_t longest_ = 0;
+  std::size_t count_ = 0;
+};
+
+/// Appends the copies of runs `pieces` (clipped to an entry) from `src` (the entry's first source
+/// byte, at source offset `from`) into `dst` (the destination's first byte): one op per row.
+void append_ops(std::span<const plan::run> pieces, const std::byte* src, std::uint64_t from, std::byte* dst,
+                std::vector<copy::op>& ops) {
+  for (const plan::run& r : pieces)
+    for (std::uint64_t i = 0; i < r.rows; ++i)
+      ops.push_back(copy::op{src + (r.src - from) + i * r.src_pitch, dst + r.dst + i * r.dst_pitch, r.width});
+}
+
 }  // namespace
 
 struct receiver::impl {
@@ -85,7 +196,7 @@ struct receiver::impl {
   channel::rep_channel channel;
 
   // Sinks: a parameter table or a callback (exclusive).
-  std::unordered_map<std::string, tensor_dest> table;
+  table_t table;
   batch_callback callback;
   /// Counts changes of the sink (add_parameter, clear_parameters, on_batch), so that a session or
   /// refit can tell whether the table it was built from is still the one registered.
@@ -260,10 +371,11 @@ struct receiver::impl {
         sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
       sink->attach(h, reply);
-      std::vector<tensor_dest> dests;  // none for a callback sink: it cannot be written in place
+      std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place
       if (!callback) {
         dests.reserve(table.size());
-        for (const auto& [name, d] : table) dests.push_back(d);
+        for (const auto& [name, slots] : table)
+          for (const slot& sl : slots) dests.push_back(sl.dest);
         direct = sink->offer_direct(h, dests, reply);
       }
       in_place = !direct && sink->offer_in_place(h, dests, reply);
@@ -359,41 +471,46 @@ struct receiver::impl {
                                tracker->version())};
   }
 
-  /// Builds the copies of a batch into the parameter table, checking every entry against it.
-  /// With `segments` (a sink that moves entries one by one), an entry whose destination is on the
-  /// sink's device is received straight into it (a segment, no copy); the others are staged in
-  /// the buffer (a segment there, and a copy).
+  /// Builds the copies of a batch into the parameter table, checking every entry against it
+  /// (all of them before anything is copied: a refused batch writes nothing). With `segments` (a
+  /// sink that moves entries one by one), an entry that lands whole in one dense destination on the
+  /// sink's device is received straight into it (a segment, no copy); the others are staged in the
+  /// buffer (a segment there, and copies along their routes).
   std::vector<copy::op> table_ops(const wire::batch& b, const std::byte* base,
-                                  std::vector<transport::segment>* segments) const {
+                                  std::vector<transport::segment>* segments) {
     std::vector<copy::op> ops;
     ops.reserve(b.entries.size());
     const device_kind where = sink->where().kind;
+    std::vector<plan::run> pieces;
     for (std::size_t k = 0; k < b.entries.size(); ++k) {
       const wire::entry& e = b.entries[k];
-      const auto it = table.find(e.name);
-      if (it == table.end())
+      std::vector<slot>* slots = table.find(e.name);
+      if (slots == nullptr)
         throw error(errc::apply, fmt::format("tensor '{}' (BATCH {} entry {}) is not in this receiver's parameter table",
                                              e.name, b.seq, k));
-      const tensor_dest& d = it->second;
-      if (d.meta.type != e.type || d.meta.shape != e.shape)
-        throw error(errc::apply,
-                    fmt::format("tensor '{}': the streamer sends {} but the parameter table holds {}", e.name,
-                                describe(tensor_meta{e.name, e.type, e.shape}), describe(d.meta)));
-      if (e.bytes != 0 && d.dev.kind != where)
-        throw error(errc::apply,
-                    fmt::format("tensor '{}': its destination is in {} memory, but the {} transport applies into {} "
-                                "memory",
-                                e.name, d.dev.kind == device_kind::cuda ? "CUDA" : "host", to_string(sink->kind()),
-                                where == device_kind::cuda ? "CUDA" : "host"));
+      for (slot& sl : *slots) {
+        sl.route(e.type, e.shape);
+        if (e.bytes != 0 && sl.dest.dev.kind != where && !sl.runs.empty())
+          throw error(errc::apply,
+                      fmt::format("tensor '{}': its destination is in {} memory, but the {} transport applies into {} "
+                                  "memory",
+                                  e.name, sl.dest.dev.kind == device_kind::cuda ? "CUDA" : "host",
+                                  to_string(sink->kind()), where == device_kind::cuda ? "CUDA" : "host"));
+      }
       if (e.bytes == 0) continue;
-      auto* to = static_cast<std::byte*>(d.data) + e.tensor_offset;
-      if (segments != nullptr && d.dev == sink->where()) {
-        segments->push_back(transport::segment{to, 0, e.bytes});
+      const slot& only = slots->front();
+      if (segments != nullptr && slots->size() == 1 && plan::is_plain(only.dest) && only.dest.dev == sink->where()) {
+        segments->push_back(transport::segment{static_cast<std::byte*>(only.dest.data) + e.tensor_offset, 0, e.bytes});
         continue;
       }
-      if (where == device_kind::cuda && !(d.dev == sink->where()) && copier->kind() == copy::engine::kernel)
-        copy::enable_peer_access(sink->where().index, d.dev.index);
-      ops.push_back(copy::op{base + e.buffer_offset, to, e.bytes});
+      for (const slot& sl : *slots) {
+        pieces.clear();
+        for (const plan::run& r : sl.runs) plan::clip(r, e.tensor_offset, e.tensor_offset + e.bytes, pieces);
+        if (pieces.empty()) continue;
+        if (where == device_kind::cuda && !(sl.dest.dev == sink->where()) && copier->kind() == copy::engine::kernel)
+          copy::enable_peer_access(sink->where().index, sl.dest.dev.index);
+        append_ops(pieces, base + e.buffer_offset, e.tensor_offset, static_cast<std::byte*>(sl.dest.data), ops);
+      }
       if (segments != nullptr) segments->push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
     }
     return ops;
@@ -490,7 +607,7 @@ struct receiver::impl {
       if (!callback) {
         std::size_t missing = 0;
         std::string first;
-        for (const auto& [name, dest] : table) {
+        for (const auto& [name, slots] : table) {
           if (!tracker->completed().contains(name)) {
             if (missing++ == 0) first = name;
           }
@@ -499,7 +616,7 @@ struct receiver::impl {
           throw error(errc::incomplete,
                       fmt::format("version {} is missing {} of the {} registered tensors (first: '{}'); nothing was "
                                   "committed",
-                                  e.version, missing, table.size(), first));
+                                  e.version, missing, table.names(), first));
       }
       const auto td = clock::now();
       sink->drain();
@@ -644,7 +761,9 @@ receiver& receiver::operator=(receiver&&) noexcept = default;
 
 std::string receiver::endpoint() const { return impl_->channel.endpoint(); }
 
-void receiver::add_parameter(const tensor_dest& dest) {
+void receiver::add_parameter(const tensor_dest& dest) { add_parameter(dest, dest_layout{}); }
+
+void receiver::add_parameter(const tensor_dest& dest, const dest_layout& layout) {
   if (impl_->callback)
     throw error(errc::invalid_argument, "add_parameter: this receiver applies through a callback (on_batch); use one "
                                         "sink or the other");
@@ -655,8 +774,7 @@ void receiver::add_parameter(const tensor_dest& dest) {
                 fmt::format("add_parameter: {} has no data (null pointer); only a tensor with no elements may have "
                             "none (a 0-d tensor is one element: {} bytes)",
                             describe(dest.meta), bytes));
-  if (!impl_->table.emplace(dest.meta.name, dest).second)
-    throw error(errc::invalid_argument, fmt::format("add_parameter: '{}' is already registered", dest.meta.name));
+  impl_->table.add(plan::destination(dest, layout));
   ++impl_->sink_generation;
 }
 

@@ -23,6 +23,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <unordered_set>
 #include <vector>
 
 #include "copy/cuda_check.hpp"
@@ -462,13 +463,17 @@ class cuda_ipc_sink final : public sink {
                uuid_text(own_uuid));
   }
 
-  bool offer_direct(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) override {
+  bool offer_direct(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) override {
     if (h.transport != direct_transport_name || table.empty()) return false;
     std::vector<std::string> records{std::string(direct_offer_tag)};
     std::map<void*, std::uint64_t> allocations;  // base → index
     std::vector<std::string> tensors;
     tensors.reserve(table.size());
-    for (const tensor_dest& d : table) {
+    std::unordered_set<std::string_view> names;
+    for (const plan::destination& d : table)
+      if (!plan::is_plain(d) || !names.insert(d.meta.name).second)
+        return decline(fmt::format("'{}' is a view or a slice of its source, or is registered twice", d.meta.name));
+    for (const plan::destination& d : table) {
       const std::uint64_t bytes = d.meta.nbytes();
       if (d.dev.kind != device_kind::cuda || d.meta.name.size() + tensor_record_header > wire::max_handle_bytes)
         return decline(fmt::format("'{}' is not in CUDA memory, or its name is too long", d.meta.name));

@@ -81,6 +81,7 @@
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <unordered_set>
 #include <vector>
 
 #include "copy/cuda_check.hpp"
@@ -781,10 +782,13 @@ class nccl_sink final : public sink {
     // The buffers, streams and events stay for the next session (reused when the sizes match).
   }
 
-  bool offer_in_place(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) override {
+  bool offer_in_place(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) override {
     bool offer = attached_ && h.transport == in_place_transport_name && !table.empty();
-    for (const tensor_dest& d : table)
-      if (offer && d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) offer = false;
+    std::unordered_set<std::string_view> names;
+    for (const plan::destination& d : table)
+      if (offer && ((d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) || !plan::is_plain(d) ||
+                    !names.insert(d.meta.name).second))
+        offer = false;  // a view or a slice is staged: a broadcast lands whole and dense
     if (offer) {
       recv_.clear();  // nothing is ever staged in this session: the memory goes back
       reply.handles.insert(reply.handles.begin(), std::string(in_place_offer_tag));

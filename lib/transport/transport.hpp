@@ -17,6 +17,7 @@
 #include <string_view>
 
 #include "copy/copy.hpp"
+#include "plan/route.hpp"
 #include "refit/error.hpp"
 #include "refit/model.hpp"
 #include "refit/options.hpp"
@@ -131,21 +132,22 @@ class sink {
   /// Unmaps everything attach() mapped. Never throws.
   virtual void detach() noexcept = 0;
   /// After attach(): when `h` asks for direct writes and every destination of `table` can be
-  /// shared with the streamer, describes them in `reply.handles` and returns true; the receiver
+  /// shared with the streamer (and written by it: dense, whole, one per name), describes them in `reply.handles` and returns true; the receiver
   /// then only validates batches (the streamer writes the bytes). Returns false, changing
   /// nothing, otherwise. Never throws for memory it cannot share (that just means staging).
-  virtual bool offer_direct(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) {
+  virtual bool offer_direct(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) {
     (void)h, (void)table, (void)reply;
     return false;
   }
   /// Called once per session after attach() (and offer_direct() when that declined; `table` is
   /// empty for a callback sink). For a transport that moves entries one by one (nccl): when `h`
-  /// asks for it and every destination of `table` can be received into in place, says so in
+  /// asks for it and every destination of `table` can be received into in place (dense, whole,
+  /// one per name, on the sink's device), says so in
   /// `reply.handles` and returns true; batches are then planned with direct_batch_bytes, every
   /// entry lands in its destination, and no buffer exists (data() is null). Otherwise returns
   /// false, having made the buffers batches are staged in. Throws refit::error(cuda) when those
   /// cannot be allocated.
-  virtual bool offer_in_place(const wire::hello& h, std::span<const tensor_dest> table, wire::ok& reply) {
+  virtual bool offer_in_place(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) {
     (void)h, (void)table, (void)reply;
     return false;
   }

@@ -143,6 +143,33 @@ class Receiver(_refit.Receiver):
             engine=engine,
         )
 
+    def add_parameter(self, name: str, tensor: Any, source_slice: Optional[Tuple[int, int, int]] = None) -> None:
+        """Registers ``tensor`` as where the source tensor ``name`` lands, written in place.
+
+        ``tensor`` may be a view into one of the engine's own tensors (strided included), and
+        ``source_slice=(dim, start, length)`` takes only ``source.narrow(dim, start, length)``:
+        the engine's layout becomes the destination, with no callback and no extra copy::
+
+            q, kv = 4096, 1024                            # fused q/k/v, GQA sizes
+            rx.add_parameter("q_proj.weight", qkv.narrow(0, 0, q))
+            rx.add_parameter("k_proj.weight", qkv.narrow(0, q, kv))
+            rx.add_parameter("v_proj.weight", qkv.narrow(0, q + kv, kv))
+            # tensor parallel, rank r of 2: a row-parallel shard takes columns of the source
+            rx.add_parameter("o_proj.weight", o_local, source_slice=(1, r * 2048, 2048))
+            # tied embeddings: one source, two destinations
+            rx.add_parameter("embed_tokens.weight", embed)
+            rx.add_parameter("embed_tokens.weight", lm_head)
+
+        The view's shape must equal the source's (with ``length`` along ``dim``); a name may be
+        registered several times, once per destination, but no two destinations may share a
+        byte. A version commits when every registered destination was written exactly once.
+        The tensor must stay alive and in place (the receiver keeps a reference). Raises
+        TypeError/ValueError for a bad tensor, RefitError(invalid_argument) naming the tensors
+        for a view outside its storage, overlapping destinations, a bad slice or a name
+        registered with another dtype; a source that does not fit the view (its shape around
+        the slice) fails that refit with ``Errc.apply`` before anything of it is written."""
+        super().add_parameter(name, tensor, source_slice)
+
     def add_parameters(self, params: Tensors) -> None:
         """Registers every ``(name, tensor)`` of a ``state_dict()``, ``named_parameters()`` or
         any iterable of pairs. Tensors are written in place: they must stay alive (the receiver
