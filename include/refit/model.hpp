@@ -116,9 +116,9 @@ struct tensor_dest {
 /// - The tensor_dest's `meta.name` names the source tensor, `meta.type` its dtype and
 ///   `meta.shape` the shape of the view (what lands here); `data` is the view's first element.
 /// - `strides` (elements, one per dimension; empty: dense row-major) describe the view as torch's
-///   `tensor.stride()` does: `qkv.narrow(0, q, kv)` or `w[:, a:b]`. Strides must be non-negative
-///   and must not make the view overlap itself. Copies are fastest when the last dimension has
-///   stride 1 (rows of bytes); a view split into more than 65,536 separate strided blocks is
+///   `tensor.stride()` does: `qkv.narrow(0, q, kv)` or `w[:, a:b]`. Strides must be non-negative,
+///   the last dimension (of size > 1) must have stride 1 (refit writes rows of elements), and the
+///   view must not overlap itself; a view split into more than 65,536 separate strided blocks is
 ///   refused.
 /// - `slice` takes `source[..., start:start + length, ...]` along `dim` (a TP shard, a vocab
 ///   range, one of q/k/v out of a fused source): the source's shape must equal the view's except

@@ -110,6 +110,17 @@ extent check_view(const destination& d) {
                               s.length, s.dim, s.start, d.meta.shape[static_cast<std::size_t>(s.dim)]));
   }
   if (numel == 0) return {};
+  // Rows of bytes: the innermost dimension (of size > 1) must be dense, or a copy would move one
+  // element at a time.
+  for (std::size_t k = rank; k-- > 0 && !d.strides.empty();) {
+    if (d.meta.shape[k] == 1) continue;
+    if (d.strides[k] != 1)
+      throw error(errc::invalid_argument,
+                  fmt::format("{}: the view is not contiguous in its last dimension (stride {}): refit writes rows of "
+                              "elements; register a view whose last dimension has stride 1",
+                              where(d), d.strides[k]));
+    break;
+  }
   // Not overlapping itself: ordered by stride, each dimension steps past everything inside it.
   const std::vector<std::int64_t> strides = view_strides(d);
   std::vector<std::pair<std::uint64_t, std::uint64_t>> dims;  // (stride, size) of sizes > 1

@@ -60,8 +60,8 @@ struct extent {
   std::uint64_t bytes = 0;
 };
 
-/// Checks a destination on its own (at registration): strides one per dimension, non-negative and
-/// not overlapping the view with itself; a slice whose dimension exists, start is non-negative
+/// Checks a destination on its own (at registration): strides one per dimension, non-negative, the
+/// innermost dimension of size > 1 dense (stride 1), and not overlapping the view with itself; a slice whose dimension exists, start is non-negative
 /// and length equals the view's size along it; the view inside [alloc, alloc + alloc_bytes) when
 /// given. Throws refit::error(invalid_argument) naming the destination. Returns its extent.
 extent check_view(const destination& d);

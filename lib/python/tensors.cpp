@@ -176,6 +176,13 @@ borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& na
     if (!obj.attr("is_contiguous")().cast<bool>()) {
       const py::tuple strides = obj.attr("stride")();
       for (const py::handle s : strides) b.strides.push_back(s.cast<std::int64_t>());
+      for (std::size_t k = b.strides.size(); k-- > 0;) {
+        if (b.meta.shape[k] == 1) continue;
+        if (b.strides[k] != 1)
+          throw py::value_error(where(name) + " is not contiguous in its last dimension: refit writes rows of "
+                                              "elements (a view such as qkv.narrow(0, q, kv) or w[:, a:b] is fine)");
+        break;
+      }
     }
     // The allocation the view lies in, so that a view outside it is refused (torch >= 2 has
     // untyped_storage(); 1.13 a typed storage with the same two calls).

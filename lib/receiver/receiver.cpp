@@ -475,9 +475,10 @@ struct receiver::impl {
   /// (all of them before anything is copied: a refused batch writes nothing). With `segments` (a
   /// sink that moves entries one by one), an entry that lands whole in one dense destination on the
   /// sink's device is received straight into it (a segment, no copy); the others are staged in the
-  /// buffer (a segment there, and copies along their routes).
+  /// buffer (a segment there, and copies along their routes). With `check_only` (a direct session:
+  /// the streamer wrote the bytes) nothing is built, the entries are only checked.
   std::vector<copy::op> table_ops(const wire::batch& b, const std::byte* base,
-                                  std::vector<transport::segment>* segments) {
+                                  std::vector<transport::segment>* segments, bool check_only = false) {
     std::vector<copy::op> ops;
     ops.reserve(b.entries.size());
     const device_kind where = sink->where().kind;
@@ -497,7 +498,7 @@ struct receiver::impl {
                                   e.name, sl.dest.dev.kind == device_kind::cuda ? "CUDA" : "host",
                                   to_string(sink->kind()), where == device_kind::cuda ? "CUDA" : "host"));
       }
-      if (e.bytes == 0) continue;
+      if (e.bytes == 0 || check_only) continue;
       const slot& only = slots->front();
       if (segments != nullptr && slots->size() == 1 && plan::is_plain(only.dest) && only.dest.dev == sink->where()) {
         segments->push_back(transport::segment{static_cast<std::byte*>(only.dest.data) + e.tensor_offset, 0, e.bytes});
@@ -568,7 +569,8 @@ struct receiver::impl {
     std::vector<transport::segment> segments;
     try {
       tracker->check(b);
-      if (!callback) ops = table_ops(b, sink->data(b.buffer), sink->moves_entries() && !direct ? &segments : nullptr);
+      if (!callback)
+        ops = table_ops(b, sink->data(b.buffer), sink->moves_entries() && !direct ? &segments : nullptr, direct);
     } catch (const error& e) {
       return fail_refit(e.code(), e.what());
     }

@@ -377,6 +377,20 @@ struct streamer::impl {
     }
   }
 
+  /// The copies that write source bytes [from, from + bytes) of a tensor at `data` into its
+  /// destinations of a direct session: one op per row of each clipped run.
+  static void write_routes(std::span<const transport::routed> targets, const std::byte* data, std::uint64_t from,
+                           std::uint64_t bytes, std::vector<copy::op>& ops) {
+    std::vector<plan::run> pieces;
+    for (const transport::routed& t : targets) {
+      pieces.clear();
+      for (const plan::run& r : t.runs) plan::clip(r, from, from + bytes, pieces);
+      for (const plan::run& r : pieces)
+        for (std::uint64_t i = 0; i < r.rows; ++i)
+          ops.push_back(copy::op{data + r.src + i * r.src_pitch, t.base + r.dst + i * r.dst_pitch, r.width});
+    }
+  }
+
   /// Everything between BEGIN and END: plans, packs and sends the batches of `source`.
   void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats) {
     // Everything of the open batch: its entries for the wire and its copies for the packer.
@@ -442,7 +456,9 @@ struct streamer::impl {
       if (!names.insert(t->meta.name).second)
         throw error(errc::invalid_argument,
                     fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
-      std::byte* const target = direct ? buffers->destination(t->meta.name, bytes) : nullptr;
+      // A direct session writes each of the receiver's destinations of this tensor along its route
+      // (a view, a slice: plan::route); a misfit throws before anything is written.
+      const std::vector<transport::routed> targets = direct ? buffers->routes(t->meta) : std::vector<transport::routed>{};
       if (in_place && bytes != 0 && !(t->dev == buffers->where()))
         throw error(errc::invalid_argument,
                     fmt::format("tensor {} is on cuda:{}, but this nccl session sends every tensor in place from the "
@@ -465,9 +481,11 @@ struct streamer::impl {
         }
         if (t->dev.kind == device_kind::cuda && !(t->dev == buffers->where()) && copier->kind() == copy::engine::kernel)
           copy::enable_peer_access(buffers->where().index, t->dev.index);
-        open.ops.push_back(copy::op{from,
-                                    direct ? target + p.entry.tensor_offset
-                                           : buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
+        if (direct) {
+          write_routes(targets, static_cast<const std::byte*>(t->data), p.entry.tensor_offset, p.entry.bytes, open.ops);
+          continue;
+        }
+        open.ops.push_back(copy::op{from, buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
                                     p.entry.bytes});
         if (by_entry) open.segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
       }

@@ -39,9 +39,12 @@ constexpr std::string_view transport_name = "cuda_ipc";
 /// HELLO's transport when the streamer asks for direct writes (sink::offer_direct).
 constexpr std::string_view direct_transport_name = "cuda_ipc/direct";
 /// First handle of a receiver's direct offer; then one "A" + cudaIpcMemHandle_t per allocation,
-/// then one "T" + u64 allocation + u64 offset + u64 bytes + name per tensor (little-endian).
-constexpr std::string_view direct_offer_tag = "refit-direct/1";
-constexpr std::size_t tensor_record_header = 1 + 3 * sizeof(std::uint64_t);
+/// then one "T" record per destination (see put_destination; little-endian).
+constexpr std::string_view direct_offer_tag = "refit-direct/2";
+/// "T", allocation, offset, dtype, rank, has-slice, slice dim, start, length.
+constexpr std::size_t tensor_record_header = 1 + 9 * sizeof(std::uint64_t);
+/// Allocation index of a destination with no bytes (nothing is mapped for it).
+constexpr std::uint64_t no_allocation = ~std::uint64_t{0};
 
 /// The allocation that holds `p` (cuMemGetAddressRange through the runtime's driver entry point,
 /// so that refit needs no link to libcuda): its base, or nullptr when the driver cannot say.
@@ -75,6 +78,50 @@ std::uint64_t get_u64(std::string_view in, std::size_t at) {
   std::uint64_t v = 0;
   std::memcpy(&v, in.data() + at, 8);
   return v;
+}
+
+/// A destination's record in a direct offer: where it is (allocation, offset) and how its source
+/// lands in it (dtype, view shape and strides, slice), then its name.
+std::string put_destination(const plan::destination& d, std::uint64_t alloc, std::uint64_t offset) {
+  std::string rec = "T";
+  const std::size_t rank = d.meta.shape.size();
+  for (const std::uint64_t v : {alloc, offset, std::uint64_t{static_cast<std::uint8_t>(d.meta.type)},
+                                std::uint64_t{rank}, std::uint64_t{d.slice.has_value()}})
+    put_u64(rec, v);
+  const source_slice sl = d.slice.value_or(source_slice{});
+  for (const std::int64_t v : {std::int64_t{sl.dim}, sl.start, sl.length}) put_u64(rec, static_cast<std::uint64_t>(v));
+  for (const std::int64_t v : d.meta.shape) put_u64(rec, static_cast<std::uint64_t>(v));
+  for (std::size_t k = 0; k < rank; ++k)
+    put_u64(rec, static_cast<std::uint64_t>(d.strides.empty() ? 0 : d.strides[k]));
+  rec += d.meta.name;
+  return rec;
+}
+
+/// Reads a record put_destination() wrote; `data` is left at the offset (the caller adds the
+/// mapped allocation's base). Throws errc::protocol for a malformed record.
+plan::destination get_destination(std::string_view rec, std::size_t k, std::uint64_t& alloc) {
+  const auto bad = [&] { return error(errc::protocol, fmt::format("direct offer: record {} is malformed", k)); };
+  if (rec.size() < tensor_record_header || rec[0] != 'T') throw bad();
+  alloc = get_u64(rec, 1);
+  const std::uint64_t rank = get_u64(rec, 25);
+  const auto type = dtype_from_code(get_u64(rec, 17));
+  if (!type || rank > wire::max_rank || rec.size() < tensor_record_header + 16 * rank) throw bad();
+  plan::destination d;
+  d.meta.type = *type;
+  d.data = reinterpret_cast<void*>(static_cast<std::uintptr_t>(get_u64(rec, 9)));
+  if (get_u64(rec, 33) != 0)
+    d.slice = source_slice{static_cast<int>(get_u64(rec, 41)), static_cast<std::int64_t>(get_u64(rec, 49)),
+                           static_cast<std::int64_t>(get_u64(rec, 57))};
+  bool dense = true;
+  for (std::uint64_t i = 0; i < rank; ++i) {
+    d.meta.shape.push_back(static_cast<std::int64_t>(get_u64(rec, tensor_record_header + 8 * i)));
+    d.strides.push_back(static_cast<std::int64_t>(get_u64(rec, tensor_record_header + 8 * (rank + i))));
+    dense = dense && d.strides.back() == 0;
+  }
+  if (dense) d.strides.clear();
+  d.meta.name = std::string(rec.substr(tensor_record_header + 16 * rank));
+  (void)plan::check_view(d);  // the receiver checked it; a malformed one must not reach the copies
+  return d;
 }
 
 template <typename T>
@@ -266,34 +313,39 @@ class cuda_ipc_source final : public source {
     // The receiver offered its weights: map each allocation once for the session.
     device_guard guard(device_);
     std::vector<ipc_mapping> maps;
-    std::unordered_map<std::string, target> targets;
+    std::unordered_map<std::string, std::vector<plan::destination>> targets;
+    std::size_t count = 0;
     for (std::size_t k = 1; k < reply.handles.size(); ++k) {
       const std::string& rec = reply.handles[k];
       if (rec.size() == 1 + sizeof(cudaIpcMemHandle_t) && rec[0] == 'A') {
         maps.emplace_back(from_raw_bytes<cudaIpcMemHandle_t>(rec.substr(1)),
                           fmt::format("allocation {} of the receiver's weights", maps.size()));
-      } else if (rec.size() > tensor_record_header && rec[0] == 'T') {
-        const std::uint64_t alloc = get_u64(rec, 1);
-        const std::uint64_t offset = get_u64(rec, 9);
-        const std::uint64_t bytes = get_u64(rec, 17);
-        if (bytes == 0) {  // nothing to write: no allocation needed
-          targets.insert_or_assign(rec.substr(tensor_record_header), target{nullptr, 0});
-          continue;
-        }
-        if (alloc >= maps.size())
-          throw error(errc::protocol, fmt::format("direct offer: tensor record {} names allocation {} of {}", k,
-                                                  alloc, maps.size()));
-        targets.insert_or_assign(rec.substr(tensor_record_header),
-                                 target{static_cast<std::byte*>(maps[alloc].handle()) + offset, bytes});
-      } else {
-        throw error(errc::protocol, fmt::format("direct offer: record {} of {} bytes is malformed", k, rec.size()));
+        continue;
       }
+      std::uint64_t alloc = 0;
+      plan::destination d;
+      try {
+        d = get_destination(rec, k, alloc);
+      } catch (const error& e) {
+        throw error(errc::protocol, fmt::format("direct offer: record {}: {}", k, e.what()));
+      }
+      d.dev = device::cuda(device_);
+      if (alloc == no_allocation) {
+        d.data = nullptr;  // nothing to write: no allocation needed
+      } else {
+        if (alloc >= maps.size())
+          throw error(errc::protocol,
+                      fmt::format("direct offer: tensor record {} names allocation {} of {}", k, alloc, maps.size()));
+        d.data = static_cast<std::byte*>(maps[alloc].handle()) + reinterpret_cast<std::uintptr_t>(d.data);
+      }
+      targets[d.meta.name].push_back(std::move(d));
+      ++count;
     }
     mapped_ = std::move(maps);
     targets_ = std::move(targets);
     direct_ = true;
-    REFIT_INFO("cuda_ipc: direct session: {} tensors in {} allocations of the receiver's weights", targets_.size(),
-               mapped_.size());
+    REFIT_INFO("cuda_ipc: direct session: {} destinations of {} tensors in {} allocations of the receiver's weights",
+               count, targets_.size(), mapped_.size());
   }
 
   void close_session() noexcept override {
@@ -304,17 +356,22 @@ class cuda_ipc_source final : public source {
 
   [[nodiscard]] bool direct() const noexcept override { return direct_; }
 
-  std::byte* destination(std::string_view name, std::uint64_t bytes) override {
-    const auto it = targets_.find(std::string(name));
+  std::vector<routed> routes(const tensor_meta& meta) override {
+    const auto it = targets_.find(meta.name);
     if (it == targets_.end())
       throw error(errc::apply, fmt::format("tensor '{}' is not in the receiver's parameter table (direct cuda_ipc "
                                            "session: nothing was written)",
-                                           name));
-    if (it->second.bytes != bytes)
-      throw error(errc::apply, fmt::format("tensor '{}' has {} bytes but the receiver's parameter table holds {} "
-                                           "(direct cuda_ipc session: nothing was written)",
-                                           name, bytes, it->second.bytes));
-    return it->second.data;
+                                           meta.name));
+    std::vector<routed> out;
+    out.reserve(it->second.size());
+    for (const plan::destination& d : it->second) {
+      try {
+        out.push_back(routed{static_cast<std::byte*>(d.data), plan::route(d, meta.type, meta.shape)});
+      } catch (const error& e) {
+        throw error(e.code(), fmt::format("{} (direct cuda_ipc session: nothing was written)", e.what()));
+      }
+    }
+    return out;
   }
 
   void disable_direct() noexcept override { want_direct_ = false; }
@@ -375,17 +432,13 @@ class cuda_ipc_source final : public source {
     std::size_t next = 0;
   };
 
-  struct target {
-    std::byte* data;
-    std::uint64_t bytes;
-  };
-
   int device_;
   std::uint64_t bytes_;
   bool want_direct_;
   bool direct_ = false;
   std::vector<ipc_mapping> mapped_;  ///< the receiver's weight allocations (direct sessions)
-  std::unordered_map<std::string, target> targets_;
+  /// The receiver's destinations by source name, their data in mapped_ (direct sessions).
+  std::unordered_map<std::string, std::vector<plan::destination>> targets_;
   std::string uuid_;
   std::vector<cuda::device_buffer> buffers_;
   std::vector<cuda::event> packed_;
@@ -469,15 +522,12 @@ class cuda_ipc_sink final : public sink {
     std::map<void*, std::uint64_t> allocations;  // base → index
     std::vector<std::string> tensors;
     tensors.reserve(table.size());
-    std::unordered_set<std::string_view> names;
-    for (const plan::destination& d : table)
-      if (!plan::is_plain(d) || !names.insert(d.meta.name).second)
-        return decline(fmt::format("'{}' is a view or a slice of its source, or is registered twice", d.meta.name));
     for (const plan::destination& d : table) {
       const std::uint64_t bytes = d.meta.nbytes();
-      if (d.dev.kind != device_kind::cuda || d.meta.name.size() + tensor_record_header > wire::max_handle_bytes)
+      if (d.dev.kind != device_kind::cuda ||
+          d.meta.name.size() + tensor_record_header + 16 * d.meta.shape.size() > wire::max_handle_bytes)
         return decline(fmt::format("'{}' is not in CUDA memory, or its name is too long", d.meta.name));
-      std::uint64_t alloc = 0;
+      std::uint64_t alloc = no_allocation;
       std::uint64_t offset = 0;
       if (bytes != 0) {
         device_guard on(d.dev.index);
@@ -497,16 +547,11 @@ class cuda_ipc_sink final : public sink {
         alloc = it->second;
         offset = static_cast<std::uint64_t>(static_cast<const std::byte*>(d.data) - static_cast<const std::byte*>(base));
       }
-      std::string rec = "T";
-      put_u64(rec, alloc);
-      put_u64(rec, offset);
-      put_u64(rec, bytes);
-      rec += d.meta.name;
-      tensors.push_back(std::move(rec));
+      tensors.push_back(put_destination(d, alloc, offset));
     }
     for (auto& t : tensors) records.push_back(std::move(t));
     reply.handles = std::move(records);
-    REFIT_INFO("cuda_ipc: offering {} tensors in {} allocations for direct writes by {}", table.size(),
+    REFIT_INFO("cuda_ipc: offering {} destinations in {} allocations for direct writes by {}", table.size(),
                allocations.size(), h.peer);
     return true;
   }

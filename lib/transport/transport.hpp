@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "copy/copy.hpp"
 #include "plan/route.hpp"
@@ -41,6 +42,13 @@ struct segment {
   std::byte* data = nullptr;
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
+};
+
+/// A destination of a direct session: its first byte (in the streamer's mapping of the receiver's
+/// weights) and the runs that move a source into it.
+struct routed {
+  std::byte* base = nullptr;
+  std::vector<plan::run> runs;
 };
 
 /// Options a transport is built from (the subset of streamer/receiver options it needs).
@@ -87,13 +95,15 @@ class source {
 
   /// True when this session writes straight into the receiver's weights (cuda_ipc direct): the
   /// receiver offered them in its reply to HELLO and session_accepted() mapped them. Then
-  /// destination() replaces the buffers and begin_pack/end_pack/entries are not called.
+  /// routes() replace the buffers and begin_pack/end_pack/entries are not called.
   [[nodiscard]] virtual bool direct() const noexcept { return false; }
-  /// Where tensor `name` of `bytes` bytes goes in a direct session. Throws refit::error
-  /// (errc::apply) when the receiver's table has no such name or another size: nothing is written.
-  virtual std::byte* destination(std::string_view name, std::uint64_t bytes) {
-    (void)name, (void)bytes;
-    throw error(errc::internal, "destination() outside a direct session");
+  /// Where the bytes of a tensor go in a direct session: each of the receiver's destinations of
+  /// that name (a base address in the mapped weights) and the runs that reach it (plan::route).
+  /// Throws refit::error (errc::apply) when the receiver's table has no such name or the tensor
+  /// does not fit a destination (dtype, shape, slice): nothing is written.
+  virtual std::vector<routed> routes(const tensor_meta& meta) {
+    (void)meta;
+    throw error(errc::internal, "routes() outside a direct session");
   }
   /// Stops asking for direct sessions (after the receiver's offer could not be mapped).
   virtual void disable_direct() noexcept {}

@@ -516,6 +516,154 @@ TEST_CASE("with direct writes turned off, cuda_ipc stages through the buffers in
                 [&] { streamer_of(ep, metas, 0, versions, path::staged, true); });
 }
 
+// ------------------------------------------------------------------------ engine layouts
+
+/// An engine's own layout of a small model, in one device allocation: fused qkv (GQA: q 64 rows, k
+/// and v 16), a row-parallel shard (columns 32..63 of o), tied embeddings (emb into two tensors) and
+/// a strided view (w into columns 6..25 of a [12, 40] tensor). u16 stands for bf16.
+struct engine_layout {
+  static constexpr std::int64_t h = 32;
+  std::vector<refit::tensor_meta> sources{{"q", refit::dtype::u16, {64, h}},  {"k", refit::dtype::u16, {16, h}},
+                                          {"v", refit::dtype::u16, {16, h}},  {"o", refit::dtype::u16, {h, 64}},
+                                          {"emb", refit::dtype::u16, {40, h}}, {"w", refit::dtype::u16, {12, 20}}};
+  // Element offsets in the engine allocation: qkv [96, h], o_local [h, h], emb, head [40, h], big [12, 40].
+  static constexpr std::int64_t qkv = 0, o_local = 96 * h, emb = o_local + h * h, head = emb + 40 * h,
+                                big = head + 40 * h, total = big + 12 * 40;
+
+  /// Registers every destination of the layout, the engine's memory starting at `base`.
+  void register_with(refit::receiver& r, std::uint16_t* base, std::uint64_t bytes) const {
+    const auto add = [&](const refit::tensor_meta& m, std::int64_t at, refit::dest_layout l) {
+      l.alloc = base;
+      l.alloc_bytes = bytes;
+      r.add_parameter(refit::tensor_dest{m, base + at, refit::device::cuda(0)}, l);
+    };
+    add(sources[0], qkv, {});
+    add(sources[1], qkv + 64 * h, {});
+    add(sources[2], qkv + 80 * h, {});
+    refit::dest_layout shard;
+    shard.slice = refit::source_slice{1, 32, 32};
+    add(refit::tensor_meta{"o", refit::dtype::u16, {h, 32}}, o_local, shard);
+    add(sources[4], emb, {});
+    add(sources[4], head, {});
+    refit::dest_layout strided;
+    strided.strides = {40, 1};
+    add(sources[5], big + 6, strided);
+  }
+
+  /// The engine allocation as it must be after a refit of `version` (zeros where nothing lands).
+  [[nodiscard]] std::vector<std::uint16_t> image(std::uint64_t version) const {
+    std::vector<std::uint16_t> out(total, 0);
+    const auto src = [&](std::size_t i) {
+      std::vector<std::uint16_t> v(static_cast<std::size_t>(sources[i].numel()));
+      rt::fill_pattern(sources[i].name, version, reinterpret_cast<std::uint8_t*>(v.data()), sources[i].nbytes());
+      return v;
+    };
+    const auto q = src(0), k = src(1), v = src(2), o = src(3), e = src(4), w = src(5);
+    std::copy(q.begin(), q.end(), out.begin() + qkv);
+    std::copy(k.begin(), k.end(), out.begin() + qkv + 64 * h);
+    std::copy(v.begin(), v.end(), out.begin() + qkv + 80 * h);
+    for (std::int64_t r = 0; r < h; ++r)
+      for (std::int64_t c = 0; c < 32; ++c) out[o_local + r * 32 + c] = o[r * 64 + 32 + c];
+    std::copy(e.begin(), e.end(), out.begin() + emb);
+    std::copy(e.begin(), e.end(), out.begin() + head);
+    for (std::int64_t r = 0; r < 12; ++r)
+      for (std::int64_t c = 0; c < 20; ++c) out[big + r * 40 + 6 + c] = w[r * 20 + c];
+    return out;
+  }
+};
+
+void engine_layout_refits(bool direct) {
+  const engine_layout layout;
+  const auto ep = rt::temp_endpoint();
+  const std::vector<std::uint64_t> versions = {1, 2, 3};
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+        const std::uint64_t bytes = engine_layout::total * 2;
+        refit::cuda::device_buffer engine(bytes);
+        refit::check_cuda(cudaMemset(engine.handle(), 0, bytes), "cudaMemset(engine)");
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        layout.register_with(r, static_cast<std::uint16_t*>(engine.handle()), bytes);
+        ready.send("ready");
+        std::size_t commits = 0;
+        serve_until_bye(r, [&](std::uint64_t v) {
+          expect(v == versions[commits], "committed version " + std::to_string(v));
+          std::vector<std::uint16_t> got(engine_layout::total);
+          refit::check_cuda(cudaMemcpy(got.data(), engine.handle(), bytes, cudaMemcpyDeviceToHost), "download");
+          const auto want = layout.image(v);
+          const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
+          expect(w == want.end(), "version " + std::to_string(v) + ": engine element " +
+                                      std::to_string(w - want.begin()) + " differs");
+          ++commits;
+        });
+        expect(commits == versions.size(), std::to_string(commits) + " commits");
+      },
+      [&] {
+        device_tensors source(layout.sources, 0);
+        auto o = stream_options(ep, 0, relaxed);
+        o.direct = direct;
+        o.buffer_bytes = 4 * kib;  // staged: rows of the shard and the strided view split across chunks
+        refit::streamer s(o);
+        for (const std::uint64_t v : versions) {
+          source.upload(v);
+          const auto stats = s.refit(v, source.refs());
+          expect(stats.direct == direct, direct ? "the refit was staged, not direct" : "the refit was direct");
+        }
+        s.close();
+      });
+}
+
+TEST_CASE("an engine layout (fused GQA qkv, a row-parallel shard, tied embeddings, a strided view) is written "
+          "directly over cuda_ipc, bit-exact over three versions",
+          "[cuda_ipc][layout]") {
+  engine_layout_refits(true);
+}
+
+TEST_CASE("the same engine layout staged through 4 KiB cuda_ipc buffers (rows split across chunks) lands bit-exact",
+          "[cuda_ipc][layout]") {
+  engine_layout_refits(false);
+}
+
+TEST_CASE("a direct cuda_ipc source that does not fit its view (slice past the end) fails before writing anything",
+          "[cuda_ipc][layout]") {
+  const auto ep = rt::temp_endpoint();
+  const refit::tensor_meta o{"o", refit::dtype::u16, {32, 40}};  // the view takes columns 32..63: past the end
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+        refit::cuda::device_buffer engine(32 * 32 * 2);
+        refit::check_cuda(cudaMemset(engine.handle(), 0x5a, 32 * 32 * 2), "cudaMemset(engine)");
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        refit::dest_layout shard;
+        shard.slice = refit::source_slice{1, 32, 32};
+        r.add_parameter(refit::tensor_dest{{"o", refit::dtype::u16, {32, 32}}, engine.handle(), refit::device::cuda(0)},
+                        shard);
+        ready.send("ready");
+        int aborts = 0;
+        serve_until_bye(
+            r, [](std::uint64_t v) { expect(false, "committed version " + std::to_string(v)); }, {},
+            [&] { ++aborts; });
+        expect(aborts == 1, std::to_string(aborts) + " aborts reported");
+        std::vector<std::uint8_t> got(32 * 32 * 2);
+        refit::check_cuda(cudaMemcpy(got.data(), engine.handle(), got.size(), cudaMemcpyDeviceToHost), "download");
+        expect(std::all_of(got.begin(), got.end(), [](std::uint8_t b) { return b == 0x5a; }),
+               "a refused refit wrote into the engine's memory");
+      },
+      [&] {
+        device_tensors source({o}, 0);
+        source.upload(1);
+        refit::streamer s(stream_options(ep, 0, relaxed));
+        try {
+          s.refit(1, source.refs());
+          expect(false, "a refit whose slice is past the source's end succeeded");
+        } catch (const refit::error& e) {
+          expect(e.code() == refit::errc::apply, "error code " + std::string(refit::to_string(e.code())));
+          expect(std::string(e.what()).find("tensor 'o'") != std::string::npos, std::string("message: ") + e.what());
+        }
+        s.close();
+      });
+}
+
 TEST_CASE("a direct cuda_ipc refit of a tensor the receiver lacks fails before writing anything", "[cuda_ipc]") {
   // The first tensor the streamer yields is not in the receiver's table: the streamer must refuse
   // it from the offer alone, so every byte of the receiver's weights keeps its old value. It tells

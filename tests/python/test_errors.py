@@ -301,9 +301,10 @@ def test_bad_receiver_arguments_are_refused(args, options, error, code):
 
 def test_bad_registrations_are_refused_naming_the_tensor():
     with refit.Receiver() as rx:
-        rx.add_parameter("w", torch.zeros(4))
+        w = torch.zeros(4)
+        rx.add_parameter("w", w)
         with pytest.raises(refit.RefitError) as failure:
-            rx.add_parameter("w", torch.zeros(4))
+            rx.add_parameter("w", w)  # the same memory twice (another tensor would be a tied weight)
         assert failure.value.code == refit.Errc.invalid_argument
         assert "'w'" in str(failure.value)
         with pytest.raises(ValueError, match="'t'.*contiguous"):
