@@ -84,6 +84,56 @@ class mapped_file {
   std::uint64_t size_ = 0;
 };
 
+// ---------------------------------------------------------------- engine layouts (--layout)
+
+/// How the receiver holds the model (--layout): `plain`, one dense tensor per source tensor
+/// (what the streamer sends); `fused`, an engine's layout: per layer q/k/v in one `qkv_proj`
+/// (rows stacked q, k, v; weights and biases alike) and gate/up in one `gate_up_proj`, and a
+/// tied embedding (model.embed_tokens.weight without lm_head.weight) also landing in an engine
+/// `lm_head.weight`; `ep`, fused plus every layer's experts stacked into `w13_weight[E, 2I, H]`
+/// (expert e's gate rows then its up rows) and `w2_weight[E, H, I]` (its down), as a
+/// mixture-of-experts engine holds them.
+enum class layout_kind : std::uint8_t { plain, fused, ep };
+
+/// "plain", "fused", "ep".
+std::string_view layout_name(layout_kind k) noexcept;
+/// nullopt for an unknown name.
+std::optional<layout_kind> parse_layout(std::string_view name) noexcept;
+
+/// Where one source tensor lands: a view of an engine tensor. Every view the layouts make is a
+/// contiguous byte range of its engine tensor (row ranges of row-major tensors: narrows on
+/// dimension 0, or one expert's slot), `bytes` long from `offset`.
+struct layout_view {
+  std::size_t source = 0;   ///< index in the manifest
+  std::size_t tensor = 0;   ///< index of the engine tensor
+  std::uint64_t offset = 0; ///< first byte of the view in the engine tensor
+  std::uint64_t bytes = 0;  ///< the source's bytes
+  std::vector<std::int64_t> shape;    ///< of the view (the source's)
+  std::vector<std::int64_t> strides;  ///< of the view, in elements (the engine tensor's along those dimensions)
+};
+
+/// The receiver's model in a layout: its engine tensors (a manifest of their own, allocated like
+/// any destinations: transport_path::destinations) and the views the source tensors land in.
+struct engine_layout {
+  layout_kind kind = layout_kind::plain;
+  manifest tensors;                              ///< the engine tensors, in the order first written
+  std::vector<layout_view> views;                ///< every destination
+  std::vector<std::vector<std::size_t>> of_source;  ///< indices into views, per source (2 for a tied one)
+};
+
+/// The layout `kind` of `m`. q/k/v (gate/up) of a layer are fused only when all are there, of
+/// one dtype and alike but for dimension 0; other tensors stay dense. Throws
+/// refit::error(invalid_argument) for `ep` on a model without experts
+/// (PREFIX.experts.E.gate_proj/up_proj/down_proj.weight, or Mixtral's w1/w3/w2) or whose experts
+/// do not stack (missing, or of different shapes or dtypes), naming them.
+engine_layout make_layout(const manifest& m, layout_kind kind);
+
+/// The checksum the receiver reports for source i: copy::checksum of its bytes as they landed
+/// in its view; for a source with several views (a tied one) the common checksum when they all
+/// agree, otherwise a value unlike every one of them (so that a wrong byte in any view shows up
+/// as a wrong checksum, whichever view holds it).
+std::uint64_t fold_view_checksums(const std::vector<std::uint64_t>& sums) noexcept;
+
 // ---------------------------------------------------------------- tensor memory per transport
 
 /// The tensors of a workload on one side, in the memory a transport path uses (host memory for
@@ -97,6 +147,8 @@ class tensor_memory {
   virtual std::uint8_t flip(std::size_t i, std::uint64_t offset, std::uint8_t mask) = 0;
   /// copy::checksum of tensor i.
   [[nodiscard]] virtual std::uint64_t checksum(std::size_t i) const = 0;
+  /// copy::checksum of `bytes` bytes of tensor i from byte `offset` (a view of an engine tensor).
+  [[nodiscard]] virtual std::uint64_t checksum(std::size_t i, std::uint64_t offset, std::uint64_t bytes) const = 0;
 };
 
 /// How tensors are allocated and filled, and the ceiling measured, for one transport.
@@ -223,6 +275,8 @@ struct config {
   std::vector<double> buffer_mb{64};
   std::vector<std::size_t> buffer_counts{2};
   std::uint64_t alignment = 256;
+  /// How the receiver holds the model (--layout); the streamer sends the same tensors whatever it is.
+  layout_kind layout = layout_kind::plain;
   bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
   /// GPU copy engines to compare (one row each); host_shm always copies with memcpy.
   std::vector<copy_engine> engines{copy_engine::automatic};
@@ -243,7 +297,7 @@ struct config {
   std::string json_file;
   std::string plot_file;
   std::string receiver_exe = "/proc/self/exe";  ///< what the streamer spawns
-  /// Receiver: corrupt one byte of tensor N after every commit (tests the verification).
+  /// Receiver: corrupt one byte of tensor N (in its last view) after every commit (tests the verification).
   std::optional<std::size_t> corrupt_tensor;
   bool spawned = false;  ///< receiver: started by a streamer; exit when stdin closes
   /// Receiver started as one rank of the nccl ceiling (hex ncclUniqueId) instead of a refit receiver.
@@ -312,7 +366,8 @@ struct row {
   std::string transport;
   std::size_t receivers = 1;  ///< receiver processes (nccl: --receivers)
   std::string model;
-  std::string engine = "automatic";  ///< copy engine (GPU transports); "memcpy" for host_shm
+  std::string engine = "automatic";  ///< copy engine (GPU transports); "memcpy" for host_shm; +direct, +LAYOUT
+  std::string layout = "plain";      ///< the receiver's --layout
   std::uint64_t buffer_bytes = 0;
   std::size_t buffers = 0;
   std::uint64_t tensors = 0;

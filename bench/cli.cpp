@@ -92,6 +92,13 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
                                       "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "
                                       "receiver different ones, e.g. memcpy_batch/kernel")
       ->delimiter(',')->capture_default_str();
+  std::string layout_text = "plain";
+  app.add_option("--layout", layout_text, "how the receiver holds the model: plain (one dense tensor per source "
+                                          "tensor), fused (an engine's layout: q/k/v into qkv_proj, gate/up into "
+                                          "gate_up_proj, a tied embedding also into lm_head), ep (fused, and each layer's "
+                                          "experts stacked into w13_weight[E, 2I, H] and w2_weight[E, H, I]); every "
+                                          "source tensor is verified as it landed in its view(s)")
+      ->capture_default_str();
   std::vector<std::string> paths{"direct", "staged"};
   app.add_option("--path", paths, "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
                                   "staged (through the ping-pong buffers, two copies); nccl: direct (in place: 1 GiB "
@@ -203,6 +210,9 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     if (std::find(c.direct.begin(), c.direct.end(), d) == c.direct.end()) c.direct.push_back(d);
   }
   if (c.direct.empty()) bad("--path: none given");
+  const auto layout = parse_layout(layout_text);
+  if (!layout) bad(fmt::format("--layout {}: unknown (plain, fused, ep)", layout_text));
+  c.layout = *layout;
   return c;
 }
 
@@ -245,6 +255,7 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
   } else {
     a.insert(a.end(), {"--model", model, "--dtype", std::string(to_string(c.type))});
   }
+  if (c.layout != layout_kind::plain) a.insert(a.end(), {"--layout", std::string(layout_name(c.layout))});
   if (c.corrupt_tensor) a.insert(a.end(), {"--corrupt-byte", std::to_string(*c.corrupt_tensor)});
   if (c.quiet) a.emplace_back("--quiet");
   return a;

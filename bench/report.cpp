@@ -20,7 +20,7 @@ struct column {
   int width;
 };
 constexpr column columns[] = {
-    {"transport", "", 9}, {"model", "", 14},   {"engine", "", 19},  {"buf_MiB", "", 7},  {"nbuf", "", 4},
+    {"transport", "", 9}, {"model", "", 14},   {"engine", "", 25},  {"buf_MiB", "", 7},  {"nbuf", "", 4},
     {"tensors", "", 7},   {"bytes", "(GB)", 8}, {"median", "(ms)", 9}, {"min", "(ms)", 9},
     {"max", "(ms)", 9},   {"GB/s", "", 8},      {"ceiling", "(GB/s)", 8}, {"floor", "(ms)", 9},
     {"ratio", "", 6},     {"source", "(ms)", 8}, {"pack", "(ms)", 8}, {"wait", "(ms)", 8},
@@ -188,6 +188,7 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
                   {"receivers", r.receivers},
                   {"model", r.model},
                   {"engine", r.engine},
+                  {"layout", r.layout},
                   {"buffer_bytes", r.buffer_bytes},
                   {"buffer_mb", static_cast<double>(r.buffer_bytes) / (1 << 20)},
                   {"buffers", r.buffers},

@@ -193,6 +193,13 @@ std::int64_t count_wrong(const config& c, const json& line, std::uint64_t versio
                                                       "the receiver that printed this report endpoint?)"
                                                     : ""));
   }
+  // A receiver started by hand with another --layout: its checksums would still match, but the
+  // rows would name the wrong layout.
+  const auto held = line.find("layout");
+  if (held != line.end() && *held != layout_name(c.layout))
+    throw error(errc::protocol, fmt::format("refit-bench: {} holds the model in layout {} and this streamer runs with "
+                                            "--layout {}: give both sides the same --layout",
+                                            who, held->dump(), layout_name(c.layout)));
   const std::size_t n = m.entries.size();
   const auto sums = line.find("checksums");
   if (sums == line.end() || !sums->is_array() || sums->size() != n)
@@ -433,6 +440,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       r.bytes = g.m.bytes();
       r.iters = c.iters;
       r.wrong = verify ? 0 : -1;
+      r.layout = layout_name(c.layout);
       std::vector<double> times, source, pack, wait, apply;
       bool went_direct = false;
       const int total = c.warmup + c.iters;
@@ -512,6 +520,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       r.ceiling_gbps = g.ceiling / 1e9;
       // A direct refit copies every byte once, a staged one twice: each is held to its own floor.
       if (went_direct) r.engine += nccl ? "+in-place" : "+direct";
+      if (c.layout != layout_kind::plain) r.engine += fmt::format("+{}", layout_name(c.layout));
       // Over nccl the ceiling is itself the transfer (a raw broadcast), which refit makes once, with
       // packing and applying overlapping it: one pass too.
       r.floor_ms = (went_direct || nccl ? 1.0 : 2.0) * static_cast<double>(r.bytes) / g.ceiling * 1e3;
@@ -639,7 +648,10 @@ int run_receiver(const config& c) {
   if (models.size() != 1) throw error(errc::invalid_argument, "refit-bench: --role receiver serves one --model");
   const manifest m = workload(c, models.front());
   auto path = make_path(c.transports.front(), c);
-  auto dest = path->destinations(m);
+  // The model as the receiver holds it (--layout): engine tensors, allocated like any destinations
+  // (one arena, each engine tensor its own aligned range), and every source tensor's view of them.
+  const engine_layout layout = make_layout(m, c.layout);
+  auto dest = path->destinations(layout.tensors);
 
   receiver_options ro;
   ro.endpoint = c.bind;
@@ -647,8 +659,16 @@ int run_receiver(const config& c) {
   ro.engine = c.engines.front();
   ro.idle_timeout = milliseconds(c.timeout_ms);
   receiver r(ro);
-  for (std::size_t i = 0; i < m.entries.size(); ++i)
-    r.add_parameter(tensor_dest{m.entries[i].meta, dest->data(i), dest->where()});
+  for (const layout_view& v : layout.views) {
+    const tensor_meta& src = m.entries[v.source].meta;
+    const tensor_dest d{tensor_meta{src.name, src.type, v.shape}, dest->data(v.tensor) + v.offset, dest->where()};
+    if (c.layout == layout_kind::plain) {
+      r.add_parameter(d);  // dense, one tensor per source: as before layouts existed
+    } else {
+      const tensor_meta& engine = layout.tensors.entries[v.tensor].meta;
+      r.add_parameter(d, dest_layout{v.strides, std::nullopt, dest->data(v.tensor), engine.nbytes()});
+    }
+  }
   // Started by hand: the streamer asks for our checksums here (a spawned one reads our stdout).
   // Declared after the receiver, so that it goes first: its ipc file may sit in the receiver's
   // private directory.
@@ -667,7 +687,8 @@ int run_receiver(const config& c) {
     std::cout.flush();
   };
   json ready{{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", path->describe_device()},
-             {"tensors", m.entries.size()}, {"bytes", m.bytes()}};
+             {"tensors", m.entries.size()}, {"bytes", m.bytes()}, {"layout", layout_name(c.layout)},
+             {"engine_tensors", layout.tensors.entries.size()}, {"views", layout.views.size()}};
   if (reports) ready["report"] = reports->channel().endpoint();
   // The banner before the ready line: whoever has seen that line can read the banner too.
   if (reports) {
@@ -675,6 +696,7 @@ int run_receiver(const config& c) {
     std::string same = fmt::format("--transport {} {} {}", transport, c.manifest_file.empty() ? "--model" : "--manifest",
                                    models.front());
     if (c.type != dtype::bf16) same += fmt::format(" --dtype {}", to_string(c.type));
+    if (c.layout != layout_kind::plain) same += fmt::format(" --layout {}", layout_name(c.layout));
     const std::string& report_ep = reports->channel().endpoint();
     const bool wildcard = r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
     std::cerr << fmt::format("refit-bench: receiver for {} over {} listening on {}, checksums on {} (Ctrl-C to stop)\n"
@@ -704,19 +726,30 @@ int run_receiver(const config& c) {
       case receiver_event::committed: {
         const receiver_stats st = r.last_stats();
         const std::uint64_t v = r.committed_version().value_or(0);
-        if (c.corrupt_tensor && !m.entries.empty()) {
-          // Deliberate damage after the commit, to prove the verification catches it.
+        if (c.corrupt_tensor && m.bytes() != 0) {
+          // Deliberate damage after the commit, to prove the verification catches it: the first
+          // byte of the tensor's last view (a tied embedding's engine lm_head).
           std::size_t i = *c.corrupt_tensor % m.entries.size();
           while (m.entries[i].meta.nbytes() == 0) i = (i + 1) % m.entries.size();
-          dest->flip(i, 0, 0x01);
+          const layout_view& v = layout.views[layout.of_source[i].back()];
+          dest->flip(v.tensor, v.offset, 0x01);
         }
         const auto t1 = clock::now();
+        // Each source's bytes as they landed in its view(s) of the engine tensors.
         json sums = json::array();
-        for (std::size_t i = 0; i < m.entries.size(); ++i) sums.push_back(dest->checksum(i));
+        std::vector<std::uint64_t> of_views;
+        for (std::size_t i = 0; i < m.entries.size(); ++i) {
+          of_views.clear();
+          for (const std::size_t k : layout.of_source[i]) {
+            const layout_view& v = layout.views[k];
+            of_views.push_back(dest->checksum(v.tensor, v.offset, v.bytes));
+          }
+          sums.push_back(fold_view_checksums(of_views));
+        }
         // apply: copying into the weights, plus the wait at END for the device to finish them.
         const json line{{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
                         {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
-                        {"checksums", std::move(sums)}};
+                        {"layout", layout_name(c.layout)}, {"checksums", std::move(sums)}};
         emit(line);
         if (reports) log.committed(line);
         break;
@@ -766,6 +799,14 @@ int run(const config& c, std::ostream& out) {
                                               c.report));
   std::vector<manifest> models;
   for (const auto& name : model_list(c)) models.push_back(workload(c, name));
+  // The receiver's layout of each model, made here too so that one that cannot be laid out fails
+  // before anything is measured.
+  for (const auto& m : models) {
+    const engine_layout l = make_layout(m, c.layout);
+    if (c.layout != layout_kind::plain)
+      notes.push_back(fmt::format("--layout {}: the receiver holds {} in {} engine tensors: {} views of {} source tensors",
+                                  layout_name(c.layout), m.name, l.tensors.entries.size(), l.views.size(), m.entries.size()));
+  }
   std::vector<mapped_file> files;
   if (c.load) {
     if (c.manifest_file.empty()) throw error(errc::invalid_argument, "refit-bench: --load needs --manifest FILE.safetensors");

@@ -70,6 +70,12 @@ class device_memory final : public tensor_memory {
   [[nodiscard]] std::uint64_t checksum(std::size_t i) const override {
     return copy::checksum(ptrs_.at(i), sizes_.at(i), device::cuda(dev_));
   }
+  [[nodiscard]] std::uint64_t checksum(std::size_t i, std::uint64_t offset, std::uint64_t bytes) const override {
+    if (offset > sizes_.at(i) || bytes > sizes_[i] - offset)
+      throw error(errc::invalid_argument, fmt::format("refit-bench: bytes {}..{} of a {}-byte tensor", offset,
+                                                      offset + bytes, sizes_[i]));
+    return copy::checksum(ptrs_[i] + offset, bytes, device::cuda(dev_));
+  }
 
  private:
   int dev_;

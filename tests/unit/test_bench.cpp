@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
@@ -965,4 +966,312 @@ TEST_CASE("--no-verify runs a streamer started by hand unverified, and says so",
   CHECK_THAT(out.str(), Catch::Contains("NOT verified (--no-verify)") && !Catch::Contains("every refit verified"));
   std::ifstream f(c.json_file);
   CHECK(json::parse(f)["rows"][0]["wrong"].is_null());
+}
+
+// ---------------------------------------------------------------- engine layouts (--layout)
+
+namespace {
+
+// The engine tensor of this name in a layout (REQUIREd to exist).
+const tensor_meta& engine_tensor(const engine_layout& l, const std::string& name) {
+  const auto it = std::find_if(l.tensors.entries.begin(), l.tensors.entries.end(),
+                               [&](const manifest_entry& e) { return e.meta.name == name; });
+  REQUIRE(it != l.tensors.entries.end());
+  return it->meta;
+}
+
+// The views of the source of this name.
+std::vector<layout_view> views_of(const manifest& m, const engine_layout& l, const std::string& name) {
+  std::vector<layout_view> out;
+  for (std::size_t i = 0; i < m.entries.size(); ++i)
+    if (m.entries[i].meta.name == name)
+      for (const auto k : l.of_source[i]) out.push_back(l.views[k]);
+  return out;
+}
+
+// A small tied mixture-of-experts model as a JSON manifest: embed_tokens without lm_head, q/k/v
+// with biases, 4 experts per layer.
+std::string tied_moe_manifest() {
+  std::string j = R"({"model.embed_tokens.weight": {"dtype": "bf16", "shape": [100, 64]})";
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    j += ", \"" + p + R"(self_attn.q_proj.weight": {"shape": [64, 64]})";
+    j += ", \"" + p + R"(self_attn.k_proj.weight": {"shape": [32, 64]})";
+    j += ", \"" + p + R"(self_attn.v_proj.weight": {"shape": [32, 64]})";
+    j += ", \"" + p + R"(self_attn.q_proj.bias": {"shape": [64]})";
+    j += ", \"" + p + R"(self_attn.k_proj.bias": {"shape": [32]})";
+    j += ", \"" + p + R"(self_attn.v_proj.bias": {"shape": [32]})";
+    j += ", \"" + p + R"(mlp.gate.weight": {"shape": [4, 64]})";
+    for (int e = 0; e < 4; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      j += ", \"" + x + R"(gate_proj.weight": {"shape": [48, 64]})";
+      j += ", \"" + x + R"(up_proj.weight": {"shape": [48, 64]})";
+      j += ", \"" + x + R"(down_proj.weight": {"shape": [64, 48]})";
+    }
+  }
+  return j + R"(, "model.norm.weight": {"shape": [64]}})";
+}
+
+}  // namespace
+
+TEST_CASE("the fused layout stacks q/k/v and gate/up rows into one engine tensor each and ties lm_head", "[bench]") {
+  const manifest tiny = preset("tiny");
+  const engine_layout plain = make_layout(tiny, layout_kind::plain);
+  REQUIRE(plain.tensors.entries.size() == tiny.entries.size());
+  for (std::size_t i = 0; i < tiny.entries.size(); ++i) {
+    CHECK(plain.tensors.entries[i].meta == tiny.entries[i].meta);
+    REQUIRE(plain.of_source[i].size() == 1);
+    CHECK(plain.views[plain.of_source[i][0]].offset == 0);
+  }
+
+  // tiny: hidden 256, 4 heads and 2 kv heads of 64, intermediate 704, q/k/v biases, lm_head of its own.
+  const engine_layout fused = make_layout(tiny, layout_kind::fused);
+  CHECK(fused.tensors.entries.size() == 17);  // embed, 2 x (2 norms, qkv, qkv bias, o, gate_up, down), norm, lm_head
+  CHECK(fused.views.size() == tiny.entries.size());
+  const auto& qkv = engine_tensor(fused, "model.layers.1.self_attn.qkv_proj.weight");
+  CHECK(qkv.shape == std::vector<std::int64_t>{512, 256});
+  CHECK(engine_tensor(fused, "model.layers.1.self_attn.qkv_proj.bias").shape == std::vector<std::int64_t>{512});
+  CHECK(engine_tensor(fused, "model.layers.0.mlp.gate_up_proj.weight").shape == std::vector<std::int64_t>{1408, 256});
+  const std::uint64_t row = 256 * 2;  // bytes of a bf16 row of 256
+  const auto q = views_of(tiny, fused, "model.layers.1.self_attn.q_proj.weight");
+  const auto k = views_of(tiny, fused, "model.layers.1.self_attn.k_proj.weight");
+  const auto v = views_of(tiny, fused, "model.layers.1.self_attn.v_proj.weight");
+  const auto up = views_of(tiny, fused, "model.layers.0.mlp.up_proj.weight");
+  REQUIRE((q.size() == 1 && k.size() == 1 && v.size() == 1 && up.size() == 1));
+  CHECK(q[0].tensor == k[0].tensor);
+  CHECK(k[0].tensor == v[0].tensor);
+  CHECK(q[0].offset == 0);
+  CHECK(k[0].offset == 256 * row);
+  CHECK(v[0].offset == 384 * row);
+  CHECK(v[0].shape == std::vector<std::int64_t>{128, 256});
+  CHECK(v[0].strides == std::vector<std::int64_t>{256, 1});
+  CHECK(up[0].offset == 704 * row);
+  CHECK(views_of(tiny, fused, "model.layers.0.self_attn.k_proj.bias")[0].offset == 256 * 2);
+  // Not tied: every source has one view.
+  for (const auto& views : fused.of_source) CHECK(views.size() == 1);
+  for (const auto& views : make_layout(preset("llama3-8b"), layout_kind::fused).of_source) CHECK(views.size() == 1);
+
+  // qwen2.5-0.5b ties lm_head to embed_tokens: the embedding lands in the engine's lm_head too.
+  const manifest qwen = preset("qwen2.5-0.5b");
+  const engine_layout tied = make_layout(qwen, layout_kind::fused);
+  CHECK(tied.views.size() == qwen.entries.size() + 1);
+  CHECK(tied.tensors.entries.back().meta.name == "lm_head.weight");
+  const auto embed = views_of(qwen, tied, "model.embed_tokens.weight");
+  REQUIRE(embed.size() == 2);
+  CHECK(embed[0].tensor != embed[1].tensor);
+  CHECK(tied.tensors.entries[embed[1].tensor].meta.shape == std::vector<std::int64_t>{151936, 896});
+  CHECK(engine_tensor(tied, "model.layers.23.self_attn.qkv_proj.weight").shape == std::vector<std::int64_t>{1152, 896});
+  // plain keeps today's table: no engine lm_head.
+  CHECK(make_layout(qwen, layout_kind::plain).views.size() == qwen.entries.size());
+}
+
+TEST_CASE("the ep layout stacks every layer's experts into w13[E, 2I, H] and w2[E, H, I]", "[bench]") {
+  const manifest moe = preset("qwen3-30b-a3b");
+  const engine_layout ep = make_layout(moe, layout_kind::ep);
+  CHECK(ep.views.size() == moe.entries.size());
+  const auto& w13 = engine_tensor(ep, "model.layers.47.mlp.experts.w13_weight");
+  CHECK(w13.shape == std::vector<std::int64_t>{128, 1536, 2048});
+  CHECK(engine_tensor(ep, "model.layers.47.mlp.experts.w2_weight").shape == std::vector<std::int64_t>{128, 2048, 768});
+  const std::uint64_t half = 768ull * 2048 * 2;  // one expert's gate (or up) in bf16
+  const auto gate = views_of(moe, ep, "model.layers.3.mlp.experts.5.gate_proj.weight");
+  const auto up = views_of(moe, ep, "model.layers.3.mlp.experts.5.up_proj.weight");
+  const auto down = views_of(moe, ep, "model.layers.3.mlp.experts.5.down_proj.weight");
+  REQUIRE((gate.size() == 1 && up.size() == 1 && down.size() == 1));
+  CHECK(gate[0].tensor == up[0].tensor);
+  CHECK(gate[0].offset == 5 * 2 * half);
+  CHECK(up[0].offset == 5 * 2 * half + half);
+  CHECK(down[0].offset == 5 * half);
+  CHECK(up[0].strides == std::vector<std::int64_t>{2048, 1});
+  CHECK(down[0].strides == std::vector<std::int64_t>{768, 1});
+  CHECK(ep.tensors.entries[down[0].tensor].meta.name == "model.layers.3.mlp.experts.w2_weight");
+  // 48 layers: embed, lm_head, norm; per layer 2 norms, qkv, o, q_norm, k_norm, router, w13, w2.
+  CHECK(ep.tensors.entries.size() == 3 + 48 * 9);
+
+  // Mixtral's names: w1 (gate), w3 (up), w2 (down).
+  const manifest mixtral = preset("mixtral-8x7b");
+  const engine_layout mx = make_layout(mixtral, layout_kind::ep);
+  CHECK(engine_tensor(mx, "model.layers.0.block_sparse_moe.experts.w13_weight").shape ==
+        std::vector<std::int64_t>{8, 2 * 14336, 4096});
+  const auto w3 = views_of(mixtral, mx, "model.layers.0.block_sparse_moe.experts.7.w3.weight");
+  REQUIRE(w3.size() == 1);
+  CHECK(w3[0].offset == (7 * 2 + 1) * 14336ull * 4096 * 2);
+
+  // A model without experts cannot be laid out so.
+  try {
+    (void)make_layout(preset("tiny"), layout_kind::ep);
+    FAIL("no error");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(std::string(e.what()) ==
+          "refit-bench: --layout ep stacks the experts of a mixture-of-experts model and tiny has none "
+          "(PREFIX.experts.E.gate_proj/up_proj/down_proj.weight, or w1/w3/w2); use --layout fused or plain");
+  }
+  // Nor experts that do not stack.
+  manifest gap;
+  gap.name = "gap";
+  for (const int e : {0, 2})
+    for (const char* part : {"gate_proj", "up_proj", "down_proj"})
+      gap.entries.push_back({tensor_meta{fmt::format("m.experts.{}.{}.weight", e, part), dtype::bf16,
+                                         part == std::string("down_proj") ? std::vector<std::int64_t>{8, 4}
+                                                                          : std::vector<std::int64_t>{4, 8}}});
+  CHECK_THROWS_WITH(make_layout(gap, layout_kind::ep), Catch::Contains("the experts of m.experts. do not stack: expert 1 is missing"));
+}
+
+TEST_CASE("the checksum of a tied source is its views' when they agree and unlike all of them when not", "[bench]") {
+  CHECK(fold_view_checksums({42}) == 42);
+  CHECK(fold_view_checksums({42, 42}) == 42);
+  for (const std::vector<std::uint64_t>& sums : {std::vector<std::uint64_t>{42, 43}, {43, 42}, {42, ~42ull},
+                                                {42, ~42ull, 42 ^ 1}, {0, ~0ull, 1, 2}}) {
+    const std::uint64_t f = fold_view_checksums(sums);
+    for (const auto s : sums) CHECK(f != s);
+  }
+}
+
+TEST_CASE("--layout takes plain, fused or ep, passes it to the receiver, and refuses another name", "[bench]") {
+  int code = -1;
+  const char* none[] = {"refit-bench"};
+  const auto plain = parse_args(1, none, code);
+  REQUIRE(plain);
+  CHECK(plain->layout == layout_kind::plain);
+  const auto no_flag = receiver_args(*plain, transport_kind::host_shm, "tiny", "ipc:///x");
+  CHECK(std::find(no_flag.begin(), no_flag.end(), "--layout") == no_flag.end());
+  const char* fused[] = {"refit-bench", "--layout", "fused"};
+  const auto parsed = parse_args(3, fused, code);
+  REQUIRE(parsed);
+  CHECK(parsed->layout == layout_kind::fused);
+  const auto args = receiver_args(*parsed, transport_kind::cuda_ipc, "tiny", "ipc:///x");
+  const auto at = std::find(args.begin(), args.end(), "--layout");
+  REQUIRE(at != args.end());
+  CHECK(*std::next(at) == "fused");
+  const char* ep[] = {"refit-bench", "--layout", "ep", "--model", "qwen3-30b-a3b"};
+  CHECK(parse_args(5, ep, code)->layout == layout_kind::ep);
+
+  const char* sideways[] = {"refit-bench", "--layout", "sideways"};
+  try {
+    (void)parse_args(3, sideways, code);
+    FAIL("no error");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(std::string(e.what()) == "refit-bench: --layout sideways: unknown (plain, fused, ep)");
+  }
+  scratch s;
+  std::string stdout_text;
+  CHECK(run_binary({"--layout", "sideways"}, stdout_text, s.file("err")) == 2);
+  CHECK(read_file(s.file("err")) == "refit-bench: error (invalid_argument): --layout sideways: unknown (plain, fused, ep)\n");
+  CHECK(stdout_text.empty());
+}
+
+TEST_CASE("a host_shm run with --layout fused verifies every source tensor as it landed in its view", "[bench][e2e]") {
+  scratch s;
+  config c = short_run("tiny");
+  c.layout = layout_kind::fused;
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  INFO(out.str());
+  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK") &&
+                            Catch::Contains("--layout fused: the receiver holds tiny in 17 engine tensors: 27 views of 27 "
+                                            "source tensors"));
+  const auto rows = table_rows(out.str());
+  REQUIRE(rows.size() == 2);
+  for (const auto& row : rows) CHECK_THAT(row, Catch::Contains(" memcpy+fused "));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 2);
+  for (const auto& r : j["rows"]) {
+    CHECK(r["wrong"] == 0);
+    CHECK(r["layout"] == "fused");
+    CHECK(r["engine"] == "memcpy+fused");
+  }
+  CHECK(j["ok"] == true);
+
+  // plain rows say so in JSON and keep their label.
+  config p = short_run("tiny");
+  p.buffer_mb = {1};
+  p.json_file = s.file("plain.json");
+  std::ostringstream plain_out;
+  CHECK(run(p, plain_out) == 0);
+  std::ifstream pf(p.json_file);
+  const json pj = json::parse(pf);
+  CHECK(pj["rows"][0]["layout"] == "plain");
+  CHECK(pj["rows"][0]["engine"] == "memcpy");
+}
+
+TEST_CASE("a tied embedding and stacked experts verify under --layout fused and ep", "[bench][e2e]") {
+  scratch s;
+  write_file(s.file("moe.json"), tied_moe_manifest());
+  for (const auto layout : {layout_kind::fused, layout_kind::ep}) {
+    config c = short_run("tiny");
+    c.manifest_file = s.file("moe.json");
+    c.buffer_mb = {1};
+    c.layout = layout;
+    c.json_file = s.file("out.json");
+    std::ostringstream out;
+    CHECK(run(c, out) == 0);
+    INFO(out.str());
+    // 40 sources, the embedding twice (lm_head); fused: 25 engine tensors, ep: 13.
+    CHECK_THAT(out.str(), Catch::Contains(fmt::format("in {} engine tensors: 41 views of 40 source tensors",
+                                                      layout == layout_kind::ep ? 13 : 25)));
+    std::ifstream f(c.json_file);
+    const json j = json::parse(f);
+    CHECK(j["rows"][0]["wrong"] == 0);
+    CHECK(j["rows"][0]["layout"] == layout_name(layout));
+  }
+}
+
+TEST_CASE("a byte corrupted in a view fails a --layout fused run, a tied embedding's second view included",
+          "[bench][e2e]") {
+  scratch s;
+  // tensor 2 of tiny: layer 0's q_proj, a view at the start of its qkv_proj.
+  config c = short_run("tiny");
+  c.buffer_mb = {1};
+  c.layout = layout_kind::fused;
+  c.corrupt_tensor = 2;
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 1);
+  CHECK_THAT(out.str(), Catch::Contains("FAILED"));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  CHECK(j["rows"][0]["wrong"] == c.warmup + c.iters);
+  CHECK(j["ok"] == false);
+
+  // The binary: a view of v_proj in the middle of the engine tensor (tensor 6: layer 0's v_proj).
+  std::string stdout_text;
+  CHECK(run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet", "--layout", "fused",
+                    "--corrupt-byte", "6"}, stdout_text) == 1);
+  CHECK_THAT(stdout_text, Catch::Contains("1 FAILED") && Catch::Contains("memcpy+fused"));
+
+  // The embedding's byte flipped in the engine's lm_head only: the embedding itself is intact.
+  write_file(s.file("moe.json"), tied_moe_manifest());
+  std::string tied_text;
+  CHECK(run_binary({"--manifest", s.file("moe.json"), "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet",
+                    "--layout", "ep", "--corrupt-byte", "0"}, tied_text) == 1);
+  CHECK_THAT(tied_text, Catch::Contains("1 FAILED"));
+}
+
+TEST_CASE("a streamer started by hand with another --layout than its receiver's is refused, naming both",
+          "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny", "--layout", "fused"});
+  CHECK(rx.ready["layout"] == "fused");
+  CHECK_THAT(rx.banner(), Catch::Contains("--transport host_shm --model tiny --layout fused"));
+  config c = hand_streamer(rx);
+  c.buffer_mb = {1};
+  std::ostringstream out;
+  try {
+    (void)run(c, out);
+    FAIL("no error");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::protocol);
+    CHECK_THAT(e.what(), Catch::Contains("holds the model in layout \"fused\" and this streamer runs with --layout plain"));
+  }
+  // Versions count from 1 in every streamer run: a fresh receiver for the next one.
+  hand_receiver fresh(s, "fresh", {"--bind", "ipc://" + s.file("y"), "--model", "tiny", "--layout", "fused"});
+  config same = hand_streamer(fresh);
+  same.buffer_mb = {1};
+  same.layout = layout_kind::fused;
+  std::ostringstream good;
+  CHECK(run(same, good) == 0);
+  CHECK_THAT(good.str(), Catch::Contains("# Wrong values          : 0 OK"));
 }
