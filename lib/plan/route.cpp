@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "refit/error.hpp"
 
@@ -25,7 +26,7 @@ std::vector<std::int64_t> view_strides(const destination& d) {
 }
 
 std::string where(const destination& d) {
-  std::string s = describe(d.meta);
+  std::string s = fmt::format("'{}' ({})", d.meta.name, describe(d.meta));
   if (!d.strides.empty()) s += fmt::format(" with strides ({})", fmt::join(d.strides, ", "));
   if (d.slice)
     s += fmt::format(" taking [{}:{}] of dimension {} of the source", d.slice->start, d.slice->start + d.slice->length,
@@ -104,10 +105,16 @@ extent check_view(const destination& d) {
       throw error(errc::invalid_argument,
                   fmt::format("{}: the slice's dimension {} is not one of the view's {} dimensions", where(d), s.dim,
                               rank));
-    if (s.start < 0 || s.length != d.meta.shape[static_cast<std::size_t>(s.dim)])
+    if (s.start < 0)
+      throw error(errc::invalid_argument, fmt::format("{}: the slice starts at {}, before the source's first element",
+                                                      where(d), s.start));
+    if (s.length != d.meta.shape[static_cast<std::size_t>(s.dim)])
       throw error(errc::invalid_argument,
-                  fmt::format("{}: the slice takes {} of dimension {} from {}, but the view has {} there", where(d),
-                              s.length, s.dim, s.start, d.meta.shape[static_cast<std::size_t>(s.dim)]));
+                  fmt::format("{}: the slice takes {} of dimension {}, but the view has {} there", where(d), s.length,
+                              s.dim, d.meta.shape[static_cast<std::size_t>(s.dim)]));
+    if (s.start > std::numeric_limits<std::int64_t>::max() - s.length)
+      throw error(errc::invalid_argument,
+                  fmt::format("{}: the slice's end ({} + {}) overflows a 64-bit index", where(d), s.start, s.length));
   }
   if (numel == 0) return {};
   // Rows of bytes: the innermost dimension (of size > 1) must be dense, or a copy would move one
@@ -172,7 +179,7 @@ std::vector<run> route(const destination& d, dtype type, std::span<const std::in
   bool fits = type == d.meta.type && shape.size() == view.size();
   for (std::size_t k = 0; fits && k < view.size(); ++k) {
     if (d.slice && static_cast<std::size_t>(d.slice->dim) == k)
-      fits = d.slice->start + d.slice->length <= shape[k];
+      fits = d.slice->start >= 0 && d.slice->length <= shape[k] && d.slice->start <= shape[k] - d.slice->length;
     else
       fits = shape[k] == view[k];
   }

@@ -166,7 +166,15 @@ class py_receiver {
     layout.alloc = b.alloc;
     layout.alloc_bytes = b.alloc_bytes;
     if (!source_slice.is_none()) {
-      const auto s = source_slice.cast<std::tuple<std::int64_t, std::int64_t, std::int64_t>>();
+      std::tuple<std::int64_t, std::int64_t, std::int64_t> s;
+      try {
+        if (!py::isinstance<py::tuple>(source_slice) && !py::isinstance<py::list>(source_slice))
+          throw py::cast_error();
+        s = source_slice.cast<std::tuple<std::int64_t, std::int64_t, std::int64_t>>();
+      } catch (const py::cast_error&) {
+        throw py::type_error("tensor '" + name + "': source_slice must be a tuple (dim, start, length) of three "
+                             "ints, got " + std::string(py::repr(source_slice)));
+      }
       const auto rank = static_cast<std::int64_t>(b.meta.shape.size());
       const std::int64_t dim = std::get<0>(s) < 0 ? std::get<0>(s) + rank : std::get<0>(s);
       if (dim < 0 || dim >= rank)

@@ -179,8 +179,9 @@ borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& na
       for (std::size_t k = b.strides.size(); k-- > 0;) {
         if (b.meta.shape[k] == 1) continue;
         if (b.strides[k] != 1)
-          throw py::value_error(where(name) + " is not contiguous in its last dimension: refit writes rows of "
-                                              "elements (a view such as qkv.narrow(0, q, kv) or w[:, a:b] is fine)");
+          throw py::value_error(where(name) + " is not contiguous in its last dimension (stride " + std::to_string(b.strides[k]) +
+                                "): refit writes rows of elements; register a view whose last dimension has "
+                                "stride 1, such as qkv.narrow(0, q, kv) or w[:, a:b] with b - a > 1");
         break;
       }
     }

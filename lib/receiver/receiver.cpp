@@ -121,7 +121,12 @@ class table_t {
 
   /// Registers `d` (checked: see receiver::add_parameter). Throws errc::invalid_argument.
   void add(plan::destination d) {
-    const std::uint64_t reach = plan::check_view(d).bytes;
+    std::uint64_t reach = 0;
+    try {
+      reach = plan::check_view(d).bytes;
+    } catch (const error& e) {
+      throw error(e.code(), fmt::format("add_parameter: {}", e.what()));
+    }
     slot s{std::move(d), {}, std::nullopt, {}};
     s.foot = plan::footprint(s.dest);
     std::vector<slot>* same = find(s.dest.meta.name);

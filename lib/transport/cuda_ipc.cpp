@@ -39,12 +39,8 @@ constexpr std::string_view transport_name = "cuda_ipc";
 /// HELLO's transport when the streamer asks for direct writes (sink::offer_direct).
 constexpr std::string_view direct_transport_name = "cuda_ipc/direct";
 /// First handle of a receiver's direct offer; then one "A" + cudaIpcMemHandle_t per allocation,
-/// then one "T" record per destination (see put_destination; little-endian).
+/// then one "T" + wire::encode_dest() record per destination.
 constexpr std::string_view direct_offer_tag = "refit-direct/2";
-/// "T", allocation, offset, dtype, rank, has-slice, slice dim, start, length.
-constexpr std::size_t tensor_record_header = 1 + 9 * sizeof(std::uint64_t);
-/// Allocation index of a destination with no bytes (nothing is mapped for it).
-constexpr std::uint64_t no_allocation = ~std::uint64_t{0};
 
 /// The allocation that holds `p` (cuMemGetAddressRange through the runtime's driver entry point,
 /// so that refit needs no link to libcuda): its base, or nullptr when the driver cannot say.
@@ -66,62 +62,6 @@ void* allocation_base(const void* p) {
   std::size_t size = 0;
   if (get_range(&base, &size, reinterpret_cast<unsigned long long>(p)) != 0) return nullptr;
   return reinterpret_cast<void*>(base);
-}
-
-void put_u64(std::string& out, std::uint64_t v) {
-  char b[8];
-  std::memcpy(b, &v, 8);  // little-endian hosts (x86-64, aarch64)
-  out.append(b, 8);
-}
-
-std::uint64_t get_u64(std::string_view in, std::size_t at) {
-  std::uint64_t v = 0;
-  std::memcpy(&v, in.data() + at, 8);
-  return v;
-}
-
-/// A destination's record in a direct offer: where it is (allocation, offset) and how its source
-/// lands in it (dtype, view shape and strides, slice), then its name.
-std::string put_destination(const plan::destination& d, std::uint64_t alloc, std::uint64_t offset) {
-  std::string rec = "T";
-  const std::size_t rank = d.meta.shape.size();
-  for (const std::uint64_t v : {alloc, offset, std::uint64_t{static_cast<std::uint8_t>(d.meta.type)},
-                                std::uint64_t{rank}, std::uint64_t{d.slice.has_value()}})
-    put_u64(rec, v);
-  const source_slice sl = d.slice.value_or(source_slice{});
-  for (const std::int64_t v : {std::int64_t{sl.dim}, sl.start, sl.length}) put_u64(rec, static_cast<std::uint64_t>(v));
-  for (const std::int64_t v : d.meta.shape) put_u64(rec, static_cast<std::uint64_t>(v));
-  for (std::size_t k = 0; k < rank; ++k)
-    put_u64(rec, static_cast<std::uint64_t>(d.strides.empty() ? 0 : d.strides[k]));
-  rec += d.meta.name;
-  return rec;
-}
-
-/// Reads a record put_destination() wrote; `data` is left at the offset (the caller adds the
-/// mapped allocation's base). Throws errc::protocol for a malformed record.
-plan::destination get_destination(std::string_view rec, std::size_t k, std::uint64_t& alloc) {
-  const auto bad = [&] { return error(errc::protocol, fmt::format("direct offer: record {} is malformed", k)); };
-  if (rec.size() < tensor_record_header || rec[0] != 'T') throw bad();
-  alloc = get_u64(rec, 1);
-  const std::uint64_t rank = get_u64(rec, 25);
-  const auto type = dtype_from_code(get_u64(rec, 17));
-  if (!type || rank > wire::max_rank || rec.size() < tensor_record_header + 16 * rank) throw bad();
-  plan::destination d;
-  d.meta.type = *type;
-  d.data = reinterpret_cast<void*>(static_cast<std::uintptr_t>(get_u64(rec, 9)));
-  if (get_u64(rec, 33) != 0)
-    d.slice = source_slice{static_cast<int>(get_u64(rec, 41)), static_cast<std::int64_t>(get_u64(rec, 49)),
-                           static_cast<std::int64_t>(get_u64(rec, 57))};
-  bool dense = true;
-  for (std::uint64_t i = 0; i < rank; ++i) {
-    d.meta.shape.push_back(static_cast<std::int64_t>(get_u64(rec, tensor_record_header + 8 * i)));
-    d.strides.push_back(static_cast<std::int64_t>(get_u64(rec, tensor_record_header + 8 * (rank + i))));
-    dense = dense && d.strides.back() == 0;
-  }
-  if (dense) d.strides.clear();
-  d.meta.name = std::string(rec.substr(tensor_record_header + 16 * rank));
-  (void)plan::check_view(d);  // the receiver checked it; a malformed one must not reach the copies
-  return d;
 }
 
 template <typename T>
@@ -322,15 +262,22 @@ class cuda_ipc_source final : public source {
                           fmt::format("allocation {} of the receiver's weights", maps.size()));
         continue;
       }
-      std::uint64_t alloc = 0;
-      plan::destination d;
+      if (rec.empty() || rec[0] != 'T')
+        throw error(errc::protocol, fmt::format("direct offer: record {} of {} bytes is malformed", k, rec.size()));
+      wire::dest_record r;
       try {
-        d = get_destination(rec, k, alloc);
+        r = wire::decode_dest(std::string_view(rec).substr(1));
       } catch (const error& e) {
         throw error(errc::protocol, fmt::format("direct offer: record {}: {}", k, e.what()));
       }
+      plan::destination d;
+      d.meta = tensor_meta{r.name, r.type, r.shape};
+      d.strides = std::move(r.strides);
+      d.slice = r.slice;
+      const std::uint64_t alloc = r.allocation;
+      d.data = reinterpret_cast<void*>(static_cast<std::uintptr_t>(r.offset));
       d.dev = device::cuda(device_);
-      if (alloc == no_allocation) {
+      if (alloc == wire::dest_record::no_allocation) {
         d.data = nullptr;  // nothing to write: no allocation needed
       } else {
         if (alloc >= maps.size())
@@ -524,10 +471,9 @@ class cuda_ipc_sink final : public sink {
     tensors.reserve(table.size());
     for (const plan::destination& d : table) {
       const std::uint64_t bytes = d.meta.nbytes();
-      if (d.dev.kind != device_kind::cuda ||
-          d.meta.name.size() + tensor_record_header + 16 * d.meta.shape.size() > wire::max_handle_bytes)
+      if (d.dev.kind != device_kind::cuda || d.meta.name.size() + 64 + 20 * d.meta.shape.size() > wire::max_handle_bytes)
         return decline(fmt::format("'{}' is not in CUDA memory, or its name is too long", d.meta.name));
-      std::uint64_t alloc = no_allocation;
+      std::uint64_t alloc = wire::dest_record::no_allocation;
       std::uint64_t offset = 0;
       if (bytes != 0) {
         device_guard on(d.dev.index);
@@ -547,7 +493,8 @@ class cuda_ipc_sink final : public sink {
         alloc = it->second;
         offset = static_cast<std::uint64_t>(static_cast<const std::byte*>(d.data) - static_cast<const std::byte*>(base));
       }
-      tensors.push_back(put_destination(d, alloc, offset));
+      tensors.push_back("T" + wire::encode_dest(wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides,
+                                                                  d.slice, alloc, offset}));
     }
     for (auto& t : tensors) records.push_back(std::move(t));
     reply.handles = std::move(records);

@@ -9,6 +9,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "plan/route.hpp"
+
 namespace refit::wire {
 
 std::string_view to_string(msg_type t) noexcept {
@@ -147,6 +149,29 @@ std::string encode(const message& m) {
   msgpack::sbuffer buf;
   packer p(buf);
   std::visit([&](const auto& v) { encode_body(p, v); }, m);
+  return std::string(buf.data(), buf.size());
+}
+
+std::string encode_dest(const dest_record& d) {
+  msgpack::sbuffer buf;
+  packer p(buf);
+  p.pack_array(7);
+  pack_str(p, d.name);
+  pack_uint(p, static_cast<std::uint8_t>(d.type));
+  for (const auto* dims : {&d.shape, &d.strides}) {
+    p.pack_array(static_cast<std::uint32_t>(dims->size()));
+    for (const std::int64_t v : *dims) pack_uint(p, static_cast<std::uint64_t>(v));
+  }
+  if (d.slice) {
+    p.pack_array(3);
+    pack_uint(p, static_cast<std::uint64_t>(d.slice->dim));
+    pack_uint(p, static_cast<std::uint64_t>(d.slice->start));
+    pack_uint(p, static_cast<std::uint64_t>(d.slice->length));
+  } else {
+    p.pack_nil();
+  }
+  pack_uint(p, d.allocation);
+  pack_uint(p, d.offset);
   return std::string(buf.data(), buf.size());
 }
 
@@ -462,6 +487,64 @@ message decode(std::span<const std::byte> bytes) {
 
 message decode(std::string_view bytes) {
   return decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
+}
+
+dest_record decode_dest(std::string_view bytes) {
+  if (bytes.size() > max_handle_bytes)
+    malformed(fmt::format("destination record of {} bytes, more than the limit of {}", bytes.size(), max_handle_bytes));
+  const msgpack::unpack_limit limit(bytes.size() + 1, bytes.size() + 1, max_handle_bytes, max_handle_bytes,
+                                    max_handle_bytes, 4);
+  msgpack::object_handle handle;
+  std::size_t off = 0;
+  try {
+    handle = msgpack::unpack(bytes.data(), bytes.size(), off, nullptr, nullptr, limit);
+  } catch (const std::exception& e) {
+    malformed(fmt::format("invalid msgpack in a destination record ({})", e.what()));
+  }
+  if (off != bytes.size()) malformed(fmt::format("{} trailing bytes after a destination record", bytes.size() - off));
+  reader r(msg_type::ok);
+  r.set_context("destination record: ");
+  const auto f = r.record(handle.get(), "descriptor", 7);
+  dest_record d;
+  d.name = r.str(f[0], "name", max_name_bytes);
+  if (d.name.empty()) r.fail("name", "is empty");
+  r.set_context(fmt::format("destination record '{}': ", d.name));
+  const std::uint64_t code = r.u64(f[1], "dtype");
+  const auto t = dtype_from_code(code);
+  if (!t) r.fail("dtype", fmt::format("has unknown code {}", code));
+  d.type = *t;
+  const auto signed_dims = [&](const object& o, std::string_view field, std::vector<std::int64_t>& out) {
+    const auto dims = r.array(o, field, max_rank);
+    for (std::size_t k = 0; k < dims.size(); ++k) {
+      const std::uint64_t v = r.u64(dims[k], fmt::format("{}[{}]", field, k));
+      if (v > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        r.fail(field, fmt::format("[{}] is {}, which does not fit a signed 64-bit value", k, v));
+      out.push_back(static_cast<std::int64_t>(v));
+    }
+  };
+  signed_dims(f[2], "shape", d.shape);
+  signed_dims(f[3], "strides", d.strides);
+  if (f[4].type != mt::NIL) {
+    std::vector<std::int64_t> s;
+    const auto rec = r.record(f[4], "slice", 3);
+    signed_dims(f[4], "slice", s);
+    (void)rec;
+    if (s[0] > std::numeric_limits<int>::max()) r.fail("slice", fmt::format("dimension {} is out of range", s[0]));
+    d.slice = source_slice{static_cast<int>(s[0]), s[1], s[2]};
+  }
+  d.allocation = r.u64(f[5], "allocation");
+  d.offset = r.u64(f[6], "offset");
+  // The view must be one add_parameter() accepts: the copies that follow trust it.
+  plan::destination view;
+  view.meta = tensor_meta{d.name, d.type, d.shape};
+  view.strides = d.strides;
+  view.slice = d.slice;
+  try {
+    (void)plan::check_view(view);
+  } catch (const refit::error& e) {
+    r.fail("view", fmt::format("is not a valid destination: {}", e.what()));
+  }
+  return d;
 }
 
 }  // namespace refit::wire

@@ -145,6 +145,27 @@ using message = std::variant<hello, begin, batch, end, bye, ok, error, abort>;
 
 msg_type type_of(const message& m) noexcept;
 
+/// One destination of a receiver's direct offer (cuda_ipc): a view of the receiver's weights the
+/// streamer writes a source into (see refit::dest_layout), at `offset` bytes into allocation
+/// `allocation` of the offer (no_allocation for a view with no bytes).
+struct dest_record {
+  static constexpr std::uint64_t no_allocation = ~std::uint64_t{0};
+  std::string name;
+  dtype type = dtype::u8;
+  std::vector<std::int64_t> shape;    ///< the view's
+  std::vector<std::int64_t> strides;  ///< empty: dense
+  std::optional<source_slice> slice;
+  std::uint64_t allocation = 0;
+  std::uint64_t offset = 0;
+  friend bool operator==(const dest_record&, const dest_record&) = default;
+};
+
+/// msgpack [name, dtype, shape, strides, slice ([dim, start, length]) or nil, allocation, offset].
+std::string encode_dest(const dest_record& d);
+/// Decodes and validates (every field, and the view itself as add_parameter checks it). Throws
+/// refit::error(protocol) naming the field.
+dest_record decode_dest(std::string_view bytes);
+
 /// Encodes a message (never fails for a well-formed struct).
 std::string encode(const message& m);
 

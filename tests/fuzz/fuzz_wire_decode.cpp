@@ -1,4 +1,5 @@
-// libFuzzer target: wire::decode on arbitrary bytes.
+// libFuzzer target: wire::decode on arbitrary bytes, and wire::decode_dest (a direct offer's
+// destination record) on the same bytes.
 //
 // Properties: decode() either returns a message or throws refit::error (any other exception,
 // crash or sanitizer report is a bug); and every message it accepts survives a round trip —
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "refit/error.hpp"
 #include "wire/wire.hpp"
@@ -26,7 +28,24 @@ namespace {
 
 }  // namespace
 
+/// The same properties for a destination record.
+static void check_dest(const std::uint8_t* data, std::size_t size) {
+  wire::dest_record d;
+  try {
+    d = wire::decode_dest(std::string_view(reinterpret_cast<const char*>(data), size));
+  } catch (const refit::error&) {
+    return;
+  }
+  const std::string once = wire::encode_dest(d);
+  try {
+    if (!(wire::decode_dest(once) == d)) property_failed("decode_dest(encode_dest(d)) != d", d.name);
+  } catch (const refit::error& e) {
+    property_failed("a decoded destination record does not decode after re-encoding", e.what());
+  }
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  check_dest(data, size);
   wire::message m;
   try {
     m = wire::decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data), size));
