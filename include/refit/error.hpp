@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "refit/export.hpp"
+
 namespace refit {
 
 /// What kind of failure an error is. Values are stable: they travel in ERROR replies.
@@ -28,10 +30,10 @@ enum class errc : int {
 };
 
 /// Lower-case name of a code ("timeout"); "unknown" for values outside the enum.
-std::string_view to_string(errc code) noexcept;
+REFIT_API std::string_view to_string(errc code) noexcept;
 
 /// The one exception type of the library.
-class error : public std::runtime_error {
+class REFIT_API error : public std::runtime_error {
  public:
   error(errc code, const std::string& message);
   [[nodiscard]] errc code() const noexcept { return code_; }

@@ -11,6 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include "refit/export.hpp"
+
 namespace refit {
 
 /// Element types. The numeric values are the wire codes and never change.
@@ -33,19 +35,19 @@ enum class dtype : std::uint8_t {
 };
 
 /// Bytes per element.
-std::size_t itemsize(dtype t) noexcept;
+REFIT_API std::size_t itemsize(dtype t) noexcept;
 /// Canonical lower-case name: "bool", "u8", ..., "bf16", "f8_e4m3".
-std::string_view to_string(dtype t) noexcept;
+REFIT_API std::string_view to_string(dtype t) noexcept;
 /// Parses a canonical name, a safetensors name ("BF16", "F8_E4M3", "BOOL") or a torch name
 /// ("bfloat16", "float16", "float32", "int64", "uint8", "float8_e4m3fn", ...). nullopt if unknown.
-std::optional<dtype> parse_dtype(std::string_view name) noexcept;
+REFIT_API std::optional<dtype> parse_dtype(std::string_view name) noexcept;
 /// The dtype with this wire code, nullopt if none.
-std::optional<dtype> dtype_from_code(std::uint64_t code) noexcept;
+REFIT_API std::optional<dtype> dtype_from_code(std::uint64_t code) noexcept;
 
 /// Number of elements of a shape; nullopt if a dimension is negative or the product overflows.
-std::optional<std::uint64_t> checked_numel(std::span<const std::int64_t> shape) noexcept;
+REFIT_API std::optional<std::uint64_t> checked_numel(std::span<const std::int64_t> shape) noexcept;
 /// Bytes of a tensor of this dtype and shape; nullopt on a negative dimension or overflow.
-std::optional<std::uint64_t> checked_nbytes(dtype t, std::span<const std::int64_t> shape) noexcept;
+REFIT_API std::optional<std::uint64_t> checked_nbytes(dtype t, std::span<const std::int64_t> shape) noexcept;
 
 /// Where memory lives.
 enum class device_kind : std::uint8_t { cpu = 0, cuda = 1 };
@@ -60,7 +62,7 @@ struct device {
 };
 
 /// Name, element type and shape of a tensor (dense, contiguous, row-major).
-struct tensor_meta {
+struct REFIT_API tensor_meta {
   std::string name;
   dtype type = dtype::u8;
   std::vector<std::int64_t> shape;
@@ -73,7 +75,7 @@ struct tensor_meta {
 };
 
 /// "name bf16[4096, 4096]" — for error messages.
-std::string describe(const tensor_meta& meta);
+REFIT_API std::string describe(const tensor_meta& meta);
 
 /// A tensor the streamer reads (policy side). The memory must stay valid and unchanged until the
 /// refit that reads it returns (or throws). `data` may be null only for a tensor with no elements

@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include "refit/export.hpp"
+
 namespace refit {
 
 /// How batch bytes reach the receiver.
@@ -16,8 +18,8 @@ enum class transport_kind : std::uint8_t {
   cuda_ipc = 1,  ///< device buffers shared with CUDA IPC; GPUs of one host
   nccl = 2,      ///< NCCL broadcast; other GPUs or hosts
 };
-std::string_view to_string(transport_kind t) noexcept;
-std::optional<transport_kind> parse_transport(std::string_view name) noexcept;
+REFIT_API std::string_view to_string(transport_kind t) noexcept;
+REFIT_API std::optional<transport_kind> parse_transport(std::string_view name) noexcept;
 
 /// How GPU transports move the bytes of a batch (host_shm always uses memcpy).
 enum class copy_engine : std::uint8_t {
@@ -26,8 +28,8 @@ enum class copy_engine : std::uint8_t {
   memcpy_batch = 2,  ///< one cudaMemcpyBatchAsync per batch
   memcpy_each = 3,   ///< one cudaMemcpyAsync per tensor (the baseline)
 };
-std::string_view to_string(copy_engine e) noexcept;
-std::optional<copy_engine> parse_copy_engine(std::string_view name) noexcept;
+REFIT_API std::string_view to_string(copy_engine e) noexcept;
+REFIT_API std::optional<copy_engine> parse_copy_engine(std::string_view name) noexcept;
 
 using milliseconds = std::chrono::milliseconds;
 

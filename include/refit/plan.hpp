@@ -12,6 +12,8 @@
 #include <span>
 #include <vector>
 
+#include "refit/export.hpp"
+
 namespace refit {
 
 struct plan_options {
@@ -25,7 +27,7 @@ struct plan_options {
 
 /// Throws refit::error(invalid_argument) unless alignment is a power of two, buffer_bytes is at
 /// least the alignment and max_entries is at least 1.
-void validate(const plan_options& options);
+REFIT_API void validate(const plan_options& options);
 
 /// One entry of a batch: `bytes` bytes of tensor `tensor` starting at `tensor_offset`, at
 /// `buffer_offset` in the batch's buffer.
@@ -44,7 +46,7 @@ struct placement {
 };
 
 /// Incremental planner. Not thread-safe.
-class planner {
+class REFIT_API planner {
  public:
   /// Throws like validate().
   explicit planner(const plan_options& options);
@@ -72,11 +74,11 @@ class planner {
 };
 
 /// A whole plan at once: batch b holds the entries placed in batch b.
-struct plan_batch {
+struct REFIT_API plan_batch {
   std::vector<plan_entry> entries;
   /// One past the last byte used.
   [[nodiscard]] std::uint64_t used() const noexcept;
 };
-std::vector<plan_batch> make_plan(std::span<const std::uint64_t> sizes, const plan_options& options);
+REFIT_API std::vector<plan_batch> make_plan(std::span<const std::uint64_t> sizes, const plan_options& options);
 
 }  // namespace refit

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "refit/error.hpp"
+#include "refit/export.hpp"
 #include "refit/model.hpp"
 #include "refit/options.hpp"
 
@@ -58,7 +59,7 @@ enum class receiver_event : std::uint8_t {
   /// progress (answered OK: that refit already ended here).
   refused,
 };
-std::string_view to_string(receiver_event e) noexcept;
+REFIT_API std::string_view to_string(receiver_event e) noexcept;
 
 /// Figures of the last refit the receiver committed.
 struct receiver_stats {
@@ -113,7 +114,7 @@ struct receiver_stats {
 /// gone out, just before serve_one() returns committed or aborted, so a slow hook does not hold up
 /// the streamer (it does hold up the next message). They are not called by the destructor: a
 /// receiver destroyed during a refit aborts it silently.
-class receiver {
+class REFIT_API receiver {
  public:
   /// Binds the socket. Throws refit::error(invalid_argument / io) when it cannot.
   explicit receiver(receiver_options options = {});

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "refit/error.hpp"
+#include "refit/export.hpp"
 #include "refit/model.hpp"
 #include "refit/options.hpp"
 
@@ -72,7 +73,7 @@ struct refit_stats {
 /// the receiver applies earlier batches. Return nullopt after the last one. A tensor returned by
 /// next() must stay valid until refit() returns (or throws). next() may throw: refit() then tells
 /// the receivers (ABORT) and rethrows the exception unchanged.
-class tensor_source {
+class REFIT_API tensor_source {
  public:
   virtual ~tensor_source() = default;
   virtual std::optional<tensor_ref> next() = 0;
@@ -81,7 +82,7 @@ class tensor_source {
 /// The streamer. Owns one ZeroMQ REQ socket and the buffers of its transport.
 ///
 /// Thread rules: one thread at a time; a streamer may move between threads between calls.
-class streamer {
+class REFIT_API streamer {
  public:
   /// Validates the options and creates the buffers; connects lazily (the first refit says HELLO).
   /// Throws refit::error(invalid_argument) for bad options, (transport/cuda) if buffers cannot

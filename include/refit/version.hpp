@@ -7,6 +7,7 @@
 
 #include <string_view>
 
+#include "refit/export.hpp"
 #include "refit/options.hpp"
 
 namespace refit {
@@ -14,16 +15,16 @@ namespace refit {
 /// The version of the librefit this process loaded ("0.1.0", the project version it was built
 /// from). It may be newer than the headers the caller compiled against: they carry no version.
 /// Thread-safe; never throws.
-[[nodiscard]] std::string_view version() noexcept;
+[[nodiscard]] REFIT_API std::string_view version() noexcept;
 
 /// Whether this librefit was built with CUDA: tensors on CUDA devices, the cuda_ipc transport and
 /// the GPU copy engines. Without it only CPU tensors move (host_shm). Thread-safe; never throws.
-[[nodiscard]] bool has_cuda() noexcept;
+[[nodiscard]] REFIT_API bool has_cuda() noexcept;
 
 /// Whether this librefit can move bytes with transport `t`: host_shm always, cuda_ipc when built
 /// with CUDA, nccl when built with CUDA and NCCL. A streamer asked for a transport that is not
 /// built throws refit::error (errc::invalid_argument) naming the ones that are; ask here first to
 /// choose without catching. Thread-safe; never throws.
-[[nodiscard]] bool has_transport(transport_kind t) noexcept;
+[[nodiscard]] REFIT_API bool has_transport(transport_kind t) noexcept;
 
 }  // namespace refit

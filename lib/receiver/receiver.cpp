@@ -195,7 +195,9 @@ void append_ops(std::span<const plan::run> pieces, const std::byte* src, std::ui
 
 }  // namespace
 
-struct receiver::impl {
+// Hidden by hand: a nested class takes the visibility of the class around it, and receiver is
+// REFIT_API, but impl is no API (librefit.so would export its members and lambdas).
+struct __attribute__((visibility("hidden"))) receiver::impl {
   receiver_options options;
   std::string token;
   channel::rep_channel channel;

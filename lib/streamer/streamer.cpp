@@ -109,7 +109,9 @@ class function_source final : public tensor_source {
 
 }  // namespace
 
-struct streamer::impl {
+// Hidden by hand: a nested class takes the visibility of the class around it, and streamer is
+// REFIT_API, but impl is no API (librefit.so would export its members and lambdas).
+struct __attribute__((visibility("hidden"))) streamer::impl {
   streamer_options options;
   std::string token;
   plan_options plan;
