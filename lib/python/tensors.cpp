@@ -159,22 +159,58 @@ borrowed_tensor tensor_world::borrow(py::handle obj, const std::string& name, bo
                        ", not a tensor (a torch.Tensor or any object with __dlpack__: numpy, cupy, jax)");
 }
 
+namespace {
+
+/// Attribute names, interned once: a refit of thousands of tensors reads six of them per tensor, and
+/// building each name afresh costs as much as the lookup.
+struct torch_names {
+  py::str dtype{"dtype"}, shape{"shape"}, is_contiguous{"is_contiguous"}, is_cuda{"is_cuda"}, is_cpu{"is_cpu"},
+      get_device{"get_device"}, data_ptr{"data_ptr"}, stride{"stride"}, device{"device"};
+};
+
+const torch_names& names() {
+  static const torch_names* n = new torch_names();  // never destroyed: outlives the interpreter's teardown
+  return *n;
+}
+
+py::object get(py::handle obj, const py::str& attr) {
+  PyObject* r = PyObject_GetAttr(obj.ptr(), attr.ptr());
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+py::object call(py::handle obj, const py::str& method) {
+  PyObject* r = PyObject_CallMethodObjArgs(obj.ptr(), method.ptr(), nullptr);
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+bool truth(const py::object& o) {
+  const int t = PyObject_IsTrue(o.ptr());
+  if (t < 0) throw py::error_already_set();
+  return t == 1;
+}
+
+}  // namespace
+
 borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& name, bool views) {
+  const torch_names& n = names();
   borrowed_tensor b;
   b.meta.name = name;
-  const py::object type = obj.attr("dtype");
+  const py::object type = get(obj, n.dtype);
   const auto it = by_torch_dtype_.find(type.ptr());
   if (it == by_torch_dtype_.end())
     throw py::type_error(where(name) + " has dtype " + std::string(py::str(type)) + ", which refit does not carry");
   b.meta.type = it->second;
-  const py::object shape = obj.attr("shape");  // torch.Size: a tuple
+  const py::object shape = get(obj, n.shape);  // torch.Size: a tuple
   const Py_ssize_t rank = PyTuple_Size(shape.ptr());
   if (rank < 0) throw py::error_already_set();
   b.meta.shape.reserve(static_cast<std::size_t>(rank));
   for (Py_ssize_t i = 0; i < rank; ++i) b.meta.shape.push_back(dim_of(PyTuple_GET_ITEM(shape.ptr(), i), name));
+  const bool contiguous = truth(call(obj, n.is_contiguous));
   if (views) {
-    if (!obj.attr("is_contiguous")().cast<bool>()) {
-      const py::tuple strides = obj.attr("stride")();
+    if (!contiguous) {
+      const py::tuple strides = call(obj, n.stride);
       for (const py::handle s : strides) b.strides.push_back(s.cast<std::int64_t>());
       for (std::size_t k = b.strides.size(); k-- > 0;) {
         if (b.meta.shape[k] == 1) continue;
@@ -190,17 +226,19 @@ borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& na
     py::object storage = py::hasattr(obj, "untyped_storage") ? obj.attr("untyped_storage")() : obj.attr("storage")();
     b.alloc = reinterpret_cast<const void*>(storage.attr("data_ptr")().cast<std::uintptr_t>());
     b.alloc_bytes = storage.attr("nbytes")().cast<std::uint64_t>();
-  } else if (!obj.attr("is_contiguous")().cast<bool>()) {
+  } else if (!contiguous) {
     throw py::value_error(where(name) + " is not contiguous: refit reads dense row-major tensors (pass "
                                         "tensor.contiguous())");
   }
-  if (obj.attr("is_cuda").cast<bool>()) {
-    b.dev = device::cuda(obj.attr("get_device")().cast<int>());
-  } else if (!obj.attr("is_cpu").cast<bool>()) {
-    throw py::value_error(where(name) + " is on device " + std::string(py::str(obj.attr("device"))) +
+  if (truth(get(obj, n.is_cuda))) {
+    b.dev = device::cuda(call(obj, n.get_device).cast<int>());
+  } else if (!truth(get(obj, n.is_cpu))) {
+    throw py::value_error(where(name) + " is on device " + std::string(py::str(get(obj, n.device))) +
                           ": refit reads CPU and CUDA memory");
   }
-  b.data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<std::uintptr_t>());
+  const py::object ptr = call(obj, n.data_ptr);
+  b.data = reinterpret_cast<void*>(static_cast<std::uintptr_t>(PyLong_AsUnsignedLongLong(ptr.ptr())));
+  if (PyErr_Occurred() != nullptr) throw py::error_already_set();
   b.keep = py::reinterpret_borrow<py::object>(obj);
   return b;
 }

@@ -379,6 +379,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
   }
 
+  /// Bytes of direct writes launched at once while a batch is planned (see send_tensors).
+  static constexpr std::uint64_t direct_launch_bytes = 64ull << 20;
+
   /// The copies that write source bytes [from, from + bytes) of a tensor at `data` into its
   /// destinations of a direct session: one op per row of each clipped run.
   static void write_routes(std::span<const transport::routed> targets, const std::byte* data, std::uint64_t from,
@@ -413,6 +416,21 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     const bool by_entry = !direct && buffers->moves_entries();
     const bool in_place = by_entry && buffers->in_place();
     stats.direct = direct || in_place;
+    // Direct writes need nothing from the receiver until the batch's manifest is sent, so they are
+    // launched as they are planned, every direct_launch_bytes: copying the first tensors overlaps
+    // gathering the next ones (a Python state_dict's conversion, a generator's all-gather) instead
+    // of waiting for the whole 1 GiB batch to be planned.
+    std::uint64_t direct_pending = 0;
+    const auto launch_direct = [&] {
+      auto tp = clock::now();
+      for (void* s : open.streams) buffers->after(s);
+      copier->run(open.ops, buffers->stream());
+      open.ops.clear();
+      open.streams.clear();
+      direct_pending = 0;
+      stats.pack_seconds += seconds_since(tp);
+    };
+
     const auto flush = [&] {
       const std::size_t buffer = open.seq % buffers->count();
       auto tp = clock::now();
@@ -439,6 +457,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       open.ops.clear();
       open.streams.clear();
       open.segments.clear();
+      direct_pending = 0;
     };
 
 
@@ -485,6 +504,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
           copy::enable_peer_access(buffers->where().index, t->dev.index);
         if (direct) {
           write_routes(targets, static_cast<const std::byte*>(t->data), p.entry.tensor_offset, p.entry.bytes, open.ops);
+          direct_pending += p.entry.bytes;
+          if (direct_pending >= direct_launch_bytes) launch_direct();
           continue;
         }
         open.ops.push_back(copy::op{from, buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
