@@ -66,10 +66,17 @@ void validate(const streamer_options& o) {
     if (ep.empty())
       throw error(errc::invalid_argument,
                   "streamer_options.endpoint is empty: pass the receiver's endpoint() (ipc://... or tcp://host:port)");
-  if (endpoints.size() > 1 && o.transport != transport_kind::nccl)
+  const transport::capabilities can = transport::capabilities_of(o.transport);
+  if (endpoints.size() > can.max_receivers)
     throw error(errc::invalid_argument,
-                fmt::format("{} receivers given, but the {} transport serves one receiver per streamer; use the nccl "
-                            "transport to broadcast to several",
+                fmt::format("{} receivers given, but the {} transport serves {} receiver{} per streamer; use cuda_ipc "
+                            "(receivers on this host) or nccl to serve several",
+                            endpoints.size(), to_string(o.transport), can.max_receivers,
+                            can.max_receivers == 1 ? "" : "s"));
+  if (endpoints.size() > 1 && can.several_need_direct && !o.direct)
+    throw error(errc::invalid_argument,
+                fmt::format("{} receivers given with direct = false, but the {} transport serves several receivers only "
+                            "by writing straight into each one's parameter table: set direct = true",
                             endpoints.size(), to_string(o.transport)));
   if (o.buffer_count < 2)
     throw error(errc::invalid_argument,
@@ -218,7 +225,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
     if (failures.empty()) return oks;
     receivers_failed = true;
-    if (session_lost || options.transport == transport_kind::nccl) drop_session();
+    if (session_lost || transport::capabilities_of(options.transport).session_dies_on_error) drop_session();
     if (failures.size() == 1) throw error(failures.front().code, failures.front().message);
     std::string message = fmt::format("{} of {} receivers failed {}:", failures.size(), channels.size(), what);
     for (const auto& f : failures) message += fmt::format("\n  - {}", f.message);
@@ -241,7 +248,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     try {
       const auto hello_to = [&](std::size_t k) {
         wire::hello mine = h;
-        if (options.transport == transport_kind::nccl) mine.rank = static_cast<std::uint32_t>(k + 1);
+        if (transport::capabilities_of(options.transport).assigns_ranks) mine.rank = static_cast<std::uint32_t>(k + 1);
         return wire::message(std::move(mine));
       };
       const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
@@ -250,7 +257,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       } catch (const error& e) {
         // The receiver offered its weights for direct writes, but they cannot be mapped here:
         // start over with a session that stages through the buffers.
-        if (e.code() != errc::transport) throw;
+        if (e.code() != errc::transport || endpoints.size() > 1) throw;  // several receivers: no staging
         REFIT_WARN("cannot write straight into the weights of {}: {}; staging through the buffers instead",
                    who(0), e.what());
         buffers->disable_direct();
@@ -353,7 +360,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       const auto left = [&] {
         return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(deadline - clock::now()));
       };
-      bool lost = options.transport == transport_kind::nccl;
+      bool lost = transport::capabilities_of(options.transport).session_dies_on_error;
       std::vector<bool> sent(channels.size(), false);
       for (std::size_t k = 0; k < channels.size(); ++k) {
         try {

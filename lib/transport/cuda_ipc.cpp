@@ -248,74 +248,52 @@ class cuda_ipc_source final : public source {
   void session_accepted(std::span<const wire::ok> replies) override {
     close_session();
     if (replies.empty()) return;
-    const wire::ok& reply = replies.front();  // cuda_ipc has one receiver
-    if (!want_direct_ || reply.handles.empty() || reply.handles.front() != direct_offer_tag) return;
-    // The receiver offered its weights: map each allocation once for the session.
-    device_guard guard(device_);
-    std::vector<ipc_mapping> maps;
-    std::unordered_map<std::string, std::vector<plan::destination>> targets;
-    std::size_t count = 0;
-    for (std::size_t k = 1; k < reply.handles.size(); ++k) {
-      const std::string& rec = reply.handles[k];
-      if (rec.size() == 1 + sizeof(cudaIpcMemHandle_t) && rec[0] == 'A') {
-        maps.emplace_back(from_raw_bytes<cudaIpcMemHandle_t>(rec.substr(1)),
-                          fmt::format("allocation {} of the receiver's weights", maps.size()));
-        continue;
-      }
-      if (rec.empty() || rec[0] != 'T')
-        throw error(errc::protocol, fmt::format("direct offer: record {} of {} bytes is malformed", k, rec.size()));
-      wire::dest_record r;
-      try {
-        r = wire::decode_dest(std::string_view(rec).substr(1));
-      } catch (const error& e) {
-        throw error(errc::protocol, fmt::format("direct offer: record {}: {}", k, e.what()));
-      }
-      plan::destination d;
-      d.meta = tensor_meta{r.name, r.type, r.shape};
-      d.strides = std::move(r.strides);
-      d.slice = r.slice;
-      const std::uint64_t alloc = r.allocation;
-      d.data = reinterpret_cast<void*>(static_cast<std::uintptr_t>(r.offset));
-      d.dev = device::cuda(device_);
-      if (alloc == wire::dest_record::no_allocation) {
-        d.data = nullptr;  // nothing to write: no allocation needed
-      } else {
-        if (alloc >= maps.size())
-          throw error(errc::protocol,
-                      fmt::format("direct offer: tensor record {} names allocation {} of {}", k, alloc, maps.size()));
-        d.data = static_cast<std::byte*>(maps[alloc].handle()) + reinterpret_cast<std::uintptr_t>(d.data);
-      }
-      targets[d.meta.name].push_back(std::move(d));
-      ++count;
+    const auto offered = [](const wire::ok& r) { return !r.handles.empty() && r.handles.front() == direct_offer_tag; };
+    if (replies.size() > 1) {
+      // Several receivers (TP ranks of one host) share no buffer: each is written where it is.
+      for (std::size_t k = 0; k < replies.size(); ++k)
+        if (!want_direct_ || !offered(replies[k]))
+          throw error(errc::invalid_argument,
+                      fmt::format("cuda_ipc serves several receivers only by writing straight into their weights, but "
+                                  "receiver {} of {} did not offer its parameter table (a callback sink, a table not "
+                                  "all in CUDA memory, or memory it cannot export): give every receiver a CUDA "
+                                  "parameter table, or use nccl",
+                                  k, replies.size()));
+    } else if (!want_direct_ || !offered(replies.front())) {
+      return;  // staged through the buffers
     }
-    mapped_ = std::move(maps);
-    targets_ = std::move(targets);
+    // Each receiver offered its weights: map each allocation once for the session.
+    device_guard guard(device_);
+    std::vector<receiver_targets> receivers;
+    for (const wire::ok& reply : replies) receivers.push_back(map_offer(reply));
+    receivers_ = std::move(receivers);
     direct_ = true;
-    REFIT_INFO("cuda_ipc: direct session: {} destinations of {} tensors in {} allocations of the receiver's weights",
-               count, targets_.size(), mapped_.size());
   }
 
   void close_session() noexcept override {
     direct_ = false;
-    targets_.clear();
-    mapped_.clear();  // cudaIpcCloseMemHandle: nothing of the receiver stays mapped
+    receivers_.clear();  // cudaIpcCloseMemHandle: nothing of a receiver stays mapped
   }
 
   [[nodiscard]] bool direct() const noexcept override { return direct_; }
 
   std::vector<routed> routes(const tensor_meta& meta) override {
-    const auto it = targets_.find(meta.name);
-    if (it == targets_.end())
-      throw error(errc::apply, fmt::format("tensor '{}' is not in the receiver's parameter table (direct cuda_ipc "
-                                           "session: nothing was written)",
-                                           meta.name));
     std::vector<routed> out;
-    out.reserve(it->second.size());
-    for (const plan::destination& d : it->second) {
-      try {
-        out.push_back(routed{static_cast<std::byte*>(d.data), plan::route(d, meta.type, meta.shape)});
-      } catch (const error& e) {
-        throw error(e.code(), fmt::format("{} (direct cuda_ipc session: nothing was written)", e.what()));
+    for (std::size_t k = 0; k < receivers_.size(); ++k) {
+      const auto it = receivers_[k].targets.find(meta.name);
+      const std::string whose = receivers_.size() == 1 ? std::string("the receiver's")
+                                                       : fmt::format("receiver {}'s", k);
+      if (it == receivers_[k].targets.end())
+        throw error(errc::apply, fmt::format("tensor '{}' is not in {} parameter table (direct cuda_ipc session: "
+                                             "nothing was written)",
+                                             meta.name, whose));
+      for (const plan::destination& d : it->second) {
+        try {
+          out.push_back(routed{static_cast<std::byte*>(d.data), plan::route(d, meta.type, meta.shape)});
+        } catch (const error& e) {
+          throw error(e.code(), fmt::format("{} ({} destination; direct cuda_ipc session: nothing was written)",
+                                            e.what(), whose));
+        }
       }
     }
     return out;
@@ -383,9 +361,51 @@ class cuda_ipc_source final : public source {
   std::uint64_t bytes_;
   bool want_direct_;
   bool direct_ = false;
-  std::vector<ipc_mapping> mapped_;  ///< the receiver's weight allocations (direct sessions)
-  /// The receiver's destinations by source name, their data in mapped_ (direct sessions).
-  std::unordered_map<std::string, std::vector<plan::destination>> targets_;
+  /// One receiver of a direct session: its weight allocations, mapped here, and its destinations
+  /// by source name (their data in those mappings).
+  struct receiver_targets {
+    std::vector<ipc_mapping> mapped;
+    std::unordered_map<std::string, std::vector<plan::destination>> targets;
+  };
+  std::vector<receiver_targets> receivers_;  ///< direct sessions: one per receiver, in order
+
+  /// Maps what one receiver's direct offer describes (must be under a device_guard).
+  receiver_targets map_offer(const wire::ok& reply) const {
+    receiver_targets out;
+    std::size_t count = 0;
+    for (std::size_t k = 1; k < reply.handles.size(); ++k) {
+      const std::string& rec = reply.handles[k];
+      if (rec.size() == 1 + sizeof(cudaIpcMemHandle_t) && rec[0] == 'A') {
+        out.mapped.emplace_back(from_raw_bytes<cudaIpcMemHandle_t>(rec.substr(1)),
+                                fmt::format("allocation {} of the receiver's weights", out.mapped.size()));
+        continue;
+      }
+      if (rec.empty() || rec[0] != 'T')
+        throw error(errc::protocol, fmt::format("direct offer: record {} of {} bytes is malformed", k, rec.size()));
+      wire::dest_record r;
+      try {
+        r = wire::decode_dest(std::string_view(rec).substr(1));
+      } catch (const error& e) {
+        throw error(errc::protocol, fmt::format("direct offer: record {}: {}", k, e.what()));
+      }
+      plan::destination d;
+      d.meta = tensor_meta{r.name, r.type, r.shape};
+      d.strides = std::move(r.strides);
+      d.slice = r.slice;
+      d.dev = device::cuda(device_);
+      if (r.allocation != wire::dest_record::no_allocation) {  // none: nothing to write
+        if (r.allocation >= out.mapped.size())
+          throw error(errc::protocol, fmt::format("direct offer: tensor record {} names allocation {} of {}", k,
+                                                  r.allocation, out.mapped.size()));
+        d.data = static_cast<std::byte*>(out.mapped[r.allocation].handle()) + r.offset;
+      }
+      out.targets[d.meta.name].push_back(std::move(d));
+      ++count;
+    }
+    REFIT_INFO("cuda_ipc: direct session: {} destinations of {} tensors in {} allocations of a receiver's weights",
+               count, out.targets.size(), out.mapped.size());
+    return out;
+  }
   std::string uuid_;
   std::vector<cuda::device_buffer> buffers_;
   std::vector<cuda::event> packed_;

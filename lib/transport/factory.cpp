@@ -26,6 +26,16 @@ constexpr const char* built_transports() {
 
 }  // namespace
 
+capabilities capabilities_of(transport_kind kind) noexcept {
+  constexpr std::size_t many = 1u << 16;
+  switch (kind) {
+    case transport_kind::host_shm: return {};
+    case transport_kind::cuda_ipc: return {many, true, false, false};
+    case transport_kind::nccl: return {many, false, true, true};
+  }
+  return {};
+}
+
 std::unique_ptr<source> make_source(const source_options& options) {
   if (options.count < 2)
     throw error(errc::invalid_argument,

@@ -51,6 +51,21 @@ struct routed {
   std::vector<plan::run> runs;
 };
 
+/// What a transport can do: the streamer and the receiver ask this instead of testing for a kind.
+struct capabilities {
+  /// Receivers one streamer serves at once.
+  std::size_t max_receivers = 1;
+  /// Serving several needs direct writes: each receiver's weights are written where they are,
+  /// nothing is staged in buffers the receivers would share (cuda_ipc).
+  bool several_need_direct = false;
+  /// HELLO gives receiver k the rank k + 1 (the streamer is rank 0): a collective (nccl).
+  bool assigns_ranks = false;
+  /// A failure at any receiver ends the session everywhere (its collective is gone).
+  bool session_dies_on_error = false;
+};
+/// The capabilities of a transport kind (also for one this build lacks).
+capabilities capabilities_of(transport_kind kind) noexcept;
+
 /// Options a transport is built from (the subset of streamer/receiver options it needs).
 struct source_options {
   transport_kind kind = transport_kind::host_shm;

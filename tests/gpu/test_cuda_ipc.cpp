@@ -624,6 +624,162 @@ TEST_CASE("the same engine layout staged through 4 KiB cuda_ipc buffers (rows sp
   engine_layout_refits(false);
 }
 
+/// Tensor parallelism of degree 2 on one host: rank r holds half of q's and k's rows (its local
+/// fused qk), half of o's columns (row-parallel: strided in the source), half of emb's rows
+/// (vocab-parallel) and all of the 1-D norm.
+struct tp_layout {
+  std::vector<refit::tensor_meta> sources{{"q", refit::dtype::u16, {64, 32}},
+                                          {"k", refit::dtype::u16, {16, 32}},
+                                          {"o", refit::dtype::u16, {32, 64}},
+                                          {"emb", refit::dtype::u16, {40, 32}},
+                                          {"norm", refit::dtype::u16, {32}}};
+  // Elements of rank r's engine allocation: qk [40, 32], o_local [32, 32], emb_local [20, 32], norm [32].
+  static constexpr std::int64_t qk = 0, o_local = 40 * 32, emb = o_local + 32 * 32, norm = emb + 20 * 32,
+                                total = norm + 32;
+
+  void register_with(refit::receiver& r, int rank, std::uint16_t* base, std::uint64_t bytes, int device) const {
+    const auto add = [&](const char* name, std::vector<std::int64_t> shape, std::int64_t at,
+                         std::optional<refit::source_slice> slice) {
+      refit::dest_layout l;
+      l.slice = slice;
+      l.alloc = base;
+      l.alloc_bytes = bytes;
+      r.add_parameter(refit::tensor_dest{{name, refit::dtype::u16, std::move(shape)}, base + at,
+                                         refit::device::cuda(device)},
+                      l);
+    };
+    add("q", {32, 32}, qk, refit::source_slice{0, 32 * rank, 32});
+    add("k", {8, 32}, qk + 32 * 32, refit::source_slice{0, 8 * rank, 8});
+    add("o", {32, 32}, o_local, refit::source_slice{1, 32 * rank, 32});
+    add("emb", {20, 32}, emb, refit::source_slice{0, 20 * rank, 20});
+    add("norm", {32}, norm, std::nullopt);
+  }
+
+  [[nodiscard]] std::vector<std::uint16_t> image(int rank, std::uint64_t version) const {
+    std::vector<std::uint16_t> out(total, 0);
+    const auto src = [&](std::size_t i) {
+      std::vector<std::uint16_t> v(static_cast<std::size_t>(sources[i].numel()));
+      rt::fill_pattern(sources[i].name, version, reinterpret_cast<std::uint8_t*>(v.data()), sources[i].nbytes());
+      return v;
+    };
+    const auto q = src(0), k = src(1), o = src(2), e = src(3), n = src(4);
+    std::copy_n(q.begin() + 32 * 32 * rank, 32 * 32, out.begin() + qk);
+    std::copy_n(k.begin() + 8 * 32 * rank, 8 * 32, out.begin() + qk + 32 * 32);
+    for (std::int64_t row = 0; row < 32; ++row)
+      for (std::int64_t c = 0; c < 32; ++c) out[o_local + row * 32 + c] = o[row * 64 + 32 * rank + c];
+    std::copy_n(e.begin() + 20 * 32 * rank, 20 * 32, out.begin() + emb);
+    std::copy(n.begin(), n.end(), out.begin() + norm);
+    return out;
+  }
+};
+
+void tp_refits(int second_device) {
+  const tp_layout layout;
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  const std::vector<std::uint64_t> versions = {1, 2, 3};
+  const auto rank_body = [&](int rank, int device, rt::signal_pipe& ready) {
+    refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    const std::uint64_t bytes = tp_layout::total * 2;
+    refit::cuda::device_buffer engine(bytes);
+    refit::check_cuda(cudaMemset(engine.handle(), 0, bytes), "cudaMemset(engine)");
+    refit::receiver r(receive_options(eps[static_cast<std::size_t>(rank)], device, relaxed));
+    layout.register_with(r, rank, static_cast<std::uint16_t*>(engine.handle()), bytes, device);
+    ready.send("ready");
+    std::size_t commits = 0;
+    serve_until_bye(r, [&](std::uint64_t v) {
+      std::vector<std::uint16_t> got(tp_layout::total);
+      refit::check_cuda(cudaMemcpy(got.data(), engine.handle(), bytes, cudaMemcpyDeviceToHost), "download");
+      const auto want = layout.image(rank, v);
+      const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
+      expect(w == want.end(), "rank " + std::to_string(rank) + " version " + std::to_string(v) + ": element " +
+                                  std::to_string(w - want.begin()) + " differs");
+      ++commits;
+    });
+    expect(commits == versions.size(), "rank " + std::to_string(rank) + ": " + std::to_string(commits) + " commits");
+  };
+  rt::signal_pipe ready0, ready1;
+  rt::child rx0([&] { rank_body(0, 0, ready0); });
+  REQUIRE(ready0.receive(60s) == "ready");
+  rt::child rx1([&] { rank_body(1, second_device, ready1); });
+  REQUIRE(ready1.receive(60s) == "ready");
+  rt::child tx([&] {
+    device_tensors source(layout.sources, 0);
+    auto o = stream_options(eps[0], 0, relaxed);
+    o.receivers = eps;
+    refit::streamer s(o);
+    for (const std::uint64_t v : versions) {
+      source.upload(v);
+      const auto stats = s.refit(v, source.refs());
+      expect(stats.direct, "the refit to two ranks was not direct");
+    }
+    s.close();
+  });
+  CHECK(tx.wait(120s) == 0);
+  CHECK(rx0.wait(60s) == 0);
+  CHECK(rx1.wait(60s) == 0);
+}
+
+TEST_CASE("one cuda_ipc streamer writes two TP ranks on one GPU directly, each only its shards, bit-exact",
+          "[cuda_ipc][layout][tp]") {
+  tp_refits(0);
+}
+
+TEST_CASE("one cuda_ipc streamer on cuda:0 writes TP rank 1 on cuda:1 directly over peer access, bit-exact",
+          "[cuda_ipc][layout][tp]") {
+  if (rt::cuda_device_count() < 2) {
+    WARN("one CUDA device: the two-GPU TP test did not run");
+    return;
+  }
+  tp_refits(1);
+}
+
+TEST_CASE("a cuda_ipc streamer with two receivers refuses to stage: one with a callback sink fails the HELLO",
+          "[cuda_ipc][tp]") {
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  const tp_layout layout;
+  rt::signal_pipe ready0, ready1, stop0, stop1;  // the receivers serve until told to stop (no BYE comes)
+  rt::child rx0([&] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    refit::cuda::device_buffer engine(tp_layout::total * 2);
+    refit::receiver r(receive_options(eps[0], 0, relaxed));
+    layout.register_with(r, 0, static_cast<std::uint16_t*>(engine.handle()), tp_layout::total * 2, 0);
+    ready0.send("ready");
+    while (!stop0.try_receive(0ms)) r.serve_one(20ms);
+    expect(!r.committed_version().has_value(), "rank 0 committed");
+  });
+  REQUIRE(ready0.receive(60s) == "ready");
+  rt::child rx1([&] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    refit::receiver r(receive_options(eps[1], 0, relaxed));
+    r.on_batch([](std::span<const refit::tensor_view>, void*) {});
+    ready1.send("ready");
+    while (!stop1.try_receive(0ms)) r.serve_one(20ms);
+    expect(!r.committed_version().has_value(), "rank 1 committed");
+  });
+  REQUIRE(ready1.receive(60s) == "ready");
+  rt::child tx([&] {
+    device_tensors source(layout.sources, 0);
+    source.upload(1);
+    auto o = stream_options(eps[0], 0, relaxed);
+    o.receivers = eps;
+    refit::streamer s(o);
+    try {
+      s.refit(1, source.refs());
+      expect(false, "a refit staged to two cuda_ipc receivers succeeded");
+    } catch (const refit::error& e) {
+      expect(e.code() == refit::errc::invalid_argument, "error code " + std::string(refit::to_string(e.code())));
+      expect(std::string(e.what()).find("receiver 1 of 2 did not offer") != std::string::npos,
+             std::string("message: ") + e.what());
+    }
+    s.close();
+  });
+  CHECK(tx.wait(120s) == 0);
+  stop0.send("stop");
+  stop1.send("stop");
+  CHECK(rx0.wait(60s) == 0);
+  CHECK(rx1.wait(60s) == 0);
+}
+
 TEST_CASE("a direct cuda_ipc source that does not fit its view (slice past the end) fails before writing anything",
           "[cuda_ipc][layout]") {
   const auto ep = rt::temp_endpoint();

@@ -298,7 +298,9 @@ class Streamer(_refit.Streamer):
         endpoint: the receiver's :attr:`Receiver.endpoint`.
         transport: ``"cuda_ipc"`` (same host GPUs), ``"nccl"`` (other GPUs or hosts, one to many)
             or ``"host_shm"`` (CPU tensors).
-        receivers: nccl: every receiver's endpoint (``endpoint`` is then ignored).
+        receivers: every receiver's endpoint (``endpoint`` is then ignored): nccl broadcasts to
+            them; cuda_ipc writes each one's parameter table directly (TP ranks of one host, each
+            registering its shards with ``source_slice``).
         buffer_bytes, buffers: the ping-pong staging buffers (capacity of each, how many).
         direct: write straight into the receiver's weights where it can (cuda_ipc direct, nccl in
             place); False always stages.
@@ -336,7 +338,7 @@ class Streamer(_refit.Streamer):
     ) -> None:
         if endpoint is None:
             if not receivers:
-                raise ValueError("Streamer needs the receiver's endpoint (or receivers=[...] for nccl)")
+                raise ValueError("Streamer needs the receiver's endpoint (or receivers=[...])")
             endpoint = receivers[0]
         super().__init__(
             endpoint,
