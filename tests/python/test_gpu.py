@@ -183,6 +183,74 @@ def llama_worker(chan, device: int, nccl: bool):
         return serve_loop(rx, chan, {"logits": lambda: tensor_bytes(logits(model, device))})
 
 
+def fuse(model):
+    """Puts the model's weights in an engine's layout, as vLLM and SGLang hold them: per layer, q, k
+    and v become views into one fused ``qkv`` tensor, gate and up into one ``gate_up`` (the model's
+    own forward then reads the fused memory). Returns ``(source name, view)`` for every weight."""
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        for block, parts in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+            weights = [getattr(block, p).weight for p in parts]
+            fused = torch.cat([w.detach() for w in weights])
+            row = 0
+            for part, w in zip(parts, weights):
+                view = fused.narrow(0, row, w.shape[0])
+                getattr(block, part).weight = torch.nn.Parameter(view, requires_grad=False)
+                assert getattr(block, part).weight.data_ptr() == view.data_ptr()
+                out.append((f"model.layers.{i}.{'self_attn' if parts[0] == 'q_proj' else 'mlp'}.{part}.weight", view))
+                row += w.shape[0]
+    return out
+
+
+def fused_llama_worker(chan, device: int):
+    """Job: the generation side in a fused layout (see fuse): q/k/v and gate/up land in views of
+    the fused tensors, everything else in place. Commands: ``logits``."""
+    use_device(device, False)
+    torch.manual_seed(1)
+    model = llama(device)
+    views = fuse(model)
+    fused_names = {name for name, _ in views}
+    with refit.Receiver(device=device) as rx:
+        for name, view in views:
+            rx.add_parameter(name, view)
+        rx.add_parameters((k, v) for k, v in model.state_dict().items() if k not in fused_names)
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {"logits": lambda: tensor_bytes(logits(model, device))})
+
+
+def train_and_refit(job, model, transport, **options):
+    """Three training steps here, a refit after each; the other side's logits equal ours every time."""
+    endpoint = job.recv()
+    assert job.request("logits") != tensor_bytes(logits(model, 0))  # other weights before the first refit
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, 1000, (4, 33), generator=torch.Generator().manual_seed(5)).to("cuda:0")
+    seen = []
+    with gpu_streamer(endpoint, transport, buffer_bytes=1 << 20, **options) as st:
+        for step in range(1, 4):
+            model.train()
+            loss = model(input_ids=data[:, :-1], labels=data[:, 1:]).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            stats = st.refit(step, model.state_dict())  # ordered after optimizer.step() on the stream
+            expected = tensor_bytes(logits(model, 0))
+            assert job.request("logits") == expected, f"step {step}: the logits differ"
+            seen.append(expected)
+    job.stop()
+    assert seen[0] != seen[1] != seen[2]  # every step changed the weights
+    return stats
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_a_llama_engine_in_a_fused_layout_gives_the_same_logits_after_every_refit(peer, one_gpu, direct):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = llama(0)
+    job = peer.run(fused_llama_worker, 0)
+    stats = train_and_refit(job, model, "cuda_ipc", direct=direct)
+    assert stats.direct is direct
+
+
 @pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
 def test_a_llama_trained_here_gives_the_same_logits_there_after_every_refit(peer, monkeypatch, transport):
     need_gpus(2 if transport == "nccl" else 1)
@@ -194,22 +262,4 @@ def test_a_llama_trained_here_gives_the_same_logits_there_after_every_refit(peer
     model = llama(0)
     remote_device = 1 if transport == "nccl" else 0
     job = peer.run(llama_worker, remote_device, transport == "nccl")
-    endpoint = job.recv()
-    assert job.request("logits") != tensor_bytes(logits(model, 0))  # other weights before the first refit
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = torch.randint(0, 1000, (4, 33), generator=torch.Generator().manual_seed(5)).to("cuda:0")
-    seen = []
-    with gpu_streamer(endpoint, transport, buffer_bytes=1 << 20) as st:
-        for step in range(1, 4):
-            model.train()
-            loss = model(input_ids=data[:, :-1], labels=data[:, 1:]).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            st.refit(step, model.state_dict())  # ordered after optimizer.step() on the stream
-            expected = tensor_bytes(logits(model, 0))
-            assert job.request("logits") == expected, f"step {step}: the logits differ"
-            seen.append(expected)
-    job.stop()
-    assert seen[0] != seen[1] != seen[2]  # every step changed the weights
+    train_and_refit(job, model, transport)
