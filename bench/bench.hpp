@@ -39,6 +39,9 @@ struct manifest {
   std::string name;
   std::vector<manifest_entry> entries;
   std::vector<std::string> files;  ///< safetensors files the entries' data lives in
+  /// Elements per attention head when known (the built-in models): --layout tpN then splits q and
+  /// kv heads, not only rows. 0: unknown (a manifest file), rows only.
+  std::int64_t head_dim = 0;
 
   [[nodiscard]] std::uint64_t bytes() const;
   [[nodiscard]] std::uint64_t params() const;  ///< elements
@@ -97,36 +100,83 @@ enum class layout_kind : std::uint8_t { plain, fused, ep };
 
 /// "plain", "fused", "ep".
 std::string_view layout_name(layout_kind k) noexcept;
-/// nullopt for an unknown name.
-std::optional<layout_kind> parse_layout(std::string_view name) noexcept;
 
-/// Where one source tensor lands: a view of an engine tensor. Every view the layouts make is a
-/// contiguous byte range of its engine tensor (row ranges of row-major tensors: narrows on
-/// dimension 0, or one expert's slot), `bytes` long from `offset`.
+/// A layout with its tensor-parallel degree: `tp` ranks (1: none). tpN (`--layout tpN`) is fused
+/// sharded over N ranks, each receiver one rank r of them: column-parallel q/k/v (q and kv heads
+/// split evenly; the rank's q, k and v rows stacked into its qkv_proj, biases alike) and gate/up
+/// (into its gate_up_proj; Mixtral's w1/w3 each alone) take rows source_slice{0, r*n, n};
+/// row-parallel o_proj and down_proj (w2) take columns source_slice{1, r*n, n} into a dense local
+/// [out, in/N]; embed_tokens and lm_head (a tied one too) are vocab-parallel (rows); every other
+/// tensor (norms, routers) is replicated whole on every rank.
+struct layout_spec {
+  layout_kind kind = layout_kind::plain;
+  int tp = 1;
+  layout_spec() = default;
+  layout_spec(layout_kind k, int degree = 1) : kind(k), tp(degree) {}  // NOLINT: a kind is a layout of degree 1
+  friend bool operator==(const layout_spec&, const layout_spec&) = default;
+};
+
+/// "plain", "fused", "ep", "tpN".
+std::string layout_name(const layout_spec& l);
+/// nullopt for an unknown name; "tpN" for N in 2..64.
+std::optional<layout_spec> parse_layout(std::string_view name) noexcept;
+
+/// The bytes of a source tensor that one of its slices takes, in its row-major storage: `rows`
+/// runs of `width` bytes, `pitch` apart, the first at `offset` (one run for a whole tensor or a
+/// slice of dimension 0; a slice of dimension 1 of [R, C] is R runs).
+struct byte_region {
+  std::uint64_t offset = 0;
+  std::uint64_t width = 0;
+  std::uint64_t pitch = 0;
+  std::uint64_t rows = 1;
+  [[nodiscard]] std::uint64_t bytes() const noexcept { return width * rows; }
+  [[nodiscard]] bool contiguous() const noexcept { return rows <= 1 || pitch == width; }
+};
+
+/// The region `slice` takes of `t` (all of it without one).
+byte_region region_of(const tensor_meta& t, const std::optional<source_slice>& slice);
+/// Where byte `offset` of the tensor sits among the region's bytes, gathered in order (what the
+/// receiver's view holds); nullopt when the region does not take it.
+std::optional<std::uint64_t> region_position(const byte_region& r, std::uint64_t offset) noexcept;
+
+/// Where one source tensor lands: a view of an engine tensor, which takes all of its source or
+/// a slice of it (tpN). Every view the layouts make is a contiguous byte range of its engine
+/// tensor (row ranges of row-major tensors: narrows on dimension 0, one expert's slot, or a
+/// whole local shard), `bytes` long from `offset`.
 struct layout_view {
   std::size_t source = 0;   ///< index in the manifest
   std::size_t tensor = 0;   ///< index of the engine tensor
   std::uint64_t offset = 0; ///< first byte of the view in the engine tensor
-  std::uint64_t bytes = 0;  ///< the source's bytes
-  std::vector<std::int64_t> shape;    ///< of the view (the source's)
+  std::uint64_t bytes = 0;  ///< the bytes that land (the source's, or its slice's)
+  std::vector<std::int64_t> shape;    ///< of the view (the source's, or its slice's)
   std::vector<std::int64_t> strides;  ///< of the view, in elements (the engine tensor's along those dimensions)
+  std::optional<source_slice> slice;  ///< the part of the source it takes; none: all of it
 };
 
 /// The receiver's model in a layout: its engine tensors (a manifest of their own, allocated like
 /// any destinations: transport_path::destinations) and the views the source tensors land in.
 struct engine_layout {
   layout_kind kind = layout_kind::plain;
+  int tp = 1;    ///< tensor-parallel degree
+  int rank = 0;  ///< the rank this layout holds (of tp)
   manifest tensors;                              ///< the engine tensors, in the order first written
   std::vector<layout_view> views;                ///< every destination
   std::vector<std::vector<std::size_t>> of_source;  ///< indices into views, per source (2 for a tied one)
+  /// Per source: the part every one of its views takes (none: all of it).
+  std::vector<std::optional<source_slice>> slices;
+
+  /// The bytes this rank needs: every source's slice (or all of it) once.
+  [[nodiscard]] std::uint64_t needed_bytes(const manifest& m) const;
 };
 
-/// The layout `kind` of `m`. q/k/v (gate/up) of a layer are fused only when all are there, of
-/// one dtype and alike but for dimension 0; other tensors stay dense. Throws
-/// refit::error(invalid_argument) for `ep` on a model without experts
+/// The layout `spec` of `m`, rank `rank` of spec.tp. q/k/v (gate/up) of a layer are fused only
+/// when all are there, of one dtype and alike but for dimension 0; other tensors stay dense.
+/// Throws refit::error(invalid_argument) for `ep` on a model without experts
 /// (PREFIX.experts.E.gate_proj/up_proj/down_proj.weight, or Mixtral's w1/w3/w2) or whose experts
-/// do not stack (missing, or of different shapes or dtypes), naming them.
-engine_layout make_layout(const manifest& m, layout_kind kind);
+/// do not stack (missing, or of different shapes or dtypes), naming them; for tpN, a rank out of
+/// range or a sharded size (rows, columns, q or kv heads, vocabulary) that does not divide by N,
+/// naming the tensor.
+engine_layout make_layout(const manifest& m, const layout_spec& spec, int rank = 0);
 
 /// The checksum the receiver reports for source i: copy::checksum of its bytes as they landed
 /// in its view; for a source with several views (a tied one) the common checksum when they all
@@ -149,6 +199,9 @@ class tensor_memory {
   [[nodiscard]] virtual std::uint64_t checksum(std::size_t i) const = 0;
   /// copy::checksum of `bytes` bytes of tensor i from byte `offset` (a view of an engine tensor).
   [[nodiscard]] virtual std::uint64_t checksum(std::size_t i, std::uint64_t offset, std::uint64_t bytes) const = 0;
+  /// copy::checksum of the bytes of region `r` of tensor i gathered in order (a source slice, as
+  /// the receiver's view holds it): strided runs are first copied into a scratch buffer.
+  [[nodiscard]] virtual std::uint64_t checksum(std::size_t i, const byte_region& r) const = 0;
 };
 
 /// How tensors are allocated and filled, and the ceiling measured, for one transport.
@@ -187,6 +240,12 @@ std::vector<transport_kind> built_transports();
 int visible_gpus() noexcept;
 /// The GPU of nccl receiver k (0-based): the next GPUs after the streamer's, wrapping around.
 int receiver_device(int streamer_device, std::size_t k, int visible) noexcept;
+/// Receiver processes the streamer spawns for transport t: one per rank of --layout tpN over
+/// cuda_ipc and nccl, --receivers over nccl otherwise, one else.
+std::size_t receiver_processes(const config& c, transport_kind t) noexcept;
+/// The GPU of receiver k for transport t: nccl as receiver_device(); cuda_ipc the streamer's
+/// (--receiver-devices same) or (device + k) % visible (spread); host_shm c.device.
+int receiver_gpu(const config& c, transport_kind t, std::size_t k, int visible) noexcept;
 /// Lowercase hex of `n` bytes, and back (nullopt for odd length or a non-hex character).
 std::string to_hex(const void* data, std::size_t n);
 std::optional<std::string> from_hex(std::string_view hex);
@@ -276,7 +335,13 @@ struct config {
   std::vector<std::size_t> buffer_counts{2};
   std::uint64_t alignment = 256;
   /// How the receiver holds the model (--layout); the streamer sends the same tensors whatever it is.
-  layout_kind layout = layout_kind::plain;
+  layout_spec layout = layout_kind::plain;
+  /// --layout tpN: the rank a receiver holds (--rank): host_shm's one receiver, or one started by
+  /// hand (and the streamer started against it). cuda_ipc and nccl spawn every rank.
+  int rank = 0;
+  /// cuda_ipc receivers (tpN: one per rank) all on the streamer's GPU (false), or rank k on GPU
+  /// (device + k) % visible (true: --receiver-devices spread).
+  bool spread_receivers = false;
   bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
   /// GPU copy engines to compare (one row each); host_shm always copies with memcpy.
   std::vector<copy_engine> engines{copy_engine::automatic};
@@ -321,10 +386,10 @@ void check_role(const config& c);
 /// should stop (--help, a bad option: the message is printed).
 std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code);
 /// The arguments a spawned receiver gets for one (transport, model) group; on GPU `device`
-/// (default: c.device).
+/// (default: c.device), holding rank `rank` of --layout tpN (default: c.rank).
 std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
                                        const std::string& endpoint, copy_engine engine = copy_engine::automatic,
-                                       std::optional<int> device = std::nullopt);
+                                       std::optional<int> device = std::nullopt, std::optional<int> rank = std::nullopt);
 /// The arguments of rank `rank` (1..nranks-1) of the nccl ceiling, on GPU `device`.
 std::vector<std::string> ceiling_args(const config& c, const std::string& id_hex, int rank, int nranks, int device);
 
@@ -371,6 +436,8 @@ struct row {
   std::uint64_t buffer_bytes = 0;
   std::size_t buffers = 0;
   std::uint64_t tensors = 0;
+  /// The payload the receivers need, summed over the distinct ranks (plain, fused, ep: the model
+  /// once, whatever the receiver count; tpN: each rank's slices, replicated tensors once per rank).
   std::uint64_t bytes = 0;
   std::uint64_t batches = 0;
   int iters = 0;
@@ -405,14 +472,15 @@ std::int64_t total_wrong(const std::vector<row>& rows);
 
 /// The check of one receiver's report of refit `version`, the same for a spawned receiver (its
 /// stdout line) and one started by hand (its report endpoint's reply): `line` must be
-/// {"event":"committed","version":version,...,"checksums":[one per tensor of m]}. Returns how
+/// {"event":"committed","version":version,...,"checksums":[one per tensor of m]} (for tpN, of
+/// rank `rank`: the checksums of its slices). Returns how
 /// many checksums differ from `expected`, and prints a "WRONG: ..." progress line for each while
 /// fewer than 3 were printed for this refit (`printed`, updated; none with --quiet). `receiver`
 /// tells receivers apart in those lines (" receiver 2", or empty). Throws
 /// refit::error(protocol) naming `who` and quoting the line when it is anything else.
 std::int64_t count_wrong(const config& c, const nlohmann::json& line, std::uint64_t version, const manifest& m,
                          const std::vector<std::uint64_t>& expected, const std::string& who,
-                         const std::string& receiver, std::int64_t& printed);
+                         const std::string& receiver, std::int64_t& printed, int rank = 0);
 
 /// What a receiver started by hand remembers of its last refits, to answer the streamer's report
 /// requests. Bounded: it keeps the last `capacity` events. Not thread-safe (the receiver's loop

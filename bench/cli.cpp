@@ -96,8 +96,20 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   app.add_option("--layout", layout_text, "how the receiver holds the model: plain (one dense tensor per source "
                                           "tensor), fused (an engine's layout: q/k/v into qkv_proj, gate/up into "
                                           "gate_up_proj, a tied embedding also into lm_head), ep (fused, and each layer's "
-                                          "experts stacked into w13_weight[E, 2I, H] and w2_weight[E, H, I]); every "
-                                          "source tensor is verified as it landed in its view(s)")
+                                          "experts stacked into w13_weight[E, 2I, H] and w2_weight[E, H, I]), tpN (fused "
+                                          "with tensor parallelism of degree N, e.g. tp2, tp4: one receiver per rank, "
+                                          "q/k/v and gate/up split by rows, o_proj and down_proj by columns, embed_tokens "
+                                          "and lm_head by vocabulary rows, norms whole on every rank; host_shm runs one "
+                                          "rank, --rank); every source tensor is verified as it landed in its view(s)")
+      ->capture_default_str();
+  app.add_option("--rank", c.rank, "--layout tpN: the rank host_shm's one receiver holds, or a receiver started by hand "
+                                   "(and its streamer); cuda_ipc and nccl spawn every rank")
+      ->capture_default_str();
+  std::string receiver_devices = "same";
+  app.add_option("--receiver-devices", receiver_devices,
+                 "cuda_ipc receivers (--layout tpN: one per rank): same (all on --device's GPU) or spread (rank k on GPU "
+                 "(device + k) % visible); nccl receivers are always on GPUs of their own (--receivers)")
+      ->check(CLI::IsMember({"same", "spread"}))
       ->capture_default_str();
   std::vector<std::string> paths{"direct", "staged"};
   app.add_option("--path", paths, "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
@@ -110,8 +122,9 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
   app.add_option("--device", c.device, "CUDA device (cuda_ipc; nccl: the streamer's, receivers on the next ones)")
       ->capture_default_str();
-  app.add_option("--receivers", c.receivers, "nccl: receiver processes, one GPU each after --device's (wrapping "
-                                             "around the visible GPUs); other transports ignore it")
+  auto* receivers_opt = app.add_option("--receivers", c.receivers, "nccl: receiver processes, one GPU each after --device's "
+                                                                  "(wrapping around the visible GPUs; --layout tpN: N, one per "
+                                                                  "rank); other transports ignore it")
       ->capture_default_str();
   app.add_flag("--page-locked", c.page_locked, "host_shm: page-lock the shared buffers");
   app.add_option("--timeout-ms", c.timeout_ms, "longest wait for the peer")->capture_default_str();
@@ -211,8 +224,20 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   }
   if (c.direct.empty()) bad("--path: none given");
   const auto layout = parse_layout(layout_text);
-  if (!layout) bad(fmt::format("--layout {}: unknown (plain, fused, ep)", layout_text));
+  if (!layout) bad(fmt::format("--layout {}: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ...)", layout_text));
   c.layout = *layout;
+  c.spread_receivers = receiver_devices == "spread";
+  if (c.layout.tp > 1) {
+    if (c.rank < 0 || c.rank >= c.layout.tp)
+      bad(fmt::format("--rank {}: out of range for --layout {} (ranks 0 to {})", c.rank, layout_text, c.layout.tp - 1));
+    // One nccl receiver per rank.
+    if (*receivers_opt && c.receivers != static_cast<std::size_t>(c.layout.tp))
+      bad(fmt::format("--receivers {} with --layout {}: tensor parallelism runs one receiver per rank ({}); leave "
+                      "--receivers out", c.receivers, layout_text, c.layout.tp));
+    c.receivers = static_cast<std::size_t>(c.layout.tp);
+  } else if (c.rank != 0) {
+    bad(fmt::format("--rank {} is for --layout tpN (a tensor-parallel rank)", c.rank));
+  }
   return c;
 }
 
@@ -245,7 +270,8 @@ std::vector<std::string> ceiling_args(const config& c, const std::string& id_hex
 }
 
 std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
-                                       const std::string& endpoint, copy_engine engine, std::optional<int> device) {
+                                       const std::string& endpoint, copy_engine engine, std::optional<int> device,
+                                       std::optional<int> rank) {
   std::vector<std::string> a{"--role", "receiver", "--bind", endpoint, "--transport", std::string(to_string(t)),
                              "--engine", std::string(to_string(engine)),
                              "--device", std::to_string(device.value_or(c.device)), "--timeout-ms", std::to_string(c.timeout_ms),
@@ -255,7 +281,8 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
   } else {
     a.insert(a.end(), {"--model", model, "--dtype", std::string(to_string(c.type))});
   }
-  if (c.layout != layout_kind::plain) a.insert(a.end(), {"--layout", std::string(layout_name(c.layout))});
+  if (c.layout != layout_kind::plain) a.insert(a.end(), {"--layout", layout_name(c.layout)});
+  if (c.layout.tp > 1) a.insert(a.end(), {"--rank", std::to_string(rank.value_or(c.rank))});
   if (c.corrupt_tensor) a.insert(a.end(), {"--corrupt-byte", std::to_string(*c.corrupt_tensor)});
   if (c.quiet) a.emplace_back("--quiet");
   return a;

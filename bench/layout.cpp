@@ -76,13 +76,61 @@ std::optional<expert_part> expert_of(const std::string& name) {
   return std::nullopt;
 }
 
+// How tpN splits a tensor, by its name: column-parallel (rows), row-parallel (columns),
+// vocab-parallel (rows) or replicated.
+enum class split : std::uint8_t { replicated, column, row, vocab };
+
+split split_of(const tensor_meta& t) {
+  const std::string& name = t.name;
+  const auto has = [&](std::string_view part) { return name.find(part) != std::string::npos; };
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return t.shape.size() == 2 ? split::vocab : split::replicated;
+  if (has(".q_proj.") || has(".k_proj.") || has(".v_proj.") || has(".gate_proj.") || has(".up_proj.") ||
+      (has(".experts.") && (name.ends_with(".w1.weight") || name.ends_with(".w3.weight"))))
+    return t.shape.empty() ? split::replicated : split::column;  // weights and their biases
+  if ((has(".o_proj.") || has(".down_proj.") || (has(".experts.") && name.ends_with(".w2.weight"))) && t.shape.size() == 2)
+    return split::row;  // a row-parallel bias is added once, after the reduction: replicated
+  return split::replicated;
+}
+
+// What rank `rank` of `tp` takes of t: nothing for a replicated tensor (all of it). Refuses a
+// size that does not divide (with the heads, when the model says how long one is).
+std::optional<source_slice> shard_of(const manifest& m, const tensor_meta& t, int tp, int rank) {
+  const split how = tp > 1 ? split_of(t) : split::replicated;
+  if (how == split::replicated) return std::nullopt;
+  const int dim = how == split::row ? 1 : 0;
+  const std::int64_t size = t.shape[static_cast<std::size_t>(dim)];
+  const bool heads = m.head_dim > 0 && how == split::column &&
+                     (t.name.find(".q_proj.") != std::string::npos || t.name.find(".k_proj.") != std::string::npos ||
+                      t.name.find(".v_proj.") != std::string::npos);
+  if (heads && (size % m.head_dim != 0 || size / m.head_dim % tp != 0))
+    bad(fmt::format("--layout tp{}: {}: {} has {} heads of {} ({} rows), which do not split over {} ranks; use a tp "
+                    "degree that divides the q and kv heads",
+                    tp, m.name, describe(t), size / m.head_dim, m.head_dim, size, tp));
+  if (size % tp != 0) {
+    static const char* what[] = {"", "rows (column-parallel)", "columns (row-parallel)", "rows (vocab-parallel)"};
+    bad(fmt::format("--layout tp{}: {}: {} has {} {}, which do not divide by {}; use a tp degree that divides them",
+                    tp, m.name, describe(t), size, what[static_cast<int>(how)], tp));
+  }
+  const std::int64_t n = size / tp;
+  return source_slice{dim, rank * n, n};
+}
+
 class layout_builder {
  public:
-  layout_builder(const manifest& m, layout_kind kind) : m_(m) {
-    l_.kind = kind;
+  layout_builder(const manifest& m, const layout_spec& spec, int rank) : m_(m) {
+    l_.kind = spec.kind;
+    l_.tp = spec.tp;
+    l_.rank = rank;
     l_.tensors.name = m.name;
     l_.of_source.resize(m.entries.size());
-    for (std::size_t i = 0; i < m.entries.size(); ++i) index_.emplace(m.entries[i].meta.name, i);
+    if (spec.tp < 1 || (spec.tp > 1 && spec.kind != layout_kind::fused))
+      bad(fmt::format("--layout: tensor parallelism (degree {}) shards the fused layout only", spec.tp));
+    if (rank < 0 || rank >= spec.tp)
+      bad(fmt::format("--rank {}: out of range for --layout {} (ranks 0 to {})", rank, layout_name(spec), spec.tp - 1));
+    for (std::size_t i = 0; i < m.entries.size(); ++i) {
+      index_.emplace(m.entries[i].meta.name, i);
+      l_.slices.push_back(shard_of(m, m.entries[i].meta, spec.tp, rank));
+    }
   }
 
   engine_layout build() {
@@ -98,14 +146,14 @@ class layout_builder {
         }
       if (kind != layout_kind::plain && fuse(i, done)) continue;
       const tensor_meta& t = m_.entries[i].meta;
-      view(i, tensor(t.name, t.type, t.shape), 0);
+      view(i, tensor(t.name, t.type, landing(i)), 0);
       done[i] = true;
     }
     // A tied embedding: the checkpoint has no lm_head, the engine has one, written from the embedding.
     const auto embed = index_.find("model.embed_tokens.weight");
     if (kind != layout_kind::plain && embed != index_.end() && !index_.count("lm_head.weight")) {
       const tensor_meta& t = m_.entries[embed->second].meta;
-      view(embed->second, tensor("lm_head.weight", t.type, t.shape), 0);
+      view(embed->second, tensor("lm_head.weight", t.type, landing(embed->second)), 0);
     }
     return std::move(l_);
   }
@@ -116,8 +164,15 @@ class layout_builder {
     return l_.tensors.entries.size() - 1;
   }
 
-  // Source i lands in engine tensor k from byte `offset`: a run of whole rows (or all of it), so
-  // the view's strides are the engine tensor's own along its last dimensions.
+  // The shape of what lands of source i: its own, or its slice's (tpN).
+  std::vector<std::int64_t> landing(std::size_t i) const {
+    auto shape = m_.entries[i].meta.shape;
+    if (const auto& s = l_.slices[i]) shape[static_cast<std::size_t>(s->dim)] = s->length;
+    return shape;
+  }
+
+  // Source i (or its slice) lands in engine tensor k from byte `offset`: a run of whole rows (or
+  // all of it), so the view's strides are the engine tensor's own along its last dimensions.
   void view(std::size_t i, std::size_t k, std::uint64_t offset) {
     const tensor_meta& src = m_.entries[i].meta;
     const auto engine = dense_strides(l_.tensors.entries[k].meta.shape);
@@ -125,9 +180,10 @@ class layout_builder {
     v.source = i;
     v.tensor = k;
     v.offset = offset;
-    v.bytes = src.nbytes();
-    v.shape = src.shape;
-    v.strides.assign(engine.end() - static_cast<std::ptrdiff_t>(src.shape.size()), engine.end());
+    v.shape = landing(i);
+    v.bytes = tensor_meta{src.name, src.type, v.shape}.nbytes();
+    v.strides.assign(engine.end() - static_cast<std::ptrdiff_t>(v.shape.size()), engine.end());
+    v.slice = l_.slices[i];
     l_.of_source[i].push_back(l_.views.size());
     l_.views.push_back(std::move(v));
   }
@@ -143,22 +199,25 @@ class layout_builder {
       members.push_back(it->second);
     }
     if (index_.count(g->fused)) return false;  // the checkpoint has a tensor of that name already
+    // Alike as they land (tpN: the rank's rows of each).
     const tensor_meta& first = m_.entries[members.front()].meta;
+    const auto first_shape = landing(members.front());
     std::int64_t rows = 0;
     for (const auto k : members) {
       const tensor_meta& t = m_.entries[k].meta;
-      if (t.type != first.type || t.shape.empty() ||
-          !std::equal(t.shape.begin() + 1, t.shape.end(), first.shape.begin() + 1, first.shape.end()))
+      const auto shape = landing(k);
+      if (t.type != first.type || shape.empty() ||
+          !std::equal(shape.begin() + 1, shape.end(), first_shape.begin() + 1, first_shape.end()))
         return false;
-      rows += t.shape[0];
+      rows += shape[0];
     }
-    auto shape = first.shape;
+    auto shape = first_shape;
     shape[0] = rows;
     const std::size_t k = tensor(g->fused, first.type, shape);
     std::uint64_t offset = 0;
     for (const auto m : members) {
       view(m, k, offset);
-      offset += m_.entries[m].meta.nbytes();
+      offset += layout_bytes(m);
       done[m] = true;
     }
     return true;
@@ -218,6 +277,10 @@ class layout_builder {
     }
   }
 
+  std::uint64_t layout_bytes(std::size_t i) const {
+    return tensor_meta{"", m_.entries[i].meta.type, landing(i)}.nbytes();
+  }
+
   const manifest& m_;
   engine_layout l_;
   // prefix ("....experts.") → expert → {gate, up, down} source indices (ep).
@@ -236,13 +299,55 @@ std::string_view layout_name(layout_kind k) noexcept {
   return "?";
 }
 
-std::optional<layout_kind> parse_layout(std::string_view name) noexcept {
-  for (const auto k : {layout_kind::plain, layout_kind::fused, layout_kind::ep})
-    if (layout_name(k) == name) return k;
-  return std::nullopt;
+std::string layout_name(const layout_spec& l) {
+  if (l.tp > 1) return fmt::format("tp{}", l.tp);
+  return std::string(layout_name(l.kind));
 }
 
-engine_layout make_layout(const manifest& m, layout_kind kind) { return layout_builder(m, kind).build(); }
+std::optional<layout_spec> parse_layout(std::string_view name) noexcept {
+  for (const auto k : {layout_kind::plain, layout_kind::fused, layout_kind::ep})
+    if (layout_name(k) == name) return layout_spec{k};
+  if (name.size() < 3 || name.size() > 4 || !name.starts_with("tp")) return std::nullopt;
+  int n = 0;
+  for (const char ch : name.substr(2)) {
+    if (ch < '0' || ch > '9') return std::nullopt;
+    n = n * 10 + (ch - '0');
+  }
+  if (n < 2 || n > 64 || name[2] == '0') return std::nullopt;
+  return layout_spec{layout_kind::fused, n};
+}
+
+byte_region region_of(const tensor_meta& t, const std::optional<source_slice>& slice) {
+  const std::uint64_t all = t.nbytes();
+  if (!slice) return {0, all, all, 1};
+  const auto dim = static_cast<std::size_t>(slice->dim);
+  std::uint64_t inner = itemsize(t.type), outer = 1;
+  for (std::size_t d = dim + 1; d < t.shape.size(); ++d) inner *= static_cast<std::uint64_t>(t.shape[d]);
+  for (std::size_t d = 0; d < dim; ++d) outer *= static_cast<std::uint64_t>(t.shape[d]);
+  const std::uint64_t pitch = static_cast<std::uint64_t>(t.shape[dim]) * inner;
+  const std::uint64_t width = static_cast<std::uint64_t>(slice->length) * inner;
+  if (outer == 1 || width == pitch) return {static_cast<std::uint64_t>(slice->start) * inner, width * outer, width * outer, 1};
+  return {static_cast<std::uint64_t>(slice->start) * inner, width, pitch, outer};
+}
+
+std::optional<std::uint64_t> region_position(const byte_region& r, std::uint64_t offset) noexcept {
+  if (offset < r.offset || r.width == 0) return std::nullopt;
+  const std::uint64_t rel = offset - r.offset;
+  const std::uint64_t pitch = r.rows <= 1 ? r.width : r.pitch;
+  const std::uint64_t row = rel / pitch, col = rel % pitch;
+  if (row >= r.rows || col >= r.width) return std::nullopt;
+  return row * r.width + col;
+}
+
+std::uint64_t engine_layout::needed_bytes(const manifest& m) const {
+  std::uint64_t n = 0;
+  for (std::size_t i = 0; i < m.entries.size(); ++i) n += region_of(m.entries[i].meta, slices[i]).bytes();
+  return n;
+}
+
+engine_layout make_layout(const manifest& m, const layout_spec& spec, int rank) {
+  return layout_builder(m, spec, rank).build();
+}
 
 std::uint64_t fold_view_checksums(const std::vector<std::uint64_t>& sums) noexcept {
   if (sums.empty()) return 0;

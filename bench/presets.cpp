@@ -38,6 +38,7 @@ class builder {
 manifest build(std::string name, const dense_config& c, dtype t) {
   manifest m;
   m.name = std::move(name);
+  m.head_dim = c.head_dim;
   builder b(m, t);
   const std::int64_t q = c.heads * c.head_dim;
   const std::int64_t kv = c.kv_heads * c.head_dim;

@@ -6,7 +6,10 @@
 // one JSON line: {"event":"committed","version":v,"apply_ms":..,"checksums":[...]}; the streamer
 // compares every checksum with the one it expects. Over nccl it spawns --receivers of them, receiver
 // k on GPU (device + 1 + k) % visible, and every one must commit every version; wrong checksums are
-// summed over them.
+// summed over them. With --layout tpN over cuda_ipc and nccl it spawns one receiver per rank and
+// passes all their endpoints to one streamer; each rank's checksums are those of its slices, so
+// the streamer expects per rank the checksum of the same slice of its source (a slice of
+// dimension 1 gathered first: its bytes are strided in the source). host_shm runs one rank (--rank).
 //
 // Started by hand (--role receiver, then --role streamer, on one host or two), the receiver prints
 // the same lines and also binds a report endpoint (--report; by default next to --bind): a REP
@@ -42,6 +45,7 @@
 #include "refit/error.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
+#include "transport/transport.hpp"
 
 namespace refit::bench {
 namespace {
@@ -182,7 +186,7 @@ std::string default_report_endpoint(std::string_view refit_endpoint) {
 
 std::int64_t count_wrong(const config& c, const json& line, std::uint64_t version, const manifest& m,
                          const std::vector<std::uint64_t>& expected, const std::string& who, const std::string& receiver,
-                         std::int64_t& printed) {
+                         std::int64_t& printed, int rank) {
   const auto said = [&] { return line.dump().substr(0, 300); };
   const bool object = line.is_object();
   const auto v = object ? line.find("version") : line.end();
@@ -200,6 +204,12 @@ std::int64_t count_wrong(const config& c, const json& line, std::uint64_t versio
     throw error(errc::protocol, fmt::format("refit-bench: {} holds the model in layout {} and this streamer runs with "
                                             "--layout {}: give both sides the same --layout",
                                             who, held->dump(), layout_name(c.layout)));
+  // A tensor-parallel rank's checksums are of its slices: another rank's would all be wrong.
+  const auto held_rank = line.find("rank");
+  if (c.layout.tp > 1 && held_rank != line.end() && unsigned_of(*held_rank) != static_cast<std::uint64_t>(rank))
+    throw error(errc::protocol, fmt::format("refit-bench: {} holds rank {} of --layout {} and this streamer checks rank "
+                                            "{}: give both sides the same --rank",
+                                            who, held_rank->dump(), layout_name(c.layout), rank));
   const std::size_t n = m.entries.size();
   const auto sums = line.find("checksums");
   if (sums == line.end() || !sums->is_array() || sums->size() != n)
@@ -308,6 +318,39 @@ std::string now_text() {
   return buf;
 }
 
+// ---------------------------------------------------------------- what each rank should hold
+
+// What the streamer expects of the receivers of one rank (tpN; rank 0 of 1 otherwise): the region
+// of each source they take (all of it, or the rank's slice) and, verified, the checksum of those
+// bytes, kept up to date as the data changes between refits.
+struct expectation {
+  int rank = 0;
+  std::vector<byte_region> regions;
+  std::vector<std::uint64_t> sums;
+  std::uint64_t bytes = 0;  // what the rank needs
+};
+
+expectation expect_rank(const config& c, const manifest& m, int rank, const tensor_memory& src, bool verify) {
+  const engine_layout l = make_layout(m, c.layout, rank);
+  expectation e;
+  e.rank = rank;
+  for (std::size_t i = 0; i < m.entries.size(); ++i) {
+    e.regions.push_back(region_of(m.entries[i].meta, l.slices[i]));
+    e.bytes += e.regions.back().bytes();
+    // A slice of dimension 1 is strided in the source: gathered before its checksum.
+    if (verify) e.sums.push_back(l.slices[i] ? src.checksum(i, e.regions.back()) : src.checksum(i));
+  }
+  return e;
+}
+
+// Byte `offset` of source i changed from `old_byte` to `new_byte`: the sums that cover it follow in O(1).
+void expect_flip(std::vector<expectation>& expects, std::size_t i, std::uint64_t offset, std::uint8_t old_byte,
+                 std::uint8_t new_byte) {
+  for (auto& e : expects)
+    if (const auto at = region_position(e.regions[i], offset))
+      e.sums[i] = checksum_after_flip(e.sums[i], e.regions[i].bytes(), *at, old_byte, new_byte);
+}
+
 // ---------------------------------------------------------------- one (transport, model) group
 
 struct group {
@@ -326,7 +369,8 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
   const config& c = g.c;
   const std::string tname(to_string(g.kind));
   std::unique_ptr<temp_dir> dir;
-  // One receiver process, or for nccl --receivers of them, receiver k on GPU devices[k].
+  // One receiver process, or for nccl --receivers of them, or one per rank of --layout tpN over
+  // cuda_ipc and nccl: receiver k on GPU devices[k], holding rank ranks[k].
   std::vector<std::unique_ptr<child_process>> children;
   std::vector<int> devices;
   std::vector<std::string> endpoints;
@@ -338,19 +382,25 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
   std::unique_ptr<channel::req_channel> report;
   const std::string report_who = fmt::format("the receiver at report endpoint {}", c.report);
   const bool nccl = g.kind == transport_kind::nccl;
+  const bool tp = c.layout.tp > 1;
+  const std::size_t count = spawn ? receiver_processes(c, g.kind) : 1;
+  // The rank each receiver holds: every rank when tpN spawns one per rank, else --rank (0 without tpN).
+  std::vector<int> ranks;
+  for (std::size_t k = 0; k < count; ++k) ranks.push_back(tp ? (count > 1 ? static_cast<int>(k) : c.rank) : 0);
+  const bool several = nccl || count > 1;
   const auto who = [&](std::size_t k) {
-    return nccl ? fmt::format("receiver {} of {} (GPU {}, pid {})", k, children.size(), devices[k], children[k]->pid())
-                : fmt::format("the receiver (pid {})", children[k]->pid());
+    return several ? fmt::format("{} {} of {} (GPU {}, pid {})", tp ? "rank" : "receiver", k, children.size(), devices[k],
+                                 children[k]->pid())
+                   : fmt::format("the receiver (pid {})", children[k]->pid());
   };
   if (spawn) {
     dir = std::make_unique<temp_dir>();
-    const std::size_t count = nccl ? c.receivers : 1;
-    const int visible = nccl ? visible_gpus() : 0;
+    const int visible = nccl || c.spread_receivers ? visible_gpus() : 0;
     for (std::size_t k = 0; k < count; ++k) {
-      devices.push_back(nccl ? receiver_device(c.device, k, visible) : c.device);
+      devices.push_back(receiver_gpu(c, g.kind, k, visible));
       const std::string bind = fmt::format("ipc://{}/receiver-{}", dir->path, k);
       children.push_back(std::make_unique<child_process>(
-          c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind, g.apply_engine, devices.back())));
+          c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind, g.apply_engine, devices.back(), ranks[k])));
     }
     // All spawned first, so that they fill their destination tensors in parallel.
     for (std::size_t k = 0; k < count; ++k) {
@@ -398,24 +448,37 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
   auto src = g.path.sources(g.m, c.seed, g.files);
   const std::size_t n = g.m.entries.size();
   std::vector<tensor_ref> refs(n);
-  std::vector<std::uint64_t> sizes(n), expected(n);
+  std::vector<std::uint64_t> sizes(n);
   for (std::size_t i = 0; i < n; ++i) {
     refs[i] = tensor_ref{g.m.entries[i].meta, src->data(i), src->where(), nullptr};
     sizes[i] = g.m.entries[i].meta.nbytes();
-    if (verify) expected[i] = src->checksum(i);
   }
+  // One expectation per distinct rank; receiver k checks against expects[expect_of[k]].
+  std::vector<expectation> expects;
+  std::vector<std::size_t> expect_of;
+  for (const int rank : ranks) {
+    const auto same = std::find_if(expects.begin(), expects.end(), [&](const expectation& e) { return e.rank == rank; });
+    expect_of.push_back(static_cast<std::size_t>(same - expects.begin()));
+    if (same == expects.end()) expects.push_back(expect_rank(c, g.m, rank, *src, verify));
+  }
+  std::uint64_t needed = 0;  // the bytes the receivers need, summed over the distinct ranks
+  for (const auto& e : expects) needed += e.bytes;
   progress(c, fmt::format("{} {}: ready in {:.1f} s", tname, g.m.name, ms_since(t_prep) / 1e3));
 
   bool first = true;
-  // cuda_ipc and nccl have a direct path (nccl: in place); host_shm runs each row once.
-  const std::vector<bool> paths = g.kind != transport_kind::host_shm ? c.direct : std::vector<bool>{false};
+  // cuda_ipc and nccl have a direct path (nccl: in place); host_shm runs each row once. A transport
+  // that serves several receivers only by direct writes (cuda_ipc, tpN's ranks) has no staged row
+  // then (run() checked that a direct one is left, and said so in the preamble).
+  std::vector<bool> paths = g.kind != transport_kind::host_shm ? c.direct : std::vector<bool>{false};
+  if (endpoints.size() > 1 && transport::capabilities_of(g.kind).several_need_direct) std::erase(paths, false);
   for (const std::size_t nbuf : c.buffer_counts) {
     for (const double mb : c.buffer_mb) {
      for (const bool want_direct : paths) {
       streamer_options so;
       so.direct = want_direct;
       so.endpoint = endpoint;
-      if (nccl && endpoints.size() > 1) so.receivers = endpoints;
+      // Several receivers (nccl --receivers, tpN's ranks): one streamer serves them all.
+      if (endpoints.size() > 1) so.receivers = endpoints;
       so.transport = g.kind;
       so.buffer_count = nbuf;
       so.buffer_bytes = static_cast<std::uint64_t>(std::llround(mb * (1 << 20)));
@@ -429,7 +492,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
 
       row r;
       r.transport = tname;
-      r.receivers = nccl && spawn ? endpoints.size() : 1;
+      r.receivers = spawn ? endpoints.size() : 1;
       r.model = g.m.name;
       r.engine = g.kind == transport_kind::host_shm ? "memcpy"
                  : g.engine == g.apply_engine ? std::string(to_string(g.engine))
@@ -437,7 +500,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       r.buffer_bytes = so.buffer_bytes;
       r.buffers = nbuf;
       r.tensors = n;
-      r.bytes = g.m.bytes();
+      r.bytes = needed;
       r.iters = c.iters;
       r.wrong = verify ? 0 : -1;
       r.layout = layout_name(c.layout);
@@ -453,8 +516,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
             if (sizes[i] == 0) continue;
             const std::uint64_t off = (v * 0x9e3779b97f4a7c15ull + i * 0x2545f4914f6cdd1dull) % sizes[i];
             const std::uint8_t old = src->flip(i, off, mask);
-            if (verify)
-              expected[i] = checksum_after_flip(expected[i], sizes[i], off, old, static_cast<std::uint8_t>(old ^ mask));
+            if (verify) expect_flip(expects, i, off, old, static_cast<std::uint8_t>(old ^ mask));
           }
         }
         first = false;
@@ -489,13 +551,13 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
         // apply is the slowest receiver's.
         for (std::size_t k = 0; k < children.size(); ++k) {
           const json line = json::parse(children[k]->read_line(milliseconds(std::max<std::uint64_t>(c.timeout_ms, 600000))));
-          wrong_now += count_wrong(c, line, v, g.m, expected, who(k), nccl ? fmt::format(" receiver {}", k) : std::string(),
-                                   printed);
+          const std::string label = !several ? std::string() : fmt::format(" {} {}", tp ? "rank" : "receiver", k);
+          wrong_now += count_wrong(c, line, v, g.m, expects[expect_of[k]].sums, who(k), label, printed, ranks[k]);
           apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
         }
         if (report) {
           const json line = ask_report(v, milliseconds(c.timeout_ms));
-          wrong_now += count_wrong(c, line, v, g.m, expected, report_who, std::string(), printed);
+          wrong_now += count_wrong(c, line, v, g.m, expects.front().sums, report_who, std::string(), printed, ranks.front());
           apply_ms = line.value("apply_ms", -1.0);
         }
         r.wrong += wrong_now;
@@ -520,7 +582,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       r.ceiling_gbps = g.ceiling / 1e9;
       // A direct refit copies every byte once, a staged one twice: each is held to its own floor.
       if (went_direct) r.engine += nccl ? "+in-place" : "+direct";
-      if (c.layout != layout_kind::plain) r.engine += fmt::format("+{}", layout_name(c.layout));
+      if (c.layout != layout_kind::plain) r.engine += "+" + layout_name(c.layout);
       // Over nccl the ceiling is itself the transfer (a raw broadcast), which refit makes once, with
       // packing and applying overlapping it: one pass too.
       r.floor_ms = (went_direct || nccl ? 1.0 : 2.0) * static_cast<double>(r.bytes) / g.ceiling * 1e3;
@@ -650,7 +712,7 @@ int run_receiver(const config& c) {
   auto path = make_path(c.transports.front(), c);
   // The model as the receiver holds it (--layout): engine tensors, allocated like any destinations
   // (one arena, each engine tensor its own aligned range), and every source tensor's view of them.
-  const engine_layout layout = make_layout(m, c.layout);
+  const engine_layout layout = make_layout(m, c.layout, c.rank);
   auto dest = path->destinations(layout.tensors);
 
   receiver_options ro;
@@ -666,7 +728,7 @@ int run_receiver(const config& c) {
       r.add_parameter(d);  // dense, one tensor per source: as before layouts existed
     } else {
       const tensor_meta& engine = layout.tensors.entries[v.tensor].meta;
-      r.add_parameter(d, dest_layout{v.strides, std::nullopt, dest->data(v.tensor), engine.nbytes()});
+      r.add_parameter(d, dest_layout{v.strides, v.slice, dest->data(v.tensor), engine.nbytes()});
     }
   }
   // Started by hand: the streamer asks for our checksums here (a spawned one reads our stdout).
@@ -689,6 +751,7 @@ int run_receiver(const config& c) {
   json ready{{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", path->describe_device()},
              {"tensors", m.entries.size()}, {"bytes", m.bytes()}, {"layout", layout_name(c.layout)},
              {"engine_tensors", layout.tensors.entries.size()}, {"views", layout.views.size()}};
+  if (c.layout.tp > 1) ready["rank"] = c.rank;
   if (reports) ready["report"] = reports->channel().endpoint();
   // The banner before the ready line: whoever has seen that line can read the banner too.
   if (reports) {
@@ -697,6 +760,7 @@ int run_receiver(const config& c) {
                                    models.front());
     if (c.type != dtype::bf16) same += fmt::format(" --dtype {}", to_string(c.type));
     if (c.layout != layout_kind::plain) same += fmt::format(" --layout {}", layout_name(c.layout));
+    if (c.layout.tp > 1) same += fmt::format(" --rank {}", c.rank);
     const std::string& report_ep = reports->channel().endpoint();
     const bool wildcard = r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
     std::cerr << fmt::format("refit-bench: receiver for {} over {} listening on {}, checksums on {} (Ctrl-C to stop)\n"
@@ -747,9 +811,10 @@ int run_receiver(const config& c) {
           sums.push_back(fold_view_checksums(of_views));
         }
         // apply: copying into the weights, plus the wait at END for the device to finish them.
-        const json line{{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
-                        {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
-                        {"layout", layout_name(c.layout)}, {"checksums", std::move(sums)}};
+        json line{{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
+                  {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
+                  {"layout", layout_name(c.layout)}, {"checksums", std::move(sums)}};
+        if (c.layout.tp > 1) line["rank"] = c.rank;
         emit(line);
         if (reports) log.committed(line);
         break;
@@ -769,6 +834,27 @@ int run_receiver(const config& c) {
   return 0;
 }
 
+namespace {
+
+// The preamble's note for a tensor-parallel layout of m: what each rank holds and needs. Lays out
+// every rank, so that a model that does not shard fails before anything is measured.
+std::string tp_note(const config& c, const manifest& m) {
+  std::vector<std::string> needs;
+  std::size_t tensors = 0, views = 0;
+  for (int rank = 0; rank < c.layout.tp; ++rank) {
+    const engine_layout l = make_layout(m, c.layout, rank);
+    tensors = l.tensors.entries.size();
+    views = l.views.size();
+    needs.push_back(fmt::format("{:.3f}", l.needed_bytes(m) / 1e9));
+  }
+  return fmt::format("--layout {}: each rank holds {} in {} engine tensors: {} views of {} source tensors; a rank "
+                     "needs {} GB of the {:.3f} GB (ranks 0..{})",
+                     layout_name(c.layout), m.name, tensors, views, m.entries.size(), fmt::join(needs, "|"),
+                     m.bytes() / 1e9, c.layout.tp - 1);
+}
+
+}  // namespace
+
 int run(const config& c, std::ostream& out) {
   check_role(c);
   if (c.side == role::receiver) return run_receiver(c);
@@ -786,11 +872,24 @@ int run(const config& c, std::ostream& out) {
         continue;
       }
     }
+    if (receiver_processes(c, t) > 1 && transport::capabilities_of(t).several_need_direct &&
+        std::find(c.direct.begin(), c.direct.end(), false) != c.direct.end()) {
+      if (std::find(c.direct.begin(), c.direct.end(), true) == c.direct.end())
+        throw error(errc::invalid_argument,
+                    fmt::format("refit-bench: --path staged with --layout {} over {}: one streamer serves its {} receivers "
+                                "only by writing into each one's weights; use --path direct",
+                                layout_name(c.layout), to_string(t), receiver_processes(c, t)));
+      notes.push_back(fmt::format("{}: direct rows only: one streamer serves {} receivers (--layout {}) only by writing "
+                                  "into each one's weights (--path staged skipped)",
+                                  to_string(t), receiver_processes(c, t), layout_name(c.layout)));
+    }
     paths.push_back(make_path(t, c));
     if (t == transport_kind::nccl) {
       const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-      notes.push_back(fmt::format("nccl: {} receiver process{} (--receivers), one GPU each; NCCL_NVLS_ENABLE={}",
-                                  c.receivers, c.receivers == 1 ? "" : "es", nvls ? nvls : "(unset)"));
+      const std::size_t receivers = receiver_processes(c, t);
+      notes.push_back(fmt::format("nccl: {} receiver process{} ({}), one GPU each; NCCL_NVLS_ENABLE={}", receivers,
+                                  receivers == 1 ? "" : "es", c.layout.tp > 1 ? "one per rank" : "--receivers",
+                                  nvls ? nvls : "(unset)"));
     }
   }
   if (c.side == role::streamer)
@@ -802,11 +901,20 @@ int run(const config& c, std::ostream& out) {
   // The receiver's layout of each model, made here too so that one that cannot be laid out fails
   // before anything is measured.
   for (const auto& m : models) {
+    if (c.layout.tp > 1) {
+      notes.push_back(tp_note(c, m));
+      continue;
+    }
     const engine_layout l = make_layout(m, c.layout);
     if (c.layout != layout_kind::plain)
       notes.push_back(fmt::format("--layout {}: the receiver holds {} in {} engine tensors: {} views of {} source tensors",
                                   layout_name(c.layout), m.name, l.tensors.entries.size(), l.views.size(), m.entries.size()));
   }
+  if (c.layout.tp > 1)
+    notes.push_back(fmt::format("+{0} rows: bytes (and GB/s, floor, ratio) = what the receivers need, summed over the ranks "
+                                "they hold (each rank's slices, replicated tensors once per rank), not the source bytes "
+                                "streamed; cuda_ipc and nccl run all {1} ranks, one receiver each, host_shm rank {2} (--rank)",
+                                layout_name(c.layout), c.layout.tp, c.rank));
   std::vector<mapped_file> files;
   if (c.load) {
     if (c.manifest_file.empty()) throw error(errc::invalid_argument, "refit-bench: --load needs --manifest FILE.safetensors");

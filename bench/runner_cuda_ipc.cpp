@@ -76,6 +76,27 @@ class device_memory final : public tensor_memory {
                                                       offset + bytes, sizes_[i]));
     return copy::checksum(ptrs_[i] + offset, bytes, device::cuda(dev_));
   }
+  // A strided region (a dim-1 slice) is gathered on the GPU: one cudaMemcpy2D into a scratch buffer.
+  [[nodiscard]] std::uint64_t checksum(std::size_t i, const byte_region& r) const override {
+    if (r.contiguous()) return checksum(i, r.offset, r.bytes());
+    if (r.offset + (r.rows - 1) * r.pitch + r.width > sizes_.at(i))
+      throw error(errc::invalid_argument, fmt::format("refit-bench: {} runs of {} bytes {} apart from byte {} of a "
+                                                      "{}-byte tensor", r.rows, r.width, r.pitch, r.offset, sizes_[i]));
+    check(cudaSetDevice(dev_), fmt::format("cudaSetDevice({})", dev_));
+    void* scratch = nullptr;
+    check(cudaMalloc(&scratch, r.bytes()), "cudaMalloc (slice scratch)");
+    std::uint64_t sum = 0;
+    try {
+      check(cudaMemcpy2D(scratch, r.width, ptrs_[i] + r.offset, r.pitch, r.width, r.rows, cudaMemcpyDeviceToDevice),
+            "cudaMemcpy2D (gathering a slice)");
+      sum = copy::checksum(scratch, r.bytes(), device::cuda(dev_));
+    } catch (...) {
+      cudaFree(scratch);
+      throw;
+    }
+    cudaFree(scratch);
+    return sum;
+  }
 
  private:
   int dev_;

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <string>
 
@@ -94,6 +95,16 @@ class host_memory final : public tensor_memory {
       throw error(errc::invalid_argument, fmt::format("refit-bench: bytes {}..{} of a {}-byte tensor", offset,
                                                       offset + bytes, sizes_[i]));
     return copy::checksum(ptrs_[i] + offset, bytes, device::cpu());
+  }
+  [[nodiscard]] std::uint64_t checksum(std::size_t i, const byte_region& r) const override {
+    if (r.contiguous()) return checksum(i, r.offset, r.bytes());
+    if (r.offset + (r.rows - 1) * r.pitch + r.width > sizes_.at(i))
+      throw error(errc::invalid_argument, fmt::format("refit-bench: {} runs of {} bytes {} apart from byte {} of a "
+                                                      "{}-byte tensor", r.rows, r.width, r.pitch, r.offset, sizes_[i]));
+    std::vector<std::byte> gathered(r.bytes());
+    for (std::uint64_t k = 0; k < r.rows; ++k)
+      std::memcpy(gathered.data() + k * r.width, ptrs_[i] + r.offset + k * r.pitch, r.width);
+    return copy::checksum(gathered.data(), gathered.size(), device::cpu());
   }
 
  private:

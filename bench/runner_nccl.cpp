@@ -38,6 +38,18 @@ int receiver_device(int streamer_device, std::size_t k, int visible) noexcept {
   return static_cast<int>((static_cast<std::size_t>(streamer_device) + 1 + k) % static_cast<std::size_t>(visible));
 }
 
+std::size_t receiver_processes(const config& c, transport_kind t) noexcept {
+  if (t != transport_kind::host_shm && c.layout.tp > 1) return static_cast<std::size_t>(c.layout.tp);
+  return t == transport_kind::nccl ? c.receivers : 1;
+}
+
+int receiver_gpu(const config& c, transport_kind t, std::size_t k, int visible) noexcept {
+  if (t == transport_kind::nccl) return receiver_device(c.device, k, visible);
+  if (t == transport_kind::cuda_ipc && c.spread_receivers && visible > 0)
+    return static_cast<int>((static_cast<std::size_t>(c.device) + k) % static_cast<std::size_t>(visible));
+  return c.device;
+}
+
 std::string to_hex(const void* data, std::size_t n) {
   static constexpr char digits[] = "0123456789abcdef";
   const auto* p = static_cast<const unsigned char*>(data);
@@ -245,7 +257,8 @@ namespace {
 class nccl_path final : public transport_path {
  public:
   explicit nccl_path(const config& c)
-      : device_(c.device), receivers_(c.receivers), timeout_(c.timeout_ms), exe_(c.receiver_exe), config_(c) {
+      : device_(c.device), receivers_(receiver_processes(c, transport_kind::nccl)), timeout_(c.timeout_ms),
+        exe_(c.receiver_exe), config_(c) {
     if (c.side != role::receiver) {
       visible_ = visible_gpus();
       if (visible_ < 2)

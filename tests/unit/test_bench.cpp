@@ -1152,12 +1152,14 @@ TEST_CASE("--layout takes plain, fused or ep, passes it to the receiver, and ref
     FAIL("no error");
   } catch (const refit::error& e) {
     CHECK(e.code() == errc::invalid_argument);
-    CHECK(std::string(e.what()) == "refit-bench: --layout sideways: unknown (plain, fused, ep)");
+    CHECK(std::string(e.what()) ==
+          "refit-bench: --layout sideways: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ...)");
   }
   scratch s;
   std::string stdout_text;
   CHECK(run_binary({"--layout", "sideways"}, stdout_text, s.file("err")) == 2);
-  CHECK(read_file(s.file("err")) == "refit-bench: error (invalid_argument): --layout sideways: unknown (plain, fused, ep)\n");
+  CHECK(read_file(s.file("err")) == "refit-bench: error (invalid_argument): --layout sideways: unknown (plain, fused, ep, "
+                                    "tpN for N from 2 to 64: tp2, tp4, ...)\n");
   CHECK(stdout_text.empty());
 }
 
@@ -1271,6 +1273,306 @@ TEST_CASE("a streamer started by hand with another --layout than its receiver's 
   config same = hand_streamer(fresh);
   same.buffer_mb = {1};
   same.layout = layout_kind::fused;
+  std::ostringstream good;
+  CHECK(run(same, good) == 0);
+  CHECK_THAT(good.str(), Catch::Contains("# Wrong values          : 0 OK"));
+}
+
+// ---------------------------------------------------------------- tensor parallelism (--layout tpN)
+
+namespace {
+
+// The one view of the source of this name (REQUIREd).
+layout_view only_view(const manifest& m, const engine_layout& l, const std::string& name) {
+  const auto views = views_of(m, l, name);
+  REQUIRE(views.size() == 1);
+  return views.front();
+}
+
+std::optional<source_slice> rows(std::int64_t start, std::int64_t length) { return source_slice{0, start, length}; }
+std::optional<source_slice> columns(std::int64_t start, std::int64_t length) { return source_slice{1, start, length}; }
+
+// The refit-bench error make_layout() throws ("" when none).
+std::string layout_error(const manifest& m, const layout_spec& spec, int rank = 0) {
+  try {
+    (void)make_layout(m, spec, rank);
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::invalid_argument);
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("tpN shards q/k/v and gate/up by rows, o_proj and down_proj by columns, the vocabulary by rows, norms whole",
+          "[bench]") {
+  // tiny: hidden 256, 4 heads and 2 kv heads of 64 (q 256 rows, k and v 128), intermediate 704,
+  // vocabulary 1000, q/k/v biases, an lm_head of its own. Rank 1 of 2.
+  const manifest tiny = preset("tiny");
+  const engine_layout l = make_layout(tiny, layout_spec{layout_kind::fused, 2}, 1);
+  CHECK(l.tp == 2);
+  CHECK(l.rank == 1);
+  CHECK(l.tensors.entries.size() == 17);
+  CHECK(l.views.size() == tiny.entries.size());
+  const std::uint64_t row = 256 * 2;
+  CHECK(engine_tensor(l, "model.layers.0.self_attn.qkv_proj.weight").shape == std::vector<std::int64_t>{256, 256});
+  const auto q = only_view(tiny, l, "model.layers.0.self_attn.q_proj.weight");
+  const auto k = only_view(tiny, l, "model.layers.0.self_attn.k_proj.weight");
+  const auto v = only_view(tiny, l, "model.layers.0.self_attn.v_proj.weight");
+  CHECK(q.slice == rows(128, 128));
+  CHECK(k.slice == rows(64, 64));
+  CHECK(v.slice == rows(64, 64));
+  CHECK(q.offset == 0);
+  CHECK(k.offset == 128 * row);
+  CHECK(v.offset == 192 * row);
+  CHECK(v.shape == std::vector<std::int64_t>{64, 256});
+  CHECK(v.bytes == 64 * row);
+  CHECK(engine_tensor(l, "model.layers.0.self_attn.qkv_proj.bias").shape == std::vector<std::int64_t>{256});
+  CHECK(only_view(tiny, l, "model.layers.0.self_attn.k_proj.bias").slice == rows(64, 64));
+  CHECK(only_view(tiny, l, "model.layers.0.self_attn.k_proj.bias").offset == 128 * 2);
+  // Row-parallel: the rank's columns, into a dense local [out, in/N].
+  const auto o = only_view(tiny, l, "model.layers.1.self_attn.o_proj.weight");
+  CHECK(o.slice == columns(128, 128));
+  CHECK(o.shape == std::vector<std::int64_t>{256, 128});
+  CHECK(o.strides == std::vector<std::int64_t>{128, 1});
+  CHECK(l.tensors.entries[o.tensor].meta.shape == std::vector<std::int64_t>{256, 128});
+  const auto down = only_view(tiny, l, "model.layers.0.mlp.down_proj.weight");
+  CHECK(down.slice == columns(352, 352));
+  CHECK(down.bytes == 256ull * 352 * 2);
+  const auto up = only_view(tiny, l, "model.layers.0.mlp.up_proj.weight");
+  CHECK(engine_tensor(l, "model.layers.0.mlp.gate_up_proj.weight").shape == std::vector<std::int64_t>{704, 256});
+  CHECK(up.slice == rows(352, 352));
+  CHECK(up.offset == 352 * row);
+  CHECK(only_view(tiny, l, "model.embed_tokens.weight").slice == rows(500, 500));
+  CHECK(only_view(tiny, l, "lm_head.weight").slice == rows(500, 500));
+  const auto norm = only_view(tiny, l, "model.layers.1.post_attention_layernorm.weight");
+  CHECK(!norm.slice);
+  CHECK(norm.shape == std::vector<std::int64_t>{256});
+  // The ranks need the model once between them, and the 5 replicated norms once each.
+  const engine_layout l0 = make_layout(tiny, layout_spec{layout_kind::fused, 2}, 0);
+  CHECK(only_view(tiny, l0, "model.layers.1.self_attn.o_proj.weight").slice == columns(0, 128));
+  CHECK(l0.needed_bytes(tiny) + l.needed_bytes(tiny) == tiny.bytes() + 5 * 256 * 2);
+
+  // A tied embedding: the rank's vocabulary rows land in its embedding and its lm_head.
+  const manifest qwen = preset("qwen2.5-0.5b");
+  const auto embed = views_of(qwen, make_layout(qwen, layout_spec{layout_kind::fused, 2}, 1), "model.embed_tokens.weight");
+  REQUIRE(embed.size() == 2);
+  CHECK(embed[0].slice == rows(75968, 75968));
+  CHECK(embed[1].slice == rows(75968, 75968));
+  CHECK(embed[0].tensor != embed[1].tensor);
+
+  // The real models shard at the degrees engines run them with.
+  for (const auto& [name, tp] : std::vector<std::pair<std::string, int>>{
+           {"qwen2.5-7b", 4}, {"llama3-8b", 8}, {"qwen3-30b-a3b", 4}, {"mixtral-8x7b", 8}, {"qwen2.5-0.5b", 2}}) {
+    INFO(name << " tp" << tp);
+    const manifest m = preset(name);
+    for (int r = 0; r < tp; r += tp - 1) CHECK(layout_error(m, layout_spec{layout_kind::fused, tp}, r).empty());
+  }
+  CHECK_THAT(layout_error(preset("qwen2.5-0.5b"), layout_spec{layout_kind::fused, 4}), Catch::Contains("has 14 heads of 64"));
+  CHECK(layout_error(tiny, layout_spec{layout_kind::fused, 2}, 2) == "refit-bench: --rank 2: out of range for --layout tp2 "
+                                                                      "(ranks 0 to 1)");
+  CHECK(layout_error(tiny, layout_spec{layout_kind::ep, 2}) ==
+        "refit-bench: --layout: tensor parallelism (degree 2) shards the fused layout only");
+}
+
+TEST_CASE("a tpN size that does not divide is refused, naming the tensor, its size and the degree", "[bench][e2e]") {
+  // tiny has 2 kv heads: they do not split over 4 ranks, though their 128 rows would.
+  const std::string heads = "refit-bench: --layout tp4: tiny: model.layers.0.self_attn.k_proj.weight bf16[128, 256] has 2 "
+                            "heads of 64 (128 rows), which do not split over 4 ranks; use a tp degree that divides the q "
+                            "and kv heads";
+  CHECK(layout_error(preset("tiny"), layout_spec{layout_kind::fused, 4}) == heads);
+  scratch s;
+  std::string out;
+  CHECK(run_binary({"--model", "tiny", "--layout", "tp4", "--quiet"}, out, s.file("err")) == 2);
+  CHECK(read_file(s.file("err")) == "refit-bench: error (invalid_argument): " + heads.substr(13) + "\n");
+  CHECK(table_rows(out).empty());
+
+  // A manifest says nothing of heads: rows and columns must divide.
+  write_file(s.file("odd.json"), R"({"model.norm.weight": {"shape": [64]},
+                                     "model.layers.0.mlp.down_proj.weight": {"shape": [64, 90]}})");
+  const manifest odd = load_manifest(s.file("odd.json"));
+  CHECK(layout_error(odd, layout_spec{layout_kind::fused, 2}).empty());
+  CHECK(layout_error(odd, layout_spec{layout_kind::fused, 4}) ==
+        "refit-bench: --layout tp4: odd: model.layers.0.mlp.down_proj.weight bf16[64, 90] has 90 columns (row-parallel), "
+        "which do not divide by 4; use a tp degree that divides them");
+  std::string odd_out;
+  CHECK(run_binary({"--manifest", s.file("odd.json"), "--layout", "tp4", "--quiet"}, odd_out, s.file("odd.err")) == 2);
+  CHECK_THAT(read_file(s.file("odd.err")), Catch::Contains("has 90 columns (row-parallel), which do not divide by 4"));
+}
+
+TEST_CASE("a source slice's region gathers the bytes a view of that slice holds, in order", "[bench]") {
+  // [3, 4, 5] of u16: slices of each dimension against a walk over every element.
+  const tensor_meta t{"t", dtype::u16, {3, 4, 5}};
+  for (int dim = 0; dim < 3; ++dim) {
+    const std::int64_t size = t.shape[static_cast<std::size_t>(dim)];
+    for (std::int64_t start = 0; start < size; ++start)
+      for (std::int64_t length = 1; start + length <= size; ++length) {
+        const byte_region r = region_of(t, source_slice{dim, start, length});
+        INFO("dim " << dim << " start " << start << " length " << length);
+        std::uint64_t next = 0;  // position of the next byte the slice takes, in row-major order
+        for (std::int64_t a = 0; a < 3; ++a)
+          for (std::int64_t b = 0; b < 4; ++b)
+            for (std::int64_t c = 0; c < 5; ++c) {
+              const std::int64_t idx[] = {a, b, c};
+              const bool in = idx[dim] >= start && idx[dim] < start + length;
+              const auto byte = static_cast<std::uint64_t>(((a * 4 + b) * 5 + c) * 2);
+              for (std::uint64_t h = 0; h < 2; ++h) {
+                const auto at = region_position(r, byte + h);
+                CHECK(at.has_value() == in);
+                if (in && at) CHECK(*at == next++);
+              }
+            }
+        CHECK(next == r.bytes());
+      }
+  }
+  CHECK(region_of(t, std::nullopt).bytes() == t.nbytes());
+  CHECK(region_of(t, source_slice{0, 1, 2}).contiguous());
+  CHECK(!region_of(t, source_slice{1, 1, 2}).contiguous());
+  CHECK(region_of(t, source_slice{2, 0, 5}).contiguous());  // all of the last dimension: one run
+
+  // Host memory checksums a strided region as those bytes gathered.
+  manifest m;
+  m.name = "m";
+  m.entries = {{t}};
+  const auto mem = make_host_shm_path()->sources(m, 7, nullptr);
+  const byte_region r = region_of(t, source_slice{1, 1, 2});
+  std::vector<std::byte> gathered;
+  for (std::uint64_t b = 0; b < t.nbytes(); ++b)
+    if (region_position(r, b)) gathered.push_back(mem->data(0)[b]);
+  REQUIRE(gathered.size() == r.bytes());
+  CHECK(mem->checksum(0, r) == copy::checksum(gathered.data(), gathered.size()));
+}
+
+TEST_CASE("--layout tpN runs one receiver per rank over cuda_ipc and nccl, and --rank picks host_shm's", "[bench]") {
+  int code = -1;
+  const char* tp2[] = {"refit-bench", "--layout", "tp2", "--rank", "1", "--receiver-devices", "spread"};
+  const auto c = parse_args(static_cast<int>(std::size(tp2)), tp2, code);
+  REQUIRE(c);
+  CHECK(c->layout == layout_spec{layout_kind::fused, 2});
+  CHECK(layout_name(c->layout) == "tp2");
+  CHECK(c->rank == 1);
+  CHECK(c->spread_receivers);
+  CHECK(receiver_processes(*c, transport_kind::host_shm) == 1);
+  CHECK(receiver_processes(*c, transport_kind::cuda_ipc) == 2);
+  CHECK(receiver_processes(*c, transport_kind::nccl) == 2);
+  // cuda_ipc spread: rank k on (device + k) % visible; nccl: the GPUs after the streamer's.
+  config d = *c;
+  d.device = 3;
+  CHECK(receiver_gpu(d, transport_kind::cuda_ipc, 0, 4) == 3);
+  CHECK(receiver_gpu(d, transport_kind::cuda_ipc, 1, 4) == 0);
+  CHECK(receiver_gpu(d, transport_kind::nccl, 0, 8) == 4);
+  d.spread_receivers = false;
+  CHECK(receiver_gpu(d, transport_kind::cuda_ipc, 1, 4) == 3);
+  const auto args = receiver_args(*c, transport_kind::cuda_ipc, "tiny", "ipc:///x", copy_engine::automatic, 1, 0);
+  const auto at = std::find(args.begin(), args.end(), "--layout");
+  REQUIRE(at != args.end());
+  CHECK(*std::next(at) == "tp2");
+  const auto rank = std::find(args.begin(), args.end(), "--rank");
+  REQUIRE(rank != args.end());
+  CHECK(*std::next(rank) == "0");
+  const auto own = receiver_args(*c, transport_kind::host_shm, "tiny", "ipc:///x");
+  CHECK(*std::next(std::find(own.begin(), own.end(), "--rank")) == "1");
+  const char* tp4[] = {"refit-bench", "--layout", "tp4"};
+  CHECK(parse_args(3, tp4, code)->receivers == 4);
+
+  const auto refused = [&](std::vector<const char*> argv) {
+    argv.insert(argv.begin(), "refit-bench");
+    try {
+      (void)parse_args(static_cast<int>(argv.size()), argv.data(), code);
+    } catch (const refit::error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(refused({"--layout", "tp2", "--rank", "2"}) == "refit-bench: --rank 2: out of range for --layout tp2 (ranks 0 to 1)");
+  CHECK(refused({"--rank", "1"}) == "refit-bench: --rank 1 is for --layout tpN (a tensor-parallel rank)");
+  CHECK(refused({"--layout", "tp2", "--receivers", "3"}) ==
+        "refit-bench: --receivers 3 with --layout tp2: tensor parallelism runs one receiver per rank (2); leave --receivers out");
+  // cuda_ipc serves several receivers by direct writes only: a staged-only run is refused before anything runs.
+  config staged = *c;
+  staged.transports = {transport_kind::cuda_ipc};
+  staged.direct = {false};
+  std::ostringstream out;
+  CHECK_THROWS_WITH(run(staged, out), "refit-bench: --path staged with --layout tp2 over cuda_ipc: one streamer serves "
+                                      "its 2 receivers only by writing into each one's weights; use --path direct");
+  for (const char* name : {"tp1", "tp0", "tp02", "tp65", "tpx", "tp"})
+    CHECK_THAT(refused({"--layout", name}), Catch::Contains(fmt::format("--layout {}: unknown", name)));
+}
+
+TEST_CASE("a host_shm run with --layout tp2 verifies rank 1's slices as they landed, and counts the bytes it needs",
+          "[bench][e2e]") {
+  scratch s;
+  config c = short_run("tiny");
+  c.layout = layout_spec{layout_kind::fused, 2};
+  c.rank = 1;
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  INFO(out.str());
+  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK") &&
+                            Catch::Contains("--layout tp2: each rank holds tiny in 17 engine tensors: 27 views of 27 "
+                                            "source tensors") &&
+                            Catch::Contains("host_shm rank 1 (--rank)"));
+  const auto table = table_rows(out.str());
+  REQUIRE(table.size() == 2);
+  for (const auto& row : table) CHECK_THAT(row, Catch::Contains(" memcpy+tp2 "));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  const manifest tiny = preset("tiny");
+  for (const auto& r : j["rows"]) {
+    CHECK(r["wrong"] == 0);
+    CHECK(r["layout"] == "tp2");
+    CHECK(r["bytes"] == make_layout(tiny, c.layout, 1).needed_bytes(tiny));
+    CHECK(r["receivers"] == 1);
+  }
+  // Rank 0 too, from the binary; a tied embedding's vocabulary rows in both of its views.
+  std::string text;
+  CHECK(run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout", "tp2"}, text) == 0);
+  CHECK_THAT(text, Catch::Contains("# Wrong values          : 0 OK"));
+  write_file(s.file("moe.json"), tied_moe_manifest());
+  std::string tied;
+  CHECK(run_binary({"--manifest", s.file("moe.json"), "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout", "tp2",
+                    "--rank", "1"}, tied) == 0);
+  CHECK_THAT(tied, Catch::Contains("# Wrong values          : 0 OK"));
+}
+
+TEST_CASE("a byte corrupted in a row-parallel shard fails a --layout tp2 run with WRONG", "[bench][e2e]") {
+  scratch s;
+  // tensor 8 of tiny: layer 0's o_proj (its columns are strided in the source); 12: its down_proj.
+  for (const char* tensor : {"8", "12"}) {
+    std::string text;
+    CHECK(run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--layout", "tp2",
+                      "--rank", "1", "--corrupt-byte", tensor}, text, s.file("err")) == 1);
+    CHECK_THAT(text, Catch::Contains("# Wrong values          : 1 FAILED") && Catch::Contains("memcpy+tp2"));
+    CHECK_THAT(read_file(s.file("err")),
+               Catch::Contains(fmt::format("WRONG: version 1 tensor {} (model.layers.0.{}", tensor,
+                                           tensor == std::string("8") ? "self_attn.o_proj" : "mlp.down_proj")));
+  }
+}
+
+TEST_CASE("a streamer started by hand checking another tp rank than its receiver's is refused, naming both",
+          "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny", "--layout", "tp2", "--rank", "1"});
+  CHECK(rx.ready["rank"] == 1);
+  CHECK_THAT(rx.banner(), Catch::Contains("--layout tp2 --rank 1"));
+  config c = hand_streamer(rx);
+  c.buffer_mb = {1};
+  c.layout = layout_spec{layout_kind::fused, 2};
+  std::ostringstream out;
+  try {
+    (void)run(c, out);
+    FAIL("no error");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::protocol);
+    CHECK_THAT(e.what(), Catch::Contains("holds rank 1 of --layout tp2 and this streamer checks rank 0"));
+  }
+  hand_receiver fresh(s, "fresh", {"--bind", "ipc://" + s.file("y"), "--model", "tiny", "--layout", "tp2", "--rank", "1"});
+  config same = hand_streamer(fresh);
+  same.buffer_mb = {1};
+  same.layout = layout_spec{layout_kind::fused, 2};
+  same.rank = 1;
   std::ostringstream good;
   CHECK(run(same, good) == 0);
   CHECK_THAT(good.str(), Catch::Contains("# Wrong values          : 0 OK"));
