@@ -386,8 +386,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
   }
 
-  /// Bytes of direct writes launched at once while a batch is planned (see send_tensors).
-  static constexpr std::uint64_t direct_launch_bytes = 64ull << 20;
+  /// Bytes of the first direct writes launched while a batch is planned (see send_tensors).
+  static constexpr std::uint64_t direct_first_launch_bytes = 64ull << 20;
 
   /// The copies that write source bytes [from, from + bytes) of a tensor at `data` into its
   /// destinations of a direct session: one op per row of each clipped run.
@@ -424,11 +424,15 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     const bool in_place = by_entry && buffers->in_place();
     stats.direct = direct || in_place;
     // Direct writes need nothing from the receiver until the batch's manifest is sent, so they are
-    // launched as they are planned, every direct_launch_bytes: copying the first tensors overlaps
-    // gathering the next ones (a Python state_dict's conversion, a generator's all-gather) instead
-    // of waiting for the whole 1 GiB batch to be planned.
+    // launched as they are planned: copying the first tensors overlaps gathering the next ones (a
+    // Python state_dict's conversion, a generator's all-gather) instead of waiting for the whole
+    // 1 GiB batch to be planned. The first launch comes after 64 MiB, each next one after twice
+    // as much as the last (up to 1 GiB): early overlap, yet few launches (each ends in a partly
+    // idle wave of the copy kernel; 64 MiB launches throughout cost llama3-8b 14% on an H100).
     std::uint64_t direct_pending = 0;
+    std::uint64_t direct_next = direct_first_launch_bytes;
     const auto launch_direct = [&] {
+      direct_next = std::min(2 * direct_next, transport::direct_batch_bytes);
       auto tp = clock::now();
       for (void* s : open.streams) buffers->after(s);
       copier->run(open.ops, buffers->stream());
@@ -512,7 +516,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         if (direct) {
           write_routes(targets, static_cast<const std::byte*>(t->data), p.entry.tensor_offset, p.entry.bytes, open.ops);
           direct_pending += p.entry.bytes;
-          if (direct_pending >= direct_launch_bytes) launch_direct();
+          if (direct_pending >= direct_next) launch_direct();
           continue;
         }
         open.ops.push_back(copy::op{from, buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
