@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cstddef>
 #include <cstring>
 
 #include "config/config.hpp"
@@ -16,8 +17,12 @@ namespace {
 class cpu_copier final : public copier {
  public:
   void run(std::span<const op> ops, void* /*stream*/) override {
-    for (const op& o : ops)
-      if (o.bytes != 0) std::memcpy(o.dst, o.src, o.bytes);
+    for (const op& o : ops) {
+      if (o.bytes == 0) continue;
+      for (std::uint64_t r = 0; r < o.rows; ++r)
+        std::memcpy(static_cast<std::byte*>(o.dst) + r * o.dst_pitch,
+                    static_cast<const std::byte*>(o.src) + r * o.src_pitch, o.bytes);
+    }
   }
   [[nodiscard]] engine kind() const noexcept override { return engine::cpu; }
 };

@@ -14,10 +14,23 @@
 
 namespace refit::copy {
 
+/// One copy: `rows` rows of `bytes` bytes, row r from src + r·src_pitch to dst + r·dst_pitch (a
+/// plain copy is one row). Rows of one op never overlap each other on the destination side.
 struct op {
   const void* src = nullptr;
   void* dst = nullptr;
-  std::uint64_t bytes = 0;
+  std::uint64_t bytes = 0;  ///< of one row
+  std::uint64_t rows = 1;
+  std::uint64_t src_pitch = 0;
+  std::uint64_t dst_pitch = 0;
+
+  op() = default;
+  op(const void* s, void* d, std::uint64_t n) noexcept : src(s), dst(d), bytes(n) {}
+  op(const void* s, void* d, std::uint64_t row_bytes, std::uint64_t row_count, std::uint64_t s_pitch,
+     std::uint64_t d_pitch) noexcept
+      : src(s), dst(d), bytes(row_bytes), rows(row_count), src_pitch(s_pitch), dst_pitch(d_pitch) {}
+  /// Bytes the op moves.
+  [[nodiscard]] std::uint64_t total() const noexcept { return bytes * rows; }
 };
 
 enum class engine : std::uint8_t {

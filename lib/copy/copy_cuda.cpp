@@ -32,7 +32,7 @@ int multiprocessors(int device) {
 }
 
 std::size_t non_empty(std::span<const op> ops) noexcept {
-  return static_cast<std::size_t>(std::count_if(ops.begin(), ops.end(), [](const op& o) { return o.bytes != 0; }));
+  return static_cast<std::size_t>(std::count_if(ops.begin(), ops.end(), [](const op& o) { return o.bytes != 0 && o.rows != 0; }));
 }
 
 /// One launch of the copy kernel per run(). The op list reaches the device through a ring of
@@ -75,9 +75,12 @@ class kernel_copier final : public copier {
     std::uint64_t tiles = 0;
     std::size_t n = 0;
     for (const op& o : ops) {
-      if (o.bytes == 0) continue;
-      list[n++] = kernel::device_op{o.src, o.dst, o.bytes, tiles};
-      tiles += kernel::tiles_of(o.bytes);
+      const kernel::tiling cut = kernel::tiles_of(o.bytes, o.rows);
+      if (cut.tiles == 0) continue;
+      list[n++] = kernel::device_op{o.src,  o.dst,       o.bytes,           tiles,
+                                    o.rows, o.src_pitch, o.dst_pitch,       cut.tiles_per_row,
+                                    cut.rows_per_tile};
+      tiles += cut.tiles;
     }
 
     // The device array may still be read by the previous launch from this slot (another stream).
@@ -98,7 +101,7 @@ class kernel_copier final : public copier {
   [[nodiscard]] engine kind() const noexcept override { return engine::kernel; }
 
  private:
-  static constexpr std::size_t initial_capacity = 1024;  // ops; 32 KiB per array
+  static constexpr std::size_t initial_capacity = 1024;  // ops; 64 KiB per array
 
   /// Waits for `e` on the host, at most timeout_: the work before it may wait on a peer's event
   /// (the other process's apply or pack), and a dead peer's event may never complete.
@@ -156,9 +159,11 @@ class batch_copier final : public copier {
     sizes_.clear();
     for (const op& o : ops) {
       if (o.bytes == 0) continue;
-      dsts_.push_back(o.dst);
-      srcs_.push_back(o.src);
-      sizes_.push_back(static_cast<std::size_t>(o.bytes));
+      for (std::uint64_t r = 0; r < o.rows; ++r) {  // a row each: the batch API copies ranges
+        dsts_.push_back(static_cast<std::byte*>(o.dst) + r * o.dst_pitch);
+        srcs_.push_back(static_cast<const std::byte*>(o.src) + r * o.src_pitch);
+        sizes_.push_back(static_cast<std::size_t>(o.bytes));
+      }
     }
     if (dsts_.empty()) return;
     if (s == nullptr) {
@@ -197,9 +202,16 @@ class each_copier final : public copier {
     device_guard guard(device_);
     const auto s = static_cast<cudaStream_t>(stream);
     for (const op& o : ops) {
-      if (o.bytes == 0) continue;
-      check_cuda(cudaMemcpyAsync(o.dst, o.src, static_cast<std::size_t>(o.bytes), cudaMemcpyDefault, s),
-                 [&] { return fmt::format("cudaMemcpyAsync({} bytes, device {})", o.bytes, device_); });
+      if (o.bytes == 0 || o.rows == 0) continue;
+      if (o.rows == 1) {
+        check_cuda(cudaMemcpyAsync(o.dst, o.src, static_cast<std::size_t>(o.bytes), cudaMemcpyDefault, s),
+                   [&] { return fmt::format("cudaMemcpyAsync({} bytes, device {})", o.bytes, device_); });
+        continue;
+      }
+      check_cuda(cudaMemcpy2DAsync(o.dst, static_cast<std::size_t>(o.dst_pitch), o.src,
+                                   static_cast<std::size_t>(o.src_pitch), static_cast<std::size_t>(o.bytes),
+                                   static_cast<std::size_t>(o.rows), cudaMemcpyDefault, s),
+                 [&] { return fmt::format("cudaMemcpy2DAsync({} rows of {} bytes, device {})", o.rows, o.bytes, device_); });
     }
   }
 

@@ -2,7 +2,8 @@
 //
 // The copy kernel takes a whole batch in one launch: the host lists the ops (with a prefix sum of
 // their 64 KiB tiles) in device memory, and a grid of at most blocks_per_sm blocks per SM walks
-// the tiles with a grid stride. Each block finds the op of its tile by binary search, then copies
+// the tiles with a grid stride. An op may have several rows with their own pitches (a view, a
+// column slice): a long row is cut into tiles, short rows are grouped into one. Each block finds the op of its tile by binary search, then copies
 // the tile with the widest access both pointers allow: 16-byte vectors when source and
 // destination are equally misaligned modulo 16 (the usual case: the plan aligns buffer offsets
 // to 256 and allocators align tensors), after a short head of single bytes and before a short
@@ -61,6 +62,30 @@ __device__ __forceinline__ void copy_range(const unsigned char* s, unsigned char
     copy_elements(s, d, n);
 }
 
+/// Rows of one tile that are each shorter than a tile, spread over the block's threads as one
+/// flat range of 16-byte vectors when every row start and the row length allow it (the usual
+/// case: bf16 rows of a TP shard), one row at a time otherwise.
+__device__ __forceinline__ void copy_short_rows(const unsigned char* s, unsigned char* d, std::uint64_t bytes,
+                                                std::uint64_t src_pitch, std::uint64_t dst_pitch,
+                                                std::uint64_t first, std::uint64_t count) {
+  const auto bits = reinterpret_cast<std::uintptr_t>(s) | reinterpret_cast<std::uintptr_t>(d) | bytes | src_pitch |
+                    dst_pitch;
+  if ((bits & 15) == 0) {
+    const auto per_row = static_cast<std::uint32_t>(bytes / 16);
+    const auto total = static_cast<std::uint32_t>(count) * per_row;
+    for (std::uint32_t i = threadIdx.x; i < total; i += copy_threads) {
+      const std::uint32_t r = i / per_row;
+      const std::uint32_t v = i - r * per_row;
+      const std::uint64_t row = first + r;
+      const uint4 x = __ldg(reinterpret_cast<const uint4*>(s + row * src_pitch) + v);
+      __stcg(reinterpret_cast<uint4*>(d + row * dst_pitch) + v, x);
+    }
+    return;
+  }
+  for (std::uint64_t r = first; r < first + count; ++r)
+    copy_range(s + r * src_pitch, d + r * dst_pitch, static_cast<std::uint32_t>(bytes));
+}
+
 __global__ void __launch_bounds__(copy_threads)
     copy_tiles(const device_op* __restrict__ ops, std::uint32_t count, std::uint64_t total_tiles) {
   // Tiles of one block only increase, so the op index only increases: search from the last one.
@@ -76,13 +101,22 @@ __global__ void __launch_bounds__(copy_threads)
         hi = mid;
     }
     op = lo;
-    const auto* src = static_cast<const unsigned char*>(ops[op].src);
-    auto* dst = static_cast<unsigned char*>(ops[op].dst);
-    const std::uint64_t bytes = ops[op].bytes;
-    const std::uint64_t begin = (t - ops[op].first_tile) * tile_bytes;
-    const std::uint64_t left = bytes - begin;
-    const auto n = static_cast<std::uint32_t>(left < tile_bytes ? left : tile_bytes);
-    copy_range(src + begin, dst + begin, n);
+    const device_op& o = ops[op];
+    const auto* src = static_cast<const unsigned char*>(o.src);
+    auto* dst = static_cast<unsigned char*>(o.dst);
+    const std::uint64_t local = t - o.first_tile;
+    if (o.tiles_per_row != 0) {
+      const std::uint64_t row = local / o.tiles_per_row;
+      const std::uint64_t begin = (local - row * o.tiles_per_row) * tile_bytes;
+      const std::uint64_t left = o.bytes - begin;
+      const auto n = static_cast<std::uint32_t>(left < tile_bytes ? left : tile_bytes);
+      copy_range(src + row * o.src_pitch + begin, dst + row * o.dst_pitch + begin, n);
+    } else {
+      const std::uint64_t first = local * o.rows_per_tile;
+      const std::uint64_t rest = o.rows - first;
+      copy_short_rows(src, dst, o.bytes, o.src_pitch, o.dst_pitch, first,
+                      rest < o.rows_per_tile ? rest : o.rows_per_tile);
+    }
   }
 }
 

@@ -22,18 +22,38 @@ inline constexpr int blocks_per_sm = 8;
 /// Threads per block of the checksum reduction.
 inline constexpr int checksum_threads = 256;
 
-/// One copy as the kernel sees it. `first_tile` is the prefix sum of the tile counts of the ops
-/// before it, so the op of tile t is the last one with first_tile <= t.
+/// One copy as the kernel sees it: `rows` rows of `bytes` bytes (row r at src + r·src_pitch and
+/// dst + r·dst_pitch). `first_tile` is the prefix sum of the tile counts of the ops before it, so
+/// the op of tile t is the last one with first_tile <= t. A row of at least a tile is split into
+/// `tiles_per_row` tiles; shorter rows are grouped `rows_per_tile` to a tile (tiles_per_row 0).
 struct device_op {
   const void* src;
   void* dst;
   std::uint64_t bytes;
   std::uint64_t first_tile;
+  std::uint64_t rows;
+  std::uint64_t src_pitch;
+  std::uint64_t dst_pitch;
+  std::uint32_t tiles_per_row;
+  std::uint32_t rows_per_tile;
 };
-static_assert(sizeof(device_op) == 32);
+static_assert(sizeof(device_op) == 64);
 
-/// Tiles of an op of `bytes` bytes (0 for an empty op).
-constexpr std::uint64_t tiles_of(std::uint64_t bytes) noexcept { return (bytes + tile_bytes - 1) / tile_bytes; }
+/// Tiles of an op of `rows` rows of `bytes` bytes (0 for an empty op), and how they cut it.
+struct tiling {
+  std::uint64_t tiles = 0;
+  std::uint32_t tiles_per_row = 0;
+  std::uint32_t rows_per_tile = 0;
+};
+constexpr tiling tiles_of(std::uint64_t bytes, std::uint64_t rows = 1) noexcept {
+  if (bytes == 0 || rows == 0) return {};
+  if (bytes >= tile_bytes) {
+    const std::uint64_t per_row = (bytes + tile_bytes - 1) / tile_bytes;
+    return {rows * per_row, static_cast<std::uint32_t>(per_row), 0};
+  }
+  const std::uint64_t per_tile = tile_bytes / bytes;
+  return {(rows + per_tile - 1) / per_tile, 0, static_cast<std::uint32_t>(per_tile)};
+}
 
 /// Enqueues one launch copying every tile of `count` ops (a device array, already filled in
 /// stream order) on `stream`, with `blocks` blocks. Returns cudaGetLastError() after the launch.

@@ -185,12 +185,11 @@ class table_t {
 };
 
 /// Appends the copies of runs `pieces` (clipped to an entry) from `src` (the entry's first source
-/// byte, at source offset `from`) into `dst` (the destination's first byte): one op per row.
+/// byte, at source offset `from`) into `dst` (the destination's first byte): one op per run.
 void append_ops(std::span<const plan::run> pieces, const std::byte* src, std::uint64_t from, std::byte* dst,
                 std::vector<copy::op>& ops) {
   for (const plan::run& r : pieces)
-    for (std::uint64_t i = 0; i < r.rows; ++i)
-      ops.push_back(copy::op{src + (r.src - from) + i * r.src_pitch, dst + r.dst + i * r.dst_pitch, r.width});
+    ops.emplace_back(src + (r.src - from), dst + r.dst, r.width, r.rows, r.src_pitch, r.dst_pitch);
 }
 
 }  // namespace

@@ -390,7 +390,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   static constexpr std::uint64_t direct_first_launch_bytes = 64ull << 20;
 
   /// The copies that write source bytes [from, from + bytes) of a tensor at `data` into its
-  /// destinations of a direct session: one op per row of each clipped run.
+  /// destinations of a direct session: one (2-D) op per clipped run.
   static void write_routes(std::span<const transport::routed> targets, const std::byte* data, std::uint64_t from,
                            std::uint64_t bytes, std::vector<copy::op>& ops) {
     std::vector<plan::run> pieces;
@@ -398,8 +398,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       pieces.clear();
       for (const plan::run& r : t.runs) plan::clip(r, from, from + bytes, pieces);
       for (const plan::run& r : pieces)
-        for (std::uint64_t i = 0; i < r.rows; ++i)
-          ops.push_back(copy::op{data + r.src + i * r.src_pitch, t.base + r.dst + i * r.dst_pitch, r.width});
+        ops.emplace_back(data + r.src, t.base + r.dst, r.width, r.rows, r.src_pitch, r.dst_pitch);
     }
   }
 

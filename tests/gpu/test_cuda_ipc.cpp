@@ -359,13 +359,48 @@ void expect_no_growth(const std::string& who, const resources& earlier, const re
 
 // ------------------------------------------------------------------------ copy engines
 
+/// A random 2-D op (rows with their own pitches, as a view or a column slice makes) at `cursor`:
+/// short rows (grouped into a tile), rows around a tile and long rows (cut into tiles), aligned
+/// to 16 bytes on every row or not; the destination's gaps between rows stay untouched.
+std::optional<refit::copy::op> random_rows(std::mt19937_64& rng, const std::byte* src, std::uint64_t src_bytes,
+                                           std::byte* dst, std::uint64_t dst_bytes, std::uint64_t& cursor) {
+  const auto kind = rng() % 3;
+  const std::uint64_t width = kind == 0 ? 1 + rng() % 2048 : kind == 1 ? 60 * kib + rng() % (8 * kib)
+                                                                        : 64 * kib + rng() % (200 * kib);
+  const std::uint64_t rows = 2 + rng() % (kind == 0 ? 300 : 6);
+  const bool aligned = rng() % 2 == 0;
+  std::uint64_t w = aligned ? (width + 15) / 16 * 16 : width;
+  std::uint64_t src_pitch = w + rng() % 64;
+  std::uint64_t dst_pitch = w + rng() % 64;
+  std::uint64_t from = rng() % 4096;
+  cursor += rng() % 32;
+  if (aligned) {
+    src_pitch = (src_pitch + 15) / 16 * 16;
+    dst_pitch = (dst_pitch + 15) / 16 * 16;
+    from = from / 16 * 16;
+    cursor = (cursor + 15) / 16 * 16;
+  }
+  const std::uint64_t dst_span = (rows - 1) * dst_pitch + w;
+  if (cursor + dst_span > dst_bytes || from + (rows - 1) * src_pitch + w > src_bytes) return std::nullopt;
+  refit::copy::op o(src + from, dst + cursor, w, rows, src_pitch, dst_pitch);
+  cursor += dst_span;
+  return o;
+}
+
 /// Random ops between two device buffers, with random sizes (0 to a few MiB) and misalignments,
-/// destinations disjoint; about half of them equally misaligned on both sides (the vector path).
+/// destinations disjoint; about half of them equally misaligned on both sides (the vector path);
+/// one in twenty has several rows with pitches (random_rows).
 std::vector<refit::copy::op> random_ops(std::mt19937_64& rng, const std::byte* src, std::uint64_t src_bytes,
                                         std::byte* dst, std::uint64_t dst_bytes, std::size_t count) {
   std::vector<refit::copy::op> ops;
   std::uint64_t cursor = 0;
   for (std::size_t k = 0; k < count; ++k) {
+    if (rng() % 20 == 0) {
+      const auto o = random_rows(rng, src, src_bytes, dst, dst_bytes, cursor);
+      if (!o) break;
+      ops.push_back(*o);
+      continue;
+    }
     const auto kind = rng() % 100;
     std::uint64_t bytes = 0;
     if (kind < 5)
@@ -411,10 +446,14 @@ void copy_engine_body(refit::copy::engine engine) {
   auto* d = static_cast<std::byte*>(dst.handle());
   const auto ops = random_ops(rng, s, src_bytes, d, dst_bytes, 4000);
   expect(ops.size() > 2000, "only " + std::to_string(ops.size()) + " ops fit");
-  for (const auto& o : ops)
-    if (o.bytes != 0)
-      std::memcpy(want.data() + (static_cast<const std::byte*>(o.dst) - d),
-                  src_host.data() + (static_cast<const std::byte*>(o.src) - s), o.bytes);
+  std::size_t multi_row = 0;
+  for (const auto& o : ops) {
+    multi_row += o.rows > 1 ? 1 : 0;
+    for (std::uint64_t r = 0; r < o.rows && o.bytes != 0; ++r)
+      std::memcpy(want.data() + (static_cast<const std::byte*>(o.dst) - d) + r * o.dst_pitch,
+                  src_host.data() + (static_cast<const std::byte*>(o.src) - s) + r * o.src_pitch, o.bytes);
+  }
+  expect(multi_row > 40, "only " + std::to_string(multi_row) + " ops with several rows");
 
   refit::cuda::stream stream(cudaStreamNonBlocking);
   auto copier = refit::copy::make_copier(engine, 0);
@@ -446,9 +485,14 @@ void copy_engine_body(refit::copy::engine engine) {
   for (const auto& o : std::span<const refit::copy::op>(ops).subspan(0, 100)) {
     if (o.bytes == 0) continue;
     std::vector<std::uint8_t> part(o.bytes);
-    refit::check_cuda(cudaMemcpy(part.data(), o.dst, o.bytes, cudaMemcpyDeviceToHost), "download");
-    expect(std::memcmp(part.data(), src_host.data() + (static_cast<const std::byte*>(o.src) - s), o.bytes) == 0,
-           std::string(refit::copy::to_string(engine)) + ": a copy on the default stream differs");
+    for (std::uint64_t r = 0; r < o.rows; ++r) {
+      refit::check_cuda(cudaMemcpy(part.data(), static_cast<const std::byte*>(o.dst) + r * o.dst_pitch, o.bytes,
+                                   cudaMemcpyDeviceToHost),
+                        "download");
+      expect(std::memcmp(part.data(), src_host.data() + (static_cast<const std::byte*>(o.src) - s) + r * o.src_pitch,
+                         o.bytes) == 0,
+             std::string(refit::copy::to_string(engine)) + ": a copy on the default stream differs");
+    }
   }
 }
 

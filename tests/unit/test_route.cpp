@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "copy/copy.hpp"
 #include "plan/route.hpp"
 #include "refit/error.hpp"
 #include "refit/model.hpp"
@@ -818,5 +819,19 @@ TEST_CASE("engine layouts reduce to the runs a hand computation gives", "[route]
     const auto d = make_dest("embed_tokens", dtype::f32, {500, 64}, nullptr, {80, 1}, source_slice{0, 1000, 500});
     CHECK(refit::plan::route(d, dtype::f32, shape_t{32000, 64}) ==
           std::vector<run>{run{1000ull * 64 * 4, 64 * 4, 0, 80 * 4, 64 * 4, 500}});
+  }
+}
+
+TEST_CASE("the CPU copier copies an op of several rows row by row, leaving the gaps between them", "[route][copy]") {
+  std::vector<std::uint8_t> src(4096), dst(4096, 0xee);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint8_t>(i * 7 + 1);
+  // 5 rows of 24 bytes: read every 40 bytes from byte 3, written every 32 bytes from byte 100.
+  const refit::copy::op o(src.data() + 3, dst.data() + 100, 24, 5, 40, 32);
+  CHECK(o.total() == 120);
+  refit::copy::make_copier(refit::copy::engine::cpu)->run(std::span<const refit::copy::op>(&o, 1), nullptr);
+  for (std::size_t i = 0; i < dst.size(); ++i) {
+    const bool in_row = i >= 100 && i < 100 + 5 * 32 && (i - 100) % 32 < 24;
+    const std::uint8_t want = in_row ? src[3 + (i - 100) / 32 * 40 + (i - 100) % 32] : 0xee;
+    REQUIRE(dst[i] == want);
   }
 }
