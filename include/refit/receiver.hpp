@@ -31,6 +31,11 @@ struct receiver_options {
   /// refused with errc::unauthorized and does not disturb the session in use.
   std::string token;
   curve_keys curve;
+  /// The digest of the engine layout (route table) this receiver's parameter table was registered
+  /// from, "" for none. A streamer that says another one at HELLO is refused
+  /// (errc::invalid_argument naming both digests) and nothing is exchanged; either side without a
+  /// digest accepts any.
+  std::string layout;
 };
 
 /// Called with the entries of one batch. Views are valid only during the call. On CUDA

@@ -20,8 +20,9 @@ namespace refit {
 struct streamer_options {
   /// The receiver's endpoint: "ipc:///path" or "tcp://host:port" (what receiver::endpoint() says).
   std::string endpoint;
-  /// nccl: the endpoints of every receiver, rank k+1 being receivers[k]; when empty, `endpoint`
-  /// is the one receiver. host_shm and cuda_ipc serve exactly one receiver per streamer.
+  /// The endpoints of every receiver (nccl: rank k+1 is receivers[k]; cuda_ipc: receivers of this
+  /// host, each written directly); when empty, `endpoint` is the one receiver. host_shm serves
+  /// exactly one receiver per streamer.
   std::vector<std::string> receivers;
   transport_kind transport = transport_kind::host_shm;
   std::size_t buffer_count = 2;               ///< ping-pong: at least 2
@@ -59,6 +60,10 @@ struct streamer_options {
   /// host_shm: page-lock the shared buffers (cudaHostRegister) when CUDA is available.
   bool page_locked = false;
   curve_keys curve;
+  /// The digest of the engine layout (route table) this trainer's tensors were recorded against
+  /// (refit.record in Python), "" for none. A receiver set up with another digest refuses the
+  /// session (errc::invalid_argument naming both) before any byte moves.
+  std::string layout;
 };
 
 /// Figures of one refit.

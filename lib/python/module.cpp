@@ -122,8 +122,9 @@ struct view {
 class py_receiver {
  public:
   py_receiver(std::optional<std::string> endpoint, int device, double idle_timeout, std::optional<std::string> token,
-              const py::object& curve, const std::string& engine) {
+              const py::object& curve, const std::string& engine, const std::string& layout) {
     receiver_options o;
+    o.layout = layout;
     o.endpoint = endpoint.value_or("");
     o.device = device;
     o.idle_timeout = to_deadline(idle_timeout, "idle_timeout");
@@ -510,8 +511,9 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::size_t buffers, bool direct, double timeout,
                                        std::optional<std::string> token, int device, const py::object& curve,
                                        std::uint64_t alignment, bool keep_whole, const std::string& engine,
-                                       bool page_locked) {
+                                       bool page_locked, const std::string& layout) {
   streamer_options o;
+  o.layout = layout;
   o.endpoint = std::move(endpoint);
   const auto t = parse_transport(transport);
   if (!t) throw py::value_error("transport must be 'host_shm', 'cuda_ipc' or 'nccl'; got '" + transport + "'");
@@ -617,9 +619,11 @@ PYBIND11_MODULE(_refit, m) {
       });
 
   py::class_<py_receiver>(m, "Receiver")
-      .def(py::init<std::optional<std::string>, int, double, std::optional<std::string>, py::object, std::string>(),
+      .def(py::init<std::optional<std::string>, int, double, std::optional<std::string>, py::object, std::string,
+                    std::string>(),
            py::arg("endpoint") = py::none(), py::kw_only(), py::arg("device") = 0, py::arg("idle_timeout") = 60.0,
-           py::arg("token") = py::none(), py::arg("curve") = py::none(), py::arg("engine") = "automatic")
+           py::arg("token") = py::none(), py::arg("curve") = py::none(), py::arg("engine") = "automatic",
+           py::arg("layout") = "")
       .def_property_readonly("endpoint", &py_receiver::endpoint)
       .def_property_readonly("device", &py_receiver::device)
       .def("add_parameter", &py_receiver::add_parameter, py::arg("name"), py::arg("tensor"),
@@ -642,16 +646,16 @@ PYBIND11_MODULE(_refit, m) {
                        std::optional<std::vector<std::string>> receivers, std::uint64_t buffer_bytes,
                        std::size_t buffers, bool direct, double timeout, std::optional<std::string> token, int device,
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
-                       bool page_locked) {
+                       bool page_locked, const std::string& layout) {
              return std::make_unique<py_streamer>(streamer_options_from(
                  std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
-                 std::move(token), device, curve, alignment, keep_whole, engine, page_locked));
+                 std::move(token), device, curve, alignment, keep_whole, engine, page_locked, layout));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
            py::arg("timeout") = 30.0, py::arg("token") = py::none(), py::arg("device") = 0,
            py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
-           py::arg("engine") = "automatic", py::arg("page_locked") = false)
+           py::arg("engine") = "automatic", py::arg("page_locked") = false, py::arg("layout") = "")
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none())
       .def("close", &py_streamer::close);

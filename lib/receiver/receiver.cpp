@@ -75,9 +75,6 @@ struct ending {
   std::string reason;  ///< why it aborted
 };
 
-/// True when a session of this HELLO transport is laid out from the parameter table (cuda_ipc
-/// direct, nccl in place: "kind/variant").
-bool asks_for_table(std::string_view transport) noexcept { return transport.find('/') != std::string_view::npos; }
 
 /// One registered destination and how its source's bytes reach it.
 struct slot {
@@ -330,11 +327,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     laid_out = false;
   }
 
-  void reply_ok(std::vector<std::string> handles = {}) {
+  void reply_ok(std::vector<std::string> handles = {}, wire::session_mode mode = wire::session_mode::buffers) {
     wire::ok ok;
     ok.committed = committed_version();
     ok.dirty = is_dirty.load();
     ok.handles = std::move(handles);
+    ok.mode = mode;
     channel.reply(wire::encode(ok));
   }
 
@@ -369,11 +367,20 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       reply_error(errc::unauthorized, message);
       return receiver_event::refused;
     }
+    if (!h.layout.empty() && !options.layout.empty() && h.layout != options.layout) {
+      // Bytes laid out for another engine would land in the wrong places: refuse before any move.
+      const std::string message = fmt::format(
+          "engine layout mismatch: the streamer's tensors were recorded for layout {}, this receiver's parameter "
+          "table for layout {}; record the route table again and give both sides the same one",
+          h.layout, options.layout);
+      REFIT_WARN("refused HELLO from {}: {}", h.peer.empty() ? "an unnamed peer" : h.peer, message);
+      reply_error(errc::invalid_argument, message);
+      return receiver_event::refused;
+    }
     // A new session replaces the old one (its streamer is gone or restarted).
     end_session();
     try {
-      // "cuda_ipc/direct" is cuda_ipc asking for direct writes.
-      if (!sink || to_string(sink->kind()) != std::string_view(h.transport).substr(0, h.transport.find('/')))
+      if (!sink || to_string(sink->kind()) != h.transport)
         sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
       sink->attach(h, reply);
@@ -391,11 +398,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       tracker.emplace(std::move(sizes));
       copier = copy::make_copier(copy::choose(sink->engine(), options.engine), options.device, options.idle_timeout);
       peer = h.peer;
-      laid_out = asks_for_table(h.transport);
+      laid_out = h.mode == wire::session_mode::in_place;
       session_generation = sink_generation;
-      REFIT_INFO("session with {}: {} × {} MiB {} buffers", peer, sink->count(), sink->buffer_bytes(0) >> 20,
-                 h.transport);
-      reply_ok(std::move(reply.handles));
+      REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", peer, sink->count(), sink->buffer_bytes(0) >> 20,
+                 h.transport, direct || in_place ? ", written in place" : "");
+      reply_ok(std::move(reply.handles), reply.mode);
       return receiver_event::hello;
     } catch (const error& e) {
       if (sink) sink->detach();

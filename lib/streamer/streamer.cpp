@@ -244,6 +244,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     wire::hello h;
     h.token = token;
     h.alignment = options.alignment;
+    h.layout = options.layout;
     buffers->open_session(h);
     try {
       const auto hello_to = [&](std::size_t k) {

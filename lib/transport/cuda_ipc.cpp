@@ -36,11 +36,9 @@ namespace {
 
 constexpr unsigned int ipc_event_flags = cudaEventDisableTiming | cudaEventInterprocess;
 constexpr std::string_view transport_name = "cuda_ipc";
-/// HELLO's transport when the streamer asks for direct writes (sink::offer_direct).
-constexpr std::string_view direct_transport_name = "cuda_ipc/direct";
-/// First handle of a receiver's direct offer; then one "A" + cudaIpcMemHandle_t per allocation,
-/// then one "T" + wire::encode_dest() record per destination.
-constexpr std::string_view direct_offer_tag = "refit-direct/2";
+// A receiver's direct offer (its reply to a HELLO asking for session_mode::in_place, granting it)
+// carries one "A" + cudaIpcMemHandle_t per allocation, then one "T" + wire::encode_dest() record
+// per destination.
 
 /// The allocation that holds `p` (cuMemGetAddressRange through the runtime's driver entry point,
 /// so that refit needs no link to libcuda): its base, or nullptr when the driver cannot say.
@@ -238,7 +236,8 @@ class cuda_ipc_source final : public source {
       }
       exported_ = std::move(descs);
     }
-    h.transport = std::string(want_direct_ ? direct_transport_name : transport_name);
+    h.transport = std::string(transport_name);
+    h.mode = want_direct_ ? wire::session_mode::in_place : wire::session_mode::buffers;
     h.host_id = host_identity();
     h.peer = process_identity();
     h.device_uuid = uuid_;
@@ -248,7 +247,7 @@ class cuda_ipc_source final : public source {
   void session_accepted(std::span<const wire::ok> replies) override {
     close_session();
     if (replies.empty()) return;
-    const auto offered = [](const wire::ok& r) { return !r.handles.empty() && r.handles.front() == direct_offer_tag; };
+    const auto offered = [](const wire::ok& r) { return r.mode == wire::session_mode::in_place; };
     if (replies.size() > 1) {
       // Several receivers (TP ranks of one host) share no buffer: each is written where it is.
       for (std::size_t k = 0; k < replies.size(); ++k)
@@ -373,7 +372,7 @@ class cuda_ipc_source final : public source {
   receiver_targets map_offer(const wire::ok& reply) const {
     receiver_targets out;
     std::size_t count = 0;
-    for (std::size_t k = 1; k < reply.handles.size(); ++k) {
+    for (std::size_t k = 0; k < reply.handles.size(); ++k) {
       const std::string& rec = reply.handles[k];
       if (rec.size() == 1 + sizeof(cudaIpcMemHandle_t) && rec[0] == 'A') {
         out.mapped.emplace_back(from_raw_bytes<cudaIpcMemHandle_t>(rec.substr(1)),
@@ -426,7 +425,7 @@ class cuda_ipc_sink final : public sink {
 
   void attach(const wire::hello& h, wire::ok& /*reply*/) override {
     detach();
-    if (h.transport != transport_name && h.transport != direct_transport_name)
+    if (h.transport != transport_name)
       throw error(errc::protocol,
                   fmt::format("a HELLO for transport '{}' reached the cuda_ipc receiver side", h.transport));
     const std::string local_host = host_identity();
@@ -484,8 +483,8 @@ class cuda_ipc_sink final : public sink {
   }
 
   bool offer_direct(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) override {
-    if (h.transport != direct_transport_name || table.empty()) return false;
-    std::vector<std::string> records{std::string(direct_offer_tag)};
+    if (h.mode != wire::session_mode::in_place || table.empty()) return false;
+    std::vector<std::string> records;
     std::map<void*, std::uint64_t> allocations;  // base → index
     std::vector<std::string> tensors;
     tensors.reserve(table.size());
@@ -518,6 +517,7 @@ class cuda_ipc_sink final : public sink {
     }
     for (auto& t : tensors) records.push_back(std::move(t));
     reply.handles = std::move(records);
+    reply.mode = wire::session_mode::in_place;
     REFIT_INFO("cuda_ipc: offering {} destinations in {} allocations for direct writes by {}", table.size(),
                allocations.size(), h.peer);
     return true;

@@ -65,8 +65,7 @@ std::unique_ptr<source> make_source(const source_options& options) {
 
 std::unique_ptr<sink> make_sink(std::string_view transport, int device, milliseconds timeout) {
   (void)device, (void)timeout;
-  // "cuda_ipc/direct": cuda_ipc, asking for direct writes (see sink::offer_direct).
-  const auto kind = parse_transport(transport.substr(0, transport.find('/')));
+  const auto kind = parse_transport(transport);
   if (kind == transport_kind::host_shm) return make_host_shm_sink();
 #if REFIT_HAVE_CUDA
   if (kind == transport_kind::cuda_ipc) return make_cuda_ipc_sink(device, timeout);

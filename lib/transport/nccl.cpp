@@ -96,9 +96,6 @@ namespace {
 using clock = std::chrono::steady_clock;
 
 constexpr std::string_view transport_name = "nccl";
-/// HELLO's transport when the streamer sends every tensor in place and asks the receivers to
-/// receive in place too (sink::offer_in_place).
-constexpr std::string_view in_place_transport_name = "nccl/in-place";
 
 double ms_since(clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
@@ -536,7 +533,8 @@ class nccl_source final : public source {
     ncclUniqueId id{};
     check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
     id_ = id;
-    h.transport = std::string(want_in_place_ ? in_place_transport_name : transport_name);
+    h.transport = std::string(transport_name);
+    h.mode = want_in_place_ ? wire::session_mode::in_place : wire::session_mode::buffers;
     h.peer = process_identity();
     h.host_id = host_identity();
     h.device_uuid = uuid_;
@@ -583,7 +581,7 @@ class nccl_source final : public source {
       throw error(errc::internal, "nccl: a receiver accepted the session before join() built the communicator");
     // In place only when every receiver offered it: one that stages needs buffer-sized batches.
     in_place_ = want_in_place_ && !replies.empty() && std::all_of(replies.begin(), replies.end(), [](const wire::ok& r) {
-                  return !r.handles.empty() && r.handles.front() == in_place_offer_tag;
+                  return r.mode == wire::session_mode::in_place;
                 });
     if (in_place_) {
       send_.clear();  // nothing is ever packed in this session: the memory goes back
@@ -716,7 +714,7 @@ class nccl_sink final : public sink {
 
   void attach(const wire::hello& h, wire::ok& reply) override {
     (void)reply;  // nothing to send back: the communicator is the handshake
-    if (h.transport != transport_name && h.transport != in_place_transport_name)
+    if (h.transport != transport_name)
       throw error(errc::protocol, fmt::format("nccl: HELLO names transport '{}'", h.transport));
     if (h.nccl_id.size() != sizeof(ncclUniqueId))
       throw error(errc::protocol,
@@ -783,7 +781,7 @@ class nccl_sink final : public sink {
   }
 
   bool offer_in_place(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) override {
-    bool offer = attached_ && h.transport == in_place_transport_name && !table.empty();
+    bool offer = attached_ && h.mode == wire::session_mode::in_place && !table.empty();
     std::unordered_set<std::string_view> names;
     for (const plan::destination& d : table)
       if (offer && ((d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) || !plan::is_plain(d) ||
@@ -791,7 +789,7 @@ class nccl_sink final : public sink {
         offer = false;  // a view or a slice is staged: a broadcast lands whole and dense
     if (offer) {
       recv_.clear();  // nothing is ever staged in this session: the memory goes back
-      reply.handles.insert(reply.handles.begin(), std::string(in_place_offer_tag));
+      reply.mode = wire::session_mode::in_place;
       return true;
     }
     make_buffers();  // batches will be staged here as they come

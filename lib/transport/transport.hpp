@@ -30,8 +30,6 @@ namespace refit::transport {
 /// use this size instead of the buffers' when they plan and check batches: a batch is then only
 /// a manifest message, and larger ones mean fewer round trips.
 inline constexpr std::uint64_t direct_batch_bytes = 1ull << 30;
-/// The first handle of a receiver's reply to HELLO when it receives every entry in place (nccl).
-inline constexpr std::string_view in_place_offer_tag = "refit-in-place/1";
 
 /// One entry of a batch, for transports that move a batch entry by entry (nccl: one broadcast
 /// per entry, the batch's as one group). On the streamer: the bytes to send; on a receiver: where
@@ -123,7 +121,7 @@ class source {
   /// Stops asking for direct sessions (after the receiver's offer could not be mapped).
   virtual void disable_direct() noexcept {}
   /// True when every receiver of this session receives every entry in place (nccl: each one
-  /// offered it in its reply to HELLO, see sink::offer_in_place). No buffer holds a batch then,
+  /// granted session_mode::in_place in its reply to HELLO, see sink::offer_in_place). No buffer holds a batch then,
   /// so batches are planned with direct_batch_bytes, and every tensor must be where() the
   /// transport sends from.
   [[nodiscard]] virtual bool in_place() const noexcept { return false; }
@@ -156,22 +154,23 @@ class sink {
   virtual void attach(const wire::hello& h, wire::ok& reply) = 0;
   /// Unmaps everything attach() mapped. Never throws.
   virtual void detach() noexcept = 0;
-  /// After attach(): when `h` asks for direct writes and every destination of `table` can be
-  /// shared with the streamer (and written by it: dense, whole, one per name), describes them in `reply.handles` and returns true; the receiver
-  /// then only validates batches (the streamer writes the bytes). Returns false, changing
-  /// nothing, otherwise. Never throws for memory it cannot share (that just means staging).
+  /// After attach(): when `h` asks for session_mode::in_place and the streamer can write every
+  /// destination of `table` itself (cuda_ipc: CUDA memory it can export; views and slices
+  /// included), describes them in `reply.handles`, sets `reply.mode` to in_place and returns true;
+  /// the receiver then only validates batches (the streamer writes the bytes). Returns false,
+  /// changing nothing, otherwise. Never throws for memory it cannot share (that just means
+  /// staging).
   virtual bool offer_direct(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) {
     (void)h, (void)table, (void)reply;
     return false;
   }
   /// Called once per session after attach() (and offer_direct() when that declined; `table` is
   /// empty for a callback sink). For a transport that moves entries one by one (nccl): when `h`
-  /// asks for it and every destination of `table` can be received into in place (dense, whole,
-  /// one per name, on the sink's device), says so in
-  /// `reply.handles` and returns true; batches are then planned with direct_batch_bytes, every
-  /// entry lands in its destination, and no buffer exists (data() is null). Otherwise returns
-  /// false, having made the buffers batches are staged in. Throws refit::error(cuda) when those
-  /// cannot be allocated.
+  /// asks for session_mode::in_place and every destination of `table` can be received into in
+  /// place (dense, whole, one per name, on the sink's device), sets `reply.mode` to in_place and
+  /// returns true; batches are then planned with direct_batch_bytes, every entry lands in its
+  /// destination, and no buffer exists (data() is null). Otherwise returns false, having made the
+  /// buffers batches are staged in. Throws refit::error(cuda) when those cannot be allocated.
   virtual bool offer_in_place(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) {
     (void)h, (void)table, (void)reply;
     return false;

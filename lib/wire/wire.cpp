@@ -27,6 +27,10 @@ std::string_view to_string(msg_type t) noexcept {
   return "UNKNOWN";
 }
 
+std::string_view to_string(session_mode m) noexcept {
+  return m == session_mode::in_place ? "in place" : "buffers";
+}
+
 msg_type type_of(const message& m) noexcept {
   return std::visit(
       [](const auto& v) -> msg_type {
@@ -67,7 +71,7 @@ void head(packer& p, msg_type t, std::uint32_t fields) {
 }
 
 void encode_body(packer& p, const hello& m) {
-  head(p, msg_type::hello, 10);
+  head(p, msg_type::hello, 12);
   pack_str(p, m.token);
   pack_str(p, m.transport);
   pack_str(p, m.peer);
@@ -85,6 +89,8 @@ void encode_body(packer& p, const hello& m) {
   pack_bin(p, m.nccl_id);
   pack_uint(p, m.rank);
   pack_uint(p, m.nranks);
+  pack_uint(p, static_cast<std::uint8_t>(m.mode));
+  pack_str(p, m.layout);
 }
 
 void encode_body(packer& p, const begin& m) {
@@ -121,13 +127,14 @@ void encode_body(packer& p, const end& m) {
 void encode_body(packer& p, const bye&) { head(p, msg_type::bye, 0); }
 
 void encode_body(packer& p, const ok& m) {
-  head(p, msg_type::ok, 3);
+  head(p, msg_type::ok, 4);
   if (m.committed) pack_uint(p, *m.committed);
   else p.pack_nil();
   if (m.dirty) p.pack_true();
   else p.pack_false();
   p.pack_array(static_cast<std::uint32_t>(m.handles.size()));
   for (const auto& h : m.handles) pack_bin(p, h);
+  pack_uint(p, static_cast<std::uint8_t>(m.mode));
 }
 
 void encode_body(packer& p, const error& m) {
@@ -274,16 +281,23 @@ class reader {
 // Fields of each message, after [type, protocol version].
 constexpr std::size_t field_count(msg_type t) noexcept {
   switch (t) {
-    case msg_type::hello: return 10;
+    case msg_type::hello: return 12;
     case msg_type::begin: return 1;
     case msg_type::batch: return 4;
     case msg_type::end: return 4;
     case msg_type::bye: return 0;
-    case msg_type::ok: return 3;
+    case msg_type::ok: return 4;
     case msg_type::error: return 2;
     case msg_type::abort: return 3;
   }
   return 0;
+}
+
+session_mode decode_mode(reader& r, const object& o) {
+  const std::uint64_t v = r.u64(o, "mode");
+  if (v > static_cast<std::uint64_t>(session_mode::in_place))
+    r.fail("mode", fmt::format("has unknown value {}; the peer runs a newer refit or is broken", v));
+  return static_cast<session_mode>(v);
 }
 
 hello decode_hello(reader& r, std::span<const object> f) {
@@ -312,6 +326,8 @@ hello decode_hello(reader& r, std::span<const object> f) {
   m.nccl_id = r.bin(f[7], "nccl_id", max_handle_bytes);
   m.rank = r.u32(f[8], "rank");
   m.nranks = r.u32(f[9], "nranks");
+  m.mode = decode_mode(r, f[10]);
+  m.layout = r.str(f[11], "layout", max_handle_bytes);
   return m;
 }
 
@@ -383,6 +399,7 @@ ok decode_ok(reader& r, std::span<const object> f) {
   m.handles.reserve(handles.size());
   for (std::size_t i = 0; i < handles.size(); ++i)
     m.handles.push_back(r.bin(handles[i], fmt::format("handles[{}]", i), max_handle_bytes));
+  m.mode = decode_mode(r, f[3]);
   return m;
 }
 

@@ -26,7 +26,7 @@ namespace refit::wire {
 /// Bumped on every incompatible change of the format below. A new message type is not one: a
 /// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
 /// ERROR and aborts the refit all the same), and a streamer never receives a request.
-inline constexpr std::uint32_t protocol_version = 1;
+inline constexpr std::uint32_t protocol_version = 2;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
 inline constexpr std::size_t max_message_bytes = 64u << 20;
@@ -59,6 +59,13 @@ struct buffer_desc {
   friend bool operator==(const buffer_desc&, const buffer_desc&) = default;
 };
 
+/// How a session moves bytes, negotiated at HELLO: the streamer asks, each receiver's reply grants.
+enum class session_mode : std::uint8_t {
+  buffers = 0,   ///< through the ping-pong buffers (staged, packed)
+  in_place = 1,  ///< written where the receiver's weights are: cuda_ipc direct, nccl in place
+};
+std::string_view to_string(session_mode m) noexcept;
+
 /// Streamer → receiver, once per session.
 struct hello {
   std::string token;      ///< session token ("" when none)
@@ -71,6 +78,10 @@ struct hello {
   std::string nccl_id;    ///< nccl: the 128-byte ncclUniqueId
   std::uint32_t rank = 0;  ///< nccl: this receiver's rank
   std::uint32_t nranks = 0;
+  session_mode mode = session_mode::buffers;  ///< what the streamer asks for
+  /// The digest of the engine layout (route table) the streamer's side was set up for, "" when
+  /// none: a receiver set up for another refuses the session.
+  std::string layout;
   friend bool operator==(const hello&, const hello&) = default;
 };
 
@@ -126,11 +137,12 @@ struct abort {
 };
 
 /// Success reply. `handles` carries what the receiver exports in reply to HELLO (transport
-/// specific, may be empty).
+/// specific, may be empty); `mode` what it grants of what HELLO asked (buffers in other replies).
 struct ok {
   std::optional<std::uint64_t> committed;
   bool dirty = false;
   std::vector<std::string> handles;
+  session_mode mode = session_mode::buffers;
   friend bool operator==(const ok&, const ok&) = default;
 };
 

@@ -61,6 +61,8 @@ wire::hello hello_cuda() {
   h.host_id = "policy-0/6c1b2f0e";
   h.device_uuid = std::string(16, '\x11');
   h.alignment = 4096;
+  h.mode = wire::session_mode::in_place;
+  h.layout = "sha256:5e1f";
   h.buffers = {{1u << 30, std::string(64, '\x22'), std::string(64, '\x33'), std::string(64, '\x44')}};
   return h;
 }
@@ -107,15 +109,21 @@ int main(int argc, char** argv) {
     write(w, "hello_host_shm", wire::encode(hello_shm()));
     write(w, "hello_cuda_ipc", wire::encode(hello_cuda()));
     write(w, "hello_nccl", wire::encode(hello_nccl()));
+    // decode_dest runs on every input too: destination records of a direct offer.
+    write(w, "dest_shard", wire::encode_dest(wire::dest_record{"layers.0.o_proj.weight", refit::dtype::bf16, {64, 32},
+                                                                {64, 1}, refit::source_slice{1, 32, 32}, 0, 4096}));
+    write(w, "dest_dense", wire::encode_dest(wire::dest_record{"q", refit::dtype::f32, {8, 4}, {}, std::nullopt, 1, 0}));
     write(w, "begin", wire::encode(wire::begin{7}));
     write(w, "batch_0", wire::encode(batch0()));
     write(w, "batch_1", wire::encode(batch1()));
     write(w, "batch_empty", wire::encode(wire::batch{3, 0, 0, {}}));
     write(w, "end", wire::encode(end7()));
     write(w, "bye", wire::encode(wire::bye{}));
-    write(w, "ok_hello", wire::encode(wire::ok{std::nullopt, false, {std::string(64, '\x66'), "h2"}}));
-    write(w, "ok_committed", wire::encode(wire::ok{7, false, {}}));
-    write(w, "ok_dirty", wire::encode(wire::ok{6, true, {}}));
+    write(w, "ok_hello", wire::encode(wire::ok{std::nullopt, false, {std::string(64, '\x66'), "h2"},
+                                               wire::session_mode::buffers}));
+    write(w, "ok_in_place", wire::encode(wire::ok{std::nullopt, false, {"A", "T"}, wire::session_mode::in_place}));
+    write(w, "ok_committed", wire::encode(wire::ok{7, false, {}, wire::session_mode::buffers}));
+    write(w, "ok_dirty", wire::encode(wire::ok{6, true, {}, wire::session_mode::buffers}));
     write(w, "error_protocol",
           wire::encode(wire::error{refit::errc::protocol, "BATCH 3: sequence number 4 out of order, expected 3"}));
     write(w, "error_unauthorized", wire::encode(wire::error{refit::errc::unauthorized, "session token mismatch"}));

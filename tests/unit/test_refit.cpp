@@ -67,6 +67,7 @@ struct receiver_spec {
   std::vector<refit::tensor_meta> tensors;
   sink_kind sink = sink_kind::table;
   refit::milliseconds idle_timeout{3000};
+  std::string layout;  ///< receiver_options::layout
   // Callback sink only ------------------------------------------------------------------------
   /// The streamer's buffer size: tensors larger than it must arrive in chunks; with keep_whole,
   /// tensors that fit must arrive whole. 0: not checked.
@@ -133,6 +134,7 @@ void receiver_child::run() {
   refit::receiver_options ro;
   ro.endpoint = spec_.endpoint;
   ro.idle_timeout = spec_.idle_timeout;
+  ro.layout = spec_.layout;
   refit::receiver r(ro);
 
   std::vector<std::vector<std::uint8_t>> data(tensors.size());
@@ -487,6 +489,43 @@ TEST_CASE("a shape different from the parameter table's aborts the refit and com
   auto sent = registered;
   sent.back().shape = {32, 64};  // same bytes, other shape
   table_refuses(registered, sent, refit::errc::apply, {"lm_head.weight f32[32, 64]", "lm_head.weight f32[64, 32]"});
+}
+
+TEST_CASE("a streamer recorded for another engine layout is refused at HELLO naming both digests; a matching one and "
+          "one without a digest commit",
+          "[refit][layout]") {
+  const auto metas = rt::mixed_model(20, 0);
+  const scoped_endpoint endpoint;
+  const std::string& ep = endpoint.name;
+  receiver_spec spec(ep, metas);
+  spec.layout = "sha256:aaaa";
+  receiver_child rx(spec);
+  {
+    auto o = stream_options(ep, 2, 256 * kib);
+    o.layout = "sha256:bbbb";
+    refit::streamer s(o);
+    const host_tensors t(metas, 1);
+    const auto f = failure_of([&] { s.refit(1, t.refs); });
+    REQUIRE(f);
+    CHECK(f->code == code_name(refit::errc::invalid_argument));
+    CHECK_THAT(f->message, Catch::Contains("engine layout mismatch"));
+    CHECK_THAT(f->message, Catch::Contains("layout sha256:bbbb"));
+    CHECK_THAT(f->message, Catch::Contains("layout sha256:aaaa"));
+    CHECK(rx.next_report() == outcome("refused", std::nullopt, false));
+  }
+  {
+    auto o = stream_options(ep, 2, 256 * kib);
+    o.layout = "sha256:aaaa";
+    refit::streamer s(o);
+    good_refit(s, rx, metas, 1);
+    s.close();
+  }
+  {
+    refit::streamer s(stream_options(ep, 2, 256 * kib));  // no digest: not checked
+    good_refit(s, rx, metas, 2);
+    s.close();
+  }
+  CHECK(rx.stop() == 0);
 }
 
 TEST_CASE("a throwing batch callback reaches the streamer as errc::apply with its message; the next refit commits",

@@ -99,7 +99,7 @@ field good_buffer() { return ARR({U(1024), B("/refit-shm-1"), B(""), B("")}); }
 
 std::vector<field> hello_fields() {
   return {S("token"), S("host_shm"), S("host:42"), S("host-boot"), B(std::string(16, '\x7f')), U(256),
-          ARR({good_buffer(), good_buffer()}), B(""), U(0), U(1)};
+          ARR({good_buffer(), good_buffer()}), B(""), U(0), U(1), U(0), S("")};
 }
 
 // An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset].
@@ -149,6 +149,20 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     REQUIRE(std::holds_alternative<wire::hello>(m));
     CHECK(std::get<wire::hello>(m) == h);
     CHECK(wire::type_of(m) == wire::msg_type::hello);
+  }
+  SECTION("HELLO asking for a session written in place, with a layout digest") {
+    wire::hello h;
+    h.transport = "cuda_ipc";
+    h.mode = wire::session_mode::in_place;
+    h.layout = "sha256:0f3a";
+    const auto m = roundtrip(h);
+    CHECK(std::get<wire::hello>(m) == h);
+  }
+  SECTION("OK granting a session written in place") {
+    wire::ok ok;
+    ok.handles = {"A1234", "T5678"};
+    ok.mode = wire::session_mode::in_place;
+    CHECK(std::get<wire::ok>(roundtrip(ok)) == ok);
   }
   SECTION("HELLO with every optional field empty") {
     wire::hello h;
@@ -234,7 +248,7 @@ TEST_CASE("message type names are upper case", "[wire]") {
 TEST_CASE("the hand-built good messages of these tests decode", "[wire]") {
   CHECK_NOTHROW(wire::decode(message(HELLO, hello_fields())));
   CHECK_NOTHROW(wire::decode(message(BATCH, batch_fields({good_entry()}))));
-  CHECK_NOTHROW(wire::decode(message(OK, {NIL(), T(false), ARR({})})));
+  CHECK_NOTHROW(wire::decode(message(OK, {NIL(), T(false), ARR({}), U(0)})));
   CHECK(std::get<wire::abort>(wire::decode(message(ABORT, {U(7), U(1), S("dup")}))) ==
         wire::abort{7, errc::invalid_argument, "dup"});
 }
@@ -301,11 +315,12 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
       CHECK_THAT(what, Catch::Contains("same refit release"));
     }
   };
-  check_mismatch(message(BEGIN, {U(1)}, 2), 2);
+  check_mismatch(message(BEGIN, {U(1)}, 1), 1);
+  check_mismatch(message(BEGIN, {U(1)}, 3), 3);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
   check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 9), 9);
-  check_mismatch(message(99, {}, 2), 2);
+  check_mismatch(message(99, {}, 3), 3);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
@@ -320,7 +335,7 @@ TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(BYE, {NIL()})), errc::protocol, "BYE message: 1 fields, expected 0");
   auto h = hello_fields();
   h.pop_back();
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 9 fields, expected 10");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 11 fields, expected 12");
   CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), U(3)})), errc::protocol, "END message: 3 fields");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true)})), errc::protocol, "OK message: 2 fields");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2)})), errc::protocol, "ERROR message: 1 fields");
@@ -356,6 +371,14 @@ TEST_CASE("decode rejects HELLO fields of the wrong type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 8, T(true)))), errc::protocol, "rank must be an unsigned integer, got bool");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 9, U(1ull << 32)))), errc::protocol,
                     "nranks is 4294967296, more than");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 10, U(2)))), errc::protocol,
+                    "HELLO message: mode has unknown value 2");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 10, T(true)))), errc::protocol,
+                    "mode must be an unsigned integer, got bool");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 11, B("digest")))), errc::protocol,
+                    "layout must be a str, got bin");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 11, S(std::string(5000, 'x'))))), errc::protocol,
+                    "layout is 5000 bytes long, more than the limit");
 }
 
 TEST_CASE("decode rejects buffer descriptors of the wrong shape or type", "[wire]") {
@@ -411,13 +434,17 @@ TEST_CASE("decode rejects entry fields of the wrong type", "[wire]") {
 }
 
 TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {S("3"), T(false), ARR({})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {S("3"), T(false), ARR({}), U(0)})), errc::protocol,
                     "OK message: committed must be nil or an unsigned integer, got str");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({})})), errc::protocol, "committed must be nil");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), U(0), ARR({})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({}), U(0)})), errc::protocol, "committed must be nil");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), U(0), ARR({}), U(0)})), errc::protocol,
                     "OK message: dirty must be a bool, got unsigned int");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL()})), errc::protocol, "handles must be an array");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({B("a"), S("b")})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL(), U(0)})), errc::protocol, "handles must be an array");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(7)})), errc::protocol,
+                    "OK message: mode has unknown value 7");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), S("in place")})), errc::protocol,
+                    "mode must be an unsigned integer");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({B("a"), S("b")}), U(0)})), errc::protocol,
                     "handles[1] must be a bin, got str");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {S("protocol"), S("x")})), errc::protocol,
                     "ERROR message: code must be an unsigned integer, got str");
@@ -481,7 +508,7 @@ TEST_CASE("decode rejects handles longer than the limit", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, B(long_handle)))), errc::protocol, "nccl_id is 4097 bytes");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(long_handle), B(""), B("")})})))),
                     errc::protocol, "buffer 0: handle is 4097 bytes");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({B(long_handle)})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({B(long_handle)}), U(0)})), errc::protocol,
                     "handles[0] is 4097 bytes");
 }
 

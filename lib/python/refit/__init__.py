@@ -86,6 +86,18 @@ def _device_index(device: Any) -> int:
     raise TypeError(f"device must be an int, 'cuda:N', 'cpu' or a torch.device; got {device!r}")
 
 
+def _layout_digest(layout: Any) -> str:
+    """The digest both sides compare at HELLO: a route table's ``digest()``, a digest string, or
+    "" for None (no check)."""
+    if layout is None:
+        return ""
+    if isinstance(layout, str):
+        return layout
+    if hasattr(layout, "digest"):
+        return str(layout.digest())
+    raise TypeError(f"layout must be a route table (with digest()), a digest str or None; got {type(layout).__name__}")
+
+
 def _stream_context(stream: int, device: int):
     """Runs Python callbacks on the stream the receiver's views are ready on, so that torch work
     they enqueue is ordered after the bytes arrived and before the buffer is reused."""
@@ -110,6 +122,9 @@ class Receiver(_refit.Receiver):
             ``secret_key`` and optionally ``allowed_clients``.
         engine: how GPU copies are made (``"automatic"``, ``"kernel"``, ``"memcpy_batch"``,
             ``"memcpy_each"``).
+        layout: the route table the parameters were registered from (``refit.record``), or its
+            digest: a streamer whose ``layout`` differs is refused at HELLO (``Errc.invalid_argument``)
+            before any byte moves. None: no check.
 
     Example::
 
@@ -133,6 +148,7 @@ class Receiver(_refit.Receiver):
         token: Optional[str] = None,
         curve: Any = None,
         engine: str = "automatic",
+        layout: Any = None,
     ) -> None:
         super().__init__(
             endpoint,
@@ -141,6 +157,7 @@ class Receiver(_refit.Receiver):
             token=token,
             curve=curve,
             engine=engine,
+            layout=_layout_digest(layout),
         )
 
     def add_parameter(self, name: str, tensor: Any, source_slice: Optional[Tuple[int, int, int]] = None) -> None:
@@ -291,8 +308,8 @@ class Receiver(_refit.Receiver):
 
 
 class Streamer(_refit.Streamer):
-    """The trainer's side: streams named tensors to one receiver (host_shm, cuda_ipc) or
-    broadcasts them to several (nccl).
+    """The trainer's side: streams named tensors to one receiver, or to several: nccl broadcasts,
+    cuda_ipc writes each receiver of this host directly (TP ranks).
 
     Args:
         endpoint: the receiver's :attr:`Receiver.endpoint`.
@@ -308,6 +325,8 @@ class Streamer(_refit.Streamer):
         token, curve: as for :class:`Receiver` (curve: ``public_key``, ``secret_key``,
             ``server_key``).
         device: CUDA device of the buffers (default: the current one).
+        layout: the route table (or its digest) the trainer's names were recorded against; a
+            receiver registered from another one refuses the session. None: no check.
 
     Example::
 
@@ -335,6 +354,7 @@ class Streamer(_refit.Streamer):
         keep_whole: bool = True,
         engine: str = "automatic",
         page_locked: bool = False,
+        layout: Any = None,
     ) -> None:
         if endpoint is None:
             if not receivers:
@@ -355,6 +375,7 @@ class Streamer(_refit.Streamer):
             keep_whole=keep_whole,
             engine=engine,
             page_locked=page_locked,
+            layout=_layout_digest(layout),
         )
 
     def refit(self, version: int, tensors: Tensors, *, stream: Any = None) -> RefitStats:
