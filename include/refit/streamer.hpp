@@ -40,10 +40,10 @@ struct streamer_options {
   /// batch and commits only at END. Falls back to staging through the buffers, by itself, when
   /// the receiver does not offer its weights (callback sink, memory it cannot export) or this
   /// process cannot map them. false: always stage. Direct copies start as tensors are read
-  /// (after 64 MiB, then in growing launches), overlapping the source: a tensor the receiver's
-  /// table refuses (unknown name, a shape or slice that does not fit) fails the refit before any
-  /// of its own bytes are written, but tensors read before it may have landed (the receiver is
-  /// dirty from BEGIN in a direct session). Several receivers (TP ranks of one host, in
+  /// (whenever the device has finished the copies before), overlapping the source: a tensor the
+  /// receiver's table refuses (unknown name, a shape or slice that does not fit) fails the refit
+  /// before any of its own bytes are written, but tensors read before it may have landed (the
+  /// receiver is dirty from BEGIN in a direct session). Several receivers (TP ranks of one host, in
   /// `receivers`) are served only this way, each written where its weights are.
   /// nccl: ask the receivers to receive every entry in place (each one does when its parameter
   /// table is all on its GPU); when all of them do, batches are 1 GiB whatever buffer_bytes is and

@@ -48,6 +48,9 @@ class copier {
   virtual ~copier() = default;
   virtual void run(std::span<const op> ops, void* stream) = 0;
   [[nodiscard]] virtual engine kind() const noexcept = 0;
+  /// True when every copy this copier enqueued has finished (the device would idle without more
+  /// work), asked without waiting. Engines that cannot tell say false.
+  [[nodiscard]] virtual bool idle() noexcept { return false; }
 };
 
 /// The engine to use for buffers whose transport prefers `preferred`: the user's choice on GPU

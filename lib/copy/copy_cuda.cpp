@@ -100,6 +100,15 @@ class kernel_copier final : public copier {
 
   [[nodiscard]] engine kind() const noexcept override { return engine::kernel; }
 
+  bool idle() noexcept override {
+    // The slot used last holds the event recorded after the last kernel.
+    const slot& last = slots_[(next_ + slots_.size() - 1) % slots_.size()];
+    const cudaError_t status = cudaEventQuery(last.consumed.handle());  // any device may ask
+    if (status == cudaErrorNotReady) return false;
+    (void)cudaGetLastError();  // an error here is reported by the next real call, not by a query
+    return status == cudaSuccess;
+  }
+
  private:
   static constexpr std::size_t initial_capacity = 1024;  // ops; 64 KiB per array
 

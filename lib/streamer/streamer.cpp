@@ -387,8 +387,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
   }
 
-  /// Bytes of the first direct writes launched while a batch is planned (see send_tensors).
-  static constexpr std::uint64_t direct_first_launch_bytes = 64ull << 20;
+  /// Direct writes planned between two questions whether the device is idle (see send_tensors).
+  static constexpr std::uint64_t direct_check_bytes = 16ull << 20;
 
   /// The copies that write source bytes [from, from + bytes) of a tensor at `data` into its
   /// destinations of a direct session: one (2-D) op per clipped run.
@@ -423,16 +423,17 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     const bool by_entry = !direct && buffers->moves_entries();
     const bool in_place = by_entry && buffers->in_place();
     stats.direct = direct || in_place;
-    // Direct writes need nothing from the receiver until the batch's manifest is sent, so they are
-    // launched as they are planned: copying the first tensors overlaps gathering the next ones (a
-    // Python state_dict's conversion, a generator's all-gather) instead of waiting for the whole
-    // 1 GiB batch to be planned. The first launch comes after 64 MiB, each next one after twice
-    // as much as the last (up to 1 GiB): early overlap, yet few launches (each ends in a partly
-    // idle wave of the copy kernel; 64 MiB launches throughout cost llama3-8b 14% on an H100).
+    // Direct writes need nothing from the receiver until the batch's manifest is sent, so they may
+    // be launched as they are planned: when the source is slower than the copies (a Python
+    // state_dict's conversion, a generator's all-gather), copying the first tensors overlaps
+    // gathering the next ones. They are launched when the device has finished what was launched
+    // before (asked every direct_check_bytes, without waiting), so a fast source still makes a
+    // few large launches (each ends in a partly idle wave of the copy kernel: 64 MiB launches
+    // throughout cost llama3-8b 14% on an H100).
     std::uint64_t direct_pending = 0;
-    std::uint64_t direct_next = direct_first_launch_bytes;
+    std::uint64_t direct_checked = 0;
     const auto launch_direct = [&] {
-      direct_next = std::min(2 * direct_next, transport::direct_batch_bytes);
+      direct_checked = 0;
       auto tp = clock::now();
       for (void* s : open.streams) buffers->after(s);
       copier->run(open.ops, buffers->stream());
@@ -469,6 +470,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       open.streams.clear();
       open.segments.clear();
       direct_pending = 0;
+      direct_checked = 0;
     };
 
 
@@ -516,7 +518,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         if (direct) {
           write_routes(targets, static_cast<const std::byte*>(t->data), p.entry.tensor_offset, p.entry.bytes, open.ops);
           direct_pending += p.entry.bytes;
-          if (direct_pending >= direct_next) launch_direct();
+          if (direct_pending - direct_checked >= direct_check_bytes) {
+            direct_checked = direct_pending;
+            if (copier->idle()) launch_direct();
+          }
           continue;
         }
         open.ops.push_back(copy::op{from, buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
