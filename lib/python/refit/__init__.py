@@ -33,6 +33,10 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Unio
 from ._errors import Errc, Event, RefitError, RefitTimeout
 from . import _refit
 from ._refit import ReceiverStats, RefitStats, View
+try:  # refit.record needs torch; without it the rest of refit works
+    from .record import Route, RouteTable, record
+except ImportError:  # pragma: no cover - exercised where torch is absent
+    pass
 
 _refit._set_error_types(RefitError, RefitTimeout)
 
@@ -45,8 +49,11 @@ __all__ = [
     "RefitError",
     "RefitStats",
     "RefitTimeout",
+    "Route",
+    "RouteTable",
     "Streamer",
     "View",
+    "record",
 ]
 
 try:  # torch is optional: without it, views are numpy arrays and sources any DLPack producer
