@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <string_view>
-#include <thread>
-#include <chrono>
 #include <array>
 #include <cstring>
 #include <limits>
@@ -19,6 +17,7 @@
 #include "copy/copy_kernel.hpp"
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
+#include "copy/wait.hpp"
 #include "refit/error.hpp"
 
 namespace refit::copy {
@@ -115,17 +114,16 @@ class kernel_copier final : public copier {
   /// Waits for `e` on the host, at most timeout_: the work before it may wait on a peer's event
   /// (the other process's apply or pack), and a dead peer's event may never complete.
   void wait(cudaEvent_t e, std::string_view what) const {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    for (;;) {
+    const bool done = poll_until(deadline::after(timeout_), [&] {
       const cudaError_t state = cudaEventQuery(e);
-      if (state == cudaSuccess) return;
-      if (state != cudaErrorNotReady) check_cuda(state, fmt::format("cudaEventQuery({})", what));
-      if (std::chrono::steady_clock::now() >= deadline)
-        throw error(errc::timeout, fmt::format("{} on device {} did not complete within {} ms: the GPU work before "
-                                               "it waits on the peer process, which may have died",
-                                               what, device_, timeout_.count()));
-      std::this_thread::yield();
-    }
+      if (state != cudaSuccess && state != cudaErrorNotReady)
+        check_cuda(state, fmt::format("cudaEventQuery({})", what));
+      return state == cudaSuccess;
+    });
+    if (!done)
+      throw error(errc::timeout, fmt::format("{} on device {} did not complete within {} ms: the GPU work before "
+                                             "it waits on the peer process, which may have died",
+                                             what, device_, timeout_.count()));
   }
 
   struct slot {

@@ -1,9 +1,8 @@
 // refit — RAII owners of the CUDA runtime handles lib/copy and lib/transport create: device
 // memory, page-locked host memory, events and streams.
 //
-// cppzmq shape: the constructor acquires or throws refit::error(errc::cuda), copy is deleted, a
-// move leaves the source empty, the destructor is noexcept and ignores errors (it may run after
-// the runtime has shut down), handle() is the escape hatch. A default-constructed owner is empty.
+// Each is a unique_handle (copy/unique_handle.hpp: cppzmq's shape) whose constructor acquires or
+// throws refit::error(errc::cuda). A default-constructed owner is empty.
 // Included only by code compiled with CUDA.
 #pragma once
 
@@ -14,116 +13,88 @@
 #include <utility>
 
 #include "copy/cuda_check.hpp"
+#include "copy/unique_handle.hpp"
 
 namespace refit::cuda {
+namespace detail {
+inline void free_device(void* p) noexcept { (void)cudaFree(p); }
+inline void free_host(void* p) noexcept { (void)cudaFreeHost(p); }
+inline void destroy_event(cudaEvent_t e) noexcept { (void)cudaEventDestroy(e); }
+inline void destroy_stream(cudaStream_t s) noexcept { (void)cudaStreamDestroy(s); }
 
-/// cudaMalloc'd memory on the current device.
-class device_buffer {
+/// Memory released by `Free`, and its size; a move leaves the source empty and 0 bytes.
+template <auto Free>
+class memory {
  public:
-  device_buffer() noexcept = default;
-  explicit device_buffer(std::uint64_t bytes) : bytes_(bytes) {
-    check_cuda(cudaMalloc(&p_, bytes), fmt::format("cudaMalloc({} bytes)", bytes));
-  }
-  ~device_buffer() { reset(); }
-  device_buffer(device_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  device_buffer& operator=(device_buffer&& o) noexcept {
+  memory() noexcept = default;
+  memory(void* p, std::uint64_t bytes) noexcept : p_(p), bytes_(p != nullptr ? bytes : 0) {}
+  memory(memory&& o) noexcept : p_(std::move(o.p_)), bytes_(std::exchange(o.bytes_, 0)) {}
+  memory& operator=(memory&& o) noexcept {
     if (this != &o) {
-      reset();
-      p_ = std::exchange(o.p_, nullptr);
+      p_ = std::move(o.p_);
       bytes_ = std::exchange(o.bytes_, 0);
     }
     return *this;
   }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
 
-  [[nodiscard]] void* handle() const noexcept { return p_; }
+  [[nodiscard]] void* handle() const noexcept { return p_.handle(); }
   [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
-  explicit operator bool() const noexcept { return p_ != nullptr; }
+  explicit operator bool() const noexcept { return static_cast<bool>(p_); }
 
  private:
-  void reset() noexcept {
-    if (p_ != nullptr) (void)cudaFree(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-  }
-  void* p_ = nullptr;
+  unique_handle<void*, Free> p_;
   std::uint64_t bytes_ = 0;
+};
+}  // namespace detail
+
+/// cudaMalloc'd memory on the current device.
+class device_buffer : public detail::memory<detail::free_device> {
+ public:
+  device_buffer() noexcept = default;
+  explicit device_buffer(std::uint64_t bytes) : memory(allocate(bytes), bytes) {}
+
+ private:
+  static void* allocate(std::uint64_t bytes) {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, bytes), fmt::format("cudaMalloc({} bytes)", bytes));
+    return p;
+  }
 };
 
 /// cudaMallocHost'd (page-locked) host memory.
-class pinned_buffer {
+class pinned_buffer : public detail::memory<detail::free_host> {
  public:
   pinned_buffer() noexcept = default;
-  explicit pinned_buffer(std::uint64_t bytes) : bytes_(bytes) {
-    check_cuda(cudaMallocHost(&p_, bytes), fmt::format("cudaMallocHost({} bytes)", bytes));
-  }
-  ~pinned_buffer() { reset(); }
-  pinned_buffer(pinned_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  pinned_buffer& operator=(pinned_buffer&& o) noexcept {
-    if (this != &o) {
-      reset();
-      p_ = std::exchange(o.p_, nullptr);
-      bytes_ = std::exchange(o.bytes_, 0);
-    }
-    return *this;
-  }
-  pinned_buffer(const pinned_buffer&) = delete;
-  pinned_buffer& operator=(const pinned_buffer&) = delete;
-
-  [[nodiscard]] void* handle() const noexcept { return p_; }
-  [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
-  explicit operator bool() const noexcept { return p_ != nullptr; }
+  explicit pinned_buffer(std::uint64_t bytes) : memory(allocate(bytes), bytes) {}
 
  private:
-  void reset() noexcept {
-    if (p_ != nullptr) (void)cudaFreeHost(p_);
-    p_ = nullptr;
-    bytes_ = 0;
+  static void* allocate(std::uint64_t bytes) {
+    void* p = nullptr;
+    check_cuda(cudaMallocHost(&p, bytes), fmt::format("cudaMallocHost({} bytes)", bytes));
+    return p;
   }
-  void* p_ = nullptr;
-  std::uint64_t bytes_ = 0;
 };
 
 /// An event of the current device, created with `flags` (cudaEventDisableTiming, ...).
-class event {
+class event : public unique_handle<cudaEvent_t, detail::destroy_event> {
  public:
   event() noexcept = default;
-  explicit event(unsigned int flags) {
-    check_cuda(cudaEventCreateWithFlags(&e_, flags), fmt::format("cudaEventCreateWithFlags({:#x})", flags));
-  }
-  ~event() { reset(); }
-  event(event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-  event& operator=(event&& o) noexcept {
-    if (this != &o) {
-      reset();
-      e_ = std::exchange(o.e_, nullptr);
-    }
-    return *this;
-  }
-  event(const event&) = delete;
-  event& operator=(const event&) = delete;
-
-  [[nodiscard]] cudaEvent_t handle() const noexcept { return e_; }
-  explicit operator bool() const noexcept { return e_ != nullptr; }
+  explicit event(unsigned int flags) : unique_handle(create(flags)) {}
 
  private:
-  void reset() noexcept {
-    if (e_ != nullptr) (void)cudaEventDestroy(e_);
-    e_ = nullptr;
+  static cudaEvent_t create(unsigned int flags) {
+    cudaEvent_t e = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&e, flags), fmt::format("cudaEventCreateWithFlags({:#x})", flags));
+    return e;
   }
-  cudaEvent_t e_ = nullptr;
 };
 
 /// A stream of the current device, created with `flags` (cudaStreamNonBlocking, ...) and
 /// `priority` (lower numbers run first; 0 is the default, see greatest_priority()).
-class stream {
+class stream : public unique_handle<cudaStream_t, detail::destroy_stream> {
  public:
   stream() noexcept = default;
-  explicit stream(unsigned int flags, int priority = 0) {
-    check_cuda(cudaStreamCreateWithPriority(&s_, flags, priority),
-               fmt::format("cudaStreamCreateWithPriority({:#x}, {})", flags, priority));
-  }
+  explicit stream(unsigned int flags, int priority = 0) : unique_handle(create(flags, priority)) {}
   /// The highest priority a stream of the current device can have: its kernels get the SMs first
   /// when kernels of several streams are ready at once.
   static int greatest_priority() {
@@ -131,27 +102,14 @@ class stream {
     check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
     return greatest;
   }
-  ~stream() { reset(); }
-  stream(stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-  stream& operator=(stream&& o) noexcept {
-    if (this != &o) {
-      reset();
-      s_ = std::exchange(o.s_, nullptr);
-    }
-    return *this;
-  }
-  stream(const stream&) = delete;
-  stream& operator=(const stream&) = delete;
-
-  [[nodiscard]] cudaStream_t handle() const noexcept { return s_; }
-  explicit operator bool() const noexcept { return s_ != nullptr; }
 
  private:
-  void reset() noexcept {
-    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
-    s_ = nullptr;
+  static cudaStream_t create(unsigned int flags, int priority) {
+    cudaStream_t s = nullptr;
+    check_cuda(cudaStreamCreateWithPriority(&s, flags, priority),
+               fmt::format("cudaStreamCreateWithPriority({:#x}, {})", flags, priority));
+    return s;
   }
-  cudaStream_t s_ = nullptr;
 };
 
 }  // namespace refit::cuda

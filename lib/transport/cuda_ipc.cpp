@@ -14,7 +14,6 @@
 
 #include <array>
 #include <chrono>
-#include <thread>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -28,6 +27,8 @@
 
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
+#include "copy/unique_handle.hpp"
+#include "copy/wait.hpp"
 #include "model/log.hpp"
 #include "refit/error.hpp"
 
@@ -99,80 +100,50 @@ std::string uuid_text(std::string_view raw) {
   return out;
 }
 
+void close_mapping(void* p) noexcept { (void)cudaIpcCloseMemHandle(p); }
+
 /// Another process's device memory, mapped with cudaIpcOpenMemHandle on the current device.
-class ipc_mapping {
+class ipc_mapping : public unique_handle<void*, close_mapping> {
  public:
   ipc_mapping() noexcept = default;
   /// Throws refit::error(errc::transport) naming `what` and the CUDA error.
-  ipc_mapping(const cudaIpcMemHandle_t& handle, std::string_view what) {
-    const cudaError_t status = cudaIpcOpenMemHandle(&p_, handle, cudaIpcMemLazyEnablePeerAccess);
+  ipc_mapping(const cudaIpcMemHandle_t& handle, std::string_view what) : unique_handle(open(handle, what)) {}
+
+ private:
+  static void* open(const cudaIpcMemHandle_t& handle, std::string_view what) {
+    void* p = nullptr;
+    const cudaError_t status = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
     if (status != cudaSuccess) {
       (void)cudaGetLastError();  // not sticky: do not let it surface in an unrelated later check
-      p_ = nullptr;
       throw error(errc::transport,
                   fmt::format("cudaIpcOpenMemHandle({}): {}: {}: this process cannot map the peer's GPU "
                               "memory (different container/GPU visibility?); use host_shm or nccl",
                               what, cudaGetErrorName(status), cudaGetErrorString(status)));
     }
+    return p;
   }
-  ~ipc_mapping() { reset(); }
-  ipc_mapping(ipc_mapping&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  ipc_mapping& operator=(ipc_mapping&& o) noexcept {
-    if (this != &o) {
-      reset();
-      p_ = std::exchange(o.p_, nullptr);
-    }
-    return *this;
-  }
-  ipc_mapping(const ipc_mapping&) = delete;
-  ipc_mapping& operator=(const ipc_mapping&) = delete;
-
-  [[nodiscard]] void* handle() const noexcept { return p_; }
-
- private:
-  void reset() noexcept {
-    if (p_ != nullptr) (void)cudaIpcCloseMemHandle(p_);
-    p_ = nullptr;
-  }
-  void* p_ = nullptr;
 };
 
 /// Another process's interprocess event, opened with cudaIpcOpenEventHandle.
-class ipc_event {
+class ipc_event : public unique_handle<cudaEvent_t, cuda::detail::destroy_event> {
  public:
   ipc_event() noexcept = default;
   /// Throws refit::error(errc::transport) naming `what` and the CUDA error.
-  ipc_event(const cudaIpcEventHandle_t& handle, std::string_view what) {
-    const cudaError_t status = cudaIpcOpenEventHandle(&e_, handle);
+  ipc_event(const cudaIpcEventHandle_t& handle, std::string_view what) : unique_handle(open(handle, what)) {}
+
+ private:
+  static cudaEvent_t open(const cudaIpcEventHandle_t& handle, std::string_view what) {
+    cudaEvent_t e = nullptr;
+    const cudaError_t status = cudaIpcOpenEventHandle(&e, handle);
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
-      e_ = nullptr;
       throw error(errc::transport,
                   fmt::format("cudaIpcOpenEventHandle({}): {}: {}: the receiver cannot open the streamer's "
                               "CUDA events (different container/GPU visibility?); use host_shm or nccl",
                               what, cudaGetErrorName(status), cudaGetErrorString(status)));
     }
+    return e;
   }
-  ~ipc_event() { reset(); }
-  ipc_event(ipc_event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-  ipc_event& operator=(ipc_event&& o) noexcept {
-    if (this != &o) {
-      reset();
-      e_ = std::exchange(o.e_, nullptr);
-    }
-    return *this;
-  }
-  ipc_event(const ipc_event&) = delete;
-  ipc_event& operator=(const ipc_event&) = delete;
-
-  [[nodiscard]] cudaEvent_t handle() const noexcept { return e_; }
-
- private:
-  void reset() noexcept {
-    if (e_ != nullptr) (void)cudaEventDestroy(e_);
-    e_ = nullptr;
-  }
-  cudaEvent_t e_ = nullptr;
 };
 
 void check_index(std::size_t i, std::size_t count, std::string_view call) {
@@ -611,16 +582,14 @@ class cuda_ipc_sink final : public sink {
   };
 
   /// Waits for the apply stream, at most `timeout_` (a peer that died with work queued must not
-  /// hang this process): cudaSuccess, an error, or cudaErrorNotReady when time ran out. Polls,
-  /// yielding the CPU between queries.
+  /// hang this process): cudaSuccess, an error, or cudaErrorNotReady when time ran out.
   cudaError_t wait_for_stream() const noexcept {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    for (;;) {
-      const cudaError_t status = cudaStreamQuery(stream_.handle());
-      if (status != cudaErrorNotReady) return status;
-      if (std::chrono::steady_clock::now() >= deadline) return cudaErrorNotReady;
-      std::this_thread::yield();
-    }
+    cudaError_t status = cudaErrorNotReady;
+    (void)poll_until(deadline::after(timeout_), [&] {
+      status = cudaStreamQuery(stream_.handle());
+      return status != cudaErrorNotReady;
+    });
+    return status;
   }
 
   /// What a session whose GPU work never finished left behind (see detach()).

@@ -79,13 +79,14 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <unordered_set>
 #include <vector>
 
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
+#include "copy/unique_handle.hpp"
+#include "copy/wait.hpp"
 #include "model/log.hpp"
 #include "refit/error.hpp"
 #include "wire/wire.hpp"
@@ -121,36 +122,6 @@ void check_nccl(ncclResult_t status, std::string_view what, ncclComm_t comm = nu
 
 // ------------------------------------------------------------------------------------ waiting
 
-/// A point in time a wait must not pass, and the budget it came from (for messages).
-struct deadline {
-  clock::time_point at;
-  milliseconds budget;
-
-  static deadline after(milliseconds budget) { return {clock::now() + budget, budget}; }
-  [[nodiscard]] bool passed() const { return clock::now() >= at; }
-};
-
-/// Spins (yielding) for the first 3 ms, then sleeps in growing steps up to a millisecond. A
-/// broadcast in flight ends within a millisecond or so, and the refit's last waits (drain at END,
-/// on both sides) are on its critical path, where a sleep overshoots by its timer slack; spinning
-/// by time instead of by count (1000 yields) took llama3-8b over nccl from 45.7-46.4 to 45.4-45.6
-/// ms. Communicator set-up takes hundreds of milliseconds and needs no microsecond reaction.
-class backoff {
- public:
-  void pause() {
-    if (clock::now() < spin_until_) {
-      std::this_thread::yield();
-      return;
-    }
-    std::this_thread::sleep_for(sleep_);
-    sleep_ = std::min(sleep_ * 2, std::chrono::microseconds(1000));
-  }
-
- private:
-  clock::time_point spin_until_ = clock::now() + std::chrono::milliseconds(3);
-  std::chrono::microseconds sleep_{20};
-};
-
 /// Throws errc::nccl when the communicator holds an asynchronous error; returns its state
 /// (ncclSuccess or ncclInProgress) otherwise.
 ncclResult_t comm_state(ncclComm_t comm, std::string_view what) {
@@ -164,13 +135,8 @@ ncclResult_t comm_state(ncclComm_t comm, std::string_view what) {
 /// ncclInProgress). Throws errc::nccl when it fails, errc::timeout past `until` (message: `what`
 /// did not complete, then `late`). Aborts nothing: the caller owns the communicator.
 void wait_ready(ncclComm_t comm, const deadline& until, std::string_view what, std::string_view late) {
-  backoff b;
-  while (comm_state(comm, what) == ncclInProgress) {
-    if (until.passed())
-      throw error(errc::timeout,
-                  fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
-    b.pause();
-  }
+  if (!poll_until(until, [&] { return comm_state(comm, what) != ncclInProgress; }))
+    throw error(errc::timeout, fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
 }
 
 /// Waits until `query` (cudaStreamQuery / cudaEventQuery on one handle) reports the work done,
@@ -178,23 +144,15 @@ void wait_ready(ncclComm_t comm, const deadline& until, std::string_view what, s
 /// or errc::timeout past `until`.
 template <class Query>
 void wait_work(Query query, ncclComm_t comm, const deadline& until, std::string_view what, std::string_view late) {
-  backoff b;
-  for (;;) {
+  const bool done = poll_until(until, [&] {
     const cudaError_t q = query();
-    if (q == cudaSuccess) return;
+    if (q == cudaSuccess) return true;
     if (q != cudaErrorNotReady) check_cuda(q, what);
     if (comm != nullptr) (void)comm_state(comm, what);
-    if (until.passed())
-      throw error(errc::timeout,
-                  fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
-    b.pause();
-  }
-}
-
-/// What is left of a deadline's budget (at least 1 ms, so that a last poll still happens).
-milliseconds remaining(const deadline& until) {
-  const auto left = std::chrono::duration_cast<milliseconds>(until.at - clock::now());
-  return std::max(left, milliseconds{1});
+    return false;
+  });
+  if (!done)
+    throw error(errc::timeout, fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
 }
 
 void wait_stream(cudaStream_t s, ncclComm_t comm, const deadline& until, std::string_view what,
@@ -208,6 +166,15 @@ void wait_event(cudaEvent_t e, ncclComm_t comm, const deadline& until, std::stri
 }
 
 // ------------------------------------------------------------------------------------ handles
+
+/// ncclCommAbort, keeping the caller's current device (NCCL switches to the communicator's
+/// device internally).
+void abort_comm(ncclComm_t c) noexcept {
+  int previous = -1;
+  const bool have_previous = cudaGetDevice(&previous) == cudaSuccess;
+  (void)ncclCommAbort(c);
+  if (have_previous) (void)cudaSetDevice(previous);
+}
 
 /// One rank of an NCCL communicator, created non-blocking. cppzmq shape: the constructor joins or
 /// throws (leaving nothing behind), copy is deleted, a move empties the source, and the destructor
@@ -226,47 +193,28 @@ class communicator {
     device_guard guard(device);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // set-up runs in the background; we poll it against the deadline
-    const ncclResult_t started = ncclCommInitRankConfig(&c_, nranks, id, rank, &config);
+    ncclComm_t c = nullptr;
+    const ncclResult_t started = ncclCommInitRankConfig(&c, nranks, id, rank, &config);
+    c_.reset(c);
     try {
-      if (started != ncclSuccess && started != ncclInProgress) throw nccl_error(started, what, c_);
-      if (c_ == nullptr) throw error(errc::nccl, fmt::format("{} returned no communicator", what));
-      wait_ready(c_, until, what, late);
+      if (started != ncclSuccess && started != ncclInProgress) throw nccl_error(started, what, c);
+      if (c == nullptr) throw error(errc::nccl, fmt::format("{} returned no communicator", what));
+      wait_ready(c, until, what, late);
     } catch (...) {
-      abort();
+      abort();  // on this device, while the guard holds it
       throw;
     }
   }
 
-  ~communicator() { abort(); }
-  communicator(communicator&& o) noexcept : c_(std::exchange(o.c_, nullptr)), device_(o.device_) {}
-  communicator& operator=(communicator&& o) noexcept {
-    if (this != &o) {
-      abort();
-      c_ = std::exchange(o.c_, nullptr);
-      device_ = o.device_;
-    }
-    return *this;
-  }
-  communicator(const communicator&) = delete;
-  communicator& operator=(const communicator&) = delete;
-
-  [[nodiscard]] ncclComm_t handle() const noexcept { return c_; }
-  explicit operator bool() const noexcept { return c_ != nullptr; }
+  [[nodiscard]] ncclComm_t handle() const noexcept { return c_.handle(); }
+  explicit operator bool() const noexcept { return static_cast<bool>(c_); }
 
   /// Ends the communicator: stops its kernels (they poll NCCL's abort flag) and frees what it
   /// holds, without waiting for any peer. Safe on an empty one.
-  void abort() noexcept {
-    if (c_ == nullptr) return;
-    ncclComm_t c = std::exchange(c_, nullptr);
-    // NCCL switches to the communicator's device internally; keep the caller's current device.
-    int previous = -1;
-    const bool have_previous = cudaGetDevice(&previous) == cudaSuccess;
-    (void)ncclCommAbort(c);
-    if (have_previous) (void)cudaSetDevice(previous);
-  }
+  void abort() noexcept { c_.reset(); }
 
  private:
-  ncclComm_t c_ = nullptr;
+  unique_handle<ncclComm_t, abort_comm> c_;
   int device_ = 0;
 };
 
@@ -561,7 +509,7 @@ class nccl_source final : public source {
       auto guard = use_device(device_, "streamer");
       comm_ = communicator(nranks, *id_, 0, device_, until, late);
       // The warm-up broadcast (see the top of this file). Its bytes are whatever the scratch holds.
-      broadcast(comm_, scratch_.handle(), warm_up_bytes(bytes_), comm_stream_.handle(), remaining(until),
+      broadcast(comm_, scratch_.handle(), warm_up_bytes(bytes_), comm_stream_.handle(), until.remaining(),
                 "the warm-up broadcast (ncclBroadcast)", late);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up broadcast", late);
     } catch (const error& e) {
@@ -746,7 +694,7 @@ class nccl_sink final : public sink {
       const deadline until = deadline::after(timeout_);
       comm_ = communicator(nranks, id, rank, device_, until, late);
       // The warm-up broadcast (see the top of this file), into this rank's scratch buffer.
-      broadcast(comm_, scratch_.handle(), warm_up_bytes(sizes_[0]), comm_stream_.handle(), remaining(until),
+      broadcast(comm_, scratch_.handle(), warm_up_bytes(sizes_[0]), comm_stream_.handle(), until.remaining(),
                 "the warm-up broadcast (ncclBroadcast)", late);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up broadcast", late);
     } catch (const error& e) {
