@@ -13,6 +13,9 @@
 
 #if REFIT_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+#include "copy/cuda_handles.hpp"
+#include "copy/unique_handle.hpp"
 #endif
 
 namespace refit::bench {
@@ -56,41 +59,36 @@ void check(cudaError_t e, const char* what) {
 
 double device_copy_bandwidth(int device, std::uint64_t bytes, int reps) {
   check(cudaSetDevice(device), "cudaSetDevice");
-  void* a = nullptr;
-  void* b = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  cudaStream_t stream = nullptr;
-  double best = 0;
-  auto release = [&] {
-    if (a) cudaFree(a);
-    if (b) cudaFree(b);
-    if (start) cudaEventDestroy(start);
-    if (stop) cudaEventDestroy(stop);
-    if (stream) cudaStreamDestroy(stream);
+  // The library's owners release everything on every path; the messages stay the bench's own.
+  unique_handle<void*, cuda::detail::free_device> a, b;
+  unique_handle<cudaStream_t, cuda::detail::destroy_stream> stream;
+  unique_handle<cudaEvent_t, cuda::detail::destroy_event> start, stop;
+  const auto acquire = [](auto& owner, auto create, const char* what) {
+    decltype(owner.handle()) h{};
+    check(create(&h), what);
+    owner.reset(h);
   };
-  try {
-    check(cudaMalloc(&a, bytes), "cudaMalloc (ceiling source)");
-    check(cudaMalloc(&b, bytes), "cudaMalloc (ceiling destination)");
-    check(cudaMemset(a, 0x5a, bytes), "cudaMemset");
-    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
-    check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");  // warm
-    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    for (int r = 0; r < reps; ++r) {
-      check(cudaEventRecord(start, stream), "cudaEventRecord");
-      check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
-      check(cudaEventRecord(stop, stream), "cudaEventRecord");
-      check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-      float ms = 0;
-      check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-      best = std::max(best, static_cast<double>(bytes) / (static_cast<double>(ms) * 1e-3));
-    }
-  } catch (...) {
-    release();
-    throw;
+  acquire(a, [&](void** p) { return cudaMalloc(p, bytes); }, "cudaMalloc (ceiling source)");
+  acquire(b, [&](void** p) { return cudaMalloc(p, bytes); }, "cudaMalloc (ceiling destination)");
+  check(cudaMemset(a.handle(), 0x5a, bytes), "cudaMemset");
+  acquire(stream, [](cudaStream_t* p) { return cudaStreamCreateWithFlags(p, cudaStreamNonBlocking); },
+          "cudaStreamCreate");
+  acquire(start, [](cudaEvent_t* p) { return cudaEventCreate(p); }, "cudaEventCreate");
+  acquire(stop, [](cudaEvent_t* p) { return cudaEventCreate(p); }, "cudaEventCreate");
+  check(cudaMemcpyAsync(b.handle(), a.handle(), bytes, cudaMemcpyDeviceToDevice, stream.handle()),
+        "cudaMemcpyAsync");  // warm
+  check(cudaStreamSynchronize(stream.handle()), "cudaStreamSynchronize");
+  double best = 0;
+  for (int r = 0; r < reps; ++r) {
+    check(cudaEventRecord(start.handle(), stream.handle()), "cudaEventRecord");
+    check(cudaMemcpyAsync(b.handle(), a.handle(), bytes, cudaMemcpyDeviceToDevice, stream.handle()),
+          "cudaMemcpyAsync");
+    check(cudaEventRecord(stop.handle(), stream.handle()), "cudaEventRecord");
+    check(cudaEventSynchronize(stop.handle()), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start.handle(), stop.handle()), "cudaEventElapsedTime");
+    best = std::max(best, static_cast<double>(bytes) / (static_cast<double>(ms) * 1e-3));
   }
-  release();
   return best;
 }
 #else

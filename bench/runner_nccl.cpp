@@ -12,7 +12,6 @@
 #include <cstring>
 #include <iostream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -29,6 +28,8 @@
 
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
+#include "copy/unique_handle.hpp"
+#include "copy/wait.hpp"
 #endif
 
 namespace refit::bench {
@@ -96,7 +97,6 @@ int visible_gpus() noexcept {
 #if REFIT_HAVE_NCCL
 namespace {
 
-using clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 error nccl_error(ncclResult_t status, std::string_view what, ncclComm_t comm) {
@@ -106,20 +106,13 @@ error nccl_error(ncclResult_t status, std::string_view what, ncclComm_t comm) {
                                        last != nullptr && *last != '\0' ? fmt::format(" ({})", last) : std::string()));
 }
 
-struct deadline {
-  clock::time_point at;
-  milliseconds budget;
-  static deadline after(milliseconds budget) { return {clock::now() + budget, budget}; }
-};
-
 /// Polls `done` (true: finished) until it says so; between polls checks the communicator for an
 /// asynchronous error and runs `watch` (which throws when a peer is gone). errc::timeout past `until`.
 template <class Done>
 void wait_for(Done done, ncclComm_t comm, const deadline& until, std::string_view what,
               const std::function<void()>& watch) {
-  int spins = 0;
-  for (;;) {
-    if (done()) return;
+  const bool finished = poll_until(until, [&] {
+    if (done()) return true;
     if (comm != nullptr) {
       ncclResult_t state = ncclSuccess;
       const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
@@ -127,15 +120,11 @@ void wait_for(Done done, ncclComm_t comm, const deadline& until, std::string_vie
       if (state != ncclSuccess && state != ncclInProgress) throw nccl_error(state, what, comm);
     }
     if (watch) watch();
-    if (clock::now() >= until.at)
-      throw error(errc::timeout, fmt::format("{} did not complete within {} ms (--timeout-ms): a rank is stuck or gone",
-                                             what, until.budget.count()));
-    if (++spins < 1000) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-  }
+    return false;
+  });
+  if (!finished)
+    throw error(errc::timeout, fmt::format("{} did not complete within {} ms (--timeout-ms): a rank is stuck or gone",
+                                           what, until.budget.count()));
 }
 
 /// The communicator's state has left ncclInProgress (non-blocking mode).
@@ -144,6 +133,8 @@ bool comm_ready(ncclComm_t comm) {
   return ncclCommGetAsyncError(comm, &state) == ncclSuccess && state != ncclInProgress;
 }
 
+void abort_comm(ncclComm_t c) noexcept { (void)ncclCommAbort(c); }
+
 /// One rank of a non-blocking communicator; the destructor aborts it (local, never waits on a peer).
 class communicator {
  public:
@@ -151,35 +142,27 @@ class communicator {
     const std::string what = fmt::format("ncclCommInitRankConfig (rank {} of {})", rank, nranks);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // set-up runs in the background and is polled against the deadline
-    const ncclResult_t r = ncclCommInitRankConfig(&c_, nranks, id, rank, &config);
-    try {
-      if (r != ncclSuccess && r != ncclInProgress) throw nccl_error(r, what, c_);
-      if (c_ == nullptr) throw error(errc::nccl, what + " returned no communicator");
-      wait_for([&] { return comm_ready(c_); }, c_, until, what, watch);
-    } catch (...) {
-      abort();
-      throw;
-    }
+    ncclComm_t c = nullptr;
+    const ncclResult_t r = ncclCommInitRankConfig(&c, nranks, id, rank, &config);
+    c_.reset(c);  // aborted if this constructor throws
+    if (r != ncclSuccess && r != ncclInProgress) throw nccl_error(r, what, c);
+    if (c == nullptr) throw error(errc::nccl, what + " returned no communicator");
+    wait_for([&] { return comm_ready(c); }, c, until, what, watch);
   }
-  ~communicator() { abort(); }
-  communicator(const communicator&) = delete;
-  communicator& operator=(const communicator&) = delete;
 
-  [[nodiscard]] ncclComm_t handle() const noexcept { return c_; }
+  [[nodiscard]] ncclComm_t handle() const noexcept { return c_.handle(); }
 
   /// A collective's result: in non-blocking mode ncclInProgress means "finish enqueuing first".
   void enqueued(ncclResult_t r, std::string_view what, const deadline& until, const std::function<void()>& watch) {
     if (r == ncclSuccess) return;
-    if (r != ncclInProgress) throw nccl_error(r, what, c_);
-    wait_for([&] { return comm_ready(c_); }, c_, until, what, watch);
+    if (r != ncclInProgress) throw nccl_error(r, what, handle());
+    wait_for([&] { return comm_ready(handle()); }, handle(), until, what, watch);
   }
 
-  void abort() noexcept {
-    if (c_ != nullptr) (void)ncclCommAbort(std::exchange(c_, nullptr));
-  }
+  void abort() noexcept { c_.reset(); }
 
  private:
-  ncclComm_t c_ = nullptr;
+  unique_handle<ncclComm_t, abort_comm> c_;
 };
 
 }  // namespace
