@@ -12,6 +12,9 @@
 
 #if REFIT_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+#include "copy/cuda_handles.hpp"
+#include "copy/unique_handle.hpp"
 #endif
 
 namespace refit::bench {
@@ -28,6 +31,9 @@ void check(cudaError_t e, const std::string& what) {
 
 std::uint64_t align_up(std::uint64_t n, std::uint64_t a) { return (n + a - 1) / a * a; }
 
+/// cudaMalloc'd memory the bench allocated with its own messages, released by the library's owner.
+using device_block = unique_handle<void*, cuda::detail::free_device>;
+
 class device_memory final : public tensor_memory {
  public:
   device_memory(const manifest& m, int dev, const char* what) : dev_(dev) {
@@ -41,17 +47,16 @@ class device_memory final : public tensor_memory {
     }
     std::size_t free_b = 0, total_b = 0;
     check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
-    if (cudaMalloc(&arena_, std::max<std::uint64_t>(total, 1)) != cudaSuccess) {
+    void* arena = nullptr;
+    if (cudaMalloc(&arena, std::max<std::uint64_t>(total, 1)) != cudaSuccess) {
       (void)cudaGetLastError();
       throw error(errc::cuda, fmt::format("the {} of {} need {:.2f} GB of device memory on GPU {} and "
                                           "{:.2f} GB are free: pick a smaller model or a larger GPU",
                                           what, m.name, total / 1e9, dev_, free_b / 1e9));
     }
-    check(cudaMemset(arena_, 0, std::max<std::uint64_t>(total, 1)), "cudaMemset");
-    for (const auto off : offsets) ptrs_.push_back(static_cast<std::byte*>(arena_) + off);
-  }
-  ~device_memory() override {
-    if (arena_) cudaFree(arena_);
+    arena_.reset(arena);
+    check(cudaMemset(arena, 0, std::max<std::uint64_t>(total, 1)), "cudaMemset");
+    for (const auto off : offsets) ptrs_.push_back(static_cast<std::byte*>(arena) + off);
   }
   device_memory(const device_memory&) = delete;
   device_memory& operator=(const device_memory&) = delete;
@@ -85,34 +90,28 @@ class device_memory final : public tensor_memory {
     check(cudaSetDevice(dev_), fmt::format("cudaSetDevice({})", dev_));
     void* scratch = nullptr;
     check(cudaMalloc(&scratch, r.bytes()), "cudaMalloc (slice scratch)");
-    std::uint64_t sum = 0;
-    try {
-      check(cudaMemcpy2D(scratch, r.width, ptrs_[i] + r.offset, r.pitch, r.width, r.rows, cudaMemcpyDeviceToDevice),
-            "cudaMemcpy2D (gathering a slice)");
-      sum = copy::checksum(scratch, r.bytes(), device::cuda(dev_));
-    } catch (...) {
-      cudaFree(scratch);
-      throw;
-    }
-    cudaFree(scratch);
-    return sum;
+    const device_block owned(scratch);
+    check(cudaMemcpy2D(scratch, r.width, ptrs_[i] + r.offset, r.pitch, r.width, r.rows, cudaMemcpyDeviceToDevice),
+          "cudaMemcpy2D (gathering a slice)");
+    return copy::checksum(scratch, r.bytes(), device::cuda(dev_));
   }
 
  private:
   int dev_;
-  void* arena_ = nullptr;
+  device_block arena_;
   std::vector<std::uint64_t> sizes_;
   std::vector<std::byte*> ptrs_;
 };
 
 // Pinned staging for uploads.
 struct pinned {
-  explicit pinned(std::uint64_t n) : size(n) { check(cudaMallocHost(&p, n), "cudaMallocHost (staging)"); }
-  ~pinned() { cudaFreeHost(p); }
-  pinned(const pinned&) = delete;
-  pinned& operator=(const pinned&) = delete;
+  explicit pinned(std::uint64_t n) : size(n) {
+    check(cudaMallocHost(&p, n), "cudaMallocHost (staging)");
+    owner.reset(p);
+  }
   void* p = nullptr;
   std::uint64_t size;
+  unique_handle<void*, cuda::detail::free_host> owner;
 };
 
 class cuda_ipc_path final : public transport_path {
