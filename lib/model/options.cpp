@@ -1,7 +1,5 @@
 #include "refit/options.hpp"
 
-#include "refit/receiver.hpp"
-
 namespace refit {
 
 std::string_view to_string(transport_kind t) noexcept {
@@ -34,20 +32,6 @@ std::optional<copy_engine> parse_copy_engine(std::string_view name) noexcept {
   for (const auto e : {copy_engine::automatic, copy_engine::kernel, copy_engine::memcpy_batch, copy_engine::memcpy_each})
     if (to_string(e) == name) return e;
   return std::nullopt;
-}
-
-std::string_view to_string(receiver_event e) noexcept {
-  switch (e) {
-    case receiver_event::idle: return "idle";
-    case receiver_event::hello: return "hello";
-    case receiver_event::begin: return "begin";
-    case receiver_event::batch: return "batch";
-    case receiver_event::committed: return "committed";
-    case receiver_event::aborted: return "aborted";
-    case receiver_event::bye: return "bye";
-    case receiver_event::refused: return "refused";
-  }
-  return "?";
 }
 
 }  // namespace refit
