@@ -1,68 +1,45 @@
 // refit — the nccl transport: one streamer (rank 0) broadcasts each batch to N receivers (ranks
-// 1..N). See nccl.hpp, transport.hpp and DESIGN.md.
+// 1..N). See nccl.hpp, transport.hpp and lib/README.md. Invariants; the measurements behind them
+// are in bench/results/nccl-notes.md.
 //
-// Entry by entry. A batch is broadcast as one NCCL group of one ncclBroadcast per entry (one
-// kernel launch), not as one broadcast of a packed buffer. So an entry whose tensor lives on the
-// streamer's GPU is sent from the tensor itself, and one whose destination lives on the receiver's
-// GPU (a parameter table) lands in it: no pack, no apply. Measured on two H200s (NVLink, llama3-8b
-// shapes): the copies that packing and applying add run concurrently with the broadcasts and slow
-// them by 8-13% (HBM traffic, even on copy engines), which capped the packed pipeline at ~0.88 of a
-// raw broadcast; grouped per-entry broadcasts of 256 MiB batches reach 0.98 of it (0.97 with the
-// 18,770 tensors of a mixture of experts). The ping-pong buffers remain for what cannot go in
-// place: a tensor on another GPU (packed into send[i]), a callback sink or a destination on another
-// GPU (staged in recv[i], then copied or handed to the callback as before). Each rank chooses its
-// own pointers; only the entries and their order, which come from the batch's manifest, must agree.
+// Entries. A batch is one NCCL group of one ncclBroadcast per entry, from wherever the entry lies
+// on the streamer's GPU (else packed into send[i]) into wherever it goes on the receiver's GPU
+// (else staged in recv[i], then copied or handed to the callback). Each rank chooses its own
+// pointers; only the entries and their order, from the batch's manifest, must agree.
 //
-// In-place sessions. When the streamer asks for it (HELLO transport "nccl/in-place", from
-// streamer_options::direct) and every receiver's parameter table lies on its GPU, every receiver
-// says so in its reply (in_place_offer_tag) and no buffer holds a batch: both sides then plan and
-// check batches of direct_batch_bytes (1 GiB) whatever the buffers' size, so the per-batch costs
-// (a group's launch, a round trip to every receiver; ~0.35 ms of host time per batch, which left
-// 64 MiB batches host-bound at half the link) are paid 4 to 16 times less often.
+// In-place sessions. HELLO asks for wire::session_mode::in_place (streamer_options::direct); a
+// receiver whose parameter table is plain and on its GPU grants it in its OK. Only when every
+// receiver grants it is the session in place: no buffer holds a batch, and both sides plan
+// batches of direct_batch_bytes.
 //
-// Sessions. Every session gets a fresh communicator: open_session() makes the ncclUniqueId, the
-// streamer sends it in HELLO to every receiver, then joins (join()) while each receiver joins
-// inside attach(). Both ends create the communicator non-blocking (config.blocking = 0) and poll
-// it against a deadline, so a rank that never comes makes a timeout, not a hang. Right after, every
-// rank broadcasts one warm-up buffer: NCCL connects its rings lazily at the first collective, and
-// that connection needs every rank at once. Here every rank is inside its set-up call; at the first
-// batch the streamer would be waiting inside end_pack() for receivers that have not yet seen
-// BATCH 0, which they only get after end_pack() returns.
+// Sessions. Each session has a fresh communicator: the ncclUniqueId travels in HELLO, the
+// streamer joins in join(), each receiver in attach(). Both create it non-blocking and poll it
+// against a deadline (a missing rank is a timeout, not a hang), then broadcast one warm-up buffer
+// while every rank is still in set-up: NCCL connects lazily at the first collective, which needs
+// every rank at once.
 //
-// Ordering, streamer: pack stream (waits on the tensors' producer streams, copies into send[i]) →
-// packed[i] → comm stream (the batch's broadcasts) → sent[i] → pack stream (the next pack into
-// buffer i). Receiver: comm stream (the batch's broadcasts) → received[i] → apply stream (copies
-// of staged entries, or the callback) → applied[i] → comm stream (the next broadcast into buffer
-// i). Ordinary events: nothing crosses a process but the bytes. A refit is complete on a receiver
-// when both its streams have drained (END), on the streamer when its comm stream has: only then
-// may the caller change the tensors it sent from.
+// Ordering, streamer: pack stream → packed[i] → comm stream (broadcasts) → sent[i] → next pack
+// into buffer i. Receiver: comm stream → received[i] → apply stream → applied[i] → next broadcast
+// into buffer i. Ordinary events only: nothing crosses a process but the bytes. A refit is
+// complete on a receiver when both its streams have drained (END), on the streamer when its comm
+// stream has; only then may the caller change the tensors it sent from.
 //
-// Running ahead. Reusing a buffer is ordered on the device only (the stream waits on sent[i] /
-// applied[i]); the host does not wait for it. So the streamer packs and enqueues batch k+1, and a
-// receiver enqueues its broadcast and answers BATCH k+1, while broadcast k is still on the link:
-// every rank has the next broadcast queued before the current one ends, and the link never waits
-// for a host (waiting on the host there cost ~0.1-0.2 ms per batch: a round trip to every receiver
-// and a poll's wake-up, on the critical path). How far the host may run ahead is bounded: before
-// enqueuing batch k, each side waits on the host, with the session's deadline, for the broadcast of
-// batch k - lookahead (a ring of events). In a healthy pipeline that is long done; when a peer has
-// died, a broadcast never completes, and this wait turns it into errc::timeout (as does the copy
-// engine's own wait for its op-list slots, and every other wait: they poll cudaStreamQuery /
-// ncclCommGetAsyncError with a deadline; nothing here calls cudaStreamSynchronize).
+// Running ahead. Buffer reuse is ordered on the device, not the host, so every rank has the next
+// broadcast queued before the current one ends. The host runs at most `lookahead` batches ahead:
+// before batch k it waits, with the session's deadline, for batch k - lookahead. Every host wait
+// polls (copy/wait.hpp) with a deadline; nothing here calls cudaStreamSynchronize, so a dead peer
+// is errc::timeout.
 //
-// Priorities. The broadcast streams are created with the device's greatest priority, the pack and
-// apply streams with the default one: on a receiver the apply of batch k and the broadcast of k+1
-// become ready at the same instant (the end of broadcast k), and the copy kernel's grid fills
-// every SM, so without it NCCL's kernel could wait for a whole apply to finish.
+// Priorities. Broadcast streams have the device's greatest priority, pack and apply streams the
+// default, so NCCL's kernel never waits for a whole apply that fills every SM.
 //
-// Timeline. With REFIT_LOG=debug every broadcast (and every apply, on a receiver) is bracketed by
-// timing events, and drain() logs one line per refit: how long the link was busy, how long it
-// idled between broadcasts and where, how long the applies took. It says where a refit's time
-// goes without a profiler; otherwise no timing event is recorded.
+// Timeline. With REFIT_LOG=debug each broadcast (and apply) is bracketed by timing events and
+// drain() logs one line per refit: link busy, link idle and where, applies. Otherwise no timing
+// event is recorded.
 //
-// Ending. A communicator is ended with ncclCommAbort, also when the session ended cleanly (its
-// streams drained). ncclCommFinalize waits for every rank of the host to finalize too, but the
-// ranks leave at different times (the streamer only after every receiver answered BYE), so it
-// would wait on peers that are waiting on us; aborting a quiescent communicator is local and quick.
+// Ending. A communicator is always ended with ncclCommAbort, also after a clean session:
+// ncclCommFinalize waits for every rank, and the ranks leave at different times; aborting a
+// quiescent communicator is local and quick.
 #include "transport/nccl.hpp"
 
 #include <cuda_runtime_api.h>
