@@ -357,7 +357,6 @@ struct config {
   std::size_t receivers = 1;
   /// nccl came from "--transport all" only: dropped (with a note) when fewer than 2 GPUs are visible.
   bool nccl_optional = false;
-  bool page_locked = false;
   std::uint64_t timeout_ms = 120000;
   std::string json_file;
   std::string plot_file;

@@ -126,7 +126,6 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
                                                                   "(wrapping around the visible GPUs; --layout tpN: N, one per "
                                                                   "rank); other transports ignore it")
       ->capture_default_str();
-  app.add_flag("--page-locked", c.page_locked, "host_shm: page-lock the shared buffers");
   app.add_option("--timeout-ms", c.timeout_ms, "longest wait for the peer")->capture_default_str();
   app.add_option("--json", c.json_file, "write every row and the preamble as JSON to FILE");
   app.add_option("--plot", c.plot_file, "write throughput vs buffer size as an SVG to FILE");

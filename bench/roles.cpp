@@ -486,7 +486,6 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
       so.keep_whole = c.keep_whole;
       so.device = c.device;
       so.timeout = milliseconds(c.timeout_ms);
-      so.page_locked = c.page_locked;
       so.engine = g.engine;
       streamer s(so);
 

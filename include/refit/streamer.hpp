@@ -57,8 +57,6 @@ struct streamer_options {
   milliseconds timeout{30000};
   /// Session token; empty: the value of REFIT_TOKEN, or none.
   std::string token;
-  /// host_shm: page-lock the shared buffers (cudaHostRegister) when CUDA is available.
-  bool page_locked = false;
   curve_keys curve;
   /// The digest of the engine layout (route table) this trainer's tensors were recorded against
   /// (refit.record in Python), "" for none. A receiver set up with another digest refuses the

@@ -511,7 +511,7 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::size_t buffers, bool direct, double timeout,
                                        std::optional<std::string> token, int device, const py::object& curve,
                                        std::uint64_t alignment, bool keep_whole, const std::string& engine,
-                                       bool page_locked, const std::string& layout) {
+                                       const std::string& layout) {
   streamer_options o;
   o.layout = layout;
   o.endpoint = std::move(endpoint);
@@ -531,7 +531,6 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
   const auto e = parse_copy_engine(engine);
   if (!e) throw py::value_error("engine must be one of automatic, kernel, memcpy_batch, memcpy_each; got '" + engine + "'");
   o.engine = *e;
-  o.page_locked = page_locked;
   return o;
 }
 
@@ -646,16 +645,16 @@ PYBIND11_MODULE(_refit, m) {
                        std::optional<std::vector<std::string>> receivers, std::uint64_t buffer_bytes,
                        std::size_t buffers, bool direct, double timeout, std::optional<std::string> token, int device,
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
-                       bool page_locked, const std::string& layout) {
+                       const std::string& layout) {
              return std::make_unique<py_streamer>(streamer_options_from(
                  std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
-                 std::move(token), device, curve, alignment, keep_whole, engine, page_locked, layout));
+                 std::move(token), device, curve, alignment, keep_whole, engine, layout));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
            py::arg("timeout") = 30.0, py::arg("token") = py::none(), py::arg("device") = 0,
            py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
-           py::arg("engine") = "automatic", py::arg("page_locked") = false, py::arg("layout") = "")
+           py::arg("engine") = "automatic", py::arg("layout") = "")
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none())
       .def("close", &py_streamer::close);

@@ -140,7 +140,6 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     so.count = options.buffer_count;
     so.bytes = options.buffer_bytes;
     so.device = options.device;
-    so.page_locked = options.page_locked;
     endpoints = endpoints_of(options);
     so.receivers = endpoints.size();
     so.direct = options.direct && options.transport != transport_kind::host_shm;

@@ -234,7 +234,6 @@ class host_shm_source final : public source {
       throw error(errc::invalid_argument,
                   fmt::format("host_shm: buffer_count is {}: give 1..{} buffers", count_, wire::max_buffers));
     if (bytes_ == 0) throw error(errc::invalid_argument, "host_shm: buffer_bytes is 0");
-    if (o.page_locked) REFIT_DEBUG("host_shm: page_locked ignored (shared memory is not registered with CUDA)");
     reap_orphans();
     create();
   }

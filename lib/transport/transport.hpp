@@ -70,7 +70,6 @@ struct source_options {
   std::size_t count = 2;
   std::uint64_t bytes = 256ull << 20;
   int device = 0;
-  bool page_locked = false;
   /// nccl: receivers (ranks 1..n); the streamer is rank 0.
   std::size_t receivers = 1;
   /// cuda_ipc: ask the receiver to offer its weights for direct writes.

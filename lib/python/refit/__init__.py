@@ -360,7 +360,6 @@ class Streamer(_refit.Streamer):
         alignment: int = 256,
         keep_whole: bool = True,
         engine: str = "automatic",
-        page_locked: bool = False,
         layout: Any = None,
     ) -> None:
         if endpoint is None:
@@ -381,7 +380,6 @@ class Streamer(_refit.Streamer):
             alignment=alignment,
             keep_whole=keep_whole,
             engine=engine,
-            page_locked=page_locked,
             layout=_layout_digest(layout),
         )
 
