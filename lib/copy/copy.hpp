@@ -1,6 +1,6 @@
 // refit — moving bytes: pack (sources → buffer) and apply (buffer → destinations).
 //
-// Layer 6. One call per batch: on the CPU a memcpy per op; on the GPU one batched launch per batch
+// Layer 5. One call per batch: on the CPU a memcpy per op; on the GPU one batched launch per batch
 // (a vectorised copy kernel over a device-side op list, or cudaMemcpyBatchAsync).
 #pragma once
 

@@ -1,4 +1,4 @@
-// refit — the cuda_ipc transport. See cuda_ipc.hpp, transport.hpp and DESIGN.md ("Synchronisation
+// refit — the cuda_ipc transport. See cuda_ipc.hpp, transport.hpp and lib/README.md ("Synchronisation
 // without host stalls").
 //
 // The streamer owns `count` device buffers and two interprocess events per buffer: packed[i],

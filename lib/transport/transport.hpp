@@ -1,7 +1,7 @@
 // refit — transports: the buffers batch bytes travel through, how they are shared with the peer,
 // and the ordering between the side that writes a buffer and the side that reads it.
 //
-// Layer 5. Every place CUDA is touched lives here or in lib/copy. The streamer and receiver drive
+// Layer 6. Every place CUDA is touched lives here or in lib/copy. The streamer and receiver drive
 // a transport through the calls below, in this order per batch:
 //   streamer: begin_pack(i) → (copies on stream()) → end_pack(i) → send BATCH
 //   receiver: receive BATCH → begin_read(i) → (copies / callback on stream()) → end_read(i)
