@@ -432,3 +432,31 @@ def need_gpus(n: int = 1) -> None:
     found = cuda_devices()
     if found < n:
         pytest.skip(f"needs {n} CUDA device(s), found {found}")
+
+
+@pytest.fixture(scope="module")
+def _rank_peers():
+    peers: List[Peer] = []
+    yield peers
+    for p in peers:
+        p.close()
+
+
+@pytest.fixture
+def ranks(_rank_peers):
+    """``ranks(n)``: n peers, one per rank (kept for the module: torch is imported once each), for
+    tests with one receiver process per TP or EP rank."""
+
+    def get(n: int) -> List[Peer]:
+        while len(_rank_peers) < n:
+            _rank_peers.append(Peer())
+        for i in range(n):
+            if not _rank_peers[i].alive():
+                _rank_peers[i] = Peer()
+        return _rank_peers[:n]
+
+    yield get
+    for i, p in enumerate(_rank_peers):
+        if not p.settle():
+            p.close()
+            _rank_peers[i] = Peer()

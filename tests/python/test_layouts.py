@@ -49,33 +49,6 @@ def layout_peer(peer):
     return start
 
 
-@pytest.fixture(scope="module")
-def _rank_peers():
-    peers: List[Peer] = []
-    yield peers
-    for p in peers:
-        p.close()
-
-
-@pytest.fixture
-def ranks(_rank_peers):
-    """``ranks(n)``: n peers, one per rank (kept for the module: torch is imported once each)."""
-
-    def get(n: int) -> List[Peer]:
-        while len(_rank_peers) < n:
-            _rank_peers.append(Peer())
-        for i in range(n):
-            if not _rank_peers[i].alive():
-                _rank_peers[i] = Peer()
-        return _rank_peers[:n]
-
-    yield get
-    for i, p in enumerate(_rank_peers):
-        if not p.settle():
-            p.close()
-            _rank_peers[i] = Peer()
-
-
 def start_ranks(peers: List[Peer], build, *args) -> Tuple[list, List[str]]:
     """serve_layout(build, *args, rank, world) in each peer: (jobs, endpoints)."""
     jobs = [p.run(serve_layout, build, *args, rank, len(peers)) for rank, p in enumerate(peers)]

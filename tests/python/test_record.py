@@ -54,7 +54,7 @@ def serve_recorded(chan, cfg: Config, par: Parallel, broken: Optional[str] = Non
     ptrs = {n: p.data_ptr() for n, p in params.items()}
     loader = make_loader(engine, broken)
     table = refit.record(engine.named_parameters(), loader, hf_spec(cfg))
-    with refit.Receiver() as rx:
+    with refit.Receiver(layout=table) as rx:  # a streamer recorded for another layout is refused at HELLO
         fallback = table.register(rx, engine.named_parameters(), allow_fallback=bool(table.unrecorded), loader=loader)
         if fallback:
             rx.on_commit(fallback)
@@ -62,34 +62,8 @@ def serve_recorded(chan, cfg: Config, par: Parallel, broken: Optional[str] = Non
         return serve_loop(rx, chan, {
             "state": lambda: state_bytes(engine.named_parameters()),
             "moved": lambda: [n for n, p in params.items() if p.data_ptr() != ptrs[n]],
+            "digest": table.digest,
         })
-
-
-@pytest.fixture(scope="module")
-def _rank_peers():
-    peers: List[Peer] = []
-    yield peers
-    for p in peers:
-        p.close()
-
-
-@pytest.fixture
-def ranks(_rank_peers):
-    """``ranks(n)``: n peers, one per rank (kept for the module)."""
-
-    def get(n: int) -> List[Peer]:
-        while len(_rank_peers) < n:
-            _rank_peers.append(Peer())
-        for i in range(n):
-            if not _rank_peers[i].alive():
-                _rank_peers[i] = Peer()
-        return _rank_peers[:n]
-
-    yield get
-    for i, p in enumerate(_rank_peers):
-        if not p.settle():
-            p.close()
-            _rank_peers[i] = Peer()
 
 
 def reference(cfg: Config, par: Parallel, state: Dict[str, torch.Tensor]):
@@ -102,7 +76,8 @@ def reference(cfg: Config, par: Parallel, state: Dict[str, torch.Tensor]):
 def refit_ranks(peers: List[Peer], cfg: Config, pars: List[Parallel], versions=(1, 2, 3), broken=None, only_needed=False):
     jobs = [p.run(serve_recorded, cfg, par, broken) for p, par in zip(peers, pars)]
     hellos = [job.recv() for job in jobs]
-    streamers = [streamer(endpoint) for endpoint, _, _ in hellos]
+    # The trainer's side knows the table's digest (shipped with the table, as JSON): HELLO compares it.
+    streamers = [streamer(endpoint, layout=job.request("digest")) for job, (endpoint, _, _) in zip(jobs, hellos)]
     try:
         for version in versions:
             state = hf_state(cfg, version)
@@ -155,6 +130,25 @@ def test_an_unrecordable_source_is_loaded_by_the_fallback_after_commit(ranks, br
     (_, needed, unrecorded), = hellos
     assert list(unrecorded) == [BROKEN]
     assert BROKEN in needed
+
+
+def test_a_trainer_with_another_layout_digest_is_refused_before_any_byte_moves(ranks):
+    cfg = Config()
+    (peer,) = ranks(1)
+    job = peer.run(serve_recorded, cfg, Parallel())
+    endpoint, _, _ = job.recv()
+    digest = job.request("digest")
+    state = hf_state(cfg, 1)
+    with streamer(endpoint, layout="0" * len(digest)) as st:
+        with pytest.raises(refit.RefitError) as failure:
+            st.refit(1, state)
+    assert failure.value.code == refit.Errc.invalid_argument
+    assert "engine layout mismatch" in str(failure.value) and digest in str(failure.value)
+    assert job.request("status")["committed_version"] is None
+    with streamer(endpoint, layout=digest) as st:
+        st.refit(1, state)
+    assert job.request("state") == reference(cfg, Parallel(), state)
+    assert job.stop().count("committed") == 1
 
 
 # ------------------------------------------------------------------------------ recording
