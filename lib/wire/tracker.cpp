@@ -16,6 +16,40 @@ std::string shape_string(dtype t, std::span<const std::int64_t> shape) {
   return fmt::format("{}[{}]", to_string(t), fmt::join(shape, ", "));
 }
 
+/// Every entry lies inside the buffer (of `capacity` bytes); returns the bytes the entries hold.
+std::uint64_t check_buffer_ranges(const batch& b, std::uint64_t capacity) {
+  std::uint64_t batch_bytes = 0;
+  for (std::size_t i = 0; i < b.entries.size(); ++i) {
+    const entry& e = b.entries[i];
+    std::uint64_t last = 0;
+    if (__builtin_add_overflow(e.buffer_offset, e.bytes, &last) || last > capacity)
+      violation(fmt::format("BATCH {}: entry {} ('{}'): buffer range [{}, {} + {}) exceeds buffer {}'s {} bytes",
+                            b.seq, i, e.name, e.buffer_offset, e.buffer_offset, e.bytes, b.buffer, capacity));
+    if (__builtin_add_overflow(batch_bytes, e.bytes, &batch_bytes))
+      violation(fmt::format("BATCH {}: the entries hold more bytes than fit 64 bits", b.seq));
+  }
+  return batch_bytes;
+}
+
+/// No two entries holding bytes overlap in the buffer: sorted by offset, neighbours are compared.
+void check_overlaps(const batch& b) {
+  std::vector<std::size_t> order;
+  order.reserve(b.entries.size());
+  for (std::size_t i = 0; i < b.entries.size(); ++i)
+    if (b.entries[i].bytes != 0) order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+    return b.entries[x].buffer_offset < b.entries[y].buffer_offset;
+  });
+  for (std::size_t k = 1; k < order.size(); ++k) {
+    const entry& p = b.entries[order[k - 1]];
+    const entry& c = b.entries[order[k]];
+    if (p.buffer_offset + p.bytes > c.buffer_offset)
+      violation(fmt::format("BATCH {}: entries {} ('{}') at [{}, {}) and {} ('{}') at [{}, {}) overlap in buffer {}",
+                            b.seq, order[k - 1], p.name, p.buffer_offset, p.buffer_offset + p.bytes, order[k],
+                            c.name, c.buffer_offset, c.buffer_offset + c.bytes, b.buffer));
+  }
+}
+
 }  // namespace
 
 refit_tracker::refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint64_t max_entries)
@@ -42,6 +76,17 @@ void refit_tracker::begin(const wire::begin& b, std::optional<std::uint64_t> com
 }
 
 void refit_tracker::check(const wire::batch& b) {
+  check_header(b);
+  const std::uint64_t batch_bytes = check_buffer_ranges(b, buffer_bytes_[b.buffer]);
+  check_overlaps(b);
+  // Chunk rules are checked against the state as it would be after the entries before each one;
+  // the changes are applied only when the whole batch passed.
+  staged_changes changes = check_chunks(b);
+  apply(changes, batch_bytes);
+}
+
+/// BEGIN seen, version, sequence, buffer index and entry count.
+void refit_tracker::check_header(const wire::batch& b) const {
   if (!active_) violation(fmt::format("BATCH without BEGIN (version {}, seq {})", b.version, b.seq));
   if (b.version != version_)
     violation(fmt::format("BATCH: version {} does not match the refit in progress, version {}", b.version,
@@ -54,43 +99,10 @@ void refit_tracker::check(const wire::batch& b) {
   if (b.entries.size() > max_entries_)
     violation(fmt::format("BATCH {}: {} entries, more than the limit of {}", b.seq, b.entries.size(),
                           max_entries_));
+}
 
-  const std::uint64_t capacity = buffer_bytes_[b.buffer];
-  std::uint64_t batch_bytes = 0;
-  for (std::size_t i = 0; i < b.entries.size(); ++i) {
-    const entry& e = b.entries[i];
-    std::uint64_t last = 0;
-    if (__builtin_add_overflow(e.buffer_offset, e.bytes, &last) || last > capacity)
-      violation(fmt::format("BATCH {}: entry {} ('{}'): buffer range [{}, {} + {}) exceeds buffer {}'s {} bytes",
-                            b.seq, i, e.name, e.buffer_offset, e.buffer_offset, e.bytes, b.buffer, capacity));
-    if (__builtin_add_overflow(batch_bytes, e.bytes, &batch_bytes))
-      violation(fmt::format("BATCH {}: the entries hold more bytes than fit 64 bits", b.seq));
-  }
-
-  // Overlaps: sort the entries holding bytes by offset and compare neighbours.
-  std::vector<std::size_t> order;
-  order.reserve(b.entries.size());
-  for (std::size_t i = 0; i < b.entries.size(); ++i)
-    if (b.entries[i].bytes != 0) order.push_back(i);
-  std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
-    return b.entries[x].buffer_offset < b.entries[y].buffer_offset;
-  });
-  for (std::size_t k = 1; k < order.size(); ++k) {
-    const entry& p = b.entries[order[k - 1]];
-    const entry& c = b.entries[order[k]];
-    if (p.buffer_offset + p.bytes > c.buffer_offset)
-      violation(fmt::format("BATCH {}: entries {} ('{}') at [{}, {}) and {} ('{}') at [{}, {}) overlap in buffer {}",
-                            b.seq, order[k - 1], p.name, p.buffer_offset, p.buffer_offset + p.bytes, order[k],
-                            c.name, c.buffer_offset, c.buffer_offset + c.bytes, b.buffer));
-  }
-
-  // Chunk rules, against the state as it would be after the entries before this one. Changes are
-  // staged and applied only when the whole batch passed.
-  struct staged {
-    partial state;
-    bool done = false;
-  };
-  std::unordered_map<std::string_view, staged> changes;
+refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) const {
+  staged_changes changes;
   for (std::size_t i = 0; i < b.entries.size(); ++i) {
     const entry& e = b.entries[i];
     const auto where = [&] { return fmt::format("BATCH {}: entry {} ('{}')", b.seq, i, e.name); };
@@ -132,8 +144,11 @@ void refit_tracker::check(const wire::batch& b) {
     const bool done = next.next == next.total;
     changes.insert_or_assign(std::string_view(e.name), staged{std::move(next), done});
   }
+  return changes;
+}
 
-  // Everything passed: apply.
+/// Everything passed: records the batch.
+void refit_tracker::apply(staged_changes& changes, std::uint64_t batch_bytes) {
   for (auto& [name, s] : changes) {
     if (s.done) {
       std::string key(name);

@@ -225,6 +225,18 @@ class refit_tracker {
     std::uint64_t next = 0;   ///< next expected tensor offset
     std::uint64_t total = 0;  ///< bytes of the whole tensor
   };
+  /// A tensor's state as it will be once the batch being checked passes.
+  struct staged {
+    partial state;
+    bool done = false;
+  };
+  using staged_changes = std::unordered_map<std::string_view, staged>;
+
+  // The steps of check(), in order; each throws at the first rule a batch breaks.
+  void check_header(const wire::batch& b) const;
+  [[nodiscard]] staged_changes check_chunks(const wire::batch& b) const;
+  void apply(staged_changes& changes, std::uint64_t batch_bytes);
+
   std::vector<std::uint64_t> buffer_bytes_;
   std::uint64_t max_entries_;
   bool active_ = false;
