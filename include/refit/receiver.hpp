@@ -90,6 +90,11 @@ struct receiver_stats {
 ///   refit's may still be queued), and with cuda_ipc direct writes the streamer maps the weights
 ///   at HELLO and writes them from its own process for the whole session. On host_shm nothing
 ///   touches a destination outside serve_one(), so it may be freed once removed between refits.
+/// - Storage identity: refit writes only where a destination was registered and never moves or
+///   reallocates it (engines capture CUDA graphs over their weights). At every HELLO the receiver
+///   checks that each registered CUDA destination still lies in a live allocation (and in the one
+///   `dest_layout::alloc` names); if the engine freed or reallocated it, the HELLO is refused with
+///   errc::invalid_argument naming the tensor and nothing is written: register again.
 /// - Changes: registering or clearing between refits (no refit in progress, or from on_commit /
 ///   on_abort) is allowed and takes effect at the next refit. A session laid out from the table at
 ///   HELLO (cuda_ipc direct, nccl in place) is then replaced: the receiver refuses the next BEGIN

@@ -72,6 +72,10 @@ engine choose(engine preferred, copy_engine requested) noexcept {
 }
 
 #if !REFIT_HAVE_CUDA
+std::optional<allocation> cuda_allocation_of(const void* /*p*/) {
+  throw error(errc::invalid_argument, "CUDA memory needs a build with CUDA, and this refit was built without it");
+}
+
 void enable_peer_access(int device, int peer) {
   throw error(errc::invalid_argument,
               fmt::format("copies between cuda:{} and cuda:{} need CUDA, and this refit was built without it", device, peer));

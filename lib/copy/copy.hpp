@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -69,6 +70,17 @@ std::unique_ptr<copier> make_copier(engine e, int device = 0, milliseconds timeo
 /// memcpy engines do not). Throws refit::error(cuda) when the two cannot access each other,
 /// naming them and what to do; (invalid_argument) in a build without CUDA. Thread-safe.
 void enable_peer_access(int device, int peer);
+
+/// A device allocation: its first byte and its size.
+struct allocation {
+  std::uintptr_t base = 0;
+  std::uint64_t bytes = 0;
+};
+/// The CUDA allocation holding `p` (cuMemGetAddressRange, through the runtime's driver entry
+/// point: refit links no libcuda), or nullopt when the driver knows no allocation there (it was
+/// freed). Throws refit::error(invalid_argument) in a build without CUDA, (cuda) when the driver
+/// has no such entry point. Thread-safe.
+std::optional<allocation> cuda_allocation_of(const void* p);
 
 /// Position-dependent checksum of `bytes` bytes at `p`, identical on every device:
 ///   sum over 8-byte little-endian words w_k (k from 0) of w_k * (2k + 1), plus, for the tail

@@ -261,6 +261,27 @@ std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device) {
   return static_cast<std::uint64_t>(sum) + bytes;
 }
 
+std::optional<allocation> cuda_allocation_of(const void* p) {
+  using get_range_fn = int (*)(unsigned long long*, std::size_t*, unsigned long long);
+  static const get_range_fn get_range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<get_range_fn>(nullptr);
+    }
+    return reinterpret_cast<get_range_fn>(fn);
+  }();
+  if (get_range == nullptr)
+    throw error(errc::cuda, "the CUDA driver has no cuMemGetAddressRange entry point (driver older than CUDA 12?)");
+  unsigned long long base = 0;
+  std::size_t size = 0;
+  if (get_range(&base, &size, reinterpret_cast<unsigned long long>(p)) != 0) return std::nullopt;
+  return allocation{static_cast<std::uintptr_t>(base), static_cast<std::uint64_t>(size)};
+}
+
 void enable_peer_access(int device, int peer) {
   if (device == peer) return;
   static std::mutex mutex;

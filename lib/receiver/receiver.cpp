@@ -377,6 +377,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       reply_error(errc::invalid_argument, message);
       return receiver_event::refused;
     }
+    if (const auto gone = memory_gone()) {
+      // Writing into memory the engine freed or reallocated would corrupt whatever lives there now.
+      REFIT_WARN("refused HELLO from {}: {}", h.peer.empty() ? "an unnamed peer" : h.peer, *gone);
+      reply_error(errc::invalid_argument, *gone);
+      return receiver_event::refused;
+    }
     // A new session replaces the old one (its streamer is gone or restarted).
     end_session();
     try {
@@ -411,6 +417,33 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       reply_error(e.code(), e.what());
       return receiver_event::refused;
     }
+  }
+
+  /// Why a registered CUDA destination cannot be written any more (its allocation was freed, or
+  /// is not the one it was registered in), or nullopt. Asked at every HELLO: engines capture CUDA
+  /// graphs over their weights, so refit writes only where they were registered.
+  std::optional<std::string> memory_gone() const {
+    for (const auto& [name, slots] : table) {
+      for (const slot& sl : slots) {
+        const plan::destination& d = sl.dest;
+        if (d.dev.kind != device_kind::cuda || sl.foot.empty()) continue;
+        std::optional<copy::allocation> a;
+        try {
+          a = copy::cuda_allocation_of(d.data);
+        } catch (const error& e) {
+          return fmt::format("cannot check the CUDA memory of '{}': {}", name, e.what());
+        }
+        const auto lo = reinterpret_cast<std::uintptr_t>(d.alloc_bytes != 0 ? d.alloc : d.data);
+        const std::uint64_t need = d.alloc_bytes != 0 ? d.alloc_bytes : 1;
+        if (!a || lo < a->base || lo - a->base > a->bytes || need > a->bytes - (lo - a->base))
+          return fmt::format("the CUDA memory of '{}' ({}) on cuda:{} is {} since it was registered: refit writes only "
+                             "where a parameter was registered; register the parameters again (clear_parameters, "
+                             "add_parameter) after the engine reallocates them",
+                             name, describe(d.meta), d.dev.index,
+                             a ? "in another allocation" : "not allocated any more (freed)");
+      }
+    }
+    return std::nullopt;
   }
 
   receiver_event on_begin(const wire::begin& b) {

@@ -41,26 +41,14 @@ constexpr std::string_view transport_name = "cuda_ipc";
 // carries one "A" + cudaIpcMemHandle_t per allocation, then one "T" + wire::encode_dest() record
 // per destination.
 
-/// The allocation that holds `p` (cuMemGetAddressRange through the runtime's driver entry point,
-/// so that refit needs no link to libcuda): its base, or nullptr when the driver cannot say.
+/// The allocation that holds `p`: its base, or nullptr when the driver cannot say.
 void* allocation_base(const void* p) {
-  using get_range_fn = int (*)(unsigned long long*, std::size_t*, unsigned long long);
-  static get_range_fn get_range = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return static_cast<get_range_fn>(nullptr);
-    }
-    return reinterpret_cast<get_range_fn>(fn);
-  }();
-  if (get_range == nullptr) return nullptr;
-  unsigned long long base = 0;
-  std::size_t size = 0;
-  if (get_range(&base, &size, reinterpret_cast<unsigned long long>(p)) != 0) return nullptr;
-  return reinterpret_cast<void*>(base);
+  try {
+    const auto a = copy::cuda_allocation_of(p);
+    return a ? reinterpret_cast<void*>(a->base) : nullptr;
+  } catch (const error&) {
+    return nullptr;
+  }
 }
 
 template <typename T>

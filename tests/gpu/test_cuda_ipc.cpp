@@ -26,6 +26,7 @@ TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cu
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
@@ -822,6 +823,46 @@ TEST_CASE("a cuda_ipc streamer with two receivers refuses to stage: one with a c
   stop1.send("stop");
   CHECK(rx0.wait(60s) == 0);
   CHECK(rx1.wait(60s) == 0);
+}
+
+TEST_CASE("a receiver whose registered CUDA memory was freed refuses the next HELLO naming the tensor; nothing is "
+          "written or committed",
+          "[cuda_ipc][layout]") {
+  const auto ep = rt::temp_endpoint();
+  const refit::tensor_meta w{"w", refit::dtype::u16, {64, 32}};
+  rt::signal_pipe ready, stop;
+  rt::child rx([&] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    auto engine = std::make_unique<refit::cuda::device_buffer>(w.nbytes());
+    refit::receiver r(receive_options(ep, 0, relaxed));
+    r.add_parameter(refit::tensor_dest{w, engine->handle(), refit::device::cuda(0)});
+    engine.reset();  // the engine reallocated its weights and did not register them again
+    ready.send("ready");
+    int refused = 0;
+    while (!stop.try_receive(0ms))
+      if (r.serve_one(20ms) == refit::receiver_event::refused) ++refused;
+    expect(refused >= 1, "the HELLO was not refused");
+    expect(!r.committed_version().has_value(), "a version was committed");
+    expect(r.last_error().find("not allocated any more") != std::string::npos, "last_error: " + r.last_error());
+  });
+  REQUIRE(ready.receive(60s) == "ready");
+  rt::child tx([&] {
+    device_tensors source({w}, 0);
+    source.upload(1);
+    refit::streamer s(stream_options(ep, 0, relaxed));
+    try {
+      s.refit(1, source.refs());
+      expect(false, "a refit into freed memory succeeded");
+    } catch (const refit::error& e) {
+      expect(e.code() == refit::errc::invalid_argument, "error code " + std::string(refit::to_string(e.code())));
+      expect(std::string(e.what()).find("'w'") != std::string::npos &&
+                 std::string(e.what()).find("not allocated any more") != std::string::npos,
+             std::string("message: ") + e.what());
+    }
+  });
+  CHECK(tx.wait(120s) == 0);
+  stop.send("stop");
+  CHECK(rx.wait(60s) == 0);
 }
 
 TEST_CASE("a direct cuda_ipc source that does not fit its view (slice past the end) fails before writing anything",
