@@ -402,26 +402,28 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
   }
 
-  /// Everything between BEGIN and END: plans, packs and sends the batches of `source`.
-  void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats) {
-    // Everything of the open batch: its entries for the wire and its copies for the packer.
-    struct open_batch {
-      std::uint64_t seq = 0;
-      std::vector<wire::entry> entries;
-      std::vector<copy::op> ops;
-      std::vector<void*> streams;
-      std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
-    } open;
-
+  /// The batches of one version as send_tensors() builds them: the open batch (its entries for
+  /// the wire and its copies for the packer), the kind of session, and the direct writes planned
+  /// but not launched yet.
+  struct batch_writer {
+    impl& st;
+    std::uint64_t version;
+    refit_stats& stats;
     // A direct session copies straight into the receiver's weights; the batches then only carry
     // the manifest, and no buffer is reused, so there is nothing to wait for between them.
-    const bool direct = buffers->direct();
+    bool direct;
     // A transport that moves entries one by one (nccl) sends a tensor already on its device from
     // the tensor itself: only the others are packed. When every receiver receives in place too,
     // no buffer holds a batch, and every tensor must be sent from where it is.
-    const bool by_entry = !direct && buffers->moves_entries();
-    const bool in_place = by_entry && buffers->in_place();
-    stats.direct = direct || in_place;
+    bool by_entry;
+    bool in_place;
+
+    std::uint64_t seq = 0;
+    std::vector<wire::entry> entries;
+    std::vector<copy::op> ops;
+    std::vector<void*> streams;
+    std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
+
     // Direct writes need nothing from the receiver until the batch's manifest is sent, so they may
     // be launched as they are planned: when the source is slower than the copies (a Python
     // state_dict's conversion, a generator's all-gather), copying the first tensors overlaps
@@ -431,53 +433,107 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     // throughout cost llama3-8b 14% on an H100).
     std::uint64_t direct_pending = 0;
     std::uint64_t direct_checked = 0;
-    const auto launch_direct = [&] {
+
+    batch_writer(impl& s, std::uint64_t v, refit_stats& r)
+        : st(s), version(v), stats(r), direct(s.buffers->direct()), by_entry(!direct && s.buffers->moves_entries()),
+          in_place(by_entry && s.buffers->in_place()) {
+      stats.direct = direct || in_place;
+    }
+
+    /// The planner's options for this session: direct and in-place batches are not buffer-sized.
+    [[nodiscard]] plan_options plan_for(const plan_options& base) const {
+      plan_options p = base;
+      if (direct || in_place) p.buffer_bytes = transport::direct_batch_bytes;
+      return p;
+    }
+
+    void launch_direct() {
       direct_checked = 0;
       auto tp = clock::now();
-      for (void* s : open.streams) buffers->after(s);
-      copier->run(open.ops, buffers->stream());
-      open.ops.clear();
-      open.streams.clear();
+      for (void* s : streams) st.buffers->after(s);
+      st.copier->run(ops, st.buffers->stream());
+      ops.clear();
+      streams.clear();
       direct_pending = 0;
       stats.pack_seconds += seconds_since(tp);
-    };
+    }
 
-    const auto flush = [&] {
-      const std::size_t buffer = open.seq % buffers->count();
+    /// Packs (or launches) the open batch, sends its BATCH and waits for the replies.
+    void flush() {
+      const std::size_t buffer = seq % st.buffers->count();
       auto tp = clock::now();
-      if (!direct) buffers->begin_pack(buffer);
-      for (void* s : open.streams) buffers->after(s);
-      copier->run(open.ops, buffers->stream());
+      if (!direct) st.buffers->begin_pack(buffer);
+      for (void* s : streams) st.buffers->after(s);
+      st.copier->run(ops, st.buffers->stream());
       if (!direct) {
-        if (by_entry) buffers->entries(buffer, open.segments);
-        buffers->end_pack(buffer);
+        if (by_entry) st.buffers->entries(buffer, segments);
+        st.buffers->end_pack(buffer);
       }
       stats.pack_seconds += seconds_since(tp);
 
       wire::batch b;
       b.version = version;
-      b.seq = open.seq;
+      b.seq = seq;
       b.buffer = static_cast<std::uint32_t>(buffer);
-      b.entries = std::move(open.entries);
+      b.entries = std::move(entries);
       tp = clock::now();
-      request(b, fmt::format("BATCH {} of version {}", open.seq, version));
+      st.request(b, fmt::format("BATCH {} of version {}", seq, version));
       stats.wait_seconds += seconds_since(tp);
       ++stats.batches;
-      open.seq += 1;
-      open.entries.clear();
-      open.ops.clear();
-      open.streams.clear();
-      open.segments.clear();
+      seq += 1;
+      entries.clear();
+      ops.clear();
+      streams.clear();
+      segments.clear();
       direct_pending = 0;
       direct_checked = 0;
-    };
+    }
 
+    /// Adds one placed piece of tensor `t` to the open batch: its entry, and the copy or segment
+    /// that moves its bytes (`targets`: its routes in a direct session).
+    void add(const tensor_ref& t, const placement& p, std::span<const transport::routed> targets) {
+      if (t.stream != nullptr && (streams.empty() || streams.back() != t.stream)) streams.push_back(t.stream);
+      entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, p.entry.tensor_offset, p.entry.bytes,
+                                    p.entry.buffer_offset});
+      if (p.entry.bytes == 0) return;
+      const auto* from = static_cast<const std::byte*>(t.data) + p.entry.tensor_offset;
+      const device where = st.buffers->where();
+      if (by_entry && t.dev == where) {
+        // Sent in place: rank 0 of an in-place broadcast only reads its buffer.
+        segments.push_back(transport::segment{const_cast<std::byte*>(from), 0, p.entry.bytes});
+        return;
+      }
+      if (t.dev.kind == device_kind::cuda && !(t.dev == where) && st.copier->kind() == copy::engine::kernel)
+        copy::enable_peer_access(where.index, t.dev.index);
+      if (direct) {
+        write_routes(targets, static_cast<const std::byte*>(t.data), p.entry.tensor_offset, p.entry.bytes, ops);
+        direct_pending += p.entry.bytes;
+        if (direct_pending - direct_checked >= direct_check_bytes) {
+          direct_checked = direct_pending;
+          if (st.copier->idle()) launch_direct();
+        }
+        return;
+      }
+      ops.push_back(copy::op{from, st.buffers->data(seq % st.buffers->count()) + p.entry.buffer_offset, p.entry.bytes});
+      if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
+    }
+  };
 
-    planner pl([&] {
-      plan_options p = plan;
-      if (direct || in_place) p.buffer_bytes = transport::direct_batch_bytes;
-      return p;
-    }());
+  /// An in-place nccl session sends every tensor from the streamer's GPU: throws for one elsewhere.
+  void check_in_place(const tensor_ref& t, std::uint64_t bytes, std::uint64_t version) const {
+    if (bytes != 0 && !(t.dev == buffers->where()))
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor {} is on cuda:{}, but this nccl session sends every tensor in place from the "
+                              "streamer's GPU, cuda:{} (nothing of it was sent; receivers that took earlier "
+                              "batches of version {} stay dirty until a refit commits): move it there, or set "
+                              "streamer_options::direct = false to pack such tensors",
+                              describe(t.meta), t.dev.index, buffers->where().index, version));
+  }
+
+  /// Everything between BEGIN and END: plans, packs and sends the batches of `source`.
+  void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats) {
+    batch_writer w(*this, version, stats);
+    planner pl(w.plan_for(plan));
     std::unordered_set<std::string> names;
     for (std::size_t index = 0;; ++index) {
       auto ts = clock::now();
@@ -491,49 +547,20 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                     fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
       // A direct session writes each of the receiver's destinations of this tensor along its route
       // (a view, a slice: plan::route); a misfit throws before anything is written.
-      const std::vector<transport::routed> targets = direct ? buffers->routes(t->meta) : std::vector<transport::routed>{};
-      if (in_place && bytes != 0 && !(t->dev == buffers->where()))
-        throw error(errc::invalid_argument,
-                    fmt::format("tensor {} is on cuda:{}, but this nccl session sends every tensor in place from the "
-                                "streamer's GPU, cuda:{} (nothing of it was sent; receivers that took earlier "
-                                "batches of version {} stay dirty until a refit commits): move it there, or set "
-                                "streamer_options::direct = false to pack such tensors",
-                                describe(t->meta), t->dev.index, buffers->where().index, version));
+      const std::vector<transport::routed> targets =
+          w.direct ? buffers->routes(t->meta) : std::vector<transport::routed>{};
+      if (w.in_place) check_in_place(*t, bytes, version);
       for (const placement& p : pl.add(index, bytes)) {
-        while (p.batch > open.seq) flush();
-        if (t->stream != nullptr && (open.streams.empty() || open.streams.back() != t->stream))
-          open.streams.push_back(t->stream);
-        open.entries.push_back(wire::entry{t->meta.name, t->meta.type, t->meta.shape, p.entry.tensor_offset,
-                                           p.entry.bytes, p.entry.buffer_offset});
-        if (p.entry.bytes == 0) continue;
-        const auto* from = static_cast<const std::byte*>(t->data) + p.entry.tensor_offset;
-        if (by_entry && t->dev == buffers->where()) {
-          // Sent in place: rank 0 of an in-place broadcast only reads its buffer.
-          open.segments.push_back(transport::segment{const_cast<std::byte*>(from), 0, p.entry.bytes});
-          continue;
-        }
-        if (t->dev.kind == device_kind::cuda && !(t->dev == buffers->where()) && copier->kind() == copy::engine::kernel)
-          copy::enable_peer_access(buffers->where().index, t->dev.index);
-        if (direct) {
-          write_routes(targets, static_cast<const std::byte*>(t->data), p.entry.tensor_offset, p.entry.bytes, open.ops);
-          direct_pending += p.entry.bytes;
-          if (direct_pending - direct_checked >= direct_check_bytes) {
-            direct_checked = direct_pending;
-            if (copier->idle()) launch_direct();
-          }
-          continue;
-        }
-        open.ops.push_back(copy::op{from, buffers->data(open.seq % buffers->count()) + p.entry.buffer_offset,
-                                    p.entry.bytes});
-        if (by_entry) open.segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
+        while (p.batch > w.seq) w.flush();
+        w.add(*t, p, targets);
       }
       stats.tensors += 1;
       stats.bytes += bytes;
     }
-    if (!open.entries.empty()) flush();
+    if (!w.entries.empty()) w.flush();
 
     // Direct writes must be complete before the receiver commits: it never waits on them itself.
-    if (direct) {
+    if (w.direct) {
       const auto tp = clock::now();
       buffers->drain();
       stats.pack_seconds += seconds_since(tp);
