@@ -263,3 +263,67 @@ def test_a_llama_trained_here_gives_the_same_logits_there_after_every_refit(peer
     remote_device = 1 if transport == "nccl" else 0
     job = peer.run(llama_worker, remote_device, transport == "nccl")
     train_and_refit(job, model, transport)
+
+
+# ------------------------------------------------------------------- storage identity
+
+
+def graphed_mlp_worker(chan, device: int):
+    """Job: an engine that captured a CUDA graph of its forward over its weights (as engines do for
+    decoding), then registered them. Commands: ``replay`` (the graph's output for the fixed input,
+    replayed now), ``moved`` (names of parameters whose data_ptr changed since registration)."""
+    use_device(device, False)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16)).to(f"cuda:{device}")
+    static_in = torch.randn(8, 64, generator=torch.Generator().manual_seed(9)).to(f"cuda:{device}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        model(static_in)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = model(static_in)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize(device)
+        return static_out.cpu()
+
+    with refit.Receiver(device=device) as rx:
+        rx.add_parameters(model.named_parameters())
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {
+            "replay": replay,
+            "moved": lambda: [n for n, p in model.named_parameters() if p.data_ptr() != ptrs[n]],
+        })
+
+
+def test_a_cuda_graph_captured_before_100_refits_computes_with_the_new_weights(peer, one_gpu):
+    """refit writes in place and never moves a parameter: a graph captured over the engine's
+    weights before the first refit gives, after each refit, what the trainer's model computes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16)).to("cuda:0")
+    static_in = torch.randn(8, 64, generator=torch.Generator().manual_seed(9)).to("cuda:0")
+    job = peer.run(graphed_mlp_worker, 0)
+    endpoint = job.recv()
+    previous = job.request("replay")  # its own initial weights
+    with gpu_streamer(endpoint, "cuda_ipc") as st:
+        for version in range(1, 101):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+            stats = st.refit(version, model.state_dict())
+            assert stats.direct
+            if version in (1, 2, 50, 100):
+                with torch.no_grad():
+                    expected = model(static_in).cpu()
+                got = job.request("replay")
+                # The same weights, the same GEMMs (replayed or eager: equal up to the kernel choice).
+                assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), f"version {version}: the graph computed with other weights"
+                assert not torch.equal(got, previous), f"version {version}: the graph's output did not change"
+                previous = got
+    assert job.request("moved") == []
+    assert job.request("status")["committed_version"] == 100
+    job.stop()
