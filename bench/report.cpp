@@ -215,46 +215,78 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
   return j;
 }
 
-std::string to_svg(const preamble& p, const std::vector<row>& rows) {
-  constexpr double width = 900, height = 540;
-  constexpr double left = 80, right = 260, top = 60, bottom = 70;
-  constexpr double plot_w = width - left - right, plot_h = height - top - bottom;
-  const char* palette[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
+namespace {
 
+// to_svg's steps. The chart: one series per (transport, engine, model, buffers), x = buffer size
+// (log2 MiB), y = GB/s, with each transport's ceiling and staged limit as horizontal lines.
+constexpr double svg_width = 900, svg_height = 540;
+constexpr double svg_left = 80, svg_right = 260, svg_top = 60, svg_bottom = 70;
+constexpr double plot_w = svg_width - svg_left - svg_right, plot_h = svg_height - svg_top - svg_bottom;
+constexpr const char* palette[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
+                                   "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
+
+double log2_mib(std::uint64_t bytes) { return std::log2(static_cast<double>(bytes) / (1 << 20)); }
+
+/// The rows grouped into series, and the extent of the data.
+struct chart_data {
   double x_lo = 1e300, x_hi = -1e300, y_hi = 0;
   std::map<std::string, double> ceilings;  // transport → GB/s
   std::vector<std::string> transports;
   std::map<std::string, std::vector<const row*>> series;  // "transport model nbuf" → rows
   std::vector<std::string> order;
-  for (const auto& r : rows) {
-    const double x = std::log2(static_cast<double>(r.buffer_bytes) / (1 << 20));
-    x_lo = std::min(x_lo, x);
-    x_hi = std::max(x_hi, x);
-    y_hi = std::max({y_hi, r.gbps, r.ceiling_gbps});
-    ceilings[r.transport] = std::max(ceilings[r.transport], r.ceiling_gbps);
-    if (std::find(transports.begin(), transports.end(), r.transport) == transports.end()) transports.push_back(r.transport);
-    const std::string key = fmt::format("{} {} {} x{}", r.transport, r.engine, r.model, r.buffers);
-    if (!series.count(key)) order.push_back(key);
-    series[key].push_back(&r);
+
+  explicit chart_data(const std::vector<row>& rows) {
+    for (const auto& r : rows) {
+      const double x = log2_mib(r.buffer_bytes);
+      x_lo = std::min(x_lo, x);
+      x_hi = std::max(x_hi, x);
+      y_hi = std::max({y_hi, r.gbps, r.ceiling_gbps});
+      ceilings[r.transport] = std::max(ceilings[r.transport], r.ceiling_gbps);
+      if (std::find(transports.begin(), transports.end(), r.transport) == transports.end())
+        transports.push_back(r.transport);
+      const std::string key = fmt::format("{} {} {} x{}", r.transport, r.engine, r.model, r.buffers);
+      if (!series.count(key)) order.push_back(key);
+      series[key].push_back(&r);
+    }
   }
-  if (rows.empty()) x_lo = x_hi = 6;
-  x_lo = std::floor(x_lo);
-  x_hi = std::ceil(x_hi);
-  if (x_hi - x_lo < 2) {
-    x_lo -= 1;
-    x_hi += 1;
+
+  /// Series k has colour k; a transport's ceilings take the colour of its first series.
+  std::string transport_color(const std::string& t) {
+    for (std::size_t k = 0; k < order.size(); ++k)
+      if (series[order[k]].front()->transport == t) return std::string(palette[k % std::size(palette)]);
+    return std::string(palette[0]);
   }
-  if (y_hi <= 0) y_hi = 1;
-  // Transports far apart (host memcpy vs HBM) share a log axis; otherwise a linear one from 0.
-  double y_min_pos = y_hi;
-  for (const auto& r : rows) {
-    if (r.gbps > 0) y_min_pos = std::min(y_min_pos, r.gbps);
-    if (r.ceiling_gbps > 0) y_min_pos = std::min(y_min_pos, r.ceiling_gbps / 2);
-  }
-  const bool log_y = y_hi / y_min_pos > 50;
-  double y_lo = 0;
+};
+
+/// Both axes' ranges, the y ticks, and the mapping of data to pixels.
+struct chart_axes {
+  double x_lo, x_hi, y_lo = 0, y_hi;
+  bool log_y = false;
   std::vector<double> y_ticks;
-  if (log_y) {
+
+  chart_axes(const chart_data& d, const std::vector<row>& rows) : x_lo(d.x_lo), x_hi(d.x_hi), y_hi(d.y_hi) {
+    if (rows.empty()) x_lo = x_hi = 6;
+    x_lo = std::floor(x_lo);
+    x_hi = std::ceil(x_hi);
+    if (x_hi - x_lo < 2) {
+      x_lo -= 1;
+      x_hi += 1;
+    }
+    if (y_hi <= 0) y_hi = 1;
+    // Transports far apart (host memcpy vs HBM) share a log axis; otherwise a linear one from 0.
+    double y_min_pos = y_hi;
+    for (const auto& r : rows) {
+      if (r.gbps > 0) y_min_pos = std::min(y_min_pos, r.gbps);
+      if (r.ceiling_gbps > 0) y_min_pos = std::min(y_min_pos, r.ceiling_gbps / 2);
+    }
+    log_y = y_hi / y_min_pos > 50;
+    if (log_y)
+      log_ticks(y_min_pos);
+    else
+      linear_ticks();
+  }
+
+  void log_ticks(double y_min_pos) {
     y_lo = std::pow(10.0, std::floor(std::log10(y_min_pos)));
     const double decade = std::pow(10.0, std::floor(std::log10(y_hi * 1.05)));
     for (const double m : {1.0, 2.0, 5.0, 10.0})
@@ -265,85 +297,109 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows) {
     for (double d = y_lo; d < y_hi * 1.01; d *= 10)
       for (const double m : {1.0, 2.0, 5.0})
         if (d * m <= y_hi * 1.01) y_ticks.push_back(d * m);
-  } else {
+  }
+
+  void linear_ticks() {
     const double step = nice_step(y_hi * 1.08);
     y_hi = std::ceil(y_hi * 1.08 / step) * step;
     for (double y = 0; y <= y_hi + step / 2; y += step) y_ticks.push_back(y);
   }
-  auto X = [&](double lx) { return left + (lx - x_lo) / (x_hi - x_lo) * plot_w; };
-  auto Y = [&](double gbps) {
-    if (!log_y) return top + plot_h - gbps / y_hi * plot_h;
-    const double v = std::max(gbps, y_lo);
-    return top + plot_h - (std::log10(v) - std::log10(y_lo)) / (std::log10(y_hi) - std::log10(y_lo)) * plot_h;
-  };
 
-  std::string s;
+  [[nodiscard]] double X(double lx) const { return svg_left + (lx - x_lo) / (x_hi - x_lo) * plot_w; }
+  [[nodiscard]] double Y(double gbps) const {
+    if (!log_y) return svg_top + plot_h - gbps / y_hi * plot_h;
+    const double v = std::max(gbps, y_lo);
+    return svg_top + plot_h - (std::log10(v) - std::log10(y_lo)) / (std::log10(y_hi) - std::log10(y_lo)) * plot_h;
+  }
+};
+
+/// The document's head, the title and the run's description.
+void svg_header(std::string& s, const preamble& p) {
   s += fmt::format(R"svg(<?xml version="1.0" encoding="UTF-8"?>
 <svg xmlns="http://www.w3.org/2000/svg" width="{0}" height="{1}" viewBox="0 0 {0} {1}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-)svg", width, height);
+)svg", svg_width, svg_height);
   std::vector<std::string> names;
   for (const auto& m : p.models) names.push_back(m.name);
   s += fmt::format(R"svg(<text x="{}" y="24" font-size="16" font-weight="bold">refit throughput vs buffer size — {}</text>
 <text x="{}" y="42" fill="#555">refit {} on {}{}{}; {} warm-up + {} iterations, median</text>
-)svg", left, xml_escape(fmt::format("{}", fmt::join(names, ", "))), left, xml_escape(p.refit_version), xml_escape(p.host),
+)svg", svg_left, xml_escape(fmt::format("{}", fmt::join(names, ", "))), svg_left, xml_escape(p.refit_version), xml_escape(p.host),
                    p.gpus.empty() ? "" : ", ", xml_escape(p.gpus.empty() ? "" : p.gpus.front()), p.warmup, p.iters);
-  // Grid and axes.
-  for (const double y : y_ticks)
+}
+
+/// Grid and axes.
+void svg_axes(std::string& s, const chart_axes& a) {
+  for (const double y : a.y_ticks)
     s += fmt::format(R"svg(<line x1="{0}" y1="{1:.1f}" x2="{2}" y2="{1:.1f}" stroke="#e5e5e5"/><text x="{3}" y="{4:.1f}" text-anchor="end">{5:g}</text>
-)svg", left, Y(y), left + plot_w, left - 8, Y(y) + 4, y);
-  for (double lx = x_lo; lx <= x_hi + 0.5; lx += 1)
+)svg", svg_left, a.Y(y), svg_left + plot_w, svg_left - 8, a.Y(y) + 4, y);
+  for (double lx = a.x_lo; lx <= a.x_hi + 0.5; lx += 1)
     s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1}" x2="{0:.1f}" y2="{2}" stroke="#e5e5e5"/><text x="{0:.1f}" y="{3}" text-anchor="middle">{4:g}</text>
-)svg", X(lx), top, top + plot_h, top + plot_h + 18, std::exp2(lx));
+)svg", a.X(lx), svg_top, svg_top + plot_h, svg_top + plot_h + 18, std::exp2(lx));
   s += fmt::format(R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="#333"/>
 <text x="{}" y="{}" text-anchor="middle">buffer size (MiB, log2 scale)</text>
 <text x="20" y="{}" text-anchor="middle" transform="rotate(-90 20 {})">throughput (GB/s of payload{})</text>
-)svg", left, top, plot_w, plot_h, left + plot_w / 2, height - 24, top + plot_h / 2, top + plot_h / 2,
-                   log_y ? ", log scale" : "");
+)svg", svg_left, svg_top, plot_w, plot_h, svg_left + plot_w / 2, svg_height - 24, svg_top + plot_h / 2, svg_top + plot_h / 2,
+                   a.log_y ? ", log scale" : "");
+}
 
-  // Ceilings: the copy bandwidth (dashed) and the staged limit, ceiling / 2 (dotted).
-  double legend_y = top + 8;
-  auto legend = [&](const std::string& style, const std::string& color, const std::string& label) {
-    const double lx = left + plot_w + 16;
+/// The legend on the right, one line per call.
+struct svg_legend {
+  std::string& s;
+  double y = svg_top + 8;
+  void add(const std::string& style, const std::string& color, const std::string& label) {
+    const double lx = svg_left + plot_w + 16;
     s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="2" {}/><text x="{}" y="{:.1f}">{}</text>
-)svg", lx, legend_y, lx + 28, legend_y, color, style, lx + 34, legend_y + 4, xml_escape(label));
-    legend_y += 20;
-  };
-  // Series k has colour k; a transport's ceilings take the colour of its first series.
-  auto transport_color = [&](const std::string& t) {
-    for (std::size_t k = 0; k < order.size(); ++k)
-      if (series[order[k]].front()->transport == t) return std::string(palette[k % std::size(palette)]);
-    return std::string(palette[0]);
-  };
-  for (std::size_t t = 0; t < transports.size(); ++t) {
-    const std::string color = transport_color(transports[t]);
-    const double c = ceilings[transports[t]];
-    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="8 4"/>
-)svg", left, Y(c), left + plot_w, Y(c), color);
-    legend(R"(stroke-dasharray="8 4")", color, fmt::format("{} ceiling {:.1f} GB/s", transports[t], c));
-    if (transports[t] == "nccl") continue;  // its ceiling is the broadcast itself: no staged limit
-    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>
-)svg", left, Y(c / 2), left + plot_w, Y(c / 2), color);
-    legend(R"(stroke-dasharray="2 3")", color, fmt::format("{} staged limit {:.1f} GB/s", transports[t], c / 2));
+)svg", lx, y, lx + 28, y, color, style, lx + 34, y + 4, xml_escape(label));
+    y += 20;
   }
-  // Measured series.
-  for (std::size_t k = 0; k < order.size(); ++k) {
-    auto& pts = series[order[k]];
-    std::sort(pts.begin(), pts.end(), [](const row* a, const row* b) { return a->buffer_bytes < b->buffer_bytes; });
+};
+
+/// Ceilings: the copy bandwidth (dashed) and the staged limit, ceiling / 2 (dotted).
+void svg_ceilings(std::string& s, chart_data& d, const chart_axes& a, svg_legend& legend) {
+  for (std::size_t t = 0; t < d.transports.size(); ++t) {
+    const std::string color = d.transport_color(d.transports[t]);
+    const double c = d.ceilings[d.transports[t]];
+    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="8 4"/>
+)svg", svg_left, a.Y(c), svg_left + plot_w, a.Y(c), color);
+    legend.add(R"(stroke-dasharray="8 4")", color, fmt::format("{} ceiling {:.1f} GB/s", d.transports[t], c));
+    if (d.transports[t] == "nccl") continue;  // its ceiling is the broadcast itself: no staged limit
+    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>
+)svg", svg_left, a.Y(c / 2), svg_left + plot_w, a.Y(c / 2), color);
+    legend.add(R"(stroke-dasharray="2 3")", color, fmt::format("{} staged limit {:.1f} GB/s", d.transports[t], c / 2));
+  }
+}
+
+/// Measured series: a line through each series' points, a dot per row (black when it had wrong values).
+void svg_series(std::string& s, chart_data& d, const chart_axes& a, svg_legend& legend) {
+  for (std::size_t k = 0; k < d.order.size(); ++k) {
+    auto& pts = d.series[d.order[k]];
+    std::sort(pts.begin(), pts.end(), [](const row* x, const row* y) { return x->buffer_bytes < y->buffer_bytes; });
     const std::string color = palette[k % std::size(palette)];
     std::string poly;
-    for (const row* r : pts)
-      poly += fmt::format("{:.1f},{:.1f} ", X(std::log2(static_cast<double>(r->buffer_bytes) / (1 << 20))), Y(r->gbps));
+    for (const row* r : pts) poly += fmt::format("{:.1f},{:.1f} ", a.X(log2_mib(r->buffer_bytes)), a.Y(r->gbps));
     s += fmt::format(R"svg(<polyline points="{}" fill="none" stroke="{}" stroke-width="2.5"/>
 )svg", poly, color);
     for (const row* r : pts) {
-      const double x = X(std::log2(static_cast<double>(r->buffer_bytes) / (1 << 20)));
+      const double x = a.X(log2_mib(r->buffer_bytes));
       s += fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="4" fill="{}"><title>{} {} MiB x{}: {:.2f} GB/s, {:.2f} ms ({:.0f}% of floor){}</title></circle>
-)svg", x, Y(r->gbps), r->wrong > 0 ? "black" : color, xml_escape(r->transport), fmt_mb(static_cast<double>(r->buffer_bytes) / (1 << 20)),
+)svg", x, a.Y(r->gbps), r->wrong > 0 ? "black" : color, xml_escape(r->transport), fmt_mb(static_cast<double>(r->buffer_bytes) / (1 << 20)),
                        r->buffers, r->gbps, r->median_ms, r->ratio * 100, r->wrong > 0 ? ", WRONG VALUES" : "");
     }
-    legend("", color, order[k]);
+    legend.add("", color, d.order[k]);
   }
+}
+
+}  // namespace
+
+std::string to_svg(const preamble& p, const std::vector<row>& rows) {
+  chart_data data(rows);
+  const chart_axes axes(data, rows);
+  std::string s;
+  svg_header(s, p);
+  svg_axes(s, axes);
+  svg_legend legend{s};
+  svg_ceilings(s, data, axes, legend);
+  svg_series(s, data, axes, legend);
   s += "</svg>\n";
   return s;
 }
