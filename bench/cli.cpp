@@ -44,19 +44,28 @@ void print_manifests(std::ostream& out, const std::vector<std::string>& models, 
 
 }  // namespace
 
-std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code) {
-  config c;
-  for (int i = 0; i < argc; ++i) c.argv.emplace_back(argv[i]);
-  CLI::App app{"refit-bench: measures refit throughput (streamer → receiver) on real model shapes, "
-               "against the hardware's own copy bandwidth measured in the same run."};
-  app.name("refit-bench");
+namespace {
 
+/// What the command line gives as text, before it is checked and turned into a config.
+struct cli_text {
   std::string role_name = "both", dtype_name = "bf16";
   std::vector<std::string> transports{"host_shm"};
   std::vector<std::string> engines{"automatic"};
   std::size_t corrupt = 0;
   bool list = false;
-  app.add_option("--role", role_name, "both (default: streamer here, receiver spawned as its own process), "
+  bool print_manifest = false;
+  std::string layout_text = "plain";
+  std::string receiver_devices = "same";
+  std::vector<std::string> paths{"direct", "staged"};
+  CLI::Option* receivers_opt = nullptr;
+  CLI::Option* corrupt_opt = nullptr;
+};
+
+// The options, in the order --help lists them.
+
+/// Which side runs here and how the sides find each other.
+void add_endpoint_options(CLI::App& app, config& c, cli_text& t) {
+  app.add_option("--role", t.role_name, "both (default: streamer here, receiver spawned as its own process), "
                                       "streamer or receiver (run the sides by hand: start the receiver first; it prints the "
                                       "streamer's command, with the --connect and --report endpoints to give it)")
       ->check(CLI::IsMember({"both", "streamer", "receiver"}));
@@ -66,18 +75,25 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
                                        "ipc://PATH.report for --bind ipc://PATH, tcp://HOST:* for tcp://HOST:PORT); "
                                        "streamer: the report endpoint the receiver printed (every refit is verified through it)");
   app.add_flag("--no-verify", c.no_verify, "streamer by hand: run without --report; checksums are not compared (wrong = n/a)");
+}
+
+/// What is refitted: built-in models or a manifest, and their element type.
+void add_model_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--model", c.models, "built-in model(s), comma separated (see --list-models)")
       ->delimiter(',')->capture_default_str();
-  app.add_flag("--list-models", list, "print the built-in models and exit");
-  bool print_manifest = false;
-  app.add_flag("--print-manifest", print_manifest,
+  app.add_flag("--list-models", t.list, "print the built-in models and exit");
+  app.add_flag("--print-manifest", t.print_manifest,
                "print the --model(s) as JSON [{name, tensors: [[name, dtype, shape], ...]}] and exit "
                "(python3 -m refit.bench reads it)");
   app.add_option("--manifest", c.manifest_file, "any model: a .safetensors file (its header), a sharded checkpoint's "
                                                 "model.safetensors.index.json, or a JSON {name: {dtype, shape}}");
   app.add_flag("--load", c.load, "refit the tensor data of the --manifest safetensors file(s) (mmap) instead of random data");
-  app.add_option("--dtype", dtype_name, "element type of the built-in models' tensors")->capture_default_str();
-  app.add_option("--transport", transports, "host_shm, cuda_ipc, nccl, comma separated, or all (every built one)")
+  app.add_option("--dtype", t.dtype_name, "element type of the built-in models' tensors")->capture_default_str();
+}
+
+/// What one row varies: transports, buffers, engines, layouts, paths.
+void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
+  app.add_option("--transport", t.transports, "host_shm, cuda_ipc, nccl, comma separated, or all (every built one)")
       ->delimiter(',')->capture_default_str();
   app.add_option("--buffer-mb", c.buffer_mb, "buffer size(s) in MiB, comma separated: a sweep")
       ->delimiter(',')->capture_default_str();
@@ -88,12 +104,11 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
                  "1: a tensor that fits a buffer is never split over two batches (streamer_options::keep_whole); "
                  "0: batches are filled up, tensors chunked at their edges")
       ->capture_default_str();
-  app.add_option("--engine", engines, "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
+  app.add_option("--engine", t.engines, "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
                                       "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "
                                       "receiver different ones, e.g. memcpy_batch/kernel")
       ->delimiter(',')->capture_default_str();
-  std::string layout_text = "plain";
-  app.add_option("--layout", layout_text, "how the receiver holds the model: plain (one dense tensor per source "
+  app.add_option("--layout", t.layout_text, "how the receiver holds the model: plain (one dense tensor per source "
                                           "tensor), fused (an engine's layout: q/k/v into qkv_proj, gate/up into "
                                           "gate_up_proj, a tied embedding also into lm_head), ep (fused, and each layer's "
                                           "experts stacked into w13_weight[E, 2I, H] and w2_weight[E, H, I]), tpN (fused "
@@ -105,24 +120,26 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   app.add_option("--rank", c.rank, "--layout tpN: the rank host_shm's one receiver holds, or a receiver started by hand "
                                    "(and its streamer); cuda_ipc and nccl spawn every rank")
       ->capture_default_str();
-  std::string receiver_devices = "same";
-  app.add_option("--receiver-devices", receiver_devices,
+  app.add_option("--receiver-devices", t.receiver_devices,
                  "cuda_ipc receivers (--layout tpN: one per rank): same (all on --device's GPU) or spread (rank k on GPU "
                  "(device + k) % visible); nccl receivers are always on GPUs of their own (--receivers)")
       ->check(CLI::IsMember({"same", "spread"}))
       ->capture_default_str();
-  std::vector<std::string> paths{"direct", "staged"};
-  app.add_option("--path", paths, "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
+  app.add_option("--path", t.paths, "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
                                   "staged (through the ping-pong buffers, two copies); nccl: direct (in place: 1 GiB "
                                   "batches whatever the buffer size), staged (buffer-sized batches); comma separated: "
                                   "one row each")
       ->delimiter(',')->capture_default_str();
+}
+
+/// How long and where it runs, what it writes, and the hidden options of spawned processes.
+void add_run_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
   app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
   app.add_option("--device", c.device, "CUDA device (cuda_ipc; nccl: the streamer's, receivers on the next ones)")
       ->capture_default_str();
-  auto* receivers_opt = app.add_option("--receivers", c.receivers, "nccl: receiver processes, one GPU each after --device's "
+  t.receivers_opt = app.add_option("--receivers", c.receivers, "nccl: receiver processes, one GPU each after --device's "
                                                                   "(wrapping around the visible GPUs; --layout tpN: N, one per "
                                                                   "rank); other transports ignore it")
       ->capture_default_str();
@@ -131,37 +148,17 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   app.add_option("--plot", c.plot_file, "write throughput vs buffer size as an SVG to FILE");
   app.add_flag("-q,--quiet", c.quiet, "no progress lines on stderr");
   // Hidden: for the tests and for the spawned receiver.
-  auto* corrupt_opt = app.add_option("--corrupt-byte", corrupt, "receiver: corrupt tensor N after every commit")->group("");
+  t.corrupt_opt = app.add_option("--corrupt-byte", t.corrupt, "receiver: corrupt tensor N after every commit")->group("");
   app.add_flag("--spawned", c.spawned, "receiver started by refit-bench: exit when stdin closes")->group("");
   app.add_option("--receiver-exe", c.receiver_exe, "the binary the streamer spawns as receiver")->group("");
   app.add_option("--nccl-ceiling", c.nccl_ceiling_id, "receiver: be a rank of the nccl ceiling (hex ncclUniqueId)")->group("");
   app.add_option("--nccl-rank", c.nccl_rank, "nccl ceiling: this rank")->group("");
   app.add_option("--nccl-ranks", c.nccl_ranks, "nccl ceiling: number of ranks")->group("");
+}
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    exit_code = app.exit(e);
-    return std::nullopt;
-  }
-  if (list) {
-    list_models(std::cout);
-    exit_code = 0;
-    return std::nullopt;
-  }
-  if (print_manifest) {
-    const auto t = parse_dtype(dtype_name);
-    if (!t) bad(fmt::format("--dtype {}: unknown (bf16, f16, f32, f8_e4m3, ...)", dtype_name));
-    print_manifests(std::cout, c.models, *t);
-    exit_code = 0;
-    return std::nullopt;
-  }
-  if (*corrupt_opt) c.corrupt_tensor = corrupt;
-  c.side = role_name == "receiver" ? role::receiver : role_name == "streamer" ? role::streamer : role::both;
-
-  const auto t = parse_dtype(dtype_name);
-  if (!t) bad(fmt::format("--dtype {}: unknown (bf16, f16, f32, f8_e4m3, ...)", dtype_name));
-  c.type = *t;
+/// --transport: names, or "all" (every built one); "all" runs nccl only where it can (2 GPUs or
+/// more: checked at run time), named it must.
+void parse_transports(config& c, const std::vector<std::string>& transports) {
   c.transports.clear();
   bool nccl_named = false;
   for (const auto& name : transports) {
@@ -175,8 +172,11 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     nccl_named |= *k == transport_kind::nccl;
     if (std::find(c.transports.begin(), c.transports.end(), *k) == c.transports.end()) c.transports.push_back(*k);
   }
-  // "all" runs nccl only where it can (2 GPUs or more: checked at run time); named, it must.
   c.nccl_optional = !nccl_named;
+}
+
+/// Receivers, buffers, iterations and models: each in range.
+void check_sizes(const config& c) {
   if (c.receivers < 1) bad("--receivers must be at least 1");
   if (c.transports.empty()) bad("--transport: none given");
   if (c.alignment == 0 || !std::has_single_bit(c.alignment)) bad(fmt::format("--alignment {}: must be a power of two", c.alignment));
@@ -194,7 +194,10 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     for (const auto& m : c.models) (void)preset(m, c.type);  // an unknown name fails here, with the list
   }
   if (c.load && c.manifest_file.empty()) bad("--load needs --manifest FILE.safetensors");
-  check_role(c);
+}
+
+/// --engine: names, each "pack" or "pack/apply" (the streamer and the receiver different ones).
+void parse_engines(config& c, const std::vector<std::string>& engines) {
   c.engines.clear();
   c.apply_engines.clear();
   const auto engine_named = [&](std::string_view name) {
@@ -203,7 +206,6 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     return *e;
   };
   for (const auto& name : engines) {
-    // "pack/apply" gives the streamer and the receiver different engines.
     const auto slash = name.find('/');
     const copy_engine pack = engine_named(std::string_view(name).substr(0, slash));
     const copy_engine apply = slash == std::string::npos ? pack : engine_named(std::string_view(name).substr(slash + 1));
@@ -215,6 +217,10 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     }
   }
   if (c.engines.empty()) bad("--engine: none given");
+}
+
+/// --path: direct, staged.
+void parse_paths(config& c, const std::vector<std::string>& paths) {
   c.direct.clear();
   for (const auto& name : paths) {
     if (name != "direct" && name != "staged") bad(fmt::format("--path {}: unknown (direct, staged)", name));
@@ -222,21 +228,73 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
     if (std::find(c.direct.begin(), c.direct.end(), d) == c.direct.end()) c.direct.push_back(d);
   }
   if (c.direct.empty()) bad("--path: none given");
-  const auto layout = parse_layout(layout_text);
-  if (!layout) bad(fmt::format("--layout {}: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ...)", layout_text));
+}
+
+/// --layout, --rank and --receiver-devices: a tensor-parallel layout runs one receiver per rank.
+void parse_layout_options(config& c, const cli_text& t) {
+  const auto layout = parse_layout(t.layout_text);
+  if (!layout) bad(fmt::format("--layout {}: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ...)", t.layout_text));
   c.layout = *layout;
-  c.spread_receivers = receiver_devices == "spread";
+  c.spread_receivers = t.receiver_devices == "spread";
   if (c.layout.tp > 1) {
     if (c.rank < 0 || c.rank >= c.layout.tp)
-      bad(fmt::format("--rank {}: out of range for --layout {} (ranks 0 to {})", c.rank, layout_text, c.layout.tp - 1));
+      bad(fmt::format("--rank {}: out of range for --layout {} (ranks 0 to {})", c.rank, t.layout_text, c.layout.tp - 1));
     // One nccl receiver per rank.
-    if (*receivers_opt && c.receivers != static_cast<std::size_t>(c.layout.tp))
+    if (*t.receivers_opt && c.receivers != static_cast<std::size_t>(c.layout.tp))
       bad(fmt::format("--receivers {} with --layout {}: tensor parallelism runs one receiver per rank ({}); leave "
-                      "--receivers out", c.receivers, layout_text, c.layout.tp));
+                      "--receivers out", c.receivers, t.layout_text, c.layout.tp));
     c.receivers = static_cast<std::size_t>(c.layout.tp);
   } else if (c.rank != 0) {
     bad(fmt::format("--rank {} is for --layout tpN (a tensor-parallel rank)", c.rank));
   }
+}
+
+dtype dtype_named(const std::string& name) {
+  const auto t = parse_dtype(name);
+  if (!t) bad(fmt::format("--dtype {}: unknown (bf16, f16, f32, f8_e4m3, ...)", name));
+  return *t;
+}
+
+}  // namespace
+
+std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code) {
+  config c;
+  for (int i = 0; i < argc; ++i) c.argv.emplace_back(argv[i]);
+  CLI::App app{"refit-bench: measures refit throughput (streamer → receiver) on real model shapes, "
+               "against the hardware's own copy bandwidth measured in the same run."};
+  app.name("refit-bench");
+  cli_text t;
+  add_endpoint_options(app, c, t);
+  add_model_options(app, c, t);
+  add_sweep_options(app, c, t);
+  add_run_options(app, c, t);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    exit_code = app.exit(e);
+    return std::nullopt;
+  }
+  if (t.list) {
+    list_models(std::cout);
+    exit_code = 0;
+    return std::nullopt;
+  }
+  if (t.print_manifest) {
+    print_manifests(std::cout, c.models, dtype_named(t.dtype_name));
+    exit_code = 0;
+    return std::nullopt;
+  }
+  if (*t.corrupt_opt) c.corrupt_tensor = t.corrupt;
+  c.side = t.role_name == "receiver" ? role::receiver : t.role_name == "streamer" ? role::streamer : role::both;
+
+  c.type = dtype_named(t.dtype_name);
+  parse_transports(c, t.transports);
+  check_sizes(c);
+  check_role(c);
+  parse_engines(c, t.engines);
+  parse_paths(c, t.paths);
+  parse_layout_options(c, t);
   return c;
 }
 
