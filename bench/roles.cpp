@@ -365,243 +365,321 @@ struct group {
   std::uint64_t& version;
 };
 
-void run_group(group& g, std::ostream& out, std::vector<row>& rows) {
-  const config& c = g.c;
-  const std::string tname(to_string(g.kind));
-  std::unique_ptr<temp_dir> dir;
-  // One receiver process, or for nccl --receivers of them, or one per rank of --layout tpN over
-  // cuda_ipc and nccl: receiver k on GPU devices[k], holding rank ranks[k].
-  std::vector<std::unique_ptr<child_process>> children;
-  std::vector<int> devices;
-  std::vector<std::string> endpoints;
-  std::string endpoint = c.connect;
-  const bool spawn = c.side == role::both;
-  // Started by hand, the receiver answers for its checksums on its report endpoint; only
-  // --no-verify goes without.
-  const bool verify = spawn || !c.no_verify;
-  std::unique_ptr<channel::req_channel> report;
-  const std::string report_who = fmt::format("the receiver at report endpoint {}", c.report);
-  const bool nccl = g.kind == transport_kind::nccl;
-  const bool tp = c.layout.tp > 1;
-  const std::size_t count = spawn ? receiver_processes(c, g.kind) : 1;
-  // The rank each receiver holds: every rank when tpN spawns one per rank, else --rank (0 without tpN).
-  std::vector<int> ranks;
-  for (std::size_t k = 0; k < count; ++k) ranks.push_back(tp ? (count > 1 ? static_cast<int>(k) : c.rank) : 0);
-  const bool several = nccl || count > 1;
-  const auto who = [&](std::size_t k) {
-    return several ? fmt::format("{} {} of {} (GPU {}, pid {})", tp ? "rank" : "receiver", k, children.size(), devices[k],
-                                 children[k]->pid())
-                   : fmt::format("the receiver (pid {})", children[k]->pid());
-  };
-  if (spawn) {
-    dir = std::make_unique<temp_dir>();
-    const int visible = nccl || c.spread_receivers ? visible_gpus() : 0;
-    for (std::size_t k = 0; k < count; ++k) {
-      devices.push_back(receiver_gpu(c, g.kind, k, visible));
-      const std::string bind = fmt::format("ipc://{}/receiver-{}", dir->path, k);
-      children.push_back(std::make_unique<child_process>(
-          c.receiver_exe, receiver_args(c, g.kind, g.m.name, bind, g.apply_engine, devices.back(), ranks[k])));
-    }
-    // All spawned first, so that they fill their destination tensors in parallel.
-    for (std::size_t k = 0; k < count; ++k) {
-      const json ready = json::parse(children[k]->read_line(std::chrono::minutes(10)));
-      if (ready.value("event", "") != "ready")
-        throw error(errc::protocol, fmt::format("refit-bench: {} said {} instead of ready", who(k), ready.dump()));
-      endpoints.push_back(ready.at("endpoint").get<std::string>());
-    }
-    endpoint = endpoints.front();
-  } else if (verify) {
-    try {
-      report = std::make_unique<channel::req_channel>(c.report);
-    } catch (const error& e) {
-      throw error(e.code(), fmt::format("refit-bench: --report {}: {}", c.report, e.what()));
-    }
-  } else {
-    // Always said, --quiet or not: the table cannot vouch for the data in this mode.
-    std::cerr << "refit-bench: WARNING: --no-verify: the receiver's checksums are printed on its side "
-                 "and not verified here (wrong = n/a)" << std::endl;
+/// The per-iteration samples of one row, in ms.
+struct row_samples {
+  std::vector<double> times, source, pack, wait, apply;
+};
+
+/// One group's run, step by step: start the receivers (or reach the one started by hand), prepare
+/// the source tensors and the checksums each rank expects, run one row per (buffers, buffer size,
+/// path), then end the receivers.
+class group_runner {
+ public:
+  explicit group_runner(group& g)
+      : g_(g), c_(g.c), tname_(to_string(g.kind)), endpoint_(c_.connect), spawn_(c_.side == role::both),
+        verify_(spawn_ || !c_.no_verify), report_who_(fmt::format("the receiver at report endpoint {}", c_.report)),
+        nccl_(g.kind == transport_kind::nccl), tp_(c_.layout.tp > 1),
+        count_(spawn_ ? receiver_processes(c_, g.kind) : 1), several_(nccl_ || count_ > 1) {
+    // The rank each receiver holds: every rank when tpN spawns one per rank, else --rank (0 without tpN).
+    for (std::size_t k = 0; k < count_; ++k) ranks_.push_back(tp_ ? (count_ > 1 ? static_cast<int>(k) : c_.rank) : 0);
   }
-  // The receiver's committed line for version v, from its report endpoint.
-  const auto ask_report = [&](std::uint64_t v, milliseconds timeout) {
+
+  void run(std::ostream& out, std::vector<row>& rows) {
+    start_receivers();
+    prepare_sources();
+    for (const std::size_t nbuf : c_.buffer_counts)
+      for (const double mb : c_.buffer_mb)
+        for (const bool want_direct : row_paths()) {
+          const row r = run_row(nbuf, mb, want_direct);
+          write_row(out, r);
+          rows.push_back(r);
+        }
+    end_receivers();
+  }
+
+ private:
+  [[nodiscard]] std::string who(std::size_t k) const {
+    return several_ ? fmt::format("{} {} of {} (GPU {}, pid {})", tp_ ? "rank" : "receiver", k, children_.size(),
+                                  devices_[k], children_[k]->pid())
+                    : fmt::format("the receiver (pid {})", children_[k]->pid());
+  }
+
+  /// Spawns the receivers and waits until each is ready, or connects to the report endpoint of a
+  /// receiver started by hand (only --no-verify goes without).
+  void start_receivers() {
+    if (spawn_) {
+      dir_ = std::make_unique<temp_dir>();
+      const int visible = nccl_ || c_.spread_receivers ? visible_gpus() : 0;
+      for (std::size_t k = 0; k < count_; ++k) {
+        devices_.push_back(receiver_gpu(c_, g_.kind, k, visible));
+        const std::string bind = fmt::format("ipc://{}/receiver-{}", dir_->path, k);
+        children_.push_back(std::make_unique<child_process>(
+            c_.receiver_exe, receiver_args(c_, g_.kind, g_.m.name, bind, g_.apply_engine, devices_.back(), ranks_[k])));
+      }
+      // All spawned first, so that they fill their destination tensors in parallel.
+      for (std::size_t k = 0; k < count_; ++k) {
+        const json ready = json::parse(children_[k]->read_line(std::chrono::minutes(10)));
+        if (ready.value("event", "") != "ready")
+          throw error(errc::protocol, fmt::format("refit-bench: {} said {} instead of ready", who(k), ready.dump()));
+        endpoints_.push_back(ready.at("endpoint").get<std::string>());
+      }
+      endpoint_ = endpoints_.front();
+    } else if (verify_) {
+      try {
+        report_ = std::make_unique<channel::req_channel>(c_.report);
+      } catch (const error& e) {
+        throw error(e.code(), fmt::format("refit-bench: --report {}: {}", c_.report, e.what()));
+      }
+    } else {
+      // Always said, --quiet or not: the table cannot vouch for the data in this mode.
+      std::cerr << "refit-bench: WARNING: --no-verify: the receiver's checksums are printed on its side "
+                   "and not verified here (wrong = n/a)" << std::endl;
+    }
+  }
+
+  /// The receiver's committed line for version v, from its report endpoint.
+  json ask_report(std::uint64_t v, milliseconds timeout) {
     std::string reply;
     try {
-      reply = report->request(json{{"version", v}}.dump(), timeout, fmt::format("the report of version {}", v));
+      reply = report_->request(json{{"version", v}}.dump(), timeout, fmt::format("the report of version {}", v));
     } catch (const error& e) {
       if (e.code() == errc::timeout)
         throw error(errc::timeout, fmt::format("refit-bench: {} did not answer for version {} within {} ms: is it the "
                                                "\"report\" endpoint the receiver printed, and is that receiver running?",
-                                               report_who, v, timeout.count()));
-      throw error(e.code(), fmt::format("refit-bench: asking {} for version {} failed: {}", report_who, v, e.what()));
+                                               report_who_, v, timeout.count()));
+      throw error(e.code(), fmt::format("refit-bench: asking {} for version {} failed: {}", report_who_, v, e.what()));
     }
     json line = json::parse(reply, nullptr, false);
     if (line.is_discarded())
       throw error(errc::protocol, fmt::format("refit-bench: {} answered for version {} with something that is not JSON "
                                               "(is it the refit endpoint, --connect, instead of the report one?): {}",
-                                              report_who, v,
+                                              report_who_, v,
                                               json(reply.substr(0, 100)).dump(-1, ' ', false, json::error_handler_t::replace)));
     return line;
-  };
-
-  progress(c, fmt::format("{} {}: preparing {} tensors, {:.3f} GB of source data", tname, g.m.name, g.m.entries.size(),
-                          g.m.bytes() / 1e9));
-  const auto t_prep = clock::now();
-  auto src = g.path.sources(g.m, c.seed, g.files);
-  const std::size_t n = g.m.entries.size();
-  std::vector<tensor_ref> refs(n);
-  std::vector<std::uint64_t> sizes(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    refs[i] = tensor_ref{g.m.entries[i].meta, src->data(i), src->where(), nullptr};
-    sizes[i] = g.m.entries[i].meta.nbytes();
   }
-  // One expectation per distinct rank; receiver k checks against expects[expect_of[k]].
-  std::vector<expectation> expects;
-  std::vector<std::size_t> expect_of;
-  for (const int rank : ranks) {
-    const auto same = std::find_if(expects.begin(), expects.end(), [&](const expectation& e) { return e.rank == rank; });
-    expect_of.push_back(static_cast<std::size_t>(same - expects.begin()));
-    if (same == expects.end()) expects.push_back(expect_rank(c, g.m, rank, *src, verify));
+
+  /// The source tensors, and one expectation per distinct rank (receiver k checks against
+  /// expects_[expect_of_[k]]).
+  void prepare_sources() {
+    progress(c_, fmt::format("{} {}: preparing {} tensors, {:.3f} GB of source data", tname_, g_.m.name,
+                             g_.m.entries.size(), g_.m.bytes() / 1e9));
+    const auto t_prep = clock::now();
+    src_ = g_.path.sources(g_.m, c_.seed, g_.files);
+    n_ = g_.m.entries.size();
+    refs_.resize(n_);
+    sizes_.resize(n_);
+    for (std::size_t i = 0; i < n_; ++i) {
+      refs_[i] = tensor_ref{g_.m.entries[i].meta, src_->data(i), src_->where(), nullptr};
+      sizes_[i] = g_.m.entries[i].meta.nbytes();
+    }
+    for (const int rank : ranks_) {
+      const auto same =
+          std::find_if(expects_.begin(), expects_.end(), [&](const expectation& e) { return e.rank == rank; });
+      expect_of_.push_back(static_cast<std::size_t>(same - expects_.begin()));
+      if (same == expects_.end()) expects_.push_back(expect_rank(c_, g_.m, rank, *src_, verify_));
+    }
+    for (const auto& e : expects_) needed_ += e.bytes;
+    progress(c_, fmt::format("{} {}: ready in {:.1f} s", tname_, g_.m.name, ms_since(t_prep) / 1e3));
   }
-  std::uint64_t needed = 0;  // the bytes the receivers need, summed over the distinct ranks
-  for (const auto& e : expects) needed += e.bytes;
-  progress(c, fmt::format("{} {}: ready in {:.1f} s", tname, g.m.name, ms_since(t_prep) / 1e3));
 
-  bool first = true;
-  // cuda_ipc and nccl have a direct path (nccl: in place); host_shm runs each row once. A transport
-  // that serves several receivers only by direct writes (cuda_ipc, tpN's ranks) has no staged row
-  // then (run() checked that a direct one is left, and said so in the preamble).
-  std::vector<bool> paths = g.kind != transport_kind::host_shm ? c.direct : std::vector<bool>{false};
-  if (endpoints.size() > 1 && transport::capabilities_of(g.kind).several_need_direct) std::erase(paths, false);
-  for (const std::size_t nbuf : c.buffer_counts) {
-    for (const double mb : c.buffer_mb) {
-     for (const bool want_direct : paths) {
-      streamer_options so;
-      so.direct = want_direct;
-      so.endpoint = endpoint;
-      // Several receivers (nccl --receivers, tpN's ranks): one streamer serves them all.
-      if (endpoints.size() > 1) so.receivers = endpoints;
-      so.transport = g.kind;
-      so.buffer_count = nbuf;
-      so.buffer_bytes = static_cast<std::uint64_t>(std::llround(mb * (1 << 20)));
-      so.alignment = c.alignment;
-      so.keep_whole = c.keep_whole;
-      so.device = c.device;
-      so.timeout = milliseconds(c.timeout_ms);
-      so.engine = g.engine;
-      streamer s(so);
+  /// cuda_ipc and nccl have a direct path (nccl: in place); host_shm runs each row once. A
+  /// transport that serves several receivers only by direct writes (cuda_ipc, tpN's ranks) has no
+  /// staged row then (run() checked that a direct one is left, and said so in the preamble).
+  [[nodiscard]] std::vector<bool> row_paths() const {
+    std::vector<bool> paths = g_.kind != transport_kind::host_shm ? c_.direct : std::vector<bool>{false};
+    if (endpoints_.size() > 1 && transport::capabilities_of(g_.kind).several_need_direct) std::erase(paths, false);
+    return paths;
+  }
 
-      row r;
-      r.transport = tname;
-      r.receivers = spawn ? endpoints.size() : 1;
-      r.model = g.m.name;
-      r.engine = g.kind == transport_kind::host_shm ? "memcpy"
-                 : g.engine == g.apply_engine ? std::string(to_string(g.engine))
-                                              : fmt::format("{}/{}", to_string(g.engine), to_string(g.apply_engine));
-      r.buffer_bytes = so.buffer_bytes;
-      r.buffers = nbuf;
-      r.tensors = n;
-      r.bytes = needed;
-      r.iters = c.iters;
-      r.wrong = verify ? 0 : -1;
-      r.layout = layout_name(c.layout);
-      std::vector<double> times, source, pack, wait, apply;
-      bool went_direct = false;
-      const int total = c.warmup + c.iters;
-      for (int it = 0; it < total; ++it) {
-        const std::uint64_t v = g.version++;
-        if (!first) {
-          // Fresh data for every refit: one byte per tensor changes, expected sums follow in O(1).
-          const auto mask = static_cast<std::uint8_t>(1 + v % 255);
-          for (std::size_t i = 0; i < n; ++i) {
-            if (sizes[i] == 0) continue;
-            const std::uint64_t off = (v * 0x9e3779b97f4a7c15ull + i * 0x2545f4914f6cdd1dull) % sizes[i];
-            const std::uint8_t old = src->flip(i, off, mask);
-            if (verify) expect_flip(expects, i, off, old, static_cast<std::uint8_t>(old ^ mask));
-          }
-        }
-        first = false;
-        const auto t0 = clock::now();
-        refit_stats st;
-        try {
-          st = s.refit(v, std::span<const tensor_ref>(refs));
-        } catch (const error& e) {
-          std::string detail;
-          for (std::size_t k = 0; k < children.size(); ++k) {
-            try {
-              const json line = json::parse(children[k]->read_line(std::chrono::seconds(2)));
-              if (line.value("event", "") == "aborted") detail += fmt::format("; {} says: {}", who(k), line.value("error", ""));
-            } catch (...) {
-            }
-          }
-          if (report) {
-            try {
-              const json line = ask_report(v, std::chrono::seconds(2));
-              if (line.value("event", "") == "aborted") detail += fmt::format("; {} says: {}", report_who, line.value("error", ""));
-            } catch (...) {
-            }
-          }
-          throw error(e.code(), fmt::format("refit-bench: {} {} {} MiB x{}: refit of version {} failed: {}{}", tname,
-                                            g.m.name, mb, nbuf, v, e.what(), detail));
-        }
-        const double ms = ms_since(t0);
-        r.batches = st.batches;
-        std::int64_t wrong_now = 0, printed = 0;
-        double apply_ms = -1;
-        // Every receiver must have committed v; wrong checksums are summed over the receivers, and
-        // apply is the slowest receiver's.
-        for (std::size_t k = 0; k < children.size(); ++k) {
-          const json line = json::parse(children[k]->read_line(milliseconds(std::max<std::uint64_t>(c.timeout_ms, 600000))));
-          const std::string label = !several ? std::string() : fmt::format(" {} {}", tp ? "rank" : "receiver", k);
-          wrong_now += count_wrong(c, line, v, g.m, expects[expect_of[k]].sums, who(k), label, printed, ranks[k]);
-          apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
-        }
-        if (report) {
-          const json line = ask_report(v, milliseconds(c.timeout_ms));
-          wrong_now += count_wrong(c, line, v, g.m, expects.front().sums, report_who, std::string(), printed, ranks.front());
-          apply_ms = line.value("apply_ms", -1.0);
-        }
-        r.wrong += wrong_now;
-        const bool counted = it >= c.warmup;
-        progress(c, fmt::format("{} {} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname, r.engine, g.m.name, mb, nbuf,
-                                counted ? "iter" : "warm-up", counted ? it - c.warmup + 1 : it + 1,
-                                counted ? c.iters : c.warmup, ms, r.bytes / (ms * 1e6),
-                                wrong_now ? fmt::format(", {} WRONG", wrong_now) : ""));
-        went_direct = st.direct;
-        if (!counted) continue;
-        times.push_back(ms);
-        source.push_back(st.source_seconds * 1e3);
-        pack.push_back(st.pack_seconds * 1e3);
-        wait.push_back(st.wait_seconds * 1e3);
-        if (apply_ms >= 0) apply.push_back(apply_ms);
-      }
-      s.close();
-      r.median_ms = median(times);
-      r.min_ms = *std::min_element(times.begin(), times.end());
-      r.max_ms = *std::max_element(times.begin(), times.end());
-      r.gbps = r.bytes / (r.median_ms * 1e6);
-      r.ceiling_gbps = g.ceiling / 1e9;
-      // A direct refit copies every byte once, a staged one twice: each is held to its own floor.
-      if (went_direct) r.engine += nccl ? "+in-place" : "+direct";
-      if (c.layout != layout_kind::plain) r.engine += "+" + layout_name(c.layout);
-      // Over nccl the ceiling is itself the transfer (a raw broadcast), which refit makes once, with
-      // packing and applying overlapping it: one pass too.
-      r.floor_ms = (went_direct || nccl ? 1.0 : 2.0) * static_cast<double>(r.bytes) / g.ceiling * 1e3;
-      r.ratio = r.floor_ms / r.median_ms;
-      r.source_ms = median(source);
-      r.pack_ms = median(pack);
-      r.wait_ms = median(wait);
-      r.apply_ms = apply.empty() ? -1 : median(apply);
-      write_row(out, r);
-      rows.push_back(r);
-     }
+  [[nodiscard]] streamer_options options_for(std::size_t nbuf, double mb, bool want_direct) const {
+    streamer_options so;
+    so.direct = want_direct;
+    so.endpoint = endpoint_;
+    // Several receivers (nccl --receivers, tpN's ranks): one streamer serves them all.
+    if (endpoints_.size() > 1) so.receivers = endpoints_;
+    so.transport = g_.kind;
+    so.buffer_count = nbuf;
+    so.buffer_bytes = static_cast<std::uint64_t>(std::llround(mb * (1 << 20)));
+    so.alignment = c_.alignment;
+    so.keep_whole = c_.keep_whole;
+    so.device = c_.device;
+    so.timeout = milliseconds(c_.timeout_ms);
+    so.engine = g_.engine;
+    return so;
+  }
+
+  /// A row's fixed columns, before any refit.
+  [[nodiscard]] row row_head(const streamer_options& so) const {
+    row r;
+    r.transport = tname_;
+    r.receivers = spawn_ ? endpoints_.size() : 1;
+    r.model = g_.m.name;
+    r.engine = g_.kind == transport_kind::host_shm ? "memcpy"
+               : g_.engine == g_.apply_engine ? std::string(to_string(g_.engine))
+                                              : fmt::format("{}/{}", to_string(g_.engine), to_string(g_.apply_engine));
+    r.buffer_bytes = so.buffer_bytes;
+    r.buffers = so.buffer_count;
+    r.tensors = n_;
+    r.bytes = needed_;
+    r.iters = c_.iters;
+    r.wrong = verify_ ? 0 : -1;
+    r.layout = layout_name(c_.layout);
+    return r;
+  }
+
+  /// One row: warm-up and counted refits with one streamer, then the row's statistics.
+  row run_row(std::size_t nbuf, double mb, bool want_direct) {
+    const streamer_options so = options_for(nbuf, mb, want_direct);
+    streamer s(so);
+    row r = row_head(so);
+    row_samples samples;
+    bool went_direct = false;
+    const int total = c_.warmup + c_.iters;
+    for (int it = 0; it < total; ++it) {
+      const std::uint64_t v = g_.version++;
+      if (!first_) refresh_sources(v);
+      first_ = false;
+      const auto t0 = clock::now();
+      const refit_stats st = refit_once(s, v, mb, nbuf);
+      const double ms = ms_since(t0);
+      r.batches = st.batches;
+      double apply_ms = -1;
+      const std::int64_t wrong_now = check_receivers(v, apply_ms);
+      r.wrong += wrong_now;
+      const bool counted = it >= c_.warmup;
+      progress(c_, fmt::format("{} {} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname_, r.engine, g_.m.name, mb,
+                               nbuf, counted ? "iter" : "warm-up", counted ? it - c_.warmup + 1 : it + 1,
+                               counted ? c_.iters : c_.warmup, ms, r.bytes / (ms * 1e6),
+                               wrong_now ? fmt::format(", {} WRONG", wrong_now) : ""));
+      went_direct = st.direct;
+      if (!counted) continue;
+      samples.times.push_back(ms);
+      samples.source.push_back(st.source_seconds * 1e3);
+      samples.pack.push_back(st.pack_seconds * 1e3);
+      samples.wait.push_back(st.wait_seconds * 1e3);
+      if (apply_ms >= 0) samples.apply.push_back(apply_ms);
+    }
+    s.close();
+    finish_row(r, samples, went_direct);
+    return r;
+  }
+
+  /// Fresh data for every refit: one byte per tensor changes, expected sums follow in O(1).
+  void refresh_sources(std::uint64_t v) {
+    const auto mask = static_cast<std::uint8_t>(1 + v % 255);
+    for (std::size_t i = 0; i < n_; ++i) {
+      if (sizes_[i] == 0) continue;
+      const std::uint64_t off = (v * 0x9e3779b97f4a7c15ull + i * 0x2545f4914f6cdd1dull) % sizes_[i];
+      const std::uint8_t old = src_->flip(i, off, mask);
+      if (verify_) expect_flip(expects_, i, off, old, static_cast<std::uint8_t>(old ^ mask));
     }
   }
-  for (auto& child : children) {
-    const int status = child->finish(std::chrono::seconds(30));
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-      progress(c, fmt::format("WARNING: the receiver process (pid {}) ended with {}", child->pid(),
-                              child_process::describe_exit(status)));
+
+  /// Refits version v; a failure is reported with what the receivers said about it.
+  refit_stats refit_once(streamer& s, std::uint64_t v, double mb, std::size_t nbuf) {
+    try {
+      return s.refit(v, std::span<const tensor_ref>(refs_));
+    } catch (const error& e) {
+      std::string detail;
+      for (std::size_t k = 0; k < children_.size(); ++k) {
+        try {
+          const json line = json::parse(children_[k]->read_line(std::chrono::seconds(2)));
+          if (line.value("event", "") == "aborted") detail += fmt::format("; {} says: {}", who(k), line.value("error", ""));
+        } catch (...) {
+        }
+      }
+      if (report_) {
+        try {
+          const json line = ask_report(v, std::chrono::seconds(2));
+          if (line.value("event", "") == "aborted") detail += fmt::format("; {} says: {}", report_who_, line.value("error", ""));
+        } catch (...) {
+        }
+      }
+      throw error(e.code(), fmt::format("refit-bench: {} {} {} MiB x{}: refit of version {} failed: {}{}", tname_,
+                                        g_.m.name, mb, nbuf, v, e.what(), detail));
+    }
   }
-}
+
+  /// Every receiver must have committed v: returns the wrong checksums summed over the receivers,
+  /// and sets `apply_ms` to the slowest receiver's apply.
+  std::int64_t check_receivers(std::uint64_t v, double& apply_ms) {
+    std::int64_t wrong_now = 0, printed = 0;
+    for (std::size_t k = 0; k < children_.size(); ++k) {
+      const json line = json::parse(children_[k]->read_line(milliseconds(std::max<std::uint64_t>(c_.timeout_ms, 600000))));
+      const std::string label = !several_ ? std::string() : fmt::format(" {} {}", tp_ ? "rank" : "receiver", k);
+      wrong_now += count_wrong(c_, line, v, g_.m, expects_[expect_of_[k]].sums, who(k), label, printed, ranks_[k]);
+      apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
+    }
+    if (report_) {
+      const json line = ask_report(v, milliseconds(c_.timeout_ms));
+      wrong_now += count_wrong(c_, line, v, g_.m, expects_.front().sums, report_who_, std::string(), printed, ranks_.front());
+      apply_ms = line.value("apply_ms", -1.0);
+    }
+    return wrong_now;
+  }
+
+  /// The row's statistics from its counted refits.
+  void finish_row(row& r, const row_samples& samples, bool went_direct) const {
+    r.median_ms = median(samples.times);
+    r.min_ms = *std::min_element(samples.times.begin(), samples.times.end());
+    r.max_ms = *std::max_element(samples.times.begin(), samples.times.end());
+    r.gbps = r.bytes / (r.median_ms * 1e6);
+    r.ceiling_gbps = g_.ceiling / 1e9;
+    // A direct refit copies every byte once, a staged one twice: each is held to its own floor.
+    if (went_direct) r.engine += nccl_ ? "+in-place" : "+direct";
+    if (c_.layout != layout_kind::plain) r.engine += "+" + layout_name(c_.layout);
+    // Over nccl the ceiling is itself the transfer (a raw broadcast), which refit makes once, with
+    // packing and applying overlapping it: one pass too.
+    r.floor_ms = (went_direct || nccl_ ? 1.0 : 2.0) * static_cast<double>(r.bytes) / g_.ceiling * 1e3;
+    r.ratio = r.floor_ms / r.median_ms;
+    r.source_ms = median(samples.source);
+    r.pack_ms = median(samples.pack);
+    r.wait_ms = median(samples.wait);
+    r.apply_ms = samples.apply.empty() ? -1 : median(samples.apply);
+  }
+
+  void end_receivers() {
+    for (auto& child : children_) {
+      const int status = child->finish(std::chrono::seconds(30));
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        progress(c_, fmt::format("WARNING: the receiver process (pid {}) ended with {}", child->pid(),
+                                 child_process::describe_exit(status)));
+    }
+  }
+
+  group& g_;
+  const config& c_;
+  const std::string tname_;
+  // Declared in the order the steps make them, so that they are released in the reverse order.
+  std::unique_ptr<temp_dir> dir_;
+  // One receiver process, or for nccl --receivers of them, or one per rank of --layout tpN over
+  // cuda_ipc and nccl: receiver k on GPU devices_[k], holding rank ranks_[k].
+  std::vector<std::unique_ptr<child_process>> children_;
+  std::vector<int> devices_;
+  std::vector<std::string> endpoints_;
+  std::string endpoint_;
+  const bool spawn_;
+  // Started by hand, the receiver answers for its checksums on its report endpoint; only
+  // --no-verify goes without.
+  const bool verify_;
+  std::unique_ptr<channel::req_channel> report_;
+  const std::string report_who_;
+  const bool nccl_;
+  const bool tp_;
+  const std::size_t count_;
+  std::vector<int> ranks_;
+  const bool several_;
+  std::unique_ptr<tensor_memory> src_;
+  std::size_t n_ = 0;
+  std::vector<tensor_ref> refs_;
+  std::vector<std::uint64_t> sizes_;
+  std::vector<expectation> expects_;
+  std::vector<std::size_t> expect_of_;
+  std::uint64_t needed_ = 0;  // the bytes the receivers need, summed over the distinct ranks
+  bool first_ = true;
+};
+
+void run_group(group& g, std::ostream& out, std::vector<row>& rows) { group_runner(g).run(out, rows); }
 
 void write_outputs(const config& c, const preamble& p, const std::vector<row>& rows) {
   if (!c.json_file.empty()) {
