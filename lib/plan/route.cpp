@@ -89,10 +89,8 @@ std::vector<run> runs_of(std::vector<axis> axes, std::uint64_t base, std::uint64
   return out;
 }
 
-}  // namespace
-
-extent check_view(const destination& d) {
-  const std::uint64_t numel = d.meta.numel();  // throws invalid_argument for a bad shape
+/// The strides' count and signs, and the slice's dimension and range.
+void check_strides_and_slice(const destination& d) {
   const std::size_t rank = d.meta.shape.size();
   if (!d.strides.empty() && d.strides.size() != rank)
     throw error(errc::invalid_argument,
@@ -116,9 +114,12 @@ extent check_view(const destination& d) {
       throw error(errc::invalid_argument,
                   fmt::format("{}: the slice's end ({} + {}) overflows a 64-bit index", where(d), s.start, s.length));
   }
-  if (numel == 0) return {};
-  // Rows of bytes: the innermost dimension (of size > 1) must be dense, or a copy would move one
-  // element at a time.
+}
+
+/// Rows of bytes: the innermost dimension (of size > 1) must be dense.
+void check_rows_dense(const destination& d) {
+  const std::size_t rank = d.meta.shape.size();
+  // Otherwise a copy would move one element at a time.
   for (std::size_t k = rank; k-- > 0 && !d.strides.empty();) {
     if (d.meta.shape[k] == 1) continue;
     if (d.strides[k] != 1)
@@ -128,6 +129,11 @@ extent check_view(const destination& d) {
                               where(d), d.strides[k]));
     break;
   }
+}
+
+/// Elements from the view's first to one past its last; throws when the view overlaps itself.
+std::uint64_t view_span(const destination& d) {
+  const std::size_t rank = d.meta.shape.size();
   // Not overlapping itself: ordered by stride, each dimension steps past everything inside it.
   const std::vector<std::int64_t> strides = view_strides(d);
   std::vector<std::pair<std::uint64_t, std::uint64_t>> dims;  // (stride, size) of sizes > 1
@@ -146,9 +152,11 @@ extent check_view(const destination& d) {
     if (__builtin_mul_overflow(stride, size - 1, &reach) || __builtin_add_overflow(reach, span, &span))
       throw error(errc::invalid_argument, fmt::format("{}: the view's strides overflow", where(d)));
   }
-  extent e;
-  if (__builtin_mul_overflow(span, itemsize(d.meta.type), &e.bytes))
-    throw error(errc::invalid_argument, fmt::format("{}: the view's strides overflow", where(d)));
+  return span;
+}
+
+/// The view's `bytes` lie inside its allocation, when one was given.
+void check_allocation(const destination& d, const extent& e) {
   if (d.alloc_bytes != 0) {
     const auto lo = reinterpret_cast<std::uintptr_t>(d.alloc);
     const auto p = reinterpret_cast<std::uintptr_t>(d.data);
@@ -160,6 +168,20 @@ extent check_view(const destination& d) {
                                   static_cast<std::int64_t>(e.bytes),
                               d.alloc_bytes));
   }
+}
+
+}  // namespace
+
+extent check_view(const destination& d) {
+  const std::uint64_t numel = d.meta.numel();  // throws invalid_argument for a bad shape
+  check_strides_and_slice(d);
+  if (numel == 0) return {};
+  check_rows_dense(d);
+  const std::uint64_t span = view_span(d);
+  extent e;
+  if (__builtin_mul_overflow(span, itemsize(d.meta.type), &e.bytes))
+    throw error(errc::invalid_argument, fmt::format("{}: the view's strides overflow", where(d)));
+  check_allocation(d, e);
   return e;
 }
 
