@@ -428,16 +428,15 @@ abort decode_abort(reader& r, std::span<const object> f) {
   return m;
 }
 
-}  // namespace
-
-message decode(std::span<const std::byte> bytes) {
+/// Parses `bytes` as one msgpack object, allocating no more than the input can justify.
+msgpack::object_handle unpack_bounded(std::span<const std::byte> bytes) {
   if (bytes.empty()) malformed("empty input");
   if (bytes.size() > max_message_bytes)
     malformed(fmt::format("{} bytes, more than the limit of {}", bytes.size(), max_message_bytes));
 
   // Every element takes at least one byte of input, so no array or map may claim more elements
   // than there are bytes: hostile headers cannot make the parser allocate without bound. The
-  // limits are one above ours so that the field checks below, which name the field, see them.
+  // limits are one above ours so that the field checks, which name the field, see them.
   const std::size_t n = bytes.size();
   const std::size_t elements = std::min(n, max_entries + 1);
   const msgpack::unpack_limit limit(elements, elements, max_message_bytes, max_message_bytes, max_message_bytes,
@@ -458,8 +457,12 @@ message decode(std::span<const std::byte> bytes) {
     malformed(fmt::format("invalid msgpack ({})", e.what()));
   }
   if (off != n) malformed(fmt::format("{} trailing bytes after the message", n - off));
+  return handle;
+}
 
-  const object& top = handle.get();
+/// The envelope every message shares: [type, protocol version, fields...]. Returns the type and
+/// checks the version and the number of fields.
+std::pair<msg_type, std::span<const object>> open_envelope(const object& top) {
   if (top.type != mt::ARRAY) malformed(fmt::format("top level must be an array, got {}", kind(top)));
   const std::span<const object> all(top.via.array.ptr, top.via.array.size);
   if (all.size() < 2)
@@ -485,7 +488,14 @@ message decode(std::span<const std::byte> bytes) {
     throw refit::error(errc::protocol,
                        fmt::format("invalid {} message: {} fields, expected {}", to_string(t), fields.size(),
                                    field_count(t)));
+  return {t, fields};
+}
 
+}  // namespace
+
+message decode(std::span<const std::byte> bytes) {
+  const msgpack::object_handle handle = unpack_bounded(bytes);
+  const auto [t, fields] = open_envelope(handle.get());
   reader r(t);
   switch (t) {
     case msg_type::hello: return decode_hello(r, fields);
