@@ -721,16 +721,19 @@ namespace {
 // One rank (1..) of the nccl ceiling, spawned by the streamer's nccl path: broadcasts with the
 // others, says so on stdout, and stays in the communicator until the streamer closes our stdin
 // (leaving earlier would look like a failure to rank 0, which may still be finishing).
+/// Whether stdin was closed (a spawned process's streamer is done, or died), waiting up to
+/// `wait_ms` for it to say anything.
+bool stdin_closed(int wait_ms) {
+  pollfd p{0, POLLIN, 0};
+  if (::poll(&p, 1, wait_ms) <= 0) return false;
+  char b[256];
+  return ::read(0, b, sizeof b) <= 0;
+}
+
 int run_ceiling_rank(const config& c) {
   const milliseconds timeout(c.timeout_ms);
   if (c.spawned) ::signal(SIGPIPE, SIG_IGN);
   // True once stdin is at its end: the streamer is done, or gone.
-  const auto stdin_closed = [](int wait_ms) {
-    pollfd p{0, POLLIN, 0};
-    if (::poll(&p, 1, wait_ms) <= 0) return false;
-    char b[256];
-    return ::read(0, b, sizeof b) <= 0;
-  };
   const auto watch = [&] {
     if (c.spawned && stdin_closed(0)) throw error(errc::peer, "the streamer went away (stdin closed)");
   };
@@ -777,6 +780,79 @@ class report_endpoint {
   std::optional<channel::rep_channel> channel_;
 };
 
+/// Registers every source tensor's view(s) of the engine tensors in `dest` as parameters.
+void register_views(receiver& r, const config& c, const manifest& m, const engine_layout& layout,
+                    tensor_memory& dest) {
+  for (const layout_view& v : layout.views) {
+    const tensor_meta& src = m.entries[v.source].meta;
+    const tensor_dest d{tensor_meta{src.name, src.type, v.shape}, dest.data(v.tensor) + v.offset, dest.where()};
+    if (c.layout == layout_kind::plain) {
+      r.add_parameter(d);  // dense, one tensor per source: as before layouts existed
+    } else {
+      const tensor_meta& engine = layout.tensors.entries[v.tensor].meta;
+      r.add_parameter(d, dest_layout{v.strides, v.slice, dest.data(v.tensor), engine.nbytes()});
+    }
+  }
+}
+
+void emit(const json& j) {
+  std::cout << j.dump() << '\n';
+  std::cout.flush();
+}
+
+/// Started by hand: tells the user, on stderr, the streamer's command line.
+void print_banner(const config& c, const manifest& m, const std::string& model, receiver& r,
+                  report_endpoint& reports) {
+  const std::string transport(to_string(c.transports.front()));
+  std::string same = fmt::format("--transport {} {} {}", transport, c.manifest_file.empty() ? "--model" : "--manifest",
+                                 model);
+  if (c.type != dtype::bf16) same += fmt::format(" --dtype {}", to_string(c.type));
+  if (c.layout != layout_kind::plain) same += fmt::format(" --layout {}", layout_name(c.layout));
+  if (c.layout.tp > 1) same += fmt::format(" --rank {}", c.rank);
+  const std::string& report_ep = reports.channel().endpoint();
+  const bool wildcard = r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
+  std::cerr << fmt::format("refit-bench: receiver for {} over {} listening on {}, checksums on {} (Ctrl-C to stop)\n"
+                           "refit-bench: start the streamer with:\n"
+                           "  refit-bench --role streamer --connect {} --report {} {}\n{}",
+                           m.name, transport, r.endpoint(), report_ep, r.endpoint(), report_ep, same,
+                           wildcard ? "refit-bench: (from another host, put this host's address in place of 0.0.0.0)\n"
+                                    : "");
+}
+
+/// The committed line for the version just committed: each source's bytes as they landed in its
+/// view(s), after the deliberate damage --corrupt-byte asks for.
+json committed_line(const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest,
+                    receiver& r) {
+  const receiver_stats st = r.last_stats();
+  const std::uint64_t v = r.committed_version().value_or(0);
+  if (c.corrupt_tensor && m.bytes() != 0) {
+    // Deliberate damage after the commit, to prove the verification catches it: the first
+    // byte of the tensor's last view (a tied embedding's engine lm_head).
+    std::size_t i = *c.corrupt_tensor % m.entries.size();
+    while (m.entries[i].meta.nbytes() == 0) i = (i + 1) % m.entries.size();
+    const layout_view& v = layout.views[layout.of_source[i].back()];
+    dest.flip(v.tensor, v.offset, 0x01);
+  }
+  const auto t1 = clock::now();
+  // Each source's bytes as they landed in its view(s) of the engine tensors.
+  json sums = json::array();
+  std::vector<std::uint64_t> of_views;
+  for (std::size_t i = 0; i < m.entries.size(); ++i) {
+    of_views.clear();
+    for (const std::size_t k : layout.of_source[i]) {
+      const layout_view& v = layout.views[k];
+      of_views.push_back(dest.checksum(v.tensor, v.offset, v.bytes));
+    }
+    sums.push_back(fold_view_checksums(of_views));
+  }
+  // apply: copying into the weights, plus the wait at END for the device to finish them.
+  json line{{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
+            {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
+            {"layout", layout_name(c.layout)}, {"checksums", std::move(sums)}};
+  if (c.layout.tp > 1) line["rank"] = c.rank;
+  return line;
+}
+
 }  // namespace
 
 int run_receiver(const config& c) {
@@ -798,16 +874,7 @@ int run_receiver(const config& c) {
   ro.engine = c.engines.front();
   ro.idle_timeout = milliseconds(c.timeout_ms);
   receiver r(ro);
-  for (const layout_view& v : layout.views) {
-    const tensor_meta& src = m.entries[v.source].meta;
-    const tensor_dest d{tensor_meta{src.name, src.type, v.shape}, dest->data(v.tensor) + v.offset, dest->where()};
-    if (c.layout == layout_kind::plain) {
-      r.add_parameter(d);  // dense, one tensor per source: as before layouts existed
-    } else {
-      const tensor_meta& engine = layout.tensors.entries[v.tensor].meta;
-      r.add_parameter(d, dest_layout{v.strides, v.slice, dest->data(v.tensor), engine.nbytes()});
-    }
-  }
+  register_views(r, c, m, layout, *dest);
   // Started by hand: the streamer asks for our checksums here (a spawned one reads our stdout).
   // Declared after the receiver, so that it goes first: its ipc file may sit in the receiver's
   // private directory.
@@ -821,32 +888,13 @@ int run_receiver(const config& c) {
   ::sigaction(SIGTERM, &sa, nullptr);
   if (c.spawned) ::signal(SIGPIPE, SIG_IGN);
 
-  auto emit = [](const json& j) {
-    std::cout << j.dump() << '\n';
-    std::cout.flush();
-  };
   json ready{{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", path->describe_device()},
              {"tensors", m.entries.size()}, {"bytes", m.bytes()}, {"layout", layout_name(c.layout)},
              {"engine_tensors", layout.tensors.entries.size()}, {"views", layout.views.size()}};
   if (c.layout.tp > 1) ready["rank"] = c.rank;
   if (reports) ready["report"] = reports->channel().endpoint();
   // The banner before the ready line: whoever has seen that line can read the banner too.
-  if (reports) {
-    const std::string transport(to_string(c.transports.front()));
-    std::string same = fmt::format("--transport {} {} {}", transport, c.manifest_file.empty() ? "--model" : "--manifest",
-                                   models.front());
-    if (c.type != dtype::bf16) same += fmt::format(" --dtype {}", to_string(c.type));
-    if (c.layout != layout_kind::plain) same += fmt::format(" --layout {}", layout_name(c.layout));
-    if (c.layout.tp > 1) same += fmt::format(" --rank {}", c.rank);
-    const std::string& report_ep = reports->channel().endpoint();
-    const bool wildcard = r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
-    std::cerr << fmt::format("refit-bench: receiver for {} over {} listening on {}, checksums on {} (Ctrl-C to stop)\n"
-                             "refit-bench: start the streamer with:\n"
-                             "  refit-bench --role streamer --connect {} --report {} {}\n{}",
-                             m.name, transport, r.endpoint(), report_ep, r.endpoint(), report_ep, same,
-                             wildcard ? "refit-bench: (from another host, put this host's address in place of 0.0.0.0)\n"
-                                      : "");
-  }
+  if (reports) print_banner(c, m, models.front(), r, *reports);
   emit(ready);
 
   // Started by hand we also watch the report endpoint, between messages: a short wait here keeps
@@ -854,44 +902,12 @@ int run_receiver(const config& c) {
   const milliseconds wait(reports ? 10 : 100);
   for (;;) {
     if (stop_requested) break;
-    if (c.spawned) {
-      // The streamer closes our stdin when it is done (or dies): then we are done too.
-      pollfd p{0, POLLIN, 0};
-      if (::poll(&p, 1, 0) > 0) {
-        char b[256];
-        if (::read(0, b, sizeof b) <= 0) break;
-      }
-    }
+    // The streamer closes our stdin when it is done (or dies): then we are done too.
+    if (c.spawned && stdin_closed(0)) break;
     const receiver_event event = r.serve_one(wait);
     switch (event) {
       case receiver_event::committed: {
-        const receiver_stats st = r.last_stats();
-        const std::uint64_t v = r.committed_version().value_or(0);
-        if (c.corrupt_tensor && m.bytes() != 0) {
-          // Deliberate damage after the commit, to prove the verification catches it: the first
-          // byte of the tensor's last view (a tied embedding's engine lm_head).
-          std::size_t i = *c.corrupt_tensor % m.entries.size();
-          while (m.entries[i].meta.nbytes() == 0) i = (i + 1) % m.entries.size();
-          const layout_view& v = layout.views[layout.of_source[i].back()];
-          dest->flip(v.tensor, v.offset, 0x01);
-        }
-        const auto t1 = clock::now();
-        // Each source's bytes as they landed in its view(s) of the engine tensors.
-        json sums = json::array();
-        std::vector<std::uint64_t> of_views;
-        for (std::size_t i = 0; i < m.entries.size(); ++i) {
-          of_views.clear();
-          for (const std::size_t k : layout.of_source[i]) {
-            const layout_view& v = layout.views[k];
-            of_views.push_back(dest->checksum(v.tensor, v.offset, v.bytes));
-          }
-          sums.push_back(fold_view_checksums(of_views));
-        }
-        // apply: copying into the weights, plus the wait at END for the device to finish them.
-        json line{{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
-                  {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
-                  {"layout", layout_name(c.layout)}, {"checksums", std::move(sums)}};
-        if (c.layout.tp > 1) line["rank"] = c.rank;
+        const json line = committed_line(c, m, layout, *dest, r);
         emit(line);
         if (reports) log.committed(line);
         break;
@@ -932,13 +948,12 @@ std::string tp_note(const config& c, const manifest& m) {
 
 }  // namespace
 
-int run(const config& c, std::ostream& out) {
-  check_role(c);
-  if (c.side == role::receiver) return run_receiver(c);
+namespace {
 
-  // Resolve everything before measuring: a transport that is not built fails here.
+/// The transport paths to measure, resolved before anything is measured (a transport that is not
+/// built fails here); what the preamble must say about them goes to `notes`.
+std::vector<std::unique_ptr<transport_path>> resolve_paths(const config& c, std::vector<std::string>& notes) {
   std::vector<std::unique_ptr<transport_path>> paths;
-  std::vector<std::string> notes;
   for (const auto t : c.transports) {
     if (t == transport_kind::nccl && c.nccl_optional) {
       // From "--transport all": nccl needs a GPU for the streamer and one per receiver.
@@ -973,10 +988,12 @@ int run(const config& c, std::ostream& out) {
     notes.push_back(c.no_verify ? std::string("--no-verify: the receiver's checksums are not compared here (wrong = n/a)")
                                 : fmt::format("receiver started by hand: every refit verified through its report endpoint {}",
                                               c.report));
-  std::vector<manifest> models;
-  for (const auto& name : model_list(c)) models.push_back(workload(c, name));
-  // The receiver's layout of each model, made here too so that one that cannot be laid out fails
-  // before anything is measured.
+  return paths;
+}
+
+/// The receiver's layout of each model, made here too so that one that cannot be laid out fails
+/// before anything is measured; its description goes to `notes`.
+void lay_out_models(const config& c, const std::vector<manifest>& models, std::vector<std::string>& notes) {
   for (const auto& m : models) {
     if (c.layout.tp > 1) {
       notes.push_back(tp_note(c, m));
@@ -992,6 +1009,10 @@ int run(const config& c, std::ostream& out) {
                                 "they hold (each rank's slices, replicated tensors once per rank), not the source bytes "
                                 "streamed; cuda_ipc and nccl run all {1} ranks, one receiver each, host_shm rank {2} (--rank)",
                                 layout_name(c.layout), c.layout.tp, c.rank));
+}
+
+/// --load: the mapped safetensors files of the (one) model.
+std::vector<mapped_file> load_files(const config& c, const std::vector<manifest>& models) {
   std::vector<mapped_file> files;
   if (c.load) {
     if (c.manifest_file.empty()) throw error(errc::invalid_argument, "refit-bench: --load needs --manifest FILE.safetensors");
@@ -1001,7 +1022,11 @@ int run(const config& c, std::ostream& out) {
                                                         "checkpoint's index); {} has no tensor data", c.manifest_file));
     for (const auto& f : models.front().files) files.emplace_back(f);
   }
+  return files;
+}
 
+preamble make_preamble(const config& c, const std::vector<std::unique_ptr<transport_path>>& paths,
+                       const std::vector<manifest>& models, const std::vector<std::string>& notes) {
   preamble p;
   p.refit_version = REFIT_VERSION;
   p.host = host_name();
@@ -1029,30 +1054,52 @@ int run(const config& c, std::ostream& out) {
                          fmt::join(engine_names, ", "));
   p.data = c.load ? fmt::format("loaded from {} (mmap)", c.manifest_file) : fmt::format("random (seed {})", c.seed);
   p.command = fmt::format("{}", fmt::join(c.argv, " "));
+  return p;
+}
+
+/// The ceilings first, in the same run as the refits they are compared with, then one group of
+/// rows per (transport, engine, model).
+void measure(const config& c, std::ostream& out, const std::vector<std::unique_ptr<transport_path>>& paths,
+             const std::vector<manifest>& models, std::vector<mapped_file>& files, std::vector<row>& rows) {
+  std::uint64_t version = 1;
+  std::vector<double> ceilings;
+  for (const auto& path : paths) {
+    progress(c, fmt::format("{}: measuring the ceiling ({})", to_string(path->kind()), path->ceiling_method()));
+    ceilings.push_back(path->measure_ceiling());
+    out << fmt::format("# ceiling   : {}: {:.2f} GB/s ({})\n", to_string(path->kind()), ceilings.back() / 1e9,
+                       path->ceiling_method());
+  }
+  out << "#\n";
+  write_header(out);
+  for (std::size_t t = 0; t < paths.size(); ++t) {
+    // host_shm copies with memcpy whatever the engine: one pass there.
+    const std::size_t engines = paths[t]->kind() == transport_kind::host_shm ? 1 : c.engines.size();
+    for (std::size_t e = 0; e < engines; ++e)
+      for (const auto& m : models) {
+        group g{c, *paths[t], paths[t]->kind(), m, c.engines[e], c.apply_engines[e], ceilings[t], c.load ? &files : nullptr, version};
+        run_group(g, out, rows);
+      }
+  }
+}
+
+}  // namespace
+
+int run(const config& c, std::ostream& out) {
+  check_role(c);
+  if (c.side == role::receiver) return run_receiver(c);
+
+  std::vector<std::string> notes;
+  const auto paths = resolve_paths(c, notes);
+  std::vector<manifest> models;
+  for (const auto& name : model_list(c)) models.push_back(workload(c, name));
+  lay_out_models(c, models, notes);
+  std::vector<mapped_file> files = load_files(c, models);
+  const preamble p = make_preamble(c, paths, models, notes);
 
   write_preamble(out, p);
   std::vector<row> rows;
-  std::uint64_t version = 1;
   try {
-    // Ceilings first, in the same run as the refits they are compared with.
-    std::vector<double> ceilings;
-    for (const auto& path : paths) {
-      progress(c, fmt::format("{}: measuring the ceiling ({})", to_string(path->kind()), path->ceiling_method()));
-      ceilings.push_back(path->measure_ceiling());
-      out << fmt::format("# ceiling   : {}: {:.2f} GB/s ({})\n", to_string(path->kind()), ceilings.back() / 1e9,
-                         path->ceiling_method());
-    }
-    out << "#\n";
-    write_header(out);
-    for (std::size_t t = 0; t < paths.size(); ++t) {
-      // host_shm copies with memcpy whatever the engine: one pass there.
-      const std::size_t engines = paths[t]->kind() == transport_kind::host_shm ? 1 : c.engines.size();
-      for (std::size_t e = 0; e < engines; ++e)
-        for (const auto& m : models) {
-          group g{c, *paths[t], paths[t]->kind(), m, c.engines[e], c.apply_engines[e], ceilings[t], c.load ? &files : nullptr, version};
-          run_group(g, out, rows);
-        }
-    }
+    measure(c, out, paths, models, files, rows);
   } catch (...) {
     write_footer(out, rows);
     write_outputs(c, p, rows);
