@@ -800,6 +800,17 @@ void emit(const json& j) {
   std::cout.flush();
 }
 
+/// The line that tells the streamer (or the user) where this receiver listens and what it holds.
+json ready_line(const config& c, const manifest& m, const engine_layout& layout, receiver& r, const std::string& device,
+                report_endpoint* reports) {
+  json ready{{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", device},
+             {"tensors", m.entries.size()}, {"bytes", m.bytes()}, {"layout", layout_name(c.layout)},
+             {"engine_tensors", layout.tensors.entries.size()}, {"views", layout.views.size()}};
+  if (c.layout.tp > 1) ready["rank"] = c.rank;
+  if (reports) ready["report"] = reports->channel().endpoint();
+  return ready;
+}
+
 /// Started by hand: tells the user, on stderr, the streamer's command line.
 void print_banner(const config& c, const manifest& m, const std::string& model, receiver& r,
                   report_endpoint& reports) {
@@ -888,11 +899,7 @@ int run_receiver(const config& c) {
   ::sigaction(SIGTERM, &sa, nullptr);
   if (c.spawned) ::signal(SIGPIPE, SIG_IGN);
 
-  json ready{{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", path->describe_device()},
-             {"tensors", m.entries.size()}, {"bytes", m.bytes()}, {"layout", layout_name(c.layout)},
-             {"engine_tensors", layout.tensors.entries.size()}, {"views", layout.views.size()}};
-  if (c.layout.tp > 1) ready["rank"] = c.rank;
-  if (reports) ready["report"] = reports->channel().endpoint();
+  const json ready = ready_line(c, m, layout, r, path->describe_device(), reports ? &*reports : nullptr);
   // The banner before the ready line: whoever has seen that line can read the banner too.
   if (reports) print_banner(c, m, models.front(), r, *reports);
   emit(ready);
