@@ -72,7 +72,7 @@ engine choose(engine preferred, copy_engine requested) noexcept {
 }
 
 #if !REFIT_HAVE_CUDA
-std::optional<allocation> cuda_allocation_of(const void* /*p*/) {
+std::optional<allocation> cuda_allocation_of(const void* /*p*/, int /*device*/) {
   throw error(errc::invalid_argument, "CUDA memory needs a build with CUDA, and this refit was built without it");
 }
 

@@ -76,11 +76,12 @@ struct allocation {
   std::uintptr_t base = 0;
   std::uint64_t bytes = 0;
 };
-/// The CUDA allocation holding `p` (cuMemGetAddressRange, through the runtime's driver entry
-/// point: refit links no libcuda), or nullopt when the driver knows no allocation there (it was
-/// freed). Throws refit::error(invalid_argument) in a build without CUDA, (cuda) when the driver
-/// has no such entry point. Thread-safe.
-std::optional<allocation> cuda_allocation_of(const void* p);
+/// The CUDA allocation holding `p`, memory of CUDA device `device` (cuMemGetAddressRange in that
+/// device's primary context, through the runtime's driver entry point: refit links no libcuda),
+/// or nullopt when the driver knows no allocation there (it was freed). Throws
+/// refit::error(invalid_argument) in a build without CUDA, (cuda) when the driver cannot answer
+/// (no such entry point, another error). Thread-safe; any thread may ask.
+std::optional<allocation> cuda_allocation_of(const void* p, int device);
 
 /// Position-dependent checksum of `bytes` bytes at `p`, identical on every device:
 ///   sum over 8-byte little-endian words w_k (k from 0) of w_k * (2k + 1), plus, for the tail

@@ -261,7 +261,7 @@ std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device) {
   return static_cast<std::uint64_t>(sum) + bytes;
 }
 
-std::optional<allocation> cuda_allocation_of(const void* p) {
+std::optional<allocation> cuda_allocation_of(const void* p, int device) {
   using get_range_fn = int (*)(unsigned long long*, std::size_t*, unsigned long long);
   static const get_range_fn get_range = [] {
     void* fn = nullptr;
@@ -276,9 +276,17 @@ std::optional<allocation> cuda_allocation_of(const void* p) {
   }();
   if (get_range == nullptr)
     throw error(errc::cuda, "the CUDA driver has no cuMemGetAddressRange entry point (driver older than CUDA 12?)");
+  // A driver call needs a current context: a serving thread of a Python engine has none until
+  // the runtime makes the device's primary context current.
+  device_guard guard(device);
   unsigned long long base = 0;
   std::size_t size = 0;
-  if (get_range(&base, &size, reinterpret_cast<unsigned long long>(p)) != 0) return std::nullopt;
+  const int status = get_range(&base, &size, reinterpret_cast<unsigned long long>(p));
+  constexpr int invalid_value = 1;  // CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND: no allocation there
+  constexpr int not_found = 500;
+  if (status == invalid_value || status == not_found) return std::nullopt;
+  if (status != 0)
+    throw error(errc::cuda, fmt::format("cuMemGetAddressRange({}) on cuda:{} failed with CUresult {}", p, device, status));
   return allocation{static_cast<std::uintptr_t>(base), static_cast<std::uint64_t>(size)};
 }
 

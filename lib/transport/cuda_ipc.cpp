@@ -41,10 +41,11 @@ constexpr std::string_view transport_name = "cuda_ipc";
 // carries one "A" + cudaIpcMemHandle_t per allocation, then one "T" + wire::encode_dest() record
 // per destination.
 
-/// The allocation that holds `p`: its base, or nullptr when the driver cannot say.
-void* allocation_base(const void* p) {
+/// The allocation that holds `p` (on CUDA device `device`): its base, or nullptr when the driver
+/// cannot say.
+void* allocation_base(const void* p, int device) {
   try {
-    const auto a = copy::cuda_allocation_of(p);
+    const auto a = copy::cuda_allocation_of(p, device);
     return a ? reinterpret_cast<void*>(a->base) : nullptr;
   } catch (const error&) {
     return nullptr;
@@ -455,7 +456,7 @@ class cuda_ipc_sink final : public sink {
       std::uint64_t offset = 0;
       if (bytes != 0) {
         device_guard on(d.dev.index);
-        void* base = allocation_base(d.data);
+        void* base = allocation_base(d.data, d.dev.index);
         if (base == nullptr) return decline(fmt::format("the allocation of '{}' is unknown to the driver", d.meta.name));
         auto [it, fresh] = allocations.emplace(base, allocations.size());
         if (fresh) {

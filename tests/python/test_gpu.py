@@ -12,6 +12,7 @@ import torch
 
 import refit
 from conftest import (
+    Stopped,
     mixed_state,
     need_gpus,
     serve_loop,
@@ -326,4 +327,40 @@ def test_a_cuda_graph_captured_before_100_refits_computes_with_the_new_weights(p
                 previous = got
     assert job.request("moved") == []
     assert job.request("status")["committed_version"] == 100
+    job.stop()
+
+
+def gpu_table_served_from_a_thread(chan, spec, device: int):
+    """Job: as gpu_table, but serve() runs on a thread of its own, as engines run it: that thread
+    never made a CUDA call (no current context) when the first HELLO arrives."""
+    import threading
+
+    use_device(device, False)
+    params = zeros_like_spec(spec, device=f"cuda:{device}")
+    stop = threading.Event()
+    with refit.Receiver(device=device) as rx:
+        rx.add_parameters(params)
+        server = threading.Thread(target=rx.serve, args=(stop,), kwargs={"poll": 0.02})
+        server.start()
+        chan.send(rx.endpoint)
+        commands = {"state": lambda: state_bytes(params)}
+        try:
+            while True:
+                name, *args = chan.recv()  # raises Stopped when the test is done
+                chan.send(commands[name](*args))
+        except Stopped:
+            return []
+        finally:
+            stop.set()
+            server.join()
+
+
+def test_a_receiver_served_from_its_own_thread_takes_direct_cuda_ipc_refits(peer, one_gpu):
+    job = peer.run(gpu_table_served_from_a_thread, spec_of(mixed_state(1)), 0)
+    endpoint = job.recv()
+    with gpu_streamer(endpoint, "cuda_ipc") as st:
+        for version in (1, 2):
+            state = mixed_state(version, device="cuda:0")
+            assert st.refit(version, state).direct
+            assert job.request("state") == state_bytes(state)
     job.stop()
