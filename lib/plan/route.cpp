@@ -28,9 +28,13 @@ std::vector<std::int64_t> view_strides(const destination& d) {
 std::string where(const destination& d) {
   std::string s = fmt::format("'{}' ({})", d.meta.name, describe(d.meta));
   if (!d.strides.empty()) s += fmt::format(" with strides ({})", fmt::join(d.strides, ", "));
-  if (d.slice)
-    s += fmt::format(" taking [{}:{}] of dimension {} of the source", d.slice->start, d.slice->start + d.slice->length,
-                     d.slice->dim);
+  if (d.slice) {
+    // A hostile or mistaken start near the top must not overflow here either.
+    std::int64_t end = 0;
+    const bool overflows = __builtin_add_overflow(d.slice->start, d.slice->length, &end);
+    s += fmt::format(" taking [{}:{}] of dimension {} of the source", d.slice->start,
+                     overflows ? std::string("overflow") : std::to_string(end), d.slice->dim);
+  }
   return s;
 }
 
