@@ -96,7 +96,9 @@ class mapped_file {
 /// `lm_head.weight`; `ep`, fused plus every layer's experts stacked into `w13_weight[E, 2I, H]`
 /// (expert e's gate rows then its up rows) and `w2_weight[E, H, I]` (its down), as a
 /// mixture-of-experts engine holds them.
-enum class layout_kind : std::uint8_t { plain, fused, ep };
+/// `recorded` (`--layout recorded:FILE[,FILE...]`): the engine tensors and routes of a route table
+/// refit.record() wrote (RouteTable.to_json()), one receiver (rank) per file.
+enum class layout_kind : std::uint8_t { plain, fused, ep, recorded };
 
 /// "plain", "fused", "ep".
 std::string_view layout_name(layout_kind k) noexcept;
@@ -111,14 +113,15 @@ std::string_view layout_name(layout_kind k) noexcept;
 struct layout_spec {
   layout_kind kind = layout_kind::plain;
   int tp = 1;
+  std::vector<std::string> files;  ///< recorded: the route tables, one per rank (tp of them)
   layout_spec() = default;
   layout_spec(layout_kind k, int degree = 1) : kind(k), tp(degree) {}  // NOLINT: a kind is a layout of degree 1
   friend bool operator==(const layout_spec&, const layout_spec&) = default;
 };
 
-/// "plain", "fused", "ep", "tpN".
+/// "plain", "fused", "ep", "tpN", "recorded:FILE[,FILE...]".
 std::string layout_name(const layout_spec& l);
-/// nullopt for an unknown name; "tpN" for N in 2..64.
+/// nullopt for an unknown name; "tpN" for N in 2..64; "recorded:FILE[,FILE...]" (1 to 64 files).
 std::optional<layout_spec> parse_layout(std::string_view name) noexcept;
 
 /// The bytes of a source tensor that one of its slices takes, in its row-major storage: `rows`
@@ -176,7 +179,13 @@ struct engine_layout {
 /// do not stack (missing, or of different shapes or dtypes), naming them; for tpN, a rank out of
 /// range or a sharded size (rows, columns, q or kv heads, vocabulary) that does not divide by N,
 /// naming the tensor.
+/// For `recorded`, the table spec.files[rank] (read here): its parameters are the engine tensors and
+/// every route a view; refused (naming the file) when a source is unrecorded, when the model lacks a
+/// source of the table or its dtype or shape differs, when a route's view does not fit its parameter
+/// or is not a contiguous run of it, or when a source's routes take different slices of it.
 engine_layout make_layout(const manifest& m, const layout_spec& spec, int rank = 0);
+/// make_layout for a route table given as JSON text; `file` names it in errors.
+engine_layout recorded_layout(const manifest& m, std::string_view text, const std::string& file, int rank = 0, int tp = 1);
 
 /// The checksum the receiver reports for source i: copy::checksum of its bytes as they landed
 /// in its view; for a source with several views (a tied one) the common checksum when they all

@@ -115,9 +115,11 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
                                           "with tensor parallelism of degree N, e.g. tp2, tp4: one receiver per rank, "
                                           "q/k/v and gate/up split by rows, o_proj and down_proj by columns, embed_tokens "
                                           "and lm_head by vocabulary rows, norms whole on every rank; host_shm runs one "
-                                          "rank, --rank); every source tensor is verified as it landed in its view(s)")
+                                          "rank, --rank), recorded:FILE[,FILE...] (the route table(s) refit.record wrote: one engine "
+                                          "tensor per recorded parameter, one receiver per file); every source tensor is "
+                                          "verified as it landed in its view(s)")
       ->capture_default_str();
-  app.add_option("--rank", c.rank, "--layout tpN: the rank host_shm's one receiver holds, or a receiver started by hand "
+  app.add_option("--rank", c.rank, "--layout tpN (or recorded with several files): the rank host_shm's one receiver holds, or a receiver started by hand "
                                    "(and its streamer); cuda_ipc and nccl spawn every rank")
       ->capture_default_str();
   app.add_option("--receiver-devices", t.receiver_devices,
@@ -233,7 +235,7 @@ void parse_paths(config& c, const std::vector<std::string>& paths) {
 /// --layout, --rank and --receiver-devices: a tensor-parallel layout runs one receiver per rank.
 void parse_layout_options(config& c, const cli_text& t) {
   const auto layout = parse_layout(t.layout_text);
-  if (!layout) bad(fmt::format("--layout {}: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ...)", t.layout_text));
+  if (!layout) bad(fmt::format("--layout {}: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ..., recorded:FILE[,FILE...] for route tables of refit.record)", t.layout_text));
   c.layout = *layout;
   c.spread_receivers = t.receiver_devices == "spread";
   if (c.layout.tp > 1) {
@@ -245,7 +247,7 @@ void parse_layout_options(config& c, const cli_text& t) {
                       "--receivers out", c.receivers, t.layout_text, c.layout.tp));
     c.receivers = static_cast<std::size_t>(c.layout.tp);
   } else if (c.rank != 0) {
-    bad(fmt::format("--rank {} is for --layout tpN (a tensor-parallel rank)", c.rank));
+    bad(fmt::format("--rank {} is for --layout tpN or recorded with several files (a tensor-parallel rank)", c.rank));
   }
 }
 

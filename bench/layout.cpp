@@ -4,9 +4,12 @@
 // a view of an engine tensor (receiver::add_parameter(dest, dest_layout)) and checksums the bytes
 // of each view (roles.cpp), so the verification is the same as for a plain layout.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <array>
+#include <fstream>
+#include <sstream>
 #include <map>
 #include <optional>
 #include <string>
@@ -295,11 +298,13 @@ std::string_view layout_name(layout_kind k) noexcept {
     case layout_kind::plain: return "plain";
     case layout_kind::fused: return "fused";
     case layout_kind::ep: return "ep";
+    case layout_kind::recorded: return "recorded";
   }
   return "?";
 }
 
 std::string layout_name(const layout_spec& l) {
+  if (l.kind == layout_kind::recorded) return fmt::format("recorded:{}", fmt::join(l.files, ","));
   if (l.tp > 1) return fmt::format("tp{}", l.tp);
   return std::string(layout_name(l.kind));
 }
@@ -307,6 +312,25 @@ std::string layout_name(const layout_spec& l) {
 std::optional<layout_spec> parse_layout(std::string_view name) noexcept {
   for (const auto k : {layout_kind::plain, layout_kind::fused, layout_kind::ep})
     if (layout_name(k) == name) return layout_spec{k};
+  if (name.starts_with("recorded:")) {
+    try {
+      layout_spec spec{layout_kind::recorded};
+      std::string_view rest = name.substr(9);
+      while (true) {
+        const auto comma = rest.find(',');
+        const std::string_view file = rest.substr(0, comma);
+        if (file.empty()) return std::nullopt;
+        spec.files.emplace_back(file);
+        if (comma == std::string_view::npos) break;
+        rest = rest.substr(comma + 1);
+      }
+      if (spec.files.size() > 64) return std::nullopt;
+      spec.tp = static_cast<int>(spec.files.size());
+      return spec;
+    } catch (...) {
+      return std::nullopt;
+    }
+  }
   if (name.size() < 3 || name.size() > 4 || !name.starts_with("tp")) return std::nullopt;
   int n = 0;
   for (const char ch : name.substr(2)) {
@@ -345,7 +369,140 @@ std::uint64_t engine_layout::needed_bytes(const manifest& m) const {
   return n;
 }
 
+engine_layout recorded_layout(const manifest& m, std::string_view text, const std::string& file, int rank, int tp) {
+  using ojson = nlohmann::ordered_json;
+  const std::string what = "--layout recorded:" + file;
+  ojson t;
+  try {
+    t = ojson::parse(text);
+  } catch (const std::exception& e) {
+    bad(fmt::format("{}: not JSON: {}", what, e.what()));
+  }
+  const auto shape_of = [&](const ojson& j, const std::string& where) {
+    std::vector<std::int64_t> v;
+    if (!j.is_array()) bad(fmt::format("{}: {}: not a list of integers", what, where));
+    for (const auto& d : j) {
+      if (!d.is_number_integer() || d.get<std::int64_t>() < 0) bad(fmt::format("{}: {}: not a list of integers", what, where));
+      v.push_back(d.get<std::int64_t>());
+    }
+    return v;
+  };
+  const auto dtype_of = [&](const ojson& j, const std::string& where) {
+    const auto d = j.is_string() ? parse_dtype(j.get<std::string>()) : std::nullopt;
+    if (!d) bad(fmt::format("{}: {}: unknown dtype {}", what, where, j.dump()));
+    return *d;
+  };
+  if (!t.is_object() || !t.contains("entries") || !t.contains("params") || !t.contains("unrecorded") ||
+      !t["entries"].is_object() || !t["params"].is_object() || !t["unrecorded"].is_object())
+    bad(fmt::format("{}: not a refit route table (RouteTable.to_json(): entries, params, unrecorded)", what));
+  if (!t["unrecorded"].empty()) {
+    std::vector<std::string> names;
+    for (const auto& [name, why] : t["unrecorded"].items()) names.push_back(name);
+    bad(fmt::format("{}: the table has {} unrecorded source{} (refit.record could not follow the loader): {}; "
+                    "a recorded layout needs every source routed",
+                    what, names.size(), names.size() == 1 ? "" : "s", fmt::join(names, ", ")));
+  }
+  engine_layout l;
+  l.kind = layout_kind::recorded;
+  l.tp = tp;
+  l.rank = rank;
+  l.tensors.name = m.name;
+  l.of_source.resize(m.entries.size());
+  l.slices.resize(m.entries.size());
+  std::unordered_map<std::string, std::size_t> params;
+  for (const auto& [name, p] : t["params"].items()) {
+    const std::string where = "parameter " + name;
+    if (!p.is_object() || !p.contains("dtype") || !p.contains("shape")) bad(fmt::format("{}: {}: no dtype or shape", what, where));
+    tensor_meta meta{name, dtype_of(p["dtype"], where), shape_of(p["shape"], where)};
+    if (p.contains("stride") && shape_of(p["stride"], where) != dense_strides(meta.shape))
+      bad(fmt::format("{}: {} has strides {} and the bench allocates dense parameters ({})", what, describe(meta),
+                      p["stride"].dump(), fmt::join(dense_strides(meta.shape), ", ")));
+    params.emplace(name, l.tensors.entries.size());
+    l.tensors.entries.push_back({std::move(meta), -1, 0});
+  }
+  std::unordered_map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < m.entries.size(); ++i) index.emplace(m.entries[i].meta.name, i);
+  for (const auto& [name, routes] : t["entries"].items()) {
+    const auto at = index.find(name);
+    if (at == index.end())
+      bad(fmt::format("{}: the table routes {}, which {} lacks; give the model the table was recorded for", what, name, m.name));
+    const std::size_t i = at->second;
+    const tensor_meta& src = m.entries[i].meta;
+    if (t.contains("sources") && t["sources"].contains(name)) {
+      const auto& s = t["sources"][name];
+      const tensor_meta rec{name, dtype_of(s.value("dtype", ojson()), "source " + name), shape_of(s.value("shape", ojson()), "source " + name)};
+      if (rec.type != src.type || rec.shape != src.shape)
+        bad(fmt::format("{}: the table was recorded with {} and {} has {}", what, describe(rec), m.name, describe(src)));
+    }
+    if (!routes.is_array() || routes.empty()) bad(fmt::format("{}: {} has no route", what, name));
+    bool first = true;
+    for (const auto& r : routes) {
+      const std::string param = r.value("param", std::string());
+      const auto p = params.find(param);
+      if (p == params.end()) bad(fmt::format("{}: {} is routed to {}, which is not among the table's params", what, name, param));
+      const tensor_meta& engine = l.tensors.entries[p->second].meta;
+      if (engine.type != src.type)
+        bad(fmt::format("{}: {} is routed to {}, of another dtype", what, describe(src), describe(engine)));
+      std::optional<source_slice> slice;
+      auto shape = src.shape;
+      if (r.contains("source_slice") && !r["source_slice"].is_null()) {
+        const auto sl = shape_of(r["source_slice"], name + "'s source_slice");
+        if (sl.size() != 3 || sl[0] >= static_cast<std::int64_t>(src.shape.size()) ||
+            sl[1] + sl[2] > src.shape[static_cast<std::size_t>(sl[0])])
+          bad(fmt::format("{}: {}: source_slice {} does not fit {}", what, name, r["source_slice"].dump(), describe(src)));
+        slice = source_slice{static_cast<int>(sl[0]), sl[1], sl[2]};
+        shape[static_cast<std::size_t>(sl[0])] = sl[2];
+      }
+      if (!first && slice != l.slices[i])
+        bad(fmt::format("{}: the routes of {} take different parts of it; the bench checks one slice per source", what, name));
+      first = false;
+      l.slices[i] = slice;
+      const auto vshape = shape_of(r.value("shape", ojson()), name + "'s view shape");
+      const auto vstrides = shape_of(r.value("stride", ojson()), name + "'s view strides");
+      if (!r.contains("offset") || !r["offset"].is_number_unsigned())
+        bad(fmt::format("{}: {}: a route without an offset", what, name));
+      const std::uint64_t offset = r["offset"].get<std::uint64_t>();
+      if (vshape != shape)
+        bad(fmt::format("{}: {} lands in {} as [{}], and {} of it is [{}]", what, name, param, fmt::join(vshape, ", "),
+                        slice ? "the slice" : "all", fmt::join(shape, ", ")));
+      const std::uint64_t numel = tensor_meta{"", src.type, shape}.nbytes() / itemsize(src.type);
+      if (vstrides.size() != vshape.size() || (numel > 1 && vstrides != dense_strides(vshape)))
+        bad(fmt::format("{}: {} lands in {} with strides [{}]: not one contiguous run of it (the bench checks those only)",
+                        what, name, param, fmt::join(vstrides, ", ")));
+      const std::uint64_t engine_numel = engine.nbytes() / itemsize(engine.type);
+      if (offset + numel > engine_numel)
+        bad(fmt::format("{}: {} lands in {} from element {}: {} elements do not fit its {}", what, name, describe(engine),
+                        offset, numel, engine_numel));
+      layout_view v;
+      v.source = i;
+      v.tensor = p->second;
+      v.offset = offset * itemsize(src.type);
+      v.bytes = numel * itemsize(src.type);
+      v.shape = vshape;
+      v.strides = vstrides;
+      v.slice = slice;
+      l.of_source[i].push_back(l.views.size());
+      l.views.push_back(std::move(v));
+    }
+  }
+  for (std::size_t i = 0; i < m.entries.size(); ++i)
+    if (l.of_source[i].empty())
+      bad(fmt::format("{}: {} has {}, which the table does not route", what, m.name, m.entries[i].meta.name));
+  return l;
+}
+
 engine_layout make_layout(const manifest& m, const layout_spec& spec, int rank) {
+  if (spec.kind == layout_kind::recorded) {
+    if (rank < 0 || rank >= static_cast<int>(spec.files.size()))
+      bad(fmt::format("--rank {}: out of range for --layout {} (ranks 0 to {})", rank, layout_name(spec),
+                      static_cast<int>(spec.files.size()) - 1));
+    const std::string& file = spec.files[static_cast<std::size_t>(rank)];
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw error(errc::io, fmt::format("refit-bench: --layout recorded:{}: cannot read the file", file));
+    std::ostringstream text;
+    text << in.rdbuf();
+    return recorded_layout(m, text.str(), file, rank, spec.tp);
+  }
   return layout_builder(m, spec, rank).build();
 }
 

@@ -627,7 +627,9 @@ class group_runner {
     r.ceiling_gbps = g_.ceiling / 1e9;
     // A direct refit copies every byte once, a staged one twice: each is held to its own floor.
     if (went_direct) r.engine += nccl_ ? "+in-place" : "+direct";
-    if (c_.layout != layout_kind::plain) r.engine += "+" + layout_name(c_.layout);
+    // A recorded layout's files stay out of the engine column (the JSON row's layout names them).
+    if (c_.layout != layout_kind::plain)
+      r.engine += "+" + (c_.layout.kind == layout_kind::recorded ? std::string("recorded") : layout_name(c_.layout));
     // Over nccl the ceiling is itself the transfer (a raw broadcast), which refit makes once, with
     // packing and applying overlapping it: one pass too.
     r.floor_ms = (went_direct || nccl_ ? 1.0 : 2.0) * static_cast<double>(r.bytes) / g_.ceiling * 1e3;
@@ -1015,7 +1017,8 @@ void lay_out_models(const config& c, const std::vector<manifest>& models, std::v
     notes.push_back(fmt::format("+{0} rows: bytes (and GB/s, floor, ratio) = what the receivers need, summed over the ranks "
                                 "they hold (each rank's slices, replicated tensors once per rank), not the source bytes "
                                 "streamed; cuda_ipc and nccl run all {1} ranks, one receiver each, host_shm rank {2} (--rank)",
-                                layout_name(c.layout), c.layout.tp, c.rank));
+                                c.layout.kind == layout_kind::recorded ? std::string("recorded") : layout_name(c.layout),
+                                c.layout.tp, c.rank));
 }
 
 /// --load: the mapped safetensors files of the (one) model.

@@ -1153,13 +1153,15 @@ TEST_CASE("--layout takes plain, fused or ep, passes it to the receiver, and ref
   } catch (const refit::error& e) {
     CHECK(e.code() == errc::invalid_argument);
     CHECK(std::string(e.what()) ==
-          "refit-bench: --layout sideways: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ...)");
+          "refit-bench: --layout sideways: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ..., "
+          "recorded:FILE[,FILE...] for route tables of refit.record)");
   }
   scratch s;
   std::string stdout_text;
   CHECK(run_binary({"--layout", "sideways"}, stdout_text, s.file("err")) == 2);
   CHECK(read_file(s.file("err")) == "refit-bench: error (invalid_argument): --layout sideways: unknown (plain, fused, ep, "
-                                    "tpN for N from 2 to 64: tp2, tp4, ...)\n");
+                                    "tpN for N from 2 to 64: tp2, tp4, ..., recorded:FILE[,FILE...] for route "
+                                    "tables of refit.record)\n");
   CHECK(stdout_text.empty());
 }
 
@@ -1486,7 +1488,7 @@ TEST_CASE("--layout tpN runs one receiver per rank over cuda_ipc and nccl, and -
     return std::string();
   };
   CHECK(refused({"--layout", "tp2", "--rank", "2"}) == "refit-bench: --rank 2: out of range for --layout tp2 (ranks 0 to 1)");
-  CHECK(refused({"--rank", "1"}) == "refit-bench: --rank 1 is for --layout tpN (a tensor-parallel rank)");
+  CHECK(refused({"--rank", "1"}) == "refit-bench: --rank 1 is for --layout tpN or recorded with several files (a tensor-parallel rank)");
   CHECK(refused({"--layout", "tp2", "--receivers", "3"}) ==
         "refit-bench: --receivers 3 with --layout tp2: tensor parallelism runs one receiver per rank (2); leave --receivers out");
   // cuda_ipc serves several receivers by direct writes only: a staged-only run is refused before anything runs.
@@ -1576,4 +1578,137 @@ TEST_CASE("a streamer started by hand checking another tp rank than its receiver
   std::ostringstream good;
   CHECK(run(same, good) == 0);
   CHECK_THAT(good.str(), Catch::Contains("# Wrong values          : 0 OK"));
+}
+
+namespace {
+
+// The source tree's bench/layouts (the recorded route tables shipped as examples): next to the
+// bench binary's build tree (its meson-info names the source directory), or above it.
+std::string layouts_dir() {
+  for (fs::path d = fs::path(bench_binary()).parent_path(); !d.empty() && d != d.root_path(); d = d.parent_path()) {
+    if (fs::exists(d / "bench" / "layouts" / "tiny-llama.json")) return (d / "bench" / "layouts").string();
+    const fs::path info = d / "meson-info" / "meson-info.json";
+    if (fs::exists(info)) {
+      std::ifstream f(info);
+      const json j = json::parse(f);
+      return (fs::path(j["directories"]["source"].get<std::string>()) / "bench" / "layouts").string();
+    }
+  }
+  FAIL("bench/layouts not found");
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("--layout recorded:FILE parses, names itself and round-trips; one file per rank", "[bench]") {
+  const auto one = parse_layout("recorded:a.json");
+  REQUIRE(one);
+  CHECK(one->kind == layout_kind::recorded);
+  CHECK(one->tp == 1);
+  CHECK(layout_name(*one) == "recorded:a.json");
+  const auto two = parse_layout("recorded:a.json,b.json");
+  REQUIRE(two);
+  CHECK(two->tp == 2);
+  CHECK(two->files == std::vector<std::string>{"a.json", "b.json"});
+  CHECK(parse_layout(layout_name(*two)) == two);
+  CHECK_FALSE(parse_layout("recorded:"));
+  CHECK_FALSE(parse_layout("recorded:a.json,"));
+  const std::string dir = layouts_dir();
+  const manifest m = load_manifest(dir + "/tiny-llama.json");
+  const std::string r0 = dir + "/tiny-llama-tp2-rank0.json", r1 = dir + "/tiny-llama-tp2-rank1.json";
+  const layout_spec both = *parse_layout("recorded:" + r0 + "," + r1);
+  for (int rank = 0; rank < 2; ++rank) {
+    const engine_layout l = make_layout(m, both, rank);
+    CHECK(l.tp == 2);
+    CHECK(l.views.size() == m.entries.size());
+    for (std::size_t i = 0; i < m.entries.size(); ++i) CHECK(l.of_source[i].size() == 1);
+  }
+  // Rank 1's o_proj: its columns 16..31 of the source, into its own dense [32, 16].
+  const engine_layout l1 = make_layout(m, both, 1);
+  for (const auto& v : l1.views)
+    if (m.entries[v.source].meta.name == "model.layers.0.self_attn.o_proj.weight") {
+      CHECK(v.slice == source_slice{1, 16, 16});
+      CHECK(v.shape == std::vector<std::int64_t>{32, 16});
+    }
+  CHECK(layout_error(m, both, 2) == "refit-bench: --rank 2: out of range for --layout recorded:" + r0 + "," + r1 +
+                                        " (ranks 0 to 1)");
+}
+
+TEST_CASE("--layout recorded:FILE refuses unrecorded sources, sources the model lacks and shapes that differ",
+          "[bench]") {
+  scratch s;
+  const std::string dir = layouts_dir();
+  const manifest m = load_manifest(dir + "/tiny-llama.json");
+  const json table = json::parse(read_file(dir + "/tiny-llama-tp2-rank0.json"));
+  const auto refused = [&](const json& t) {
+    const std::string file = s.file("t.json");
+    write_file(file, t.dump());
+    std::string what = layout_error(m, *parse_layout("recorded:" + file));
+    const std::string prefix = "refit-bench: --layout recorded:" + file + ": ";
+    CHECK(what.starts_with(prefix));
+    return what.starts_with(prefix) ? what.substr(prefix.size()) : what;
+  };
+  json unrecorded = table;
+  unrecorded["entries"].erase("model.norm.weight");
+  unrecorded["unrecorded"]["model.norm.weight"] = "used by mul";
+  CHECK(refused(unrecorded) == "the table has 1 unrecorded source (refit.record could not follow the loader): "
+                               "model.norm.weight; a recorded layout needs every source routed");
+  json lacking = table;
+  lacking["entries"]["model.extra.weight"] = table["entries"]["model.norm.weight"];
+  CHECK(refused(lacking) == "the table routes model.extra.weight, which tiny-llama lacks; give the model the table was "
+                            "recorded for");
+  json shape = table;
+  shape["sources"]["model.norm.weight"]["shape"] = {64};
+  CHECK(refused(shape) == "the table was recorded with model.norm.weight bf16[64] and tiny-llama has "
+                          "model.norm.weight bf16[32]");
+  json outside = table;
+  outside["entries"]["model.norm.weight"][0]["offset"] = 1;
+  CHECK(refused(outside) == "model.norm.weight lands in model.norm.weight bf16[32] from element 1: 32 elements do not "
+                            "fit its 32");
+  json missing = table;
+  missing["entries"].erase("model.norm.weight");
+  CHECK(refused(missing) == "tiny-llama has model.norm.weight, which the table does not route");
+  // From the binary, before any refit: exit 2 and the message.
+  write_file(s.file("u.json"), unrecorded.dump());
+  std::string out;
+  CHECK(run_binary({"--manifest", dir + "/tiny-llama.json", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout",
+                    "recorded:" + s.file("u.json")}, out, s.file("err")) == 2);
+  CHECK_THAT(read_file(s.file("err")), Catch::Contains("1 unrecorded source (refit.record could not follow the loader): "
+                                                       "model.norm.weight"));
+  CHECK(run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout",
+                    "recorded:" + dir + "/tiny-llama-tp2-rank0.json"}, out, s.file("err")) == 2);
+  CHECK_THAT(read_file(s.file("err")), Catch::Contains("the table was recorded with model.embed_tokens.weight bf16[98, 32] "
+                                                       "and tiny has model.embed_tokens.weight bf16[1000, 256]"));
+}
+
+TEST_CASE("a host_shm run with --layout recorded:FILE verifies every source in its recorded views; a wrong byte fails it",
+          "[bench][e2e]") {
+  scratch s;
+  const std::string dir = layouts_dir();
+  const std::string r0 = dir + "/tiny-llama-tp2-rank0.json", r1 = dir + "/tiny-llama-tp2-rank1.json";
+  std::string text;
+  CHECK(run_binary({"--manifest", dir + "/tiny-llama.json", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout",
+                    "recorded:" + r0, "--json", s.file("out.json")}, text) == 0);
+  INFO(text);
+  CHECK_THAT(text, Catch::Contains("# Wrong values          : 0 OK") && Catch::Contains("memcpy+recorded"));
+  {
+    std::ifstream f(s.file("out.json"));
+    const json j = json::parse(f);
+    const manifest m = load_manifest(dir + "/tiny-llama.json");
+    for (const auto& r : j["rows"]) {
+      CHECK(r["wrong"] == 0);
+      CHECK(r["layout"] == "recorded:" + r0);
+      CHECK(r["bytes"] == make_layout(m, *parse_layout("recorded:" + r0)).needed_bytes(m));
+      CHECK(r["bytes"] < m.bytes());
+    }
+  }
+  // Rank 1 of both tables.
+  CHECK(run_binary({"--manifest", dir + "/tiny-llama.json", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout",
+                    "recorded:" + r0 + "," + r1, "--rank", "1"}, text) == 0);
+  CHECK_THAT(text, Catch::Contains("# Wrong values          : 0 OK"));
+  // tensor 4 of tiny-llama: layer 0's o_proj (rank 0's columns, strided in the source).
+  CHECK(run_binary({"--manifest", dir + "/tiny-llama.json", "--buffer-mb", "1", "--iters", "1", "--warmup", "0",
+                    "--layout", "recorded:" + r0, "--corrupt-byte", "4"}, text, s.file("err")) == 1);
+  CHECK_THAT(text, Catch::Contains("# Wrong values          : 1 FAILED"));
+  CHECK_THAT(read_file(s.file("err")), Catch::Contains("WRONG: version 1 tensor 4 (model.layers.0.self_attn.o_proj"));
 }
