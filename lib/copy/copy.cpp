@@ -71,6 +71,15 @@ engine choose(engine preferred, copy_engine requested) noexcept {
   return preferred;
 }
 
+bool append_route(std::span<const plan::run> runs, std::uint64_t from, std::uint64_t bytes, const std::byte* src,
+                  std::byte* dst, std::vector<op>& ops, std::vector<plan::run>& scratch) {
+  scratch.clear();
+  for (const plan::run& r : runs) plan::clip(r, from, from + bytes, scratch);
+  for (const plan::run& r : scratch)
+    ops.emplace_back(src + (r.src - from), dst + r.dst, r.width, r.rows, r.src_pitch, r.dst_pitch);
+  return !scratch.empty();
+}
+
 #if !REFIT_HAVE_CUDA
 std::optional<allocation> cuda_allocation_of(const void* /*p*/, int /*device*/) {
   throw error(errc::invalid_argument, "CUDA memory needs a build with CUDA, and this refit was built without it");

@@ -9,7 +9,9 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <vector>
 
+#include "plan/route.hpp"
 #include "refit/model.hpp"
 #include "refit/options.hpp"
 
@@ -53,6 +55,13 @@ class copier {
   /// work), asked without waiting. Engines that cannot tell say false.
   [[nodiscard]] virtual bool idle() noexcept { return false; }
 };
+
+/// Appends the copies that move source bytes [from, from + bytes) along `runs` (plan::route of
+/// one destination) into that destination, whose first byte is `dst`; `src` points at source byte
+/// `from` (in a staging buffer, or in the tensor itself): one op per clipped run. Returns whether
+/// any op was appended. `scratch` is only reused between calls, to spare an allocation.
+bool append_route(std::span<const plan::run> runs, std::uint64_t from, std::uint64_t bytes, const std::byte* src,
+                  std::byte* dst, std::vector<op>& ops, std::vector<plan::run>& scratch);
 
 /// The engine to use for buffers whose transport prefers `preferred`: the user's choice on GPU
 /// transports, memcpy on the CPU.

@@ -75,7 +75,6 @@ struct ending {
   std::string reason;  ///< why it aborted
 };
 
-
 /// One registered destination and how its source's bytes reach it.
 struct slot {
   plan::destination dest;
@@ -85,12 +84,11 @@ struct slot {
   std::optional<std::pair<dtype, std::vector<std::int64_t>>> routed_for;
   std::vector<plan::run> runs;
 
-  const std::vector<plan::run>& route(dtype type, const std::vector<std::int64_t>& shape) {
-    if (!routed_for || routed_for->first != type || routed_for->second != shape) {
-      runs = plan::route(dest, type, shape);  // throws errc::apply when the source does not fit
-      routed_for.emplace(type, shape);
-    }
-    return runs;
+  /// Makes `runs` those of a source of this dtype and shape. Throws errc::apply when it does not fit.
+  void route(dtype type, const std::vector<std::int64_t>& shape) {
+    if (routed_for && routed_for->first == type && routed_for->second == shape) return;
+    runs = plan::route(dest, type, shape);
+    routed_for.emplace(type, shape);
   }
 };
 
@@ -180,14 +178,6 @@ class table_t {
   std::uint64_t longest_ = 0;
   std::size_t count_ = 0;
 };
-
-/// Appends the copies of runs `pieces` (clipped to an entry) from `src` (the entry's first source
-/// byte, at source offset `from`) into `dst` (the destination's first byte): one op per run.
-void append_ops(std::span<const plan::run> pieces, const std::byte* src, std::uint64_t from, std::byte* dst,
-                std::vector<copy::op>& ops) {
-  for (const plan::run& r : pieces)
-    ops.emplace_back(src + (r.src - from), dst + r.dst, r.width, r.rows, r.src_pitch, r.dst_pitch);
-}
 
 }  // namespace
 
@@ -357,15 +347,20 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 
   // ------------------------------------------------------------------ messages
 
+  /// Refuses a HELLO without touching the session in use: logs `logged`, replies `message`.
+  receiver_event refuse_hello(const wire::hello& h, errc code, const std::string& message, std::string_view logged) {
+    REFIT_WARN("refused HELLO from {}: {}", h.peer.empty() ? "an unnamed peer" : h.peer, logged);
+    reply_error(code, message);
+    return receiver_event::refused;
+  }
+
   receiver_event on_hello(const wire::hello& h) {
     if (!same_token(h.token, token)) {
       const std::string message = fmt::format(
           "session token mismatch: this receiver expects {}; set the same REFIT_TOKEN (or options.token) on "
           "both sides",
           token.empty() ? "no token" : "another token");
-      REFIT_WARN("refused HELLO from {}: token mismatch", h.peer.empty() ? "an unnamed peer" : h.peer);
-      reply_error(errc::unauthorized, message);
-      return receiver_event::refused;
+      return refuse_hello(h, errc::unauthorized, message, "token mismatch");
     }
     if (!h.layout.empty() && !options.layout.empty() && h.layout != options.layout) {
       // Bytes laid out for another engine would land in the wrong places: refuse before any move.
@@ -373,15 +368,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
           "engine layout mismatch: the streamer's tensors were recorded for layout {}, this receiver's parameter "
           "table for layout {}; record the route table again and give both sides the same one",
           h.layout, options.layout);
-      REFIT_WARN("refused HELLO from {}: {}", h.peer.empty() ? "an unnamed peer" : h.peer, message);
-      reply_error(errc::invalid_argument, message);
-      return receiver_event::refused;
+      return refuse_hello(h, errc::invalid_argument, message, message);
     }
     if (const auto gone = memory_gone()) {
       // Writing into memory the engine freed or reallocated would corrupt whatever lives there now.
-      REFIT_WARN("refused HELLO from {}: {}", h.peer.empty() ? "an unnamed peer" : h.peer, *gone);
-      reply_error(errc::invalid_argument, *gone);
-      return receiver_event::refused;
+      return refuse_hello(h, errc::invalid_argument, *gone, *gone);
     }
     // A new session replaces the old one (its streamer is gone or restarted).
     end_session();
@@ -553,12 +544,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         continue;
       }
       for (const slot& sl : *slots) {
-        pieces.clear();
-        for (const plan::run& r : sl.runs) plan::clip(r, e.tensor_offset, e.tensor_offset + e.bytes, pieces);
-        if (pieces.empty()) continue;
-        if (where == device_kind::cuda && !(sl.dest.dev == sink->where()) && copier->kind() == copy::engine::kernel)
+        const bool copies = copy::append_route(sl.runs, e.tensor_offset, e.bytes, base + e.buffer_offset,
+                                               static_cast<std::byte*>(sl.dest.data), ops, pieces);
+        if (copies && where == device_kind::cuda && !(sl.dest.dev == sink->where()) &&
+            copier->kind() == copy::engine::kernel)
           copy::enable_peer_access(sink->where().index, sl.dest.dev.index);
-        append_ops(pieces, base + e.buffer_offset, e.tensor_offset, static_cast<std::byte*>(sl.dest.data), ops);
       }
       if (segments != nullptr) segments->push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
     }

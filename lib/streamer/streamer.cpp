@@ -389,19 +389,6 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// Direct writes planned between two questions whether the device is idle (see send_tensors).
   static constexpr std::uint64_t direct_check_bytes = 16ull << 20;
 
-  /// The copies that write source bytes [from, from + bytes) of a tensor at `data` into its
-  /// destinations of a direct session: one (2-D) op per clipped run.
-  static void write_routes(std::span<const transport::routed> targets, const std::byte* data, std::uint64_t from,
-                           std::uint64_t bytes, std::vector<copy::op>& ops) {
-    std::vector<plan::run> pieces;
-    for (const transport::routed& t : targets) {
-      pieces.clear();
-      for (const plan::run& r : t.runs) plan::clip(r, from, from + bytes, pieces);
-      for (const plan::run& r : pieces)
-        ops.emplace_back(data + r.src, t.base + r.dst, r.width, r.rows, r.src_pitch, r.dst_pitch);
-    }
-  }
-
   /// The batches of one version as send_tensors() builds them: the open batch (its entries for
   /// the wire and its copies for the packer), the kind of session, and the direct writes planned
   /// but not launched yet.
@@ -423,6 +410,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::vector<copy::op> ops;
     std::vector<void*> streams;
     std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
+    std::vector<plan::run> pieces;             ///< scratch of copy::append_route
 
     // Direct writes need nothing from the receiver until the batch's manifest is sent, so they may
     // be launched as they are planned: when the source is slower than the copies (a Python
@@ -447,14 +435,19 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       return p;
     }
 
-    void launch_direct() {
-      direct_checked = 0;
-      auto tp = clock::now();
+    /// Runs (enqueues) the copies planned so far, after the work of their producer streams.
+    void run_ops() {
       for (void* s : streams) st.buffers->after(s);
       st.copier->run(ops, st.buffers->stream());
       ops.clear();
       streams.clear();
       direct_pending = 0;
+      direct_checked = 0;
+    }
+
+    void launch_direct() {
+      const auto tp = clock::now();
+      run_ops();
       stats.pack_seconds += seconds_since(tp);
     }
 
@@ -463,8 +456,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       const std::size_t buffer = seq % st.buffers->count();
       auto tp = clock::now();
       if (!direct) st.buffers->begin_pack(buffer);
-      for (void* s : streams) st.buffers->after(s);
-      st.copier->run(ops, st.buffers->stream());
+      run_ops();
       if (!direct) {
         if (by_entry) st.buffers->entries(buffer, segments);
         st.buffers->end_pack(buffer);
@@ -482,11 +474,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       ++stats.batches;
       seq += 1;
       entries.clear();
-      ops.clear();
-      streams.clear();
       segments.clear();
-      direct_pending = 0;
-      direct_checked = 0;
     }
 
     /// Adds one placed piece of tensor `t` to the open batch: its entry, and the copy or segment
@@ -506,7 +494,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (t.dev.kind == device_kind::cuda && !(t.dev == where) && st.copier->kind() == copy::engine::kernel)
         copy::enable_peer_access(where.index, t.dev.index);
       if (direct) {
-        write_routes(targets, static_cast<const std::byte*>(t.data), p.entry.tensor_offset, p.entry.bytes, ops);
+        for (const transport::routed& target : targets)
+          copy::append_route(target.runs, p.entry.tensor_offset, p.entry.bytes, from, target.base, ops, pieces);
         direct_pending += p.entry.bytes;
         if (direct_pending - direct_checked >= direct_check_bytes) {
           direct_checked = direct_pending;
