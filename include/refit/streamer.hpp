@@ -25,6 +25,9 @@ struct streamer_options {
   /// exactly one receiver per streamer.
   std::vector<std::string> receivers;
   transport_kind transport = transport_kind::host_shm;
+  /// A transport added to refit from its own file (lib/transport/README.md), by the name it
+  /// registered; when not empty it replaces `transport`.
+  std::string transport_name;
   std::size_t buffer_count = 2;               ///< ping-pong: at least 2
   std::uint64_t buffer_bytes = 256ull << 20;  ///< capacity of each buffer
   std::uint64_t alignment = 256;              ///< power of two; entry offsets are multiples

@@ -377,7 +377,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     // A new session replaces the old one (its streamer is gone or restarted).
     end_session();
     try {
-      if (!sink || to_string(sink->kind()) != h.transport)
+      if (!sink || sink->name() != h.transport)
         sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
       sink->attach(h, reply);
@@ -535,7 +535,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                       fmt::format("tensor '{}': its destination is in {} memory, but the {} transport applies into {} "
                                   "memory",
                                   e.name, sl.dest.dev.kind == device_kind::cuda ? "CUDA" : "host",
-                                  to_string(sink->kind()), where == device_kind::cuda ? "CUDA" : "host"));
+                                  sink->name(), where == device_kind::cuda ? "CUDA" : "host"));
       }
       if (e.bytes == 0 || check_only) continue;
       const slot& only = slots->front();

@@ -28,6 +28,7 @@
 #include "copy/copy.hpp"
 #include "model/log.hpp"
 #include "refit/plan.hpp"
+#include "transport/registry.hpp"
 #include "transport/transport.hpp"
 #include "wire/wire.hpp"
 
@@ -60,24 +61,35 @@ std::vector<std::string> endpoints_of(const streamer_options& o) {
   return {o.endpoint};
 }
 
+/// The registered name of the transport the options ask for.
+std::string transport_name_of(const streamer_options& o) {
+  return o.transport_name.empty() ? std::string(to_string(o.transport)) : o.transport_name;
+}
+
 void validate(const streamer_options& o) {
   const auto endpoints = endpoints_of(o);
   for (const auto& ep : endpoints)
     if (ep.empty())
       throw error(errc::invalid_argument,
                   "streamer_options.endpoint is empty: pass the receiver's endpoint() (ipc://... or tcp://host:port)");
-  const transport::capabilities can = transport::capabilities_of(o.transport);
+  const std::string name = transport_name_of(o);
+  if (transport::find_transport(name) == nullptr)
+    throw error(errc::invalid_argument,
+                fmt::format("transport {} is not built into this refit (built: {}); rebuild with -Dcuda=enabled / "
+                            "-Dnccl=enabled, or use host_shm",
+                            name, transport::registered_transports()));
+  const transport::capabilities can = transport::capabilities_of(name);
   if (endpoints.size() > can.max_receivers)
     throw error(errc::invalid_argument,
                 fmt::format("{} receivers given, but the {} transport serves {} receiver{} per streamer; use cuda_ipc "
                             "(receivers on this host) or nccl to serve several",
-                            endpoints.size(), to_string(o.transport), can.max_receivers,
+                            endpoints.size(), name, can.max_receivers,
                             can.max_receivers == 1 ? "" : "s"));
   if (endpoints.size() > 1 && can.several_need_direct && !o.direct)
     throw error(errc::invalid_argument,
                 fmt::format("{} receivers given with direct = false, but the {} transport serves several receivers only "
                             "by writing straight into each one's parameter table: set direct = true",
-                            endpoints.size(), to_string(o.transport)));
+                            endpoints.size(), name));
   if (o.buffer_count < 2)
     throw error(errc::invalid_argument,
                 fmt::format("streamer_options.buffer_count is {}: refit needs at least 2 buffers (ping-pong)",
@@ -123,6 +135,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   std::string token;
   plan_options plan;
   std::unique_ptr<transport::source> buffers;
+  transport::capabilities can;  ///< of the transport, asked once
   std::unique_ptr<copy::copier> copier;
   std::vector<std::string> endpoints;
   std::vector<channel::req_channel> channels;  ///< one per receiver; made on the first HELLO
@@ -136,13 +149,14 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     token = token_from(options.token);
     plan = plan_from(options);
     transport::source_options so;
-    so.kind = options.transport;
+    so.name = transport_name_of(options);
+    can = transport::capabilities_of(so.name);
     so.count = options.buffer_count;
     so.bytes = options.buffer_bytes;
     so.device = options.device;
     endpoints = endpoints_of(options);
     so.receivers = endpoints.size();
-    so.direct = options.direct && options.transport != transport_kind::host_shm;
+    so.direct = options.direct && can.writes_in_place;
     buffers = transport::make_source(so);
     copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device, options.timeout);
   }
@@ -224,7 +238,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
     if (failures.empty()) return oks;
     receivers_failed = true;
-    if (session_lost || transport::capabilities_of(options.transport).session_dies_on_error) drop_session();
+    if (session_lost || can.session_dies_on_error) drop_session();
     if (failures.size() == 1) throw error(failures.front().code, failures.front().message);
     std::string message = fmt::format("{} of {} receivers failed {}:", failures.size(), channels.size(), what);
     for (const auto& f : failures) message += fmt::format("\n  - {}", f.message);
@@ -248,7 +262,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     try {
       const auto hello_to = [&](std::size_t k) {
         wire::hello mine = h;
-        if (transport::capabilities_of(options.transport).assigns_ranks) mine.rank = static_cast<std::uint32_t>(k + 1);
+        buffers->hello_for(k, mine);
         return wire::message(std::move(mine));
       };
       const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
@@ -360,7 +374,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       const auto left = [&] {
         return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(deadline - clock::now()));
       };
-      bool lost = transport::capabilities_of(options.transport).session_dies_on_error;
+      bool lost = can.session_dies_on_error;
       std::vector<bool> sent(channels.size(), false);
       for (std::size_t k = 0; k < channels.size(); ++k) {
         try {

@@ -1,4 +1,4 @@
-// refit — the cuda_ipc transport. See cuda_ipc.hpp, transport.hpp and lib/README.md ("Synchronisation
+// refit — the cuda_ipc transport. See transport.hpp and lib/README.md ("Synchronisation
 // without host stalls").
 //
 // The streamer owns `count` device buffers and two interprocess events per buffer: packed[i],
@@ -7,7 +7,8 @@
 // side's event before touching a buffer, so nothing here blocks the host except drain().
 // Buffers and events are exported once and live as long as the source: a new receiver (a new
 // session) maps the same ones again.
-#include "transport/cuda_ipc.hpp"
+#include "transport/registry.hpp"
+#include "transport/transport.hpp"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -166,7 +167,7 @@ class cuda_ipc_source final : public source {
                 uuid_text(uuid_));
   }
 
-  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::cuda_ipc; }
+  [[nodiscard]] std::string_view name() const noexcept override { return transport_name; }
   [[nodiscard]] std::size_t count() const noexcept override { return buffers_.size(); }
   [[nodiscard]] std::uint64_t buffer_bytes() const noexcept override { return bytes_; }
   [[nodiscard]] std::byte* data(std::size_t i) noexcept override {
@@ -381,7 +382,7 @@ class cuda_ipc_sink final : public sink {
   cuda_ipc_sink(const cuda_ipc_sink&) = delete;
   cuda_ipc_sink& operator=(const cuda_ipc_sink&) = delete;
 
-  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::cuda_ipc; }
+  [[nodiscard]] std::string_view name() const noexcept override { return transport_name; }
 
   void attach(const wire::hello& h, wire::ok& /*reply*/) override {
     detach();
@@ -604,8 +605,6 @@ class cuda_ipc_sink final : public sink {
   cuda::stream stream_;
 };
 
-}  // namespace
-
 std::unique_ptr<source> make_cuda_ipc_source(const source_options& options) {
   return std::make_unique<cuda_ipc_source>(options);
 }
@@ -614,4 +613,10 @@ std::unique_ptr<sink> make_cuda_ipc_sink(int device, milliseconds timeout) {
   return std::make_unique<cuda_ipc_sink>(device, timeout);
 }
 
+}  // namespace
+
 }  // namespace refit::transport
+
+// The registration. Several receivers on one host when each is written directly; writes in place when offered.
+REFIT_TRANSPORT(cuda_ipc, {refit::transport::transport_name, refit::transport::capabilities{1u << 16, true, false, true},
+                      refit::transport::make_cuda_ipc_source, refit::transport::make_cuda_ipc_sink});

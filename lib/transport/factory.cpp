@@ -1,82 +1,99 @@
+// refit — the transport registry and the factories that go through it.
+#include <algorithm>
+#include <mutex>
+
 #include <fmt/format.h>
 
-#include "config/config.hpp"
 #include "refit/error.hpp"
-#include "transport/host_shm.hpp"
+#include "transport/registry.hpp"
 #include "transport/transport.hpp"
-#if REFIT_HAVE_CUDA
-#include "transport/cuda_ipc.hpp"
-#endif
-#if REFIT_HAVE_NCCL
-#include "transport/nccl.hpp"
-#endif
 
 namespace refit::transport {
 namespace {
 
-constexpr const char* built_transports() {
-#if REFIT_HAVE_NCCL
-  return "host_shm, cuda_ipc, nccl";
-#elif REFIT_HAVE_CUDA
-  return "host_shm, cuda_ipc";
-#else
-  return "host_shm";
-#endif
+struct table {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<registration>> entries;  // stable addresses: find_transport hands them out
+};
+
+table& registry() {
+  static table t;  // constructed on first use: registrars run during static initialisation
+  return t;
+}
+
+/// The registry as it is asked: every built-in transport's registrar is then linked in.
+table& lookup() {
+  keep_builtin_transports();
+  return registry();
+}
+
+bool valid_name(std::string_view name) noexcept {
+  return !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_';
+  });
 }
 
 }  // namespace
 
-capabilities capabilities_of(transport_kind kind) noexcept {
-  constexpr std::size_t many = 1u << 16;
-  switch (kind) {
-    case transport_kind::host_shm: return {};
-    case transport_kind::cuda_ipc: return {many, true, false, false};
-    case transport_kind::nccl: return {many, false, true, true};
-  }
-  return {};
+void register_transport(const registration& r) {
+  if (!valid_name(r.name) || r.make_source == nullptr || r.make_sink == nullptr)
+    throw error(errc::internal, fmt::format("transport registration '{}' is malformed (a name of [a-z0-9_], both "
+                                            "factories)", r.name));
+  table& t = registry();
+  const std::lock_guard lock(t.mutex);
+  for (const auto& e : t.entries)
+    if (e->name == r.name) throw error(errc::internal, fmt::format("transport '{}' is registered twice", r.name));
+  t.entries.push_back(std::make_unique<registration>(r));
 }
+
+const registration* find_transport(std::string_view name) noexcept {
+  table& t = lookup();
+  const std::lock_guard lock(t.mutex);
+  for (const auto& e : t.entries)
+    if (e->name == name) return e.get();
+  return nullptr;
+}
+
+std::string registered_transports() {
+  table& t = lookup();
+  std::vector<std::string_view> names;
+  {
+    const std::lock_guard lock(t.mutex);
+    for (const auto& e : t.entries) names.push_back(e->name);
+  }
+  std::sort(names.begin(), names.end());
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+capabilities capabilities_of(std::string_view name) noexcept {
+  const registration* r = find_transport(name);
+  return r != nullptr ? r->can : capabilities{};
+}
+
+capabilities capabilities_of(transport_kind kind) noexcept { return capabilities_of(to_string(kind)); }
 
 std::unique_ptr<source> make_source(const source_options& options) {
   if (options.count < 2)
     throw error(errc::invalid_argument,
                 fmt::format("buffer_count is {}: refit needs at least 2 buffers (ping-pong)", options.count));
   if (options.bytes == 0) throw error(errc::invalid_argument, "buffer_bytes is 0: give each buffer a capacity");
-  switch (options.kind) {
-    case transport_kind::host_shm:
-      return make_host_shm_source(options);
-    case transport_kind::cuda_ipc:
-#if REFIT_HAVE_CUDA
-      return make_cuda_ipc_source(options);
-#else
-      break;
-#endif
-    case transport_kind::nccl:
-#if REFIT_HAVE_NCCL
-      return make_nccl_source(options);
-#else
-      break;
-#endif
-  }
-  throw error(errc::invalid_argument,
-              fmt::format("transport {} is not built into this refit (built: {}); rebuild with "
-                          "-Dcuda=enabled / -Dnccl=enabled, or use host_shm",
-                          to_string(options.kind), built_transports()));
+  const registration* r = find_transport(options.name);
+  if (r == nullptr)
+    throw error(errc::invalid_argument,
+                fmt::format("transport {} is not built into this refit (built: {}); rebuild with "
+                            "-Dcuda=enabled / -Dnccl=enabled, or use host_shm",
+                            options.name, registered_transports()));
+  return r->make_source(options);
 }
 
 std::unique_ptr<sink> make_sink(std::string_view transport, int device, milliseconds timeout) {
-  (void)device, (void)timeout;
-  const auto kind = parse_transport(transport);
-  if (kind == transport_kind::host_shm) return make_host_shm_sink();
-#if REFIT_HAVE_CUDA
-  if (kind == transport_kind::cuda_ipc) return make_cuda_ipc_sink(device, timeout);
-#endif
-#if REFIT_HAVE_NCCL
-  if (kind == transport_kind::nccl) return make_nccl_sink(device, timeout);
-#endif
-  throw error(errc::transport,
-              fmt::format("the streamer uses transport '{}', which this receiver does not support "
-                          "(built: {}); start the streamer with one of those",
-                          transport, built_transports()));
+  const registration* r = find_transport(transport);
+  if (r == nullptr)
+    throw error(errc::transport,
+                fmt::format("the streamer uses transport '{}', which this receiver does not support "
+                            "(built: {}); start the streamer with one of those",
+                            transport, registered_transports()));
+  return r->make_sink(device, timeout);
 }
 
 }  // namespace refit::transport

@@ -6,7 +6,8 @@
 // dies. A new session therefore needs fresh segments. Names of a streamer that died before that
 // point are removed by the next streamer that starts on the host (reap_orphans()). Ordering between packing and reading is
 // carried by the REQ/REP messages, so the per-batch calls are no-ops.
-#include "transport/host_shm.hpp"
+#include "transport/registry.hpp"
+#include "transport/transport.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -238,7 +239,7 @@ class host_shm_source final : public source {
     create();
   }
 
-  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::host_shm; }
+  [[nodiscard]] std::string_view name() const noexcept override { return transport_name; }
   [[nodiscard]] std::size_t count() const noexcept override { return count_; }
   [[nodiscard]] std::uint64_t buffer_bytes() const noexcept override { return bytes_; }
   [[nodiscard]] std::byte* data(std::size_t i) noexcept override {
@@ -297,7 +298,7 @@ class host_shm_source final : public source {
 
 class host_shm_sink final : public sink {
  public:
-  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::host_shm; }
+  [[nodiscard]] std::string_view name() const noexcept override { return transport_name; }
 
   void attach(const wire::hello& h, wire::ok& reply) override {
     (void)reply;
@@ -351,12 +352,16 @@ class host_shm_sink final : public sink {
   std::vector<shm_mapping> mappings_;
 };
 
-}  // namespace
-
 std::unique_ptr<source> make_host_shm_source(const source_options& options) {
   return std::make_unique<host_shm_source>(options);
 }
 
-std::unique_ptr<sink> make_host_shm_sink() { return std::make_unique<host_shm_sink>(); }
+std::unique_ptr<sink> make_host_shm_sink(int, milliseconds) { return std::make_unique<host_shm_sink>(); }
+
+}  // namespace
 
 }  // namespace refit::transport
+
+// The registration. One receiver per streamer, always staged through the shared segments.
+REFIT_TRANSPORT(host_shm, {refit::transport::transport_name, refit::transport::capabilities{},
+                      refit::transport::make_host_shm_source, refit::transport::make_host_shm_sink});

@@ -1,5 +1,5 @@
 // refit — the nccl transport: one streamer (rank 0) broadcasts each batch to N receivers (ranks
-// 1..N). See nccl.hpp, transport.hpp and lib/README.md. Invariants; the measurements behind them
+// 1..N). See transport.hpp and lib/README.md. Invariants; the measurements behind them
 // are in bench/results/nccl-notes.md.
 //
 // Entries. A batch is one NCCL group of one ncclBroadcast per entry, from wherever the entry lies
@@ -40,7 +40,8 @@
 // Ending. A communicator is always ended with ncclCommAbort, also after a clean session:
 // ncclCommFinalize waits for every rank, and the ranks leave at different times; aborting a
 // quiescent communicator is local and quick.
-#include "transport/nccl.hpp"
+#include "transport/nccl_session.hpp"
+#include "transport/registry.hpp"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -441,7 +442,7 @@ class nccl_source final : public source {
   nccl_source(const nccl_source&) = delete;
   nccl_source& operator=(const nccl_source&) = delete;
 
-  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::nccl; }
+  [[nodiscard]] std::string_view name() const noexcept override { return transport_name; }
   [[nodiscard]] std::size_t count() const noexcept override { return count_; }
   [[nodiscard]] std::uint64_t buffer_bytes() const noexcept override { return bytes_; }
   /// Null in an in-place session (no send buffer exists then).
@@ -464,11 +465,15 @@ class nccl_source final : public source {
     h.host_id = host_identity();
     h.device_uuid = uuid_;
     h.buffers.assign(count_, wire::buffer_desc{bytes_, {}, {}, {}});
-    h.nccl_id.assign(id.internal, sizeof id.internal);
-    h.rank = 0;
-    h.nranks = static_cast<std::uint32_t>(receivers_ + 1);
     ahead_->reset();
     timeline_.reset();
+  }
+
+  void hello_for(std::size_t k, wire::hello& h) const override {
+    if (!id_) throw error(errc::internal, "nccl: hello_for() without open_session()");
+    h.session = encode_nccl_session(nccl_session{std::string(id_->internal, sizeof id_->internal),
+                                                 static_cast<std::uint32_t>(k + 1),
+                                                 static_cast<std::uint32_t>(receivers_ + 1)});
   }
 
   void join(milliseconds timeout) override {
@@ -635,21 +640,14 @@ class nccl_sink final : public sink {
   nccl_sink(const nccl_sink&) = delete;
   nccl_sink& operator=(const nccl_sink&) = delete;
 
-  [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::nccl; }
+  [[nodiscard]] std::string_view name() const noexcept override { return transport_name; }
 
   void attach(const wire::hello& h, wire::ok& reply) override {
     (void)reply;  // nothing to send back: the communicator is the handshake
     if (h.transport != transport_name)
       throw error(errc::protocol, fmt::format("nccl: HELLO names transport '{}'", h.transport));
-    if (h.nccl_id.size() != sizeof(ncclUniqueId))
-      throw error(errc::protocol,
-                  fmt::format("nccl: HELLO carries an NCCL id of {} bytes, but an ncclUniqueId has {}: the streamer "
-                              "was built against another NCCL",
-                              h.nccl_id.size(), sizeof(ncclUniqueId)));
-    if (h.nranks < 2 || h.rank < 1 || h.rank >= h.nranks || h.nranks > static_cast<std::uint32_t>(INT_MAX))
-      throw error(errc::protocol,
-                  fmt::format("nccl: HELLO gives this receiver rank {} of {}: a receiver's rank is 1..nranks-1",
-                              h.rank, h.nranks));
+    static_assert(sizeof(ncclUniqueId) == nccl_session::id_bytes);
+    const nccl_session session = decode_nccl_session(h.session);
     if (h.buffers.empty() || h.buffers.size() > wire::max_buffers)
       throw error(errc::protocol,
                   fmt::format("nccl: HELLO announces {} buffers (1..{})", h.buffers.size(), wire::max_buffers));
@@ -661,10 +659,10 @@ class nccl_sink final : public sink {
     auto guard = use_device(device_, "receiver");
     prepare(h);
 
-    const int rank = static_cast<int>(h.rank);
-    const int nranks = static_cast<int>(h.nranks);
+    const int rank = static_cast<int>(session.rank);
+    const int nranks = static_cast<int>(session.nranks);
     ncclUniqueId id{};
-    std::memcpy(id.internal, h.nccl_id.data(), sizeof id.internal);
+    std::memcpy(id.internal, session.id.data(), sizeof id.internal);
     const std::string late = fmt::format(
         "the streamer {} or another of its {} receivers did not join the communicator", h.peer, nranks - 1);
     try {
@@ -853,8 +851,6 @@ class nccl_sink final : public sink {
   communicator comm_;  // last: aborted before the buffers and streams it uses are released
 };
 
-}  // namespace
-
 std::unique_ptr<source> make_nccl_source(const source_options& options) {
   return std::make_unique<nccl_source>(options);
 }
@@ -863,4 +859,10 @@ std::unique_ptr<sink> make_nccl_sink(int device, milliseconds timeout) {
   return std::make_unique<nccl_sink>(device, timeout);
 }
 
+}  // namespace
+
 }  // namespace refit::transport
+
+// The registration. A failure at any rank ends the collective everywhere; receives in place when granted.
+REFIT_TRANSPORT(nccl, {refit::transport::transport_name, refit::transport::capabilities{1u << 16, false, true, true},
+                      refit::transport::make_nccl_source, refit::transport::make_nccl_sink});

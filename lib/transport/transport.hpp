@@ -56,23 +56,27 @@ struct capabilities {
   /// Serving several needs direct writes: each receiver's weights are written where they are,
   /// nothing is staged in buffers the receivers would share (cuda_ipc).
   bool several_need_direct = false;
-  /// HELLO gives receiver k the rank k + 1 (the streamer is rank 0): a collective (nccl).
-  bool assigns_ranks = false;
   /// A failure at any receiver ends the session everywhere (its collective is gone).
   bool session_dies_on_error = false;
+  /// Can write in place, without buffers, when the receivers grant session_mode::in_place
+  /// (streamer_options::direct asks for it): cuda_ipc direct, nccl in place.
+  bool writes_in_place = false;
 };
-/// The capabilities of a transport kind (also for one this build lacks).
+/// The capabilities of the transport registered under `name` (see registry.hpp); defaults (one
+/// receiver, buffers only) for a name nothing registered.
+capabilities capabilities_of(std::string_view name) noexcept;
+/// The same for a built-in transport (also for one this build lacks).
 capabilities capabilities_of(transport_kind kind) noexcept;
 
 /// Options a transport is built from (the subset of streamer/receiver options it needs).
 struct source_options {
-  transport_kind kind = transport_kind::host_shm;
+  std::string name = "host_shm";  ///< the registered transport
   std::size_t count = 2;
   std::uint64_t bytes = 256ull << 20;
   int device = 0;
   /// nccl: receivers (ranks 1..n); the streamer is rank 0.
   std::size_t receivers = 1;
-  /// cuda_ipc: ask the receiver to offer its weights for direct writes.
+  /// Ask the receivers for session_mode::in_place (transports that write in place).
   bool direct = false;
 };
 
@@ -80,7 +84,8 @@ struct source_options {
 class source {
  public:
   virtual ~source() = default;
-  [[nodiscard]] virtual transport_kind kind() const noexcept = 0;
+  /// The name it is registered under.
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
   [[nodiscard]] virtual std::size_t count() const noexcept = 0;
   [[nodiscard]] virtual std::uint64_t buffer_bytes() const noexcept = 0;
   /// Base address of buffer i (a host pointer, or a device pointer for CUDA transports).
@@ -95,6 +100,10 @@ class source {
   /// Prepares a new session and describes it in `h` (transport, buffers, handles, device).
   /// May recreate buffers (host_shm makes fresh segments: the last session's were unlinked).
   virtual void open_session(wire::hello& h) = 0;
+  /// What HELLO to receiver k (from 0) carries of this session beyond what open_session() put in
+  /// `h` for all: `h.session` is the transport's own bytes, which only its sink decodes (nccl:
+  /// the communicator's id and that receiver's rank). Nothing by default.
+  virtual void hello_for(std::size_t k, wire::hello& h) const { (void)k, (void)h; }
   /// Called after HELLO went to every receiver and before their replies are awaited: transports
   /// whose set-up needs every process at once (nccl: ncclCommInitRank) do it here, within
   /// `timeout`. Throws refit::error (nccl, timeout) and leaves nothing half-built.
@@ -146,7 +155,8 @@ class source {
 class sink {
  public:
   virtual ~sink() = default;
-  [[nodiscard]] virtual transport_kind kind() const noexcept = 0;
+  /// The name it is registered under (what HELLO's `transport` names).
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
   /// Maps what `h` describes and puts what the streamer needs back into `reply.handles`.
   /// Throws refit::error (transport, cuda, peer) with a message that names the alternative
   /// transport when this one cannot work between these two processes.
@@ -206,11 +216,12 @@ class sink {
   virtual void abort() noexcept {}
 };
 
-/// Creates the streamer side. Throws refit::error(invalid_argument) for a transport this build
-/// lacks, (transport/cuda) when buffers cannot be created.
+/// Creates the streamer side of the transport registered as options.name. Throws
+/// refit::error(invalid_argument) for a name nothing registered (naming those that are),
+/// (transport/cuda) when buffers cannot be created.
 std::unique_ptr<source> make_source(const source_options& options);
 /// Creates an unattached receiver side for the transport named in a HELLO ("host_shm", ...).
-/// Throws refit::error(transport) naming what this build supports when it lacks that one.
+/// Throws refit::error(transport) naming what is registered when nothing is under that name.
 /// `timeout` bounds every wait of the sink on its peer (nccl: communicator set-up and drain).
 std::unique_ptr<sink> make_sink(std::string_view transport, int device, milliseconds timeout = milliseconds{60000});
 

@@ -71,7 +71,7 @@ void head(packer& p, msg_type t, std::uint32_t fields) {
 }
 
 void encode_body(packer& p, const hello& m) {
-  head(p, msg_type::hello, 12);
+  head(p, msg_type::hello, 10);
   pack_str(p, m.token);
   pack_str(p, m.transport);
   pack_str(p, m.peer);
@@ -86,9 +86,7 @@ void encode_body(packer& p, const hello& m) {
     pack_bin(p, b.packed_event);
     pack_bin(p, b.applied_event);
   }
-  pack_bin(p, m.nccl_id);
-  pack_uint(p, m.rank);
-  pack_uint(p, m.nranks);
+  pack_bin(p, m.session);
   pack_uint(p, static_cast<std::uint8_t>(m.mode));
   pack_str(p, m.layout);
 }
@@ -281,7 +279,7 @@ class reader {
 // Fields of each message, after [type, protocol version].
 constexpr std::size_t field_count(msg_type t) noexcept {
   switch (t) {
-    case msg_type::hello: return 12;
+    case msg_type::hello: return 10;
     case msg_type::begin: return 1;
     case msg_type::batch: return 4;
     case msg_type::end: return 4;
@@ -323,11 +321,9 @@ hello decode_hello(reader& r, std::span<const object> f) {
     m.buffers.push_back(std::move(d));
   }
   r.set_context({});
-  m.nccl_id = r.bin(f[7], "nccl_id", max_handle_bytes);
-  m.rank = r.u32(f[8], "rank");
-  m.nranks = r.u32(f[9], "nranks");
-  m.mode = decode_mode(r, f[10]);
-  m.layout = r.str(f[11], "layout", max_handle_bytes);
+  m.session = r.bin(f[7], "session", max_handle_bytes);
+  m.mode = decode_mode(r, f[8]);
+  m.layout = r.str(f[9], "layout", max_handle_bytes);
   return m;
 }
 

@@ -1,5 +1,7 @@
 // refit — the wire format: every message, its msgpack encoding, and the validation of everything
-// that arrives. The only place that knows the byte layout of a message.
+// that arrives. The only place that knows the byte layout of a message. What a transport puts in
+// the fields that are its own (HELLO's `session` and buffer handles, OK's `handles`) is opaque
+// bytes here: only that transport decodes them, and each such decoder is fuzzed like these.
 //
 // A message is a msgpack array whose first element is the message type and whose second is the
 // protocol version; the remaining elements are the message's fields, in the order of the structs
@@ -26,7 +28,7 @@ namespace refit::wire {
 /// Bumped on every incompatible change of the format below. A new message type is not one: a
 /// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
 /// ERROR and aborts the refit all the same), and a streamer never receives a request.
-inline constexpr std::uint32_t protocol_version = 2;
+inline constexpr std::uint32_t protocol_version = 3;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
 inline constexpr std::size_t max_message_bytes = 64u << 20;
@@ -75,9 +77,9 @@ struct hello {
   std::string device_uuid;  ///< cuda: the 16-byte UUID of the streamer's GPU
   std::uint64_t alignment = 256;
   std::vector<buffer_desc> buffers;
-  std::string nccl_id;    ///< nccl: the 128-byte ncclUniqueId
-  std::uint32_t rank = 0;  ///< nccl: this receiver's rank
-  std::uint32_t nranks = 0;
+  /// The transport's own session data for this receiver (transport::source::hello_for), opaque
+  /// here: nccl's communicator id and this receiver's rank. At most max_handle_bytes.
+  std::string session;
   session_mode mode = session_mode::buffers;  ///< what the streamer asks for
   /// The digest of the engine layout (route table) the streamer's side was set up for, "" when
   /// none: a receiver set up for another refuses the session.

@@ -1,5 +1,6 @@
-// libFuzzer target: wire::decode on arbitrary bytes, and wire::decode_dest (a direct offer's
-// destination record) on the same bytes.
+// libFuzzer target: wire::decode on arbitrary bytes, and on the same bytes the decoders of what
+// transports carry opaquely inside messages: wire::decode_dest (a direct offer's destination
+// record) and transport::decode_nccl_session (HELLO's session data of an nccl session).
 //
 // Properties: decode() either returns a message or throws refit::error (any other exception,
 // crash or sanitizer report is a bug); and every message it accepts survives a round trip —
@@ -14,6 +15,7 @@
 #include <string_view>
 
 #include "refit/error.hpp"
+#include "transport/nccl_session.hpp"
 #include "wire/wire.hpp"
 
 namespace wire = refit::wire;
@@ -44,8 +46,21 @@ static void check_dest(const std::uint8_t* data, std::size_t size) {
   }
 }
 
+/// The same for an nccl session: accepted bytes re-encode to exactly themselves (one encoding).
+static void check_nccl_session(const std::uint8_t* data, std::size_t size) {
+  const std::string_view bytes(reinterpret_cast<const char*>(data), size);
+  refit::transport::nccl_session s;
+  try {
+    s = refit::transport::decode_nccl_session(bytes);
+  } catch (const refit::error&) {
+    return;
+  }
+  if (refit::transport::encode_nccl_session(s) != bytes) property_failed("encode(decode_nccl_session(b)) != b", "");
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   check_dest(data, size);
+  check_nccl_session(data, size);
   wire::message m;
   try {
     m = wire::decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data), size));

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "refit/model.hpp"
+#include "transport/nccl_session.hpp"
 #include "wire/wire.hpp"
 
 namespace fs = std::filesystem;
@@ -73,9 +74,7 @@ wire::hello hello_nccl() {
   h.peer = "policy-0:4242";
   h.host_id = "policy-0/6c1b2f0e";
   h.buffers = {{1u << 24, "", "", ""}};
-  h.nccl_id = std::string(128, '\x55');
-  h.rank = 1;
-  h.nranks = 3;
+  h.session = std::string(136, '\x55');
   return h;
 }
 
@@ -112,6 +111,7 @@ int main(int argc, char** argv) {
     // decode_dest runs on every input too: destination records of a direct offer.
     write(w, "dest_shard", wire::encode_dest(wire::dest_record{"layers.0.o_proj.weight", refit::dtype::bf16, {64, 32},
                                                                 {64, 1}, refit::source_slice{1, 32, 32}, 0, 4096}));
+    write(w, "session_nccl", refit::transport::encode_nccl_session({std::string(128, '\x2a'), 2, 4}));
     write(w, "dest_dense", wire::encode_dest(wire::dest_record{"q", refit::dtype::f32, {8, 4}, {}, std::nullopt, 1, 0}));
     write(w, "begin", wire::encode(wire::begin{7}));
     write(w, "batch_0", wire::encode(batch0()));

@@ -103,7 +103,8 @@ struct host_tensors {
 std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, const std::uint8_t* data);
 
 /// Options of a host_shm streamer to `endpoint` with `buffer_count` buffers of `buffer_bytes`
-/// and `timeout` for every reply: what the CPU tests' streamers share.
+/// and `timeout` for every reply: what the CPU tests' streamers share. With REFIT_TEST_TRANSPORT
+/// set, the transport registered under that name instead (tests/transport/).
 refit::streamer_options host_shm_streamer(const std::string& endpoint, std::uint64_t buffer_bytes,
                                           refit::milliseconds timeout, std::size_t buffer_count = 2);
 

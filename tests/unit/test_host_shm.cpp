@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "support/support.hpp"
-#include "transport/host_shm.hpp"
+#include "transport/transport.hpp"
 #include "wire/wire.hpp"
 
 using namespace std::chrono_literals;
@@ -22,7 +22,7 @@ namespace {
 
 tr::source_options shm_options(std::size_t count = 2, std::uint64_t bytes = 64u << 10) {
   tr::source_options o;
-  o.kind = refit::transport_kind::host_shm;
+  o.name = "host_shm";
   o.count = count;
   o.bytes = bytes;
   return o;
@@ -46,7 +46,7 @@ std::size_t open_fds() {
 }
 
 void expect_refused(const refit::wire::hello& h, const std::string& needle) {
-  auto sink = tr::make_host_shm_sink();
+  auto sink = tr::make_sink("host_shm", 0);
   refit::wire::ok reply;
   try {
     sink->attach(h, reply);
@@ -63,8 +63,8 @@ void expect_refused(const refit::wire::hello& h, const std::string& needle) {
 }  // namespace
 
 TEST_CASE("host_shm segments are private files until the receiver accepts, then unlinked", "[host_shm]") {
-  auto src = tr::make_host_shm_source(shm_options(3, 4096));
-  CHECK(src->kind() == refit::transport_kind::host_shm);
+  auto src = tr::make_source(shm_options(3, 4096));
+  CHECK(src->name() == "host_shm");
   CHECK(src->count() == 3);
   CHECK(src->buffer_bytes() == 4096);
   CHECK(src->where() == refit::device::cpu());
@@ -101,7 +101,7 @@ TEST_CASE("host_shm segments are private files until the receiver accepts, then 
 TEST_CASE("closing a session that was never accepted removes its segments", "[host_shm]") {
   refit::wire::hello h;
   {
-    auto src = tr::make_host_shm_source(shm_options());
+    auto src = tr::make_source(shm_options());
     src->open_session(h);
     for (const auto& b : h.buffers) CHECK(std::filesystem::exists(shm_path(b.handle)));
     src->close_session();
@@ -109,7 +109,7 @@ TEST_CASE("closing a session that was never accepted removes its segments", "[ho
   }
   refit::wire::hello h2;
   {
-    auto src = tr::make_host_shm_source(shm_options());
+    auto src = tr::make_source(shm_options());
     src->open_session(h2);
   }  // destroyed without close_session()
   for (const auto& b : h2.buffers) CHECK_FALSE(std::filesystem::exists(shm_path(b.handle)));
@@ -117,13 +117,13 @@ TEST_CASE("closing a session that was never accepted removes its segments", "[ho
 
 TEST_CASE("a host_shm sink in the same process reads what the source wrote", "[host_shm]") {
   const std::uint64_t bytes = (256u << 10) + 13;
-  auto src = tr::make_host_shm_source(shm_options(2, bytes));
+  auto src = tr::make_source(shm_options(2, bytes));
   refit::wire::hello h;
   src->open_session(h);
   for (std::size_t i = 0; i < 2; ++i)
     refit::test::fill_pattern("buf" + std::to_string(i), 3, reinterpret_cast<std::uint8_t*>(src->data(i)), bytes);
-  auto sink = tr::make_host_shm_sink();
-  CHECK(sink->kind() == refit::transport_kind::host_shm);
+  auto sink = tr::make_sink("host_shm", 0);
+  CHECK(sink->name() == "host_shm");
   CHECK_FALSE(sink->attached());
   refit::wire::ok reply;
   sink->attach(h, reply);
@@ -156,7 +156,7 @@ TEST_CASE("a host_shm sink in the same process reads what the source wrote", "[h
 }
 
 TEST_CASE("each host_shm session gets fresh segment names", "[host_shm]") {
-  auto src = tr::make_host_shm_source(shm_options());
+  auto src = tr::make_source(shm_options());
   refit::wire::hello a;
   src->open_session(a);
   src->session_accepted(std::array{refit::wire::ok{}});
@@ -167,14 +167,14 @@ TEST_CASE("each host_shm session gets fresh segment names", "[host_shm]") {
   REQUIRE(b.buffers.size() == 2);
   for (const auto& x : a.buffers)
     for (const auto& y : b.buffers) CHECK(x.handle != y.handle);
-  auto sink = tr::make_host_shm_sink();
+  auto sink = tr::make_sink("host_shm", 0);
   refit::wire::ok reply;
   CHECK_NOTHROW(sink->attach(b, reply));
   src->session_accepted({&reply, 1});
 }
 
 TEST_CASE("a host_shm sink refuses what it cannot or must not map", "[host_shm]") {
-  auto src = tr::make_host_shm_source(shm_options(2, 8192));
+  auto src = tr::make_source(shm_options(2, 8192));
   refit::wire::hello good;
   src->open_session(good);
 
@@ -224,7 +224,7 @@ TEST_CASE("a host_shm sink refuses what it cannot or must not map", "[host_shm]"
     expect_refused(h, "0 bytes");
   }
   SECTION("a refused HELLO unmaps what an earlier one mapped") {
-    auto sink = tr::make_host_shm_sink();
+    auto sink = tr::make_sink("host_shm", 0);
     refit::wire::ok reply;
     sink->attach(good, reply);
     REQUIRE(sink->attached());
@@ -237,8 +237,8 @@ TEST_CASE("a host_shm sink refuses what it cannot or must not map", "[host_shm]"
 }
 
 TEST_CASE("host_shm sessions do not leak file descriptors or segments", "[host_shm]") {
-  auto src = tr::make_host_shm_source(shm_options(2, 16u << 10));
-  auto sink = tr::make_host_shm_sink();
+  auto src = tr::make_source(shm_options(2, 16u << 10));
+  auto sink = tr::make_sink("host_shm", 0);
   // One warm-up session, so lazily opened descriptors (e.g. of the logger) are counted before.
   for (int round = 0; round < 2; ++round) {
     const auto fds = open_fds();
@@ -265,7 +265,7 @@ TEST_CASE("host_shm sessions do not leak file descriptors or segments", "[host_s
 
 TEST_CASE("a host_shm sink in a forked child reads the parent's bytes exactly", "[host_shm]") {
   const std::uint64_t bytes = (1u << 20) + 7;
-  auto src = tr::make_host_shm_source(shm_options(2, bytes));
+  auto src = tr::make_source(shm_options(2, bytes));
   refit::wire::hello h;
   src->open_session(h);
   for (std::size_t i = 0; i < 2; ++i)
@@ -273,7 +273,7 @@ TEST_CASE("a host_shm sink in a forked child reads the parent's bytes exactly", 
   refit::test::signal_pipe to_parent;
   refit::test::signal_pipe to_child;
   refit::test::child c([&] {
-    auto sink = tr::make_host_shm_sink();
+    auto sink = tr::make_sink("host_shm", 0);
     refit::wire::ok reply;
     sink->attach(h, reply);
     to_parent.send("mapped");
@@ -308,7 +308,7 @@ TEST_CASE("the segments of a streamer killed before HELLO are removed by the nex
           "[host_shm]") {
   refit::test::signal_pipe names;
   refit::test::child victim([&] {
-    auto source = tr::make_host_shm_source(shm_options());
+    auto source = tr::make_source(shm_options());
     refit::wire::hello h;
     source->open_session(h);  // names exist in /dev/shm, not yet accepted by any receiver
     std::string line;
@@ -328,6 +328,6 @@ TEST_CASE("the segments of a streamer killed before HELLO are removed by the nex
   REQUIRE(left.size() == 2);
   victim.kill();
   for (const auto& n : left) REQUIRE(std::filesystem::exists("/dev/shm/" + n));
-  auto next = tr::make_host_shm_source(shm_options());  // starts by reaping what dead streamers left
+  auto next = tr::make_source(shm_options());  // starts by reaping what dead streamers left
   for (const auto& n : left) CHECK_FALSE(std::filesystem::exists("/dev/shm/" + n));
 }

@@ -232,7 +232,7 @@ class raw_streamer {
  private:
   static std::unique_ptr<refit::transport::source> make_source(std::uint64_t bytes) {
     refit::transport::source_options o;
-    o.kind = refit::transport_kind::host_shm;
+    o.name = "host_shm";
     o.bytes = bytes;
     return refit::transport::make_source(o);
   }

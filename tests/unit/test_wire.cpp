@@ -99,7 +99,7 @@ field good_buffer() { return ARR({U(1024), B("/refit-shm-1"), B(""), B("")}); }
 
 std::vector<field> hello_fields() {
   return {S("token"), S("host_shm"), S("host:42"), S("host-boot"), B(std::string(16, '\x7f')), U(256),
-          ARR({good_buffer(), good_buffer()}), B(""), U(0), U(1), U(0), S("")};
+          ARR({good_buffer(), good_buffer()}), B(""), U(0), S("")};
 }
 
 // An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset].
@@ -142,9 +142,7 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     h.alignment = 512;
     h.buffers = {{1ull << 30, std::string(64, '\0'), std::string("\x01\x00\x02", 3), "applied"},
                  {(1ull << 30) + 7, "h2", "", ""}};
-    h.nccl_id = std::string(128, '\x5a');
-    h.rank = 3;
-    h.nranks = 0xffffffffu;
+    h.session = std::string(136, '\x5a');
     const auto m = roundtrip(h);
     REQUIRE(std::holds_alternative<wire::hello>(m));
     CHECK(std::get<wire::hello>(m) == h);
@@ -315,12 +313,12 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
       CHECK_THAT(what, Catch::Contains("same refit release"));
     }
   };
-  check_mismatch(message(BEGIN, {U(1)}, 1), 1);
-  check_mismatch(message(BEGIN, {U(1)}, 3), 3);
+  check_mismatch(message(BEGIN, {U(1)}, 2), 2);
+  check_mismatch(message(BEGIN, {U(1)}, 4), 4);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
   check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 9), 9);
-  check_mismatch(message(99, {}, 3), 3);
+  check_mismatch(message(99, {}, 4), 4);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
@@ -335,7 +333,7 @@ TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(BYE, {NIL()})), errc::protocol, "BYE message: 1 fields, expected 0");
   auto h = hello_fields();
   h.pop_back();
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 11 fields, expected 12");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 9 fields, expected 10");
   CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), U(3)})), errc::protocol, "END message: 3 fields");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true)})), errc::protocol, "OK message: 2 fields");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2)})), errc::protocol, "ERROR message: 1 fields");
@@ -367,17 +365,14 @@ TEST_CASE("decode rejects HELLO fields of the wrong type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 5, I(-256)))), errc::protocol,
                     "alignment must be an unsigned integer, got negative int");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, MAP()))), errc::protocol, "buffers must be an array, got map");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, S("id")))), errc::protocol, "nccl_id must be a bin");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 8, T(true)))), errc::protocol, "rank must be an unsigned integer, got bool");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 9, U(1ull << 32)))), errc::protocol,
-                    "nranks is 4294967296, more than");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 10, U(2)))), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, S("id")))), errc::protocol, "session must be a bin");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 8, U(2)))), errc::protocol,
                     "HELLO message: mode has unknown value 2");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 10, T(true)))), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 8, T(true)))), errc::protocol,
                     "mode must be an unsigned integer, got bool");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 11, B("digest")))), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 9, B("digest")))), errc::protocol,
                     "layout must be a str, got bin");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 11, S(std::string(5000, 'x'))))), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 9, S(std::string(5000, 'x'))))), errc::protocol,
                     "layout is 5000 bytes long, more than the limit");
 }
 
@@ -505,7 +500,7 @@ TEST_CASE("decode rejects handles longer than the limit", "[wire]") {
   const auto h = hello_fields();
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 0, S(long_handle)))), errc::protocol,
                     "token is 4097 bytes long, more than the limit of 4096");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, B(long_handle)))), errc::protocol, "nccl_id is 4097 bytes");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, B(long_handle)))), errc::protocol, "session is 4097 bytes");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(long_handle), B(""), B("")})})))),
                     errc::protocol, "buffer 0: handle is 4097 bytes");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({B(long_handle)}), U(0)})), errc::protocol,

@@ -1,0 +1,50 @@
+#include "transport/nccl_session.hpp"
+
+#include <climits>
+
+#include <fmt/format.h>
+
+#include "refit/error.hpp"
+
+namespace refit::transport {
+namespace {
+
+void put_u32(std::string& out, std::uint32_t v) {
+  for (int k = 0; k < 4; ++k) out.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+}
+
+std::uint32_t get_u32(std::string_view in) {
+  std::uint32_t v = 0;
+  for (int k = 0; k < 4; ++k) v |= static_cast<std::uint32_t>(static_cast<unsigned char>(in[k])) << (8 * k);
+  return v;
+}
+
+}  // namespace
+
+std::string encode_nccl_session(const nccl_session& s) {
+  std::string out = s.id;
+  out.resize(nccl_session::id_bytes, '\0');
+  put_u32(out, s.rank);
+  put_u32(out, s.nranks);
+  return out;
+}
+
+nccl_session decode_nccl_session(std::string_view bytes) {
+  constexpr std::size_t size = nccl_session::id_bytes + 8;
+  if (bytes.size() != size)
+    throw error(errc::protocol,
+                fmt::format("nccl: HELLO's session data is {} bytes, but an nccl session is {} (a 128-byte "
+                            "ncclUniqueId, rank, nranks): the streamer was built against another NCCL",
+                            bytes.size(), size));
+  nccl_session s;
+  s.id.assign(bytes.substr(0, nccl_session::id_bytes));
+  s.rank = get_u32(bytes.substr(nccl_session::id_bytes));
+  s.nranks = get_u32(bytes.substr(nccl_session::id_bytes + 4));
+  if (s.nranks < 2 || s.rank < 1 || s.rank >= s.nranks || s.nranks > static_cast<std::uint32_t>(INT_MAX))
+    throw error(errc::protocol,
+                fmt::format("nccl: HELLO gives this receiver rank {} of {}: a receiver's rank is 1..nranks-1",
+                            s.rank, s.nranks));
+  return s;
+}
+
+}  // namespace refit::transport

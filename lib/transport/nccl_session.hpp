@@ -1,0 +1,26 @@
+// refit — what HELLO carries of an nccl session (wire::hello::session), built with or without NCCL
+// so that its decoder is unit-tested and fuzzed everywhere.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace refit::transport {
+
+/// The communicator a receiver joins: NCCL's unique id and the receiver's rank (the streamer is
+/// rank 0). Bytes: the id, then rank and nranks as 32-bit little-endian.
+struct nccl_session {
+  static constexpr std::size_t id_bytes = 128;  ///< sizeof(ncclUniqueId)
+  std::string id;
+  std::uint32_t rank = 0;
+  std::uint32_t nranks = 0;
+};
+
+std::string encode_nccl_session(const nccl_session& s);
+/// Validates: exactly id_bytes + 8 bytes (another size: a streamer built against another NCCL, or
+/// not nccl's), 2 ≤ nranks ≤ INT_MAX, 1 ≤ rank < nranks. Throws refit::error(protocol) naming
+/// what is wrong.
+nccl_session decode_nccl_session(std::string_view bytes);
+
+}  // namespace refit::transport

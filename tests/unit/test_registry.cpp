@@ -1,0 +1,86 @@
+// The transport registry and the session data of a transport that only it decodes (nccl's).
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include "config/config.hpp"
+#include "support/support.hpp"
+#include "transport/nccl_session.hpp"
+#include "transport/registry.hpp"
+
+namespace tr = refit::transport;
+using refit::test::failure_of;
+
+namespace {
+
+std::unique_ptr<tr::source> no_source(const tr::source_options&) { return nullptr; }
+std::unique_ptr<tr::sink> no_sink(int, refit::milliseconds) { return nullptr; }
+
+}  // namespace
+
+TEST_CASE("the registry holds the built transports and refuses malformed or repeated registrations", "[registry]") {
+  REQUIRE(tr::find_transport("host_shm") != nullptr);
+  CHECK((tr::find_transport("cuda_ipc") != nullptr) == (REFIT_HAVE_CUDA != 0));
+  CHECK((tr::find_transport("nccl") != nullptr) == (REFIT_HAVE_NCCL != 0));
+  CHECK(tr::find_transport("rdma") == nullptr);
+  CHECK(tr::registered_transports() ==
+        std::string(REFIT_HAVE_CUDA ? "cuda_ipc, " : "") + "host_shm" + (REFIT_HAVE_NCCL ? ", nccl" : ""));
+  CHECK(tr::capabilities_of("host_shm").max_receivers == 1);
+  CHECK_FALSE(tr::capabilities_of("host_shm").writes_in_place);
+  CHECK(tr::capabilities_of(refit::transport_kind::nccl).session_dies_on_error);
+
+  auto f = failure_of([] { tr::register_transport({"host_shm", {}, no_source, no_sink}); });
+  REQUIRE(f);
+  CHECK(f->code == "internal");
+  CHECK(f->message == "transport 'host_shm' is registered twice");
+  f = failure_of([] { tr::register_transport({"Bad-Name", {}, no_source, no_sink}); });
+  REQUIRE(f);
+  CHECK(f->message == "transport registration 'Bad-Name' is malformed (a name of [a-z0-9_], both factories)");
+  f = failure_of([] { tr::register_transport({"no_sink", {}, no_source, nullptr}); });
+  REQUIRE(f);
+  CHECK(tr::find_transport("no_sink") == nullptr);
+
+  // A streamer naming an unregistered transport, and a receiver asked for one.
+  f = failure_of([] {
+    refit::streamer_options o;
+    o.endpoint = "ipc:///nowhere";
+    o.transport_name = "rdma";
+    refit::streamer s(o);
+  });
+  REQUIRE(f);
+  CHECK(f->code == "invalid_argument");
+  CHECK_THAT(f->message, Catch::StartsWith("transport rdma is not built into this refit (built: "));
+  f = failure_of([] { (void)tr::make_sink("rdma", 0); });
+  REQUIRE(f);
+  CHECK(f->code == "transport");
+  CHECK_THAT(f->message, Catch::StartsWith("the streamer uses transport 'rdma', which this receiver does not support"));
+}
+
+TEST_CASE("nccl session data round-trips and every malformed one is refused with what is wrong", "[registry]") {
+  const tr::nccl_session s{std::string(128, '\x3c'), 2, 5};
+  const std::string bytes = tr::encode_nccl_session(s);
+  CHECK(bytes.size() == 136);
+  const auto back = tr::decode_nccl_session(bytes);
+  CHECK(back.id == s.id);
+  CHECK(back.rank == 2);
+  CHECK(back.nranks == 5);
+
+  const auto refused = [](const std::string& b) {
+    const auto f = failure_of([&] { (void)tr::decode_nccl_session(b); });
+    REQUIRE(f);
+    CHECK(f->code == "protocol");
+    return f->message;
+  };
+  CHECK(refused(bytes.substr(0, 135)) ==
+        "nccl: HELLO's session data is 135 bytes, but an nccl session is 136 (a 128-byte ncclUniqueId, rank, nranks): "
+        "the streamer was built against another NCCL");
+  CHECK(refused("") .find("is 0 bytes") != std::string::npos);
+  const auto with = [&](std::uint32_t rank, std::uint32_t nranks) {
+    return tr::encode_nccl_session({std::string(128, 'x'), rank, nranks});
+  };
+  CHECK(refused(with(0, 3)) == "nccl: HELLO gives this receiver rank 0 of 3: a receiver's rank is 1..nranks-1");
+  CHECK(refused(with(3, 3)) == "nccl: HELLO gives this receiver rank 3 of 3: a receiver's rank is 1..nranks-1");
+  CHECK(refused(with(1, 1)) == "nccl: HELLO gives this receiver rank 1 of 1: a receiver's rank is 1..nranks-1");
+  CHECK_THAT(refused(with(1, 0x80000000u)), Catch::Contains("rank 1 of 2147483648"));
+  CHECK_NOTHROW(tr::decode_nccl_session(with(1, 2)));
+}
