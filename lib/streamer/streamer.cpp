@@ -599,12 +599,15 @@ refit_stats streamer::refit(std::uint64_t version, const std::function<std::opti
 
 void streamer::close() noexcept {
   if (!impl_ || !impl_->in_session) return;
-  try {
-    // A polite goodbye, with a short deadline: a dead receiver must not delay shutdown.
-    const std::string bye = wire::encode(wire::bye{});
-    for (auto& ch : impl_->channels) ch.request(bye, std::min(impl_->options.timeout, milliseconds{1000}), "BYE");
-  } catch (const std::exception& e) {
-    REFIT_DEBUG("BYE to {} not answered: {}", impl_->options.endpoint, e.what());
+  // A polite goodbye to every receiver, each with a short deadline of its own: a dead or slow one
+  // must neither delay shutdown much nor keep the others from hearing it.
+  const auto bye = [] { return wire::encode(wire::bye{}); };
+  for (std::size_t k = 0; k < impl_->channels.size(); ++k) {
+    try {
+      impl_->channels[k].request(bye(), std::min(impl_->options.timeout, milliseconds{1000}), "BYE");
+    } catch (const std::exception& e) {
+      REFIT_DEBUG("BYE to {} not answered: {}", impl_->endpoints[k], e.what());
+    }
   }
   impl_->drop_session();
 }
