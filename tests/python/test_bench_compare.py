@@ -1,0 +1,91 @@
+"""tools/bench-compare against a stand-in refit-bench: which rows it flags, its exit status, and
+what --record writes. The stand-in writes the JSON refit-bench writes, its ratio per row read
+from FAKE_RATIOS (engine=ratio,...)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "bench-compare"
+
+FAKE_BENCH = textwrap.dedent(
+    """\
+    #!%s
+    import json, os, sys
+    args = sys.argv[1:]
+    out = args[args.index("--json") + 1]
+    ratios = dict(kv.split("=") for kv in os.environ["FAKE_RATIOS"].split(","))
+    wrong = int(os.environ.get("FAKE_WRONG", "0"))
+    rows = [{"transport": "host_shm", "model": "m", "engine": e, "buffer_mb": 64.0, "layout": "plain",
+             "ratio": float(r), "time_ms": {"median": 10.0 / float(r)}, "wrong": wrong}
+            for e, r in ratios.items()]
+    json.dump({"preamble": {"gpus": [], "cpu": "test cpu"}, "rows": rows}, open(out, "w"))
+    """
+    % sys.executable
+)
+
+
+def baseline(tmp_path: Path, rows: dict[str, float]) -> Path:
+    b = {"tolerance": 0.05, "runs": [{"name": "fake", "needs": {"gpus": 0}, "args": ["--model", "m"],
+                                      "rows": [{"key": {"transport": "host_shm", "model": "m", "engine": e,
+                                                        "buffer_mb": 64.0, "layout": "plain"},
+                                                "ratio": r, "recorded": "then"} for e, r in rows.items()]},
+                                     {"name": "needs-gpus", "needs": {"gpus": 64}, "args": [], "rows": []}]}
+    p = tmp_path / "baseline.json"
+    p.write_text(json.dumps(b))
+    return p
+
+
+def run(tmp_path: Path, base: Path, ratios: str, *extra: str, wrong: int = 0) -> subprocess.CompletedProcess:
+    bench = tmp_path / "refit-bench"
+    bench.write_text(FAKE_BENCH)
+    bench.chmod(0o755)
+    env = dict(os.environ, FAKE_RATIOS=ratios, FAKE_WRONG=str(wrong), PATH="/usr/bin:/bin")
+    return subprocess.run([sys.executable, str(TOOL), "--bench", str(bench), "--baseline", str(base),
+                           "--out", str(tmp_path / "out"), *extra],
+                          capture_output=True, text=True, env=env, timeout=60, check=False)
+
+
+def test_rows_within_tolerance_pass_and_runs_needing_gpus_are_skipped(tmp_path):
+    r = run(tmp_path, baseline(tmp_path, {"a": 0.80, "b": 0.50}), "a=0.77,b=0.60")  # -3.75%, +20%
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "# 2 rows within 5% of the baseline" in r.stdout
+    assert "# skipped: needs-gpus (needs 64 GPUs)" in r.stdout
+
+
+def test_a_row_more_than_the_tolerance_below_is_flagged(tmp_path):
+    r = run(tmp_path, baseline(tmp_path, {"a": 0.80, "b": 0.50}), "a=0.75,b=0.50")  # a: -6.25%
+    assert r.returncode == 1
+    assert "# 1 of 2 rows flagged:" in r.stdout
+    assert "engine=a buffer_mb=64.0 layout=plain: ratio 0.750, recorded 0.800 (then): REGRESSED" in r.stdout
+    assert "engine=b" in r.stdout and "engine=b buffer_mb=64.0 layout=plain: ratio" not in r.stdout
+
+
+def test_missing_rows_and_wrong_values_are_flagged(tmp_path):
+    r = run(tmp_path, baseline(tmp_path, {"a": 0.80, "gone": 0.5}), "a=0.90")
+    assert r.returncode == 1
+    assert "engine=gone buffer_mb=64.0 layout=plain: missing from the run" in r.stdout
+    r = run(tmp_path, baseline(tmp_path, {"a": 0.80}), "a=0.90", wrong=3)
+    assert r.returncode == 1
+    assert "WRONG VALUES (3)" in r.stdout
+
+
+def test_record_writes_the_measured_ratios(tmp_path):
+    base = baseline(tmp_path, {"old": 0.1})
+    r = run(tmp_path, base, "x=0.91234,y=0.5", "--record", "--only", "fake")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(base.read_text())["runs"][0]["rows"]
+    assert [(row["key"]["engine"], row["ratio"]) for row in rows] == [("x", 0.9123), ("y", 0.5)]
+    assert rows[0]["recorded"].endswith(" test cpu")
+
+
+def test_bad_use_exits_2(tmp_path):
+    r = run(tmp_path, baseline(tmp_path, {"a": 0.8}), "a=0.8", "--only", "nope")
+    assert r.returncode == 2
+    assert "no run named nope" in r.stderr
