@@ -137,13 +137,16 @@ class RMSNorm(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """Stacked experts ``w13[E_local, 2I, H]`` (gate rows, then up rows) and ``w2[E_local, H, I]``;
-    rank r of ep holds experts [r*E/ep, (r+1)*E/ep)."""
+    """Stacked experts ``w13[E_local, 2I/tp, H]`` (gate rows, then up rows) and ``w2[E_local, H, I/tp]``;
+    rank r of ep holds experts [r*E/ep, (r+1)*E/ep); rank t of tp holds rows (w13) and columns
+    (w2) [t*I/tp, (t+1)*I/tp) of each expert's intermediate dimension, as vLLM's FusedMoE does."""
 
     def __init__(self, experts: int, hidden: int, inter: int, par: Parallel) -> None:
         super().__init__()
         local = experts // par.ep_size
+        inter //= par.tp_size
         self.inter = inter
+        self.tp_rank = par.tp_rank
         self.expert_map = {e: e - par.ep_rank * local for e in range(par.ep_rank * local, (par.ep_rank + 1) * local)}
         self.w13_weight = _param((local, 2 * inter, hidden), par, self.weight_loader)
         self.w2_weight = _param((local, hidden, inter), par, self.weight_loader)
@@ -153,6 +156,10 @@ class FusedMoE(nn.Module):
         if local is None:
             return  # another rank's expert
         expert_data = param.data[local]
+        if shard_id in ("w1", "w3"):
+            loaded_weight = loaded_weight.narrow(0, self.tp_rank * self.inter, self.inter)
+        else:
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * self.inter, self.inter)
         if shard_id == "w1":
             expert_data.narrow(0, 0, self.inter).copy_(loaded_weight)
         elif shard_id == "w3":
@@ -173,9 +180,12 @@ class Config(NamedTuple):
     qkv_bias: bool = False
     experts: int = 0  # > 0: a Qwen-MoE-like MLP
     moe_inter: int = 16
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (replicated on every rank)
 
 
 LLAMA3_8B = Config(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256, layers=32)
+QWEN3_30B_A3B = Config(hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936, layers=48, experts=128,
+                       moe_inter=768, qk_norm=True)
 
 
 class Attention(nn.Module):
@@ -183,6 +193,9 @@ class Attention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, par, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.heads * cfg.head_dim, cfg.hidden, par)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, par)
+            self.k_norm = RMSNorm(cfg.head_dim, par)
 
 
 class MLP(nn.Module):
@@ -289,6 +302,9 @@ def hf_spec(cfg: Config) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
             spec[p + "self_attn.k_proj.bias"] = (cfg.kv_heads * D,)
             spec[p + "self_attn.v_proj.bias"] = (cfg.kv_heads * D,)
         spec[p + "self_attn.o_proj.weight"] = (H, cfg.heads * D)
+        if cfg.qk_norm:
+            spec[p + "self_attn.q_norm.weight"] = (D,)
+            spec[p + "self_attn.k_norm.weight"] = (D,)
         if cfg.experts:
             spec[p + "mlp.gate.weight"] = (cfg.experts, H)
             for e in range(cfg.experts):

@@ -73,15 +73,22 @@ def reference(cfg: Config, par: Parallel, state: Dict[str, torch.Tensor]):
     return state_bytes(engine.named_parameters())
 
 
-def refit_ranks(peers: List[Peer], cfg: Config, pars: List[Parallel], versions=(1, 2, 3), broken=None, only_needed=False):
+def refit_ranks(peers: List[Peer], cfg: Config, pars: List[Parallel], versions=(1, 2, 3), broken=None, only_needed=False,
+                transport: str = "host_shm"):
+    """Refits recorded engines, one per rank of ``pars``, each from a streamer of its own over
+    ``transport`` (cuda_ipc: the engines' parameters and the trainer's tensors on the GPU, written
+    directly); compares every rank with what its own load_weights makes of the same tensors."""
     jobs = [p.run(serve_recorded, cfg, par, broken) for p, par in zip(peers, pars)]
     hellos = [job.recv() for job in jobs]
     # The trainer's side knows the table's digest (shipped with the table, as JSON): HELLO compares it.
-    streamers = [streamer(endpoint, layout=job.request("digest")) for job, (endpoint, _, _) in zip(jobs, hellos)]
+    streamers = [streamer(endpoint, layout=job.request("digest"), transport=transport)
+                 for job, (endpoint, _, _) in zip(jobs, hellos)]
+    pars = [par._replace(device="cpu") for par in pars]  # the references are made on the CPU
     try:
         for version in versions:
             state = hf_state(cfg, version)
-            sends = [{n: state[n] for n in needed} if only_needed else state for _, needed, _ in hellos]
+            sent = {n: t.cuda() for n, t in state.items()} if transport != "host_shm" else state
+            sends = [{n: sent[n] for n in needed} if only_needed else sent for _, needed, _ in hellos]
             with ThreadPoolExecutor(len(streamers)) as pool:
                 for f in [pool.submit(st.refit, version, s) for st, s in zip(streamers, sends)]:
                     f.result()
@@ -104,13 +111,42 @@ def refit_ranks(peers: List[Peer], cfg: Config, pars: List[Parallel], versions=(
     (1, Config()),
     (2, Config(tie=True, qkv_bias=True)),
     (4, Config()),  # 2 kv heads on 4 ranks: replicated k/v, padded vocabulary rows on rank 3
-], ids=["tp1", "tp2-tied-bias", "tp4"])
+    (2, Config(experts=4, qk_norm=True)),  # Qwen3-MoE: experts split by their intermediate dimension
+], ids=["tp1", "tp2-tied-bias", "tp4", "tp2-moe-qk-norm"])
 def test_recorded_tp_ranks_refit_bit_exact_like_their_own_load_weights(ranks, tp, cfg):
     pars = [Parallel(tp_rank=r, tp_size=tp) for r in range(tp)]
     hellos = refit_ranks(ranks(tp), cfg, pars)
     for _, needed, unrecorded in hellos:
         assert unrecorded == {}
         assert set(needed) == set(hf_spec(cfg))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("tp, cfg", [
+    (1, Config()),
+    (2, Config(tie=True, qkv_bias=True)),
+    (4, Config()),
+], ids=["tp1", "tp2-tied-bias", "tp4"])
+def test_recorded_tp_ranks_refit_bit_exact_over_cuda_ipc(ranks, tp, cfg):
+    """The same over cuda_ipc: engines on the GPU, every recorded view written directly."""
+    pars = [Parallel(tp_rank=r, tp_size=tp, device="cuda") for r in range(tp)]
+    hellos = refit_ranks(ranks(tp), cfg, pars, transport="cuda_ipc")
+    for _, needed, unrecorded in hellos:
+        assert unrecorded == {}
+        assert set(needed) == set(hf_spec(cfg))
+
+
+@needs_cuda
+def test_recorded_ep_ranks_get_only_their_experts_over_cuda_ipc(ranks):
+    cfg = Config(experts=4)
+    pars = [Parallel(ep_rank=r, ep_size=2, device="cuda") for r in range(2)]
+    hellos = refit_ranks(ranks(2), cfg, pars, versions=(1, 2), only_needed=True, transport="cuda_ipc")
+    for rank, (_, needed, _) in enumerate(hellos):
+        experts = {n.split(".experts.")[1].split(".")[0] for n in needed if ".experts." in n}
+        assert experts == {str(2 * rank), str(2 * rank + 1)}, needed
 
 
 def test_recorded_ep_ranks_get_only_their_experts(ranks):
