@@ -54,7 +54,9 @@ class rep_channel {
 
   /// Waits up to `wait` for a request; nullopt when none came. Must be followed by reply() before
   /// the next receive() when it returned a request.
-  std::optional<std::string> receive(std::chrono::milliseconds wait);
+  /// `soon`: a request is expected shortly (a refit is in progress): the wait asks without
+  /// sleeping for a moment before it blocks, sparing the wake-up latency.
+  std::optional<std::string> receive(std::chrono::milliseconds wait, bool soon = false);
   /// Replies to the last request. Never blocks for long (the peer may be gone: the reply is
   /// dropped after the send timeout, and that is not an error).
   void reply(std::string_view bytes);

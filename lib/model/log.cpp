@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -47,8 +48,14 @@ void write(level l, std::string_view message) noexcept {
   try {
     auto& s = state();
     // The pid in the prefix is read once; a forked child logs its own pid.
-    const std::string line = fmt::format("{}:{} refit {} {}\n", s.prefix.substr(0, s.prefix.find(':')),
-                                         ::getpid(), names[static_cast<int>(l)], message);
+    // Debug lines carry the monotonic clock (seconds, microsecond digits): equal across the
+    // processes of one host, so a streamer's and a receiver's lines interleave into one timeline.
+    const std::string when =
+        l == level::debug
+            ? fmt::format("{:.6f} ", std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count())
+            : std::string();
+    const std::string line = fmt::format("{}:{} refit {} {}{}\n", s.prefix.substr(0, s.prefix.find(':')), ::getpid(),
+                                         names[static_cast<int>(l)], when, message);
     std::lock_guard lock(s.mutex);
     std::fwrite(line.data(), 1, line.size(), s.file);
     std::fflush(s.file);

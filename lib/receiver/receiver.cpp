@@ -787,10 +787,13 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       }
       wait = std::min(wait, std::chrono::ceil<milliseconds>(deadline - now));
     }
-    std::optional<std::string> request = channel.receive(wait);
+    std::optional<std::string> request = channel.receive(wait, refit_active());
     if (!request) return receiver_event::idle;
     last_message = clock::now();
-    return handle(*request);
+    const receiver_event e = handle(*request);
+    REFIT_DEBUG("{} handled in {:.0f} us ({} bytes)", to_string(e),
+                std::chrono::duration<double, std::micro>(clock::now() - last_message).count(), request->size());
+    return e;
   }
 };
 

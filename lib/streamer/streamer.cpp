@@ -181,7 +181,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// communicator cannot be trusted after one.
   std::vector<wire::ok> request(const std::function<wire::message(std::size_t)>& make, const std::string& what,
                                 const std::function<void()>& between = {}) {
-    const auto deadline = clock::now() + options.timeout;
+    const auto started = clock::now();
+    const auto deadline = started + options.timeout;
     const auto left = [&] {
       return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(deadline - clock::now()));
     };
@@ -236,7 +237,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                                 : fmt::format("bad reply from {} to {}: {}", who(k), what, e.what())});
       }
     }
-    if (failures.empty()) return oks;
+    if (failures.empty()) {
+      REFIT_DEBUG("{}: answered by {} receiver(s) in {:.0f} us", what, channels.size(), seconds_since(started) * 1e6);
+      return oks;
+    }
     receivers_failed = true;
     if (session_lost || can.session_dies_on_error) drop_session();
     if (failures.size() == 1) throw error(failures.front().code, failures.front().message);
@@ -353,7 +357,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     const auto tw = clock::now();
     request(e, fmt::format("END of version {}", version));
     stats.wait_seconds += seconds_since(tw);
+    const auto td = clock::now();
     buffers->drain();
+    REFIT_DEBUG("version {}: drained in {:.0f} us", version, seconds_since(td) * 1e6);
     stats.seconds = seconds_since(t0);
     REFIT_INFO("version {} committed: {} tensors, {:.3f} GB in {} batches, {:.2f} ms", version, stats.tensors,
                static_cast<double>(stats.bytes) / 1e9, stats.batches, stats.seconds * 1e3);
