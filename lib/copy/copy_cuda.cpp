@@ -40,7 +40,23 @@ std::size_t non_empty(std::span<const op> ops) noexcept {
 /// A slot comes round again after `ring` calls; by then its host array's upload has normally
 /// finished (otherwise run() waits for that one copy), and the stream waits (on the device, not
 /// the host) for the kernel that last read its device array, in case that ran on another stream.
-class kernel_copier final : public copier {
+/// Conversion on the GPU, shared by every CUDA engine: the converting copies and scale passes
+/// (kernels in copy_kernel.cu) and the scratch arena of the scales.
+class cuda_copier : public copier {
+ public:
+  void convert(std::span<const convert_op> /*ops*/, void* /*stream*/) override {
+    throw error(errc::invalid_argument, "converting copies on the GPU are not built yet");
+  }
+  void scales(std::span<const scale_job> /*jobs*/, void* /*stream*/) override {
+    throw error(errc::invalid_argument, "scale passes on the GPU are not built yet");
+  }
+  float* scratch(std::size_t /*n*/) override {
+    throw error(errc::invalid_argument, "GPU scratch is not built yet");
+  }
+  void reset_scratch() noexcept override {}
+};
+
+class kernel_copier final : public cuda_copier {
  public:
   kernel_copier(int device, milliseconds timeout) : device_(device), timeout_(timeout) {
     device_guard guard(device_);
@@ -154,7 +170,7 @@ class kernel_copier final : public copier {
 
 /// cudaMemcpyBatchAsync: one call per run(). The runtime refuses the legacy default stream for
 /// batches, so on a null stream this falls back to one cudaMemcpyAsync per op.
-class batch_copier final : public copier {
+class batch_copier final : public cuda_copier {
  public:
   explicit batch_copier(int device) : device_(device) {}
 
@@ -201,7 +217,7 @@ class batch_copier final : public copier {
 };
 
 /// One cudaMemcpyAsync per op: the baseline.
-class each_copier final : public copier {
+class each_copier final : public cuda_copier {
  public:
   explicit each_copier(int device) : device_(device) {}
 
