@@ -97,6 +97,30 @@ class cpu_copier final : public copier {
   void scales(std::span<const scale_job> jobs, void* /*stream*/) override {
     for (const scale_job& j : jobs) cpu_scales(j);
   }
+  void fused(std::span<const fused_job> jobs, void* /*stream*/) override {
+    // The same result as the GPU's one pass, in two: scales of the whole tensor, then the columns.
+    for (const fused_job& j : jobs) {
+      const std::vector<std::int64_t> shape{static_cast<std::int64_t>(j.lead), static_cast<std::int64_t>(j.rows),
+                                            static_cast<std::int64_t>(j.cols)};
+      const std::uint64_t groups = *checked_numel(scale_shape(quant::block128, shape));
+      std::vector<float> inv(groups), mul(groups);
+      cpu_scales(scale_job{j.src, j.from, shape, quant::block128, inv.data(), mul.data()});
+      const cvt::conversion c = conversion_of(j.from, dtype::f8_e4m3, quant::block128, shape, mul.data());
+      const std::uint64_t si = cvt::item(c.from);
+      for (std::uint64_t row = 0; row < j.lead * j.rows && j.col_hi > j.col_lo; ++row) {
+        const convert_op o{static_cast<const std::byte*>(j.src) + (row * j.cols + j.col_lo) * si,
+                           j.dst + row * j.dst_pitch, j.col_hi - j.col_lo, 1, 0, 0, row * j.cols + j.col_lo, c};
+        convert_row(o, o.src, o.dst, o.first, o.count);
+      }
+      if (j.scale == nullptr) continue;
+      const std::uint64_t grid_rows = (j.rows + 127) / 128;
+      const std::uint64_t grid_cols = (j.cols + 127) / 128;
+      const std::uint64_t b_lo = j.col_lo / 128;
+      const std::uint64_t b_hi = (j.col_hi + 127) / 128;
+      for (std::uint64_t g = 0; g < j.lead * grid_rows; ++g)
+        for (std::uint64_t b = b_lo; b < b_hi; ++b) j.scale[g * j.scale_pitch + (b - b_lo)] = inv[g * grid_cols + b];
+    }
+  }
   float* scratch(std::size_t n) override { return scratch_.emplace_back(n).data(); }
   void reset_scratch() noexcept override { scratch_.clear(); }
   [[nodiscard]] engine kind() const noexcept override { return engine::cpu; }

@@ -67,6 +67,25 @@ struct scale_job {
   float* mul = nullptr;
 };
 
+/// The fused one-pass block128 quantisation of a direct write (see
+/// kernel::launch_fused_block128): a [lead, rows, cols] source of `from` into codes at `dst` (row
+/// pitch `dst_pitch` bytes; where source element (0, 0) would land; columns [col_lo, col_hi)
+/// written) and the scale_inv of those columns' blocks at `scale` (row pitch `scale_pitch`
+/// floats), reading the source once.
+struct fused_job {
+  const void* src = nullptr;
+  dtype from = dtype::bf16;
+  std::uint64_t lead = 1;
+  std::uint64_t rows = 0;
+  std::uint64_t cols = 0;
+  std::uint8_t* dst = nullptr;
+  std::uint64_t dst_pitch = 0;
+  std::uint64_t col_lo = 0;
+  std::uint64_t col_hi = 0;
+  float* scale = nullptr;
+  std::uint64_t scale_pitch = 0;
+};
+
 /// The conversion of a source of `from` with `shape` into `to` quantised as `q`, with the group
 /// multipliers at `mul` (quantised only).
 cvt::conversion conversion_of(dtype from, dtype to, quant q, std::span<const std::int64_t> shape,
@@ -100,6 +119,8 @@ class copier {
   /// Scale passes (the source's memory where this engine reads, the outputs where it writes), in
   /// stream order before the converting copies that use them.
   virtual void scales(std::span<const scale_job> jobs, void* stream) = 0;
+  /// Fused block128 quantisations (direct writes), in stream order.
+  virtual void fused(std::span<const fused_job> jobs, void* stream) = 0;
   /// `n` floats of scratch memory where this engine writes (host for the CPU engine, its device
   /// for the GPU ones), valid until reset_scratch(); never moved.
   virtual float* scratch(std::size_t n) = 0;
