@@ -445,6 +445,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::vector<copy::op> ops;
     std::vector<copy::convert_op> cops;  ///< converting copies (destinations that asked another dtype)
     std::vector<copy::scale_job> jobs;   ///< scale passes of quantised tensors, before their copies
+    std::vector<copy::fused_job> fused;  ///< one-pass block128 direct writes
     std::vector<void*> streams;
     std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
     std::vector<plan::run> pieces;             ///< scratch of copy::append_route
@@ -479,7 +480,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       // tensors their scale_inv.
       if (!jobs.empty()) st.copier->scales(jobs, st.buffers->stream());
       if (!cops.empty()) st.copier->convert(cops, st.buffers->stream());
+      if (!fused.empty()) st.copier->fused(fused, st.buffers->stream());
       st.copier->run(ops, st.buffers->stream());
+      fused.clear();
       jobs.clear();
       cops.clear();
       ops.clear();
@@ -558,6 +561,15 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
     }
 
+    /// Counts `bytes` of direct writes planned, launching what is planned when the device idles.
+    void note_direct(std::uint64_t bytes) {
+      direct_pending += bytes;
+      if (direct_pending - direct_checked >= direct_check_bytes) {
+        direct_checked = direct_pending;
+        if (st.copier->idle()) launch_direct();
+      }
+    }
+
     /// The converting half of add(): converted bytes [tensor_offset, + bytes) of `t` into the
     /// buffer (staged; a transport moving entries sends them from there, never from the source,
     /// which holds the other dtype) or along the routes (direct).
@@ -577,11 +589,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         for (const transport::routed& target : targets)
           copy::append_convert_route(target.runs, p.entry.tensor_offset, p.entry.bytes, t.data, target.base, cv, cops,
                                      pieces);
-        direct_pending += p.entry.bytes;
-        if (direct_pending - direct_checked >= direct_check_bytes) {
-          direct_checked = direct_pending;
-          if (st.copier->idle()) launch_direct();
-        }
+        note_direct(p.entry.bytes);
         return;
       }
       const std::uint64_t first = p.entry.tensor_offset / di;
@@ -649,39 +657,111 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     sent.meta.type = c.type;
     const std::uint64_t bytes = sent.meta.nbytes();
     std::optional<tensor_ref> scale;
-    const float* mul = nullptr;
     if (c.q != quant::none) {
       scale.emplace();
       scale->meta = tensor_meta{t.meta.name + std::string(scale_suffix), dtype::f32, scale_shape(c.q, t.meta.shape)};
+      scale->dev = buffers->where();
+    }
+    const std::vector<transport::routed> targets =
+        w.direct ? buffers->routes(sent.meta) : std::vector<transport::routed>{};
+    const std::vector<transport::routed> scale_targets =
+        w.direct && scale ? buffers->routes(scale->meta) : std::vector<transport::routed>{};
+    const std::vector<placement> placed = pl.add(w.planned++, bytes);
+    if (t.stream != nullptr) w.streams.push_back(t.stream);
+
+    // Direct block128 writes of a whole tensor into plain or column-shard destinations: one pass
+    // (copy::fused_job) writes the codes and the scales where they go. Otherwise a scale pass
+    // into scratch, then converting copies, then the scale tensor copied like any other.
+    std::vector<copy::fused_job> fused;
+    if (w.direct && c.q == quant::block128 && placed.size() == 1 && placed[0].entry.tensor_offset == 0 &&
+        placed[0].entry.bytes == bytes)
+      fused = fused_jobs(t, targets, scale_targets);
+    const float* mul = nullptr;
+    if (scale && fused.empty()) {
       const std::uint64_t groups = scale->meta.numel();
       float* inv = copier->scratch(groups);
       float* m = copier->scratch(groups);
       scale->data = inv;
-      scale->dev = buffers->where();
       mul = m;
       // Even with no elements: a per-tensor scale is then that of amax 0 (clamped).
-      if (t.stream != nullptr) w.streams.push_back(t.stream);
       w.jobs.push_back(copy::scale_job{t.data, t.meta.type, t.meta.shape, c.q, inv, m});
     }
     const copy::cvt::conversion cv = copy::conversion_of(t.meta.type, c.type, c.q, t.meta.shape, mul);
-    const std::vector<transport::routed> targets =
-        w.direct ? buffers->routes(sent.meta) : std::vector<transport::routed>{};
-    for (const placement& p : pl.add(w.planned++, bytes)) {
+    for (const placement& p : placed) {
       while (p.batch > w.seq) w.flush();
-      w.add(sent, p, targets, &cv);
+      if (fused.empty()) {
+        w.add(sent, p, targets, &cv);
+      } else {
+        w.add(sent, p, {}, &cv);  // the entry only: the fused jobs write it
+        w.fused.insert(w.fused.end(), fused.begin(), fused.end());
+      }
     }
     stats.tensors += 1;
     stats.bytes += bytes;
     if (!scale) return;
     const std::uint64_t scale_bytes = scale->meta.nbytes();
-    const std::vector<transport::routed> scale_targets =
-        w.direct ? buffers->routes(scale->meta) : std::vector<transport::routed>{};
     for (const placement& p : pl.add(w.planned++, scale_bytes)) {
       while (p.batch > w.seq) w.flush();
-      w.add(*scale, p, scale_targets);
+      w.add(*scale, p, fused.empty() ? std::span<const transport::routed>(scale_targets)
+                                     : std::span<const transport::routed>());
     }
     stats.tensors += 1;
     stats.bytes += scale_bytes;
+  }
+
+  /// The fused jobs that write `t` (block128, whole) along `targets` and its scales along
+  /// `scale_targets` (the same destinations, in the same order), or none when some destination
+  /// is neither dense nor a column shard of dense rows (those take the two-pass way).
+  static std::vector<copy::fused_job> fused_jobs(const tensor_ref& t, std::span<const transport::routed> targets,
+                                                 std::span<const transport::routed> scale_targets) {
+    std::vector<copy::fused_job> out;
+    if (targets.size() != scale_targets.size() || t.meta.numel() == 0) return {};
+    const auto& shape = t.meta.shape;
+    const auto cols = static_cast<std::uint64_t>(shape[shape.size() - 1]);
+    const auto rows = static_cast<std::uint64_t>(shape[shape.size() - 2]);
+    const std::uint64_t lead = t.meta.numel() / (rows * cols);
+    const std::uint64_t grid_rows = (rows + 127) / 128;
+    const std::uint64_t grid_cols = (cols + 127) / 128;
+    for (std::size_t k = 0; k < targets.size(); ++k) {
+      if (targets[k].runs.size() != 1 || scale_targets[k].runs.size() != 1) return {};
+      const plan::run& r = targets[k].runs.front();
+      const plan::run& s = scale_targets[k].runs.front();
+      copy::fused_job j;
+      j.src = t.data;
+      j.from = t.meta.type;
+      j.lead = lead;
+      j.rows = rows;
+      j.cols = cols;
+      if (r.rows == 1 && r.src == 0 && r.width == lead * rows * cols) {
+        j.col_lo = 0;
+        j.col_hi = cols;
+        j.dst_pitch = cols;
+      } else if ((r.rows == lead * rows && r.src_pitch == cols) || (r.rows == 1 && lead * rows == 1)) {
+        j.col_lo = r.src;
+        j.col_hi = r.src + r.width;
+        j.dst_pitch = r.dst_pitch;
+        if (j.col_hi > cols || j.col_lo % 128 != 0 || (j.col_hi % 128 != 0 && j.col_hi != cols)) return {};
+      } else {
+        return {};
+      }
+      const std::uint64_t b_lo = j.col_lo / 128;
+      const std::uint64_t b_hi = (j.col_hi + 127) / 128;
+      if (s.rows == 1 && s.src == 0 && s.width == 4 * lead * grid_rows * grid_cols && b_lo == 0 &&
+          b_hi == grid_cols) {
+        j.scale_pitch = grid_cols;  // the whole grid, dense
+      } else if (s.src == 4 * b_lo && s.width == 4 * (b_hi - b_lo) && s.rows == lead * grid_rows && s.rows > 1 &&
+                 s.src_pitch == 4 * grid_cols && s.dst_pitch % 4 == 0) {
+        j.scale_pitch = s.dst_pitch / 4;  // the shard's columns of every row of blocks
+      } else if (s.src == 4 * b_lo && s.width == 4 * (b_hi - b_lo) && s.rows == 1 && lead * grid_rows == 1) {
+        j.scale_pitch = 0;  // one row of blocks
+      } else {
+        return {};
+      }
+      j.dst = reinterpret_cast<std::uint8_t*>(targets[k].base + r.dst);
+      j.scale = reinterpret_cast<float*>(scale_targets[k].base + s.dst);
+      out.push_back(j);
+    }
+    return out;
   }
 
   /// Everything between BEGIN and END: plans, packs and sends the batches of `source`.

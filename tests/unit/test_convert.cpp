@@ -615,3 +615,33 @@ TEST_CASE("quantising a source refit cannot convert is refused naming both dtype
   s.close();
   CHECK(rx.wait() == 0);
 }
+
+TEST_CASE("the CPU engine's fused block128 job writes a column shard and its scales like the reference", "[convert]") {
+  // Two stacked [300, 260] matrices; columns [128, 260) into rows of 132 codes, scales into rows of 2.
+  const source_tensor src = make_source(dtype::bf16, source_values(600, 260, 17));
+  auto copier = refit::copy::make_copier(refit::copy::engine::cpu);
+  std::vector<std::uint8_t> q(600 * 132, 0);
+  std::vector<float> scale(2 * 3 * 2, -1.0f);
+  refit::copy::fused_job j;
+  j.src = src.bytes.data();
+  j.from = dtype::bf16;
+  j.lead = 2;
+  j.rows = 300;
+  j.cols = 260;
+  j.dst = q.data();
+  j.dst_pitch = 132;
+  j.col_lo = 128;
+  j.col_hi = 260;
+  j.scale = scale.data();
+  j.scale_pitch = 2;
+  copier->fused(std::span(&j, 1), nullptr);
+  const ref::quantised want = ref::quantise(src.values, 2, 300, 260, true);
+  std::size_t wrong = 0;
+  for (std::size_t r = 0; r < 600; ++r)
+    for (std::size_t c = 0; c < 132; ++c) wrong += q[r * 132 + c] != want.q[r * 260 + 128 + c];
+  CHECK(wrong == 0);
+  std::vector<float> want_scale;
+  for (std::size_t g = 0; g < 6; ++g)
+    for (std::size_t b = 1; b < 3; ++b) want_scale.push_back(want.scale_inv[g * 3 + b]);
+  CHECK(same_floats(scale, want_scale));
+}
