@@ -25,20 +25,46 @@ static_assert(cvt::quant_none == static_cast<std::uint8_t>(quant::none) &&
 
 namespace {
 
+/// Elements [from, to) of a stretch with one multiplier, the dtypes fixed at compile time so that
+/// the loop has no switch in it.
+template <std::uint8_t From, std::uint8_t To>
+void convert_stretch(const void* src, void* dst, std::uint64_t from, std::uint64_t to, float mul) {
+  for (std::uint64_t k = from; k < to; ++k) cvt::store(dst, To, k, cvt::load(src, From, k), mul);
+}
+
+using stretch_fn = void (*)(const void*, void*, std::uint64_t, std::uint64_t, float);
+
+template <std::uint8_t From>
+stretch_fn stretch_to(std::uint8_t to) {
+  switch (to) {
+    case cvt::f32: return convert_stretch<From, cvt::f32>;
+    case cvt::bf16: return convert_stretch<From, cvt::bf16>;
+    case cvt::f16: return convert_stretch<From, cvt::f16>;
+    default: return convert_stretch<From, cvt::f8_e4m3>;
+  }
+}
+
+stretch_fn stretch_for(std::uint8_t from, std::uint8_t to) {
+  switch (from) {
+    case cvt::f32: return stretch_to<cvt::f32>(to);
+    case cvt::bf16: return stretch_to<cvt::bf16>(to);
+    default: return stretch_to<cvt::f16>(to);
+  }
+}
+
 /// One row of a converting copy: `n` elements from element `e` of the tensor on.
 void convert_row(const convert_op& o, const void* src, void* dst, std::uint64_t e, std::uint64_t n) {
   const cvt::conversion& c = o.cv;
+  const stretch_fn run = stretch_for(c.from, c.to);
   if (c.q != cvt::quant_block128) {
-    const float mul = c.q == cvt::quant_tensor ? c.mul[0] : 1.0f;
-    for (std::uint64_t i = 0; i < n; ++i) cvt::store(dst, c.to, i, cvt::load(src, c.from, i), mul);
+    run(src, dst, 0, n, c.q == cvt::quant_tensor ? c.mul[0] : 1.0f);
     return;
   }
   // Blocks change every 128 columns: look the group up once per stretch.
   for (std::uint64_t i = 0; i < n;) {
     const std::uint64_t col = (e + i) % c.cols;
     const std::uint64_t stretch = std::min(n - i, std::min(cvt::block - col % cvt::block, c.cols - col));
-    const float mul = c.mul[cvt::group_of(c, e + i)];
-    for (std::uint64_t k = i; k < i + stretch; ++k) cvt::store(dst, c.to, k, cvt::load(src, c.from, k), mul);
+    run(src, dst, i, i + stretch, c.mul[cvt::group_of(c, e + i)]);
     i += stretch;
   }
 }

@@ -454,9 +454,19 @@ struct convert_model {
   }
 };
 
+/// Serves until the parent says stop: a reply must be out before the receiver (and its socket) goes.
+void serve_until_stop(refit::receiver& r, rt::signal_pipe& stop) {
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (!stop.try_receive(0ms)) {
+    r.serve_one(20ms);
+    if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("the parent never said stop");
+  }
+}
+
 /// Registers the converted destinations, serves one refit and checks every byte against the
-/// reference; returns "" or what differs.
-std::string serve_and_check(const std::string& endpoint, const convert_model& m) {
+/// reference; returns "" or what differs. Then serves until `stop`.
+std::string serve_and_check(const std::string& endpoint, const convert_model& m, rt::signal_pipe& result,
+                            rt::signal_pipe& stop) {
   refit::receiver_options o;
   o.endpoint = endpoint;
   o.idle_timeout = 5000ms;
@@ -494,7 +504,11 @@ std::string serve_and_check(const std::string& endpoint, const convert_model& m)
   for (;;) {
     const auto e = r.serve_one(100ms);
     if (e == refit::receiver_event::committed) break;
-    if (e == refit::receiver_event::aborted || e == refit::receiver_event::refused) return "refit failed: " + r.last_error();
+    if (e == refit::receiver_event::aborted || e == refit::receiver_event::refused) {
+      result.send("result refit failed: " + r.last_error());
+      serve_until_stop(r, stop);
+      return {};
+    }
     if (std::chrono::steady_clock::now() > deadline) return "no commit within 20 s";
   }
   std::string problems;
@@ -527,6 +541,8 @@ std::string serve_and_check(const std::string& endpoint, const convert_model& m)
   check("w_chunked", differing(q_chunked, rc.q, first) == 0);
   check("w_chunked scale", same_floats(s_chunked, rc.scale_inv));
   check("w_plain", plain_bytes == plain.t.bytes);
+  result.send("result " + problems);
+  serve_until_stop(r, stop);
   return problems;
 }
 
@@ -536,22 +552,23 @@ TEST_CASE("a host_shm refit converts into fp8 block128, fp8 per-tensor, bf16 and
           "[convert]") {
   const convert_model model;
   const rt::scoped_endpoint endpoint;
-  rt::signal_pipe result;
-  rt::child rx([&] { result.send("result " + serve_and_check(endpoint.name, model)); });
+  rt::signal_pipe result, stop;
+  rt::child rx([&] { (void)serve_and_check(endpoint.name, model, result, stop); });
   refit::streamer s(rt::host_shm_streamer(endpoint.name, 64 << 10, refit::milliseconds{5000}));
   const auto refs = model.refs();
   const refit::refit_stats stats = s.refit(1, refs);
   CHECK(result.receive(30s) == "result ");
-  CHECK(stats.tensors == refs.size() + 4);  // four scale tensors (two for w_shard's one source: one)
+  CHECK(stats.tensors == refs.size() + 4);  // a scale tensor per quantised source (w_shard's two shards: one)
   CHECK(stats.batches > 4);                 // w_chunked took several
   s.close();
+  stop.send("stop");
   CHECK(rx.wait() == 0);
 }
 
 TEST_CASE("a block128 shard that ends inside a block before the source's end fails the refit naming it",
           "[convert]") {
   const rt::scoped_endpoint endpoint;
-  rt::signal_pipe result;
+  rt::signal_pipe stop;
   std::vector<std::uint16_t> src(256 * 300, 0x3f80);
   rt::child rx([&] {
     refit::receiver_options o;
@@ -565,11 +582,7 @@ TEST_CASE("a block128 shard that ends inside a block before the source's end fai
     refit::dest_layout l;
     l.slice = refit::source_slice{1, 128, 100};
     r.add_parameter(d, l);
-    for (int i = 0; i < 100; ++i) {
-      const auto e = r.serve_one(100ms);
-      if (e == refit::receiver_event::aborted) break;
-    }
-    result.send("done");
+    serve_until_stop(r, stop);
   });
   refit::streamer s(rt::host_shm_streamer(endpoint.name, 1 << 20, refit::milliseconds{5000}));
   const refit::tensor_ref t{{"w", dtype::bf16, {256, 300}}, src.data(), refit::device::cpu(), nullptr};
@@ -580,14 +593,14 @@ TEST_CASE("a block128 shard that ends inside a block before the source's end fai
                                          "300 there; block128 scales are computed over the global tensor's 128 × 128 "
                                          "blocks, so a shard must end on a block boundary (a multiple of 128) or at "
                                          "the source's end, not at 228"));
-  CHECK(result.receive(30s) == "done");
   s.close();
+  stop.send("stop");
   CHECK(rx.wait() == 0);
 }
 
 TEST_CASE("quantising a source refit cannot convert is refused naming both dtypes", "[convert]") {
   const rt::scoped_endpoint endpoint;
-  rt::signal_pipe result;
+  rt::signal_pipe stop;
   std::vector<std::int32_t> src(64 * 64, 1);
   rt::child rx([&] {
     refit::receiver_options o;
@@ -599,9 +612,7 @@ TEST_CASE("quantising a source refit cannot convert is refused naming both dtype
     d.q = quant::tensor;
     d.scale = scale.data();
     r.add_parameter(d);
-    for (int i = 0; i < 100; ++i)
-      if (r.serve_one(100ms) == refit::receiver_event::aborted) break;
-    result.send("done");
+    serve_until_stop(r, stop);
   });
   refit::streamer s(rt::host_shm_streamer(endpoint.name, 1 << 20, refit::milliseconds{5000}));
   const refit::tensor_ref t{{"w", dtype::i32, {64, 64}}, src.data(), refit::device::cpu(), nullptr};
@@ -611,8 +622,8 @@ TEST_CASE("quantising a source refit cannot convert is refused naming both dtype
   CHECK(f->message ==
         "tensor w i32[64, 64]: the receiver asks for it as f8_e4m3 quantised per tensor, but refit converts only from "
         "f32, bf16 and f16, not from i32: send it as f8_e4m3 or register the destination as i32");
-  CHECK(result.receive(30s) == "done");
   s.close();
+  stop.send("stop");
   CHECK(rx.wait() == 0);
 }
 
