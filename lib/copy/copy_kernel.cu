@@ -179,6 +179,42 @@ __device__ __forceinline__ void take(float& m, float x) {
   if (cvt::counts(a) && a > m) m = a;
 }
 
+/// A cast or a per-tensor quantisation of one contiguous row: no element needs its position, so
+/// neighbouring threads take neighbouring elements (coalesced), four each in flight.
+template <std::uint8_t From, std::uint8_t To>
+__global__ void __launch_bounds__(convert_threads) convert_flat(convert_args a) {
+  const float mul = a.cv.q == cvt::quant_tensor ? __ldg(a.cv.mul) : 1.0f;
+  const std::uint64_t n = a.count;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * convert_threads;
+  std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * convert_threads + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    float x[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) x[u] = cvt::load(a.src, From, i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) cvt::store(a.dst, To, i + u * stride, x[u], mul);
+  }
+  for (; i < n; i += stride) cvt::store(a.dst, To, i, cvt::load(a.src, From, i), mul);
+}
+
+template <std::uint8_t From>
+void launch_flat_to(const convert_args& a, int blocks, cudaStream_t stream) {
+  switch (a.cv.to) {
+    case cvt::f32: convert_flat<From, cvt::f32><<<blocks, convert_threads, 0, stream>>>(a); break;
+    case cvt::bf16: convert_flat<From, cvt::bf16><<<blocks, convert_threads, 0, stream>>>(a); break;
+    case cvt::f16: convert_flat<From, cvt::f16><<<blocks, convert_threads, 0, stream>>>(a); break;
+    default: convert_flat<From, cvt::f8_e4m3><<<blocks, convert_threads, 0, stream>>>(a); break;
+  }
+}
+
+void launch_flat(const convert_args& a, int blocks, cudaStream_t stream) {
+  switch (a.cv.from) {
+    case cvt::f32: launch_flat_to<cvt::f32>(a, blocks, stream); break;
+    case cvt::bf16: launch_flat_to<cvt::bf16>(a, blocks, stream); break;
+    default: launch_flat_to<cvt::f16>(a, blocks, stream); break;
+  }
+}
+
 /// Each thread converts `per` consecutive elements; the position in the tensor (row, column,
 /// matrix) is found by division once per run of `per` and then stepped.
 __global__ void __launch_bounds__(convert_threads) convert_elements(convert_args a) {
@@ -321,7 +357,10 @@ cudaError_t launch_convert(const convert_args& a, int max_blocks, cudaStream_t s
   if (total == 0) return cudaSuccess;
   const std::uint64_t wanted = (total + 8 * convert_threads - 1) / (8 * convert_threads);
   const auto blocks = static_cast<int>(wanted < static_cast<std::uint64_t>(max_blocks) ? wanted : max_blocks);
-  convert_elements<<<blocks, convert_threads, 0, stream>>>(a);
+  if (a.rows == 1 && a.cv.q != cvt::quant_block128)
+    launch_flat(a, blocks, stream);
+  else
+    convert_elements<<<blocks, convert_threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
