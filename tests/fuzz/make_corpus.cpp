@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "refit/model.hpp"
+#include "transport/nccl_session.hpp"
 #include "wire/wire.hpp"
 
 namespace fs = std::filesystem;
