@@ -248,6 +248,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   bool direct = false;  ///< the streamer writes straight into the table (cuda_ipc direct)
   bool in_place = false;  ///< every entry is received straight into the table (nccl)
   bool laid_out = false;  ///< the session's HELLO asked for a layout from the table (direct, in place)
+  std::vector<wire::conversion> asked;  ///< the conversions the session's OK asked for
   std::uint64_t session_generation = 0;  ///< sink_generation when the session was set up
 
   /// A HELLO, BEGIN or BYE that superseded a refit in progress: received, not yet answered,
@@ -423,6 +424,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       wire::ok reply;
       sink->attach(h, reply);
       if (!callback) reply.convert = conversions();
+      asked = reply.convert;
       std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place
       if (!callback) {
         dests.reserve(table.size());
@@ -464,6 +466,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                                                d.meta.type == dtype::f16);
       if (cast || d.q != quant::none) out.push_back(wire::conversion{name, d.meta.type, d.q});
     }
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
     return out;
   }
 
@@ -502,6 +505,15 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       // or ended the session): the streamer then says HELLO again instead of failing.
       reply_error(errc::peer, "no session: BEGIN before HELLO (this receiver restarted or ended the session); the "
                               "streamer must say HELLO again");
+      return receiver_event::refused;
+    }
+    if (session_generation != sink_generation && !laid_out && conversions() != asked) {
+      // The streamer converts what the OK to HELLO asked for: new conversions need a new session.
+      end_session();
+      REFIT_INFO("the parameter table asks for other conversions since the session's HELLO: asking the streamer "
+                 "for a new session");
+      reply_error(errc::peer, "no session: the receiver's parameter table asks for other conversions since HELLO; "
+                              "the streamer must say HELLO again");
       return receiver_event::refused;
     }
     if (laid_out && session_generation != sink_generation) {

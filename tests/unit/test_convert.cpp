@@ -656,3 +656,51 @@ TEST_CASE("the CPU engine's fused block128 job writes a column shard and its sca
     for (std::size_t b = 1; b < 3; ++b) want_scale.push_back(want.scale_inv[g * 3 + b]);
   CHECK(same_floats(scale, want_scale));
 }
+
+TEST_CASE("a table that asks for new conversions between refits gets a new session, and the next refit converts",
+          "[convert]") {
+  const rt::scoped_endpoint endpoint;
+  rt::signal_pipe result, stop;
+  const source_tensor src = make_source(dtype::bf16, source_values(256, 256, 23));
+  rt::child rx([&] {
+    refit::receiver_options o;
+    o.endpoint = endpoint.name;
+    refit::receiver r(o);
+    std::vector<std::uint8_t> plain(256 * 256 * 2), q(256 * 256);
+    std::vector<float> scale(4);
+    r.add_parameter(refit::tensor_dest{{"w", dtype::bf16, {256, 256}}, plain.data(), refit::device::cpu()});
+    int commits = 0;
+    std::vector<std::string> events;
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (commits < 2 && std::chrono::steady_clock::now() < deadline) {
+      const auto e = r.serve_one(20ms);
+      if (e == refit::receiver_event::idle) continue;
+      events.push_back(std::string(refit::to_string(e)));
+      if (e != refit::receiver_event::committed) continue;
+      if (++commits == 1) {
+        result.send(plain == src.bytes ? "plain ok" : "plain differs");
+        // Between refits the engine switches the weight to fp8.
+        r.clear_parameters();
+        refit::tensor_dest d{{"w", dtype::f8_e4m3, {256, 256}}, q.data(), refit::device::cpu()};
+        d.q = quant::block128;
+        d.scale = scale.data();
+        r.add_parameter(d);
+      }
+    }
+    const ref::quantised want = ref::quantise(src.values, 1, 256, 256, true);
+    std::string events_line;
+    for (const auto& e : events) events_line += e + " ";
+    result.send(std::string(q == want.q && same_floats(scale, want.scale_inv) ? "fp8 ok" : "fp8 differs") + " | " +
+                events_line);
+    serve_until_stop(r, stop);
+  });
+  refit::streamer s(rt::host_shm_streamer(endpoint.name, 1 << 20, refit::milliseconds{5000}));
+  const refit::tensor_ref t{{"w", dtype::bf16, {256, 256}}, src.bytes.data(), refit::device::cpu(), nullptr};
+  s.refit(1, std::span(&t, 1));
+  CHECK(result.receive(30s) == "plain ok");
+  s.refit(2, std::span(&t, 1));
+  CHECK(result.receive(30s) == "fp8 ok | hello begin batch committed refused hello begin batch committed ");
+  s.close();
+  stop.send("stop");
+  CHECK(rx.wait() == 0);
+}
