@@ -637,15 +637,15 @@ class group_runner {
     if (c_.convert) {
       // Its own floor: the bytes read and written at the device-copy speed (a copy of B bytes
       // reads B and writes B). Direct: the source read once, the converted bytes written once;
-      // staged: then those copied again from the buffer; nccl: the conversion into the send
-      // buffer, the broadcast carrying the converted bytes.
+      // staged: then those copied again from the buffer.
       double read = 0, written = 0;
       for (const auto& e : g_.m.entries) {
         read += static_cast<double>(e.meta.nbytes());
         written += static_cast<double>(converted_bytes(*c_.convert, e.meta));
       }
-      const double traffic = went_direct || nccl_ ? read + written : read + 3 * written;
-      r.floor_ms = traffic / 2 / g_.ceiling * 1e3;
+      const double traffic = went_direct ? read + written : read + 3 * written;
+      // Over nccl the ceiling is the link's broadcast, which carries the converted bytes once.
+      r.floor_ms = (nccl_ ? written : traffic / 2) / g_.ceiling * 1e3;
       r.engine += "+cvt:" + c_.convert->name.substr(c_.convert->name.find(':') + 1);
     }
     r.ratio = r.floor_ms / r.median_ms;
