@@ -1018,7 +1018,8 @@ std::vector<std::unique_ptr<transport_path>> resolve_paths(const config& c, std:
   }
   if (c.convert)
     notes.push_back(fmt::format("--convert {}: the receiver holds {} {} tensors as {}; floor = (bytes read + written) / "
-                                "(2 x ceiling); not verified here (wrong = n/a): the test suites check converted bytes",
+                                "(2 x ceiling), over nccl converted bytes / ceiling; not verified here (wrong = n/a): "
+                                "the test suites check converted bytes",
                                 c.convert->name, c.convert->q == quant::none ? "every" : "the 2-d",
                                 to_string(c.convert->from), to_string(c.convert->to)));
   if (c.side == role::streamer)
