@@ -235,6 +235,24 @@ class transport_path {
 std::unique_ptr<transport_path> make_host_shm_path();
 /// Throws refit::error(invalid_argument) in a build without CUDA.
 std::unique_ptr<transport_path> make_cuda_ipc_path(int device);
+/// --convert: the receiver registers converted destinations (issue 13): "bf16:fp8-block128",
+/// "bf16:fp8-tensor", "f32:bf16".
+struct conversion_spec {
+  std::string name;
+  dtype from = dtype::bf16;
+  dtype to = dtype::f8_e4m3;
+  quant q = quant::block128;
+};
+/// nullopt for an unknown name.
+std::optional<conversion_spec> parse_conversion(std::string_view name);
+/// Where a converted destination of source `meta` keeps its scales: `offset` bytes into the
+/// destination memory allocated for the source (which is larger than the converted bytes); 0 for
+/// no scale. nullopt when the tensor is sent as it is (another dtype; fp8 of fewer than 2
+/// dimensions; scales that would not fit behind the codes).
+std::optional<std::uint64_t> converted_scale_offset(const conversion_spec& s, const tensor_meta& meta);
+/// Bytes the receiver gets of `meta` under `s` (converted bytes and scales, or the source's).
+std::uint64_t converted_bytes(const conversion_spec& s, const tensor_meta& meta);
+
 struct config;
 /// Device tensors like cuda_ipc; the streamer's on c.device, receiver k's on receiver_device(). On the
 /// streamer side its ceiling spawns c.receivers helper processes and times a raw ncclBroadcast among
@@ -345,6 +363,8 @@ struct config {
   std::uint64_t alignment = 256;
   /// How the receiver holds the model (--layout); the streamer sends the same tensors whatever it is.
   layout_spec layout = layout_kind::plain;
+  /// --convert: destinations in another dtype (plain layout only); verification is then off.
+  std::optional<conversion_spec> convert;
   /// --layout tpN: the rank a receiver holds (--rank): host_shm's one receiver, or one started by
   /// hand (and the streamer started against it). cuda_ipc and nccl spawn every rank.
   int rank = 0;

@@ -55,6 +55,7 @@ struct cli_text {
   bool list = false;
   bool print_manifest = false;
   std::string layout_text = "plain";
+  std::string convert_text;
   std::string receiver_devices = "same";
   std::vector<std::string> paths{"direct", "staged"};
   CLI::Option* receivers_opt = nullptr;
@@ -89,6 +90,10 @@ void add_model_options(CLI::App& app, config& c, cli_text& t) {
                                                 "model.safetensors.index.json, or a JSON {name: {dtype, shape}}");
   app.add_flag("--load", c.load, "refit the tensor data of the --manifest safetensors file(s) (mmap) instead of random data");
   app.add_option("--dtype", t.dtype_name, "element type of the built-in models' tensors")->capture_default_str();
+  app.add_option("--convert", t.convert_text,
+                 "the receiver registers converted destinations: bf16:fp8-block128 (2-d weights to f8_e4m3 with "
+                 "128x128 block scales), bf16:fp8-tensor (per-tensor scale), f32:bf16; sets --dtype to the source "
+                 "dtype; --layout plain only; rows are not verified (wrong = n/a: the test suites check the bytes)");
 }
 
 /// What one row varies: transports, buffers, engines, layouts, paths.
@@ -297,6 +302,15 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   parse_engines(c, t.engines);
   parse_paths(c, t.paths);
   parse_layout_options(c, t);
+  if (!t.convert_text.empty()) {
+    c.convert = parse_conversion(t.convert_text);
+    if (!c.convert) bad(fmt::format("--convert {}: unknown (bf16:fp8-block128, bf16:fp8-tensor, f32:bf16)", t.convert_text));
+    if (c.layout != layout_kind::plain) bad(fmt::format("--convert with --layout {}: only --layout plain", t.convert_text));
+    if (t.dtype_name != "bf16" && dtype_named(t.dtype_name) != c.convert->from)
+      bad(fmt::format("--convert {} converts {} sources; --dtype {} disagrees", t.convert_text,
+                      to_string(c.convert->from), t.dtype_name));
+    c.type = c.convert->from;
+  }
   return c;
 }
 
@@ -343,6 +357,7 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
   if (c.layout != layout_kind::plain) a.insert(a.end(), {"--layout", layout_name(c.layout)});
   if (c.layout.tp > 1) a.insert(a.end(), {"--rank", std::to_string(rank.value_or(c.rank))});
   if (c.corrupt_tensor) a.insert(a.end(), {"--corrupt-byte", std::to_string(*c.corrupt_tensor)});
+  if (c.convert) a.insert(a.end(), {"--convert", c.convert->name});
   if (c.quiet) a.emplace_back("--quiet");
   return a;
 }

@@ -519,4 +519,27 @@ std::uint64_t fold_view_checksums(const std::vector<std::uint64_t>& sums) noexce
     if (unused(v)) return v;
 }
 
+std::optional<conversion_spec> parse_conversion(std::string_view name) {
+  if (name == "bf16:fp8-block128") return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::block128};
+  if (name == "bf16:fp8-tensor") return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::tensor};
+  if (name == "f32:bf16") return conversion_spec{std::string(name), dtype::f32, dtype::bf16, quant::none};
+  return std::nullopt;
+}
+
+std::optional<std::uint64_t> converted_scale_offset(const conversion_spec& s, const tensor_meta& meta) {
+  if (meta.type != s.from || meta.numel() == 0) return std::nullopt;
+  if (s.q == quant::none) return 0;
+  if (meta.shape.size() != 2) return std::nullopt;  // norms and biases stay as they are, as in engines
+  const std::uint64_t codes = meta.numel() * itemsize(s.to);
+  const std::uint64_t at = (codes + 255) / 256 * 256;
+  const std::uint64_t scale = 4 * *checked_numel(scale_shape(s.q, meta.shape));
+  if (at + scale > meta.nbytes()) return std::nullopt;
+  return at;
+}
+
+std::uint64_t converted_bytes(const conversion_spec& s, const tensor_meta& meta) {
+  if (!converted_scale_offset(s, meta)) return meta.nbytes();
+  return meta.numel() * itemsize(s.to) + (s.q == quant::none ? 0 : 4 * *checked_numel(scale_shape(s.q, meta.shape)));
+}
+
 }  // namespace refit::bench

@@ -99,6 +99,42 @@ struct source_slice {
   friend bool operator==(const source_slice&, const source_slice&) = default;
 };
 
+/// How a destination of dtype f8_e4m3 is quantised from its source (tensor_dest::q). The numeric
+/// values are the wire codes and never change.
+///
+/// The exact definition, bit for bit (DeepGEMM's `per_block_cast_to_fp8`, and its per-tensor form):
+/// - every source element x (f32, bf16 or f16) is first widened to f32 (exactly);
+/// - a group is the whole tensor (`tensor`) or one 128 × 128 block of its last two dimensions
+///   (`block128`; leading dimensions index separate grids; blocks at the right and bottom edges may
+///   be partial); amax = max |x| over the group's finite elements (NaN and ±inf are ignored), then
+///   amax = max(amax, 1e-4f);
+/// - s = 448.0f / amax (f32 division, rounded to nearest); q = e4m3(x · s), the product in f32,
+///   then rounded to the nearest e4m3fn value (ties to even, subnormals included) and saturated:
+///   |x · s| ≥ 448 gives ±448 (so ±inf gives ±448); NaN gives 0x7F; -0 gives 0x80;
+/// - the scale tensor holds scale_inv = amax / 448.0f (f32) per group: shape {1} for `tensor`,
+///   shape[:-2] + {ceil(rows / 128), ceil(cols / 128)} for `block128` (rows, cols: the last two
+///   dimensions), dense row-major.
+/// For finite inputs this is what `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` gives.
+/// Casts among f32, bf16 and f16 (quant none, another destination dtype) round to nearest even
+/// (NaN becomes the canonical quiet NaN: 0x7FC0 in bf16, 0x7E00 in f16; f16 overflows to ±inf).
+enum class quant : std::uint8_t {
+  none = 0,      ///< no quantisation (a plain copy, or a cast among f32 / bf16 / f16)
+  tensor = 1,    ///< f8_e4m3 with one scale for the whole tensor
+  block128 = 2,  ///< f8_e4m3 with one scale per 128 × 128 block of the last two dimensions
+};
+/// "none", "tensor", "block128".
+REFIT_API std::string_view to_string(quant q) noexcept;
+/// Parses "none", "tensor" (also "per_tensor"), "block128" (also "block"); nullopt if unknown.
+REFIT_API std::optional<quant> parse_quant(std::string_view name) noexcept;
+/// The quant with this wire code, nullopt if none.
+REFIT_API std::optional<quant> quant_from_code(std::uint64_t code) noexcept;
+/// The shape of the scale tensor of a `q`-quantised tensor of `shape` ({} for quant::none).
+REFIT_API std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> shape);
+/// Appended to a tensor's name to name its scale tensor on the wire and in the receiver's table
+/// ("\x1fscale_inv": a control character, so no user name collides; add_parameter refuses names
+/// that contain it).
+inline constexpr std::string_view scale_suffix = "\x1fscale_inv";
+
 /// A destination the receiver writes (generation side, parameter table). The memory must stay
 /// valid, at its address, while it is registered and, after it is removed, until the receiver's
 /// next refit has committed or its session has ended (GPU copies are asynchronous; cuda_ipc direct
@@ -106,10 +142,18 @@ struct source_slice {
 /// with no elements; a 0-d tensor is one element and needs memory. Alone it is a dense row-major
 /// tensor that takes all of the source of the same name, dtype and shape; with a dest_layout it
 /// is a view that may take part of it.
+///
+/// Conversion: `meta.type` is the destination's dtype and may differ from the source's: a cast
+/// among f32, bf16 and f16, or f8_e4m3 quantised as `q` says (see refit::quant for the exact
+/// definition), with its scales written to `scale` (f32, on the same device as `data`, dense, of
+/// scale_shape(q, shape): for a view with a slice, the part of the scale grid its slice takes). The
+/// streamer converts once, before the bytes leave it, so every transport carries converted bytes.
 struct tensor_dest {
   tensor_meta meta;
   void* data = nullptr;
   device dev{};
+  quant q = quant::none;  ///< f8_e4m3 destinations only: how to quantise
+  void* scale = nullptr;  ///< f32 scale_inv of a quantised destination (see above)
 };
 
 /// A destination in the engine's own layout (receiver::add_parameter(dest, layout)): a view into a

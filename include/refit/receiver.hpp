@@ -155,6 +155,20 @@ class REFIT_API receiver {
   /// the source fits (its shape around the slice) is checked when it arrives: errc::apply, before
   /// anything of its batch is written. A version commits when every registered destination was
   /// written exactly once (every registered source name arrived exactly once).
+  ///
+  /// Conversion (see tensor_dest and refit::quant): a destination whose dtype differs from its
+  /// source's is converted by the streamer before the bytes leave it (casts among f32, bf16, f16;
+  /// f8_e4m3 quantised per tensor or per 128 × 128 block, its scale_inv written to `dest.scale`).
+  /// The receiver asks for it in its reply to HELLO; a streamer serving several receivers refuses
+  /// the session (errc::invalid_argument) when two ask one tensor as different things. Also throws
+  /// errc::invalid_argument for: a quant on a destination that is not f8_e4m3; a quantised
+  /// destination without a scale, or a scale without a quant; block128 on fewer than 2
+  /// dimensions; a block128 slice along one of the last two dimensions starting off a multiple of
+  /// 128 (blocks are the global tensor's; one ending off a multiple of 128 before the source's end
+  /// fails its refit with errc::apply); a scale that shares bytes with its destination; a name
+  /// containing "\x1f" (reserved: the scale travels as name + scale_suffix); a second
+  /// destination of one source with another quant. A quantising destination keeps an nccl session
+  /// from being granted in place (it stages: the streamer converts into its send buffers).
   void add_parameter(const tensor_dest& dest, const dest_layout& layout);
   /// Removes every registered destination (their memory: see the class comment). Takes effect
   /// at the next refit.

@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <deque>
 
 #include "config/config.hpp"
 #include "refit/error.hpp"
@@ -12,7 +15,91 @@
 #endif
 
 namespace refit::copy {
+
+static_assert(cvt::f16 == static_cast<std::uint8_t>(dtype::f16) && cvt::bf16 == static_cast<std::uint8_t>(dtype::bf16) &&
+              cvt::f32 == static_cast<std::uint8_t>(dtype::f32) &&
+              cvt::f8_e4m3 == static_cast<std::uint8_t>(dtype::f8_e4m3));
+static_assert(cvt::quant_none == static_cast<std::uint8_t>(quant::none) &&
+              cvt::quant_tensor == static_cast<std::uint8_t>(quant::tensor) &&
+              cvt::quant_block128 == static_cast<std::uint8_t>(quant::block128));
+
 namespace {
+
+/// Elements [from, to) of a stretch with one multiplier, the dtypes fixed at compile time so that
+/// the loop has no switch in it.
+template <std::uint8_t From, std::uint8_t To>
+void convert_stretch(const void* src, void* dst, std::uint64_t from, std::uint64_t to, float mul) {
+  for (std::uint64_t k = from; k < to; ++k) cvt::store(dst, To, k, cvt::load(src, From, k), mul);
+}
+
+using stretch_fn = void (*)(const void*, void*, std::uint64_t, std::uint64_t, float);
+
+template <std::uint8_t From>
+stretch_fn stretch_to(std::uint8_t to) {
+  switch (to) {
+    case cvt::f32: return convert_stretch<From, cvt::f32>;
+    case cvt::bf16: return convert_stretch<From, cvt::bf16>;
+    case cvt::f16: return convert_stretch<From, cvt::f16>;
+    default: return convert_stretch<From, cvt::f8_e4m3>;
+  }
+}
+
+stretch_fn stretch_for(std::uint8_t from, std::uint8_t to) {
+  switch (from) {
+    case cvt::f32: return stretch_to<cvt::f32>(to);
+    case cvt::bf16: return stretch_to<cvt::bf16>(to);
+    default: return stretch_to<cvt::f16>(to);
+  }
+}
+
+/// One row of a converting copy: `n` elements from element `e` of the tensor on.
+void convert_row(const convert_op& o, const void* src, void* dst, std::uint64_t e, std::uint64_t n) {
+  const cvt::conversion& c = o.cv;
+  const stretch_fn run = stretch_for(c.from, c.to);
+  if (c.q != cvt::quant_block128) {
+    run(src, dst, 0, n, c.q == cvt::quant_tensor ? c.mul[0] : 1.0f);
+    return;
+  }
+  // Blocks change every 128 columns: look the group up once per stretch.
+  for (std::uint64_t i = 0; i < n;) {
+    const std::uint64_t col = (e + i) % c.cols;
+    const std::uint64_t stretch = std::min(n - i, std::min(cvt::block - col % cvt::block, c.cols - col));
+    run(src, dst, i, i + stretch, c.mul[cvt::group_of(c, e + i)]);
+    i += stretch;
+  }
+}
+
+void cpu_scales(const scale_job& j) {
+  const auto from = static_cast<std::uint8_t>(j.from);
+  const std::uint64_t n = *checked_numel(j.shape);
+  const cvt::conversion c = conversion_of(j.from, dtype::f8_e4m3, j.q, j.shape, nullptr);
+  const std::uint64_t groups = *checked_numel(scale_shape(j.q, j.shape));
+  std::vector<float> amax(groups, 0.0f);
+  if (j.q == quant::tensor) {
+    float m = 0.0f;
+    for (std::uint64_t i = 0; i < n; ++i) {
+      const float a = std::fabs(cvt::load(j.src, from, i));
+      if (cvt::counts(a) && a > m) m = a;
+    }
+    for (float& g : amax) g = m;
+  } else {
+    for (std::uint64_t e = 0; e < n;) {
+      const std::uint64_t col = e % c.cols;
+      const std::uint64_t stretch = std::min(cvt::block - col % cvt::block, c.cols - col);
+      float& m = amax[cvt::group_of(c, e)];
+      for (std::uint64_t k = e; k < e + stretch; ++k) {
+        const float a = std::fabs(cvt::load(j.src, from, k));
+        if (cvt::counts(a) && a > m) m = a;
+      }
+      e += stretch;
+    }
+  }
+  for (std::uint64_t g = 0; g < groups; ++g) {
+    const float a = cvt::clamp_amax(amax[g]);
+    j.scale_inv[g] = a / cvt::e4m3_max;
+    j.mul[g] = cvt::e4m3_max / a;
+  }
+}
 
 class cpu_copier final : public copier {
  public:
@@ -24,7 +111,48 @@ class cpu_copier final : public copier {
                     static_cast<const std::byte*>(o.src) + r * o.src_pitch, o.bytes);
     }
   }
+  void convert(std::span<const convert_op> ops, void* /*stream*/) override {
+    for (const convert_op& o : ops) {
+      const std::uint32_t si = cvt::item(o.cv.from);
+      const std::uint32_t di = cvt::item(o.cv.to);
+      for (std::uint64_t r = 0; r < o.rows && o.count != 0; ++r)
+        convert_row(o, static_cast<const std::byte*>(o.src) + r * o.src_pitch * si,
+                    static_cast<std::byte*>(o.dst) + r * o.dst_pitch * di, o.first + r * o.src_pitch, o.count);
+    }
+  }
+  void scales(std::span<const scale_job> jobs, void* /*stream*/) override {
+    for (const scale_job& j : jobs) cpu_scales(j);
+  }
+  void fused(std::span<const fused_job> jobs, void* /*stream*/) override {
+    // The same result as the GPU's one pass, in two: scales of the whole tensor, then the columns.
+    for (const fused_job& j : jobs) {
+      const std::vector<std::int64_t> shape{static_cast<std::int64_t>(j.lead), static_cast<std::int64_t>(j.rows),
+                                            static_cast<std::int64_t>(j.cols)};
+      const std::uint64_t groups = *checked_numel(scale_shape(quant::block128, shape));
+      std::vector<float> inv(groups), mul(groups);
+      cpu_scales(scale_job{j.src, j.from, shape, quant::block128, inv.data(), mul.data()});
+      const cvt::conversion c = conversion_of(j.from, dtype::f8_e4m3, quant::block128, shape, mul.data());
+      const std::uint64_t si = cvt::item(c.from);
+      for (std::uint64_t row = 0; row < j.lead * j.rows && j.col_hi > j.col_lo; ++row) {
+        const convert_op o{static_cast<const std::byte*>(j.src) + (row * j.cols + j.col_lo) * si,
+                           j.dst + row * j.dst_pitch, j.col_hi - j.col_lo, 1, 0, 0, row * j.cols + j.col_lo, c};
+        convert_row(o, o.src, o.dst, o.first, o.count);
+      }
+      if (j.scale == nullptr) continue;
+      const std::uint64_t grid_rows = (j.rows + 127) / 128;
+      const std::uint64_t grid_cols = (j.cols + 127) / 128;
+      const std::uint64_t b_lo = j.col_lo / 128;
+      const std::uint64_t b_hi = (j.col_hi + 127) / 128;
+      for (std::uint64_t g = 0; g < j.lead * grid_rows; ++g)
+        for (std::uint64_t b = b_lo; b < b_hi; ++b) j.scale[g * j.scale_pitch + (b - b_lo)] = inv[g * grid_cols + b];
+    }
+  }
+  float* scratch(std::size_t n) override { return scratch_.emplace_back(n).data(); }
+  void reset_scratch() noexcept override { scratch_.clear(); }
   [[nodiscard]] engine kind() const noexcept override { return engine::cpu; }
+
+ private:
+  std::deque<std::vector<float>> scratch_;
 };
 
 }  // namespace
@@ -69,6 +197,34 @@ engine choose(engine preferred, copy_engine requested) noexcept {
     case copy_engine::automatic: break;
   }
   return preferred;
+}
+
+cvt::conversion conversion_of(dtype from, dtype to, quant q, std::span<const std::int64_t> shape,
+                              const float* mul) noexcept {
+  cvt::conversion c;
+  c.from = static_cast<std::uint8_t>(from);
+  c.to = static_cast<std::uint8_t>(to);
+  c.q = static_cast<std::uint8_t>(q);
+  c.mul = mul;
+  const std::size_t rank = shape.size();
+  c.cols = rank >= 1 && shape[rank - 1] > 0 ? static_cast<std::uint64_t>(shape[rank - 1]) : 1;
+  c.rows = rank >= 2 && shape[rank - 2] > 0 ? static_cast<std::uint64_t>(shape[rank - 2]) : 1;
+  return c;
+}
+
+bool append_convert_route(std::span<const plan::run> runs, std::uint64_t from, std::uint64_t bytes, const void* src,
+                          std::byte* dst, const cvt::conversion& cv, std::vector<convert_op>& ops,
+                          std::vector<plan::run>& scratch) {
+  scratch.clear();
+  for (const plan::run& r : runs) plan::clip(r, from, from + bytes, scratch);
+  const std::uint64_t di = cvt::item(cv.to);
+  const std::uint64_t si = cvt::item(cv.from);
+  for (const plan::run& r : scratch) {
+    const std::uint64_t first = r.src / di;
+    ops.push_back(convert_op{static_cast<const std::byte*>(src) + first * si, dst + r.dst, r.width / di, r.rows,
+                             r.src_pitch / di, r.dst_pitch / di, first, cv});
+  }
+  return !scratch.empty();
 }
 
 bool append_route(std::span<const plan::run> runs, std::uint64_t from, std::uint64_t bytes, const std::byte* src,

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "copy/convert.hpp"
 #include "plan/route.hpp"
 #include "refit/model.hpp"
 #include "refit/options.hpp"
@@ -36,6 +37,69 @@ struct op {
   [[nodiscard]] std::uint64_t total() const noexcept { return bytes * rows; }
 };
 
+/// A converting copy (see refit::quant): `rows` rows of `count` elements; row r reads elements of
+/// cv.from at src + r·src_pitch elements and writes elements of cv.to at dst + r·dst_pitch
+/// elements. `first` is the index, in the whole tensor, of the element row 0 starts at, and each
+/// row starts src_pitch elements of the tensor after the one before (the source is the dense
+/// tensor), so the group of every element is known however the tensor was cut into ops.
+struct convert_op {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::uint64_t count = 0;  ///< elements of one row
+  std::uint64_t rows = 1;
+  std::uint64_t src_pitch = 0;  ///< elements
+  std::uint64_t dst_pitch = 0;  ///< elements
+  std::uint64_t first = 0;
+  cvt::conversion cv;
+  /// Elements the op writes.
+  [[nodiscard]] std::uint64_t total() const noexcept { return count * rows; }
+};
+
+/// The scale pass of a quantised tensor (source `src` of `from` with `shape`, quantised as `q`):
+/// for every group, scale_inv = amax / 448 (what the scale tensor holds) and mul = 448 / amax
+/// (what convert_op::cv.mul points at), each numel(scale_shape(q, shape)) floats.
+struct scale_job {
+  const void* src = nullptr;
+  dtype from = dtype::f32;
+  std::vector<std::int64_t> shape;
+  quant q = quant::tensor;
+  float* scale_inv = nullptr;
+  float* mul = nullptr;
+};
+
+/// The fused one-pass block128 quantisation of a direct write (see
+/// kernel::launch_fused_block128): a [lead, rows, cols] source of `from` into codes at `dst` (row
+/// pitch `dst_pitch` bytes; where source element (0, 0) would land; columns [col_lo, col_hi)
+/// written) and the scale_inv of those columns' blocks at `scale` (row pitch `scale_pitch`
+/// floats), reading the source once.
+struct fused_job {
+  const void* src = nullptr;
+  dtype from = dtype::bf16;
+  std::uint64_t lead = 1;
+  std::uint64_t rows = 0;
+  std::uint64_t cols = 0;
+  std::uint8_t* dst = nullptr;
+  std::uint64_t dst_pitch = 0;
+  std::uint64_t col_lo = 0;
+  std::uint64_t col_hi = 0;
+  float* scale = nullptr;
+  std::uint64_t scale_pitch = 0;
+};
+
+/// The conversion of a source of `from` with `shape` into `to` quantised as `q`, with the group
+/// multipliers at `mul` (quantised only).
+cvt::conversion conversion_of(dtype from, dtype to, quant q, std::span<const std::int64_t> shape,
+                              const float* mul) noexcept;
+
+/// Appends the converting copies that move the converted tensor's bytes [from, from + bytes)
+/// along `runs` (plan::route of one destination, over the converted dtype) into the destination
+/// whose first byte is `dst`; `src` is the source tensor's first element. Like append_route; every
+/// clipped run must start and end on element boundaries of cv.to (the caller checks `from` and
+/// `bytes`).
+bool append_convert_route(std::span<const plan::run> runs, std::uint64_t from, std::uint64_t bytes, const void* src,
+                          std::byte* dst, const cvt::conversion& cv, std::vector<convert_op>& ops,
+                          std::vector<plan::run>& scratch);
+
 enum class engine : std::uint8_t {
   cpu = 0,         ///< memcpy on the calling thread
   kernel = 1,      ///< one launch of refit's vectorised copy kernel per batch
@@ -50,6 +114,18 @@ class copier {
  public:
   virtual ~copier() = default;
   virtual void run(std::span<const op> ops, void* stream) = 0;
+  /// Converting copies, like run(). Engines without conversion throw errc::invalid_argument.
+  virtual void convert(std::span<const convert_op> ops, void* stream) = 0;
+  /// Scale passes (the source's memory where this engine reads, the outputs where it writes), in
+  /// stream order before the converting copies that use them.
+  virtual void scales(std::span<const scale_job> jobs, void* stream) = 0;
+  /// Fused block128 quantisations (direct writes), in stream order.
+  virtual void fused(std::span<const fused_job> jobs, void* stream) = 0;
+  /// `n` floats of scratch memory where this engine writes (host for the CPU engine, its device
+  /// for the GPU ones), valid until reset_scratch(); never moved.
+  virtual float* scratch(std::size_t n) = 0;
+  /// Makes all scratch memory free again (the work using it has finished).
+  virtual void reset_scratch() noexcept = 0;
   [[nodiscard]] virtual engine kind() const noexcept = 0;
   /// True when every copy this copier enqueued has finished (the device would idle without more
   /// work), asked without waiting. Engines that cannot tell say false.

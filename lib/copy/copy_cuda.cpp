@@ -40,9 +40,103 @@ std::size_t non_empty(std::span<const op> ops) noexcept {
 /// A slot comes round again after `ring` calls; by then its host array's upload has normally
 /// finished (otherwise run() waits for that one copy), and the stream waits (on the device, not
 /// the host) for the kernel that last read its device array, in case that ran on another stream.
-class kernel_copier final : public copier {
+/// Conversion on the GPU, shared by every CUDA engine: the converting copies and scale passes
+/// (one launch each, kernels in copy_kernel.cu) and the scratch arena of the scales. Plain copies
+/// stay with each engine's run(), untouched.
+class cuda_copier : public copier {
  public:
-  kernel_copier(int device, milliseconds timeout) : device_(device), timeout_(timeout) {
+  explicit cuda_copier(int device) : device_(device) {}
+
+  void convert(std::span<const convert_op> ops, void* stream) override {
+    if (ops.empty()) return;
+    device_guard guard(device_);
+    const int blocks = max_blocks();
+    for (const convert_op& o : ops) {
+      if (o.total() == 0) continue;
+      const kernel::convert_args a{o.src, o.dst, o.count, o.rows, o.src_pitch, o.dst_pitch, o.first, o.cv};
+      check_cuda(kernel::launch_convert(a, blocks, static_cast<cudaStream_t>(stream)),
+                 [&] { return fmt::format("conversion kernel launch ({} elements, device {})", o.total(), device_); });
+    }
+  }
+
+  void scales(std::span<const scale_job> jobs, void* stream) override {
+    if (jobs.empty()) return;
+    device_guard guard(device_);
+    const auto s = static_cast<cudaStream_t>(stream);
+    for (const scale_job& j : jobs) {
+      const auto from = static_cast<std::uint8_t>(j.from);
+      const cvt::conversion c = conversion_of(j.from, dtype::f8_e4m3, j.q, j.shape, nullptr);
+      const std::uint64_t n = *checked_numel(j.shape);
+      if (j.q == quant::tensor) {
+        const std::uint64_t wanted = std::max<std::uint64_t>(1, n / (kernel::convert_threads * 16));
+        const int blocks = static_cast<int>(std::min<std::uint64_t>(wanted, static_cast<std::uint64_t>(max_blocks())));
+        check_cuda(kernel::launch_tensor_scale(j.src, from, n, j.scale_inv, j.mul, blocks, s),
+                   [&] { return fmt::format("per-tensor scale kernels ({} elements, device {})", n, device_); });
+      } else {
+        const std::uint64_t lead = c.rows * c.cols == 0 ? 0 : n / (c.rows * c.cols);
+        check_cuda(kernel::launch_block_scales(j.src, from, lead, c.rows, c.cols, j.scale_inv, j.mul, s),
+                   [&] { return fmt::format("block scale kernel ({} elements, device {})", n, device_); });
+      }
+    }
+  }
+
+  void fused(std::span<const fused_job> jobs, void* stream) override {
+    if (jobs.empty()) return;
+    device_guard guard(device_);
+    for (const fused_job& j : jobs)
+      check_cuda(kernel::launch_fused_block128(j.src, static_cast<std::uint8_t>(j.from), j.lead, j.rows, j.cols, j.dst,
+                                               j.dst_pitch, j.col_lo, j.col_hi, j.scale, j.scale_pitch,
+                                               static_cast<cudaStream_t>(stream)),
+                 [&] {
+                   return fmt::format("fused block128 kernel ({} × {} × {}, device {})", j.lead, j.rows, j.cols,
+                                      device_);
+                 });
+  }
+
+  float* scratch(std::size_t n) override {
+    n = std::max<std::size_t>(n, 1);
+    // Chunks are kept across refits (reset_scratch only rewinds): a steady model allocates once.
+    while (chunk_ < chunks_.size() && chunks_[chunk_].used + n > chunks_[chunk_].size) ++chunk_;
+    if (chunk_ == chunks_.size()) {
+      device_guard guard(device_);
+      const std::size_t size = std::max<std::size_t>(n, std::size_t{1} << 20);
+      chunks_.push_back(chunk{cuda::device_buffer(size * sizeof(float)), size, 0});
+    }
+    chunk& c = chunks_[chunk_];
+    float* p = static_cast<float*>(c.memory.handle()) + c.used;
+    c.used += (n + 63) / 64 * 64;  // 256-byte aligned pieces
+    if (c.used > c.size) c.used = c.size;
+    return p;
+  }
+
+  void reset_scratch() noexcept override {
+    // Stream order protects reuse: the next refit's scale passes run on the same stream, after
+    // everything that read the last one's.
+    for (chunk& c : chunks_) c.used = 0;
+    chunk_ = 0;
+  }
+
+ protected:
+  int device_;
+
+ private:
+  int max_blocks() {
+    if (max_blocks_ == 0) max_blocks_ = multiprocessors(device_) * 8;
+    return max_blocks_;
+  }
+  struct chunk {
+    cuda::device_buffer memory;
+    std::size_t size = 0;
+    std::size_t used = 0;
+  };
+  std::vector<chunk> chunks_;
+  std::size_t chunk_ = 0;
+  int max_blocks_ = 0;
+};
+
+class kernel_copier final : public cuda_copier {
+ public:
+  kernel_copier(int device, milliseconds timeout) : cuda_copier(device), timeout_(timeout) {
     device_guard guard(device_);
     max_blocks_ = multiprocessors(device_) * kernel::blocks_per_sm;
     for (slot& s : slots_) {
@@ -145,7 +239,6 @@ class kernel_copier final : public copier {
     s.capacity = capacity;
   }
 
-  int device_;
   milliseconds timeout_;
   int max_blocks_ = 1;
   std::array<slot, 4> slots_;
@@ -154,9 +247,9 @@ class kernel_copier final : public copier {
 
 /// cudaMemcpyBatchAsync: one call per run(). The runtime refuses the legacy default stream for
 /// batches, so on a null stream this falls back to one cudaMemcpyAsync per op.
-class batch_copier final : public copier {
+class batch_copier final : public cuda_copier {
  public:
-  explicit batch_copier(int device) : device_(device) {}
+  explicit batch_copier(int device) : cuda_copier(device) {}
 
   void run(std::span<const op> ops, void* stream) override {
     device_guard guard(device_);
@@ -194,16 +287,15 @@ class batch_copier final : public copier {
   [[nodiscard]] engine kind() const noexcept override { return engine::memcpy_batch; }
 
  private:
-  int device_;
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<std::size_t> sizes_;
 };
 
 /// One cudaMemcpyAsync per op: the baseline.
-class each_copier final : public copier {
+class each_copier final : public cuda_copier {
  public:
-  explicit each_copier(int device) : device_(device) {}
+  explicit each_copier(int device) : cuda_copier(device) {}
 
   void run(std::span<const op> ops, void* stream) override {
     device_guard guard(device_);
@@ -225,7 +317,6 @@ class each_copier final : public copier {
   [[nodiscard]] engine kind() const noexcept override { return engine::memcpy_each; }
 
  private:
-  int device_;
 };
 
 }  // namespace

@@ -155,7 +155,249 @@ __global__ void __launch_bounds__(checksum_threads)
   }
 }
 
+
+// ------------------------------------------------------------------------------ conversions
+// Every element goes through copy/convert.hpp, the definition the CPU engine uses too.
+
+/// The largest of the block's `m` (non-negative, never NaN): every thread gets it.
+__device__ __forceinline__ float block_max(float m) {
+  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  __shared__ float warp_max[convert_threads / 32];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  float all = 0.0f;
+#pragma unroll
+  for (int i = 0; i < convert_threads / 32; ++i) all = fmaxf(all, warp_max[i]);
+  __syncthreads();  // warp_max may be reused by a later call
+  return all;
+}
+
+__device__ __forceinline__ void take(float& m, float x) {
+  const float a = fabsf(x);
+  if (cvt::counts(a) && a > m) m = a;
+}
+
+/// A cast or a per-tensor quantisation of one contiguous row: no element needs its position, so
+/// neighbouring threads take neighbouring elements (coalesced), four each in flight.
+template <std::uint8_t From, std::uint8_t To>
+__global__ void __launch_bounds__(convert_threads) convert_flat(convert_args a) {
+  const float mul = a.cv.q == cvt::quant_tensor ? __ldg(a.cv.mul) : 1.0f;
+  const std::uint64_t n = a.count;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * convert_threads;
+  std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * convert_threads + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    float x[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) x[u] = cvt::load(a.src, From, i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) cvt::store(a.dst, To, i + u * stride, x[u], mul);
+  }
+  for (; i < n; i += stride) cvt::store(a.dst, To, i, cvt::load(a.src, From, i), mul);
+}
+
+template <std::uint8_t From>
+void launch_flat_to(const convert_args& a, int blocks, cudaStream_t stream) {
+  switch (a.cv.to) {
+    case cvt::f32: convert_flat<From, cvt::f32><<<blocks, convert_threads, 0, stream>>>(a); break;
+    case cvt::bf16: convert_flat<From, cvt::bf16><<<blocks, convert_threads, 0, stream>>>(a); break;
+    case cvt::f16: convert_flat<From, cvt::f16><<<blocks, convert_threads, 0, stream>>>(a); break;
+    default: convert_flat<From, cvt::f8_e4m3><<<blocks, convert_threads, 0, stream>>>(a); break;
+  }
+}
+
+void launch_flat(const convert_args& a, int blocks, cudaStream_t stream) {
+  switch (a.cv.from) {
+    case cvt::f32: launch_flat_to<cvt::f32>(a, blocks, stream); break;
+    case cvt::bf16: launch_flat_to<cvt::bf16>(a, blocks, stream); break;
+    default: launch_flat_to<cvt::f16>(a, blocks, stream); break;
+  }
+}
+
+/// Each thread converts `per` consecutive elements; the position in the tensor (row, column,
+/// matrix) is found by division once per run of `per` and then stepped.
+__global__ void __launch_bounds__(convert_threads) convert_elements(convert_args a) {
+  constexpr std::uint64_t per = 8;
+  const cvt::conversion& c = a.cv;
+  const std::uint64_t total = a.count * a.rows;
+  const std::uint32_t si = cvt::item(c.from);
+  const std::uint32_t di = cvt::item(c.to);
+  const std::uint64_t grid_rows = (c.rows + cvt::block - 1) / cvt::block;
+  const std::uint64_t grid_cols = (c.cols + cvt::block - 1) / cvt::block;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x * per;
+  for (std::uint64_t base = (static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * per; base < total;
+       base += stride) {
+    std::uint64_t r = base / a.count;
+    std::uint64_t k = base - r * a.count;
+    std::uint64_t lead = 0, rr = 0, col = 0;
+    const auto locate = [&] {
+      const std::uint64_t e = a.first + r * a.src_pitch + k;
+      const std::uint64_t trow = e / c.cols;
+      col = e - trow * c.cols;
+      lead = trow / c.rows;
+      rr = trow - lead * c.rows;
+    };
+    locate();
+    const std::uint64_t n = total - base < per ? total - base : per;
+    for (std::uint64_t j = 0; j < n; ++j) {
+      if (k == a.count) {
+        ++r;
+        k = 0;
+        locate();
+      }
+      float mul = 1.0f;
+      if (c.q == cvt::quant_tensor)
+        mul = __ldg(c.mul);
+      else if (c.q == cvt::quant_block128)
+        mul = __ldg(c.mul + (lead * grid_rows + rr / cvt::block) * grid_cols + col / cvt::block);
+      const auto* srow = static_cast<const unsigned char*>(a.src) + r * a.src_pitch * si;
+      auto* drow = static_cast<unsigned char*>(a.dst) + r * a.dst_pitch * di;
+      cvt::store(drow, c.to, k, cvt::load(srow, c.from, k), mul);
+      ++k;
+      if (++col == c.cols) {
+        col = 0;
+        if (++rr == c.rows) {
+          rr = 0;
+          ++lead;
+        }
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void write_scale(float amax, float* inv, float* mul, std::uint64_t g) {
+  const float a = cvt::clamp_amax(amax);
+  inv[g] = a / cvt::e4m3_max;
+  if (mul != nullptr) mul[g] = cvt::e4m3_max / a;
+}
+
+/// One block per 128 × 128 block: (blockIdx.x, blockIdx.y, blockIdx.z) = (column block, row
+/// block, matrix).
+__global__ void __launch_bounds__(convert_threads)
+    block_scales(const void* src, std::uint8_t from, std::uint64_t rows, std::uint64_t cols, float* inv, float* mul) {
+  const std::uint64_t r0 = blockIdx.y * cvt::block;
+  const std::uint64_t c0 = blockIdx.x * cvt::block;
+  const std::uint64_t nr = rows - r0 < cvt::block ? rows - r0 : cvt::block;
+  const std::uint64_t nc = cols - c0 < cvt::block ? cols - c0 : cvt::block;
+  const std::uint64_t first = (blockIdx.z * rows + r0) * cols + c0;
+  float m = 0.0f;
+  for (std::uint32_t i = threadIdx.x; i < nr * cvt::block; i += convert_threads) {
+    const std::uint32_t rr = i / cvt::block;
+    const std::uint32_t cc = i % cvt::block;
+    if (cc < nc) take(m, cvt::load(src, from, first + rr * cols + cc));
+  }
+  m = block_max(m);
+  if (threadIdx.x == 0)
+    write_scale(m, inv, mul, (static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
+}
+
+__global__ void __launch_bounds__(convert_threads)
+    tensor_amax(const void* src, std::uint8_t from, std::uint64_t n, unsigned int* acc) {
+  float m = 0.0f;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * convert_threads;
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * convert_threads + threadIdx.x; i < n; i += stride)
+    take(m, cvt::load(src, from, i));
+  m = block_max(m);
+  // Non-negative floats order like their bit patterns.
+  if (threadIdx.x == 0) atomicMax(acc, __float_as_uint(m));
+}
+
+__global__ void tensor_finish(float* inv, float* mul) {
+  const float amax = __uint_as_float(*reinterpret_cast<const unsigned int*>(mul));
+  write_scale(amax, inv, mul, 0);
+}
+
+/// The fused one-pass kernel: 256 threads hold a 128 × 128 tile in registers (64 elements each:
+/// column t % 128, rows t / 128 + 2k), so the source is read once.
+__global__ void __launch_bounds__(convert_threads)
+    fused_block128(const void* src, std::uint8_t from, std::uint64_t rows, std::uint64_t cols, std::uint8_t* dst,
+                   std::uint64_t dst_pitch, std::uint64_t col_lo, std::uint64_t col_hi, float* scale,
+                   std::uint64_t scale_pitch) {
+  const std::uint64_t bc = blockIdx.x + col_lo / cvt::block;
+  const std::uint64_t r0 = blockIdx.y * cvt::block;
+  const std::uint64_t c0 = bc * cvt::block;
+  const std::uint64_t nr = rows - r0 < cvt::block ? rows - r0 : cvt::block;
+  const std::uint64_t nc = cols - c0 < cvt::block ? cols - c0 : cvt::block;
+  const std::uint32_t cc = threadIdx.x % cvt::block;
+  const std::uint32_t rr0 = threadIdx.x / cvt::block;
+  const std::uint64_t matrix = static_cast<std::uint64_t>(blockIdx.z) * rows;
+  constexpr int per = static_cast<int>(cvt::block) / 2;
+  float v[per];
+  float m = 0.0f;
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const std::uint64_t rr = rr0 + 2 * k;
+    v[k] = 0.0f;
+    if (rr < nr && cc < nc) {
+      v[k] = cvt::load(src, from, (matrix + r0 + rr) * cols + c0 + cc);
+      take(m, v[k]);
+    }
+  }
+  m = block_max(m);
+  const float a = cvt::clamp_amax(m);
+  const float mul = cvt::e4m3_max / a;
+  if (threadIdx.x == 0 && scale != nullptr)
+    scale[(static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * scale_pitch + blockIdx.x] =
+        a / cvt::e4m3_max;
+  const std::uint64_t col = c0 + cc;
+  if (cc >= nc || col < col_lo || col >= col_hi) return;
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const std::uint64_t rr = rr0 + 2 * k;
+    if (rr < nr) dst[(matrix + r0 + rr) * dst_pitch + (col - col_lo)] = cvt::f32_to_e4m3(v[k] * mul);
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_convert(const convert_args& a, int max_blocks, cudaStream_t stream) noexcept {
+  (void)cudaGetLastError();
+  const std::uint64_t total = a.count * a.rows;
+  if (total == 0) return cudaSuccess;
+  const std::uint64_t wanted = (total + 8 * convert_threads - 1) / (8 * convert_threads);
+  const auto blocks = static_cast<int>(wanted < static_cast<std::uint64_t>(max_blocks) ? wanted : max_blocks);
+  if (a.rows == 1 && a.cv.q != cvt::quant_block128)
+    launch_flat(a, blocks, stream);
+  else
+    convert_elements<<<blocks, convert_threads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_block_scales(const void* src, std::uint8_t from, std::uint64_t lead, std::uint64_t rows,
+                                std::uint64_t cols, float* scale_inv, float* mul, cudaStream_t stream) noexcept {
+  (void)cudaGetLastError();
+  if (lead == 0 || rows == 0 || cols == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((cols + cvt::block - 1) / cvt::block),
+                  static_cast<unsigned>((rows + cvt::block - 1) / cvt::block), static_cast<unsigned>(lead));
+  block_scales<<<grid, convert_threads, 0, stream>>>(src, from, rows, cols, scale_inv, mul);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_tensor_scale(const void* src, std::uint8_t from, std::uint64_t n, float* scale_inv, float* mul,
+                                int blocks, cudaStream_t stream) noexcept {
+  (void)cudaGetLastError();
+  cudaError_t e = cudaMemsetAsync(mul, 0, sizeof(float), stream);
+  if (e != cudaSuccess) return e;
+  if (n != 0) tensor_amax<<<blocks, convert_threads, 0, stream>>>(src, from, n, reinterpret_cast<unsigned int*>(mul));
+  tensor_finish<<<1, 1, 0, stream>>>(scale_inv, mul);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fused_block128(const void* src, std::uint8_t from, std::uint64_t lead, std::uint64_t rows,
+                                  std::uint64_t cols, std::uint8_t* dst, std::uint64_t dst_pitch, std::uint64_t col_lo,
+                                  std::uint64_t col_hi, float* scale, std::uint64_t scale_pitch,
+                                  cudaStream_t stream) noexcept {
+  (void)cudaGetLastError();
+  if (lead == 0 || rows == 0 || col_hi <= col_lo) return cudaSuccess;
+  const std::uint64_t b_lo = col_lo / cvt::block;
+  const std::uint64_t b_hi = (col_hi + cvt::block - 1) / cvt::block;
+  const dim3 grid(static_cast<unsigned>(b_hi - b_lo), static_cast<unsigned>((rows + cvt::block - 1) / cvt::block),
+                  static_cast<unsigned>(lead));
+  fused_block128<<<grid, convert_threads, 0, stream>>>(src, from, rows, cols, dst, dst_pitch, col_lo, col_hi, scale,
+                                                       scale_pitch);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_copy(const device_op* ops, std::uint32_t count, std::uint64_t total_tiles, int blocks,
                         cudaStream_t stream) noexcept {

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "copy/convert.hpp"
+
 namespace refit::copy::kernel {
 
 /// Bytes of one tile: the unit of work a block takes at a time. Large enough that the binary
@@ -65,5 +67,46 @@ cudaError_t launch_copy(const device_op* ops, std::uint32_t count, std::uint64_t
 /// `+ bytes` is computed on the device. Returns cudaGetLastError() after the launch.
 cudaError_t launch_checksum(const void* p, std::uint64_t bytes, unsigned long long* result, int blocks,
                             cudaStream_t stream) noexcept;
+
+/// One converting copy as the kernel sees it (see copy::convert_op): `rows` rows of `count`
+/// elements, pitches in elements, `first` the tensor's element index of row 0's first element.
+struct convert_args {
+  const void* src;
+  void* dst;
+  std::uint64_t count;
+  std::uint64_t rows;
+  std::uint64_t src_pitch;
+  std::uint64_t dst_pitch;
+  std::uint64_t first;
+  cvt::conversion cv;
+};
+
+/// Threads per block of the conversion kernels.
+inline constexpr int convert_threads = 256;
+
+/// Enqueues one converting copy on `stream` with at most `max_blocks` blocks.
+cudaError_t launch_convert(const convert_args& a, int max_blocks, cudaStream_t stream) noexcept;
+
+/// Enqueues the scale pass of a block128 tensor of `lead` matrices of `rows` × `cols` elements of
+/// type `from` at `src`: one block per 128 × 128 block writes scale_inv[g] = amax / 448 and
+/// mul[g] = 448 / amax (refit::quant).
+cudaError_t launch_block_scales(const void* src, std::uint8_t from, std::uint64_t lead, std::uint64_t rows,
+                                std::uint64_t cols, float* scale_inv, float* mul, cudaStream_t stream) noexcept;
+
+/// Enqueues the scale pass of a per-tensor quantisation of `n` elements (a reduction with
+/// `blocks` blocks, then one thread writing scale_inv[0] and mul[0]).
+cudaError_t launch_tensor_scale(const void* src, std::uint8_t from, std::uint64_t n, float* scale_inv, float* mul,
+                                int blocks, cudaStream_t stream) noexcept;
+
+/// The fused one-pass block128 quantisation of the direct path: one block per 128 × 128 block of
+/// a [lead, rows, cols] source loads its tile once, takes its amax, writes the codes to
+/// dst + (l·rows + r)·dst_pitch + c (a dense row-major destination, or a column shard of one:
+/// `dst` is where source element (0, 0) would land, columns [col_lo, col_hi) of the source are
+/// written) and the scale_inv of blocks of those columns to scale + (l·grid_rows + br)·
+/// scale_pitch + bc - col_lo / 128 (nullptr: not written).
+cudaError_t launch_fused_block128(const void* src, std::uint8_t from, std::uint64_t lead, std::uint64_t rows,
+                                  std::uint64_t cols, std::uint8_t* dst, std::uint64_t dst_pitch, std::uint64_t col_lo,
+                                  std::uint64_t col_hi, float* scale, std::uint64_t scale_pitch,
+                                  cudaStream_t stream) noexcept;
 
 }  // namespace refit::copy::kernel

@@ -89,6 +89,40 @@ std::optional<dtype> dtype_from_code(std::uint64_t code) noexcept {
   return std::nullopt;
 }
 
+std::string_view to_string(quant q) noexcept {
+  switch (q) {
+    case quant::none: return "none";
+    case quant::tensor: return "tensor";
+    case quant::block128: return "block128";
+  }
+  return "?";
+}
+
+std::optional<quant> parse_quant(std::string_view name) noexcept {
+  if (name == "none") return quant::none;
+  if (name == "tensor" || name == "per_tensor") return quant::tensor;
+  if (name == "block128" || name == "block") return quant::block128;
+  return std::nullopt;
+}
+
+std::optional<quant> quant_from_code(std::uint64_t code) noexcept {
+  if (code <= static_cast<std::uint64_t>(quant::block128)) return static_cast<quant>(code);
+  return std::nullopt;
+}
+
+std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> shape) {
+  switch (q) {
+    case quant::none: return {};
+    case quant::tensor: return {1};
+    case quant::block128: {
+      std::vector<std::int64_t> s(shape.begin(), shape.end());
+      for (std::size_t k = s.size() >= 2 ? s.size() - 2 : 0; k < s.size(); ++k) s[k] = (s[k] + 127) / 128;
+      return s;
+    }
+  }
+  return {};
+}
+
 std::optional<std::uint64_t> checked_numel(std::span<const std::int64_t> shape) noexcept {
   std::uint64_t n = 1;
   for (const std::int64_t d : shape) {

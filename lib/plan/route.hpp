@@ -30,11 +30,12 @@ struct destination {
   std::optional<source_slice> slice;
   const void* alloc = nullptr;
   std::uint64_t alloc_bytes = 0;
+  quant q = quant::none;  ///< how an f8_e4m3 destination is quantised (its scale is a destination of its own)
 
   destination() = default;
   destination(const tensor_dest& d, const dest_layout& l)
       : meta(d.meta), data(d.data), dev(d.dev), strides(l.strides), slice(l.slice), alloc(l.alloc),
-        alloc_bytes(l.alloc_bytes) {}
+        alloc_bytes(l.alloc_bytes), q(d.q) {}
 };
 
 /// `rows` runs of `width` bytes: run r reads source bytes [src + r·src_pitch, + width) and writes

@@ -160,8 +160,46 @@ class py_receiver {
   std::string endpoint() { return rx().endpoint(); }
 
   /// `source_slice`: None or (dim, start, length); dim may be negative (counted from the end).
-  void add_parameter(const std::string& name, const py::handle& tensor, const py::object& source_slice) {
+  void add_parameter(const std::string& name, const py::handle& tensor, const py::object& source_slice,
+                     const py::object& scale, const std::optional<std::string>& quant_name,
+                     const std::optional<std::string>& dtype_name) {
     borrowed_tensor b = world().borrow(tensor, name, /*views=*/true);
+    if (dtype_name) {
+      // Reinterprets the tensor's bytes: torch without float8 holds f8_e4m3 as uint8.
+      const auto t = parse_dtype(*dtype_name);
+      if (!t)
+        throw py::value_error("tensor '" + name + "': unknown dtype '" + *dtype_name +
+                              "' (refit names such as 'f8_e4m3', 'bf16', or torch names)");
+      if (itemsize(*t) != itemsize(b.meta.type))
+        throw py::value_error("tensor '" + name + "': dtype='" + *dtype_name + "' has " +
+                              std::to_string(itemsize(*t)) + "-byte elements, but the tensor's " +
+                              std::string(to_string(b.meta.type)) + " has " + std::to_string(itemsize(b.meta.type)) +
+                              ": pass a tensor of the same element size (uint8 for f8_e4m3)");
+      b.meta.type = *t;
+    }
+    refit::quant q = refit::quant::none;
+    if (quant_name) {
+      const auto parsed = parse_quant(*quant_name);
+      if (!parsed)
+        throw py::value_error("tensor '" + name + "': quant must be 'tensor', 'block128' or 'none', not '" +
+                              *quant_name + "'");
+      q = *parsed;
+    }
+    std::optional<borrowed_tensor> sb;
+    if (!scale.is_none()) {
+      sb = world().borrow(scale, name + " (scale)");
+      if (sb->meta.type != dtype::f32)
+        throw py::type_error("tensor '" + name + "': scale must be float32, not " +
+                             std::string(to_string(sb->meta.type)));
+      if (!(sb->dev == b.dev))
+        throw py::value_error("tensor '" + name + "': scale must be on the destination's device");
+      const auto want = scale_shape(q, b.meta.shape);
+      if (q != refit::quant::none && sb->meta.numel() != checked_numel(want).value_or(0))
+        throw py::value_error("tensor '" + name + "': scale has " + std::to_string(sb->meta.numel()) +
+                              " elements, but quant '" + std::string(to_string(q)) + "' of this destination needs " +
+                              std::to_string(checked_numel(want).value_or(0)) + " (scale_inv of shape " +
+                              std::string(py::str(py::cast(want))) + ")");
+    }
     dest_layout layout;
     layout.strides = std::move(b.strides);
     layout.alloc = b.alloc;
@@ -183,8 +221,12 @@ class py_receiver {
                               " is not one of the view's " + std::to_string(rank) + " dimensions");
       layout.slice = refit::source_slice{static_cast<int>(dim), std::get<1>(s), std::get<2>(s)};
     }
-    rx().add_parameter(tensor_dest{b.meta, b.data, b.dev}, layout);
+    tensor_dest d{b.meta, b.data, b.dev};
+    d.q = q;
+    d.scale = sb ? sb->data : nullptr;
+    rx().add_parameter(d, layout);
     keep_.emplace(name, std::move(b.keep));
+    if (sb) keep_.emplace(name, std::move(sb->keep));
   }
 
   void clear_parameters() {
@@ -628,7 +670,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_property_readonly("endpoint", &py_receiver::endpoint)
       .def_property_readonly("device", &py_receiver::device)
       .def("add_parameter", &py_receiver::add_parameter, py::arg("name"), py::arg("tensor"),
-           py::arg("source_slice") = py::none())
+           py::arg("source_slice") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
+           py::arg("quant") = py::none(), py::arg("dtype") = py::none())
       .def("clear_parameters", &py_receiver::clear_parameters)
       .def("_on_batch", &py_receiver::on_batch, py::arg("fn"))
       .def("_on_begin", &py_receiver::on_begin, py::arg("fn"))

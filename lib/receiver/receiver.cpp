@@ -22,6 +22,7 @@
 #include "refit/receiver.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +61,13 @@ bool same_token(std::string_view a, std::string_view b) noexcept {
     diff |= static_cast<unsigned>(x ^ y);
   }
   return diff == 0;
+}
+
+/// The tensor a table name stands for, for messages: "w", or "the scale_inv of 'w'".
+std::string shown(const std::string& name) {
+  const auto at = name.find(scale_suffix);
+  if (at == std::string::npos) return fmt::format("'{}'", name);
+  return fmt::format("the scale_inv of '{}'", name.substr(0, at));
 }
 
 /// A failure to report in an ERROR reply.
@@ -114,8 +122,32 @@ class table_t {
     longest_ = 0;
   }
 
+  /// A destination checked against the table, ready to insert.
+  struct prepared {
+    slot s;
+    std::uintptr_t lo = 0;
+    std::uint64_t reach = 0;
+  };
+
   /// Registers `d` (checked: see receiver::add_parameter). Throws errc::invalid_argument.
-  void add(plan::destination d) {
+  void add(plan::destination d) { insert(prepare(std::move(d))); }
+
+  /// Registers a quantised destination and its scale together, or neither. Throws
+  /// errc::invalid_argument.
+  void add_pair(plan::destination d, plan::destination scale) {
+    prepared a = prepare(std::move(d));
+    prepared b = prepare(std::move(scale));
+    if (a.reach != 0 && b.reach != 0 && a.s.dest.dev == b.s.dest.dev &&
+        plan::overlaps(a.lo, a.s.foot, b.lo, b.s.foot))
+      throw error(errc::invalid_argument,
+                  fmt::format("add_parameter: the scale of '{}' shares bytes with its destination ({})",
+                              a.s.dest.meta.name, describe(a.s.dest.meta)));
+    insert(std::move(a));
+    insert(std::move(b));
+  }
+
+  /// Checks `d` against itself and the table; throws errc::invalid_argument.
+  prepared prepare(plan::destination d) {
     std::uint64_t reach = 0;
     try {
       reach = plan::check_view(d).bytes;
@@ -127,11 +159,14 @@ class table_t {
     std::vector<slot>* same = find(s.dest.meta.name);
     if (same != nullptr) {
       const plan::destination& first = same->front().dest;
-      if (first.meta.type != s.dest.meta.type)
+      if (first.meta.type != s.dest.meta.type || first.q != s.dest.q)
         throw error(errc::invalid_argument,
-                    fmt::format("add_parameter: '{}' is registered as {} and again as {}: every destination of one "
-                                "source has its dtype",
-                                s.dest.meta.name, to_string(first.meta.type), to_string(s.dest.meta.type)));
+                    fmt::format("add_parameter: '{}' is registered as {}{} and again as {}{}: every destination of "
+                                "one source has its dtype and quant",
+                                s.dest.meta.name, to_string(first.meta.type),
+                                first.q == quant::none ? "" : fmt::format(" ({})", to_string(first.q)),
+                                to_string(s.dest.meta.type),
+                                s.dest.q == quant::none ? "" : fmt::format(" ({})", to_string(s.dest.q))));
       if (plan::is_plain(first) && plan::is_plain(s.dest) && first.meta.shape == s.dest.meta.shape &&
           first.data == s.dest.data)
         throw error(errc::invalid_argument, fmt::format("add_parameter: '{}' is already registered", s.dest.meta.name));
@@ -144,13 +179,17 @@ class table_t {
                                 "({}) writes too: no two destinations may share a byte",
                                 s.dest.meta.name, describe(s.dest.meta), clash->meta.name, describe(clash->meta)));
     }
-    const std::string name = s.dest.meta.name;
+    return prepared{std::move(s), lo, reach};
+  }
+
+  void insert(prepared p) {
+    const std::string name = p.s.dest.meta.name;
     auto& slots = by_name_[name];
-    slots.push_back(std::move(s));
+    slots.push_back(std::move(p.s));
     ++count_;
-    if (reach != 0) {
-      spans_.emplace(lo, span{lo + reach, name, slots.size() - 1});
-      longest_ = std::max(longest_, reach);
+    if (p.reach != 0) {
+      spans_.emplace(p.lo, span{p.lo + p.reach, name, slots.size() - 1});
+      longest_ = std::max(longest_, p.reach);
     }
   }
 
@@ -209,6 +248,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   bool direct = false;  ///< the streamer writes straight into the table (cuda_ipc direct)
   bool in_place = false;  ///< every entry is received straight into the table (nccl)
   bool laid_out = false;  ///< the session's HELLO asked for a layout from the table (direct, in place)
+  std::vector<wire::conversion> asked;  ///< the conversions the session's OK asked for
   std::uint64_t session_generation = 0;  ///< sink_generation when the session was set up
 
   /// A HELLO, BEGIN or BYE that superseded a refit in progress: received, not yet answered,
@@ -317,8 +357,10 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     laid_out = false;
   }
 
-  void reply_ok(std::vector<std::string> handles = {}, wire::session_mode mode = wire::session_mode::buffers) {
+  void reply_ok(std::vector<std::string> handles = {}, wire::session_mode mode = wire::session_mode::buffers,
+                std::vector<wire::conversion> convert = {}) {
     wire::ok ok;
+    ok.convert = std::move(convert);
     ok.committed = committed_version();
     ok.dirty = is_dirty.load();
     ok.handles = std::move(handles);
@@ -381,6 +423,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
       sink->attach(h, reply);
+      if (!callback) reply.convert = conversions();
+      asked = reply.convert;
       std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place
       if (!callback) {
         dests.reserve(table.size());
@@ -399,7 +443,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       session_generation = sink_generation;
       REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", peer, sink->count(), sink->buffer_bytes(0) >> 20,
                  h.transport, direct || in_place ? ", written in place" : "");
-      reply_ok(std::move(reply.handles), reply.mode);
+      reply_ok(std::move(reply.handles), reply.mode, std::move(reply.convert));
       return receiver_event::hello;
     } catch (const error& e) {
       if (sink) sink->detach();
@@ -408,6 +452,22 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       reply_error(e.code(), e.what());
       return receiver_event::refused;
     }
+  }
+
+  /// What the table asks the streamer to send each name as: every name whose destinations have a
+  /// float dtype the streamer can convert into (f32, bf16, f16, or f8_e4m3 with a quant), since
+  /// the source's dtype is only known when it arrives. Scale tensors are never listed.
+  std::vector<wire::conversion> conversions() const {
+    std::vector<wire::conversion> out;
+    for (const auto& [name, slots] : table) {
+      const plan::destination& d = slots.front().dest;
+      if (name.find(scale_suffix) != std::string::npos) continue;
+      const bool cast = d.q == quant::none && (d.meta.type == dtype::f32 || d.meta.type == dtype::bf16 ||
+                                               d.meta.type == dtype::f16);
+      if (cast || d.q != quant::none) out.push_back(wire::conversion{name, d.meta.type, d.q});
+    }
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+    return out;
   }
 
   /// Why a registered CUDA destination cannot be written any more (its allocation was freed, or
@@ -445,6 +505,15 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       // or ended the session): the streamer then says HELLO again instead of failing.
       reply_error(errc::peer, "no session: BEGIN before HELLO (this receiver restarted or ended the session); the "
                               "streamer must say HELLO again");
+      return receiver_event::refused;
+    }
+    if (session_generation != sink_generation && !laid_out && conversions() != asked) {
+      // The streamer converts what the OK to HELLO asked for: new conversions need a new session.
+      end_session();
+      REFIT_INFO("the parameter table asks for other conversions since the session's HELLO: asking the streamer "
+                 "for a new session");
+      reply_error(errc::peer, "no session: the receiver's parameter table asks for other conversions since HELLO; "
+                              "the streamer must say HELLO again");
       return receiver_event::refused;
     }
     if (laid_out && session_generation != sink_generation) {
@@ -529,7 +598,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         throw error(errc::apply, fmt::format("tensor '{}' (BATCH {} entry {}) is not in this receiver's parameter table",
                                              e.name, b.seq, k));
       for (slot& sl : *slots) {
-        sl.route(e.type, e.shape);
+        route_converted(sl, e);
         if (e.bytes != 0 && sl.dest.dev.kind != where && !sl.runs.empty())
           throw error(errc::apply,
                       fmt::format("tensor '{}': its destination is in {} memory, but the {} transport applies into {} "
@@ -553,6 +622,29 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       if (segments != nullptr) segments->push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
     }
     return ops;
+  }
+
+  /// slot::route for entry `e`, with what a converting destination adds: an entry of another
+  /// dtype is a streamer that did not convert, and a block128 shard must end on a block boundary
+  /// unless it ends where its source does. Throws errc::apply.
+  static void route_converted(slot& sl, const wire::entry& e) {
+    const plan::destination& d = sl.dest;
+    if (d.q != quant::none && e.type != d.meta.type)
+      throw error(errc::apply,
+                  fmt::format("tensor '{}': the streamer sends it as {}, but its destination asks for {} quantised "
+                              "({}): the streamer did not convert it (an older refit?)",
+                              e.name, to_string(e.type), to_string(d.meta.type), to_string(d.q)));
+    sl.route(e.type, e.shape);
+    if (d.q != quant::block128 || !d.slice) return;
+    const auto dim = static_cast<std::size_t>(d.slice->dim);
+    if (dim + 2 < e.shape.size() || d.slice->length % 128 == 0) return;
+    const std::int64_t end = d.slice->start + d.slice->length;
+    if (end != e.shape[dim])
+      throw error(errc::apply,
+                  fmt::format("tensor '{}': the destination takes [{}:{}] of dimension {} of a source of {} there; "
+                              "block128 scales are computed over the global tensor's 128 × 128 blocks, so a shard "
+                              "must end on a block boundary (a multiple of 128) or at the source's end, not at {}",
+                              e.name, d.slice->start, end, dim, e.shape[dim], end));
   }
 
   /// Copies (or enqueues the copies of) one batch, or runs the callback over it.
@@ -654,9 +746,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         }
         if (missing != 0)
           throw error(errc::incomplete,
-                      fmt::format("version {} is missing {} of the {} registered tensors (first: '{}'); nothing was "
+                      fmt::format("version {} is missing {} of the {} registered tensors (first: {}); nothing was "
                                   "committed",
-                                  e.version, missing, table.names(), first));
+                                  e.version, missing, table.names(), shown(first)));
       }
       const auto td = clock::now();
       sink->drain();
@@ -797,6 +889,69 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 };
 
+namespace {
+
+/// The conversion a destination asks for must be one refit does (see tensor_dest). Throws
+/// errc::invalid_argument naming the tensor.
+void check_conversion(const tensor_dest& d, const dest_layout& layout) {
+  const std::string what = fmt::format("add_parameter: '{}' ({})", d.meta.name, describe(d.meta));
+  if (d.q == quant::none) {
+    if (d.scale != nullptr)
+      throw error(errc::invalid_argument,
+                  fmt::format("{} has a scale but no quant: a scale belongs to an f8_e4m3 destination quantised per "
+                              "tensor or per 128 × 128 block (set quant)",
+                              what));
+    return;
+  }
+  if (static_cast<std::uint8_t>(d.q) > static_cast<std::uint8_t>(quant::block128))
+    throw error(errc::invalid_argument, fmt::format("{} has an unknown quant (code {})", what,
+                                                    static_cast<unsigned>(d.q)));
+  if (d.meta.type != dtype::f8_e4m3)
+    throw error(errc::invalid_argument,
+                fmt::format("{} asks for quant {}, which quantises to f8_e4m3: register the destination as f8_e4m3, "
+                            "not {}",
+                            what, to_string(d.q), to_string(d.meta.type)));
+  const std::size_t rank = d.meta.shape.size();
+  if (d.q == quant::block128 && rank < 2)
+    throw error(errc::invalid_argument,
+                fmt::format("{} asks for quant block128, which quantises 128 × 128 blocks of the last two dimensions: "
+                            "it needs at least 2 dimensions, not {}",
+                            what, rank));
+  const auto scale_numel = checked_numel(scale_shape(d.q, d.meta.shape));
+  if (d.scale == nullptr && scale_numel.value_or(0) != 0)
+    throw error(errc::invalid_argument,
+                fmt::format("{} is quantised ({}) but has no scale: pass its f32 scale_inv tensor of shape [{}]", what,
+                            to_string(d.q), fmt::join(scale_shape(d.q, d.meta.shape), ", ")));
+  if (d.q == quant::block128 && layout.slice && layout.slice->dim >= 0 &&
+      static_cast<std::size_t>(layout.slice->dim) + 2 >= rank && layout.slice->start % 128 != 0)
+    // Blocks are those of the global tensor: a shard starting inside one would need the amax of
+    // elements it does not hold.
+    throw error(errc::invalid_argument,
+                fmt::format("{}: block128 scales are computed over the global tensor's 128 × 128 blocks, so a slice "
+                            "of dimension {} must start on a block boundary (a multiple of 128); this one starts at "
+                            "{}",
+                            what, layout.slice->dim, layout.slice->start));
+}
+
+/// The hidden destination of a quantised destination's scales: dense f32 at `d.scale`, taking the
+/// part of the source's scale grid that the destination's slice takes of the source.
+plan::destination scale_destination(const tensor_dest& d, const dest_layout& layout) {
+  plan::destination s;
+  s.meta = tensor_meta{d.meta.name + std::string(scale_suffix), dtype::f32, scale_shape(d.q, d.meta.shape)};
+  s.data = d.scale;
+  s.dev = d.dev;
+  if (d.q == quant::block128 && layout.slice) {
+    source_slice sl = *layout.slice;
+    const auto dim = static_cast<std::size_t>(sl.dim);
+    if (dim + 2 >= d.meta.shape.size()) sl.start /= 128;
+    sl.length = s.meta.shape[dim];
+    s.slice = sl;
+  }
+  return s;
+}
+
+}  // namespace
+
 receiver::receiver(receiver_options options) : impl_(std::make_unique<impl>(std::move(options))) {}
 receiver::~receiver() = default;
 receiver::receiver(receiver&&) noexcept = default;
@@ -817,7 +972,17 @@ void receiver::add_parameter(const tensor_dest& dest, const dest_layout& layout)
                 fmt::format("add_parameter: {} has no data (null pointer); only a tensor with no elements may have "
                             "none (a 0-d tensor is one element: {} bytes)",
                             describe(dest.meta), bytes));
-  impl_->table.add(plan::destination(dest, layout));
+  if (dest.meta.name.find('\x1f') != std::string::npos)
+    throw error(errc::invalid_argument,
+                fmt::format("add_parameter: the name '{}' contains the control character \\x1f, which refit reserves "
+                            "for the scale tensors of quantised destinations",
+                            dest.meta.name.substr(0, dest.meta.name.find('\x1f'))));
+  check_conversion(dest, layout);
+  if (dest.q == quant::none) {
+    impl_->table.add(plan::destination(dest, layout));
+  } else {
+    impl_->table.add_pair(plan::destination(dest, layout), scale_destination(dest, layout));
+  }
   ++impl_->sink_generation;
 }
 

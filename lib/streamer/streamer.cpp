@@ -140,6 +140,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   std::vector<std::string> endpoints;
   std::vector<channel::req_channel> channels;  ///< one per receiver; made on the first HELLO
   bool in_session = false;
+  /// What the session's receivers asked each name to be sent as (their OKs to HELLO), merged.
+  std::unordered_map<std::string, wire::conversion> conversions;
   /// Set by request() when it throws: a receiver refused or stayed silent, so the failure is
   /// known on that side (no ABORT needed).
   bool receivers_failed = false;
@@ -270,6 +272,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         return wire::message(std::move(mine));
       };
       const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
+      conversions = merge_conversions(oks);
       try {
         buffers->session_accepted(oks);
       } catch (const error& e) {
@@ -293,8 +296,39 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                to_string(options.transport));
   }
 
+  /// The conversions every receiver asked for, one per name. Two receivers asking one name as
+  /// different things cannot both be served by one stream of bytes: errc::invalid_argument.
+  std::unordered_map<std::string, wire::conversion> merge_conversions(const std::vector<wire::ok>& oks) const {
+    std::unordered_map<std::string, wire::conversion> merged;
+    std::unordered_map<std::string, std::size_t> asked_by;
+    for (std::size_t k = 0; k < oks.size(); ++k) {
+      for (const wire::conversion& c : oks[k].convert) {
+        const auto [it, fresh] = merged.emplace(c.name, c);
+        if (fresh) {
+          asked_by.emplace(c.name, k);
+          continue;
+        }
+        if (it->second == c) continue;
+        const auto describe_one = [](const wire::conversion& x) {
+          return x.q == quant::none ? std::string(to_string(x.type))
+                                    : fmt::format("{} ({})", to_string(x.type), to_string(x.q));
+        };
+        throw error(errc::invalid_argument,
+                    fmt::format("tensor '{}': {} asks for it as {} and {} as {}: one streamer sends one conversion of "
+                                "a tensor to all its receivers; register the same dtype and quant everywhere",
+                                c.name, who(asked_by.at(c.name)), describe_one(it->second), who(k), describe_one(c)));
+      }
+    }
+    return merged;
+  }
+
   void check_tensor(const tensor_ref& t, std::uint64_t bytes) const {
     if (t.meta.name.empty()) throw error(errc::invalid_argument, "a tensor of the source has an empty name");
+    if (t.meta.name.find('\x1f') != std::string::npos)
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor name '{}' contains the control character \\x1f, which refit reserves for the "
+                              "scale tensors of quantised destinations",
+                              t.meta.name.substr(0, t.meta.name.find('\x1f'))));
     if (t.meta.name.size() > wire::max_name_bytes)
       throw error(errc::invalid_argument, fmt::format("tensor name of {} bytes is too long (at most {})",
                                                       t.meta.name.size(), wire::max_name_bytes));
@@ -426,8 +460,12 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     bool in_place;
 
     std::uint64_t seq = 0;
+    std::size_t planned = 0;  ///< tensors given to the planner, scale tensors included
     std::vector<wire::entry> entries;
     std::vector<copy::op> ops;
+    std::vector<copy::convert_op> cops;  ///< converting copies (destinations that asked another dtype)
+    std::vector<copy::scale_job> jobs;   ///< scale passes of quantised tensors, before their copies
+    std::vector<copy::fused_job> fused;  ///< one-pass block128 direct writes
     std::vector<void*> streams;
     std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
     std::vector<plan::run> pieces;             ///< scratch of copy::append_route
@@ -458,7 +496,15 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     /// Runs (enqueues) the copies planned so far, after the work of their producer streams.
     void run_ops() {
       for (void* s : streams) st.buffers->after(s);
+      // Scales first: the converting copies read their multipliers, the plain copies of the scale
+      // tensors their scale_inv.
+      if (!jobs.empty()) st.copier->scales(jobs, st.buffers->stream());
+      if (!cops.empty()) st.copier->convert(cops, st.buffers->stream());
+      if (!fused.empty()) st.copier->fused(fused, st.buffers->stream());
       st.copier->run(ops, st.buffers->stream());
+      fused.clear();
+      jobs.clear();
+      cops.clear();
       ops.clear();
       streams.clear();
       direct_pending = 0;
@@ -499,11 +545,19 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
     /// Adds one placed piece of tensor `t` to the open batch: its entry, and the copy or segment
     /// that moves its bytes (`targets`: its routes in a direct session).
-    void add(const tensor_ref& t, const placement& p, std::span<const transport::routed> targets) {
+    ///
+    /// With `cv`, `t.meta` is the tensor as sent (the converted dtype) and `t.data` its source,
+    /// of dtype cv->from: the bytes are converted on their way.
+    void add(const tensor_ref& t, const placement& p, std::span<const transport::routed> targets,
+             const copy::cvt::conversion* cv = nullptr) {
       if (t.stream != nullptr && (streams.empty() || streams.back() != t.stream)) streams.push_back(t.stream);
       entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, p.entry.tensor_offset, p.entry.bytes,
                                     p.entry.buffer_offset});
       if (p.entry.bytes == 0) return;
+      if (cv != nullptr) {
+        add_converted(t, p, targets, *cv);
+        return;
+      }
       const auto* from = static_cast<const std::byte*>(t.data) + p.entry.tensor_offset;
       const device where = st.buffers->where();
       if (by_entry && t.dev == where) {
@@ -526,6 +580,44 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       ops.push_back(copy::op{from, st.buffers->data(seq % st.buffers->count()) + p.entry.buffer_offset, p.entry.bytes});
       if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
     }
+
+    /// Counts `bytes` of direct writes planned, launching what is planned when the device idles.
+    void note_direct(std::uint64_t bytes) {
+      direct_pending += bytes;
+      if (direct_pending - direct_checked >= direct_check_bytes) {
+        direct_checked = direct_pending;
+        if (st.copier->idle()) launch_direct();
+      }
+    }
+
+    /// The converting half of add(): converted bytes [tensor_offset, + bytes) of `t` into the
+    /// buffer (staged; a transport moving entries sends them from there, never from the source,
+    /// which holds the other dtype) or along the routes (direct).
+    void add_converted(const tensor_ref& t, const placement& p, std::span<const transport::routed> targets,
+                       const copy::cvt::conversion& cv) {
+      const std::uint64_t di = copy::cvt::item(cv.to);
+      if (p.entry.tensor_offset % di != 0 || p.entry.bytes % di != 0)
+        throw error(errc::invalid_argument,
+                    fmt::format("tensor {}: a batch boundary at byte {} splits one of its converted elements ({} "
+                                "bytes each): give the streamer buffer_bytes and alignment that are multiples of 4",
+                                describe(t.meta), p.entry.tensor_offset % di != 0 ? p.entry.tensor_offset
+                                                                                 : p.entry.tensor_offset + p.entry.bytes,
+                                di));
+      if (t.dev.kind == device_kind::cuda && !(t.dev == st.buffers->where()))
+        copy::enable_peer_access(st.buffers->where().index, t.dev.index);
+      if (direct) {
+        for (const transport::routed& target : targets)
+          copy::append_convert_route(target.runs, p.entry.tensor_offset, p.entry.bytes, t.data, target.base, cv, cops,
+                                     pieces);
+        note_direct(p.entry.bytes);
+        return;
+      }
+      const std::uint64_t first = p.entry.tensor_offset / di;
+      cops.push_back(copy::convert_op{static_cast<const std::byte*>(t.data) + first * copy::cvt::item(cv.from),
+                                      st.buffers->data(seq % st.buffers->count()) + p.entry.buffer_offset,
+                                      p.entry.bytes / di, 1, 0, 0, first, cv});
+      if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
+    }
   };
 
   /// An in-place nccl session sends every tensor from the streamer's GPU: throws for one elsewhere.
@@ -539,12 +631,166 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                               describe(t.meta), t.dev.index, buffers->where().index, version));
   }
 
+  /// The conversion the receivers asked for `t`, or nullptr when it is sent as it is (nothing
+  /// asked, or the source already has the dtype asked for, or a cast from a dtype refit does not
+  /// convert: the receiver refuses it). Throws errc::apply for a quantisation of such a source,
+  /// errc::invalid_argument for block128 of a tensor of rank < 2.
+  const wire::conversion* conversion_for(const tensor_ref& t) const {
+    if (conversions.empty()) return nullptr;
+    const auto it = conversions.find(t.meta.name);
+    if (it == conversions.end()) return nullptr;
+    const wire::conversion& c = it->second;
+    if (c.type == t.meta.type && c.q == quant::none) return nullptr;
+    const std::string asked = c.q == quant::none ? std::string(to_string(c.type))
+                                                 : fmt::format("{} quantised per {}", to_string(c.type),
+                                                               c.q == quant::tensor ? "tensor" : "128 × 128 block");
+    if (t.meta.type != dtype::f32 && t.meta.type != dtype::bf16 && t.meta.type != dtype::f16) {
+      // A cast asked of an integer or f64 source: sent as it is, the receiver refuses the dtype
+      // (errc::apply) as it always did. A quantisation: refused here, naming both.
+      if (c.q == quant::none) return nullptr;
+      throw error(errc::apply,
+                  fmt::format("tensor {}: the receiver asks for it as {}, but refit converts only from f32, bf16 and "
+                              "f16, not from {}: send it as {} or register the destination as {}",
+                              describe(t.meta), asked, to_string(t.meta.type), to_string(c.type),
+                              to_string(t.meta.type)));
+    }
+    if (c.q == quant::block128 && t.meta.shape.size() < 2)
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor {}: the receiver asks for {}, which needs at least 2 dimensions",
+                              describe(t.meta), asked));
+    return &c;
+  }
+
+  /// Sends `t` converted as `c` asks: the tensor as `c.type` (same shape) and, quantised, its
+  /// scale tensor `name` + scale_suffix, computed by a scale pass over the source first.
+  void send_converted(batch_writer& w, planner& pl, const tensor_ref& t, const wire::conversion& c,
+                      std::uint64_t version, refit_stats& stats) {
+    if (w.in_place)
+      // An in-place nccl session has no buffer to convert into (the bytes leave from the tensor).
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor {}: the receivers ask for it as {}, but this nccl session sends every tensor in "
+                              "place, unconverted (nothing of it was sent; receivers that took earlier batches of "
+                              "version {} stay dirty until a refit commits): set streamer_options::direct = false "
+                              "so that it is converted into the send buffers",
+                              describe(t.meta), to_string(c.type), version));
+    tensor_ref sent = t;
+    sent.meta.type = c.type;
+    const std::uint64_t bytes = sent.meta.nbytes();
+    std::optional<tensor_ref> scale;
+    if (c.q != quant::none) {
+      scale.emplace();
+      scale->meta = tensor_meta{t.meta.name + std::string(scale_suffix), dtype::f32, scale_shape(c.q, t.meta.shape)};
+      scale->dev = buffers->where();
+    }
+    const std::vector<transport::routed> targets =
+        w.direct ? buffers->routes(sent.meta) : std::vector<transport::routed>{};
+    const std::vector<transport::routed> scale_targets =
+        w.direct && scale ? buffers->routes(scale->meta) : std::vector<transport::routed>{};
+    const std::vector<placement> placed = pl.add(w.planned++, bytes);
+    if (t.stream != nullptr) w.streams.push_back(t.stream);
+
+    // Direct block128 writes of a whole tensor into plain or column-shard destinations: one pass
+    // (copy::fused_job) writes the codes and the scales where they go. Otherwise a scale pass
+    // into scratch, then converting copies, then the scale tensor copied like any other.
+    std::vector<copy::fused_job> fused;
+    if (w.direct && c.q == quant::block128 && placed.size() == 1 && placed[0].entry.tensor_offset == 0 &&
+        placed[0].entry.bytes == bytes)
+      fused = fused_jobs(t, targets, scale_targets);
+    const float* mul = nullptr;
+    if (scale && fused.empty()) {
+      const std::uint64_t groups = scale->meta.numel();
+      float* inv = copier->scratch(groups);
+      float* m = copier->scratch(groups);
+      scale->data = inv;
+      mul = m;
+      // Even with no elements: a per-tensor scale is then that of amax 0 (clamped).
+      w.jobs.push_back(copy::scale_job{t.data, t.meta.type, t.meta.shape, c.q, inv, m});
+    }
+    const copy::cvt::conversion cv = copy::conversion_of(t.meta.type, c.type, c.q, t.meta.shape, mul);
+    for (const placement& p : placed) {
+      while (p.batch > w.seq) w.flush();
+      if (fused.empty()) {
+        w.add(sent, p, targets, &cv);
+      } else {
+        w.add(sent, p, {}, &cv);  // the entry only: the fused jobs write it
+        w.fused.insert(w.fused.end(), fused.begin(), fused.end());
+      }
+    }
+    stats.tensors += 1;
+    stats.bytes += bytes;
+    if (!scale) return;
+    const std::uint64_t scale_bytes = scale->meta.nbytes();
+    for (const placement& p : pl.add(w.planned++, scale_bytes)) {
+      while (p.batch > w.seq) w.flush();
+      w.add(*scale, p, fused.empty() ? std::span<const transport::routed>(scale_targets)
+                                     : std::span<const transport::routed>());
+    }
+    stats.tensors += 1;
+    stats.bytes += scale_bytes;
+  }
+
+  /// The fused jobs that write `t` (block128, whole) along `targets` and its scales along
+  /// `scale_targets` (the same destinations, in the same order), or none when some destination
+  /// is neither dense nor a column shard of dense rows (those take the two-pass way).
+  static std::vector<copy::fused_job> fused_jobs(const tensor_ref& t, std::span<const transport::routed> targets,
+                                                 std::span<const transport::routed> scale_targets) {
+    std::vector<copy::fused_job> out;
+    if (targets.size() != scale_targets.size() || t.meta.numel() == 0) return {};
+    const auto& shape = t.meta.shape;
+    const auto cols = static_cast<std::uint64_t>(shape[shape.size() - 1]);
+    const auto rows = static_cast<std::uint64_t>(shape[shape.size() - 2]);
+    const std::uint64_t lead = t.meta.numel() / (rows * cols);
+    const std::uint64_t grid_rows = (rows + 127) / 128;
+    const std::uint64_t grid_cols = (cols + 127) / 128;
+    for (std::size_t k = 0; k < targets.size(); ++k) {
+      if (targets[k].runs.size() != 1 || scale_targets[k].runs.size() != 1) return {};
+      const plan::run& r = targets[k].runs.front();
+      const plan::run& s = scale_targets[k].runs.front();
+      copy::fused_job j;
+      j.src = t.data;
+      j.from = t.meta.type;
+      j.lead = lead;
+      j.rows = rows;
+      j.cols = cols;
+      if (r.rows == 1 && r.src == 0 && r.width == lead * rows * cols) {
+        j.col_lo = 0;
+        j.col_hi = cols;
+        j.dst_pitch = cols;
+      } else if ((r.rows == lead * rows && r.src_pitch == cols) || (r.rows == 1 && lead * rows == 1)) {
+        j.col_lo = r.src;
+        j.col_hi = r.src + r.width;
+        j.dst_pitch = r.dst_pitch;
+        if (j.col_hi > cols || j.col_lo % 128 != 0 || (j.col_hi % 128 != 0 && j.col_hi != cols)) return {};
+      } else {
+        return {};
+      }
+      const std::uint64_t b_lo = j.col_lo / 128;
+      const std::uint64_t b_hi = (j.col_hi + 127) / 128;
+      if (s.rows == 1 && s.src == 0 && s.width == 4 * lead * grid_rows * grid_cols && b_lo == 0 &&
+          b_hi == grid_cols) {
+        j.scale_pitch = grid_cols;  // the whole grid, dense
+      } else if (s.src == 4 * b_lo && s.width == 4 * (b_hi - b_lo) && s.rows == lead * grid_rows && s.rows > 1 &&
+                 s.src_pitch == 4 * grid_cols && s.dst_pitch % 4 == 0) {
+        j.scale_pitch = s.dst_pitch / 4;  // the shard's columns of every row of blocks
+      } else if (s.src == 4 * b_lo && s.width == 4 * (b_hi - b_lo) && s.rows == 1 && lead * grid_rows == 1) {
+        j.scale_pitch = 0;  // one row of blocks
+      } else {
+        return {};
+      }
+      j.dst = reinterpret_cast<std::uint8_t*>(targets[k].base + r.dst);
+      j.scale = reinterpret_cast<float*>(scale_targets[k].base + s.dst);
+      out.push_back(j);
+    }
+    return out;
+  }
+
   /// Everything between BEGIN and END: plans, packs and sends the batches of `source`.
   void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats) {
     batch_writer w(*this, version, stats);
     planner pl(w.plan_for(plan));
     std::unordered_set<std::string> names;
-    for (std::size_t index = 0;; ++index) {
+    copier->reset_scratch();  // the last refit's copies are complete (END drained them)
+    for (;;) {
       auto ts = clock::now();
       std::optional<tensor_ref> t = source.next();
       stats.source_seconds += seconds_since(ts);
@@ -554,12 +800,16 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (!names.insert(t->meta.name).second)
         throw error(errc::invalid_argument,
                     fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
+      if (const wire::conversion* c = conversion_for(*t)) {
+        send_converted(w, pl, *t, *c, version, stats);
+        continue;
+      }
       // A direct session writes each of the receiver's destinations of this tensor along its route
       // (a view, a slice: plan::route); a misfit throws before anything is written.
       const std::vector<transport::routed> targets =
           w.direct ? buffers->routes(t->meta) : std::vector<transport::routed>{};
       if (w.in_place) check_in_place(*t, bytes, version);
-      for (const placement& p : pl.add(index, bytes)) {
+      for (const placement& p : pl.add(w.planned++, bytes)) {
         while (p.batch > w.seq) w.flush();
         w.add(*t, p, targets);
       }

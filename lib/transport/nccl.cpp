@@ -708,8 +708,11 @@ class nccl_sink final : public sink {
     std::unordered_set<std::string_view> names;
     for (const plan::destination& d : table)
       if (offer && ((d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) || !plan::is_plain(d) ||
-                    !names.insert(d.meta.name).second))
-        offer = false;  // a view or a slice is staged: a broadcast lands whole and dense
+                    d.q != quant::none || !names.insert(d.meta.name).second))
+        // A view or a slice is staged: a broadcast lands whole and dense. A quantised destination
+        // too: the streamer converts into its send buffers, and an in-place session has none (it
+        // sends each tensor from where it is), so the session falls back to buffers.
+        offer = false;
     if (offer) {
       recv_.clear();  // nothing is ever staged in this session: the memory goes back
       reply.mode = wire::session_mode::in_place;

@@ -125,7 +125,7 @@ void encode_body(packer& p, const end& m) {
 void encode_body(packer& p, const bye&) { head(p, msg_type::bye, 0); }
 
 void encode_body(packer& p, const ok& m) {
-  head(p, msg_type::ok, 4);
+  head(p, msg_type::ok, 5);
   if (m.committed) pack_uint(p, *m.committed);
   else p.pack_nil();
   if (m.dirty) p.pack_true();
@@ -133,6 +133,13 @@ void encode_body(packer& p, const ok& m) {
   p.pack_array(static_cast<std::uint32_t>(m.handles.size()));
   for (const auto& h : m.handles) pack_bin(p, h);
   pack_uint(p, static_cast<std::uint8_t>(m.mode));
+  p.pack_array(static_cast<std::uint32_t>(m.convert.size()));
+  for (const auto& c : m.convert) {
+    p.pack_array(3);
+    pack_str(p, c.name);
+    pack_uint(p, static_cast<std::uint64_t>(c.type));
+    pack_uint(p, static_cast<std::uint64_t>(c.q));
+  }
 }
 
 void encode_body(packer& p, const error& m) {
@@ -284,7 +291,7 @@ constexpr std::size_t field_count(msg_type t) noexcept {
     case msg_type::batch: return 4;
     case msg_type::end: return 4;
     case msg_type::bye: return 0;
-    case msg_type::ok: return 4;
+    case msg_type::ok: return 5;
     case msg_type::error: return 2;
     case msg_type::abort: return 3;
   }
@@ -383,6 +390,38 @@ batch decode_batch(reader& r, std::span<const object> f) {
   return m;
 }
 
+std::vector<conversion> decode_conversions(reader& r, const object& o) {
+  const auto list = r.array(o, "convert", max_entries);
+  std::vector<conversion> out;
+  out.reserve(list.size());
+  std::set<std::string, std::less<>> seen;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    r.set_context(fmt::format("convert[{}]: ", i));
+    const auto f = r.record(list[i], "descriptor", 3);
+    conversion c;
+    c.name = r.str(f[0], "name", max_name_bytes);
+    if (c.name.empty()) r.fail("name", "is empty");
+    r.set_context(fmt::format("convert[{}] ('{}'): ", i, c.name));
+    const std::uint64_t code = r.u64(f[1], "dtype");
+    const auto t = dtype_from_code(code);
+    if (!t) r.fail("dtype", fmt::format("has unknown code {}; the peer runs a newer refit or is broken", code));
+    if (*t != dtype::f32 && *t != dtype::bf16 && *t != dtype::f16 && *t != dtype::f8_e4m3)
+      r.fail("dtype", fmt::format("is {}: refit converts only to f32, bf16, f16 and f8_e4m3", to_string(*t)));
+    c.type = *t;
+    const std::uint64_t qcode = r.u64(f[2], "quant");
+    const auto q = quant_from_code(qcode);
+    if (!q) r.fail("quant", fmt::format("has unknown code {}; the peer runs a newer refit or is broken", qcode));
+    c.q = *q;
+    if ((c.type == dtype::f8_e4m3) != (c.q != quant::none))
+      r.fail("quant", fmt::format("is {} for dtype {}: f8_e4m3 needs tensor or block128, other dtypes none",
+                                  to_string(c.q), to_string(c.type)));
+    out.push_back(std::move(c));
+    if (!seen.insert(out.back().name).second) r.fail("name", "is listed twice");
+  }
+  r.set_context({});
+  return out;
+}
+
 ok decode_ok(reader& r, std::span<const object> f) {
   ok m;
   if (f[0].type != mt::NIL) {
@@ -396,6 +435,7 @@ ok decode_ok(reader& r, std::span<const object> f) {
   for (std::size_t i = 0; i < handles.size(); ++i)
     m.handles.push_back(r.bin(handles[i], fmt::format("handles[{}]", i), max_handle_bytes));
   m.mode = decode_mode(r, f[3]);
+  m.convert = decode_conversions(r, f[4]);
   return m;
 }
 

@@ -138,13 +138,27 @@ struct abort {
   friend bool operator==(const abort&, const abort&) = default;
 };
 
+/// A receiver's request, in its OK to HELLO, that the streamer send tensor `name` as `type`
+/// (quantised as `q` when f8_e4m3, with its scale tensor `name` + refit::scale_suffix): see
+/// refit::tensor_dest. Listed for every destination of a float dtype (the receiver does not know
+/// the source's); the streamer converts the names whose source differs.
+struct conversion {
+  std::string name;
+  dtype type = dtype::f32;
+  quant q = quant::none;
+  friend bool operator==(const conversion&, const conversion&) = default;
+};
+
 /// Success reply. `handles` carries what the receiver exports in reply to HELLO (transport
-/// specific, may be empty); `mode` what it grants of what HELLO asked (buffers in other replies).
+/// specific, may be empty); `mode` what it grants of what HELLO asked (buffers in other replies);
+/// `convert` the dtypes it wants (HELLO's reply only). Rules: `type` is f32, bf16, f16 or
+/// f8_e4m3; f8_e4m3 has a quant other than none and the others none; no name twice.
 struct ok {
   std::optional<std::uint64_t> committed;
   bool dirty = false;
   std::vector<std::string> handles;
   session_mode mode = session_mode::buffers;
+  std::vector<conversion> convert;
   friend bool operator==(const ok&, const ok&) = default;
 };
 

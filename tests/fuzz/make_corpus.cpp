@@ -120,10 +120,14 @@ int main(int argc, char** argv) {
     write(w, "end", wire::encode(end7()));
     write(w, "bye", wire::encode(wire::bye{}));
     write(w, "ok_hello", wire::encode(wire::ok{std::nullopt, false, {std::string(64, '\x66'), "h2"},
-                                               wire::session_mode::buffers}));
-    write(w, "ok_in_place", wire::encode(wire::ok{std::nullopt, false, {"A", "T"}, wire::session_mode::in_place}));
-    write(w, "ok_committed", wire::encode(wire::ok{7, false, {}, wire::session_mode::buffers}));
-    write(w, "ok_dirty", wire::encode(wire::ok{6, true, {}, wire::session_mode::buffers}));
+                                               wire::session_mode::buffers, {}}));
+    write(w, "ok_in_place", wire::encode(wire::ok{std::nullopt, false, {"A", "T"}, wire::session_mode::in_place, {}}));
+    write(w, "ok_committed", wire::encode(wire::ok{7, false, {}, wire::session_mode::buffers, {}}));
+    write(w, "ok_dirty", wire::encode(wire::ok{6, true, {}, wire::session_mode::buffers, {}}));
+    write(w, "ok_convert", wire::encode(wire::ok{std::nullopt, false, {}, wire::session_mode::buffers,
+                                                 {{"w", dtype::f8_e4m3, refit::quant::block128},
+                                                  {"s", dtype::f8_e4m3, refit::quant::tensor},
+                                                  {"b", dtype::bf16, refit::quant::none}}}));
     write(w, "error_protocol",
           wire::encode(wire::error{refit::errc::protocol, "BATCH 3: sequence number 4 out of order, expected 3"}));
     write(w, "error_unauthorized", wire::encode(wire::error{refit::errc::unauthorized, "session token mismatch"}));

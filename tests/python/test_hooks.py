@@ -71,7 +71,7 @@ def test_hooks_run_begin_then_commit_for_every_version_and_begin_then_abort_for_
             ("begin", 3), ("commit", 3, 3),
         ]
         with pytest.raises(refit.RefitError) as failure:
-            st.refit(4, state(4, dtype=torch.bfloat16))
+            st.refit(4, state(4, dtype=torch.float64))
         assert failure.value.code == refit.Errc.apply
         records = job.request("take")
         assert [r[:2] for r in records] == [("begin", 4), ("abort", 4)]
@@ -149,7 +149,7 @@ def test_exceptions_of_on_commit_and_on_abort_are_not_raised_and_the_version_sta
     with streamer(endpoint) as st:
         st.refit(1, state(1))
         with pytest.raises(refit.RefitError):
-            st.refit(2, state(2, dtype=torch.float16))
+            st.refit(2, state(2, dtype=torch.float64))
         st.refit(3, state(3))
         assert job.request("calls") == [("commit", 1), ("abort", 2), ("commit", 3)]
         assert job.request("status")["committed_version"] == 3

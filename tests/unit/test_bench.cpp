@@ -1712,3 +1712,43 @@ TEST_CASE("a host_shm run with --layout recorded:FILE verifies every source in i
   CHECK_THAT(text, Catch::Contains("# Wrong values          : 1 FAILED"));
   CHECK_THAT(read_file(s.file("err")), Catch::Contains("WRONG: version 1 tensor 4 (model.layers.0.self_attn.o_proj"));
 }
+
+TEST_CASE("--convert parses its three conversions, sets the source dtype and refuses what it cannot run", "[bench]") {
+  int code = -1;
+  const char* block[] = {"refit-bench", "--convert", "bf16:fp8-block128"};
+  const auto b = parse_args(static_cast<int>(std::size(block)), block, code);
+  REQUIRE(b);
+  REQUIRE(b->convert);
+  CHECK(b->convert->q == refit::quant::block128);
+  CHECK(b->type == refit::dtype::bf16);
+  const char* cast[] = {"refit-bench", "--convert", "f32:bf16"};
+  const auto c = parse_args(static_cast<int>(std::size(cast)), cast, code);
+  REQUIRE(c);
+  CHECK(c->type == refit::dtype::f32);
+  CHECK(c->convert->to == refit::dtype::bf16);
+  const char* bad[] = {"refit-bench", "--convert", "bf16:int4"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad)), bad, code), Catch::Contains("--convert bf16:int4: unknown"));
+  const char* fused[] = {"refit-bench", "--convert", "bf16:fp8-tensor", "--layout", "fused"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(fused)), fused, code), Catch::Contains("only --layout plain"));
+  const char* dtype[] = {"refit-bench", "--convert", "bf16:fp8-tensor", "--dtype", "f16"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(dtype)), dtype, code), Catch::Contains("--dtype f16 disagrees"));
+}
+
+TEST_CASE("a short host_shm run with --convert commits every refit into fp8 destinations, rows with their own floor",
+          "[bench][e2e]") {
+  scratch s;
+  config c = short_run("tiny");
+  c.convert = parse_conversion("bf16:fp8-block128");
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  INFO(out.str());
+  CHECK_THAT(out.str(), Catch::Contains("+cvt:fp8-block128") && Catch::Contains("--convert bf16:fp8-block128"));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 2);
+  for (const auto& r : j["rows"]) {
+    CHECK(r["wrong"].is_null());  // not verified: n/a
+    CHECK(r["floor_ms"].get<double>() > 0);
+  }
+}

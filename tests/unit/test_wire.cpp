@@ -162,6 +162,13 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     ok.mode = wire::session_mode::in_place;
     CHECK(std::get<wire::ok>(roundtrip(ok)) == ok);
   }
+  SECTION("OK asking for conversions") {
+    wire::ok ok;
+    ok.convert = {{"w", dtype::f8_e4m3, refit::quant::block128},
+                  {"v", dtype::f8_e4m3, refit::quant::tensor},
+                  {"b", dtype::bf16, refit::quant::none}};
+    CHECK(std::get<wire::ok>(roundtrip(ok)) == ok);
+  }
   SECTION("HELLO with every optional field empty") {
     wire::hello h;
     h.token = "";
@@ -202,9 +209,9 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     CHECK(wire::type_of(wire::bye{}) == wire::msg_type::bye);
   }
   SECTION("OK with and without a committed version") {
-    wire::ok none{std::nullopt, false, {}};
+    wire::ok none{std::nullopt, false, {}, wire::session_mode::buffers, {}};
     CHECK(std::get<wire::ok>(roundtrip(none)) == none);
-    wire::ok some{0, true, {std::string("\x00\xff", 2), "", std::string(4096, 'h')}};
+    wire::ok some{0, true, {std::string("\x00\xff", 2), "", std::string(4096, 'h')}, wire::session_mode::buffers, {}};
     CHECK(std::get<wire::ok>(roundtrip(some)) == some);
   }
   SECTION("ERROR with every code") {
@@ -246,7 +253,7 @@ TEST_CASE("message type names are upper case", "[wire]") {
 TEST_CASE("the hand-built good messages of these tests decode", "[wire]") {
   CHECK_NOTHROW(wire::decode(message(HELLO, hello_fields())));
   CHECK_NOTHROW(wire::decode(message(BATCH, batch_fields({good_entry()}))));
-  CHECK_NOTHROW(wire::decode(message(OK, {NIL(), T(false), ARR({}), U(0)})));
+  CHECK_NOTHROW(wire::decode(message(OK, {NIL(), T(false), ARR({}), U(0), ARR({})})));
   CHECK(std::get<wire::abort>(wire::decode(message(ABORT, {U(7), U(1), S("dup")}))) ==
         wire::abort{7, errc::invalid_argument, "dup"});
 }
@@ -313,7 +320,8 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
       CHECK_THAT(what, Catch::Contains("same refit release"));
     }
   };
-  check_mismatch(message(BEGIN, {U(1)}, 2), 2);
+  check_mismatch(message(BEGIN, {U(1)}, 1), 1);
+  check_mismatch(message(BEGIN, {U(1)}, 2), 2);  // the release before conversions and session data
   check_mismatch(message(BEGIN, {U(1)}, 4), 4);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
@@ -428,21 +436,56 @@ TEST_CASE("decode rejects entry fields of the wrong type", "[wire]") {
                     "entry 1 ('x'): buffer_offset must be an unsigned integer, got float");
 }
 
+TEST_CASE("decode rejects every bad conversion an OK asks for", "[wire]") {
+  const auto ok_with = [](std::vector<field> list) {
+    return message(OK, {NIL(), T(false), ARR({}), U(0), ARR(std::move(list))});
+  };
+  const auto conv = [](std::string name, std::uint64_t type, std::uint64_t q) {
+    return ARR({S(std::move(name)), U(type), U(q)});
+  };
+  constexpr auto f8 = static_cast<std::uint64_t>(dtype::f8_e4m3);
+  constexpr auto bf16 = static_cast<std::uint64_t>(dtype::bf16);
+  CHECK_NOTHROW(wire::decode(ok_with({conv("w", f8, 2), conv("b", bf16, 0)})));
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({}), U(0), U(1)})), errc::protocol,
+                    "OK message: convert must be an array, got unsigned int");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f8)})})), errc::protocol,
+                    "OK message: convert[0]: descriptor must have 3 elements, got 2");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("", f8, 2)})), errc::protocol, "OK message: convert[0]: name is empty");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({U(1), U(f8), U(2)})})), errc::protocol,
+                    "convert[0]: name must be a str, got unsigned int");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", 99, 2)})), errc::protocol,
+                    "convert[0] ('w'): dtype has unknown code 99");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::i32), 0)})), errc::protocol,
+                    "convert[0] ('w'): dtype is i32: refit converts only to f32, bf16, f16 and f8_e4m3");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 3)})), errc::protocol,
+                    "convert[0] ('w'): quant has unknown code 3");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f8), S("block128")})})), errc::protocol,
+                    "convert[0] ('w'): quant must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 0)})), errc::protocol,
+                    "convert[0] ('w'): quant is none for dtype f8_e4m3: f8_e4m3 needs tensor or block128");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", bf16, 1)})), errc::protocol,
+                    "convert[0] ('w'): quant is tensor for dtype bf16");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 2), conv("w", bf16, 0)})), errc::protocol,
+                    "convert[1] ('w'): name is listed twice");
+}
+
 TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {S("3"), T(false), ARR({}), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {S("3"), T(false), ARR({}), U(0), ARR({})})), errc::protocol,
                     "OK message: committed must be nil or an unsigned integer, got str");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({}), U(0)})), errc::protocol, "committed must be nil");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), U(0), ARR({}), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({}), U(0), ARR({})})), errc::protocol, "committed must be nil");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), U(0), ARR({}), U(0), ARR({})})), errc::protocol,
                     "OK message: dirty must be a bool, got unsigned int");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL(), U(0)})), errc::protocol, "handles must be an array");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(7)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL(), U(0), ARR({})})), errc::protocol, "handles must be an array");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(7), ARR({})})), errc::protocol,
                     "OK message: mode has unknown value 7");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), S("in place")})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), S("in place"), ARR({})})), errc::protocol,
                     "mode must be an unsigned integer");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({B("a"), S("b")}), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({B("a"), S("b")}), U(0), ARR({})})), errc::protocol,
                     "handles[1] must be a bin, got str");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {S("protocol"), S("x")})), errc::protocol,
                     "ERROR message: code must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(0)})), errc::protocol,
+                    "OK message: 4 fields, expected 5");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2), B("x")})), errc::protocol, "ERROR message: message must be a str");
 }
 
@@ -503,7 +546,7 @@ TEST_CASE("decode rejects handles longer than the limit", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, B(long_handle)))), errc::protocol, "session is 4097 bytes");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(long_handle), B(""), B("")})})))),
                     errc::protocol, "buffer 0: handle is 4097 bytes");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({B(long_handle)}), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({B(long_handle)}), U(0), ARR({})})), errc::protocol,
                     "handles[0] is 4097 bytes");
 }
 

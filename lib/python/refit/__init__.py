@@ -167,7 +167,16 @@ class Receiver(_refit.Receiver):
             layout=_layout_digest(layout),
         )
 
-    def add_parameter(self, name: str, tensor: Any, source_slice: Optional[Tuple[int, int, int]] = None) -> None:
+    def add_parameter(
+        self,
+        name: str,
+        tensor: Any,
+        source_slice: Optional[Tuple[int, int, int]] = None,
+        *,
+        scale: Any = None,
+        quant: Optional[str] = None,
+        dtype: Optional[str] = None,
+    ) -> None:
         """Registers ``tensor`` as where the source tensor ``name`` lands, written in place.
 
         ``tensor`` may be a view into one of the engine's own tensors (strided included), and
@@ -191,8 +200,28 @@ class Receiver(_refit.Receiver):
         TypeError/ValueError for a bad tensor, RefitError(invalid_argument) naming the tensors
         for a view outside its storage, overlapping destinations, a bad slice or a name
         registered with another dtype; a source that does not fit the view (its shape around
-        the slice) fails that refit with ``Errc.apply`` before anything of it is written."""
-        super().add_parameter(name, tensor, source_slice)
+        the slice) fails that refit with ``Errc.apply`` before anything of it is written.
+
+        Conversion: the tensor's dtype may differ from the source's. A float32, bfloat16 or
+        float16 destination of a source of another of those three is cast (round to nearest
+        even); an f8_e4m3 destination with ``quant="block128"`` (one scale per 128 x 128 block of
+        the last two dimensions) or ``quant="tensor"`` (one scale) is quantised as DeepGEMM's
+        ``per_block_cast_to_fp8`` does, its ``scale_inv`` (float32, same device, shape
+        ``[ceil(rows/128), ceil(cols/128)]`` — of the destination's part for a shard — or ``[1]``)
+        written to ``scale``. The streamer converts, once, before the bytes leave it::
+
+            w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn, device="cuda")
+            s = torch.empty(32, 32, dtype=torch.float32, device="cuda")
+            rx.add_parameter("o_proj.weight", w, scale=s, quant="block128")
+
+        Torch without float8 dtypes (before 2.1): pass a uint8 tensor and ``dtype="f8_e4m3"``,
+        which reads its bytes as e4m3. A block128 shard (``source_slice`` along one of the last
+        two dimensions) must start on a multiple of 128 and end on one or at the source's end.
+        Raises ValueError for a bad ``quant``/``dtype`` name or a scale of the wrong size or
+        device, TypeError for a scale that is not float32, RefitError(invalid_argument) for a
+        quant without an f8_e4m3 destination or a scale, a scale without quant, or a shard
+        starting inside a block."""
+        super().add_parameter(name, tensor, source_slice, scale=scale, quant=quant, dtype=dtype)
 
     def add_parameters(self, params: Tensors) -> None:
         """Registers every ``(name, tensor)`` of a ``state_dict()``, ``named_parameters()`` or

@@ -52,7 +52,16 @@ class Receiver:
     def endpoint(self) -> str: ...
     @property
     def device(self) -> int: ...
-    def add_parameter(self, name: str, tensor: Any, source_slice: Optional[Tuple[int, int, int]] = None) -> None: ...
+    def add_parameter(
+        self,
+        name: str,
+        tensor: Any,
+        source_slice: Optional[Tuple[int, int, int]] = None,
+        *,
+        scale: Any = None,
+        quant: Optional[str] = None,
+        dtype: Optional[str] = None,
+    ) -> None: ...
     def clear_parameters(self) -> None: ...
     def serve_one(self, timeout: float = 0.1) -> int: ...  # an Event value
     @property

@@ -1,0 +1,185 @@
+// refit — element conversions of the converting copies: f32 / bf16 / f16 casts and f8_e4m3
+// quantisation (per tensor, per 128 × 128 block). The exact definition is refit::quant's
+// (include/refit/model.hpp); this file is its one implementation, shared by the CPU engine
+// (copy.cpp) and the CUDA kernels (copy_kernel.cu), so both produce the same bits.
+//
+// Plain integer arithmetic on the bit patterns (no floating-point environment, no flush to zero,
+// no intrinsics whose rounding differs between host and device): the only floating-point
+// operations are the f32 product x · s and, in the scale pass, 448 / amax and amax / 448, which
+// IEEE defines exactly (round to nearest) on both. Dtype and quant codes are refit::dtype's and
+// refit::quant's wire codes, so nvcc needs no library header.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define REFIT_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define REFIT_HOST_DEVICE inline
+#endif
+
+namespace refit::copy::cvt {
+
+// refit::dtype and refit::quant codes (static_asserts in copy.cpp keep them in step).
+inline constexpr std::uint8_t f16 = 6;
+inline constexpr std::uint8_t bf16 = 7;
+inline constexpr std::uint8_t f32 = 8;
+inline constexpr std::uint8_t f8_e4m3 = 10;
+inline constexpr std::uint8_t quant_none = 0;
+inline constexpr std::uint8_t quant_tensor = 1;
+inline constexpr std::uint8_t quant_block128 = 2;
+
+/// Side of a quantisation block.
+inline constexpr std::uint64_t block = 128;
+/// The largest finite e4m3fn value, the target of amax.
+inline constexpr float e4m3_max = 448.0f;
+/// amax is clamped to at least this (an all-zero group gets a finite scale).
+inline constexpr float amax_floor = 1e-4f;
+
+REFIT_HOST_DEVICE std::uint32_t bits_of(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+REFIT_HOST_DEVICE float float_of(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+REFIT_HOST_DEVICE std::uint32_t item(std::uint8_t type) {
+  return type == f32 ? 4u : type == f8_e4m3 ? 1u : 2u;
+}
+
+/// m · 2^-shift rounded to nearest, ties to even (shift ≥ 1).
+REFIT_HOST_DEVICE std::uint32_t round_shift(std::uint32_t m, std::uint32_t shift) {
+  if (shift > 25) return 0;  // m < 2^24: m · 2^-shift < 1/2
+  std::uint32_t q = m >> shift;
+  const std::uint32_t rem = m & ((1u << shift) - 1);
+  const std::uint32_t half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u) != 0)) ++q;
+  return q;
+}
+
+REFIT_HOST_DEVICE float bf16_to_f32(std::uint16_t h) { return float_of(static_cast<std::uint32_t>(h) << 16); }
+
+REFIT_HOST_DEVICE float f16_to_f32(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t e = (h >> 10) & 0x1fu;
+  const std::uint32_t m = h & 0x3ffu;
+  if (e == 0) {
+    if (m == 0) return float_of(sign);
+    // A subnormal: m · 2^-24, exact in f32 (normalised by hand: no FTZ can touch it).
+    std::uint32_t shift = 0;
+    std::uint32_t mm = m;
+    while ((mm & 0x400u) == 0) {
+      mm <<= 1;
+      ++shift;
+    }
+    return float_of(sign | ((113u - shift) << 23) | ((mm & 0x3ffu) << 13));
+  }
+  if (e == 31) return float_of(sign | 0x7f800000u | (m << 13));
+  return float_of(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/// Round to nearest even; NaN → 0x7FC0.
+REFIT_HOST_DEVICE std::uint16_t f32_to_bf16(float f) {
+  const std::uint32_t u = bits_of(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/// Round to nearest even, subnormals included; overflow → ±inf; NaN → 0x7E00.
+REFIT_HOST_DEVICE std::uint16_t f32_to_f16(float f) {
+  const std::uint32_t u = bits_of(f);
+  const auto sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+  const std::uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7e00u;
+  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // ≥ 65520: rounds past 65504
+  if (a >= 0x38800000u) {                                                   // ≥ 2^-14: normal
+    const std::uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
+    return static_cast<std::uint16_t>(sign | ((r >> 13) - (112u << 10)));
+  }
+  const std::uint32_t e = a >> 23;
+  if (e == 0) return sign;  // an f32 subnormal is far below half of f16's smallest subnormal
+  // Units of 2^-24: (mantissa with its hidden bit) · 2^(e - 150 + 24).
+  return static_cast<std::uint16_t>(sign | round_shift((a & 0x7fffffu) | 0x800000u, 126u - e));
+}
+
+/// Round to nearest even, subnormals included, saturating: |f| ≥ 448 (inf too) → ±448 (0x7E /
+/// 0xFE); NaN → 0x7F.
+REFIT_HOST_DEVICE std::uint8_t f32_to_e4m3(float f) {
+  const std::uint32_t u = bits_of(f);
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
+  const std::uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7fu;
+  if (a >= 0x43e00000u) return static_cast<std::uint8_t>(sign | 0x7eu);  // 448 and beyond
+  if (a >= 0x3c800000u) {                                                 // ≥ 2^-6: normal
+    const std::uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+    return static_cast<std::uint8_t>(sign | ((r >> 20) - (120u << 3)));
+  }
+  const std::uint32_t e = a >> 23;
+  if (e == 0) return sign;
+  // Units of 2^-9; a result of 8 is the smallest normal, whose code is 0x08 too.
+  return static_cast<std::uint8_t>(sign | round_shift((a & 0x7fffffu) | 0x800000u, 141u - e));
+}
+
+/// Element i of a tensor of type `type` (f32, bf16 or f16), widened to f32.
+REFIT_HOST_DEVICE float load(const void* base, std::uint8_t type, std::uint64_t i) {
+  if (type == f32) return static_cast<const float*>(base)[i];
+  const std::uint16_t h = static_cast<const std::uint16_t*>(base)[i];
+  return type == bf16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/// True for a value that counts in amax (finite; NaN and ±inf do not).
+REFIT_HOST_DEVICE bool counts(float a) { return (bits_of(a) & 0x7fffffffu) < 0x7f800000u; }
+
+/// What a converting copy needs to convert element e of its tensor: the dtypes, the quantisation,
+/// and for f8_e4m3 the multipliers s = 448 / amax of its groups (`mul`, one per group in the
+/// scale tensor's order) and the tensor's last two dimensions (block128).
+struct conversion {
+  std::uint8_t from = f32;
+  std::uint8_t to = f32;
+  std::uint8_t q = quant_none;
+  const float* mul = nullptr;
+  std::uint64_t rows = 1;  ///< second-to-last dimension (1 for a tensor of rank < 2)
+  std::uint64_t cols = 1;  ///< last dimension
+};
+
+/// The group (index into the scale tensor) of element e of the tensor.
+REFIT_HOST_DEVICE std::uint64_t group_of(const conversion& c, std::uint64_t e) {
+  if (c.q != quant_block128) return 0;
+  const std::uint64_t row = e / c.cols;
+  const std::uint64_t col = e - row * c.cols;
+  const std::uint64_t lead = row / c.rows;
+  const std::uint64_t r = row - lead * c.rows;
+  const std::uint64_t grid_rows = (c.rows + block - 1) / block;
+  const std::uint64_t grid_cols = (c.cols + block - 1) / block;
+  return (lead * grid_rows + r / block) * grid_cols + col / block;
+}
+
+/// Stores x (already widened to f32) as element i of `dst` of type c.to; `mul` is the group's
+/// multiplier (f8_e4m3 only).
+REFIT_HOST_DEVICE void store(void* dst, std::uint8_t to, std::uint64_t i, float x, float mul) {
+  switch (to) {
+    case f32: static_cast<float*>(dst)[i] = x; break;
+    case bf16: static_cast<std::uint16_t*>(dst)[i] = f32_to_bf16(x); break;
+    case f16: static_cast<std::uint16_t*>(dst)[i] = f32_to_f16(x); break;
+    default: static_cast<std::uint8_t*>(dst)[i] = f32_to_e4m3(x * mul); break;
+  }
+}
+
+/// amax of a group, given the largest counted |x| seen (0 if none): clamped to amax_floor.
+REFIT_HOST_DEVICE float clamp_amax(float amax) { return amax < amax_floor ? amax_floor : amax; }
+
+}  // namespace refit::copy::cvt

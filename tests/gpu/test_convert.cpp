@@ -1,0 +1,390 @@
+// GPU tests of conversion on the fly (issue 13): the CUDA engines' scale passes, converting copies
+// and fused block128 kernel bit for bit against the CPU engine and the independent reference
+// (support/convert_ref.hpp); end-to-end cuda_ipc refits, staged and direct, into fp8 block128
+// (dense and a TP column shard), fp8 per-tensor and bf16 destinations; two receivers asking one
+// tensor as different things. As in test_cuda_ipc.cpp, all CUDA work runs in forked children.
+#include <catch2/catch.hpp>
+
+#include "config/config.hpp"
+
+#if !REFIT_HAVE_CUDA
+
+TEST_CASE("conversion on the GPU is not built: its tests are skipped", "[convert]") {
+  WARN("refit was built without CUDA: the GPU [convert] tests did not run");
+}
+
+#else
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "copy/copy.hpp"
+#include "copy/cuda_check.hpp"
+#include "copy/cuda_handles.hpp"
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+#include "support/convert_ref.hpp"
+#include "support/support.hpp"
+
+using namespace std::chrono_literals;
+namespace rt = refit::test;
+namespace ref = refit::test::ref;
+using refit::dtype;
+using refit::quant;
+
+namespace {
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+/// Deterministic source values (edge cases as in the unit test: an all-zero block, values beyond
+/// ±448, NaN and ±inf in block (1, 0)) stored as `type`; `values` are their exact f32 values.
+struct host_source {
+  std::vector<std::uint8_t> bytes;
+  std::vector<float> values;
+};
+
+host_source make_source(dtype type, std::size_t rows, std::size_t cols, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  host_source s;
+  s.values.resize(rows * cols);
+  s.bytes.resize(rows * cols * refit::itemsize(type));
+  for (std::size_t i = 0; i < rows * cols; ++i) {
+    const std::size_t r = i / cols, c = i % cols;
+    float v = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 24) - 12);
+    if (rng() % 97 == 0) v *= 1e4f;
+    if (r < 128 && c >= 128 && c < 256) v = 0.0f;
+    if (r == 129 && c == 0) v = std::numeric_limits<float>::quiet_NaN();
+    if (r == 129 && c == 1) v = std::numeric_limits<float>::infinity();
+    if (r == 130 && c == 2) v = -std::numeric_limits<float>::infinity();
+    if (type == dtype::f32) {
+      std::memcpy(s.bytes.data() + 4 * i, &v, 4);
+      s.values[i] = v;
+    } else {
+      const std::uint16_t h = type == dtype::bf16 ? ref::bf16(v) : ref::f16(v);
+      std::memcpy(s.bytes.data() + 2 * i, &h, 2);
+      s.values[i] = type == dtype::bf16 ? ref::bf16_value(h) : ref::f16_value(h);
+    }
+  }
+  return s;
+}
+
+std::vector<std::uint8_t> download(const void* p, std::size_t n) {
+  std::vector<std::uint8_t> out(n);
+  refit::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  refit::check_cuda(cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost), "download");
+  return out;
+}
+
+std::vector<float> download_floats(const float* p, std::size_t n) {
+  const auto b = download(p, n * 4);
+  std::vector<float> out(n);
+  std::memcpy(out.data(), b.data(), n * 4);
+  return out;
+}
+
+refit::cuda::device_buffer upload(const std::vector<std::uint8_t>& bytes) {
+  refit::cuda::device_buffer d(std::max<std::size_t>(bytes.size(), 1));
+  refit::check_cuda(cudaMemcpy(d.handle(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice), "upload");
+  return d;
+}
+
+std::string first_difference(const std::vector<std::uint8_t>& got, const std::vector<std::uint8_t>& want) {
+  if (got.size() != want.size()) return "sizes " + std::to_string(got.size()) + " vs " + std::to_string(want.size());
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i])
+      return "byte " + std::to_string(i) + ": " + std::to_string(got[i]) + ", expected " + std::to_string(want[i]);
+  return {};
+}
+
+bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+/// The kernels against the reference: scale passes + converting copies (cut into `piece`
+/// elements) for each source dtype, block128 and per tensor, and the casts.
+void kernels_body() {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+  auto gpu = refit::copy::make_copier(refit::copy::engine::kernel, 0);
+  cudaStream_t stream = nullptr;
+  for (const dtype from : {dtype::bf16, dtype::f32, dtype::f16}) {
+    const std::size_t lead = 2, rows = 300, cols = 260;
+    const host_source src = make_source(from, lead * rows, cols, 21);
+    const auto dsrc = upload(src.bytes);
+    const std::vector<std::int64_t> shape{2, 300, 260};
+    for (const quant q : {quant::block128, quant::tensor}) {
+      const ref::quantised want = ref::quantise(src.values, q == quant::block128 ? lead : 1,
+                                                q == quant::block128 ? rows : lead * rows, cols, q == quant::block128);
+      const std::uint64_t groups = *refit::checked_numel(refit::scale_shape(q, shape));
+      float* inv = gpu->scratch(groups);
+      float* mul = gpu->scratch(groups);
+      const refit::copy::scale_job job{dsrc.handle(), from, shape, q, inv, mul};
+      gpu->scales(std::span(&job, 1), stream);
+      for (const std::uint64_t piece : {std::uint64_t{1000}, std::uint64_t{1} << 20}) {
+        refit::cuda::device_buffer out(lead * rows * cols);
+        const auto cv = refit::copy::conversion_of(from, dtype::f8_e4m3, q, shape, mul);
+        std::vector<refit::copy::convert_op> ops;
+        const std::uint64_t n = lead * rows * cols;
+        for (std::uint64_t e = 0; e < n; e += piece)
+          ops.push_back(refit::copy::convert_op{static_cast<const std::byte*>(dsrc.handle()) + e * refit::itemsize(from),
+                                                static_cast<std::byte*>(out.handle()) + e, std::min(piece, n - e), 1, 0,
+                                                0, e, cv});
+        gpu->convert(ops, stream);
+        const auto diff = first_difference(download(out.handle(), n), want.q);
+        expect(diff.empty(), std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) +
+                                 " pieces of " + std::to_string(piece) + ": " + diff);
+      }
+      expect(same_floats(download_floats(inv, groups), want.scale_inv),
+             std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) + ": scale_inv differs");
+      gpu->reset_scratch();
+    }
+    // The fused kernel: the whole tensor, and columns [128, 260) into rows of 132 with scales in rows of 2.
+    const ref::quantised want = ref::quantise(src.values, lead, rows, cols, true);
+    for (const bool shard : {false, true}) {
+      const std::uint64_t lo = shard ? 128 : 0, width = cols - lo, blocks = shard ? 2 : 3;
+      refit::cuda::device_buffer out(lead * rows * width);
+      refit::cuda::device_buffer scale(lead * 3 * blocks * 4);
+      refit::copy::fused_job j;
+      j.src = dsrc.handle();
+      j.from = from;
+      j.lead = lead;
+      j.rows = rows;
+      j.cols = cols;
+      j.dst = static_cast<std::uint8_t*>(out.handle());
+      j.dst_pitch = width;
+      j.col_lo = lo;
+      j.col_hi = cols;
+      j.scale = static_cast<float*>(scale.handle());
+      j.scale_pitch = blocks;
+      gpu->fused(std::span(&j, 1), stream);
+      const auto got = download(out.handle(), lead * rows * width);
+      std::vector<std::uint8_t> want_q;
+      for (std::size_t r = 0; r < lead * rows; ++r)
+        for (std::size_t c = lo; c < cols; ++c) want_q.push_back(want.q[r * cols + c]);
+      const auto diff = first_difference(got, want_q);
+      expect(diff.empty(), std::string("fused ") + refit::to_string(from).data() + (shard ? " shard: " : ": ") + diff);
+      std::vector<float> want_s;
+      for (std::size_t g = 0; g < lead * 3; ++g)
+        for (std::size_t b = lo / 128; b < 3; ++b) want_s.push_back(want.scale_inv[g * 3 + b]);
+      expect(same_floats(download_floats(static_cast<float*>(scale.handle()), want_s.size()), want_s),
+             std::string("fused scales ") + refit::to_string(from).data());
+    }
+  }
+  // Casts.
+  for (const auto& [from, to] : std::vector<std::pair<dtype, dtype>>{
+           {dtype::f32, dtype::bf16}, {dtype::f32, dtype::f16}, {dtype::bf16, dtype::f16}, {dtype::f16, dtype::f32}}) {
+    const host_source src = make_source(from, 1000, 77, 5);
+    const auto dsrc = upload(src.bytes);
+    const std::uint64_t n = src.values.size();
+    refit::cuda::device_buffer out(n * refit::itemsize(to));
+    const auto cv = refit::copy::conversion_of(from, to, quant::none, std::vector<std::int64_t>{1000, 77}, nullptr);
+    const refit::copy::convert_op op{dsrc.handle(), out.handle(), n, 1, 0, 0, 0, cv};
+    gpu->convert(std::span(&op, 1), stream);
+    auto cpu = refit::copy::make_copier(refit::copy::engine::cpu);
+    std::vector<std::uint8_t> want(n * refit::itemsize(to));
+    const refit::copy::convert_op host_op{src.bytes.data(), want.data(), n, 1, 0, 0, 0, cv};
+    cpu->convert(std::span(&host_op, 1), nullptr);
+    const auto diff = first_difference(download(out.handle(), want.size()), want);
+    expect(diff.empty(), std::string("cast ") + refit::to_string(from).data() + " to " + refit::to_string(to).data() +
+                             ": " + diff);
+  }
+}
+
+// ------------------------------------------------------------------------------ end to end
+
+/// Sources: w_block bf16 [300, 260] → fp8 block128 (dense); w_shard bf16 [256, 300] → fp8
+/// block128, columns [128, 300) (a TP shard ending at the source's end); w_tensor f32 [64, 100] →
+/// fp8 per tensor; w_cast f32 [1000] → bf16; w_big bf16 [1024, 1024] → fp8 block128.
+struct model {
+  host_source block = make_source(dtype::bf16, 300, 260, 1);
+  host_source shard = make_source(dtype::bf16, 256, 300, 2);
+  host_source tensor = make_source(dtype::f32, 64, 100, 3);
+  host_source cast = make_source(dtype::f32, 1, 1000, 4);
+  host_source big = make_source(dtype::bf16, 1024, 1024, 5);
+};
+
+void receiver_body(const std::string& ep, rt::signal_pipe& ready) {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+  const model m;
+  refit::receiver_options o;
+  o.endpoint = ep;
+  o.idle_timeout = 30000ms;
+  refit::receiver r(o);
+  refit::cuda::device_buffer q_block(300 * 260), s_block(9 * 4), q_shard(256 * 172), s_shard(2 * 2 * 4),
+      q_tensor(6400), s_tensor(4), bf_cast(2000), q_big(1024 * 1024), s_big(64 * 4);
+  const auto fp8 = [](const char* name, std::vector<std::int64_t> shape, refit::cuda::device_buffer& q,
+                      refit::cuda::device_buffer& s, quant qu) {
+    refit::tensor_dest d{{name, dtype::f8_e4m3, std::move(shape)}, q.handle(), refit::device::cuda(0)};
+    d.q = qu;
+    d.scale = s.handle();
+    return d;
+  };
+  r.add_parameter(fp8("w_block", {300, 260}, q_block, s_block, quant::block128));
+  refit::dest_layout shard;
+  shard.slice = refit::source_slice{1, 128, 172};
+  r.add_parameter(fp8("w_shard", {256, 172}, q_shard, s_shard, quant::block128), shard);
+  r.add_parameter(fp8("w_tensor", {64, 100}, q_tensor, s_tensor, quant::tensor));
+  r.add_parameter(refit::tensor_dest{{"w_cast", dtype::bf16, {1000}}, bf_cast.handle(), refit::device::cuda(0)});
+  r.add_parameter(fp8("w_big", {1024, 1024}, q_big, s_big, quant::block128));
+  ready.send("ready");
+  int commits = 0;
+  for (auto last = std::chrono::steady_clock::now();;) {
+    const auto e = r.serve_one(100ms);
+    if (e == refit::receiver_event::bye) break;
+    expect(e != refit::receiver_event::aborted && e != refit::receiver_event::refused, "receiver: " + r.last_error());
+    if (e == refit::receiver_event::idle) {
+      expect(std::chrono::steady_clock::now() - last < 60s, "receiver: no message for 60 s");
+      continue;
+    }
+    last = std::chrono::steady_clock::now();
+    if (e != refit::receiver_event::committed) continue;
+    ++commits;
+    const auto rb = ref::quantise(m.block.values, 1, 300, 260, true);
+    auto d = first_difference(download(q_block.handle(), 300 * 260), rb.q);
+    expect(d.empty(), "w_block: " + d);
+    expect(same_floats(download_floats(static_cast<float*>(s_block.handle()), 9), rb.scale_inv), "w_block scales");
+    const auto rs = ref::quantise(m.shard.values, 1, 256, 300, true);
+    std::vector<std::uint8_t> want_shard;
+    for (std::size_t row = 0; row < 256; ++row)
+      for (std::size_t c = 128; c < 300; ++c) want_shard.push_back(rs.q[row * 300 + c]);
+    d = first_difference(download(q_shard.handle(), 256 * 172), want_shard);
+    expect(d.empty(), "w_shard: " + d);
+    expect(same_floats(download_floats(static_cast<float*>(s_shard.handle()), 4),
+                       {rs.scale_inv[1], rs.scale_inv[2], rs.scale_inv[4], rs.scale_inv[5]}),
+           "w_shard scales");
+    const auto rt_ = ref::quantise(m.tensor.values, 1, 64, 100, false);
+    d = first_difference(download(q_tensor.handle(), 6400), rt_.q);
+    expect(d.empty(), "w_tensor: " + d);
+    expect(same_floats(download_floats(static_cast<float*>(s_tensor.handle()), 1), rt_.scale_inv), "w_tensor scale");
+    std::vector<std::uint8_t> want_cast(2000);
+    for (std::size_t i = 0; i < 1000; ++i) {
+      const std::uint16_t h = ref::bf16(m.cast.values[i]);
+      std::memcpy(want_cast.data() + 2 * i, &h, 2);
+    }
+    d = first_difference(download(bf_cast.handle(), 2000), want_cast);
+    expect(d.empty(), "w_cast: " + d);
+    const auto rg = ref::quantise(m.big.values, 1, 1024, 1024, true);
+    d = first_difference(download(q_big.handle(), 1024 * 1024), rg.q);
+    expect(d.empty(), "w_big: " + d);
+    expect(same_floats(download_floats(static_cast<float*>(s_big.handle()), 64), rg.scale_inv), "w_big scales");
+  }
+  expect(commits == 2, std::to_string(commits) + " commits");
+}
+
+void streamer_body(const std::string& ep, bool direct) {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+  const model m;
+  const auto b = upload(m.block.bytes), s = upload(m.shard.bytes), t = upload(m.tensor.bytes),
+             c = upload(m.cast.bytes), g = upload(m.big.bytes);
+  const std::vector<refit::tensor_ref> refs{
+      {{"w_block", dtype::bf16, {300, 260}}, b.handle(), refit::device::cuda(0), nullptr},
+      {{"w_shard", dtype::bf16, {256, 300}}, s.handle(), refit::device::cuda(0), nullptr},
+      {{"w_tensor", dtype::f32, {64, 100}}, t.handle(), refit::device::cuda(0), nullptr},
+      {{"w_cast", dtype::f32, {1000}}, c.handle(), refit::device::cuda(0), nullptr},
+      {{"w_big", dtype::bf16, {1024, 1024}}, g.handle(), refit::device::cuda(0), nullptr}};
+  refit::streamer_options o;
+  o.endpoint = ep;
+  o.transport = refit::transport_kind::cuda_ipc;
+  o.buffer_bytes = 256 << 10;  // staged: w_big's 1 MiB of fp8 over several batches
+  o.direct = direct;
+  o.timeout = 30000ms;
+  refit::streamer st(o);
+  for (std::uint64_t v : {1, 2}) {
+    const auto stats = st.refit(v, refs);
+    expect(stats.direct == direct, direct ? "the refit was staged" : "the refit was direct");
+    expect(stats.tensors == refs.size() + 4, "stats.tensors " + std::to_string(stats.tensors));
+  }
+  st.close();
+}
+
+void end_to_end(bool direct) {
+  const auto ep = rt::temp_endpoint();
+  rt::signal_pipe ready;
+  rt::child rx([&] { receiver_body(ep, ready); });
+  REQUIRE(ready.receive(60s) == "ready");
+  rt::child tx([&] { streamer_body(ep, direct); });
+  CHECK(tx.wait(180s) == 0);
+  CHECK(rx.wait(60s) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("the CUDA scale passes, converting copies and fused kernel match the reference bit for bit",
+          "[convert][copy]") {
+  rt::child c(kernels_body);
+  CHECK(c.wait(300s) == 0);
+}
+
+TEST_CASE("a staged cuda_ipc refit converts into fp8 block128, shard, per-tensor and bf16 destinations bit-exact",
+          "[convert][cuda_ipc]") {
+  end_to_end(false);
+}
+
+TEST_CASE("a direct cuda_ipc refit converts (fused block128 for dense and shard destinations) bit-exact",
+          "[convert][cuda_ipc]") {
+  end_to_end(true);
+}
+
+TEST_CASE("two cuda_ipc receivers asking one tensor as different things refuse the session naming both",
+          "[convert][cuda_ipc]") {
+  const auto ep0 = rt::temp_endpoint();
+  const auto ep1 = rt::temp_endpoint();
+  rt::signal_pipe ready0, ready1, done;
+  const auto receiver = [&](const std::string& ep, rt::signal_pipe& ready, bool fp8) {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    refit::receiver_options o;
+    o.endpoint = ep;
+    refit::receiver r(o);
+    refit::cuda::device_buffer mem(256 * 256 * 2), scale(16);
+    refit::tensor_dest d{{"w", fp8 ? dtype::f8_e4m3 : dtype::bf16, {256, 256}}, mem.handle(), refit::device::cuda(0)};
+    if (fp8) {
+      d.q = quant::block128;
+      d.scale = scale.handle();
+    }
+    r.add_parameter(d);
+    ready.send("ready");
+    for (int i = 0; i < 300; ++i) {
+      r.serve_one(100ms);
+      if (done.try_receive(0ms)) break;
+    }
+  };
+  rt::child r0([&] { receiver(ep0, ready0, true); });
+  rt::child r1([&] { receiver(ep1, ready1, false); });
+  REQUIRE(ready0.receive(60s) == "ready");
+  REQUIRE(ready1.receive(60s) == "ready");
+  rt::signal_pipe result;
+  rt::child tx([&] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    refit::cuda::device_buffer src(256 * 256 * 4);
+    refit::streamer_options o;
+    o.receivers = {ep0, ep1};
+    o.transport = refit::transport_kind::cuda_ipc;
+    o.direct = true;
+    o.timeout = 10000ms;
+    refit::streamer st(o);
+    const refit::tensor_ref t{{"w", dtype::f32, {256, 256}}, src.handle(), refit::device::cuda(0), nullptr};
+    const auto f = rt::failure_of([&] { st.refit(1, std::span(&t, 1)); });
+    result.send(f ? f->code + " | " + f->message : std::string("no failure"));
+  });
+  const std::string line = result.receive(60s);
+  done.send("stop");
+  done.send("stop");
+  CHECK_THAT(line, Catch::StartsWith("invalid_argument | tensor 'w': receiver 1 of 2"));
+  CHECK_THAT(line, Catch::Contains("asks for it as f8_e4m3 (block128) and receiver 2 of 2"));
+  CHECK_THAT(line, Catch::Contains("as bf16"));
+  CHECK(tx.wait(60s) == 0);
+  CHECK(r0.wait(60s) == 0);
+  CHECK(r1.wait(60s) == 0);
+}
+
+#endif
