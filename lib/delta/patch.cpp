@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "delta/checksum.hpp"
 #include "refit/error.hpp"
@@ -54,6 +57,53 @@ diff_result diff_items(std::byte* base, const std::byte* next, std::uint64_t off
   return r;
 }
 
+#if defined(__SSE2__)
+/// diff_items<2> with SSE2 (every x86-64): 64 bytes compared per step with four 16-bit compares,
+/// whose byte masks make a 64-bit mask of the differing bytes; only its set bits are visited (about
+/// 0.6 elements per step at 2 % changed), so the loop runs at the speed of reading the two inputs.
+/// Blocks where nothing changed cost two loads, a compare and a test per 16 bytes.
+diff_result diff_bf16_sse2(std::byte* base, const std::byte* next, std::uint64_t off, std::uint64_t span,
+                           std::uint64_t total, std::uint32_t* indices, std::byte* values) noexcept {
+  diff_result r;
+  std::uint16_t* const out = reinterpret_cast<std::uint16_t*>(values);
+  std::uint64_t b = 0;
+  for (; b + 64 <= span; b += 64) {
+    std::uint64_t mask = 0;
+    for (int q = 0; q < 4; ++q) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + b + 16 * q));
+      const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(next + b + 16 * q));
+      mask |= static_cast<std::uint64_t>(static_cast<std::uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(x, y))) ^ 0xffffu)
+              << (16 * q);
+    }
+    mask &= 0x5555555555555555ull;  // one bit per element: its low byte's
+    while (mask != 0) {
+      const std::uint64_t e = b + static_cast<std::uint64_t>(__builtin_ctzll(mask));
+      mask &= mask - 1;
+      std::uint16_t o, n;
+      std::memcpy(&o, base + e, 2);
+      std::memcpy(&n, next + e, 2);
+      r.terms += element_term(n, off + e, 2, total) - element_term(o, off + e, 2, total);
+      std::memcpy(base + e, &n, 2);
+      indices[r.changes] = static_cast<std::uint32_t>(e / 2);
+      std::memcpy(out + r.changes, &n, 2);
+      ++r.changes;
+    }
+  }
+  for (; b < span; b += 2) {
+    std::uint16_t o, n;
+    std::memcpy(&o, base + b, 2);
+    std::memcpy(&n, next + b, 2);
+    if (o == n) continue;
+    r.terms += element_term(n, off + b, 2, total) - element_term(o, off + b, 2, total);
+    std::memcpy(base + b, &n, 2);
+    indices[r.changes] = static_cast<std::uint32_t>(b / 2);
+    std::memcpy(out + r.changes, &n, 2);
+    ++r.changes;
+  }
+  return r;
+}
+#endif
+
 template <std::size_t ITEM>
 std::uint64_t apply_items(const std::byte* patch, std::uint64_t n, std::uint64_t off, std::uint64_t total,
                           std::span<std::byte* const> dests) noexcept {
@@ -83,7 +133,11 @@ diff_result diff(std::byte* base, const std::byte* next, std::uint64_t off, std:
                  std::uint64_t total, std::uint32_t* indices, std::byte* values) noexcept {
   switch (item) {
     case 1: return diff_items<1>(base, next, off, span, total, indices, values);
+#if defined(__SSE2__)
+    case 2: return diff_bf16_sse2(base, next, off, span, total, indices, values);
+#else
     case 2: return diff_items<2>(base, next, off, span, total, indices, values);
+#endif
     case 4: return diff_items<4>(base, next, off, span, total, indices, values);
     default: return diff_items<8>(base, next, off, span, total, indices, values);
   }

@@ -464,6 +464,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     bool in_place;
 
     std::uint64_t seq = 0;
+    /// The batch the planner numbers 0 (a delta starts a new planner when it closes a batch early).
+    std::uint64_t first_batch = 0;
+    /// Tensor bytes a delta's open batch covers (see send_delta).
+    std::uint64_t covered = 0;
     std::vector<wire::entry> entries;
     std::vector<copy::op> ops;
     std::vector<void*> streams;
@@ -536,6 +540,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       entries.clear();
       segments.clear();
       patches.clear();
+      covered = 0;
     }
 
     /// Adds an entry whose buffer bytes are copied from `from` (host memory valid until the next
@@ -584,6 +589,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::vector<std::vector<std::byte>> pending;
     std::vector<bool> as_bytes;
   };
+  delta_scratch delta_buffers;  ///< kept between refits (a span's worth of indices and values)
 
   /// Copies a tensor of a whole version into the base and adds its checksum; false (and a warning)
   /// when the base would outgrow its bound.
@@ -659,7 +665,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       std::vector<std::byte>& patch = sc.pending[k];
       const bool as_bytes = sc.as_bytes[k];
       for (const placement& p : pl.add(index, as_bytes ? n : patch.size())) {
-        while (p.batch > w.seq) w.flush();
+        while (w.first_batch + p.batch > w.seq) w.flush();
         if (as_bytes) {
           w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off + p.entry.tensor_offset, p.entry.bytes,
                                    p.entry.buffer_offset, wire::entry_kind::bytes, 0},
@@ -673,8 +679,20 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         w.stats.bytes += p.entry.bytes;
       }
     }
+    // Patches are small: a batch would hold a large part of the version, and the receiver would
+    // start patching only once the streamer had diffed all of it. A batch is sent once it covers
+    // delta_batch_covers bytes of tensors, so that the receiver's patching overlaps the next diffs.
+    w.covered += total;
+    if (w.covered >= delta_batch_covers) {
+      w.flush();
+      pl = planner(pl.options());
+      w.first_batch = w.seq;
+    }
     return true;
   }
+
+  /// Tensor bytes after which a delta's batch is sent (see send_delta).
+  static constexpr std::uint64_t delta_batch_covers = 32ull << 20;
 
   /// An in-place nccl session sends every tensor from the streamer's GPU: throws for one elsewhere.
   void check_in_place(const tensor_ref& t, std::uint64_t bytes, std::uint64_t version) const {
@@ -697,7 +715,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     plan_options po = w.plan_for(plan);
     if (how == sending::delta) po.keep_whole = true;  // a patch must never be split (delta::span_bytes)
     planner pl(po);
-    delta_scratch scratch;
+    delta_scratch& scratch = delta_buffers;
     std::unordered_set<std::string> names;
     for (std::size_t index = 0;; ++index) {
       auto ts = clock::now();
