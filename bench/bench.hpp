@@ -398,6 +398,9 @@ struct config {
   int nccl_rank = 0;
   int nccl_ranks = 0;
   bool quiet = false;    ///< no progress lines
+  /// --delta STEPS: delta versions against whole ones (bench/delta.cpp); 0: the usual rows.
+  int delta_steps = 0;
+  double delta_update = 2.2e-4;  ///< --delta-update: relative size of one step's fp32 update
   std::vector<std::string> argv;  ///< the command line, for the preamble
 };
 
@@ -482,6 +485,8 @@ struct row {
 
 /// Median of a non-empty list (mean of the middle two for an even count).
 double median(std::vector<double> v);
+/// refit-bench --delta STEPS (bench/delta.cpp): host_shm, one built-in model.
+int run_delta(const config& c, std::ostream& out);
 
 void write_preamble(std::ostream& out, const preamble& p);
 void write_header(std::ostream& out);

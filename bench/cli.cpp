@@ -143,6 +143,10 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
 void add_run_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
   app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();
+  app.add_option("--delta", c.delta_steps, "STEPS delta versions (host_shm, one --model), each after an fp32 "
+                 "update rounded to bf16, against whole refits of the same run")->check(CLI::PositiveNumber);
+  app.add_option("--delta-update", c.delta_update, "--delta: relative size of one step's update (w += u * |w| * "
+                 "U[-1, 1)); about 2 % of bf16 elements change at the default")->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
   app.add_option("--device", c.device, "CUDA device (cuda_ipc; nccl: the streamer's, receivers on the next ones)")
       ->capture_default_str();

@@ -1126,6 +1126,7 @@ void measure(const config& c, std::ostream& out, const std::vector<std::unique_p
 int run(const config& c, std::ostream& out) {
   check_role(c);
   if (c.side == role::receiver) return run_receiver(c);
+  if (c.delta_steps > 0) return run_delta(c, out);
 
   std::vector<std::string> notes;
   const auto paths = resolve_paths(c, notes);

@@ -27,6 +27,11 @@ enum class errc : int {
   incomplete = 11,       ///< END arrived but the manifest was not complete: nothing committed
   io = 12,               ///< a file or system call failed
   internal = 13,         ///< a bug in refit
+  /// The receiver refused a subset or delta version: it holds no base for it (it never committed a
+  /// whole version, committed another version than the delta's base, its weights are dirty, or a
+  /// delta failed half-way and left it poisoned). Nothing was written; send a whole version (a delta
+  /// streamer does so by itself, within the same refit()).
+  needs_whole = 14,
 };
 
 /// Lower-case name of a code ("timeout"); "unknown" for values outside the enum.

@@ -113,7 +113,17 @@ struct receiver_stats {
 ///   throwing callback or on_begin hook, a sink changed mid-refit, or no sink at all;
 ///   errc::incomplete when END arrives with registered tensors missing; errc::protocol for a
 ///   malformed or out-of-order message or a version not newer than the committed one;
-///   errc::unauthorized for a wrong token; errc::peer for a BEGIN without a session.
+///   errc::unauthorized for a wrong token; errc::peer for a BEGIN without a session;
+///   errc::needs_whole for a subset or delta BEGIN this receiver holds no base for (see below).
+/// - Subset and delta versions (refit_scope::subset, streamer_options::delta): a subset commits when
+///   every tensor it sent arrived exactly once (END's totals); the tensors it did not send keep their
+///   committed values. It needs a whole version committed since the table last changed, and clean
+///   weights (not dirty); else BEGIN is refused with errc::needs_whole before anything is written
+///   (serve_one() returns refused). A delta also needs the committed version to be its base, that
+///   version's checksum (from its END), a parameter table of plain host tensors and a host_shm
+///   session; its patches are applied in place, and END's checksum of the whole new version must
+///   match the weights' (updated from the old and new bytes of every write) or the version fails.
+///   A delta that fails after writing leaves the receiver poisoned (see poisoned()).
 ///
 /// Hooks (on_begin, on_commit, on_abort) run on the thread calling serve_one(), inside it. They
 /// must not call serve_one() or serve(); the other member functions may be called (change the
@@ -210,6 +220,12 @@ class REFIT_API receiver {
   [[nodiscard]] std::optional<std::uint64_t> committed_version() const noexcept;
   /// True when weights were partly overwritten by a refit that did not commit.
   [[nodiscard]] bool dirty() const noexcept;
+  /// True when a delta version failed after patching the weights in place (an apply that failed
+  /// half-way, or a checksum that did not match at END): the weights are neither the base nor the
+  /// new version. A poisoned receiver is dirty, refuses deltas and subsets (errc::needs_whole: a
+  /// delta streamer then sends the whole version by itself), and last_error() says "poisoned: ...";
+  /// a whole version cures it.
+  [[nodiscard]] bool poisoned() const noexcept;
   /// Figures of the last committed refit (zeros before the first).
   [[nodiscard]] receiver_stats last_stats() const;
   /// Message of the last error this receiver reported (empty if none).

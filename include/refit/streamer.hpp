@@ -17,6 +17,43 @@
 
 namespace refit {
 
+/// Where a delta streamer keeps its base (see delta_options).
+enum class delta_memory : std::uint8_t {
+  host = 0,    ///< host memory (page-locked in a build with CUDA)
+  device = 1,  ///< memory of the streamer's GPU (`streamer_options::device`; needs CUDA)
+};
+
+/// Delta versions: send only what changed since the last version every receiver committed.
+///
+/// The streamer keeps its own copy of that version (the base, as large as the version's tensors)
+/// and, for each new version, compares every tensor with its base, sends the changed elements as
+/// patches (wire::entry_kind::patch; a span that changed densely goes as plain bytes) and updates
+/// the base. Unchanged tensors are not sent. END carries a checksum of the whole new version, which
+/// each receiver checks after patching. The first version, a version after any failure, and a
+/// version for a receiver that does not hold the base (it committed another version, it is dirty or
+/// poisoned: it refuses BEGIN with errc::needs_whole before writing anything) are sent whole, by
+/// the same refit() call. A delta carries the same tensors (names, dtypes, shapes) as its base: a
+/// tensor that is new or changed its shape fails the refit with errc::invalid_argument, and the
+/// next refit is whole. Needs the host_shm transport and host tensors in this build.
+struct delta_options {
+  bool enable = false;
+  delta_memory memory = delta_memory::host;
+  /// Bound on the base's memory: a version larger than this is always sent whole (a warning says so).
+  std::uint64_t max_bytes = 64ull << 30;
+};
+
+/// What a refit carries.
+enum class refit_scope : std::uint8_t {
+  /// Every tensor of the receivers' tables: a version they can commit from nothing.
+  whole = 0,
+  /// Only some tensors (LoRA adapters, the tensors that changed): each receiver commits it when every
+  /// tensor sent arrived exactly once and keeps the others from the version it holds. A receiver
+  /// that holds none (it never committed a whole version since its table was registered, or its
+  /// weights are dirty) refuses it with errc::needs_whole before anything is written. On a delta
+  /// streamer, a subset is sent as plain bytes and the next refit is whole.
+  subset = 1,
+};
+
 struct streamer_options {
   /// The receiver's endpoint: "ipc:///path" or "tcp://host:port" (what receiver::endpoint() says).
   std::string endpoint;
@@ -65,6 +102,8 @@ struct streamer_options {
   /// (refit.record in Python), "" for none. A receiver set up with another digest refuses the
   /// session (errc::invalid_argument naming both) before any byte moves.
   std::string layout;
+  /// Delta versions (off by default).
+  delta_options delta;
 };
 
 /// Figures of one refit.
@@ -78,6 +117,16 @@ struct refit_stats {
   double pack_seconds = 0;  ///< enqueuing (cuda) or doing (cpu) the copies into buffers
   double wait_seconds = 0;  ///< waiting for the receiver's replies
   bool direct = false;      ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
+  // Subset and delta versions. `bytes` is what moved through the buffers (on the wire).
+  bool subset = false;           ///< sent as a subset (refit_scope::subset, or a delta)
+  bool delta = false;            ///< sent as patches against version `base`
+  std::uint64_t base = 0;        ///< the delta's base version
+  bool whole_after_refusal = false;  ///< a receiver refused the delta (errc::needs_whole): sent whole
+  std::uint64_t tensor_bytes = 0;    ///< bytes of the tensors the source yielded
+  std::uint64_t elements = 0;        ///< elements of those tensors (delta)
+  std::uint64_t changed = 0;         ///< elements that differed from the base (delta)
+  std::uint64_t base_bytes = 0;      ///< memory of the streamer's base (delta streamers)
+  double diff_seconds = 0;           ///< comparing with (and updating) the base; part of pack_seconds
 };
 
 /// Yields the tensors of one refit one at a time, so that the caller can gather tensor k+1 while
@@ -120,11 +169,17 @@ class REFIT_API streamer {
   /// at once (an ABORT message, answered within at most 1 s; a receiver that misses it aborts at
   /// its idle timeout), and then the original exception is rethrown unchanged: the receivers
   /// report the refit aborted, with committed_version() unchanged.
-  refit_stats refit(std::uint64_t version, tensor_source& source);
+  ///
+  /// `scope`: refit_scope::subset sends only the tensors of `source` and asks each receiver to keep
+  /// its others (a receiver without a whole version refuses with errc::needs_whole). On a delta
+  /// streamer (streamer_options::delta) a whole refit is sent as a delta when it can be.
+  refit_stats refit(std::uint64_t version, tensor_source& source, refit_scope scope = refit_scope::whole);
   /// Same, over a list of tensors.
-  refit_stats refit(std::uint64_t version, std::span<const tensor_ref> tensors);
+  refit_stats refit(std::uint64_t version, std::span<const tensor_ref> tensors,
+                    refit_scope scope = refit_scope::whole);
   /// Same, over a callback that yields the tensors one at a time.
-  refit_stats refit(std::uint64_t version, const std::function<std::optional<tensor_ref>()>& next);
+  refit_stats refit(std::uint64_t version, const std::function<std::optional<tensor_ref>()>& next,
+                    refit_scope scope = refit_scope::whole);
 
   /// Ends the session politely (BYE); the receiver unmaps the buffers. Safe to call twice; the
   /// destructor calls it and swallows errors.

@@ -103,6 +103,30 @@ bool ipc_endpoint_in_use(std::string_view endpoint) {
   return connected;
 }
 
+/// ipc endpoints this process's receivers bound and have released: ZeroMQ closes a socket in its
+/// I/O thread after close() returns, so for a moment the old listener still accepts, and a
+/// receiver of this process binding the endpoint again would find it "in use" by itself.
+/// Trusted for a second: long enough for the I/O thread, too short for another process to have
+/// taken the endpoint over in between.
+std::mutex released_mutex;
+std::map<std::string, clock::time_point, std::less<>> released_endpoints;
+
+void note_released(const std::string& endpoint) {
+  if (!endpoint.starts_with("ipc://")) return;
+  const std::lock_guard lock(released_mutex);
+  released_endpoints.insert_or_assign(endpoint, clock::now());
+}
+
+/// True (once) when this process released `endpoint` itself within the last second.
+bool released_here(std::string_view endpoint) {
+  const std::lock_guard lock(released_mutex);
+  const auto it = released_endpoints.find(endpoint);
+  if (it == released_endpoints.end()) return false;
+  const bool recent = clock::now() - it->second < std::chrono::seconds(1);
+  released_endpoints.erase(it);
+  return recent;
+}
+
 }  // namespace
 
 zmq::context_t& context() {
@@ -269,7 +293,7 @@ rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve) {
     if (owns) remove_private_endpoint(target);
     throw error(errc::io, fmt::format("cannot create the receiver socket for {}: {}", target, zmq_reason(e)));
   }
-  if (ipc_endpoint_in_use(target)) {
+  if (!released_here(target) && ipc_endpoint_in_use(target)) {
     socket_.reset();
     throw error(errc::io, fmt::format("cannot bind the receiver to {}: another process is serving it already "
                                       "(Address already in use)",
@@ -294,6 +318,7 @@ rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve) {
 }
 
 rep_channel::~rep_channel() {
+  if (socket_) note_released(endpoint_);
   socket_.reset();
   zap_.reset();
   if (owns_endpoint_) remove_private_endpoint(endpoint_);

@@ -310,6 +310,7 @@ class py_receiver {
 
   std::optional<std::uint64_t> committed_version() { return rx().committed_version(); }
   bool dirty() { return rx().dirty(); }
+  bool poisoned() { return rx().poisoned(); }
   receiver_stats last_stats() { return rx().last_stats(); }
   std::optional<std::string> last_error() {
     std::string e = rx().last_error();
@@ -519,7 +520,7 @@ class py_streamer {
     st.reset();
   }
 
-  refit_stats refit(std::uint64_t version, const py::object& tensors, const py::object& stream) {
+  refit_stats refit(std::uint64_t version, const py::object& tensors, const py::object& stream, bool subset) {
     if (!st_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
     streamer& s = *st_;
     python_tensors source(stream, device_);
@@ -533,7 +534,7 @@ class py_streamer {
       refit_stats stats;
       {
         py::gil_scoped_release nogil;
-        stats = s.refit(version, source);
+        stats = s.refit(version, source, subset ? refit_scope::subset : refit_scope::whole);
       }
       source.release();
       return stats;
@@ -553,8 +554,14 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::size_t buffers, bool direct, double timeout,
                                        std::optional<std::string> token, int device, const py::object& curve,
                                        std::uint64_t alignment, bool keep_whole, const std::string& engine,
-                                       const std::string& layout) {
+                                       const std::string& layout, bool delta, const std::string& delta_memory_name,
+                                       std::uint64_t delta_max_bytes) {
   streamer_options o;
+  o.delta.enable = delta;
+  if (delta_memory_name == "host") o.delta.memory = delta_memory::host;
+  else if (delta_memory_name == "device") o.delta.memory = delta_memory::device;
+  else throw py::value_error("delta_memory must be 'host' or 'device'; got '" + delta_memory_name + "'");
+  o.delta.max_bytes = delta_max_bytes;
   o.layout = layout;
   o.endpoint = std::move(endpoint);
   const auto t = parse_transport(transport);
@@ -633,6 +640,16 @@ PYBIND11_MODULE(_refit, m) {
       .def_readonly("pack_seconds", &refit_stats::pack_seconds)
       .def_readonly("wait_seconds", &refit_stats::wait_seconds)
       .def_readonly("direct", &refit_stats::direct, "written straight into the receiver's weights")
+      .def_readonly("subset", &refit_stats::subset, "sent as a subset (subset=True, or a delta)")
+      .def_readonly("delta", &refit_stats::delta, "sent as patches against version `base`")
+      .def_readonly("base", &refit_stats::base, "the delta's base version")
+      .def_readonly("whole_after_refusal", &refit_stats::whole_after_refusal,
+                    "a receiver refused the delta (it did not hold the base): sent whole")
+      .def_readonly("tensor_bytes", &refit_stats::tensor_bytes, "bytes of the tensors given (bytes: what moved)")
+      .def_readonly("elements", &refit_stats::elements, "elements compared with the base (delta)")
+      .def_readonly("changed", &refit_stats::changed, "elements that differed from the base (delta)")
+      .def_readonly("base_bytes", &refit_stats::base_bytes, "memory of the streamer's base")
+      .def_readonly("diff_seconds", &refit_stats::diff_seconds, "comparing with and updating the base")
       .def("__repr__", [](const refit_stats& s) { return stats_repr("RefitStats", s); });
 
   py::class_<receiver_stats>(m, "ReceiverStats", "Figures of the last refit a receiver committed.")
@@ -681,6 +698,7 @@ PYBIND11_MODULE(_refit, m) {
       .def("_serve", &py_receiver::serve, py::arg("stop"), py::arg("poll"))
       .def_property_readonly("committed_version", &py_receiver::committed_version)
       .def_property_readonly("dirty", &py_receiver::dirty)
+      .def_property_readonly("poisoned", &py_receiver::poisoned)
       .def_property_readonly("last_stats", &py_receiver::last_stats)
       .def_property_readonly("last_error", &py_receiver::last_error)
       .def("close", &py_receiver::close);
@@ -690,18 +708,21 @@ PYBIND11_MODULE(_refit, m) {
                        std::optional<std::vector<std::string>> receivers, std::uint64_t buffer_bytes,
                        std::size_t buffers, bool direct, double timeout, std::optional<std::string> token, int device,
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
-                       const std::string& layout) {
+                       const std::string& layout, bool delta, const std::string& delta_memory_name,
+                       std::uint64_t delta_max_bytes) {
              return std::make_unique<py_streamer>(streamer_options_from(
                  std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
-                 std::move(token), device, curve, alignment, keep_whole, engine, layout));
+                 std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
+                 delta_max_bytes));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
            py::arg("timeout") = 30.0, py::arg("token") = py::none(), py::arg("device") = 0,
            py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
-           py::arg("engine") = "automatic", py::arg("layout") = "")
+           py::arg("engine") = "automatic", py::arg("layout") = "", py::arg("delta") = false,
+           py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30)
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
-           py::arg("stream") = py::none())
+           py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("close", &py_streamer::close);
 
   m.def("_set_error_types", [](py::object refit_error, py::object refit_timeout) {

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -37,6 +38,8 @@
 
 #include "channel/channel.hpp"
 #include "copy/copy.hpp"
+#include "delta/checksum.hpp"
+#include "delta/patch.hpp"
 #include "model/log.hpp"
 #include "plan/route.hpp"
 #include "transport/transport.hpp"
@@ -261,6 +264,19 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   clock::time_point last_message{};
   double apply_seconds = 0;
   std::optional<refusal> deferred;  ///< a host-side apply that failed after its reply went out
+  bool refit_subset = false;  ///< BEGIN said subset: tensors not sent keep their committed values
+  bool refit_delta = false;   ///< BEGIN named a base: patches, and a checksum at END
+  std::uint64_t delta_terms = 0;  ///< the version checksum's change by what the delta wrote so far
+
+  // What the committed version is a base for (subset and delta versions).
+  /// sink_generation when a whole version last committed, if one did: a subset needs one committed
+  /// since the table was registered as it is.
+  std::optional<std::uint64_t> whole_generation;
+  /// The version checksum of the committed version (what its END said, or what a delta proved).
+  std::optional<std::uint64_t> known_checksum;
+  /// A delta failed after writing: the weights are neither the base nor the new version.
+  std::atomic<bool> is_poisoned{false};
+  std::string poison_note;  ///< what last_error() says once abort_refit() poisoned the receiver
 
   // Readable from any thread.
   std::atomic<bool> has_committed{false};
@@ -297,20 +313,31 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   bool refit_active() const noexcept { return tracker && tracker->active(); }
 
   /// Ends the refit in progress without committing (on_abort runs before serve_one() returns).
-  void abort_refit(const std::string& why) noexcept {
-    if (!refit_active()) return;
+  /// `finished`: END's totals were already checked (the tracker is no longer active), and a later
+  /// check at END failed.
+  void abort_refit(const std::string& why, bool finished = false) noexcept {
+    if (!refit_active() && !(finished && tracker)) return;
     const std::uint64_t version = tracker->version();
     tracker->reset();
     deferred.reset();
+    // A delta patches in place: once it wrote anything, the weights are neither its base nor the
+    // new version, and only a whole version can tell what they are.
+    const bool poisons = refit_delta && is_dirty.load();
+    if (poisons) is_poisoned.store(true);
     if (sink) {
       // Device work that waits on a peer which will not come (nccl) must not outlive the refit.
       sink->abort();
       if (!sink->attached()) tracker.reset();  // the session cannot go on: the next HELLO rebuilds
     }
     try {
-      note_error(why);
+      poison_note = poisons ? fmt::format("poisoned: delta version {} failed after patching the weights in place "
+                                          "({}); the receiver refuses deltas and subsets until a whole version commits",
+                                          version, why)
+                            : std::string();
+      note_error(poisons ? poison_note : why);
       REFIT_WARN("refit of version {} from {} aborted: {}{}", version, peer, why,
-                 is_dirty.load() ? " (weights partly overwritten: dirty until a refit commits)" : "");
+                 poisons ? " (poisoned: a delta was applied half-way; dirty until a whole version commits)"
+                 : is_dirty.load() ? " (weights partly overwritten: dirty until a refit commits)" : "");
       endings.push_back(ending{version, false, why});
     } catch (...) {
     }
@@ -374,9 +401,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
   /// Ends the refit in progress and says why in the reply.
-  receiver_event fail_refit(errc code, const std::string& message) {
-    abort_refit(message);
+  receiver_event fail_refit(errc code, const std::string& message, bool finished = false) {
+    poison_note.clear();
+    abort_refit(message, finished);
     reply_error(code, message);
+    if (!poison_note.empty()) note_error(poison_note);  // the streamer hears why; last_error() says poisoned
     return receiver_event::aborted;
   }
 
@@ -537,6 +566,17 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       reply_error(e.code(), e.what());
       return receiver_event::aborted;
     }
+    if (b.subset) {
+      if (const auto why = no_base_for(b)) {
+        tracker->reset();
+        REFIT_INFO("refused BEGIN of {} version {} from {}: {}", b.base ? "delta" : "subset", b.version, peer, *why);
+        reply_error(errc::needs_whole, *why);
+        return receiver_event::refused;
+      }
+    }
+    refit_subset = b.subset;
+    refit_delta = b.base.has_value();
+    delta_terms = 0;
     refit_generation = sink_generation;
     if (const auto refused = run_begin_hook(b.version)) {
       tracker->reset();
@@ -550,6 +590,86 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     if (direct) is_dirty.store(true);
     reply_ok();
     return receiver_event::begin;
+  }
+
+  /// Why this receiver cannot take subset (or delta) version `b`, or nullopt: it must hold a whole
+  /// version of its table as it is, with clean weights; a delta also needs exactly its base, the
+  /// base's checksum, and a table it can patch on the host (plain destinations).
+  std::optional<std::string> no_base_for(const wire::begin& b) const {
+    const std::string what = fmt::format("{} version {}", b.base ? "delta" : "subset", b.version);
+    if (callback)
+      return fmt::format("{}: this receiver applies through a callback, which keeps no weights to keep the tensors "
+                         "not sent from; send whole versions",
+                         what);
+    if (!whole_generation || *whole_generation != sink_generation)
+      return fmt::format("{}: this receiver has not committed a whole version{}, so it holds no base for the tensors "
+                         "a subset does not send; send a whole version first",
+                         what, whole_generation ? " since its parameter table was last changed" : "");
+    if (is_poisoned.load())
+      return fmt::format("{}: this receiver is poisoned (a delta failed after patching its weights: {}); send a "
+                         "whole version",
+                         what, last_error_copy());
+    if (is_dirty.load())
+      return fmt::format("{}: this receiver's weights are dirty (a refit that did not commit overwrote part of them); "
+                         "send a whole version",
+                         what);
+    if (!b.base) return std::nullopt;
+    const auto have = committed_version();
+    if (have != b.base)
+      return fmt::format("{}: its base is version {}, but this receiver holds version {}; send a whole version", what,
+                         *b.base, have ? std::to_string(*have) : std::string("none"));
+    if (!known_checksum)
+      return fmt::format("{}: this receiver has no checksum of version {} (its END carried none) to check the delta "
+                         "against; send a whole version",
+                         what, *b.base);
+    if (direct || in_place || sink->where().kind != device_kind::cpu)
+      return fmt::format("{}: this receiver's session ({} {}) cannot apply patches, which are applied on the host "
+                         "from the buffers; send a whole version",
+                         what, sink->name(), direct || in_place ? "written in place" : "on the GPU");
+    for (const auto& [name, slots] : table)
+      for (const slot& sl : slots)
+        if (!plan::is_plain(sl.dest) || sl.dest.dev.kind != device_kind::cpu)
+          return fmt::format("{}: the destination of '{}' is a view in the engine's layout ({}), and patches are "
+                             "applied only to plain host tensors; send a whole version",
+                             what, name, describe(sl.dest.meta));
+    return std::nullopt;
+  }
+
+  std::string last_error_copy() const {
+    std::lock_guard lock(mutex);
+    return last_error_;
+  }
+
+  /// A delta's batch, before anything of it is written: every patch well formed (check_patches), so
+  /// that a corrupt one writes nothing of its batch. Then apply_delta() writes patches and spans
+  /// sent as bytes into every destination of their tensor, summing the version checksum's change
+  /// as the old bytes are overwritten.
+  void check_patches(const wire::batch& b) const {
+    const std::byte* base = sink->data(b.buffer);
+    for (const wire::entry& e : b.entries)
+      if (e.kind == wire::entry_kind::patch)
+        delta::check_patch(base + e.buffer_offset, e.bytes, itemsize(e.type), e.span, e.name);
+  }
+
+  void apply_delta(const wire::batch& b) {
+    const std::byte* base = sink->data(b.buffer);
+    std::vector<std::byte*> dests;
+    for (const wire::entry& e : b.entries) {
+      if (e.bytes == 0) continue;
+      dests.clear();
+      for (const slot& sl : *table.find(e.name)) dests.push_back(static_cast<std::byte*>(sl.dest.data));
+      const std::uint64_t total = *checked_nbytes(e.type, e.shape);
+      const std::uint64_t weight = delta::name_weight(e.name);
+      const std::byte* from = base + e.buffer_offset;
+      if (e.kind == wire::entry_kind::patch) {
+        delta_terms += weight * delta::apply_patch(from, e.bytes, itemsize(e.type), e.tensor_offset, total, dests);
+        continue;
+      }
+      std::byte* first = dests.front() + e.tensor_offset;
+      delta_terms += weight * (delta::range_terms(from, e.tensor_offset, e.bytes, total) -
+                               delta::range_terms(first, e.tensor_offset, e.bytes, total));
+      for (std::byte* d : dests) std::memcpy(d + e.tensor_offset, from, e.bytes);
+    }
   }
 
   /// Runs on_begin; what it threw, as the refusal to send (a refit::error keeps its code, anything
@@ -657,6 +777,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       sink->entries(b.buffer, segments);
     }
     sink->begin_read(b.buffer);
+    if (refit_delta) check_patches(b);  // a corrupt patch is refused before its batch writes anything
     is_dirty.store(true);  // from here on the weights may be partly overwritten
     if (callback) {
       const std::byte* base = sink->data(b.buffer);
@@ -679,6 +800,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       } catch (...) {
         throw error(errc::apply, fmt::format("the batch callback threw a non-standard exception on BATCH {}", b.seq));
       }
+    } else if (refit_delta) {
+      apply_delta(b);
     } else {
       copier->run(ops, sink->stream());
     }
@@ -700,7 +823,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     try {
       tracker->check(b);
       if (!callback)
-        ops = table_ops(b, sink->data(b.buffer), sink->moves_entries() && !direct ? &segments : nullptr, direct);
+        ops = table_ops(b, sink->data(b.buffer), sink->moves_entries() && !direct ? &segments : nullptr,
+                        direct || refit_delta);
     } catch (const error& e) {
       return fail_refit(e.code(), e.what());
     }
@@ -736,7 +860,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     double drain_seconds = 0;
     try {
       tracker->finish(e);
-      if (!callback) {
+    } catch (const error& ex) {
+      return fail_refit(ex.code(), ex.what());
+    }
+    try {
+      if (refit_delta) check_delta(e);
+      if (!callback && !refit_subset) {
         std::size_t missing = 0;
         std::string first;
         for (const auto& [name, slots] : table) {
@@ -754,11 +883,19 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       sink->drain();
       drain_seconds = seconds_since(td);
     } catch (const error& ex) {
-      return fail_refit(ex.code(), ex.what());
+      return fail_refit(ex.code(), ex.what(), true);
     }
     committed.store(e.version, std::memory_order_release);
     has_committed.store(true, std::memory_order_release);
     is_dirty.store(false);
+    // What the new version is a base for: a whole version for subsets, and for deltas when its END
+    // carried a checksum (trusted: re-reading every byte would cost what a delta saves); a delta's
+    // was checked above; a subset's is unknown (it did not carry the other tensors).
+    if (!refit_subset) {
+      whole_generation = sink_generation;
+      is_poisoned.store(false);
+    }
+    known_checksum = refit_subset && !refit_delta ? std::nullopt : e.checksum;
     {
       std::lock_guard lock(mutex);
       stats_ = receiver_stats{e.version, e.tensors, e.bytes, e.batches, seconds_since(refit_start), apply_seconds,
@@ -770,6 +907,20 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     endings.push_back(ending{e.version, true, {}});
     reply_ok();
     return receiver_event::committed;
+  }
+
+  /// A delta's END: the checksum the streamer computed of the whole new version must be the one the
+  /// receiver's weights now have (the base's, changed by what the patches wrote). Throws errc::apply.
+  void check_delta(const wire::end& e) const {
+    if (!e.checksum)
+      throw error(errc::protocol, fmt::format("END of delta version {} carries no checksum", e.version));
+    const std::uint64_t mine = *known_checksum + delta_terms;
+    if (mine != *e.checksum)
+      throw error(errc::apply,
+                  fmt::format("delta version {} does not check out: the streamer's checksum of the whole version is "
+                              "{:#018x}, the weights here now sum to {:#018x} (a corrupted patch, or weights that were "
+                              "not the base); nothing was committed",
+                              e.version, *e.checksum, mine));
   }
 
   /// The streamer gave up the refit on its side (ABORT).
@@ -1015,6 +1166,7 @@ void receiver::serve(const std::function<bool()>& stop, milliseconds poll) {
 
 std::optional<std::uint64_t> receiver::committed_version() const noexcept { return impl_->committed_version(); }
 bool receiver::dirty() const noexcept { return impl_->is_dirty.load(); }
+bool receiver::poisoned() const noexcept { return impl_->is_poisoned.load(); }
 
 receiver_stats receiver::last_stats() const {
   std::lock_guard lock(impl_->mutex);

@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <optional>
 #include <unordered_set>
 #include <utility>
@@ -26,6 +28,9 @@
 
 #include "channel/channel.hpp"
 #include "copy/copy.hpp"
+#include "delta/base.hpp"
+#include "delta/checksum.hpp"
+#include "delta/patch.hpp"
 #include "model/log.hpp"
 #include "refit/plan.hpp"
 #include "transport/registry.hpp"
@@ -102,7 +107,19 @@ void validate(const streamer_options& o) {
     throw error(errc::invalid_argument, "streamer_options.timeout must be positive");
   channel::validate_curve(o.curve, false);
   refit::validate(plan_from(o));
+  if (o.delta.enable && o.transport != transport_kind::host_shm)
+    throw error(errc::invalid_argument,
+                fmt::format("streamer_options.delta needs the host_shm transport in this build, not {}: the diff "
+                            "and the receiver's patching run on the host",
+                            to_string(o.transport)));
+  if (o.delta.enable && o.delta.memory == delta_memory::device && o.transport == transport_kind::host_shm)
+    throw error(errc::invalid_argument,
+                "streamer_options.delta.memory is device, but the host_shm transport sends host tensors: keep the "
+                "base in host memory");
 }
+
+/// How one refit is sent.
+enum class sending : std::uint8_t { whole, subset, delta };
 
 class span_source final : public tensor_source {
  public:
@@ -145,6 +162,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// Set by request() when it throws: a receiver refused or stayed silent, so the failure is
   /// known on that side (no ABORT needed).
   bool receivers_failed = false;
+  /// The delta base (streamer_options::delta), or null.
+  std::unique_ptr<delta::base_store> base;
+  bool warned_base_bound = false;
 
   explicit impl(streamer_options o) : options(std::move(o)) {
     validate(options);
@@ -161,6 +181,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     so.direct = options.direct && can.writes_in_place;
     buffers = transport::make_source(so);
     copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device, options.timeout);
+    if (options.delta.enable)
+      base = std::make_unique<delta::base_store>(
+          options.delta.memory == delta_memory::device ? delta::memory::device : delta::memory::host,
+          options.delta.max_bytes, options.device);
   }
 
   /// Forgets the session: the next refit says HELLO again.
@@ -350,32 +374,63 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                                                               : "use the cuda_ipc or nccl transport for GPU tensors"));
   }
 
-  refit_stats run(std::uint64_t version, tensor_source& source) {
+  /// Says BEGIN for `how` (a delta names the base); a receiver without a session makes it say HELLO
+  /// again, once.
+  void say_begin(std::uint64_t version, sending how) {
+    wire::begin b{version, how != sending::whole, std::nullopt};
+    if (how == sending::delta) b.base = base->version();
+    const std::string what = fmt::format("BEGIN of {}version {}", how == sending::delta ? "delta " : "", version);
+    try {
+      request(b, what);
+    } catch (const error& e) {
+      // A receiver that restarted since our HELLO has no session with us (or one that must
+      // lay the session out anew): start one, once.
+      if (e.code() != errc::peer) throw;
+      REFIT_INFO("{}; saying HELLO again", e.what());
+      drop_session();
+      ensure_session();
+      request(b, what);
+    }
+  }
+
+  /// Says BEGIN, as a delta when the base allows it; a receiver that refuses the delta
+  /// (errc::needs_whole: it does not hold the base) gets the whole version instead.
+  sending begin_refit(std::uint64_t version, refit_scope scope, refit_stats& stats) {
+    sending how = scope == refit_scope::subset ? sending::subset : sending::whole;
+    if (base && scope == refit_scope::subset) base->invalidate();  // the receivers' version is no base of ours
+    if (base && how == sending::whole && base->version()) how = sending::delta;
+    const auto tw = clock::now();
+    try {
+      say_begin(version, how);
+    } catch (const error& e) {
+      if (how != sending::delta || e.code() != errc::needs_whole) throw;
+      REFIT_INFO("{}; sending version {} whole", e.what(), version);
+      base->invalidate();
+      how = sending::whole;
+      stats.whole_after_refusal = true;
+      say_begin(version, how);
+    }
+    stats.wait_seconds += seconds_since(tw);
+    stats.subset = how != sending::whole;
+    stats.delta = how == sending::delta;
+    if (stats.delta) stats.base = *base->version();
+    return how;
+  }
+
+  refit_stats run(std::uint64_t version, tensor_source& source, refit_scope scope) {
     const auto t0 = clock::now();
     ensure_session();
     refit_stats stats;
     stats.version = version;
-
-    {
-      const auto tw = clock::now();
-      const std::string what = fmt::format("BEGIN of version {}", version);
-      try {
-        request(wire::begin{version}, what);
-      } catch (const error& e) {
-        // A receiver that restarted since our HELLO has no session with us (or one that must
-        // lay the session out anew): start one, once.
-        if (e.code() != errc::peer) throw;
-        REFIT_INFO("{}; saying HELLO again", e.what());
-        drop_session();
-        ensure_session();
-        request(wire::begin{version}, what);
-      }
-      stats.wait_seconds += seconds_since(tw);
-    }
+    const sending how = begin_refit(version, scope, stats);
+    // From here until END's reply the base is being rewritten: any failure leaves it unusable.
+    std::uint64_t checksum = how == sending::delta ? base->checksum() : 0;
+    if (base) base->invalidate();
+    bool keep = base != nullptr && how != sending::subset;
 
     receivers_failed = false;
     try {
-      send_tensors(version, source, stats);
+      send_tensors(version, source, stats, how, &checksum, keep);
     } catch (const error& e) {
       if (!receivers_failed) abort_everywhere(version, e.code(), e.what());
       throw;
@@ -387,13 +442,16 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       throw;
     }
 
-    wire::end e{version, stats.tensors, stats.bytes, stats.batches};
+    wire::end e{version, stats.tensors, stats.bytes, stats.batches, std::nullopt};
+    if (keep) e.checksum = checksum;
     const auto tw = clock::now();
     request(e, fmt::format("END of version {}", version));
     stats.wait_seconds += seconds_since(tw);
     const auto td = clock::now();
     buffers->drain();
     REFIT_DEBUG("version {}: drained in {:.0f} us", version, seconds_since(td) * 1e6);
+    if (keep) base->commit(version, checksum);
+    if (base) stats.base_bytes = base->bytes();
     stats.seconds = seconds_since(t0);
     REFIT_INFO("version {} committed: {} tensors, {:.3f} GB in {} batches, {:.2f} ms", version, stats.tensors,
                static_cast<double>(stats.bytes) / 1e9, stats.batches, stats.seconds * 1e3);
@@ -461,6 +519,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
     std::uint64_t seq = 0;
     std::size_t planned = 0;  ///< tensors given to the planner, scale tensors included
+    /// The batch the planner numbers 0 (a delta starts a new planner when it closes a batch early).
+    std::uint64_t first_batch = 0;
+    /// Tensor bytes a delta's open batch covers (see send_delta).
+    std::uint64_t covered = 0;
     std::vector<wire::entry> entries;
     std::vector<copy::op> ops;
     std::vector<copy::convert_op> cops;  ///< converting copies (destinations that asked another dtype)
@@ -469,6 +531,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::vector<void*> streams;
     std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
     std::vector<plan::run> pieces;             ///< scratch of copy::append_route
+    /// Patches of the open batch: their copies into the buffer run at flush().
+    std::deque<std::vector<std::byte>> patches;
 
     // Direct writes need nothing from the receiver until the batch's manifest is sent, so they may
     // be launched as they are planned: when the source is slower than the copies (a Python
@@ -541,6 +605,16 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       seq += 1;
       entries.clear();
       segments.clear();
+      patches.clear();
+      covered = 0;
+    }
+
+    /// Adds an entry whose buffer bytes are copied from `from` (host memory valid until the next
+    /// flush): a delta's patch, or a span of a tensor sent as bytes.
+    void add_copied(wire::entry e, const std::byte* from) {
+      if (e.bytes != 0)
+        ops.push_back(copy::op{from, st.buffers->data(seq % st.buffers->count()) + e.buffer_offset, e.bytes});
+      entries.push_back(std::move(e));
     }
 
     /// Adds one placed piece of tensor `t` to the open batch: its entry, and the copy or segment
@@ -552,7 +626,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
              const copy::cvt::conversion* cv = nullptr) {
       if (t.stream != nullptr && (streams.empty() || streams.back() != t.stream)) streams.push_back(t.stream);
       entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, p.entry.tensor_offset, p.entry.bytes,
-                                    p.entry.buffer_offset});
+                                    p.entry.buffer_offset, wire::entry_kind::bytes, 0});
       if (p.entry.bytes == 0) return;
       if (cv != nullptr) {
         add_converted(t, p, targets, *cv);
@@ -619,6 +693,118 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
     }
   };
+
+  /// Scratch of send_delta(): the diff's output for one span, and a tensor's patches until placed.
+  struct delta_scratch {
+    std::vector<std::uint32_t> indices;
+    std::vector<std::byte> values;
+    std::vector<std::vector<std::byte>> pending;
+    std::vector<bool> as_bytes;
+  };
+  delta_scratch delta_buffers;  ///< kept between refits (a span's worth of indices and values)
+
+  /// Copies a tensor of a whole version into the base and adds its checksum; false (and a warning)
+  /// when the base would outgrow its bound.
+  bool keep_in_base(const tensor_ref& t, std::uint64_t bytes, std::uint64_t& checksum, refit_stats& stats) {
+    const auto td = clock::now();
+    delta::base_store::tensor* b = base->place(t.meta);
+    if (b == nullptr) {
+      if (!warned_base_bound)
+        REFIT_WARN("the delta base would take more than its bound of {} bytes (delta_options::max_bytes): versions "
+                   "are sent whole",
+                   base->max_bytes());
+      warned_base_bound = true;
+      return false;
+    }
+    if (bytes != 0) std::memcpy(b->data, t.data, bytes);
+    checksum += delta::name_weight(t.meta.name) * copy::checksum(b->data, bytes);
+    stats.diff_seconds += seconds_since(td);
+    stats.pack_seconds += seconds_since(td);
+    return true;
+  }
+
+  /// Diffs one tensor against the base span by span (delta::span_bytes), brings the base up to date
+  /// and adds the tensor's patches (or, for a span that changed densely, its bytes) to the batches.
+  /// A tensor that did not change is not sent: returns false. Throws errc::invalid_argument for a
+  /// tensor the base does not hold as it is (new, or another dtype or shape).
+  bool send_delta(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, delta_scratch& sc,
+                  std::uint64_t& checksum) {
+    delta::base_store::tensor* b = base->find(t.meta.name);
+    if (b == nullptr || b->meta.type != t.meta.type || b->meta.shape != t.meta.shape)
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor {} is {} the delta's base (version {}): a delta carries the tensors of its base "
+                              "as they were; the next refit is sent whole",
+                              describe(t.meta), b == nullptr ? "not in" : fmt::format("{} in", describe(b->meta)),
+                              w.stats.base));
+    const auto td = clock::now();
+    const std::size_t item = itemsize(t.meta.type);
+    const std::uint64_t total = b->bytes;
+    const std::uint64_t span = delta::span_bytes(plan.buffer_bytes);
+    const auto* src = static_cast<const std::byte*>(t.data);
+    const std::uint64_t weight = delta::name_weight(t.meta.name);
+    if (sc.indices.size() < span / item) {
+      sc.indices.resize(span / item);
+      sc.values.resize(span);
+    }
+    // First every span, so that a tensor that did not change is not sent at all.
+    sc.pending.clear();
+    sc.as_bytes.clear();
+    std::uint64_t changes = 0;
+    for (std::uint64_t off = 0; off < total; off += span) {
+      const std::uint64_t n = std::min(span, total - off);
+      const delta::diff_result r =
+          delta::diff(b->data + off, src + off, off, n, item, total, sc.indices.data(), sc.values.data());
+      checksum += weight * r.terms;
+      changes += r.changes;
+      const std::uint64_t bytes = r.changes * delta::record_bytes(item);
+      std::vector<std::byte> patch;
+      sc.as_bytes.push_back(bytes >= n);  // records no smaller than the span: send the span's bytes
+      if (bytes < n && bytes != 0) {
+        patch.resize(bytes);
+        std::memcpy(patch.data(), sc.indices.data(), 4 * r.changes);
+        std::memcpy(patch.data() + 4 * r.changes, sc.values.data(), r.changes * item);
+      }
+      sc.pending.push_back(std::move(patch));
+    }
+    w.stats.elements += total / item;
+    w.stats.changed += changes;
+    w.stats.diff_seconds += seconds_since(td);
+    w.stats.pack_seconds += seconds_since(td);
+    if (changes == 0) return false;
+    std::uint64_t k = 0;
+    for (std::uint64_t off = 0; off < total; off += span, ++k) {
+      const std::uint64_t n = std::min(span, total - off);
+      std::vector<std::byte>& patch = sc.pending[k];
+      const bool as_bytes = sc.as_bytes[k];
+      for (const placement& p : pl.add(index, as_bytes ? n : patch.size())) {
+        while (w.first_batch + p.batch > w.seq) w.flush();
+        if (as_bytes) {
+          w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off + p.entry.tensor_offset, p.entry.bytes,
+                                   p.entry.buffer_offset, wire::entry_kind::bytes, 0},
+                       src + off + p.entry.tensor_offset);
+        } else {
+          w.patches.push_back(std::move(patch));
+          w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off, p.entry.bytes, p.entry.buffer_offset,
+                                   wire::entry_kind::patch, n},
+                       w.patches.back().data());
+        }
+        w.stats.bytes += p.entry.bytes;
+      }
+    }
+    // Patches are small: a batch would hold a large part of the version, and the receiver would
+    // start patching only once the streamer had diffed all of it. A batch is sent once it covers
+    // delta_batch_covers bytes of tensors, so that the receiver's patching overlaps the next diffs.
+    w.covered += total;
+    if (w.covered >= delta_batch_covers) {
+      w.flush();
+      pl = planner(pl.options());
+      w.first_batch = w.seq;
+    }
+    return true;
+  }
+
+  /// Tensor bytes after which a delta's batch is sent (see send_delta).
+  static constexpr std::uint64_t delta_batch_covers = 32ull << 20;
 
   /// An in-place nccl session sends every tensor from the streamer's GPU: throws for one elsewhere.
   void check_in_place(const tensor_ref& t, std::uint64_t bytes, std::uint64_t version) const {
@@ -784,10 +970,17 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     return out;
   }
 
-  /// Everything between BEGIN and END: plans, packs and sends the batches of `source`.
-  void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats) {
+  /// Everything between BEGIN and END: plans, packs and sends the batches of `source`. A delta
+  /// sends patches against the base (and brings it up to date); with `keep` a whole version is
+  /// copied into the base (false when it outgrew its bound). `checksum`: the version checksum,
+  /// updated as tensors pass (with a base).
+  void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats, sending how,
+                    std::uint64_t* checksum, bool& keep) {
     batch_writer w(*this, version, stats);
-    planner pl(w.plan_for(plan));
+    plan_options po = w.plan_for(plan);
+    if (how == sending::delta) po.keep_whole = true;  // a patch must never be split (delta::span_bytes)
+    planner pl(po);
+    delta_scratch& scratch = delta_buffers;
     std::unordered_set<std::string> names;
     copier->reset_scratch();  // the last refit's copies are complete (END drained them)
     for (;;) {
@@ -800,8 +993,16 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (!names.insert(t->meta.name).second)
         throw error(errc::invalid_argument,
                     fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
+      stats.tensor_bytes += bytes;
       if (const wire::conversion* c = conversion_for(*t)) {
+        if (how == sending::delta)
+          throw error(errc::invalid_argument,
+                      fmt::format("tensor {}: the receivers ask for it converted, and a delta version patches the "
+                                  "bytes the trainer holds, not converted ones: send versions whole to receivers "
+                                  "that convert (streamer_options::delta off)",
+                                  describe(t->meta)));
         send_converted(w, pl, *t, *c, version, stats);
+        keep = false;  // the base holds what was sent as it was; a converted tensor is not there
         continue;
       }
       // A direct session writes each of the receiver's destinations of this tensor along its route
@@ -809,12 +1010,17 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       const std::vector<transport::routed> targets =
           w.direct ? buffers->routes(t->meta) : std::vector<transport::routed>{};
       if (w.in_place) check_in_place(*t, bytes, version);
+      if (how == sending::delta) {
+        if (send_delta(w, pl, w.planned++, *t, scratch, *checksum)) stats.tensors += 1;
+        continue;
+      }
       for (const placement& p : pl.add(w.planned++, bytes)) {
         while (p.batch > w.seq) w.flush();
         w.add(*t, p, targets);
       }
       stats.tensors += 1;
       stats.bytes += bytes;
+      if (keep) keep = keep_in_base(*t, bytes, *checksum, stats);
     }
     if (!w.entries.empty()) w.flush();
 
@@ -838,19 +1044,20 @@ streamer& streamer::operator=(streamer&& other) noexcept {
   return *this;
 }
 
-refit_stats streamer::refit(std::uint64_t version, tensor_source& source) {
+refit_stats streamer::refit(std::uint64_t version, tensor_source& source, refit_scope scope) {
   if (!impl_) throw error(errc::invalid_argument, "refit() on a moved-from streamer");
-  return impl_->run(version, source);
+  return impl_->run(version, source, scope);
 }
 
-refit_stats streamer::refit(std::uint64_t version, std::span<const tensor_ref> tensors) {
+refit_stats streamer::refit(std::uint64_t version, std::span<const tensor_ref> tensors, refit_scope scope) {
   span_source source(tensors);
-  return refit(version, source);
+  return refit(version, source, scope);
 }
 
-refit_stats streamer::refit(std::uint64_t version, const std::function<std::optional<tensor_ref>()>& next) {
+refit_stats streamer::refit(std::uint64_t version, const std::function<std::optional<tensor_ref>()>& next,
+                            refit_scope scope) {
   function_source source(next);
-  return refit(version, source);
+  return refit(version, source, scope);
 }
 
 void streamer::close() noexcept {

@@ -57,6 +57,7 @@ refit_tracker::refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint6
 
 void refit_tracker::reset() noexcept {
   active_ = false;
+  delta_ = false;
   version_ = 0;
   next_seq_ = 0;
   bytes_ = 0;
@@ -73,6 +74,7 @@ void refit_tracker::begin(const wire::begin& b, std::optional<std::uint64_t> com
   reset();
   active_ = true;
   version_ = b.version;
+  delta_ = b.base.has_value();
 }
 
 void refit_tracker::check(const wire::batch& b) {
@@ -137,9 +139,12 @@ refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) 
       next = *prev;
     }
     std::uint64_t last = 0;
-    if (__builtin_add_overflow(next.next, e.bytes, &last) || last > next.total)
+    if (__builtin_add_overflow(next.next, e.covered(), &last) || last > next.total)
       violation(fmt::format("{}: byte range [{}, {} + {}) exceeds the tensor's {} bytes ({})", where(),
-                            e.tensor_offset, e.tensor_offset, e.bytes, next.total, shape_string(e.type, e.shape)));
+                            e.tensor_offset, e.tensor_offset, e.covered(), next.total, shape_string(e.type, e.shape)));
+    if (e.kind == entry_kind::patch && !delta_)
+      violation(fmt::format("{}: a patch entry in version {}, which is not a delta (BEGIN named no base)", where(),
+                            version_));
     next.next = last;
     const bool done = next.next == next.total;
     changes.insert_or_assign(std::string_view(e.name), staged{std::move(next), done});

@@ -27,6 +27,10 @@ std::string_view to_string(msg_type t) noexcept {
   return "UNKNOWN";
 }
 
+std::string_view to_string(entry_kind k) noexcept {
+  return k == entry_kind::patch ? "patch" : "bytes";
+}
+
 std::string_view to_string(session_mode m) noexcept {
   return m == session_mode::in_place ? "in place" : "buffers";
 }
@@ -91,9 +95,21 @@ void encode_body(packer& p, const hello& m) {
   pack_str(p, m.layout);
 }
 
+void pack_optional(packer& p, const std::optional<std::uint64_t>& v) {
+  if (v) pack_uint(p, *v);
+  else p.pack_nil();
+}
+
+void pack_bool(packer& p, bool v) {
+  if (v) p.pack_true();
+  else p.pack_false();
+}
+
 void encode_body(packer& p, const begin& m) {
-  head(p, msg_type::begin, 1);
+  head(p, msg_type::begin, 3);
   pack_uint(p, m.version);
+  pack_bool(p, m.subset);
+  pack_optional(p, m.base);
 }
 
 void encode_body(packer& p, const batch& m) {
@@ -103,7 +119,7 @@ void encode_body(packer& p, const batch& m) {
   pack_uint(p, m.buffer);
   p.pack_array(static_cast<std::uint32_t>(m.entries.size()));
   for (const auto& e : m.entries) {
-    p.pack_array(6);
+    p.pack_array(8);
     pack_str(p, e.name);
     pack_uint(p, static_cast<std::uint64_t>(e.type));
     p.pack_array(static_cast<std::uint32_t>(e.shape.size()));
@@ -111,25 +127,26 @@ void encode_body(packer& p, const batch& m) {
     pack_uint(p, e.tensor_offset);
     pack_uint(p, e.bytes);
     pack_uint(p, e.buffer_offset);
+    pack_uint(p, static_cast<std::uint8_t>(e.kind));
+    pack_uint(p, e.kind == entry_kind::patch ? e.span : 0);
   }
 }
 
 void encode_body(packer& p, const end& m) {
-  head(p, msg_type::end, 4);
+  head(p, msg_type::end, 5);
   pack_uint(p, m.version);
   pack_uint(p, m.tensors);
   pack_uint(p, m.bytes);
   pack_uint(p, m.batches);
+  pack_optional(p, m.checksum);
 }
 
 void encode_body(packer& p, const bye&) { head(p, msg_type::bye, 0); }
 
 void encode_body(packer& p, const ok& m) {
   head(p, msg_type::ok, 5);
-  if (m.committed) pack_uint(p, *m.committed);
-  else p.pack_nil();
-  if (m.dirty) p.pack_true();
-  else p.pack_false();
+  pack_optional(p, m.committed);
+  pack_bool(p, m.dirty);
   p.pack_array(static_cast<std::uint32_t>(m.handles.size()));
   for (const auto& h : m.handles) pack_bin(p, h);
   pack_uint(p, static_cast<std::uint8_t>(m.mode));
@@ -287,9 +304,9 @@ class reader {
 constexpr std::size_t field_count(msg_type t) noexcept {
   switch (t) {
     case msg_type::hello: return 10;
-    case msg_type::begin: return 1;
+    case msg_type::begin: return 3;
     case msg_type::batch: return 4;
-    case msg_type::end: return 4;
+    case msg_type::end: return 5;
     case msg_type::bye: return 0;
     case msg_type::ok: return 5;
     case msg_type::error: return 2;
@@ -338,9 +355,30 @@ std::string describe_type(dtype t, std::span<const std::int64_t> shape) {
   return fmt::format("{}[{}]", to_string(t), fmt::join(shape, ", "));
 }
 
+/// A patch entry's stateless rules: its span lies in the tensor on element boundaries, and its bytes
+/// hold whole (index, value) records, no more than the span has elements (see entry_kind::patch).
+void check_patch_entry(reader& r, entry& e, std::uint64_t total) {
+  const std::uint64_t item = itemsize(e.type);
+  // The byte range checked above was the buffer bytes; a patch's tensor range is its span.
+  std::uint64_t last = 0;
+  if (__builtin_add_overflow(e.tensor_offset, e.span, &last) || last > total)
+    r.fail("span", fmt::format("[{}, {} + {}) exceeds the tensor's {} bytes ({})", e.tensor_offset, e.tensor_offset,
+                               e.span, total, describe_type(e.type, e.shape)));
+  if (e.tensor_offset % item != 0 || e.span % item != 0)
+    r.fail("span", fmt::format("[{}, {} + {}) is not on {}-byte element boundaries", e.tensor_offset, e.tensor_offset,
+                               e.span, item));
+  if (e.span / item > std::numeric_limits<std::uint32_t>::max())
+    r.fail("span", fmt::format("covers {} elements; a patch indexes at most 2^32 - 1", e.span / item));
+  if (e.bytes % (4 + item) != 0)
+    r.fail("bytes", fmt::format("{} is not a whole number of {}-byte (index, value) records", e.bytes, 4 + item));
+  if (e.bytes / (4 + item) > e.span / item)
+    r.fail("bytes", fmt::format("hold {} changes, more than the {} elements of the span", e.bytes / (4 + item),
+                                e.span / item));
+}
+
 entry decode_entry(reader& r, const object& o, std::size_t index) {
   r.set_context(fmt::format("entry {}: ", index));
-  const auto f = r.record(o, "descriptor", 6);
+  const auto f = r.record(o, "descriptor", 8);
   entry e;
   e.name = r.str(f[0], "name", max_name_bytes);
   if (e.name.empty()) r.fail("name", "is empty; every tensor needs a name");
@@ -368,13 +406,28 @@ entry decode_entry(reader& r, const object& o, std::size_t index) {
   e.buffer_offset = r.u64(f[5], "buffer_offset");
 
   std::uint64_t last = 0;
-  if (__builtin_add_overflow(e.tensor_offset, e.bytes, &last))
-    r.fail("tensor_offset", fmt::format("{} + bytes {} overflows", e.tensor_offset, e.bytes));
-  if (last > *total)
-    r.fail("byte range", fmt::format("[{}, {}) exceeds the tensor's {} bytes ({})", e.tensor_offset, last,
-                                     *total, describe_type(e.type, e.shape)));
+  const bool patch = f[6].type == mt::POSITIVE_INTEGER && f[6].via.u64 == static_cast<std::uint64_t>(entry_kind::patch);
+  if (!patch) {  // a patch's bytes are (index, value) records: its span is checked below
+    if (__builtin_add_overflow(e.tensor_offset, e.bytes, &last))
+      r.fail("tensor_offset", fmt::format("{} + bytes {} overflows", e.tensor_offset, e.bytes));
+    if (last > *total)
+      r.fail("byte range", fmt::format("[{}, {}) exceeds the tensor's {} bytes ({})", e.tensor_offset, last,
+                                       *total, describe_type(e.type, e.shape)));
+  }
   if (__builtin_add_overflow(e.buffer_offset, e.bytes, &last))
     r.fail("buffer_offset", fmt::format("{} + bytes {} overflows", e.buffer_offset, e.bytes));
+
+  const std::uint64_t k = r.u64(f[6], "kind");
+  if (k > static_cast<std::uint64_t>(entry_kind::patch))
+    r.fail("kind", fmt::format("has unknown value {}; the peer runs a newer refit or is broken", k));
+  e.kind = static_cast<entry_kind>(k);
+  const std::uint64_t span = r.u64(f[7], "span");
+  if (e.kind == entry_kind::bytes) {
+    if (span != 0) r.fail("span", fmt::format("is {} in an entry of kind bytes; only a patch covers a span", span));
+    return e;
+  }
+  e.span = span;
+  check_patch_entry(r, e, *total);
   return e;
 }
 
@@ -422,13 +475,28 @@ std::vector<conversion> decode_conversions(reader& r, const object& o) {
   return out;
 }
 
+std::optional<std::uint64_t> optional_u64(reader& r, const object& o, std::string_view field) {
+  if (o.type == mt::NIL) return std::nullopt;
+  if (o.type != mt::POSITIVE_INTEGER)
+    r.fail(field, fmt::format("must be nil or an unsigned integer, got {}", kind(o)));
+  return o.via.u64;
+}
+
+begin decode_begin(reader& r, std::span<const object> f) {
+  begin m;
+  m.version = r.u64(f[0], "version");
+  m.subset = r.boolean(f[1], "subset");
+  m.base = optional_u64(r, f[2], "base");
+  if (m.base && *m.base >= m.version)
+    r.fail("base", fmt::format("{} is not older than the version {} patched from it", *m.base, m.version));
+  if (m.base && !m.subset)
+    r.fail("subset", "is false in a delta (base given); a delta sends only what changed, so it is a subset");
+  return m;
+}
+
 ok decode_ok(reader& r, std::span<const object> f) {
   ok m;
-  if (f[0].type != mt::NIL) {
-    if (f[0].type != mt::POSITIVE_INTEGER)
-      r.fail("committed", fmt::format("must be nil or an unsigned integer, got {}", kind(f[0])));
-    m.committed = f[0].via.u64;
-  }
+  m.committed = optional_u64(r, f[0], "committed");
   m.dirty = r.boolean(f[1], "dirty");
   const auto handles = r.array(f[2], "handles", max_entries);
   m.handles.reserve(handles.size());
@@ -441,7 +509,7 @@ ok decode_ok(reader& r, std::span<const object> f) {
 
 errc decode_errc(reader& r, const object& o) {
   constexpr auto lo = static_cast<std::int64_t>(errc::invalid_argument);
-  constexpr auto hi = static_cast<std::int64_t>(errc::internal);
+  constexpr auto hi = static_cast<std::int64_t>(errc::needs_whole);
   if (o.type == mt::NEGATIVE_INTEGER) r.fail("code", fmt::format("{} is not an error code ({}..{})", o.via.i64, lo, hi));
   const std::uint64_t code = r.u64(o, "code");
   if (code < static_cast<std::uint64_t>(lo) || code > static_cast<std::uint64_t>(hi))
@@ -535,11 +603,11 @@ message decode(std::span<const std::byte> bytes) {
   reader r(t);
   switch (t) {
     case msg_type::hello: return decode_hello(r, fields);
-    case msg_type::begin: return begin{r.u64(fields[0], "version")};
+    case msg_type::begin: return decode_begin(r, fields);
     case msg_type::batch: return decode_batch(r, fields);
     case msg_type::end:
       return end{r.u64(fields[0], "version"), r.u64(fields[1], "tensors"), r.u64(fields[2], "bytes"),
-                 r.u64(fields[3], "batches")};
+                 r.u64(fields[3], "batches"), optional_u64(r, fields[4], "checksum")};
     case msg_type::bye: return bye{};
     case msg_type::ok: return decode_ok(r, fields);
     case msg_type::error: return decode_error(r, fields);

@@ -88,19 +88,45 @@ struct hello {
 };
 
 /// Starts refit `version`.
+///
+/// `subset`: the version carries only some of the receiver's tensors (LoRA adapters, the tensors
+/// that changed); the receiver keeps the others from the version it holds, so it needs one: a
+/// committed whole version and clean weights. `base`: a delta — patches against version `base`,
+/// which the receiver must hold exactly (its committed version, not dirty, not poisoned) or it
+/// refuses BEGIN with errc::needs_whole before writing anything. A delta is always a subset
+/// (tensors that did not change are not sent), and its base is older than its version.
 struct begin {
   std::uint64_t version = 0;
+  bool subset = false;
+  std::optional<std::uint64_t> base;
   friend bool operator==(const begin&, const begin&) = default;
 };
 
-/// One entry: bytes [tensor_offset, tensor_offset + bytes) of tensor `name`, at `buffer_offset`.
+/// What an entry's buffer bytes are.
+enum class entry_kind : std::uint8_t {
+  bytes = 0,  ///< the tensor's bytes [tensor_offset, tensor_offset + bytes), as they are
+  /// A patch of the tensor's bytes [tensor_offset, tensor_offset + span) (delta versions only):
+  /// n = bytes / (4 + itemsize) changes, laid out as n little-endian u32 element indices
+  /// (relative to tensor_offset / itemsize, strictly increasing, each < span / itemsize) followed
+  /// by the n new element values (itemsize bytes each). See lib/delta/patch.hpp.
+  patch = 1,
+};
+std::string_view to_string(entry_kind k) noexcept;
+
+/// One entry: bytes [tensor_offset, tensor_offset + bytes) of tensor `name`, at `buffer_offset`;
+/// or (kind patch) a patch of `bytes` buffer bytes that covers the tensor's bytes
+/// [tensor_offset, tensor_offset + span).
 struct entry {
   std::string name;
   dtype type = dtype::u8;
   std::vector<std::int64_t> shape;
   std::uint64_t tensor_offset = 0;
-  std::uint64_t bytes = 0;
+  std::uint64_t bytes = 0;  ///< in the buffer
   std::uint64_t buffer_offset = 0;
+  entry_kind kind = entry_kind::bytes;
+  std::uint64_t span = 0;  ///< patch: the tensor bytes it covers; bytes: 0 on the wire, read as `bytes`
+  /// The tensor bytes this entry accounts for (chunks must cover a tensor contiguously).
+  [[nodiscard]] std::uint64_t covered() const noexcept { return kind == entry_kind::patch ? span : bytes; }
   friend bool operator==(const entry&, const entry&) = default;
 };
 
@@ -117,8 +143,11 @@ struct batch {
 struct end {
   std::uint64_t version = 0;
   std::uint64_t tensors = 0;
-  std::uint64_t bytes = 0;
+  std::uint64_t bytes = 0;  ///< buffer bytes (a patch counts its own bytes, not the span it covers)
   std::uint64_t batches = 0;
+  /// The streamer's checksum of the whole new version (delta::version_checksum: every tensor it
+  /// holds, sent or not), when it keeps a base; required for a delta, whose receiver checks it.
+  std::optional<std::uint64_t> checksum;
   friend bool operator==(const end&, const end&) = default;
 };
 
@@ -208,8 +237,9 @@ message decode(std::string_view bytes);
 /// Rules: begin() needs no refit in progress' version to be reused and a version greater than the
 /// committed one; check() needs version == the refit's, seq == batches seen, buffer < buffer count,
 /// buffer_offset + bytes <= that buffer's size, entries of a batch not overlapping, at most
-/// max_entries entries, every name's chunks in order and contiguous from offset 0, the same dtype
-/// and shape for every chunk of a name, and no name after it completed. finish() needs
+/// max_entries entries, every name's chunks in order and contiguous from offset 0 (a patch entry
+/// covers its span), patch entries only in a delta, the same dtype and shape for every chunk of a
+/// name, and no name after it completed. finish() needs
 /// version == the refit's, every started tensor complete, and the END totals equal to what arrived.
 /// Each violation throws refit::error(errc::protocol, or errc::incomplete for finish()).
 class refit_tracker {
@@ -256,6 +286,7 @@ class refit_tracker {
   std::vector<std::uint64_t> buffer_bytes_;
   std::uint64_t max_entries_;
   bool active_ = false;
+  bool delta_ = false;  ///< BEGIN named a base: patch entries are allowed
   std::uint64_t version_ = 0;
   std::uint64_t next_seq_ = 0;
   std::uint64_t bytes_ = 0;

@@ -91,7 +91,14 @@ wire::batch batch1() {
            {"model.norm.bias", dtype::f16, {0}, 0, 0, 512},
            {"lm_head.scale", dtype::u8, {}, 0, 1, 1024}}};
 }
-wire::end end7() { return {7, 4, 64 + 512 + 512 + 1, 2}; }
+wire::end end7() { return {7, 4, 64 + 512 + 512 + 1, 2, std::nullopt}; }
+
+// Delta version 8 on base 7: a patch of two changes to the bf16 tensor (its whole 64 bytes), and
+// END with the version checksum.
+wire::batch batch_patch8() {
+  return {8, 0, 1, {{"model.embed.weight", dtype::bf16, {4, 8}, 0, 12, 0, wire::entry_kind::patch, 64}}};
+}
+wire::end end8() { return {8, 1, 12, 1, 0x9e3779b97f4a7c15ull}; }
 
 }  // namespace
 
@@ -113,12 +120,19 @@ int main(int argc, char** argv) {
                                                                 {64, 1}, refit::source_slice{1, 32, 32}, 0, 4096}));
     write(w, "session_nccl", refit::transport::encode_nccl_session({std::string(128, '\x2a'), 2, 4}));
     write(w, "dest_dense", wire::encode_dest(wire::dest_record{"q", refit::dtype::f32, {8, 4}, {}, std::nullopt, 1, 0}));
-    write(w, "begin", wire::encode(wire::begin{7}));
+    write(w, "begin", wire::encode(wire::begin{7, false, {}}));
     write(w, "batch_0", wire::encode(batch0()));
     write(w, "batch_1", wire::encode(batch1()));
     write(w, "batch_empty", wire::encode(wire::batch{3, 0, 0, {}}));
     write(w, "end", wire::encode(end7()));
     write(w, "bye", wire::encode(wire::bye{}));
+    write(w, "begin_subset", wire::encode(wire::begin{7, true, std::nullopt}));
+    write(w, "begin_delta", wire::encode(wire::begin{8, true, 7}));
+    write(w, "batch_patch", wire::encode(batch_patch8()));
+    write(w, "end_checksum", wire::encode(end8()));
+    write(w, "error_needs_whole",
+          wire::encode(wire::error{refit::errc::needs_whole, "delta version 8: its base is version 7, but this "
+                                                             "receiver holds version 6; send a whole version"}));
     write(w, "ok_hello", wire::encode(wire::ok{std::nullopt, false, {std::string(64, '\x66'), "h2"},
                                                wire::session_mode::buffers, {}}));
     write(w, "ok_in_place", wire::encode(wire::ok{std::nullopt, false, {"A", "T"}, wire::session_mode::in_place, {}}));
@@ -137,18 +151,20 @@ int main(int argc, char** argv) {
     // ------------------------------------------------------------- fuzz_tracker
     // Byte 0: bit 0 = a committed version exists, bits 1-3 = its value.
     const fs::path t = root / "fuzz_tracker";
-    write(t, "refit_one", concat(0, {hello_shm(), wire::begin{7}, batch0(), batch1(), end7()}));
-    write(t, "refit_after_committed_5", concat(1 | (5 << 1), {wire::begin{7}, batch0(), batch1(), end7(), wire::bye{}}));
+    write(t, "refit_one", concat(0, {hello_shm(), wire::begin{7, false, {}}, batch0(), batch1(), end7()}));
+    write(t, "refit_after_committed_5", concat(1 | (5 << 1), {wire::begin{7, false, {}}, batch0(), batch1(), end7(), wire::bye{}}));
     write(t, "refit_two_versions",
-          concat(0, {wire::begin{7}, batch0(), batch1(), end7(), wire::begin{8},
-                     wire::batch{8, 0, 0, {{"w", dtype::i32, {2, 3}, 0, 24, 0}}}, wire::end{8, 1, 24, 1}}));
-    write(t, "refit_restart", concat(0, {wire::begin{7}, batch0(), wire::begin{7}, batch0(), batch1(), end7()}));
-    write(t, "refit_incomplete", concat(0, {wire::begin{7}, batch0(), wire::end{7, 1, 576, 1}, wire::bye{}}));
+          concat(0, {wire::begin{7, false, {}}, batch0(), batch1(), end7(), wire::begin{8, false, {}},
+                     wire::batch{8, 0, 0, {{"w", dtype::i32, {2, 3}, 0, 24, 0}}}, wire::end{8, 1, 24, 1, {}}}));
+    write(t, "refit_restart", concat(0, {wire::begin{7, false, {}}, batch0(), wire::begin{7, false, {}}, batch0(), batch1(), end7()}));
+    write(t, "refit_incomplete", concat(0, {wire::begin{7, false, {}}, batch0(), wire::end{7, 1, 576, 1, {}}, wire::bye{}}));
+    write(t, "refit_delta", concat(1 | (7 << 1), {wire::begin{8, true, 7}, batch_patch8(), end8()}));
+    write(t, "refit_subset", concat(1 | (5 << 1), {wire::begin{7, true, std::nullopt}, batch0(), end7()}));
     write(t, "refit_many_chunks",
-          concat(0, {wire::begin{1},
+          concat(0, {wire::begin{1, false, {}},
                      wire::batch{1, 0, 0, {{"x", dtype::f64, {64}, 0, 256, 0}}},
                      wire::batch{1, 1, 0, {{"x", dtype::f64, {64}, 256, 256, 0}}},
-                     wire::end{1, 1, 512, 2}}));
+                     wire::end{1, 1, 512, 2, {}}}));
 
     // ------------------------------------------------------------- fuzz_manifest
     // Byte 0: 0 = safetensors in memory, 1 = JSON in memory (next to shard.safetensors),

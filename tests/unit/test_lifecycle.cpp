@@ -277,14 +277,14 @@ TEST_CASE("a BEGIN during a refit is reported as aborted, then handled as begin 
   raw_streamer s(endpoint.name);
   CHECK(rx.next() == "event hello committed=none dirty=0");
 
-  REQUIRE(is_ok(s.request(wire::begin{1})));
+  REQUIRE(is_ok(s.request(wire::begin{1, false, {}})));
   CHECK(rx.until("event begin") == std::vector<std::string>{"hook begin 1", "event begin committed=none dirty=0"});
   REQUIRE(is_ok(s.batch(1, 0, {model[0]})));  // half of version 1 applied
   CHECK(rx.next() == "event batch committed=none dirty=1");
 
   // BEGIN 2 before END 1: version 1 is aborted first, then version 2 begins, and the BEGIN is
   // answered (once) by the call that handles it.
-  const auto reply = s.request(wire::begin{2});
+  const auto reply = s.request(wire::begin{2, false, {}});
   CHECK(is_ok(reply));
   CHECK(rx.next() == "hook abort 1 BEGIN of version 2 arrived before END of version 1");
   CHECK(rx.next() == "event aborted committed=none dirty=1 | BEGIN of version 2 arrived before END of version 1");
@@ -294,7 +294,7 @@ TEST_CASE("a BEGIN during a refit is reported as aborted, then handled as begin 
   // Version 2 completes: committed and clean.
   REQUIRE(is_ok(s.batch(2, 0, {model[0]})));
   REQUIRE(is_ok(s.batch(2, 1, {model[1]})));
-  REQUIRE(is_ok(s.request(wire::end{2, 2, 2 * kib, 2})));
+  REQUIRE(is_ok(s.request(wire::end{2, 2, 2 * kib, 2, {}})));
   CHECK(rx.until("event committed") == std::vector<std::string>{"event batch committed=none dirty=1",
                                                                 "event batch committed=none dirty=1",
                                                                 "hook commit 2 committed=2 dirty=0",
@@ -312,7 +312,7 @@ TEST_CASE("a HELLO during a refit is reported as aborted, then handled as hello;
   {
     // A streamer that dies (here: goes silent) after half a refit of version 1 is committed.
     raw_streamer old(endpoint.name);
-    REQUIRE(is_ok(old.request(wire::begin{1})));
+    REQUIRE(is_ok(old.request(wire::begin{1, false, {}})));
     REQUIRE(is_ok(old.batch(1, 0, {model[0], model[1]})));
     CHECK(rx.until("event batch").back() == "event batch committed=none dirty=1");
   }
@@ -415,7 +415,7 @@ TEST_CASE("an ABORT of no refit in progress, or of another version, is answered 
   CHECK(is_ok(s.request(wire::abort{1, refit::errc::invalid_argument, "nothing began"})));
   CHECK(rx.next() == "event refused committed=none dirty=0");
 
-  REQUIRE(is_ok(s.request(wire::begin{1})));
+  REQUIRE(is_ok(s.request(wire::begin{1, false, {}})));
   REQUIRE(is_ok(s.batch(1, 0, {model[0]})));
   CHECK(rx.until("event batch").back() == "event batch committed=none dirty=1");
   CHECK(is_ok(s.request(wire::abort{7, refit::errc::invalid_argument, "a version long gone"})));
@@ -423,11 +423,11 @@ TEST_CASE("an ABORT of no refit in progress, or of another version, is answered 
 
   // Version 1 is still in progress and commits.
   REQUIRE(is_ok(s.batch(1, 1, {model[1]})));
-  REQUIRE(is_ok(s.request(wire::end{1, 2, 2 * kib, 2})));
+  REQUIRE(is_ok(s.request(wire::end{1, 2, 2 * kib, 2, {}})));
   CHECK(rx.until("event committed").back() == "event committed committed=1 dirty=0");
 
   // The ABORT of the refit in progress aborts it and is answered OK.
-  REQUIRE(is_ok(s.request(wire::begin{2})));
+  REQUIRE(is_ok(s.request(wire::begin{2, false, {}})));
   REQUIRE(is_ok(s.batch(2, 0, {model[0]})));
   CHECK(is_ok(s.request(wire::abort{2, refit::errc::cuda, "cudaMemcpyAsync failed"})));
   const auto lines = rx.until("event aborted");
@@ -605,7 +605,7 @@ TEST_CASE("a parameter table changed while a refit is in progress fails that ref
   receiver_child rx(spec{endpoint.name, model});
   raw_streamer s(endpoint.name);
 
-  REQUIRE(is_ok(s.request(wire::begin{1})));
+  REQUIRE(is_ok(s.request(wire::begin{1, false, {}})));
   REQUIRE(is_ok(s.batch(1, 0, {model[0]})));
   CHECK(rx.until("event batch").back() == "event batch committed=none dirty=1");
   CHECK(rx.command("swap") == "swapped");
@@ -617,9 +617,9 @@ TEST_CASE("a parameter table changed while a refit is in progress fails that ref
   CHECK(lines.front().starts_with("hook abort 1 the receiver's parameter table or callback changed"));
 
   // The next refit goes by the new table and commits.
-  REQUIRE(is_ok(s.request(wire::begin{2})));
+  REQUIRE(is_ok(s.request(wire::begin{2, false, {}})));
   REQUIRE(is_ok(s.batch(2, 0, {model[0], model[1]})));
-  REQUIRE(is_ok(s.request(wire::end{2, 2, 2 * kib, 1})));
+  REQUIRE(is_ok(s.request(wire::end{2, 2, 2 * kib, 1, {}})));
   CHECK(rx.until("event committed").back() == "event committed committed=2 dirty=0");
   CHECK(rx.command("check 2") == "check ok");
   CHECK(rx.stop() == 0);

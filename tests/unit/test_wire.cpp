@@ -102,12 +102,12 @@ std::vector<field> hello_fields() {
           ARR({good_buffer(), good_buffer()}), B(""), U(0), S("")};
 }
 
-// An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset].
+// An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset, kind, span].
 field entry(std::string name, std::uint64_t code, std::vector<std::uint64_t> shape, std::uint64_t toff,
-            std::uint64_t bytes, std::uint64_t boff) {
+            std::uint64_t bytes, std::uint64_t boff, field kind = U(0), field span = U(0)) {
   std::vector<field> dims;
   for (auto d : shape) dims.push_back(U(d));
-  return ARR({S(std::move(name)), U(code), ARR(dims), U(toff), U(bytes), U(boff)});
+  return ARR({S(std::move(name)), U(code), ARR(dims), U(toff), U(bytes), U(boff), std::move(kind), std::move(span)});
 }
 
 field good_entry() { return entry("w", static_cast<std::uint64_t>(dtype::f32), {10}, 0, 40, 0); }
@@ -177,7 +177,7 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     CHECK(std::get<wire::hello>(m) == h);
   }
   SECTION("BEGIN") {
-    CHECK(std::get<wire::begin>(roundtrip(wire::begin{std::numeric_limits<std::uint64_t>::max()})).version ==
+    CHECK(std::get<wire::begin>(roundtrip(wire::begin{std::numeric_limits<std::uint64_t>::max(), false, {}})).version ==
           std::numeric_limits<std::uint64_t>::max());
   }
   SECTION("BATCH with chunks, scalars and empty tensors") {
@@ -201,7 +201,7 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     CHECK(std::get<wire::batch>(roundtrip(b)) == b);
   }
   SECTION("END") {
-    wire::end e{3, 291, 16060000000ull, 62};
+    wire::end e{3, 291, 16060000000ull, 62, 0x1234567890abcdefull};
     CHECK(std::get<wire::end>(roundtrip(e)) == e);
   }
   SECTION("BYE") {
@@ -233,7 +233,7 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     CHECK(std::get<wire::abort>(roundtrip(empty)) == empty);
   }
   SECTION("decode accepts bytes as a span") {
-    const std::string bytes = wire::encode(wire::begin{5});
+    const std::string bytes = wire::encode(wire::begin{5, false, {}});
     const auto span = std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
     CHECK(std::get<wire::begin>(wire::decode(span)).version == 5);
   }
@@ -284,7 +284,7 @@ TEST_CASE("decode rejects invalid msgpack", "[wire]") {
 }
 
 TEST_CASE("decode rejects trailing bytes after the message", "[wire]") {
-  const std::string bytes = wire::encode(wire::begin{1}) + std::string("\xc0\xc0", 2);
+  const std::string bytes = wire::encode(wire::begin{1, false, {}}) + std::string("\xc0\xc0", 2);
   CHECK_REFIT_ERROR(wire::decode(bytes), errc::protocol, "2 trailing bytes");
 }
 
@@ -336,7 +336,7 @@ TEST_CASE("decode rejects unknown message types", "[wire]") {
 }
 
 TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(1), U(2)})), errc::protocol, "BEGIN message: 2 fields, expected 1");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(1), U(2)})), errc::protocol, "BEGIN message: 2 fields, expected 3");
   CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {})), errc::protocol, "BEGIN message: 0 fields");
   CHECK_REFIT_ERROR(wire::decode(message(BYE, {NIL()})), errc::protocol, "BYE message: 1 fields, expected 0");
   auto h = hello_fields();
@@ -401,11 +401,11 @@ TEST_CASE("decode rejects buffer descriptors of the wrong shape or type", "[wire
 }
 
 TEST_CASE("decode rejects BEGIN, END, BATCH header fields of the wrong type", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {S("1")})), errc::protocol, "BEGIN message: version must be an unsigned integer");
-  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {I(-1)})), errc::protocol, "got negative int");
-  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), T(false), U(4)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {S("1"), T(false), NIL()})), errc::protocol, "BEGIN message: version must be an unsigned integer");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {I(-1), T(false), NIL()})), errc::protocol, "got negative int");
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), T(false), U(4), NIL()})), errc::protocol,
                     "END message: bytes must be an unsigned integer, got bool");
-  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), F(2.5), U(3), U(4)})), errc::protocol, "tensors must be");
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), F(2.5), U(3), U(4), NIL()})), errc::protocol, "tensors must be");
   const auto b = batch_fields({good_entry()});
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 0, NIL()))), errc::protocol, "BATCH message: version must be");
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 1, S("0")))), errc::protocol, "BATCH message: seq must be");
@@ -418,21 +418,21 @@ TEST_CASE("decode rejects BEGIN, END, BATCH header fields of the wrong type", "[
 TEST_CASE("decode rejects entry fields of the wrong type", "[wire]") {
   const auto bad = [](field e) { return wire::decode(message(BATCH, batch_fields({good_entry(), std::move(e)}))); };
   CHECK_REFIT_ERROR(bad(U(3)), errc::protocol, "entry 1: descriptor must be an array");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4)})), errc::protocol,
-                    "entry 1: descriptor must have 6 elements, got 5");
-  CHECK_REFIT_ERROR(bad(ARR({B("x"), U(8), ARR({U(1)}), U(0), U(4), U(64)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), U(64), U(0)})), errc::protocol,
+                    "entry 1: descriptor must have 8 elements, got 7");
+  CHECK_REFIT_ERROR(bad(ARR({B("x"), U(8), ARR({U(1)}), U(0), U(4), U(64), U(0), U(0)})), errc::protocol,
                     "entry 1: name must be a str, got bin");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), S("f32"), ARR({U(1)}), U(0), U(4), U(64)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), S("f32"), ARR({U(1)}), U(0), U(4), U(64), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): dtype must be an unsigned integer, got str");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), S("[1]"), U(0), U(4), U(64)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), S("[1]"), U(0), U(4), U(64), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): shape must be an array, got str");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(2), I(-1)}), U(0), U(4), U(64)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(2), I(-1)}), U(0), U(4), U(64), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): shape[1] must be an unsigned integer, got negative int");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), NIL(), U(4), U(64)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), NIL(), U(4), U(64), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): tensor_offset must be");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), S("4"), U(64)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), S("4"), U(64), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): bytes must be");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), F(64.5)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), F(64.5), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): buffer_offset must be an unsigned integer, got float");
 }
 
@@ -509,15 +509,15 @@ TEST_CASE("decode rejects ABORT fields of the wrong type", "[wire]") {
 
 TEST_CASE("decode rejects an ABORT code outside the errc range", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(7), U(0), S("x")})), errc::protocol,
-                    "ABORT message: code 0 is not an error code (1..13)");
-  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(7), U(14), S("x")})), errc::protocol, "14 is not an error code");
+                    "ABORT message: code 0 is not an error code (1..14)");
+  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(7), U(15), S("x")})), errc::protocol, "15 is not an error code");
   CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(7), I(-5), S("x")})), errc::protocol, "-5 is not an error code");
   CHECK(std::get<wire::abort>(wire::decode(message(ABORT, {U(7), U(13), S("x")}))).code == errc::internal);
 }
 
 TEST_CASE("decode rejects an error code outside the errc range", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(0), S("x")})), errc::protocol, "0 is not an error code (1..13)");
-  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(14), S("x")})), errc::protocol, "14 is not an error code");
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(0), S("x")})), errc::protocol, "0 is not an error code (1..14)");
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(15), S("x")})), errc::protocol, "15 is not an error code");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {I(-5), S("x")})), errc::protocol, "-5 is not an error code");
   CHECK(std::get<wire::error>(wire::decode(message(ERROR, {U(13), S("x")}))).code == errc::internal);
 }
@@ -626,7 +626,7 @@ wire::batch BT(std::uint64_t version, std::uint64_t seq, std::uint32_t buffer, s
 // A tracker for two buffers of 1024 bytes, in refit 5.
 wire::refit_tracker started(std::uint64_t max_entries = wire::max_entries) {
   wire::refit_tracker t({1024, 1024}, max_entries);
-  t.begin({5}, std::nullopt);
+  t.begin({5, false, {}}, std::nullopt);
   return t;
 }
 
@@ -647,7 +647,7 @@ TEST_CASE("tracker accepts a chunked refit over many batches", "[wire]") {
 
   wire::refit_tracker t({1024, 1024});
   std::optional<std::uint64_t> committed = 3;
-  t.begin({4}, committed);
+  t.begin({4, false, {}}, committed);
   CHECK(t.active());
   CHECK(t.version() == 4);
   for (std::size_t b = 0; b < plan.size(); ++b) {
@@ -663,7 +663,7 @@ TEST_CASE("tracker accepts a chunked refit over many batches", "[wire]") {
   CHECK(t.batches() == plan.size());
   CHECK(t.bytes() == total);
   CHECK(t.tensors_completed() == sizes.size());
-  REQUIRE_NOTHROW(t.finish({4, sizes.size(), total, plan.size()}));
+  REQUIRE_NOTHROW(t.finish({4, sizes.size(), total, plan.size(), {}}));
   CHECK_FALSE(t.active());
   CHECK(t.completed().size() == sizes.size());
   CHECK(t.completed().contains("layer.1"));
@@ -674,27 +674,27 @@ TEST_CASE("tracker rejects a BATCH without BEGIN", "[wire]") {
   wire::refit_tracker t({1024});
   CHECK_REFIT_ERROR(t.check(BT(1, 0, 0, {})), errc::protocol, "BATCH without BEGIN");
   // Also after the refit finished.
-  t.begin({1}, std::nullopt);
+  t.begin({1, false, {}}, std::nullopt);
   t.check(BT(1, 0, 0, {E("a", dtype::u8, {4}, 0, 4, 0)}));
-  t.finish({1, 1, 4, 1});
+  t.finish({1, 1, 4, 1, {}});
   CHECK_REFIT_ERROR(t.check(BT(1, 1, 0, {})), errc::protocol, "BATCH without BEGIN");
-  CHECK_REFIT_ERROR(t.finish({1, 1, 4, 1}), errc::protocol, "END without BEGIN");
+  CHECK_REFIT_ERROR(t.finish({1, 1, 4, 1, {}}), errc::protocol, "END without BEGIN");
 }
 
 TEST_CASE("tracker rejects a BEGIN version not newer than the committed one", "[wire]") {
   wire::refit_tracker t({1024});
-  CHECK_REFIT_ERROR(t.begin({7}, 7), errc::protocol, "version 7 is not newer than the committed version 7");
-  CHECK_REFIT_ERROR(t.begin({3}, 7), errc::protocol, "version 3 is not newer than the committed version 7");
+  CHECK_REFIT_ERROR(t.begin({7, false, {}}, 7), errc::protocol, "version 7 is not newer than the committed version 7");
+  CHECK_REFIT_ERROR(t.begin({3, false, {}}, 7), errc::protocol, "version 3 is not newer than the committed version 7");
   CHECK_FALSE(t.active());
-  CHECK_NOTHROW(t.begin({8}, 7));
-  CHECK_NOTHROW(t.begin({0}, std::nullopt));
+  CHECK_NOTHROW(t.begin({8, false, {}}, 7));
+  CHECK_NOTHROW(t.begin({0, false, {}}, std::nullopt));
   CHECK(t.active());
 }
 
 TEST_CASE("tracker restarts on a BEGIN during a refit", "[wire]") {
   auto t = started();
   t.check(BT(5, 0, 0, {E("a", dtype::u8, {2048}, 0, 1024, 0)}));
-  t.begin({6}, std::nullopt);
+  t.begin({6, false, {}}, std::nullopt);
   CHECK(t.version() == 6);
   CHECK(t.batches() == 0);
   CHECK(t.bytes() == 0);
@@ -722,7 +722,7 @@ TEST_CASE("tracker rejects a buffer index out of range", "[wire]") {
 
 TEST_CASE("tracker rejects an entry past the end of its buffer", "[wire]") {
   wire::refit_tracker t({1024, 512});
-  t.begin({1}, std::nullopt);
+  t.begin({1, false, {}}, std::nullopt);
   CHECK_REFIT_ERROR(t.check(BT(1, 0, 1, {E("a", dtype::u8, {64}, 0, 64, 480)})), errc::protocol,
                     "entry 0 ('a'): buffer range [480, 480 + 64) exceeds buffer 1's 512 bytes");
   const std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
@@ -815,21 +815,21 @@ TEST_CASE("tracker state is unchanged by a rejected batch", "[wire]") {
   CHECK(t.bytes() == 8);
   CHECK(t.tensors_completed() == 1);
   CHECK_NOTHROW(t.check(BT(5, 1, 1, {E("b", dtype::u8, {8}, 0, 8, 0)})));
-  CHECK_NOTHROW(t.finish({5, 2, 16, 2}));
+  CHECK_NOTHROW(t.finish({5, 2, 16, 2, {}}));
 }
 
 TEST_CASE("tracker accepts several chunks of one tensor in one batch", "[wire]") {
   auto t = started();
   CHECK_NOTHROW(t.check(BT(5, 0, 0, {E("a", dtype::u8, {100}, 0, 60, 0), E("a", dtype::u8, {100}, 60, 40, 64)})));
   CHECK(t.completed().contains("a"));
-  CHECK_NOTHROW(t.finish({5, 1, 100, 1}));
+  CHECK_NOTHROW(t.finish({5, 1, 100, 1, {}}));
 }
 
 TEST_CASE("tracker END fails as incomplete when a chunk is missing", "[wire]") {
   auto t = started();
   t.check(BT(5, 0, 0, {E("small", dtype::u8, {4}, 0, 4, 0)}));
   t.check(BT(5, 1, 1, {E("big", dtype::u8, {2048}, 0, 1024, 0)}));
-  CHECK_REFIT_ERROR(t.finish({5, 2, 2052, 2}), errc::incomplete, "tensor 'big' is incomplete: 1024 of 2048 bytes arrived");
+  CHECK_REFIT_ERROR(t.finish({5, 2, 2052, 2, {}}), errc::incomplete, "tensor 'big' is incomplete: 1024 of 2048 bytes arrived");
   CHECK(t.active());
 }
 
@@ -837,11 +837,104 @@ TEST_CASE("tracker END fails as incomplete when the totals differ", "[wire]") {
   auto t = started();
   t.check(BT(5, 0, 0, {E("a", dtype::u8, {4}, 0, 4, 0), E("b", dtype::u8, {6}, 0, 6, 64)}));
   t.check(BT(5, 1, 1, {E("c", dtype::u8, {10}, 0, 10, 0)}));
-  CHECK_REFIT_ERROR(t.finish({5, 4, 20, 2}), errc::incomplete, "the streamer sent 4 tensors but 3 arrived");
-  CHECK_REFIT_ERROR(t.finish({5, 3, 21, 2}), errc::incomplete, "the streamer sent 21 bytes but 20 arrived");
-  CHECK_REFIT_ERROR(t.finish({5, 3, 20, 3}), errc::incomplete, "the streamer sent 3 batches but 2 arrived");
-  CHECK_REFIT_ERROR(t.finish({6, 3, 20, 2}), errc::protocol, "END: version 6 does not match the refit in progress, version 5");
+  CHECK_REFIT_ERROR(t.finish({5, 4, 20, 2, {}}), errc::incomplete, "the streamer sent 4 tensors but 3 arrived");
+  CHECK_REFIT_ERROR(t.finish({5, 3, 21, 2, {}}), errc::incomplete, "the streamer sent 21 bytes but 20 arrived");
+  CHECK_REFIT_ERROR(t.finish({5, 3, 20, 3, {}}), errc::incomplete, "the streamer sent 3 batches but 2 arrived");
+  CHECK_REFIT_ERROR(t.finish({6, 3, 20, 2, {}}), errc::protocol, "END: version 6 does not match the refit in progress, version 5");
   CHECK(t.active());
-  CHECK_NOTHROW(t.finish({5, 3, 20, 2}));
+  CHECK_NOTHROW(t.finish({5, 3, 20, 2, {}}));
   CHECK_FALSE(t.active());
+}
+
+// ============================================================================= subset and delta (protocol 3)
+
+TEST_CASE("BEGIN carries subset and the delta's base, END the version checksum", "[wire][delta]") {
+  const auto b = std::get<wire::begin>(wire::decode(message(BEGIN, {U(9), T(true), U(8)})));
+  CHECK(b == wire::begin{9, true, 8});
+  CHECK(std::get<wire::begin>(wire::decode(message(BEGIN, {U(9), T(true), NIL()}))) == wire::begin{9, true, {}});
+  CHECK(std::get<wire::begin>(wire::decode(wire::encode(wire::begin{9, true, 3}))) == wire::begin{9, true, 3});
+  CHECK(std::get<wire::end>(wire::decode(message(END, {U(9), U(1), U(2), U(3), U(77)}))).checksum == 77u);
+  CHECK_FALSE(std::get<wire::end>(wire::decode(message(END, {U(9), U(1), U(2), U(3), NIL()}))).checksum);
+}
+
+TEST_CASE("decode rejects every bad subset, base and checksum", "[wire][delta]") {
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), U(1), NIL()})), errc::protocol,
+                    "BEGIN message: subset must be a bool");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), NIL(), NIL()})), errc::protocol, "subset must be a bool");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(true), S("8")})), errc::protocol,
+                    "BEGIN message: base must be nil or an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(true), I(-1)})), errc::protocol,
+                    "base must be nil or an unsigned integer");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(true), U(9)})), errc::protocol,
+                    "base 9 is not older than the version 9");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(true), U(10)})), errc::protocol,
+                    "base 10 is not older than the version 9");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(false), U(8)})), errc::protocol,
+                    "subset is false in a delta");
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(9), U(1), U(2), U(3), T(true)})), errc::protocol,
+                    "END message: checksum must be nil or an unsigned integer, got bool");
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(9), U(1), U(2), U(3), F(1.5)})), errc::protocol,
+                    "checksum must be nil or an unsigned integer");
+}
+
+TEST_CASE("decode accepts a good patch entry", "[wire][delta]") {
+  // bf16[100]: 3 changes of 6 bytes each over the span [64, 64 + 128).
+  const auto m = wire::decode(message(BATCH, batch_fields({entry("x", 7, {100}, 64, 18, 0, U(1), U(128))})));
+  const wire::entry& e = std::get<wire::batch>(m).entries.at(0);
+  CHECK(e.kind == wire::entry_kind::patch);
+  CHECK(e.span == 128);
+  CHECK(e.covered() == 128);
+  CHECK(e.bytes == 18);
+  wire::batch b{7, 0, 1, {e}};
+  CHECK(std::get<wire::batch>(wire::decode(wire::encode(b))) == b);
+  CHECK(wire::to_string(wire::entry_kind::patch) == "patch");
+}
+
+TEST_CASE("decode rejects every bad entry kind and patch", "[wire][delta]") {
+  const auto bad = [](field kind, field span, std::uint64_t toff = 64, std::uint64_t bytes = 18) {
+    return wire::decode(message(BATCH, batch_fields({entry("x", 7, {100}, toff, bytes, 0, kind, span)})));
+  };
+  CHECK_REFIT_ERROR(bad(U(2), U(0)), errc::protocol, "entry 0 ('x'): kind has unknown value 2");
+  CHECK_REFIT_ERROR(bad(S("patch"), U(0)), errc::protocol, "kind must be an unsigned integer");
+  CHECK_REFIT_ERROR(bad(U(1), S("x")), errc::protocol, "span must be an unsigned integer");
+  // A bytes entry covers exactly its bytes.
+  CHECK_REFIT_ERROR(bad(U(0), U(18)), errc::protocol, "span is 18 in an entry of kind bytes");
+  // The span lies inside the tensor (bf16[100] = 200 bytes), on element boundaries.
+  CHECK_REFIT_ERROR(bad(U(1), U(138)), errc::protocol, "span [64, 64 + 138) exceeds the tensor's 200 bytes");
+  CHECK_REFIT_ERROR(bad(U(1), U(128), std::numeric_limits<std::uint64_t>::max() - 1, 0), errc::protocol,
+                    "exceeds the tensor's 200 bytes");
+  CHECK_REFIT_ERROR(bad(U(1), U(127)), errc::protocol, "is not on 2-byte element boundaries");
+  CHECK_REFIT_ERROR(bad(U(1), U(128), 63), errc::protocol, "is not on 2-byte element boundaries");
+  // Whole (index, value) records, no more than the span's elements.
+  CHECK_REFIT_ERROR(bad(U(1), U(128), 64, 17), errc::protocol, "bytes 17 is not a whole number of 6-byte");
+  CHECK_REFIT_ERROR(bad(U(1), U(4), 64, 18), errc::protocol, "hold 3 changes, more than the 2 elements of the span");
+  // A patch's buffer bytes are not tensor bytes: more of them than the tensor holds is fine.
+  CHECK_NOTHROW(bad(U(1), U(128), 64, 6 * 64));
+}
+
+TEST_CASE("decode rejects a patch span of more than 2^32 - 1 elements", "[wire][delta]") {
+  const std::uint64_t n = 1ull << 33;
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {n}, 0, 5, 0, U(1), U(n))}))),
+                    errc::protocol, "covers 8589934592 elements; a patch indexes at most 2^32 - 1");
+}
+
+TEST_CASE("tracker counts a patch by its span and refuses one outside a delta", "[wire][delta]") {
+  wire::refit_tracker t({1024, 1024});
+  const auto patch = [](std::uint64_t off, std::uint64_t bytes, std::uint64_t span, std::uint64_t boff) {
+    wire::entry e{"a", dtype::bf16, {100}, off, bytes, boff, wire::entry_kind::patch, span};
+    return e;
+  };
+  t.begin({5, true, std::nullopt}, 4);
+  CHECK_REFIT_ERROR(t.check(wire::batch{5, 0, 0, {patch(0, 6, 200, 0)}}), errc::protocol,
+                    "a patch entry in version 5, which is not a delta");
+  t.begin({6, true, 4}, 4);
+  CHECK_NOTHROW(t.check(wire::batch{6, 0, 0, {patch(0, 6, 128, 0)}}));
+  CHECK_FALSE(t.completed().contains("a"));
+  CHECK_REFIT_ERROR(t.check(wire::batch{6, 1, 1, {patch(64, 6, 72, 0)}}), errc::protocol,
+                    "chunk starts at byte 64 but the previous chunk ended at byte 128");
+  wire::entry rest{"a", dtype::bf16, {100}, 128, 72, 0, wire::entry_kind::bytes, 0};
+  CHECK_NOTHROW(t.check(wire::batch{6, 1, 1, {rest}}));
+  CHECK(t.completed().contains("a"));
+  CHECK(t.bytes() == 78);
+  CHECK_NOTHROW(t.finish({6, 1, 78, 2, 5}));
 }

@@ -363,8 +363,20 @@ class Streamer(_refit.Streamer):
         device: CUDA device of the buffers (default: the current one).
         layout: the route table (or its digest) the trainer's names were recorded against; a
             receiver registered from another one refuses the session. None: no check.
+        delta: send only what changed since the last version every receiver committed: the
+            streamer keeps its own copy of that version (the base), sends the changed elements as
+            patches that receivers apply in place, and a checksum of the whole version that they
+            check. The first version, and any version a receiver holds no base for, is sent whole
+            by the same call (``RefitStats.whole_after_refusal``). host_shm only in this release.
+        delta_memory: where the base lives: ``"host"`` (page-locked with CUDA) or ``"device"``.
+        delta_max_bytes: bound on the base's memory; a larger version is always sent whole.
 
     Example::
+
+        with refit.Streamer(endpoint, transport="host_shm", delta=True) as st:
+            for step in range(steps):
+                stats = st.refit(step, model.state_dict())   # step 0 whole, then deltas
+                print(stats.delta, stats.changed / max(stats.elements, 1), stats.bytes)
 
         with refit.Streamer(endpoint, transport="cuda_ipc") as st:
             stats = st.refit(step, model.state_dict())
@@ -390,6 +402,9 @@ class Streamer(_refit.Streamer):
         keep_whole: bool = True,
         engine: str = "automatic",
         layout: Any = None,
+        delta: bool = False,
+        delta_memory: str = "host",
+        delta_max_bytes: int = 64 << 30,
     ) -> None:
         if endpoint is None:
             if not receivers:
@@ -410,9 +425,12 @@ class Streamer(_refit.Streamer):
             keep_whole=keep_whole,
             engine=engine,
             layout=_layout_digest(layout),
+            delta=delta,
+            delta_memory=delta_memory,
+            delta_max_bytes=delta_max_bytes,
         )
 
-    def refit(self, version: int, tensors: Tensors, *, stream: Any = None) -> RefitStats:
+    def refit(self, version: int, tensors: Tensors, *, stream: Any = None, subset: bool = False) -> RefitStats:
         """Streams ``tensors`` as ``version`` and returns once the receiver committed it.
 
         ``tensors``: a mapping (``state_dict()``), a list of ``(name, tensor)`` pairs, or a
@@ -426,8 +444,13 @@ class Streamer(_refit.Streamer):
         RefitError with the receiver's code (``Errc.apply`` for a shape or dtype mismatch), or
         RefitTimeout. An exception raised by a generator is raised again as it is. After any
         error the receiver has not committed ``version``.
+
+        ``subset=True``: ``tensors`` are only some of the receiver's (LoRA adapters, the tensors
+        that changed); the receiver commits them and keeps its others. A receiver that never
+        committed a whole version (or whose weights are dirty) refuses with
+        ``Errc.needs_whole`` before anything is written.
         """
-        return super().refit(version, tensors, stream=stream)
+        return super().refit(version, tensors, stream=stream, subset=subset)
 
     def __enter__(self) -> "Streamer":
         return self

@@ -23,6 +23,7 @@ class Errc(enum.IntEnum):
     incomplete = 11  #: END arrived but the manifest was not complete: nothing committed
     io = 12  #: a file or system call failed
     internal = 13  #: a bug in refit
+    needs_whole = 14  #: the receiver holds no base for a subset or delta version: send a whole one
 
 
 class Event(enum.IntEnum):

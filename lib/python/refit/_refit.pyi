@@ -14,6 +14,15 @@ class RefitStats:
     pack_seconds: float
     wait_seconds: float
     direct: bool
+    subset: bool
+    delta: bool
+    base: int
+    whole_after_refusal: bool
+    tensor_bytes: int
+    elements: int
+    changed: int
+    base_bytes: int
+    diff_seconds: float
 
 class ReceiverStats:
     version: int
@@ -69,6 +78,8 @@ class Receiver:
     @property
     def dirty(self) -> bool: ...
     @property
+    def poisoned(self) -> bool: ...
+    @property
     def last_stats(self) -> ReceiverStats: ...
     @property
     def last_error(self) -> Optional[str]: ...
@@ -78,7 +89,8 @@ class Streamer:
     def __init__(self, endpoint: str, *, transport: str = "cuda_ipc", receivers: Optional[List[str]] = None,
                  buffer_bytes: int = ..., buffers: int = 2, direct: bool = True, timeout: float = 30.0,
                  token: Optional[str] = None, device: int = 0, curve: Any = None, alignment: int = 256,
-                 keep_whole: bool = True, engine: str = "automatic", layout: str = "") -> None: ...
+                 keep_whole: bool = True, engine: str = "automatic", layout: str = "", delta: bool = False,
+                 delta_memory: str = "host", delta_max_bytes: int = ...) -> None: ...
     def refit(self, version: int, tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], *,
-              stream: Any = None) -> RefitStats: ...
+              stream: Any = None, subset: bool = False) -> RefitStats: ...
     def close(self) -> None: ...

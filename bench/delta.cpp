@@ -1,0 +1,280 @@
+// refit-bench --delta STEPS: delta versions against whole ones, host_shm (issue 16, item 4).
+//
+// The trainer keeps fp32 master weights and sends their bf16 rounding. Each step adds an fp32
+// update of relative size --delta-update (uniform in [-u, u] times the weight's magnitude) and
+// rounds again, so the fraction of bf16 elements that change is what such an update gives (about
+// 2 % at the default; printed per row, with the fraction of 256- and 4096-byte blocks touched,
+// which is why patches are (index, value) records: lib/delta/patch.hpp). The same run first times
+// whole refits of the model by a plain streamer (the "whole" rows), then a delta streamer's first
+// (whole) refit and STEPS deltas, each after one update (not timed). The receiver is a child
+// process with a parameter table of host tensors; after the last version it sends the version
+// checksum of its weights, compared with the trainer's (the "wrong" column).
+#include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "copy/copy.hpp"
+#include "delta/checksum.hpp"
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+
+namespace refit::bench {
+namespace {
+
+std::uint16_t to_bf16(float f) noexcept {  // round to nearest even, as torch does
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+/// The trainer: fp32 masters and their bf16 copies, one of each per tensor.
+struct trainer {
+  std::vector<tensor_meta> metas;
+  std::vector<std::vector<float>> master;
+  std::vector<std::vector<std::uint16_t>> weights;
+  std::uint64_t state = 0x9e3779b97f4a7c15ull;
+
+  float uniform() noexcept {  // in [-1, 1)
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return static_cast<float>(static_cast<std::int64_t>(state) >> 11) * (1.0f / 4503599627370496.0f);
+  }
+
+  explicit trainer(const manifest& m) {
+    for (const auto& e : m.entries) {
+      metas.push_back(e.meta);
+      const std::uint64_t n = e.meta.numel();
+      master.emplace_back(n);
+      weights.emplace_back(n);
+      for (std::uint64_t i = 0; i < n; ++i) {
+        master.back()[i] = 0.02f * uniform();
+        weights.back()[i] = to_bf16(master.back()[i]);
+      }
+    }
+  }
+
+  struct changes {
+    std::uint64_t elements = 0, changed = 0, blocks256 = 0, touched256 = 0, blocks4k = 0, touched4k = 0;
+  };
+
+  /// One optimizer step: w += u · |w| · U[-1, 1), then bf16 again.
+  changes step(double u) {
+    changes c;
+    const float s = static_cast<float>(u);
+    for (std::size_t k = 0; k < master.size(); ++k) {
+      std::vector<float>& m = master[k];
+      std::vector<std::uint16_t>& w = weights[k];
+      bool touched4k = false;
+      for (std::uint64_t b = 0; b < m.size(); b += 128) {  // 128 bf16 = 256 bytes
+        bool touched = false;
+        const std::uint64_t end = std::min<std::uint64_t>(m.size(), b + 128);
+        for (std::uint64_t i = b; i < end; ++i) {
+          m[i] += s * std::fabs(m[i]) * uniform();
+          const std::uint16_t v = to_bf16(m[i]);
+          if (v != w[i]) {
+            w[i] = v;
+            ++c.changed;
+            touched = true;
+          }
+        }
+        ++c.blocks256;
+        c.touched256 += touched ? 1 : 0;
+        touched4k = touched4k || touched;
+        if ((b / 128) % 16 == 15 || end == m.size()) {
+          ++c.blocks4k;
+          c.touched4k += touched4k ? 1 : 0;
+          touched4k = false;
+        }
+      }
+      c.elements += m.size();
+    }
+    return c;
+  }
+
+  [[nodiscard]] std::vector<tensor_ref> refs() {
+    std::vector<tensor_ref> out;
+    for (std::size_t k = 0; k < metas.size(); ++k) out.push_back(tensor_ref{metas[k], weights[k].data(), device::cpu(), nullptr});
+    return out;
+  }
+
+  [[nodiscard]] std::uint64_t checksum() const {
+    std::uint64_t sum = 0;
+    for (std::size_t k = 0; k < metas.size(); ++k)
+      sum += delta::name_weight(metas[k].name) * copy::checksum(weights[k].data(), weights[k].size() * 2);
+    return sum;
+  }
+};
+
+/// The receiver child: a parameter table of the model; serves until told to stop on `in`, then writes
+/// the version checksum of its weights and its committed version to `out`.
+[[noreturn]] void receiver_child(const manifest& m, const std::string& endpoint, int in, int out) {
+  int code = 0;
+  try {
+    receiver_options o;
+    o.endpoint = endpoint;
+    o.idle_timeout = milliseconds{120000};
+    receiver r(o);
+    std::vector<std::vector<std::uint16_t>> weights;
+    for (const auto& e : m.entries) {
+      weights.emplace_back(e.meta.numel());
+      r.add_parameter(tensor_dest{e.meta, weights.back().data(), device::cpu()});
+    }
+    for (;;) {
+      (void)r.serve_one(milliseconds{20});
+      pollfd p{in, POLLIN, 0};
+      if (::poll(&p, 1, 0) > 0) break;
+    }
+    std::uint64_t sum = 0;
+    for (std::size_t k = 0; k < weights.size(); ++k)
+      sum += delta::name_weight(m.entries[k].meta.name) * copy::checksum(weights[k].data(), weights[k].size() * 2);
+    const std::string line = fmt::format("{} {}\n", sum, r.committed_version().value_or(0));
+    if (::write(out, line.data(), line.size()) < 0) code = 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "refit-bench delta receiver: %s\n", e.what());
+    code = 1;
+  }
+  std::_Exit(code);
+}
+
+struct delta_row {
+  std::string kind;
+  std::string step;
+  double changed = 0, touched256 = 0, touched4k = 0;  // fractions
+  std::uint64_t wire = 0, version_bytes = 0;
+  double ms = 0, diff_ms = 0;
+};
+
+void write_delta_row(std::ostream& out, const delta_row& r, double whole_ms) {
+  out << fmt::format("{:>14} {:>6} {:>8.3f} {:>8.2f} {:>8.2f} {:>12} {:>7.3f} {:>9.2f} {:>9.2f} {:>7.3f}\n", r.kind,
+                     r.step, 100 * r.changed, 100 * r.touched256, 100 * r.touched4k, r.wire,
+                     r.version_bytes != 0 ? static_cast<double>(r.wire) / static_cast<double>(r.version_bytes) : 0.0,
+                     r.ms, r.diff_ms, whole_ms > 0 ? r.ms / whole_ms : 0.0);
+}
+
+}  // namespace
+
+int run_delta(const config& c, std::ostream& out) {
+  if (c.transports.size() != 1 || c.transports[0] != transport_kind::host_shm)
+    throw error(errc::invalid_argument, "--delta: only --transport host_shm in this release");
+  if (c.models.size() != 1 || !c.manifest_file.empty())
+    throw error(errc::invalid_argument, "--delta: exactly one built-in --model");
+  const manifest m = preset(c.models[0], dtype::bf16);
+  const std::string endpoint = fmt::format("ipc:///tmp/refit-bench-delta-{}.sock", ::getpid());
+
+  // The receiver is forked before this process opens any socket.
+  int to_child[2], from_child[2];
+  if (::pipe(to_child) != 0 || ::pipe(from_child) != 0) throw error(errc::io, "--delta: pipe() failed");
+  const pid_t pid = ::fork();
+  if (pid < 0) throw error(errc::io, "--delta: fork() failed");
+  if (pid == 0) {
+    ::close(to_child[1]);
+    ::close(from_child[0]);
+    receiver_child(m, endpoint, to_child[0], from_child[1]);
+  }
+  ::close(to_child[0]);
+  ::close(from_child[1]);  // so that reading its report ends when the child exits
+
+  const auto progress = [&](const std::string& s) {
+    if (!c.quiet) std::fprintf(stderr, "refit-bench: %s\n", s.c_str());
+  };
+  progress(fmt::format("--delta: making {} ({:.2f} GB bf16, fp32 masters)", m.name, m.bytes() / 1e9));
+  trainer t(m);
+  streamer_options so;
+  so.endpoint = endpoint;
+  so.transport = transport_kind::host_shm;
+  so.buffer_bytes = static_cast<std::uint64_t>(c.buffer_mb.at(0) * (1 << 20));
+  so.buffer_count = c.buffer_counts.at(0);
+  so.timeout = milliseconds{static_cast<std::int64_t>(c.timeout_ms)};
+
+  out << fmt::format("# refit-bench --delta {}: {} ({} tensors, {:.3f} GB bf16), host_shm, {} x {} MiB buffers\n",
+                     c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9, so.buffer_count, c.buffer_mb.at(0));
+  out << fmt::format("# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
+                     "streamer, {} counted refits after {} warm-up\n",
+                     c.delta_update, c.iters, c.warmup);
+  out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "row", "step", "changed",
+                     "blk256", "blk4k", "wire", "wire/v", "time", "diff", "/whole");
+  out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "", "", "(%)", "(%)", "(%)",
+                     "(B)", "", "(ms)", "(ms)", "");
+
+  std::uint64_t version = 0;
+  std::vector<double> whole_ms;
+  {
+    streamer plain(so);
+    for (int i = 0; i < c.warmup + c.iters; ++i) {
+      const auto refs = t.refs();
+      const refit_stats s = plain.refit(++version, refs);
+      if (i < c.warmup) continue;
+      whole_ms.push_back(s.seconds * 1e3);
+      write_delta_row(out, delta_row{"whole", std::to_string(i - c.warmup), 0, 0, 0, s.bytes, s.tensor_bytes,
+                                     s.seconds * 1e3, 0},
+                      0);
+    }
+    plain.close();
+  }
+  const double whole = median(whole_ms);
+  out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9.2f}\n", "whole median", "", "", "", "", "", "",
+                     whole);
+
+  so.delta.enable = true;
+  streamer ds(so);
+  {
+    const auto refs = t.refs();
+    const refit_stats s = ds.refit(++version, refs);
+    write_delta_row(out, delta_row{"delta-first", "0", 1, 1, 1, s.bytes, s.tensor_bytes, s.seconds * 1e3,
+                                   s.diff_seconds * 1e3},
+                    whole);
+    out.flush();
+  }
+  std::vector<double> delta_ms;
+  std::vector<double> wire_fraction;
+  for (int step = 1; step <= c.delta_steps; ++step) {
+    const auto ch = t.step(c.delta_update);
+    const auto refs = t.refs();
+    const refit_stats s = ds.refit(++version, refs);
+    delta_row r{s.delta ? "delta" : "delta(whole)",
+                std::to_string(step),
+                static_cast<double>(ch.changed) / static_cast<double>(ch.elements),
+                static_cast<double>(ch.touched256) / static_cast<double>(ch.blocks256),
+                static_cast<double>(ch.touched4k) / static_cast<double>(ch.blocks4k),
+                s.bytes,
+                s.tensor_bytes,
+                s.seconds * 1e3,
+                s.diff_seconds * 1e3};
+    delta_ms.push_back(r.ms);
+    wire_fraction.push_back(static_cast<double>(s.bytes) / static_cast<double>(s.tensor_bytes));
+    write_delta_row(out, r, whole);
+    out.flush();
+  }
+  ds.close();
+
+  // Verification: the receiver's weights against the trainer's last version.
+  if (::write(to_child[1], "x", 1) < 0) throw error(errc::io, "--delta: cannot stop the receiver");
+  char buf[128] = {};
+  std::size_t got = 0;
+  for (ssize_t n; got < sizeof buf - 1 && (n = ::read(from_child[0], buf + got, sizeof buf - 1 - got)) > 0;)
+    got += static_cast<std::size_t>(n);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::uint64_t their_sum = 0, their_version = 0;
+  const bool parsed = std::sscanf(buf, "%lu %lu", &their_sum, &their_version) == 2;
+  const bool right = parsed && their_sum == t.checksum() && their_version == version;
+  const double delta_median = median(delta_ms);
+  out << fmt::format("# delta median {:.2f} ms = {:.3f} x whole median {:.2f} ms; wire {:.2f} % of the version\n",
+                     delta_median, whole > 0 ? delta_median / whole : 0.0, whole,
+                     100 * median(wire_fraction));
+  out << fmt::format("# out of bounds/wrong values: {} (receiver's version checksum after version {} {})\n",
+                     right ? 0 : 1, version, right ? "matches" : "DIFFERS");
+  return right ? 0 : 1;
+}
+
+}  // namespace refit::bench

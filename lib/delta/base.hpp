@@ -1,0 +1,79 @@
+// refit — the streamer's base: its own copy of the last version every receiver committed, which a
+// delta is diffed against.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "refit/model.hpp"
+
+namespace refit::delta {
+
+/// Where the base lives. host: page-locked when refit is built with CUDA (so a GPU diff can read it
+/// without staging), plain memory otherwise; device: memory of the streamer's GPU.
+enum class memory : std::uint8_t { host = 0, device = 1 };
+
+/// The base's tensors, by name. Not thread-safe.
+class base_store {
+ public:
+  struct tensor {
+    tensor_meta meta;
+    std::uint64_t bytes = 0;
+    std::byte* data = nullptr;  ///< owned by the store
+  };
+
+  /// `max_bytes` bounds the memory the tensors take; `device` is the CUDA ordinal for memory::device.
+  base_store(memory where, std::uint64_t max_bytes, int device = 0);
+  ~base_store();
+  base_store(const base_store&) = delete;
+  base_store& operator=(const base_store&) = delete;
+
+  /// The base's tensor of this name, or nullptr.
+  [[nodiscard]] tensor* find(const std::string& name) noexcept;
+  /// Room for tensor `meta` (reused when it is there with the same byte count): nullptr when it
+  /// would take the base past max_bytes (the base is then unusable: invalidate()).
+  tensor* place(const tensor_meta& meta);
+
+  /// Forgets the version (the tensors' memory is kept for the next whole version).
+  void invalidate() noexcept { version_.reset(); }
+  /// The base is now `version`, whose version checksum is `checksum`.
+  void commit(std::uint64_t version, std::uint64_t checksum) noexcept {
+    version_ = version;
+    checksum_ = checksum;
+  }
+  [[nodiscard]] std::optional<std::uint64_t> version() const noexcept { return version_; }
+  [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_; }
+  /// Bytes the base's tensors take.
+  [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] std::uint64_t max_bytes() const noexcept { return max_bytes_; }
+  [[nodiscard]] memory where() const noexcept { return where_; }
+  /// The memory of the base's tensors, as a device.
+  [[nodiscard]] device dev() const noexcept;
+  /// Frees everything.
+  void clear() noexcept;
+
+ private:
+  struct freer {
+    memory where;
+    bool pinned = false;  ///< host memory from cudaHostAlloc (else aligned operator new)
+    void operator()(std::byte* p) const noexcept;
+  };
+  /// Allocates `bytes` where the base lives; `pinned` says whether host memory is page-locked
+  /// (CUDA builds, when the driver is there) or plain.
+  std::byte* allocate(std::uint64_t bytes, bool& pinned);
+
+  memory where_;
+  std::uint64_t max_bytes_;
+  int device_;
+  std::uint64_t bytes_ = 0;
+  std::optional<std::uint64_t> version_;
+  std::uint64_t checksum_ = 0;
+  std::unordered_map<std::string, tensor> tensors_;
+  std::unordered_map<std::string, std::unique_ptr<std::byte, freer>> owned_;
+};
+
+}  // namespace refit::delta

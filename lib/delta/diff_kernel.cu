@@ -1,0 +1,174 @@
+// refit — delta kernels: diff with ordered compaction, patch check and apply. See diff_kernel.hpp.
+//
+// A diff is two passes over the span so that the patch keeps the CPU format (lib/delta/patch.hpp:
+// indices strictly increasing, then values): pass 1 counts the changed elements of each chunk of
+// chunk_elements, the host turns the counts into each chunk's first output slot (and learns the
+// patch's size, so that it can place it before it is written), pass 2 writes each chunk's changes
+// at its slot, in order, with a scan over the block's threads. Both passes read base and next once
+// with every thread on per_thread consecutive elements; the checksum terms are summed per block and
+// added once per block.
+#include <cstdint>
+
+#include "delta/diff_kernel.hpp"
+
+namespace refit::delta::kernel {
+namespace {
+
+constexpr std::uint64_t tail_prime = 0x100000001b3ull;
+
+/// delta::element_term on the device (see delta/checksum.hpp).
+__device__ __forceinline__ std::uint64_t element_term(std::uint64_t bits, std::uint64_t off, int item,
+                                                      std::uint64_t total) {
+  const std::uint64_t whole = total & ~std::uint64_t{7};
+  if (off + item <= whole) return (bits << (8 * (off & 7))) * (2 * (off >> 3) + 1);
+  std::uint64_t sum = 0;
+  for (int i = 0; i < item; ++i) sum += ((bits >> (8 * i)) & 0xff) * (2 * (off + i - whole) + 3) * tail_prime;
+  return sum;
+}
+
+__device__ __forceinline__ std::uint64_t load(const void* p, std::uint64_t i, int item) {
+  switch (item) {
+    case 1: return static_cast<const std::uint8_t*>(p)[i];
+    case 2: return static_cast<const std::uint16_t*>(p)[i];
+    case 4: return static_cast<const std::uint32_t*>(p)[i];
+    default: return static_cast<const std::uint64_t*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void store(void* p, std::uint64_t i, int item, std::uint64_t v) {
+  switch (item) {
+    case 1: static_cast<std::uint8_t*>(p)[i] = static_cast<std::uint8_t>(v); break;
+    case 2: static_cast<std::uint16_t*>(p)[i] = static_cast<std::uint16_t>(v); break;
+    case 4: static_cast<std::uint32_t*>(p)[i] = static_cast<std::uint32_t>(v); break;
+    default: static_cast<std::uint64_t*>(p)[i] = v; break;
+  }
+}
+
+/// Sum over the block of `v` (every thread gets it).
+template <typename T>
+__device__ T block_sum(T v, T* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = threads / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
+    __syncthreads();
+  }
+  const T total = shared[0];
+  __syncthreads();
+  return total;
+}
+
+__global__ void count_kernel(const void* base, const void* next, std::uint64_t elements, int item,
+                             std::uint32_t* counts) {
+  __shared__ std::uint32_t shared[threads];
+  const std::uint64_t first = blockIdx.x * chunk_elements + threadIdx.x * per_thread;
+  std::uint32_t c = 0;
+  for (int k = 0; k < per_thread; ++k) {
+    const std::uint64_t i = first + k;
+    if (i < elements && load(base, i, item) != load(next, i, item)) ++c;
+  }
+  const std::uint32_t total = block_sum(c, shared);
+  if (threadIdx.x == 0) counts[blockIdx.x] = total;
+}
+
+__global__ void write_kernel(void* base, const void* next, std::uint64_t elements, int item,
+                             const std::uint32_t* firsts, std::uint32_t* indices, void* values, std::uint64_t off,
+                             std::uint64_t total, unsigned long long* terms) {
+  __shared__ std::uint32_t scan[threads];
+  __shared__ unsigned long long sums[threads];
+  const std::uint64_t first = blockIdx.x * chunk_elements + threadIdx.x * per_thread;
+  std::uint32_t c = 0;
+  for (int k = 0; k < per_thread; ++k) {
+    const std::uint64_t i = first + k;
+    if (i < elements && load(base, i, item) != load(next, i, item)) ++c;
+  }
+  // Inclusive scan of the threads' counts (Hillis-Steele), then this thread's first slot.
+  scan[threadIdx.x] = c;
+  __syncthreads();
+  for (int s = 1; s < threads; s <<= 1) {
+    const std::uint32_t add = threadIdx.x >= s ? scan[threadIdx.x - s] : 0;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  std::uint64_t slot = firsts[blockIdx.x] + scan[threadIdx.x] - c;
+  std::uint64_t t = 0;
+  for (int k = 0; k < per_thread; ++k) {
+    const std::uint64_t i = first + k;
+    if (i >= elements) break;
+    const std::uint64_t o = load(base, i, item);
+    const std::uint64_t n = load(next, i, item);
+    if (o == n) continue;
+    t += element_term(n, off + i * item, item, total) - element_term(o, off + i * item, item, total);
+    store(base, i, item, n);
+    indices[slot] = static_cast<std::uint32_t>(i);
+    store(values, slot, item, n);
+    ++slot;
+  }
+  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t), sums);
+  if (threadIdx.x == 0 && sum != 0) atomicAdd(terms, sum);
+}
+
+__global__ void check_kernel(const std::uint32_t* indices, std::uint64_t n, std::uint64_t elements, unsigned int* bad) {
+  for (std::uint64_t k = blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x; k < n;
+       k += static_cast<std::uint64_t>(gridDim.x) * blockDim.x) {
+    const std::uint32_t i = indices[k];
+    if (i >= elements || (k > 0 && i <= indices[k - 1])) atomicOr(bad, 1u);
+  }
+}
+
+__global__ void apply_kernel(const std::uint32_t* indices, const void* values, std::uint64_t n, int item, void* dest,
+                             std::uint64_t off, std::uint64_t total, unsigned long long* terms) {
+  __shared__ unsigned long long sums[threads];
+  std::uint64_t t = 0;
+  auto* span = static_cast<unsigned char*>(dest) + off;
+  for (std::uint64_t k = blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x; k < n;
+       k += static_cast<std::uint64_t>(gridDim.x) * blockDim.x) {
+    const std::uint64_t i = indices[k];
+    const std::uint64_t o = load(span, i, item);
+    const std::uint64_t v = load(values, k, item);
+    t += element_term(v, off + i * item, item, total) - element_term(o, off + i * item, item, total);
+    store(span, i, item, v);
+  }
+  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t), sums);
+  if (threadIdx.x == 0 && sum != 0) atomicAdd(terms, sum);
+}
+
+unsigned int grid_for(std::uint64_t n) {
+  const std::uint64_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned int>(blocks == 0 ? 1 : (blocks > 4096 ? 4096 : blocks));
+}
+
+}  // namespace
+
+cudaError_t launch_count(const void* base, const void* next, std::uint64_t elements, int item, std::uint32_t* counts,
+                         std::uint64_t chunks, cudaStream_t stream) {
+  if (chunks == 0) return cudaSuccess;
+  count_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(base, next, elements, item, counts);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_write(void* base, const void* next, std::uint64_t elements, int item, const std::uint32_t* firsts,
+                         std::uint64_t chunks, std::uint32_t* indices, void* values, std::uint64_t off,
+                         std::uint64_t total, unsigned long long* terms, cudaStream_t stream) {
+  if (chunks == 0) return cudaSuccess;
+  write_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(base, next, elements, item, firsts, indices,
+                                                                          values, off, total, terms);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_check(const std::uint32_t* indices, std::uint64_t n, std::uint64_t elements, unsigned int* bad,
+                         cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  check_kernel<<<grid_for(n), threads, 0, stream>>>(indices, n, elements, bad);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_apply(const std::uint32_t* indices, const void* values, std::uint64_t n, int item, void* dest,
+                         std::uint64_t off, std::uint64_t total, unsigned long long* terms, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  apply_kernel<<<grid_for(n), threads, 0, stream>>>(indices, values, n, item, dest, off, total, terms);
+  return cudaGetLastError();
+}
+
+}  // namespace refit::delta::kernel

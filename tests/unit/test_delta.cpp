@@ -1,0 +1,600 @@
+// Subset and delta versions over host_shm (issue 16): the receiver is served on a thread of this
+// process until the event a step waits for (joined before anything it wrote is read), the streamer
+// runs on the test's thread, or in a forked child where the test kills it.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstring>
+#include <future>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "channel/channel.hpp"
+#include "delta/checksum.hpp"
+#include "delta/patch.hpp"
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+#include "support/support.hpp"
+#include "transport/transport.hpp"
+#include "wire/wire.hpp"
+
+using namespace std::chrono_literals;
+namespace rt = refit::test;
+namespace wire = refit::wire;
+using refit::dtype;
+using refit::errc;
+using refit::receiver_event;
+
+namespace {
+
+constexpr std::uint64_t kib = 1ull << 10;
+constexpr std::uint64_t buffer_bytes = 256 * kib;  // patches cover spans of 128 KiB
+constexpr refit::milliseconds streamer_timeout{5000};
+
+/// A small model with what a delta must handle: a bf16 tensor of several spans, one whose size is no
+/// multiple of 8 (checksum tail bytes), f32 (changes densely: sent as bytes), 1- and 8-byte elements,
+/// an empty tensor and one that never changes.
+std::vector<refit::tensor_meta> delta_model() {
+  return {
+      {"embed", dtype::bf16, {300000}},       // 600,000 bytes: 5 spans
+      {"layers.0.q", dtype::bf16, {64, 65}},  // 8,320 bytes
+      {"layers.0.odd", dtype::bf16, {4097}},  // 8,194 bytes: 2 tail bytes
+      {"layers.0.norm", dtype::f32, {1000}},
+      {"layers.0.bytes", dtype::u8, {333}},
+      {"layers.0.count", dtype::i64, {17}},
+      {"empty", dtype::bf16, {0, 4}},
+      {"frozen", dtype::bf16, {1000}},
+  };
+}
+
+/// The trainer's side: every tensor's bytes, changed step by step like an optimizer would: a small
+/// fraction of the elements of most tensors, every element of the f32 one.
+struct trainer {
+  std::vector<refit::tensor_meta> metas;
+  std::vector<std::vector<std::uint8_t>> bytes;
+  std::mt19937_64 rng{42};
+
+  explicit trainer(std::vector<refit::tensor_meta> m) : metas(std::move(m)) {
+    for (const auto& t : metas) {
+      bytes.emplace_back(t.nbytes());
+      for (auto& b : bytes.back()) b = static_cast<std::uint8_t>(rng());
+    }
+  }
+
+  /// One optimizer step: ~`fraction` of the elements of every tensor change, except "frozen";
+  /// f32 tensors change entirely.
+  void step(double fraction = 0.02) {
+    for (std::size_t k = 0; k < metas.size(); ++k) {
+      if (metas[k].name == "frozen") continue;
+      const std::size_t item = refit::itemsize(metas[k].type);
+      const std::uint64_t n = bytes[k].size() / item;
+      const bool dense = metas[k].type == dtype::f32;
+      std::bernoulli_distribution pick(dense ? 1.0 : fraction);
+      for (std::uint64_t i = 0; i < n; ++i)
+        if (pick(rng)) bytes[k][i * item] = static_cast<std::uint8_t>(bytes[k][i * item] + 1 + rng() % 200);
+    }
+  }
+
+  [[nodiscard]] std::vector<refit::tensor_ref> refs() const {
+    std::vector<refit::tensor_ref> out;
+    for (std::size_t k = 0; k < metas.size(); ++k)
+      out.push_back(refit::tensor_ref{metas[k], const_cast<std::uint8_t*>(bytes[k].data()), refit::device::cpu(), nullptr});
+    return out;
+  }
+  /// Only the tensors whose name contains `part`.
+  [[nodiscard]] std::vector<refit::tensor_ref> refs_of(const std::string& part) const {
+    std::vector<refit::tensor_ref> out;
+    for (const auto& r : refs())
+      if (r.meta.name.find(part) != std::string::npos) out.push_back(r);
+    return out;
+  }
+};
+
+/// The engine's side: a parameter table of host tensors.
+struct engine {
+  std::vector<refit::tensor_meta> metas;
+  std::vector<std::vector<std::uint8_t>> bytes;
+  refit::receiver r;
+
+  engine(const std::vector<refit::tensor_meta>& m, const std::string& endpoint)
+      : metas(m), r(options(endpoint)) {
+    for (const auto& t : metas) bytes.emplace_back(t.nbytes(), std::uint8_t{0xee});
+    for (std::size_t k = 0; k < metas.size(); ++k)
+      r.add_parameter(refit::tensor_dest{metas[k], bytes[k].empty() ? nullptr : bytes[k].data(), refit::device::cpu()});
+  }
+  static refit::receiver_options options(const std::string& endpoint) {
+    refit::receiver_options o;
+    o.endpoint = endpoint;
+    o.idle_timeout = 2000ms;
+    return o;
+  }
+
+  /// Empty when every tensor equals the trainer's, else the first that differs.
+  [[nodiscard]] std::string differs_from(const trainer& t) const {
+    for (std::size_t k = 0; k < metas.size(); ++k)
+      if (bytes[k] != t.bytes[k]) return metas[k].name;
+    return {};
+  }
+};
+
+/// Serves `r` on another thread until it reports `stop` (or 20 s pass); returns the events seen.
+/// The future's get() joins the thread, so what the receiver wrote may be read after it.
+std::future<std::vector<receiver_event>> serve_until(refit::receiver& r, receiver_event stop,
+                                                     std::atomic<bool>* cancel = nullptr) {
+  return std::async(std::launch::async, [&r, stop, cancel] {
+    std::vector<receiver_event> seen;
+    const auto start = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - start < 20s && (cancel == nullptr || !cancel->load())) {
+      const receiver_event e = r.serve_one(50ms);
+      if (e == receiver_event::idle) continue;
+      seen.push_back(e);
+      if (e == stop) break;
+    }
+    return seen;
+  });
+}
+
+refit::streamer_options delta_streamer(const std::string& endpoint) {
+  auto o = rt::host_shm_streamer(endpoint, buffer_bytes, streamer_timeout);
+  o.delta.enable = true;
+  return o;
+}
+
+/// Runs one refit of `st` while `e` serves until it commits; returns the streamer's figures.
+refit::refit_stats refit_once(refit::streamer& st, engine& e, std::uint64_t version,
+                              const std::vector<refit::tensor_ref>& refs,
+                              refit::refit_scope scope = refit::refit_scope::whole,
+                              std::vector<receiver_event>* events = nullptr) {
+  std::atomic<bool> cancel{false};
+  auto served = serve_until(e.r, receiver_event::committed, &cancel);
+  refit::refit_stats stats;
+  try {
+    stats = st.refit(version, refs, scope);
+  } catch (...) {
+    cancel = true;
+    served.get();
+    throw;
+  }
+  auto seen = served.get();
+  if (events != nullptr) *events = std::move(seen);
+  return stats;
+}
+
+bool contains(const std::vector<receiver_event>& v, receiver_event e) {
+  return std::find(v.begin(), v.end(), e) != v.end();
+}
+
+}  // namespace
+
+// ================================================================================== patches
+
+TEST_CASE("a patch rebuilds the new span and its checksum terms match a full checksum", "[delta]") {
+  std::mt19937_64 rng(7);
+  for (const std::size_t item : {1u, 2u, 4u, 8u}) {
+    for (const std::uint64_t total : {std::uint64_t{8}, std::uint64_t{1000}, std::uint64_t{4104}}) {
+      const std::uint64_t bytes = total / item * item;
+      std::vector<std::byte> old_bytes(bytes), next(bytes);
+      for (auto& b : old_bytes) b = static_cast<std::byte>(rng());
+      next = old_bytes;
+      for (std::uint64_t i = 0; i < bytes / item; i += 1 + rng() % 7) next[i * item] = static_cast<std::byte>(rng());
+      // Diff the second half only: offsets, tails and the rest of the tensor all count.
+      const std::uint64_t off = bytes / item / 2 * item;
+      std::vector<std::byte> base = old_bytes;
+      std::vector<std::uint32_t> idx(bytes / item);
+      std::vector<std::byte> values(bytes);
+      const auto r = refit::delta::diff(base.data() + off, next.data() + off, off, bytes - off, item, bytes,
+                                        idx.data(), values.data());
+      std::vector<std::byte> expect = old_bytes;
+      std::copy(next.begin() + static_cast<std::ptrdiff_t>(off), next.end(), expect.begin() + static_cast<std::ptrdiff_t>(off));
+      CHECK(base == expect);
+      CHECK(refit::copy::checksum(old_bytes.data(), bytes) + r.terms == refit::copy::checksum(expect.data(), bytes));
+      // The patch, applied to the old bytes, gives the same bytes and the same terms.
+      std::vector<std::byte> patch(r.changes * refit::delta::record_bytes(item));
+      std::memcpy(patch.data(), idx.data(), 4 * r.changes);
+      std::memcpy(patch.data() + 4 * r.changes, values.data(), r.changes * item);
+      REQUIRE_NOTHROW(refit::delta::check_patch(patch.data(), patch.size(), item, bytes - off, "t"));
+      std::vector<std::byte> applied = old_bytes;
+      std::byte* dest = applied.data();
+      CHECK(refit::delta::apply_patch(patch.data(), patch.size(), item, off, bytes, {&dest, 1}) == r.terms);
+      CHECK(applied == expect);
+      // range_terms over any cut adds up to the checksum.
+      const std::uint64_t cut = 3 + rng() % (bytes - 3);
+      CHECK(refit::delta::range_terms(expect.data(), 0, cut, bytes) +
+                refit::delta::range_terms(expect.data() + cut, cut, bytes - cut, bytes) + bytes ==
+            refit::copy::checksum(expect.data(), bytes));
+    }
+  }
+}
+
+TEST_CASE("a corrupt patch is refused before it writes", "[delta]") {
+  std::vector<std::byte> patch(3 * 6);
+  const auto set_index = [&](int k, std::uint32_t i) { std::memcpy(patch.data() + 4 * k, &i, 4); };
+  set_index(0, 1), set_index(1, 5), set_index(2, 9);
+  CHECK_NOTHROW(refit::delta::check_patch(patch.data(), patch.size(), 2, 20, "w"));
+  CHECK_THROWS_WITH(refit::delta::check_patch(patch.data(), patch.size(), 2, 18, "w"),
+                    Catch::Contains("names element 9 (out of the span)"));
+  set_index(2, 5);
+  CHECK_THROWS_WITH(refit::delta::check_patch(patch.data(), patch.size(), 2, 20, "w"),
+                    Catch::Contains("names element 5 (not after the one before)"));
+  CHECK_THROWS_WITH(refit::delta::check_patch(patch.data(), 17, 2, 20, "w"), Catch::Contains("not whole 6-byte"));
+}
+
+// ================================================================================== subsets
+
+TEST_CASE("subset versions over host_shm are bit-exact after 20 steps and keep the tensors not sent",
+          "[delta][subset]") {
+  const rt::scoped_endpoint ep;
+  trainer t(delta_model());
+  engine e(t.metas, ep.name);
+  refit::streamer st(rt::host_shm_streamer(ep.name, buffer_bytes, streamer_timeout));
+
+  // A subset into a receiver that never committed a whole version: refused, nothing written.
+  auto served = serve_until(e.r, receiver_event::refused);
+  const auto refused = rt::failure_of([&] { st.refit(1, t.refs_of("layers.0"), refit::refit_scope::subset); });
+  served.get();
+  REQUIRE(refused);
+  CHECK(refused->code == "needs_whole");
+  CHECK_THAT(refused->message, Catch::Contains("has not committed a whole version"));
+  CHECK_FALSE(e.r.committed_version());
+  CHECK_FALSE(e.r.dirty());
+  CHECK(e.bytes[0] == std::vector<std::uint8_t>(e.bytes[0].size(), 0xee));
+
+  refit_once(st, e, 1, t.refs());
+  REQUIRE(e.differs_from(t).empty());
+  const trainer v1 = t;
+  for (std::uint64_t v = 2; v <= 20; ++v) {
+    // The "adapters" (layers.0.*) change and are sent alone; the rest changes too but is not sent.
+    t.step(0.05);
+    const auto sent = t.refs_of("layers.0");
+    const auto stats = refit_once(st, e, v, sent, refit::refit_scope::subset);
+    INFO("version " << v);
+    CHECK(stats.subset);
+    CHECK_FALSE(stats.delta);
+    CHECK(stats.tensors == sent.size());
+    CHECK(e.r.committed_version() == std::optional<std::uint64_t>(v));
+    CHECK_FALSE(e.r.dirty());
+    for (std::size_t k = 0; k < t.metas.size(); ++k) {
+      INFO(t.metas[k].name);
+      const bool adapter = t.metas[k].name.find("layers.0") != std::string::npos;
+      CHECK(e.bytes[k] == (adapter ? t.bytes[k] : v1.bytes[k]));
+    }
+  }
+  CHECK(t.bytes[0] != v1.bytes[0]);  // the tensors not sent did change on the trainer's side
+}
+
+// ================================================================================== deltas
+
+TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a fraction of the bytes",
+          "[delta]") {
+  const rt::scoped_endpoint ep;
+  trainer t(delta_model());
+  engine e(t.metas, ep.name);
+  refit::streamer st(delta_streamer(ep.name));
+
+  const auto first = refit_once(st, e, 1, t.refs());
+  CHECK_FALSE(first.delta);
+  CHECK(first.bytes == first.tensor_bytes);
+  CHECK(first.base_bytes == first.tensor_bytes);
+  REQUIRE(e.differs_from(t).empty());
+  for (std::uint64_t v = 2; v <= 21; ++v) {
+    t.step();
+    const auto stats = refit_once(st, e, v, t.refs());
+    INFO("version " << v);
+    CHECK(stats.delta);
+    CHECK(stats.base == v - 1);
+    CHECK(stats.subset);
+    CHECK_FALSE(stats.whole_after_refusal);
+    CHECK(stats.changed > 0);
+    // "frozen" and "empty" did not change (nor, some steps, the tiny u8 and i64 ones): not sent.
+    CHECK(stats.tensors <= t.metas.size() - 2);
+    CHECK(stats.tensors >= 4);
+    // bf16 at ~2 %: 6-byte records; the f32 tensor goes whole: far less than the whole version.
+    CHECK(stats.bytes < stats.tensor_bytes / 4);
+    CHECK(e.r.committed_version() == std::optional<std::uint64_t>(v));
+    CHECK_FALSE(e.r.dirty());
+    REQUIRE(e.differs_from(t) == "");
+  }
+  // A version that changed nothing commits with nothing sent.
+  const auto same = refit_once(st, e, 22, t.refs());
+  CHECK(same.delta);
+  CHECK(same.tensors == 0);
+  CHECK(same.bytes == 0);
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(22));
+  CHECK(e.differs_from(t).empty());
+}
+
+TEST_CASE("a delta to a receiver with another base is refused before writing and the whole version follows "
+          "in the same refit",
+          "[delta]") {
+  const rt::scoped_endpoint ep;
+  trainer t(delta_model());
+  engine e(t.metas, ep.name);
+  refit::streamer st(delta_streamer(ep.name));
+  refit_once(st, e, 1, t.refs());
+
+  // Another trainer commits version 2 to the receiver: the delta streamer's base (1) is stale.
+  trainer other(delta_model());
+  {
+    refit::streamer o(rt::host_shm_streamer(ep.name, buffer_bytes, streamer_timeout));
+    refit_once(o, e, 2, other.refs());
+    auto bye = serve_until(e.r, receiver_event::bye);
+    o.close();
+    bye.get();
+  }
+  REQUIRE(e.differs_from(other).empty());
+
+  t.step();
+  std::vector<receiver_event> events;
+  const auto stats = refit_once(st, e, 3, t.refs(), refit::refit_scope::whole, &events);
+  CHECK(stats.whole_after_refusal);
+  CHECK_FALSE(stats.delta);
+  CHECK(stats.bytes == stats.tensor_bytes);
+  CHECK(contains(events, receiver_event::refused));  // the delta's BEGIN
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(3));
+  CHECK_FALSE(e.r.dirty());
+  CHECK(e.differs_from(t).empty());
+  CHECK_THAT(e.r.last_error(), Catch::Contains("its base is version 1, but this receiver holds version 2"));
+
+  // The whole version is the new base: the next one is a delta again.
+  t.step();
+  const auto next = refit_once(st, e, 4, t.refs());
+  CHECK(next.delta);
+  CHECK(next.base == 3);
+  CHECK(e.differs_from(t).empty());
+}
+
+TEST_CASE("a delta to a restarted receiver is sent whole", "[delta]") {
+  const rt::scoped_endpoint ep;
+  trainer t(delta_model());
+  refit::streamer st(delta_streamer(ep.name));
+  {
+    engine e(t.metas, ep.name);
+    refit_once(st, e, 1, t.refs());
+  }
+  engine fresh(t.metas, ep.name);
+  t.step();
+  const auto stats = refit_once(st, fresh, 2, t.refs());
+  CHECK(stats.whole_after_refusal);
+  CHECK_FALSE(stats.delta);
+  CHECK(fresh.r.committed_version() == std::optional<std::uint64_t>(2));
+  CHECK(fresh.differs_from(t).empty());
+}
+
+TEST_CASE("weights changed behind the receiver's back fail the delta's checksum and poison it; a whole version "
+          "cures it",
+          "[delta]") {
+  const rt::scoped_endpoint ep;
+  trainer t(delta_model());
+  engine e(t.metas, ep.name);
+  refit::streamer st(delta_streamer(ep.name));
+  refit_once(st, e, 1, t.refs());
+
+  // Every element of "layers.0.q" changes, so the patch overwrites the byte flipped here.
+  for (std::size_t i = 0; i < t.bytes[1].size(); i += 2) t.bytes[1][i] ^= 0x5a;
+  e.bytes[1][100] ^= 0x01;
+  std::atomic<bool> cancel{false};
+  auto served = serve_until(e.r, receiver_event::aborted, &cancel);
+  const auto failed = rt::failure_of([&] { st.refit(2, t.refs()); });
+  served.get();
+  REQUIRE(failed);
+  CHECK(failed->code == "apply");
+  CHECK_THAT(failed->message, Catch::Contains("delta version 2 does not check out"));
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(1));
+  CHECK(e.r.dirty());
+  CHECK(e.r.poisoned());
+  CHECK_THAT(e.r.last_error(), Catch::StartsWith("poisoned: delta version 2 failed"));
+
+  // The streamer's base is gone with the failure: the next refit is whole, and cures the receiver.
+  const auto stats = refit_once(st, e, 3, t.refs());
+  CHECK_FALSE(stats.delta);
+  CHECK_FALSE(e.r.dirty());
+  CHECK_FALSE(e.r.poisoned());
+  CHECK(e.differs_from(t).empty());
+}
+
+// ------------------------------------------------------------------ a hand-made corrupt patch
+
+namespace {
+
+/// A streamer built from the parts, to send a patch the real one never would.
+class raw_streamer {
+ public:
+  explicit raw_streamer(const std::string& endpoint) : channel_(endpoint) {
+    refit::transport::source_options o;
+    o.name = "host_shm";
+    o.bytes = buffer_bytes;
+    src_ = refit::transport::make_source(o);
+    wire::hello h;
+    src_->open_session(h);
+    h.peer = "raw-streamer";
+    const auto reply = request(h);
+    REQUIRE(std::holds_alternative<wire::ok>(reply));
+    src_->session_accepted(std::array{std::get<wire::ok>(reply)});
+  }
+  wire::message request(const wire::message& m) {
+    return wire::decode(channel_.request(wire::encode(m), streamer_timeout, wire::to_string(wire::type_of(m))));
+  }
+  std::byte* buffer(std::size_t i) { return src_->data(i); }
+
+ private:
+  std::unique_ptr<refit::transport::source> src_;
+  refit::channel::req_channel channel_;
+};
+
+std::string error_of(const wire::message& m) {
+  if (const auto* e = std::get_if<wire::error>(&m)) return std::string(refit::to_string(e->code)) + ": " + e->message;
+  return "OK";
+}
+
+}  // namespace
+
+TEST_CASE("a corrupted patch value is caught by the checksum; a corrupt index is refused before anything is "
+          "written",
+          "[delta]") {
+  const rt::scoped_endpoint ep;
+  const refit::tensor_meta w{"w", dtype::bf16, {64}};
+  std::vector<std::uint8_t> weights(128);
+  refit::receiver r(engine::options(ep.name));
+  r.add_parameter(refit::tensor_dest{w, weights.data(), refit::device::cpu()});
+  std::vector<std::uint8_t> v1(128);
+  for (std::size_t i = 0; i < v1.size(); ++i) v1[i] = static_cast<std::uint8_t>(i * 7);
+  const std::uint64_t weight = refit::delta::name_weight("w");
+  const std::uint64_t sum1 = weight * refit::copy::checksum(v1.data(), v1.size());
+  std::vector<std::uint8_t> v2;
+
+  auto served = std::async(std::launch::async, [&] {
+    std::vector<receiver_event> seen;
+    for (int idle = 0; idle < 200;) {
+      const auto e = r.serve_one(50ms);
+      if (e == receiver_event::idle) ++idle;
+      else seen.push_back(e);
+      if (e == receiver_event::bye) break;
+    }
+    return seen;
+  });
+  {
+    raw_streamer s(ep.name);
+    // Version 1, whole, with its checksum.
+    std::memcpy(s.buffer(0), v1.data(), v1.size());
+    REQUIRE(error_of(s.request(wire::begin{1, false, {}})) == "OK");
+    REQUIRE(error_of(s.request(wire::batch{1, 0, 0, {wire::entry{"w", dtype::bf16, {64}, 0, 128, 0, wire::entry_kind::bytes, 0}}})) == "OK");
+    REQUIRE(error_of(s.request(wire::end{1, 1, 128, 1, sum1})) == "OK");
+
+    // Version 2 changes elements 3 and 10; the patch carries a wrong value for element 10.
+    v2 = v1;
+    v2[6] = 1, v2[7] = 0, v2[20] = 2, v2[21] = 0;  // elements 3 and 10 become 1 and 2
+    const std::uint64_t sum2 = weight * refit::copy::checksum(v2.data(), v2.size());
+    const auto send_patch = [&](std::uint64_t version, std::uint32_t i0, std::uint32_t i1, std::uint16_t x1) {
+      std::byte* b = s.buffer(0);
+      const std::uint16_t x0 = 1;
+      std::memcpy(b, &i0, 4), std::memcpy(b + 4, &i1, 4), std::memcpy(b + 8, &x0, 2), std::memcpy(b + 10, &x1, 2);
+      REQUIRE(error_of(s.request(wire::begin{version, true, *r.committed_version()})) == "OK");
+      return s.request(wire::batch{version, 0, 0, {wire::entry{"w", dtype::bf16, {64}, 0, 12, 0, wire::entry_kind::patch, 128}}});
+    };
+    REQUIRE(error_of(send_patch(2, 3, 10, 3)) == "OK");  // the batch is applied after its reply
+    const std::string end2 = error_of(s.request(wire::end{2, 1, 12, 1, sum2}));
+    CHECK_THAT(end2, Catch::StartsWith("apply: delta version 2 does not check out"));
+
+    // The receiver is poisoned now: another delta is refused before anything is written.
+    const std::string again = error_of(s.request(wire::begin{3, true, 1}));
+    CHECK_THAT(again, Catch::StartsWith("needs_whole: delta version 3: this receiver is poisoned"));
+
+    // A whole version cures it.
+    std::memcpy(s.buffer(1), v2.data(), v2.size());
+    REQUIRE(error_of(s.request(wire::begin{4, false, {}})) == "OK");
+    REQUIRE(error_of(s.request(wire::batch{4, 0, 1, {wire::entry{"w", dtype::bf16, {64}, 0, 128, 0, wire::entry_kind::bytes, 0}}})) == "OK");
+    REQUIRE(error_of(s.request(wire::end{4, 1, 128, 1, sum2})) == "OK");
+
+    // A patch whose index is out of its span is refused before its batch writes anything: the
+    // receiver aborts the delta, but is not poisoned (nothing of the delta was written).
+    const std::string bad = error_of(send_patch(5, 3, 64, 2));
+    const std::string end5 = bad == "OK" ? error_of(s.request(wire::end{5, 1, 12, 1, sum2})) : bad;
+    CHECK_THAT(end5, Catch::Contains("the patch of 'w' is corrupt: change 1 names element 64 (out of the span)"));
+    REQUIRE(error_of(s.request(wire::bye{})) == "OK");
+  }
+  const auto events = served.get();
+  CHECK(r.committed_version() == std::optional<std::uint64_t>(4));
+  CHECK_FALSE(r.poisoned());
+  CHECK_FALSE(r.dirty());
+  CHECK(weights == v2);
+  CHECK(std::count(events.begin(), events.end(), receiver_event::committed) == 2);
+}
+
+// ------------------------------------------------------------------ a streamer killed mid-delta
+
+namespace {
+
+/// Yields `refs`; at tensor `block_at` tells the parent "blocked" and waits to be killed.
+class blocking_source final : public refit::tensor_source {
+ public:
+  blocking_source(std::vector<refit::tensor_ref> refs, std::size_t block_at, rt::signal_pipe& to_parent)
+      : refs_(std::move(refs)), block_at_(block_at), to_parent_(to_parent) {}
+  std::optional<refit::tensor_ref> next() override {
+    if (i_ == block_at_) {
+      to_parent_.send("blocked");
+      for (;;) ::pause();
+    }
+    if (i_ == refs_.size()) return std::nullopt;
+    return refs_[i_++];
+  }
+
+ private:
+  std::vector<refit::tensor_ref> refs_;
+  std::size_t block_at_;
+  rt::signal_pipe& to_parent_;
+  std::size_t i_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("a streamer killed mid-delta leaves the receiver poisoned; the next streamer's refit is whole and "
+          "cures it",
+          "[delta]") {
+  const rt::scoped_endpoint ep;
+  const std::string& endpoint = ep.name;
+  // Three large bf16 tensors: each one's patches fill most of a batch, so the first is applied
+  // (in place) before the source blocks at the third.
+  std::vector<refit::tensor_meta> metas;
+  for (int k = 0; k < 3; ++k) metas.push_back({"layers." + std::to_string(k), dtype::bf16, {200000}});
+  trainer t(metas);
+  trainer t2 = t;
+  t2.step(0.2);
+
+  rt::signal_pipe from_s1;
+  rt::child s1([&] {
+    refit::streamer s(delta_streamer(endpoint));
+    s.refit(1, t.refs());
+    blocking_source source(t2.refs(), 2, from_s1);
+    s.refit(2, source);
+    throw std::runtime_error("the delta returned although its source blocked");
+  });
+  rt::signal_pipe to_s2;
+  rt::child s2([&] {
+    if (to_s2.receive(60s) != "go") throw std::runtime_error("streamer 2: expected go");
+    refit::streamer s(delta_streamer(endpoint));
+    s.refit(2, t2.refs());  // a new streamer holds no base: whole
+    s.close();
+  });
+
+  engine e(metas, endpoint);
+  std::vector<receiver_event> seen;
+  const auto start = std::chrono::steady_clock::now();
+  bool blocked = false;
+  int batches_of_2 = 0;
+  while (!blocked || batches_of_2 == 0) {
+    REQUIRE(std::chrono::steady_clock::now() - start < 20s);
+    const auto ev = e.r.serve_one(20ms);
+    if (ev == receiver_event::aborted) FAIL("aborted: " << e.r.last_error());
+    if (ev == receiver_event::batch && e.r.committed_version()) ++batches_of_2;
+    if (!blocked) blocked = from_s1.try_receive(0ms) == std::optional<std::string>("blocked");
+  }
+  REQUIRE(e.r.committed_version() == std::optional<std::uint64_t>(1));
+  s1.kill();
+  CHECK(s1.wait(5s) == -SIGKILL);
+
+  // The receiver gives the delta up at its idle timeout: poisoned.
+  for (auto ev = e.r.serve_one(100ms); ev != receiver_event::aborted; ev = e.r.serve_one(100ms))
+    REQUIRE(std::chrono::steady_clock::now() - start < 30s);
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(1));
+  CHECK(e.r.dirty());
+  CHECK(e.r.poisoned());
+  CHECK_THAT(e.r.last_error(), Catch::StartsWith("poisoned: delta version 2 failed after patching"));
+
+  to_s2.send("go");
+  for (auto ev = e.r.serve_one(100ms); ev != receiver_event::committed; ev = e.r.serve_one(100ms))
+    REQUIRE(std::chrono::steady_clock::now() - start < 40s);
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(2));
+  CHECK_FALSE(e.r.dirty());
+  CHECK_FALSE(e.r.poisoned());
+  CHECK(e.differs_from(t2).empty());
+  for (auto ev = e.r.serve_one(100ms); ev != receiver_event::bye; ev = e.r.serve_one(100ms))
+    REQUIRE(std::chrono::steady_clock::now() - start < 50s);
+  CHECK(s2.wait(20s) == 0);
+}
