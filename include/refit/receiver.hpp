@@ -177,8 +177,7 @@ class REFIT_API receiver {
   /// 128 (blocks are the global tensor's; one ending off a multiple of 128 before the source's end
   /// fails its refit with errc::apply); a scale that shares bytes with its destination; a name
   /// containing "\x1f" (reserved: the scale travels as name + scale_suffix); a second
-  /// destination of one source with another quant. A quantising destination keeps an nccl session
-  /// from being granted in place (it stages: the streamer converts into its send buffers).
+  /// destination of one source with another quant.
   void add_parameter(const tensor_dest& dest, const dest_layout& layout);
   /// Removes every registered destination (their memory: see the class comment). Takes effect
   /// at the next refit.

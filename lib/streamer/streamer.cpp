@@ -687,9 +687,19 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         return;
       }
       const std::uint64_t first = p.entry.tensor_offset / di;
+      // An in-place session packs converted entries after all, into its staging buffers (the
+      // planned offsets fit: they are an in-place batch's).
+      std::byte* base = in_place ? st.buffers->staging(seq % st.buffers->count())
+                                 : st.buffers->data(seq % st.buffers->count());
+      if (base == nullptr)
+        throw error(errc::invalid_argument,
+                    fmt::format("tensor {}: the receivers ask for it as {}, but this {} session sends every tensor in "
+                                "place, unconverted (nothing of it was sent; receivers that took earlier batches of "
+                                "version {} stay dirty until a refit commits): set streamer_options::direct = false "
+                                "so that it is converted into the send buffers",
+                                describe(t.meta), to_string(t.meta.type), to_string(st.options.transport), version));
       cops.push_back(copy::convert_op{static_cast<const std::byte*>(t.data) + first * copy::cvt::item(cv.from),
-                                      st.buffers->data(seq % st.buffers->count()) + p.entry.buffer_offset,
-                                      p.entry.bytes / di, 1, 0, 0, first, cv});
+                                      base + p.entry.buffer_offset, p.entry.bytes / di, 1, 0, 0, first, cv});
       if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
     }
   };
@@ -850,15 +860,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// Sends `t` converted as `c` asks: the tensor as `c.type` (same shape) and, quantised, its
   /// scale tensor `name` + scale_suffix, computed by a scale pass over the source first.
   void send_converted(batch_writer& w, planner& pl, const tensor_ref& t, const wire::conversion& c,
-                      std::uint64_t version, refit_stats& stats) {
-    if (w.in_place)
-      // An in-place nccl session has no buffer to convert into (the bytes leave from the tensor).
-      throw error(errc::invalid_argument,
-                  fmt::format("tensor {}: the receivers ask for it as {}, but this nccl session sends every tensor in "
-                              "place, unconverted (nothing of it was sent; receivers that took earlier batches of "
-                              "version {} stay dirty until a refit commits): set streamer_options::direct = false "
-                              "so that it is converted into the send buffers",
-                              describe(t.meta), to_string(c.type), version));
+                      refit_stats& stats) {
     tensor_ref sent = t;
     sent.meta.type = c.type;
     const std::uint64_t bytes = sent.meta.nbytes();
@@ -1001,7 +1003,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                                   "bytes the trainer holds, not converted ones: send versions whole to receivers "
                                   "that convert (streamer_options::delta off)",
                                   describe(t->meta)));
-        send_converted(w, pl, *t, *c, version, stats);
+        send_converted(w, pl, *t, *c, stats);
         keep = false;  // the base holds what was sent as it was; a converted tensor is not there
         continue;
       }

@@ -514,9 +514,12 @@ class nccl_source final : public source {
                   return r.mode == wire::session_mode::in_place;
                 });
     if (in_place_) {
-      send_.clear();  // nothing is ever packed in this session: the memory goes back
-    } else if (send_.empty()) {
+      send_.clear();  // nothing is packed in this session (unless converted: staging()): the memory goes back
+      send_bytes_ = 0;
+    } else if (send_.empty() || send_bytes_ != bytes_) {
       device_guard guard(device_);
+      send_.clear();
+      send_bytes_ = bytes_;
       try {
         for (std::size_t i = 0; i < count_; ++i) send_.emplace_back(bytes_);
       } catch (const error& e) {
@@ -557,8 +560,30 @@ class nccl_source final : public source {
 
   void entries(std::size_t i, std::span<const segment> batch) override {
     if (i >= count_) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, count_));
-    // Without send buffers (in place) no entry may be packed: a buffer of 0 bytes refuses it.
-    batch_.take(batch, send_.empty() ? 0 : bytes_, i);
+    // Without send buffers (in place, nothing converted) no entry may be packed: a buffer of 0
+    // bytes refuses it.
+    batch_.take(batch, send_.empty() ? 0 : send_bytes_, i);
+  }
+
+  std::byte* staging(std::size_t i) override {
+    if (!in_place_ || i >= count_) return nullptr;
+    if (send_.empty()) {
+      // Converted entries of an in-place session are packed after all: buffers of a whole
+      // in-place batch, made the first time one is converted (other sessions never pay for them).
+      device_guard guard(device_);
+      try {
+        for (std::size_t k = 0; k < count_; ++k) send_.emplace_back(direct_batch_bytes);
+      } catch (const error& e) {
+        send_.clear();
+        throw error(errc::cuda, fmt::format("nccl: cannot allocate {} buffers of {} bytes on cuda:{} to convert in "
+                                            "place: {}; set direct = false to convert into buffer_bytes buffers",
+                                            count_, direct_batch_bytes, device_, e.what()));
+      }
+      send_bytes_ = direct_batch_bytes;
+      REFIT_INFO("nccl: in-place session converts: {} × {} MiB staging buffers on cuda:{}", count_,
+                 direct_batch_bytes >> 20, device_);
+    }
+    return static_cast<std::byte*>(send_[i].handle());
   }
 
   void end_pack(std::size_t i) override {
@@ -618,7 +643,8 @@ class nccl_source final : public source {
   cuda::stream pack_;
   cuda::stream comm_stream_;
   cuda::event producer_;
-  std::vector<cuda::device_buffer> send_;  ///< made for buffered sessions only
+  std::vector<cuda::device_buffer> send_;  ///< made for buffered sessions, and in-place ones that convert
+  std::uint64_t send_bytes_ = 0;           ///< the size of each of send_
   cuda::device_buffer scratch_;            ///< the warm-up broadcast's bytes
   std::vector<cuda::event> packed_;
   std::vector<cuda::event> sent_;
@@ -708,11 +734,8 @@ class nccl_sink final : public sink {
     std::unordered_set<std::string_view> names;
     for (const plan::destination& d : table)
       if (offer && ((d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) || !plan::is_plain(d) ||
-                    d.q != quant::none || !names.insert(d.meta.name).second))
-        // A view or a slice is staged: a broadcast lands whole and dense. A quantised destination
-        // too: the streamer converts into its send buffers, and an in-place session has none (it
-        // sends each tensor from where it is), so the session falls back to buffers.
-        offer = false;
+                    !names.insert(d.meta.name).second))
+        offer = false;  // a view or a slice is staged: a broadcast lands whole and dense
     if (offer) {
       recv_.clear();  // nothing is ever staged in this session: the memory goes back
       reply.mode = wire::session_mode::in_place;

@@ -133,6 +133,14 @@ class source {
   /// so batches are planned with direct_batch_bytes, and every tensor must be where() the
   /// transport sends from.
   [[nodiscard]] virtual bool in_place() const noexcept { return false; }
+  /// In an in-place session: buffer i, of direct_batch_bytes, for the entries that must be packed
+  /// after all (converted ones: the receivers ask for another dtype than the tensor's), made on
+  /// first use and ordered like any buffer (begin_pack / entries / end_pack); nullptr where the
+  /// transport has none (the streamer then refuses to convert in place).
+  [[nodiscard]] virtual std::byte* staging(std::size_t i) {
+    (void)i;
+    return nullptr;
+  }
 
   /// Before packing into buffer i: orders the packing after the receiver's last read of it.
   virtual void begin_pack(std::size_t i) = 0;

@@ -18,6 +18,7 @@ TEST_CASE("conversion on the GPU is not built: its tests are skipped", "[convert
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -213,28 +214,31 @@ struct model {
   host_source big = make_source(dtype::bf16, 1024, 1024, 5);
 };
 
-void receiver_body(const std::string& ep, rt::signal_pipe& ready) {
-  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+/// `device`: the receiver's GPU; `shard`: whether w_shard is registered (a slice: an nccl
+/// receiver with one does not receive in place).
+void receiver_body(const std::string& ep, rt::signal_pipe& ready, int device = 0, bool shard = true) {
+  refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
   const model m;
   refit::receiver_options o;
   o.endpoint = ep;
+  o.device = device;
   o.idle_timeout = 30000ms;
   refit::receiver r(o);
   refit::cuda::device_buffer q_block(300 * 260), s_block(9 * 4), q_shard(256 * 172), s_shard(2 * 2 * 4),
       q_tensor(6400), s_tensor(4), bf_cast(2000), q_big(1024 * 1024), s_big(64 * 4);
-  const auto fp8 = [](const char* name, std::vector<std::int64_t> shape, refit::cuda::device_buffer& q,
-                      refit::cuda::device_buffer& s, quant qu) {
-    refit::tensor_dest d{{name, dtype::f8_e4m3, std::move(shape)}, q.handle(), refit::device::cuda(0)};
+  const auto fp8 = [device](const char* name, std::vector<std::int64_t> shape, refit::cuda::device_buffer& q,
+                            refit::cuda::device_buffer& s, quant qu) {
+    refit::tensor_dest d{{name, dtype::f8_e4m3, std::move(shape)}, q.handle(), refit::device::cuda(device)};
     d.q = qu;
     d.scale = s.handle();
     return d;
   };
   r.add_parameter(fp8("w_block", {300, 260}, q_block, s_block, quant::block128));
-  refit::dest_layout shard;
-  shard.slice = refit::source_slice{1, 128, 172};
-  r.add_parameter(fp8("w_shard", {256, 172}, q_shard, s_shard, quant::block128), shard);
+  refit::dest_layout slice;
+  slice.slice = refit::source_slice{1, 128, 172};
+  if (shard) r.add_parameter(fp8("w_shard", {256, 172}, q_shard, s_shard, quant::block128), slice);
   r.add_parameter(fp8("w_tensor", {64, 100}, q_tensor, s_tensor, quant::tensor));
-  r.add_parameter(refit::tensor_dest{{"w_cast", dtype::bf16, {1000}}, bf_cast.handle(), refit::device::cuda(0)});
+  r.add_parameter(refit::tensor_dest{{"w_cast", dtype::bf16, {1000}}, bf_cast.handle(), refit::device::cuda(device)});
   r.add_parameter(fp8("w_big", {1024, 1024}, q_big, s_big, quant::block128));
   ready.send("ready");
   int commits = 0;
@@ -253,15 +257,17 @@ void receiver_body(const std::string& ep, rt::signal_pipe& ready) {
     auto d = first_difference(download(q_block.handle(), 300 * 260), rb.q);
     expect(d.empty(), "w_block: " + d);
     expect(same_floats(download_floats(static_cast<float*>(s_block.handle()), 9), rb.scale_inv), "w_block scales");
-    const auto rs = ref::quantise(m.shard.values, 1, 256, 300, true);
-    std::vector<std::uint8_t> want_shard;
-    for (std::size_t row = 0; row < 256; ++row)
-      for (std::size_t c = 128; c < 300; ++c) want_shard.push_back(rs.q[row * 300 + c]);
-    d = first_difference(download(q_shard.handle(), 256 * 172), want_shard);
-    expect(d.empty(), "w_shard: " + d);
-    expect(same_floats(download_floats(static_cast<float*>(s_shard.handle()), 4),
-                       {rs.scale_inv[1], rs.scale_inv[2], rs.scale_inv[4], rs.scale_inv[5]}),
-           "w_shard scales");
+    if (shard) {
+      const auto rs = ref::quantise(m.shard.values, 1, 256, 300, true);
+      std::vector<std::uint8_t> want_shard;
+      for (std::size_t row = 0; row < 256; ++row)
+        for (std::size_t c = 128; c < 300; ++c) want_shard.push_back(rs.q[row * 300 + c]);
+      d = first_difference(download(q_shard.handle(), 256 * 172), want_shard);
+      expect(d.empty(), "w_shard: " + d);
+      expect(same_floats(download_floats(static_cast<float*>(s_shard.handle()), 4),
+                         {rs.scale_inv[1], rs.scale_inv[2], rs.scale_inv[4], rs.scale_inv[5]}),
+             "w_shard scales");
+    }
     const auto rt_ = ref::quantise(m.tensor.values, 1, 64, 100, false);
     d = first_difference(download(q_tensor.handle(), 6400), rt_.q);
     expect(d.empty(), "w_tensor: " + d);
@@ -281,28 +287,35 @@ void receiver_body(const std::string& ep, rt::signal_pipe& ready) {
   expect(commits == 2, std::to_string(commits) + " commits");
 }
 
-void streamer_body(const std::string& ep, bool direct) {
+/// `nccl`: broadcast to the receiver (on cuda:1) instead of cuda_ipc; `shard`: whether w_shard is sent.
+void streamer_body(const std::string& ep, bool direct, bool nccl = false, bool shard = true) {
   refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
   const model m;
   const auto b = upload(m.block.bytes), s = upload(m.shard.bytes), t = upload(m.tensor.bytes),
              c = upload(m.cast.bytes), g = upload(m.big.bytes);
-  const std::vector<refit::tensor_ref> refs{
+  std::vector<refit::tensor_ref> refs{
       {{"w_block", dtype::bf16, {300, 260}}, b.handle(), refit::device::cuda(0), nullptr},
-      {{"w_shard", dtype::bf16, {256, 300}}, s.handle(), refit::device::cuda(0), nullptr},
       {{"w_tensor", dtype::f32, {64, 100}}, t.handle(), refit::device::cuda(0), nullptr},
       {{"w_cast", dtype::f32, {1000}}, c.handle(), refit::device::cuda(0), nullptr},
       {{"w_big", dtype::bf16, {1024, 1024}}, g.handle(), refit::device::cuda(0), nullptr}};
+  if (shard) refs.push_back({{"w_shard", dtype::bf16, {256, 300}}, s.handle(), refit::device::cuda(0), nullptr});
   refit::streamer_options o;
-  o.endpoint = ep;
-  o.transport = refit::transport_kind::cuda_ipc;
+  if (nccl) {
+    o.receivers = {ep};
+    o.transport = refit::transport_kind::nccl;
+  } else {
+    o.endpoint = ep;
+    o.transport = refit::transport_kind::cuda_ipc;
+  }
   o.buffer_bytes = 256 << 10;  // staged: w_big's 1 MiB of fp8 over several batches
   o.direct = direct;
   o.timeout = 30000ms;
   refit::streamer st(o);
+  const std::uint64_t scales = shard ? 4 : 3;
   for (std::uint64_t v : {1, 2}) {
     const auto stats = st.refit(v, refs);
     expect(stats.direct == direct, direct ? "the refit was staged" : "the refit was direct");
-    expect(stats.tensors == refs.size() + 4, "stats.tensors " + std::to_string(stats.tensors));
+    expect(stats.tensors == refs.size() + scales, "stats.tensors " + std::to_string(stats.tensors));
   }
   st.close();
 }
@@ -333,6 +346,29 @@ TEST_CASE("a staged cuda_ipc refit converts into fp8 block128, shard, per-tensor
 TEST_CASE("a direct cuda_ipc refit converts (fused block128 for dense and shard destinations) bit-exact",
           "[convert][cuda_ipc]") {
   end_to_end(true);
+}
+
+TEST_CASE("nccl in place converts into staging buffers, and buffered nccl into its send buffers, bit-exact on cuda:1",
+          "[convert][nccl]") {
+#if REFIT_HAVE_NCCL
+  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
+  if (rt::cuda_device_count() < 2) {
+    WARN("this test needs 2 GPUs: skipped");
+    return;
+  }
+  for (const bool direct : {true, false}) {
+    INFO((direct ? "in place" : "buffered"));
+    const auto ep = rt::temp_endpoint();
+    rt::signal_pipe ready;
+    rt::child rx([&] { receiver_body(ep, ready, 1, false); });
+    REQUIRE(ready.receive(60s) == "ready");
+    rt::child tx([&] { streamer_body(ep, direct, true, false); });
+    CHECK(tx.wait(180s) == 0);
+    CHECK(rx.wait(60s) == 0);
+  }
+#else
+  WARN("refit was built without NCCL: skipped");
+#endif
 }
 
 TEST_CASE("two cuda_ipc receivers asking one tensor as different things refuse the session naming both",

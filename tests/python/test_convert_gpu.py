@@ -148,34 +148,31 @@ def test_nccl_buffered_sends_converted_bytes_like_torch(peer, monkeypatch):
     job.stop()
 
 
-def test_nccl_in_place_falls_back_to_buffers_for_quantised_destinations(peer, monkeypatch):
+def test_nccl_in_place_converts_into_staging_buffers_and_receives_in_place(peer, monkeypatch):
     need_gpus(2)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(0)
-    names = ["w_block", "w_tensor", "w_big"]  # plain destinations: only their quantisation keeps them staged
+    names = ["w_block", "w_tensor", "w_cast", "w_big"]  # plain destinations: received in place
     job = peer.run(serve_fp8, 1, True, names)
     endpoint = job.recv()
     src = {k: v for k, v in sources("cuda:0").items() if k in names}
     with streamer(None, transport="nccl", receivers=[endpoint], device=0, direct=True) as st:
-        stats = st.refit(1, src)
-        assert stats.direct is False
-        check(job.request("state"), src)
+        for version in (1, 2):
+            stats = st.refit(version, src)
+            assert stats.direct is True  # in place: the converted bytes leave from staging buffers
+            check(job.request("state"), src)
     job.stop()
 
 
-def test_nccl_in_place_refuses_a_cast_naming_the_way_out(peer, monkeypatch):
+def test_nccl_with_a_shard_destination_stages_and_converts(peer, monkeypatch):
     need_gpus(2)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(0)
-    job = peer.run(serve_fp8, 1, True, ["w_cast"])
+    job = peer.run(serve_fp8, 1, True)  # w_shard is a slice: the receiver does not receive in place
     endpoint = job.recv()
-    src = {"w_cast": sources("cuda:0")["w_cast"]}
+    src = sources("cuda:0")
     with streamer(None, transport="nccl", receivers=[endpoint], device=0, direct=True) as st:
-        with pytest.raises(refit.RefitError, match="direct = false") as e:
-            st.refit(1, src)
-        assert e.value.code == refit.Errc.invalid_argument
-        # direct=False converts into the send buffers.
-    with streamer(None, transport="nccl", receivers=[endpoint], device=0, direct=False) as st:
-        st.refit(2, src)
+        stats = st.refit(1, src)
+        assert stats.direct is False
         check(job.request("state"), src)
     job.stop()
