@@ -44,6 +44,20 @@ __device__ __forceinline__ void store(void* p, std::uint64_t i, int item, std::u
   }
 }
 
+/// The same for a patch's values, which follow its 4-byte indices and so may sit at any multiple
+/// of 4 (8-byte values after an odd count): byte by byte, little-endian like the loads above.
+__device__ __forceinline__ std::uint64_t load_unaligned(const void* p, std::uint64_t i, int item) {
+  const auto* b = static_cast<const unsigned char*>(p) + i * static_cast<std::uint64_t>(item);
+  std::uint64_t v = 0;
+  for (int k = 0; k < item; ++k) v |= static_cast<std::uint64_t>(b[k]) << (8 * k);
+  return v;
+}
+
+__device__ __forceinline__ void store_unaligned(void* p, std::uint64_t i, int item, std::uint64_t v) {
+  auto* b = static_cast<unsigned char*>(p) + i * static_cast<std::uint64_t>(item);
+  for (int k = 0; k < item; ++k) b[k] = static_cast<unsigned char>(v >> (8 * k));
+}
+
 /// Sum over the block of `v` (every thread gets it).
 template <typename T>
 __device__ T block_sum(T v, T* shared) {
@@ -102,7 +116,7 @@ __global__ void write_kernel(void* base, const void* next, std::uint64_t element
     t += element_term(n, off + i * item, item, total) - element_term(o, off + i * item, item, total);
     store(base, i, item, n);
     indices[slot] = static_cast<std::uint32_t>(i);
-    store(values, slot, item, n);
+    store_unaligned(values, slot, item, n);
     ++slot;
   }
   const unsigned long long sum = block_sum(static_cast<unsigned long long>(t), sums);
@@ -126,7 +140,7 @@ __global__ void apply_kernel(const std::uint32_t* indices, const void* values, s
        k += static_cast<std::uint64_t>(gridDim.x) * blockDim.x) {
     const std::uint64_t i = indices[k];
     const std::uint64_t o = load(span, i, item);
-    const std::uint64_t v = load(values, k, item);
+    const std::uint64_t v = load_unaligned(values, k, item);
     t += element_term(v, off + i * item, item, total) - element_term(o, off + i * item, item, total);
     store(span, i, item, v);
   }

@@ -149,36 +149,43 @@ void kernels_body() {
              std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) + ": scale_inv differs");
       gpu->reset_scratch();
     }
-    // The fused kernel: the whole tensor, and columns [128, 260) into rows of 132 with scales in rows of 2.
-    const ref::quantised want = ref::quantise(src.values, lead, rows, cols, true);
+    // The fused kernel: the whole tensor, and columns [128, cols) into rows of their own with scales
+    // in rows of 2. 260 columns take the scalar kernel; 264 (a multiple of 8) the vectorised one,
+    // whose whole tiles (NaN and ±inf among them) use the hardware's e4m3 conversion.
+    for (const std::size_t fcols : {cols, std::size_t{264}}) {
+    const host_source fsrc = fcols == cols ? src : make_source(from, lead * rows, fcols, 23);
+    const auto fdsrc = upload(fsrc.bytes);
+    const ref::quantised want = ref::quantise(fsrc.values, lead, rows, fcols, true);
     for (const bool shard : {false, true}) {
-      const std::uint64_t lo = shard ? 128 : 0, width = cols - lo, blocks = shard ? 2 : 3;
+      const std::uint64_t lo = shard ? 128 : 0, width = fcols - lo, blocks = shard ? 2 : 3;
       refit::cuda::device_buffer out(lead * rows * width);
       refit::cuda::device_buffer scale(lead * 3 * blocks * 4);
       refit::copy::fused_job j;
-      j.src = dsrc.handle();
+      j.src = fdsrc.handle();
       j.from = from;
       j.lead = lead;
       j.rows = rows;
-      j.cols = cols;
+      j.cols = fcols;
       j.dst = static_cast<std::uint8_t*>(out.handle());
       j.dst_pitch = width;
       j.col_lo = lo;
-      j.col_hi = cols;
+      j.col_hi = fcols;
       j.scale = static_cast<float*>(scale.handle());
       j.scale_pitch = blocks;
       gpu->fused(std::span(&j, 1), stream);
       const auto got = download(out.handle(), lead * rows * width);
       std::vector<std::uint8_t> want_q;
       for (std::size_t r = 0; r < lead * rows; ++r)
-        for (std::size_t c = lo; c < cols; ++c) want_q.push_back(want.q[r * cols + c]);
+        for (std::size_t c = lo; c < fcols; ++c) want_q.push_back(want.q[r * fcols + c]);
       const auto diff = first_difference(got, want_q);
-      expect(diff.empty(), std::string("fused ") + refit::to_string(from).data() + (shard ? " shard: " : ": ") + diff);
+      expect(diff.empty(), std::string("fused ") + refit::to_string(from).data() + " cols " + std::to_string(fcols) +
+                               (shard ? " shard: " : ": ") + diff);
       std::vector<float> want_s;
       for (std::size_t g = 0; g < lead * 3; ++g)
         for (std::size_t b = lo / 128; b < 3; ++b) want_s.push_back(want.scale_inv[g * 3 + b]);
       expect(same_floats(download_floats(static_cast<float*>(scale.handle()), want_s.size()), want_s),
              std::string("fused scales ") + refit::to_string(from).data());
+    }
     }
   }
   // Casts.
