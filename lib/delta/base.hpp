@@ -57,11 +57,13 @@ class base_store {
   void clear() noexcept;
 
  private:
+  /// How a block was allocated, so that it is freed the same way.
+  enum class allocator : std::uint8_t { plain, pinned, device };
   struct freer {
-    memory where;
+    allocator how = allocator::plain;
     void operator()(std::byte* p) const noexcept;
   };
-  std::byte* allocate(std::uint64_t bytes);
+  std::unique_ptr<std::byte, freer> allocate(std::uint64_t bytes);
 
   memory where_;
   std::uint64_t max_bytes_;
