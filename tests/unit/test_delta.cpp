@@ -310,6 +310,23 @@ TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a 
   CHECK(e.differs_from(t).empty());
 }
 
+TEST_CASE("a version larger than the base's bound is always sent whole", "[delta]") {
+  const rt::scoped_endpoint ep;
+  trainer t(delta_model());
+  engine e(t.metas, ep.name);
+  auto o = delta_streamer(ep.name);
+  o.delta.max_bytes = 100 * kib;  // the model takes more than 600 KB
+  refit::streamer st(o);
+  for (std::uint64_t v = 1; v <= 3; ++v) {
+    if (v > 1) t.step();
+    const auto stats = refit_once(st, e, v, t.refs());
+    CHECK_FALSE(stats.delta);
+    CHECK(stats.bytes == stats.tensor_bytes);
+    CHECK(stats.base_bytes <= 100 * kib);
+    CHECK(e.differs_from(t).empty());
+  }
+}
+
 TEST_CASE("a delta to a receiver with another base is refused before writing and the whole version follows "
           "in the same refit",
           "[delta]") {
