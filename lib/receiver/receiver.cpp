@@ -241,6 +241,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   /// A delta failed after writing: the weights are neither the base nor the new version.
   std::atomic<bool> is_poisoned{false};
   std::string poison_note;  ///< what last_error() says once abort_refit() poisoned the receiver
+  std::string poison_reason;  ///< why the receiver is poisoned (for the refusals that follow)
 #if REFIT_HAVE_CUDA
   std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
   delta::cuda::workspace& device_workspace() {
@@ -308,6 +309,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                                           "({}); the receiver refuses deltas and subsets until a whole version commits",
                                           version, why)
                             : std::string();
+      if (poisons) poison_reason = fmt::format("delta version {}: {}", version, why);
       note_error(poisons ? poison_note : why);
       REFIT_WARN("refit of version {} from {} aborted: {}{}", version, peer, why,
                  poisons ? " (poisoned: a delta was applied half-way; dirty until a whole version commits)"
@@ -556,7 +558,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     if (is_poisoned.load())
       return fmt::format("{}: this receiver is poisoned (a delta failed after patching its weights: {}); send a "
                          "whole version",
-                         what, last_error_copy());
+                         what, poison_reason);
     if (is_dirty.load())
       return fmt::format("{}: this receiver's weights are dirty (a refit that did not commit overwrote part of them); "
                          "send a whole version",
@@ -583,11 +585,6 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                              what, name, describe(sl.dest.meta),
                              plan::is_plain(sl.dest) ? "elsewhere" : "a view in the engine's layout");
     return std::nullopt;
-  }
-
-  std::string last_error_copy() const {
-    std::lock_guard lock(mutex);
-    return last_error_;
   }
 
   /// A delta's batch, before anything of it is written: every patch well formed (check_patches), so
