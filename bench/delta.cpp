@@ -23,10 +23,17 @@
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "config/config.hpp"
 #include "copy/copy.hpp"
 #include "delta/checksum.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
+#if REFIT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "copy/cuda_check.hpp"
+#include "copy/cuda_handles.hpp"
+#endif
 
 namespace refit::bench {
 namespace {
@@ -103,9 +110,28 @@ struct trainer {
 
   [[nodiscard]] std::vector<tensor_ref> refs() {
     std::vector<tensor_ref> out;
+#if REFIT_HAVE_CUDA
+    if (!on_device.empty()) {  // cuda_ipc: the bf16 weights uploaded (not timed) to the GPU
+      for (std::size_t k = 0; k < metas.size(); ++k) {
+        check_cuda(cudaMemcpy(on_device[k].handle(), weights[k].data(), weights[k].size() * 2, cudaMemcpyHostToDevice),
+                   "--delta: uploading the weights");
+        out.push_back(tensor_ref{metas[k], on_device[k].handle(), device::cuda(gpu), nullptr});
+      }
+      return out;
+    }
+#endif
     for (std::size_t k = 0; k < metas.size(); ++k) out.push_back(tensor_ref{metas[k], weights[k].data(), device::cpu(), nullptr});
     return out;
   }
+#if REFIT_HAVE_CUDA
+  std::vector<cuda::device_buffer> on_device;
+  int gpu = 0;
+  void to_device(int d) {
+    gpu = d;
+    check_cuda(cudaSetDevice(d), "cudaSetDevice");
+    for (const auto& w : weights) on_device.emplace_back(std::max<std::uint64_t>(w.size() * 2, 2));
+  }
+#endif
 
   [[nodiscard]] std::uint64_t checksum() const {
     std::uint64_t sum = 0;
@@ -117,16 +143,28 @@ struct trainer {
 
 /// The receiver child: a parameter table of the model; serves until told to stop on `in`, then writes
 /// the version checksum of its weights and its committed version to `out`.
-[[noreturn]] void receiver_child(const manifest& m, const std::string& endpoint, int in, int out) {
+[[noreturn]] void receiver_child(const manifest& m, const std::string& endpoint, int in, int out, int gpu) {
   int code = 0;
   try {
     receiver_options o;
     o.endpoint = endpoint;
     o.idle_timeout = milliseconds{120000};
+    o.device = gpu < 0 ? 0 : gpu;
     receiver r(o);
     std::vector<std::vector<std::uint16_t>> weights;
+#if REFIT_HAVE_CUDA
+    std::vector<cuda::device_buffer> on_device;
+    if (gpu >= 0) check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
+#endif
     for (const auto& e : m.entries) {
       weights.emplace_back(e.meta.numel());
+#if REFIT_HAVE_CUDA
+      if (gpu >= 0) {
+        on_device.emplace_back(std::max<std::uint64_t>(e.meta.nbytes(), 2));
+        r.add_parameter(tensor_dest{e.meta, on_device.back().handle(), device::cuda(gpu)});
+        continue;
+      }
+#endif
       r.add_parameter(tensor_dest{e.meta, weights.back().data(), device::cpu()});
     }
     for (;;) {
@@ -135,8 +173,16 @@ struct trainer {
       if (::poll(&p, 1, 0) > 0) break;
     }
     std::uint64_t sum = 0;
-    for (std::size_t k = 0; k < weights.size(); ++k)
+    for (std::size_t k = 0; k < weights.size(); ++k) {
+#if REFIT_HAVE_CUDA
+      if (gpu >= 0) {
+        sum += delta::name_weight(m.entries[k].meta.name) *
+               copy::checksum(on_device[k].handle(), weights[k].size() * 2, device::cuda(gpu));
+        continue;
+      }
+#endif
       sum += delta::name_weight(m.entries[k].meta.name) * copy::checksum(weights[k].data(), weights[k].size() * 2);
+    }
     const std::string line = fmt::format("{} {}\n", sum, r.committed_version().value_or(0));
     if (::write(out, line.data(), line.size()) < 0) code = 1;
   } catch (const std::exception& e) {
@@ -164,8 +210,10 @@ void write_delta_row(std::ostream& out, const delta_row& r, double whole_ms) {
 }  // namespace
 
 int run_delta(const config& c, std::ostream& out) {
-  if (c.transports.size() != 1 || c.transports[0] != transport_kind::host_shm)
-    throw error(errc::invalid_argument, "--delta: only --transport host_shm in this release");
+  const bool gpu = c.transports.size() == 1 && c.transports[0] == transport_kind::cuda_ipc;
+  if (c.transports.size() != 1 || (c.transports[0] != transport_kind::host_shm && !gpu) || (gpu && !REFIT_HAVE_CUDA))
+    throw error(errc::invalid_argument,
+                "--delta: --transport host_shm, or cuda_ipc (staged buffers, in a build with CUDA)");
   if (c.models.size() != 1 || !c.manifest_file.empty())
     throw error(errc::invalid_argument, "--delta: exactly one built-in --model");
   const manifest m = preset(c.models[0], dtype::bf16);
@@ -179,7 +227,7 @@ int run_delta(const config& c, std::ostream& out) {
   if (pid == 0) {
     ::close(to_child[1]);
     ::close(from_child[0]);
-    receiver_child(m, endpoint, to_child[0], from_child[1]);
+    receiver_child(m, endpoint, to_child[0], from_child[1], gpu ? c.device : -1);
   }
   ::close(to_child[0]);
   ::close(from_child[1]);  // so that reading its report ends when the child exits
@@ -189,15 +237,22 @@ int run_delta(const config& c, std::ostream& out) {
   };
   progress(fmt::format("--delta: making {} ({:.2f} GB bf16, fp32 masters)", m.name, m.bytes() / 1e9));
   trainer t(m);
+#if REFIT_HAVE_CUDA
+  if (gpu) t.to_device(c.device);
+#endif
   streamer_options so;
   so.endpoint = endpoint;
-  so.transport = transport_kind::host_shm;
+  so.transport = gpu ? transport_kind::cuda_ipc : transport_kind::host_shm;
+  so.direct = false;  // cuda_ipc: staged, the path deltas take (and the whole rows too)
+  so.device = c.device;
   so.buffer_bytes = static_cast<std::uint64_t>(c.buffer_mb.at(0) * (1 << 20));
   so.buffer_count = c.buffer_counts.at(0);
   so.timeout = milliseconds{static_cast<std::int64_t>(c.timeout_ms)};
 
-  out << fmt::format("# refit-bench --delta {}: {} ({} tensors, {:.3f} GB bf16), host_shm, {} x {} MiB buffers\n",
-                     c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9, so.buffer_count, c.buffer_mb.at(0));
+  out << fmt::format("# refit-bench --delta {}: {} ({} tensors, {:.3f} GB bf16), {}, {} x {} MiB buffers\n",
+                     c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9,
+                     gpu ? fmt::format("cuda_ipc staged on cuda:{}, base in device memory", c.device) : "host_shm",
+                     so.buffer_count, c.buffer_mb.at(0));
   out << fmt::format("# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
                      "streamer, {} counted refits after {} warm-up\n",
                      c.delta_update, c.iters, c.warmup);
@@ -226,6 +281,7 @@ int run_delta(const config& c, std::ostream& out) {
                      whole);
 
   so.delta.enable = true;
+  so.delta.memory = gpu ? delta_memory::device : delta_memory::host;
   streamer ds(so);
   {
     const auto refs = t.refs();

@@ -120,8 +120,8 @@ struct receiver_stats {
 ///   committed values. It needs a whole version committed since the table last changed, and clean
 ///   weights (not dirty); else BEGIN is refused with errc::needs_whole before anything is written
 ///   (serve_one() returns refused). A delta also needs the committed version to be its base, that
-///   version's checksum (from its END), a parameter table of plain host tensors and a host_shm
-///   session; its patches are applied in place, and END's checksum of the whole new version must
+///   version's checksum (from its END), a parameter table of plain tensors in the memory the session
+///   applies into (host_shm: host; cuda_ipc staged: the receiver's GPU); its patches are applied in place, and END's checksum of the whole new version must
 ///   match the weights' (updated from the old and new bytes of every write) or the version fails.
 ///   A delta that fails after writing leaves the receiver poisoned (see poisoned()).
 ///

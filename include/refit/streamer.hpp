@@ -34,7 +34,9 @@ enum class delta_memory : std::uint8_t {
 /// poisoned: it refuses BEGIN with errc::needs_whole before writing anything) are sent whole, by
 /// the same refit() call. A delta carries the same tensors (names, dtypes, shapes) as its base: a
 /// tensor that is new or changed its shape fails the refit with errc::invalid_argument, and the
-/// next refit is whole. Needs the host_shm transport and host tensors in this build.
+/// next refit is whole. Transports: host_shm (host tensors, the diff on the host), and cuda_ipc with
+/// direct = false (CUDA tensors, the diff on the streamer's GPU, the receivers patch on theirs: see
+/// lib/delta); any other fails construction with errc::invalid_argument.
 struct delta_options {
   bool enable = false;
   delta_memory memory = delta_memory::host;

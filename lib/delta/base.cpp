@@ -33,11 +33,11 @@ device base_store::dev() const noexcept { return where_ == memory::device ? devi
 
 void base_store::freer::operator()(std::byte* p) const noexcept {
 #if REFIT_HAVE_CUDA
-  if (where == memory::device) {
+  if (how == allocator::device) {
     (void)cudaFree(p);
     return;
   }
-  if (pinned) {
+  if (how == allocator::pinned) {
     (void)cudaFreeHost(p);
     return;
   }
@@ -45,26 +45,23 @@ void base_store::freer::operator()(std::byte* p) const noexcept {
   ::operator delete[](p, std::align_val_t{256});
 }
 
-std::byte* base_store::allocate(std::uint64_t bytes, bool& pinned) {
+std::unique_ptr<std::byte, base_store::freer> base_store::allocate(std::uint64_t bytes) {
   const std::uint64_t n = bytes == 0 ? 1 : bytes;
-  pinned = false;
 #if REFIT_HAVE_CUDA
   void* p = nullptr;
-  const cudaError_t rc = where_ == memory::device ? (cudaSetDevice(device_), cudaMalloc(&p, n))
-                                                  : cudaHostAlloc(&p, n, cudaHostAllocDefault);
-  if (rc == cudaSuccess) {
-    pinned = where_ == memory::host;
-    return static_cast<std::byte*>(p);
+  if (where_ == memory::device) {
+    cudaError_t rc = cudaSetDevice(device_);
+    if (rc == cudaSuccess) rc = cudaMalloc(&p, n);
+    if (rc != cudaSuccess)
+      throw error(errc::cuda, fmt::format("cannot allocate {} bytes of cuda:{} memory for the delta base: {}", n,
+                                          device_, cudaGetErrorString(rc)));
+    return {static_cast<std::byte*>(p), freer{allocator::device}};
   }
+  // Page-locked, so that a GPU diff reads it directly; plain memory where CUDA cannot (no device).
+  if (cudaHostAlloc(&p, n, cudaHostAllocDefault) == cudaSuccess) return {static_cast<std::byte*>(p), freer{allocator::pinned}};
   (void)cudaGetLastError();
-  // A host base on a machine without a usable driver (a CUDA build on a CPU-only host): plain
-  // memory serves the CPU diff as well; only a GPU diff wants it page-locked.
-  if (where_ == memory::device || (rc != cudaErrorInsufficientDriver && rc != cudaErrorNoDevice))
-    throw error(errc::cuda, fmt::format("cannot allocate {} bytes of {} memory for the delta base: {}", n,
-                                        where_ == memory::device ? "device" : "page-locked host",
-                                        cudaGetErrorString(rc)));
 #endif
-  return static_cast<std::byte*>(::operator new[](n, std::align_val_t{256}));
+  return {static_cast<std::byte*>(::operator new[](n, std::align_val_t{256})), freer{allocator::plain}};
 }
 
 base_store::tensor* base_store::find(const std::string& name) noexcept {
@@ -81,9 +78,7 @@ base_store::tensor* base_store::place(const tensor_meta& meta) {
   std::uint64_t old = 0;
   if (tensor* t = find(meta.name)) old = t->bytes;
   if (bytes_ - old + bytes > max_bytes_) return nullptr;
-  bool pinned = false;
-  std::byte* data = allocate(bytes, pinned);
-  auto owner = std::unique_ptr<std::byte, freer>(data, freer{where_, pinned});
+  auto owner = allocate(bytes);
   tensor t{meta, bytes, owner.get()};
   owned_.insert_or_assign(meta.name, std::move(owner));
   bytes_ = bytes_ - old + bytes;

@@ -57,14 +57,13 @@ class base_store {
   void clear() noexcept;
 
  private:
+  /// How a block was allocated, so that it is freed the same way.
+  enum class allocator : std::uint8_t { plain, pinned, device };
   struct freer {
-    memory where;
-    bool pinned = false;  ///< host memory from cudaHostAlloc (else aligned operator new)
+    allocator how = allocator::plain;
     void operator()(std::byte* p) const noexcept;
   };
-  /// Allocates `bytes` where the base lives; `pinned` says whether host memory is page-locked
-  /// (CUDA builds, when the driver is there) or plain.
-  std::byte* allocate(std::uint64_t bytes, bool& pinned);
+  std::unique_ptr<std::byte, freer> allocate(std::uint64_t bytes);
 
   memory where_;
   std::uint64_t max_bytes_;

@@ -87,7 +87,7 @@ __global__ void count_kernel(const void* base, const void* next, std::uint64_t e
 
 __global__ void write_kernel(void* base, const void* next, std::uint64_t elements, int item,
                              const std::uint32_t* firsts, std::uint32_t* indices, void* values, std::uint64_t off,
-                             std::uint64_t total, unsigned long long* terms) {
+                             std::uint64_t total, std::uint64_t weight, unsigned long long* terms) {
   __shared__ std::uint32_t scan[threads];
   __shared__ unsigned long long sums[threads];
   const std::uint64_t first = blockIdx.x * chunk_elements + threadIdx.x * per_thread;
@@ -115,11 +115,13 @@ __global__ void write_kernel(void* base, const void* next, std::uint64_t element
     if (o == n) continue;
     t += element_term(n, off + i * item, item, total) - element_term(o, off + i * item, item, total);
     store(base, i, item, n);
-    indices[slot] = static_cast<std::uint32_t>(i);
-    store_unaligned(values, slot, item, n);
+    if (indices != nullptr) {
+      indices[slot] = static_cast<std::uint32_t>(i);
+      store_unaligned(values, slot, item, n);
+    }
     ++slot;
   }
-  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t), sums);
+  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t * weight), sums);
   if (threadIdx.x == 0 && sum != 0) atomicAdd(terms, sum);
 }
 
@@ -132,7 +134,7 @@ __global__ void check_kernel(const std::uint32_t* indices, std::uint64_t n, std:
 }
 
 __global__ void apply_kernel(const std::uint32_t* indices, const void* values, std::uint64_t n, int item, void* dest,
-                             std::uint64_t off, std::uint64_t total, unsigned long long* terms) {
+                             std::uint64_t off, std::uint64_t total, std::uint64_t weight, unsigned long long* terms) {
   __shared__ unsigned long long sums[threads];
   std::uint64_t t = 0;
   auto* span = static_cast<unsigned char*>(dest) + off;
@@ -144,8 +146,24 @@ __global__ void apply_kernel(const std::uint32_t* indices, const void* values, s
     t += element_term(v, off + i * item, item, total) - element_term(o, off + i * item, item, total);
     store(span, i, item, v);
   }
-  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t), sums);
+  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t * weight), sums);
   if (threadIdx.x == 0 && sum != 0) atomicAdd(terms, sum);
+}
+
+/// delta::range_terms on the device, byte by byte (it runs only over spans a delta sends as bytes).
+__global__ void range_kernel(const unsigned char* p, std::uint64_t off, std::uint64_t n, std::uint64_t total,
+                             std::uint64_t weight, bool negate, unsigned long long* terms) {
+  __shared__ unsigned long long sums[threads];
+  const std::uint64_t whole = total & ~std::uint64_t{7};
+  std::uint64_t t = 0;
+  for (std::uint64_t k = blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x; k < n;
+       k += static_cast<std::uint64_t>(gridDim.x) * blockDim.x) {
+    const std::uint64_t b = off + k;
+    const std::uint64_t v = p[k];
+    t += b < whole ? (v << (8 * (b & 7))) * (2 * (b >> 3) + 1) : v * (2 * (b - whole) + 3) * tail_prime;
+  }
+  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t * weight), sums);
+  if (threadIdx.x == 0 && sum != 0) atomicAdd(terms, negate ? 0ull - sum : sum);
 }
 
 unsigned int grid_for(std::uint64_t n) {
@@ -164,10 +182,10 @@ cudaError_t launch_count(const void* base, const void* next, std::uint64_t eleme
 
 cudaError_t launch_write(void* base, const void* next, std::uint64_t elements, int item, const std::uint32_t* firsts,
                          std::uint64_t chunks, std::uint32_t* indices, void* values, std::uint64_t off,
-                         std::uint64_t total, unsigned long long* terms, cudaStream_t stream) {
+                         std::uint64_t total, std::uint64_t weight, unsigned long long* terms, cudaStream_t stream) {
   if (chunks == 0) return cudaSuccess;
   write_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(base, next, elements, item, firsts, indices,
-                                                                          values, off, total, terms);
+                                                                          values, off, total, weight, terms);
   return cudaGetLastError();
 }
 
@@ -179,9 +197,18 @@ cudaError_t launch_check(const std::uint32_t* indices, std::uint64_t n, std::uin
 }
 
 cudaError_t launch_apply(const std::uint32_t* indices, const void* values, std::uint64_t n, int item, void* dest,
-                         std::uint64_t off, std::uint64_t total, unsigned long long* terms, cudaStream_t stream) {
+                         std::uint64_t off, std::uint64_t total, std::uint64_t weight, unsigned long long* terms,
+                         cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  apply_kernel<<<grid_for(n), threads, 0, stream>>>(indices, values, n, item, dest, off, total, terms);
+  apply_kernel<<<grid_for(n), threads, 0, stream>>>(indices, values, n, item, dest, off, total, weight, terms);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_range_terms(const void* p, std::uint64_t off, std::uint64_t n, std::uint64_t total,
+                               std::uint64_t weight, bool negate, unsigned long long* terms, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  range_kernel<<<grid_for(n), threads, 0, stream>>>(static_cast<const unsigned char*>(p), off, n, total, weight,
+                                                    negate, terms);
   return cudaGetLastError();
 }
 

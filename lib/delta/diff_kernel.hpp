@@ -21,10 +21,11 @@ cudaError_t launch_count(const void* base, const void* next, std::uint64_t eleme
 
 /// Pass 2: writes each chunk's changes in order from firsts[b] (the exclusive prefix sum of counts):
 /// indices (u32) at `indices`, values at `values`; copies them into base; adds the new minus old
-/// checksum terms of the span (at tensor byte `off` of a tensor of `total` bytes) to *terms.
+/// checksum terms of the span (at tensor byte `off` of a tensor of `total` bytes), times `weight`, to
+/// *terms. `indices` and `values` may be null (only the base and the terms).
 cudaError_t launch_write(void* base, const void* next, std::uint64_t elements, int item, const std::uint32_t* firsts,
                          std::uint64_t chunks, std::uint32_t* indices, void* values, std::uint64_t off,
-                         std::uint64_t total, unsigned long long* terms, cudaStream_t stream);
+                         std::uint64_t total, std::uint64_t weight, unsigned long long* terms, cudaStream_t stream);
 
 /// Checks a patch of `n` records: indices strictly increasing and below `elements`; sets *bad to 1
 /// otherwise.
@@ -34,6 +35,12 @@ cudaError_t launch_check(const std::uint32_t* indices, std::uint64_t n, std::uin
 /// Applies a checked patch of `n` records into `dest` (the tensor's byte 0), adding the new minus
 /// old checksum terms to *terms.
 cudaError_t launch_apply(const std::uint32_t* indices, const void* values, std::uint64_t n, int item, void* dest,
-                         std::uint64_t off, std::uint64_t total, unsigned long long* terms, cudaStream_t stream);
+                         std::uint64_t off, std::uint64_t total, std::uint64_t weight, unsigned long long* terms,
+                         cudaStream_t stream);
+
+/// Adds weight · delta::range_terms(p, off, n, total) (p: the tensor's byte `off`) to *terms, or
+/// subtracts it with `negate`.
+cudaError_t launch_range_terms(const void* p, std::uint64_t off, std::uint64_t n, std::uint64_t total,
+                               std::uint64_t weight, bool negate, unsigned long long* terms, cudaStream_t stream);
 
 }  // namespace refit::delta::kernel

@@ -37,9 +37,13 @@
 #include <vector>
 
 #include "channel/channel.hpp"
+#include "config/config.hpp"
 #include "copy/copy.hpp"
 #include "delta/checksum.hpp"
 #include "delta/patch.hpp"
+#if REFIT_HAVE_CUDA
+#include "delta/device.hpp"
+#endif
 #include "model/log.hpp"
 #include "plan/route.hpp"
 #include "transport/transport.hpp"
@@ -277,6 +281,17 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   /// A delta failed after writing: the weights are neither the base nor the new version.
   std::atomic<bool> is_poisoned{false};
   std::string poison_note;  ///< what last_error() says once abort_refit() poisoned the receiver
+  std::string poison_reason;  ///< why the receiver is poisoned (for the refusals that follow)
+#if REFIT_HAVE_CUDA
+  std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
+  delta::cuda::workspace& device_workspace() {
+    if (!device_delta || device_delta->device() != sink->where().index)
+      device_delta = std::make_unique<delta::cuda::workspace>(sink->where().index);
+    return *device_delta;
+  }
+#endif
+  /// The refit in progress is a delta patched on the GPU.
+  [[nodiscard]] bool delta_on_device() const noexcept { return refit_delta && sink && sink->where().kind == device_kind::cuda; }
 
   // Readable from any thread.
   std::atomic<bool> has_committed{false};
@@ -334,6 +349,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                                           "({}); the receiver refuses deltas and subsets until a whole version commits",
                                           version, why)
                             : std::string();
+      if (poisons) poison_reason = fmt::format("delta version {}: {}", version, why);
       note_error(poisons ? poison_note : why);
       REFIT_WARN("refit of version {} from {} aborted: {}{}", version, peer, why,
                  poisons ? " (poisoned: a delta was applied half-way; dirty until a whole version commits)"
@@ -577,6 +593,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     refit_subset = b.subset;
     refit_delta = b.base.has_value();
     delta_terms = 0;
+#if REFIT_HAVE_CUDA
+    if (delta_on_device()) (void)device_workspace().take_terms(sink->stream());  // what a failed refit left
+#endif
     refit_generation = sink_generation;
     if (const auto refused = run_begin_hook(b.version)) {
       tracker->reset();
@@ -608,7 +627,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     if (is_poisoned.load())
       return fmt::format("{}: this receiver is poisoned (a delta failed after patching its weights: {}); send a "
                          "whole version",
-                         what, last_error_copy());
+                         what, poison_reason);
     if (is_dirty.load())
       return fmt::format("{}: this receiver's weights are dirty (a refit that did not commit overwrote part of them); "
                          "send a whole version",
@@ -622,30 +641,37 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       return fmt::format("{}: this receiver has no checksum of version {} (its END carried none) to check the delta "
                          "against; send a whole version",
                          what, *b.base);
-    if (direct || in_place || sink->where().kind != device_kind::cpu)
-      return fmt::format("{}: this receiver's session ({} {}) cannot apply patches, which are applied on the host "
-                         "from the buffers; send a whole version",
-                         what, sink->name(), direct || in_place ? "written in place" : "on the GPU");
+    const bool gpu = sink->where().kind == device_kind::cuda;
+    if (direct || in_place || (gpu && !REFIT_HAVE_CUDA))
+      return fmt::format("{}: this receiver's session ({}{}) cannot apply patches, which are applied from the staging "
+                         "buffers; send a whole version",
+                         what, sink->name(), direct || in_place ? ", written in place" : "");
     for (const auto& [name, slots] : table)
       for (const slot& sl : slots)
-        if (!plan::is_plain(sl.dest) || sl.dest.dev.kind != device_kind::cpu)
-          return fmt::format("{}: the destination of '{}' is a view in the engine's layout ({}), and patches are "
-                             "applied only to plain host tensors; send a whole version",
-                             what, name, describe(sl.dest.meta));
+        if (!plan::is_plain(sl.dest) || !(sl.dest.dev == sink->where()))
+          return fmt::format("{}: the destination of '{}' ({}) is {}, and patches are applied only to plain tensors "
+                             "in the memory the session applies into; send a whole version",
+                             what, name, describe(sl.dest.meta),
+                             plan::is_plain(sl.dest) ? "elsewhere" : "a view in the engine's layout");
     return std::nullopt;
-  }
-
-  std::string last_error_copy() const {
-    std::lock_guard lock(mutex);
-    return last_error_;
   }
 
   /// A delta's batch, before anything of it is written: every patch well formed (check_patches), so
   /// that a corrupt one writes nothing of its batch. Then apply_delta() writes patches and spans
   /// sent as bytes into every destination of their tensor, summing the version checksum's change
   /// as the old bytes are overwritten.
-  void check_patches(const wire::batch& b) const {
+  void check_patches(const wire::batch& b) {
     const std::byte* base = sink->data(b.buffer);
+#if REFIT_HAVE_CUDA
+    if (delta_on_device()) {
+      std::vector<delta::cuda::patch_ref> refs;
+      for (const wire::entry& e : b.entries)
+        if (e.kind == wire::entry_kind::patch)
+          refs.push_back(delta::cuda::patch_ref{base + e.buffer_offset, e.bytes, itemsize(e.type), e.span, e.name});
+      delta::cuda::check(refs, device_workspace(), sink->stream());
+      return;
+    }
+#endif
     for (const wire::entry& e : b.entries)
       if (e.kind == wire::entry_kind::patch)
         delta::check_patch(base + e.buffer_offset, e.bytes, itemsize(e.type), e.span, e.name);
@@ -653,6 +679,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 
   void apply_delta(const wire::batch& b) {
     const std::byte* base = sink->data(b.buffer);
+#if REFIT_HAVE_CUDA
+    if (delta_on_device()) return apply_delta_device(b, base);
+#endif
     std::vector<std::byte*> dests;
     for (const wire::entry& e : b.entries) {
       if (e.bytes == 0) continue;
@@ -671,6 +700,39 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       for (std::byte* d : dests) std::memcpy(d + e.tensor_offset, from, e.bytes);
     }
   }
+
+#if REFIT_HAVE_CUDA
+  /// apply_delta() on the GPU, enqueued on the apply stream: patches by the apply kernel, spans sent
+  /// as bytes by the copier, the checksum terms summed on the device (read at END).
+  void apply_delta_device(const wire::batch& b, const std::byte* base) {
+    delta::cuda::workspace& ws = device_workspace();
+    void* stream = sink->stream();
+    std::vector<copy::op> ops;
+    for (const wire::entry& e : b.entries) {
+      if (e.bytes == 0) continue;
+      const std::uint64_t total = *checked_nbytes(e.type, e.shape);
+      const std::uint64_t weight = delta::name_weight(e.name);
+      const std::byte* from = base + e.buffer_offset;
+      const std::vector<slot>& slots = *table.find(e.name);
+      if (e.kind == wire::entry_kind::patch) {
+        const delta::cuda::patch_ref p{from, e.bytes, itemsize(e.type), e.span, e.name};
+        bool first = true;  // tied destinations: the terms are counted once
+        for (const slot& sl : slots) {
+          delta::cuda::apply(p, e.tensor_offset, total, static_cast<std::byte*>(sl.dest.data), first ? weight : 0, ws,
+                             stream);
+          first = false;
+        }
+        continue;
+      }
+      auto* first = static_cast<std::byte*>(slots.front().dest.data) + e.tensor_offset;
+      delta::cuda::add_range_terms(first, e.tensor_offset, e.bytes, total, weight, true, ws, stream);
+      delta::cuda::add_range_terms(from, e.tensor_offset, e.bytes, total, weight, false, ws, stream);
+      ops.clear();
+      for (const slot& sl : slots) ops.emplace_back(from, static_cast<std::byte*>(sl.dest.data) + e.tensor_offset, e.bytes);
+      copier->run(ops, stream);
+    }
+  }
+#endif
 
   /// Runs on_begin; what it threw, as the refusal to send (a refit::error keeps its code, anything
   /// else is errc::apply, as from the batch callback).
@@ -864,6 +926,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       return fail_refit(ex.code(), ex.what());
     }
     try {
+#if REFIT_HAVE_CUDA
+      if (delta_on_device()) {
+        sink->drain();  // deadline-bounded; then the device's terms are final
+        delta_terms += device_workspace().take_terms(sink->stream());
+      }
+#endif
       if (refit_delta) check_delta(e);
       if (!callback && !refit_subset) {
         std::size_t missing = 0;

@@ -27,10 +27,14 @@
 #include <vector>
 
 #include "channel/channel.hpp"
+#include "config/config.hpp"
 #include "copy/copy.hpp"
 #include "delta/base.hpp"
 #include "delta/checksum.hpp"
 #include "delta/patch.hpp"
+#if REFIT_HAVE_CUDA
+#include "delta/device.hpp"
+#endif
 #include "model/log.hpp"
 #include "refit/plan.hpp"
 #include "transport/registry.hpp"
@@ -107,11 +111,12 @@ void validate(const streamer_options& o) {
     throw error(errc::invalid_argument, "streamer_options.timeout must be positive");
   channel::validate_curve(o.curve, false);
   refit::validate(plan_from(o));
-  if (o.delta.enable && o.transport != transport_kind::host_shm)
+  if (o.delta.enable && o.transport != transport_kind::host_shm &&
+      !(o.transport == transport_kind::cuda_ipc && !o.direct && REFIT_HAVE_CUDA))
     throw error(errc::invalid_argument,
-                fmt::format("streamer_options.delta needs the host_shm transport in this build, not {}: the diff "
-                            "and the receiver's patching run on the host",
-                            to_string(o.transport)));
+                fmt::format("streamer_options.delta needs the host_shm transport, or cuda_ipc with direct = false (staged "
+                            "buffers) in a build with CUDA, not {}{}",
+                            to_string(o.transport), o.transport == transport_kind::cuda_ipc ? " with direct = true" : ""));
   if (o.delta.enable && o.delta.memory == delta_memory::device && o.transport == transport_kind::host_shm)
     throw error(errc::invalid_argument,
                 "streamer_options.delta.memory is device, but the host_shm transport sends host tensors: keep the "
@@ -712,6 +717,13 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::vector<bool> as_bytes;
   };
   delta_scratch delta_buffers;  ///< kept between refits (a span's worth of indices and values)
+#if REFIT_HAVE_CUDA
+  std::unique_ptr<delta::cuda::workspace> device_delta;  ///< the device diff's scratch, made when first needed
+  delta::cuda::workspace& device_workspace() {
+    if (!device_delta) device_delta = std::make_unique<delta::cuda::workspace>(options.device);
+    return *device_delta;
+  }
+#endif
 
   /// Copies a tensor of a whole version into the base and adds its checksum; false (and a warning)
   /// when the base would outgrow its bound.
@@ -726,8 +738,14 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       warned_base_bound = true;
       return false;
     }
-    if (bytes != 0) std::memcpy(b->data, t.data, bytes);
-    checksum += delta::name_weight(t.meta.name) * copy::checksum(b->data, bytes);
+    if (t.dev.kind == device_kind::cuda || base->where() == delta::memory::device) {
+#if REFIT_HAVE_CUDA
+      delta::cuda::copy_sync(b->data, t.data, bytes, options.device);
+#endif
+    } else if (bytes != 0) {
+      std::memcpy(b->data, t.data, bytes);
+    }
+    checksum += delta::name_weight(t.meta.name) * copy::checksum(b->data, bytes, base->dev());
     stats.diff_seconds += seconds_since(td);
     stats.pack_seconds += seconds_since(td);
     return true;
@@ -746,6 +764,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                               "as they were; the next refit is sent whole",
                               describe(t.meta), b == nullptr ? "not in" : fmt::format("{} in", describe(b->meta)),
                               w.stats.base));
+#if REFIT_HAVE_CUDA
+    if (t.dev.kind == device_kind::cuda) return send_delta_device(w, pl, index, t, *b);
+#endif
     const auto td = clock::now();
     const std::size_t item = itemsize(t.meta.type);
     const std::uint64_t total = b->bytes;
@@ -812,6 +833,69 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
     return true;
   }
+
+#if REFIT_HAVE_CUDA
+  /// send_delta() for a tensor in device memory (cuda_ipc staged buffers): the diff runs on the pack
+  /// stream (lib/delta/diff_kernel.cu); each span's count is read back (the host places its patch),
+  /// then its patch is written straight into the staging buffer, after the buffer is free
+  /// (begin_pack). The checksum terms add up on the device: send_tensors() reads them before END.
+  bool send_delta_device(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t,
+                         delta::base_store::tensor& b) {
+    const auto td = clock::now();
+    delta::cuda::workspace& ws = device_workspace();
+    void* stream = buffers->stream();
+    buffers->after(t.stream);
+    const std::size_t item = itemsize(t.meta.type);
+    const std::uint64_t total = b.bytes;
+    const std::uint64_t span = delta::span_bytes(plan.buffer_bytes);
+    const auto* src = static_cast<const std::byte*>(t.data);
+    const std::uint64_t weight = delta::name_weight(t.meta.name);
+    const std::vector<std::uint64_t> changes = delta::cuda::count(b.data, src, total, span, item, ws, stream);
+    std::uint64_t sum = 0;
+    for (const std::uint64_t c : changes) sum += c;
+    w.stats.elements += total / item;
+    w.stats.changed += sum;
+    if (sum == 0) {
+      w.stats.diff_seconds += seconds_since(td);
+      w.stats.pack_seconds += seconds_since(td);
+      return false;
+    }
+    for (std::size_t k = 0; k < changes.size(); ++k) {
+      const std::uint64_t off = k * span;
+      const std::uint64_t n = std::min(span, total - off);
+      const std::uint64_t bytes = changes[k] * delta::record_bytes(item);
+      const bool as_bytes = bytes >= n;
+      for (const placement& p : pl.add(index, as_bytes ? n : bytes)) {
+        while (w.first_batch + p.batch > w.seq) w.flush();
+        if (as_bytes) {
+          // Copied from the tensor at flush(), after the pack stream waited for the buffer.
+          w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off + p.entry.tensor_offset, p.entry.bytes,
+                                   p.entry.buffer_offset, wire::entry_kind::bytes, 0},
+                       src + off + p.entry.tensor_offset);
+        } else {
+          const std::size_t buffer = w.seq % buffers->count();
+          buffers->begin_pack(buffer);
+          delta::cuda::write(b.data, src, total, span, item, k, buffers->data(buffer) + p.entry.buffer_offset, weight,
+                             ws, stream);
+          w.entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off, p.entry.bytes,
+                                          p.entry.buffer_offset, wire::entry_kind::patch, n});
+        }
+        w.stats.bytes += p.entry.bytes;
+      }
+      // A span sent as bytes still brings the base up to date (and adds its terms).
+      if (as_bytes) delta::cuda::write(b.data, src, total, span, item, k, nullptr, weight, ws, stream);
+    }
+    w.stats.diff_seconds += seconds_since(td);
+    w.stats.pack_seconds += seconds_since(td);
+    w.covered += total;
+    if (w.covered >= delta_batch_covers) {
+      w.flush();
+      pl = planner(pl.options());
+      w.first_batch = w.seq;
+    }
+    return true;
+  }
+#endif
 
   /// Tensor bytes after which a delta's batch is sent (see send_delta).
   static constexpr std::uint64_t delta_batch_covers = 32ull << 20;
@@ -983,6 +1067,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     if (how == sending::delta) po.keep_whole = true;  // a patch must never be split (delta::span_bytes)
     planner pl(po);
     delta_scratch& scratch = delta_buffers;
+#if REFIT_HAVE_CUDA
+    if (how == sending::delta && device_delta) (void)device_delta->take_terms(buffers->stream());  // a failed refit's
+#endif
     std::unordered_set<std::string> names;
     copier->reset_scratch();  // the last refit's copies are complete (END drained them)
     for (;;) {
@@ -1025,6 +1112,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (keep) keep = keep_in_base(*t, bytes, *checksum, stats);
     }
     if (!w.entries.empty()) w.flush();
+#if REFIT_HAVE_CUDA
+    if (how == sending::delta && device_delta) *checksum += device_delta->take_terms(buffers->stream());
+#endif
 
     // Direct writes must be complete before the receiver commits: it never waits on them itself.
     if (w.direct) {

@@ -24,6 +24,8 @@ TEST_CASE("the delta kernels are not built: their GPU tests are skipped", "[delt
 #include <string>
 #include <vector>
 
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
 #include "delta/device.hpp"
@@ -151,6 +153,119 @@ TEST_CASE("the device apply refuses a corrupt patch before writing anything", "[
     require(download(dest.handle(), 64) == before, "a refused patch wrote");
   });
   CHECK(c.wait(120s) == 0);
+}
+
+// ------------------------------------------------------------------ over cuda_ipc (staged)
+
+namespace {
+
+/// Both children's view of the trainer: host bytes of every tensor, stepped deterministically
+/// (a seed), so that the receiver knows what each version must be.
+struct model_bytes {
+  std::vector<refit::tensor_meta> metas{{"embed", refit::dtype::bf16, {300000}},
+                                        {"layers.0.q", refit::dtype::bf16, {64, 65}},
+                                        {"layers.0.odd", refit::dtype::bf16, {4097}},
+                                        {"layers.0.norm", refit::dtype::f32, {1000}},
+                                        {"frozen", refit::dtype::bf16, {1000}}};
+  std::vector<std::vector<std::byte>> bytes;
+  std::mt19937_64 rng{99};
+  model_bytes() {
+    for (const auto& m : metas) {
+      bytes.emplace_back(m.nbytes());
+      for (auto& b : bytes.back()) b = static_cast<std::byte>(rng());
+    }
+  }
+  /// ~2 % of the bf16 elements change, every f32 element, "frozen" never.
+  void step() {
+    for (std::size_t k = 0; k < metas.size(); ++k) {
+      if (metas[k].name == "frozen") continue;
+      const std::size_t item = refit::itemsize(metas[k].type);
+      std::bernoulli_distribution pick(metas[k].type == refit::dtype::f32 ? 1.0 : 0.02);
+      for (std::uint64_t i = 0; i < bytes[k].size() / item; ++i)
+        if (pick(rng)) bytes[k][i * item] = static_cast<std::byte>(static_cast<unsigned>(bytes[k][i * item]) + 1 + rng() % 200);
+    }
+  }
+};
+
+/// The model's tensors on the device, one allocation each.
+struct device_model {
+  std::vector<refit::cuda::device_buffer> buffers;
+  explicit device_model(const model_bytes& m) {
+    for (const auto& b : m.bytes) buffers.emplace_back(b.size());
+  }
+  void upload_from(const model_bytes& m) {
+    for (std::size_t k = 0; k < buffers.size(); ++k) upload(buffers[k].handle(), m.bytes[k]);
+  }
+  [[nodiscard]] bool equals(const model_bytes& m) const {
+    refit::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    for (std::size_t k = 0; k < buffers.size(); ++k)
+      if (download(buffers[k].handle(), m.bytes[k].size()) != m.bytes[k]) return false;
+    return true;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("delta versions over cuda_ipc staged buffers are bit-exact after 20 steps and send a fraction of the bytes",
+          "[delta][cuda_ipc]") {
+  const rt::scoped_endpoint ep;
+  const std::string endpoint = ep.name;
+  constexpr std::uint64_t last = 21;
+  rt::signal_pipe from_rx;
+  rt::child rx([&] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+    model_bytes expect_model;
+    device_model weights(expect_model);
+    refit::receiver_options o;
+    o.endpoint = endpoint;
+    o.idle_timeout = refit::milliseconds{30000};
+    refit::receiver r(o);
+    for (std::size_t k = 0; k < expect_model.metas.size(); ++k)
+      r.add_parameter(refit::tensor_dest{expect_model.metas[k], weights.buffers[k].handle(), refit::device::cuda(0)});
+    from_rx.send("ready");
+    std::uint64_t seen = 0;
+    const auto start = std::chrono::steady_clock::now();
+    while (seen < last) {
+      require(std::chrono::steady_clock::now() - start < 120s, "receiver: version " + std::to_string(last) + " did not come");
+      const auto e = r.serve_one(refit::milliseconds{50});
+      require(e != refit::receiver_event::aborted, "receiver: aborted: " + r.last_error());
+      if (e != refit::receiver_event::committed) continue;
+      ++seen;
+      if (seen > 1) expect_model.step();
+      require(r.committed_version() == std::optional<std::uint64_t>(seen), "receiver: unexpected version");
+      require(weights.equals(expect_model), "receiver: version " + std::to_string(seen) + " is not bit-exact");
+    }
+    for (auto e = r.serve_one(refit::milliseconds{50}); e != refit::receiver_event::bye; e = r.serve_one(refit::milliseconds{50}))
+      require(std::chrono::steady_clock::now() - start < 150s, "receiver: no BYE");
+  });
+  rt::child st([&] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+    model_bytes m;
+    device_model tensors(m);
+    refit::streamer_options o;
+    o.endpoint = endpoint;
+    o.transport = refit::transport_kind::cuda_ipc;
+    o.direct = false;
+    o.buffer_bytes = 256 << 10;
+    o.timeout = refit::milliseconds{30000};
+    o.delta.enable = true;
+    o.delta.memory = refit::delta_memory::device;
+    refit::streamer s(o);
+    std::vector<refit::tensor_ref> refs;
+    for (std::size_t k = 0; k < m.metas.size(); ++k)
+      refs.push_back(refit::tensor_ref{m.metas[k], tensors.buffers[k].handle(), refit::device::cuda(0), nullptr});
+    for (std::uint64_t v = 1; v <= last; ++v) {
+      if (v > 1) m.step();
+      tensors.upload_from(m);
+      const auto stats = s.refit(v, refs);
+      require(stats.delta == (v > 1), "streamer: version " + std::to_string(v) + (v > 1 ? " was not" : " was") + " a delta");
+      if (v > 1) require(stats.bytes < stats.tensor_bytes / 4, "streamer: a delta sent " + std::to_string(stats.bytes) + " bytes");
+    }
+    s.close();
+  });
+  CHECK(from_rx.receive(60s) == "ready");
+  CHECK(st.wait(180s) == 0);
+  CHECK(rx.wait(180s) == 0);
 }
 
 #endif

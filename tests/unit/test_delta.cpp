@@ -310,6 +310,23 @@ TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a 
   CHECK(e.differs_from(t).empty());
 }
 
+TEST_CASE("a version larger than the base's bound is always sent whole", "[delta]") {
+  const rt::scoped_endpoint ep;
+  trainer t(delta_model());
+  engine e(t.metas, ep.name);
+  auto o = delta_streamer(ep.name);
+  o.delta.max_bytes = 100 * kib;  // the model takes more than 600 KB
+  refit::streamer st(o);
+  for (std::uint64_t v = 1; v <= 3; ++v) {
+    if (v > 1) t.step();
+    const auto stats = refit_once(st, e, v, t.refs());
+    CHECK_FALSE(stats.delta);
+    CHECK(stats.bytes == stats.tensor_bytes);
+    CHECK(stats.base_bytes <= 100 * kib);
+    CHECK(e.differs_from(t).empty());
+  }
+}
+
 TEST_CASE("a delta to a receiver with another base is refused before writing and the whole version follows "
           "in the same refit",
           "[delta]") {
@@ -350,21 +367,24 @@ TEST_CASE("a delta to a receiver with another base is refused before writing and
   CHECK(e.differs_from(t).empty());
 }
 
-TEST_CASE("a delta to a restarted receiver is sent whole", "[delta]") {
+TEST_CASE("a delta to a receiver that registered its table again is sent whole", "[delta]") {
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
   refit::streamer st(delta_streamer(ep.name));
-  {
-    engine e(t.metas, ep.name);
-    refit_once(st, e, 1, t.refs());
-  }
-  engine fresh(t.metas, ep.name);
+  engine e(t.metas, ep.name);
+  refit_once(st, e, 1, t.refs());
+  // The engine reallocated its weights (as a restarted one would): what it holds is no base.
+  e.r.clear_parameters();
+  for (auto& b : e.bytes) std::fill(b.begin(), b.end(), std::uint8_t{0});
+  for (std::size_t k = 0; k < e.metas.size(); ++k)
+    e.r.add_parameter(refit::tensor_dest{e.metas[k], e.bytes[k].empty() ? nullptr : e.bytes[k].data(), refit::device::cpu()});
   t.step();
-  const auto stats = refit_once(st, fresh, 2, t.refs());
+  const auto stats = refit_once(st, e, 2, t.refs());
   CHECK(stats.whole_after_refusal);
   CHECK_FALSE(stats.delta);
-  CHECK(fresh.r.committed_version() == std::optional<std::uint64_t>(2));
-  CHECK(fresh.differs_from(t).empty());
+  CHECK_THAT(e.r.last_error(), Catch::Contains("since its parameter table was last changed"));
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(2));
+  CHECK(e.differs_from(t).empty());
 }
 
 TEST_CASE("weights changed behind the receiver's back fail the delta's checksum and poison it; a whole version "

@@ -367,7 +367,8 @@ class Streamer(_refit.Streamer):
             streamer keeps its own copy of that version (the base), sends the changed elements as
             patches that receivers apply in place, and a checksum of the whole version that they
             check. The first version, and any version a receiver holds no base for, is sent whole
-            by the same call (``RefitStats.whole_after_refusal``). host_shm only in this release.
+            by the same call (``RefitStats.whole_after_refusal``). host_shm (CPU tensors), or
+            cuda_ipc with ``direct=False`` (the diff and the patching on the GPUs).
         delta_memory: where the base lives: ``"host"`` (page-locked with CUDA) or ``"device"``.
         delta_max_bytes: bound on the base's memory; a larger version is always sent whole.
 
