@@ -44,7 +44,7 @@ struct manifest {
   std::int64_t head_dim = 0;
 
   [[nodiscard]] std::uint64_t bytes() const;
-  [[nodiscard]] std::uint64_t params() const;  ///< elements
+  [[nodiscard]] std::uint64_t params() const;   ///< elements
   [[nodiscard]] std::uint64_t largest() const;  ///< bytes of the largest tensor
 };
 
@@ -58,8 +58,7 @@ manifest preset(std::string_view name, dtype type = dtype::bf16);
 /// 8-byte length and the header; `file_size` is the size of the whole file, for offset checks).
 /// `file` names the file in errors. Entries come in data-offset order.
 /// Throws refit::error(invalid_argument) "manifest FILE: ...: what is wrong".
-manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t file_size,
-                           const std::string& file);
+manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t file_size, const std::string& file);
 /// Parses a JSON manifest {name: {dtype, shape}} (dtype optional: `fallback`), or a sharded
 /// checkpoint's "model.safetensors.index.json" ({"weight_map": {name: shard}}: the shards'
 /// headers, next to the index, are read). Entries keep the file's order.
@@ -147,10 +146,10 @@ std::optional<std::uint64_t> region_position(const byte_region& r, std::uint64_t
 /// tensor (row ranges of row-major tensors: narrows on dimension 0, one expert's slot, or a
 /// whole local shard), `bytes` long from `offset`.
 struct layout_view {
-  std::size_t source = 0;   ///< index in the manifest
-  std::size_t tensor = 0;   ///< index of the engine tensor
-  std::uint64_t offset = 0; ///< first byte of the view in the engine tensor
-  std::uint64_t bytes = 0;  ///< the bytes that land (the source's, or its slice's)
+  std::size_t source = 0;             ///< index in the manifest
+  std::size_t tensor = 0;             ///< index of the engine tensor
+  std::uint64_t offset = 0;           ///< first byte of the view in the engine tensor
+  std::uint64_t bytes = 0;            ///< the bytes that land (the source's, or its slice's)
   std::vector<std::int64_t> shape;    ///< of the view (the source's, or its slice's)
   std::vector<std::int64_t> strides;  ///< of the view, in elements (the engine tensor's along those dimensions)
   std::optional<source_slice> slice;  ///< the part of the source it takes; none: all of it
@@ -160,10 +159,10 @@ struct layout_view {
 /// any destinations: transport_path::destinations) and the views the source tensors land in.
 struct engine_layout {
   layout_kind kind = layout_kind::plain;
-  int tp = 1;    ///< tensor-parallel degree
-  int rank = 0;  ///< the rank this layout holds (of tp)
-  manifest tensors;                              ///< the engine tensors, in the order first written
-  std::vector<layout_view> views;                ///< every destination
+  int tp = 1;                                       ///< tensor-parallel degree
+  int rank = 0;                                     ///< the rank this layout holds (of tp)
+  manifest tensors;                                 ///< the engine tensors, in the order first written
+  std::vector<layout_view> views;                   ///< every destination
   std::vector<std::vector<std::size_t>> of_source;  ///< indices into views, per source (2 for a tied one)
   /// Per source: the part every one of its views takes (none: all of it).
   std::vector<std::optional<source_slice>> slices;
@@ -185,7 +184,8 @@ struct engine_layout {
 /// or is not a contiguous run of it, or when a source's routes take different slices of it.
 engine_layout make_layout(const manifest& m, const layout_spec& spec, int rank = 0);
 /// make_layout for a route table given as JSON text; `file` names it in errors.
-engine_layout recorded_layout(const manifest& m, std::string_view text, const std::string& file, int rank = 0, int tp = 1);
+engine_layout recorded_layout(const manifest& m, std::string_view text, const std::string& file, int rank = 0,
+                              int tp = 1);
 
 /// The checksum the receiver reports for source i: copy::checksum of its bytes as they landed
 /// in its view; for a source with several views (a tied one) the common checksum when they all
@@ -330,8 +330,8 @@ void fill_random(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint6
 std::uint64_t tensor_seed(std::uint64_t seed, std::size_t i) noexcept;
 /// copy::checksum after byte `offset` of a `bytes`-byte tensor changed from `old_byte` to
 /// `new_byte`, given its checksum before: O(1), no pass over the data.
-std::uint64_t checksum_after_flip(std::uint64_t sum, std::uint64_t bytes, std::uint64_t offset,
-                                  std::uint8_t old_byte, std::uint8_t new_byte) noexcept;
+std::uint64_t checksum_after_flip(std::uint64_t sum, std::uint64_t bytes, std::uint64_t offset, std::uint8_t old_byte,
+                                  std::uint8_t new_byte) noexcept;
 
 // ---------------------------------------------------------------- ceiling
 
@@ -397,10 +397,10 @@ struct config {
   std::string nccl_ceiling_id;
   int nccl_rank = 0;
   int nccl_ranks = 0;
-  bool quiet = false;    ///< no progress lines
+  bool quiet = false;  ///< no progress lines
   /// --delta STEPS: delta versions against whole ones (bench/delta.cpp); 0: the usual rows.
   int delta_steps = 0;
-  double delta_update = 2.2e-4;  ///< --delta-update: relative size of one step's fp32 update
+  double delta_update = 2.2e-4;   ///< --delta-update: relative size of one step's fp32 update
   std::vector<std::string> argv;  ///< the command line, for the preamble
 };
 
@@ -420,7 +420,8 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
 /// (default: c.device), holding rank `rank` of --layout tpN (default: c.rank).
 std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
                                        const std::string& endpoint, copy_engine engine = copy_engine::automatic,
-                                       std::optional<int> device = std::nullopt, std::optional<int> rank = std::nullopt);
+                                       std::optional<int> device = std::nullopt,
+                                       std::optional<int> rank = std::nullopt);
 /// The arguments of rank `rank` (1..nranks-1) of the nccl ceiling, on GPU `device`.
 std::vector<std::string> ceiling_args(const config& c, const std::string& id_hex, int rank, int nranks, int device);
 
@@ -478,7 +479,7 @@ struct row {
   double floor_ms = 0;      ///< 2 × bytes / ceiling (staged), 1 × bytes / ceiling (direct; nccl: one broadcast pass)
   double ratio = 0;         ///< floor / median
   double source_ms = 0, pack_ms = 0, wait_ms = 0, apply_ms = -1;  ///< medians; apply -1: unknown
-  std::int64_t wrong = 0;   ///< tensors with a wrong checksum over every refit; -1: not verified
+  std::int64_t wrong = 0;  ///< tensors with a wrong checksum over every refit; -1: not verified
 
   [[nodiscard]] std::uint64_t buffer_memory() const noexcept { return buffer_bytes * buffers; }
 };

@@ -52,8 +52,7 @@ double host_memcpy_bandwidth(std::uint64_t bytes, int reps) {
 #if REFIT_HAVE_CUDA
 namespace {
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw error(errc::cuda, fmt::format("ceiling: {} failed: {}", what, cudaGetErrorString(e)));
+  if (e != cudaSuccess) throw error(errc::cuda, fmt::format("ceiling: {} failed: {}", what, cudaGetErrorString(e)));
 }
 }  // namespace
 
@@ -68,21 +67,24 @@ double device_copy_bandwidth(int device, std::uint64_t bytes, int reps) {
     check(create(&h), what);
     owner.reset(h);
   };
-  acquire(a, [&](void** p) { return cudaMalloc(p, bytes); }, "cudaMalloc (ceiling source)");
-  acquire(b, [&](void** p) { return cudaMalloc(p, bytes); }, "cudaMalloc (ceiling destination)");
+  acquire(
+      a, [&](void** p) { return cudaMalloc(p, bytes); }, "cudaMalloc (ceiling source)");
+  acquire(
+      b, [&](void** p) { return cudaMalloc(p, bytes); }, "cudaMalloc (ceiling destination)");
   check(cudaMemset(a.handle(), 0x5a, bytes), "cudaMemset");
-  acquire(stream, [](cudaStream_t* p) { return cudaStreamCreateWithFlags(p, cudaStreamNonBlocking); },
-          "cudaStreamCreate");
-  acquire(start, [](cudaEvent_t* p) { return cudaEventCreate(p); }, "cudaEventCreate");
-  acquire(stop, [](cudaEvent_t* p) { return cudaEventCreate(p); }, "cudaEventCreate");
+  acquire(
+      stream, [](cudaStream_t* p) { return cudaStreamCreateWithFlags(p, cudaStreamNonBlocking); }, "cudaStreamCreate");
+  acquire(
+      start, [](cudaEvent_t* p) { return cudaEventCreate(p); }, "cudaEventCreate");
+  acquire(
+      stop, [](cudaEvent_t* p) { return cudaEventCreate(p); }, "cudaEventCreate");
   check(cudaMemcpyAsync(b.handle(), a.handle(), bytes, cudaMemcpyDeviceToDevice, stream.handle()),
         "cudaMemcpyAsync");  // warm
   check(cudaStreamSynchronize(stream.handle()), "cudaStreamSynchronize");
   double best = 0;
   for (int r = 0; r < reps; ++r) {
     check(cudaEventRecord(start.handle(), stream.handle()), "cudaEventRecord");
-    check(cudaMemcpyAsync(b.handle(), a.handle(), bytes, cudaMemcpyDeviceToDevice, stream.handle()),
-          "cudaMemcpyAsync");
+    check(cudaMemcpyAsync(b.handle(), a.handle(), bytes, cudaMemcpyDeviceToDevice, stream.handle()), "cudaMemcpyAsync");
     check(cudaEventRecord(stop.handle(), stream.handle()), "cudaEventRecord");
     check(cudaEventSynchronize(stop.handle()), "cudaEventSynchronize");
     float ms = 0;

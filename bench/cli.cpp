@@ -35,7 +35,8 @@ void print_manifests(std::ostream& out, const std::vector<std::string>& models, 
     out << (i == 0 ? "" : ",") << fmt::format("{{\"name\": \"{}\", \"tensors\": [", m.name);
     for (std::size_t k = 0; k < m.entries.size(); ++k) {
       const tensor_meta& t = m.entries[k].meta;
-      out << (k == 0 ? "" : ",") << fmt::format("[\"{}\", \"{}\", [{}]]", t.name, to_string(t.type), fmt::join(t.shape, ", "));
+      out << (k == 0 ? "" : ",")
+          << fmt::format("[\"{}\", \"{}\", [{}]]", t.name, to_string(t.type), fmt::join(t.shape, ", "));
     }
     out << "]}";
   }
@@ -66,29 +67,36 @@ struct cli_text {
 
 /// Which side runs here and how the sides find each other.
 void add_endpoint_options(CLI::App& app, config& c, cli_text& t) {
-  app.add_option("--role", t.role_name, "both (default: streamer here, receiver spawned as its own process), "
-                                      "streamer or receiver (run the sides by hand: start the receiver first; it prints the "
-                                      "streamer's command, with the --connect and --report endpoints to give it)")
+  app.add_option("--role", t.role_name,
+                 "both (default: streamer here, receiver spawned as its own process), "
+                 "streamer or receiver (run the sides by hand: start the receiver first; it prints the "
+                 "streamer's command, with the --connect and --report endpoints to give it)")
       ->check(CLI::IsMember({"both", "streamer", "receiver"}));
-  app.add_option("--bind", c.bind, "receiver: endpoint to bind (ipc:///path, tcp://host:port); default: a private ipc socket");
+  app.add_option("--bind", c.bind,
+                 "receiver: endpoint to bind (ipc:///path, tcp://host:port); default: a private ipc socket");
   app.add_option("--connect", c.connect, "streamer: endpoint of a receiver started with --role receiver");
-  app.add_option("--report", c.report, "by hand: receiver: endpoint to bind for the streamer's checksum requests (default: "
-                                       "ipc://PATH.report for --bind ipc://PATH, tcp://HOST:* for tcp://HOST:PORT); "
-                                       "streamer: the report endpoint the receiver printed (every refit is verified through it)");
-  app.add_flag("--no-verify", c.no_verify, "streamer by hand: run without --report; checksums are not compared (wrong = n/a)");
+  app.add_option("--report", c.report,
+                 "by hand: receiver: endpoint to bind for the streamer's checksum requests (default: "
+                 "ipc://PATH.report for --bind ipc://PATH, tcp://HOST:* for tcp://HOST:PORT); "
+                 "streamer: the report endpoint the receiver printed (every refit is verified through it)");
+  app.add_flag("--no-verify", c.no_verify,
+               "streamer by hand: run without --report; checksums are not compared (wrong = n/a)");
 }
 
 /// What is refitted: built-in models or a manifest, and their element type.
 void add_model_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--model", c.models, "built-in model(s), comma separated (see --list-models)")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_flag("--list-models", t.list, "print the built-in models and exit");
   app.add_flag("--print-manifest", t.print_manifest,
                "print the --model(s) as JSON [{name, tensors: [[name, dtype, shape], ...]}] and exit "
                "(python3 -m refit.bench reads it)");
-  app.add_option("--manifest", c.manifest_file, "any model: a .safetensors file (its header), a sharded checkpoint's "
-                                                "model.safetensors.index.json, or a JSON {name: {dtype, shape}}");
-  app.add_flag("--load", c.load, "refit the tensor data of the --manifest safetensors file(s) (mmap) instead of random data");
+  app.add_option("--manifest", c.manifest_file,
+                 "any model: a .safetensors file (its header), a sharded checkpoint's "
+                 "model.safetensors.index.json, or a JSON {name: {dtype, shape}}");
+  app.add_flag("--load", c.load,
+               "refit the tensor data of the --manifest safetensors file(s) (mmap) instead of random data");
   app.add_option("--dtype", t.dtype_name, "element type of the built-in models' tensors")->capture_default_str();
   app.add_option("--convert", t.convert_text,
                  "the receiver registers converted destinations: bf16:fp8-block128 (2-d weights to f8_e4m3 with "
@@ -99,70 +107,88 @@ void add_model_options(CLI::App& app, config& c, cli_text& t) {
 /// What one row varies: transports, buffers, engines, layouts, paths.
 void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--transport", t.transports, "host_shm, cuda_ipc, nccl, comma separated, or all (every built one)")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--buffer-mb", c.buffer_mb, "buffer size(s) in MiB, comma separated: a sweep")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--buffers", c.buffer_counts, "number of buffers (ping-pong: at least 2), comma separated")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--alignment", c.alignment, "entry alignment in the buffers (power of two)")->capture_default_str();
   app.add_option("--keep-whole", c.keep_whole,
                  "1: a tensor that fits a buffer is never split over two batches (streamer_options::keep_whole); "
                  "0: batches are filled up, tensors chunked at their edges")
       ->capture_default_str();
-  app.add_option("--engine", t.engines, "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
-                                      "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "
-                                      "receiver different ones, e.g. memcpy_batch/kernel")
-      ->delimiter(',')->capture_default_str();
-  app.add_option("--layout", t.layout_text, "how the receiver holds the model: plain (one dense tensor per source "
-                                          "tensor), fused (an engine's layout: q/k/v into qkv_proj, gate/up into "
-                                          "gate_up_proj, a tied embedding also into lm_head), ep (fused, and each layer's "
-                                          "experts stacked into w13_weight[E, 2I, H] and w2_weight[E, H, I]), tpN (fused "
-                                          "with tensor parallelism of degree N, e.g. tp2, tp4: one receiver per rank, "
-                                          "q/k/v and gate/up split by rows, o_proj and down_proj by columns, embed_tokens "
-                                          "and lm_head by vocabulary rows, norms whole on every rank; host_shm runs one "
-                                          "rank, --rank), recorded:FILE[,FILE...] (the route table(s) refit.record wrote: one engine "
-                                          "tensor per recorded parameter, one receiver per file); every source tensor is "
-                                          "verified as it landed in its view(s)")
+  app.add_option("--engine", t.engines,
+                 "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
+                 "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "
+                 "receiver different ones, e.g. memcpy_batch/kernel")
+      ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--rank", c.rank, "--layout tpN (or recorded with several files): the rank host_shm's one receiver holds, or a receiver started by hand "
-                                   "(and its streamer); cuda_ipc and nccl spawn every rank")
+  app.add_option("--layout", t.layout_text,
+                 "how the receiver holds the model: plain (one dense tensor per source "
+                 "tensor), fused (an engine's layout: q/k/v into qkv_proj, gate/up into "
+                 "gate_up_proj, a tied embedding also into lm_head), ep (fused, and each layer's "
+                 "experts stacked into w13_weight[E, 2I, H] and w2_weight[E, H, I]), tpN (fused "
+                 "with tensor parallelism of degree N, e.g. tp2, tp4: one receiver per rank, "
+                 "q/k/v and gate/up split by rows, o_proj and down_proj by columns, embed_tokens "
+                 "and lm_head by vocabulary rows, norms whole on every rank; host_shm runs one "
+                 "rank, --rank), recorded:FILE[,FILE...] (the route table(s) refit.record wrote: one engine "
+                 "tensor per recorded parameter, one receiver per file); every source tensor is "
+                 "verified as it landed in its view(s)")
       ->capture_default_str();
-  app.add_option("--receiver-devices", t.receiver_devices,
-                 "cuda_ipc receivers (--layout tpN: one per rank): same (all on --device's GPU) or spread (rank k on GPU "
-                 "(device + k) % visible); nccl receivers are always on GPUs of their own (--receivers)")
+  app.add_option("--rank", c.rank,
+                 "--layout tpN (or recorded with several files): the rank host_shm's one receiver holds, or a receiver "
+                 "started by hand "
+                 "(and its streamer); cuda_ipc and nccl spawn every rank")
+      ->capture_default_str();
+  app.add_option(
+         "--receiver-devices", t.receiver_devices,
+         "cuda_ipc receivers (--layout tpN: one per rank): same (all on --device's GPU) or spread (rank k on GPU "
+         "(device + k) % visible); nccl receivers are always on GPUs of their own (--receivers)")
       ->check(CLI::IsMember({"same", "spread"}))
       ->capture_default_str();
-  app.add_option("--path", t.paths, "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
-                                  "staged (through the ping-pong buffers, two copies); nccl: direct (in place: 1 GiB "
-                                  "batches whatever the buffer size), staged (buffer-sized batches); comma separated: "
-                                  "one row each")
-      ->delimiter(',')->capture_default_str();
+  app.add_option("--path", t.paths,
+                 "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
+                 "staged (through the ping-pong buffers, two copies); nccl: direct (in place: 1 GiB "
+                 "batches whatever the buffer size), staged (buffer-sized batches); comma separated: "
+                 "one row each")
+      ->delimiter(',')
+      ->capture_default_str();
 }
 
 /// How long and where it runs, what it writes, and the hidden options of spawned processes.
 void add_run_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--warmup", c.warmup, "refits before the counted ones, per row")->capture_default_str();
   app.add_option("--iters", c.iters, "counted refits per row")->capture_default_str();
-  app.add_option("--delta", c.delta_steps, "STEPS delta versions (host_shm, one --model), each after an fp32 "
-                 "update rounded to bf16, against whole refits of the same run")->check(CLI::PositiveNumber);
-  app.add_option("--delta-update", c.delta_update, "--delta: relative size of one step's update (w += u * |w| * "
-                 "U[-1, 1)); about 2 % of bf16 elements change at the default")->capture_default_str();
+  app.add_option("--delta", c.delta_steps,
+                 "STEPS delta versions (host_shm, one --model), each after an fp32 "
+                 "update rounded to bf16, against whole refits of the same run")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--delta-update", c.delta_update,
+                 "--delta: relative size of one step's update (w += u * |w| * "
+                 "U[-1, 1)); about 2 % of bf16 elements change at the default")
+      ->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
   app.add_option("--device", c.device, "CUDA device (cuda_ipc; nccl: the streamer's, receivers on the next ones)")
       ->capture_default_str();
-  t.receivers_opt = app.add_option("--receivers", c.receivers, "nccl: receiver processes, one GPU each after --device's "
-                                                                  "(wrapping around the visible GPUs; --layout tpN: N, one per "
-                                                                  "rank); other transports ignore it")
-      ->capture_default_str();
+  t.receivers_opt = app.add_option("--receivers", c.receivers,
+                                   "nccl: receiver processes, one GPU each after --device's "
+                                   "(wrapping around the visible GPUs; --layout tpN: N, one per "
+                                   "rank); other transports ignore it")
+                        ->capture_default_str();
   app.add_option("--timeout-ms", c.timeout_ms, "longest wait for the peer")->capture_default_str();
   app.add_option("--json", c.json_file, "write every row and the preamble as JSON to FILE");
   app.add_option("--plot", c.plot_file, "write throughput vs buffer size as an SVG to FILE");
   app.add_flag("-q,--quiet", c.quiet, "no progress lines on stderr");
   // Hidden: for the tests and for the spawned receiver.
-  t.corrupt_opt = app.add_option("--corrupt-byte", t.corrupt, "receiver: corrupt tensor N after every commit")->group("");
+  t.corrupt_opt =
+      app.add_option("--corrupt-byte", t.corrupt, "receiver: corrupt tensor N after every commit")->group("");
   app.add_flag("--spawned", c.spawned, "receiver started by refit-bench: exit when stdin closes")->group("");
   app.add_option("--receiver-exe", c.receiver_exe, "the binary the streamer spawns as receiver")->group("");
-  app.add_option("--nccl-ceiling", c.nccl_ceiling_id, "receiver: be a rank of the nccl ceiling (hex ncclUniqueId)")->group("");
+  app.add_option("--nccl-ceiling", c.nccl_ceiling_id, "receiver: be a rank of the nccl ceiling (hex ncclUniqueId)")
+      ->group("");
   app.add_option("--nccl-rank", c.nccl_rank, "nccl ceiling: this rank")->group("");
   app.add_option("--nccl-ranks", c.nccl_ranks, "nccl ceiling: number of ranks")->group("");
 }
@@ -190,7 +216,8 @@ void parse_transports(config& c, const std::vector<std::string>& transports) {
 void check_sizes(const config& c) {
   if (c.receivers < 1) bad("--receivers must be at least 1");
   if (c.transports.empty()) bad("--transport: none given");
-  if (c.alignment == 0 || !std::has_single_bit(c.alignment)) bad(fmt::format("--alignment {}: must be a power of two", c.alignment));
+  if (c.alignment == 0 || !std::has_single_bit(c.alignment))
+    bad(fmt::format("--alignment {}: must be a power of two", c.alignment));
   if (c.buffer_mb.empty()) bad("--buffer-mb: none given");
   for (const double mb : c.buffer_mb)
     if (!(mb > 0) || !std::isfinite(mb) || mb * (1 << 20) < static_cast<double>(c.alignment))
@@ -219,7 +246,8 @@ void parse_engines(config& c, const std::vector<std::string>& engines) {
   for (const auto& name : engines) {
     const auto slash = name.find('/');
     const copy_engine pack = engine_named(std::string_view(name).substr(0, slash));
-    const copy_engine apply = slash == std::string::npos ? pack : engine_named(std::string_view(name).substr(slash + 1));
+    const copy_engine apply =
+        slash == std::string::npos ? pack : engine_named(std::string_view(name).substr(slash + 1));
     bool seen = false;
     for (std::size_t i = 0; i < c.engines.size(); ++i) seen |= c.engines[i] == pack && c.apply_engines[i] == apply;
     if (!seen) {
@@ -244,16 +272,23 @@ void parse_paths(config& c, const std::vector<std::string>& paths) {
 /// --layout, --rank and --receiver-devices: a tensor-parallel layout runs one receiver per rank.
 void parse_layout_options(config& c, const cli_text& t) {
   const auto layout = parse_layout(t.layout_text);
-  if (!layout) bad(fmt::format("--layout {}: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ..., recorded:FILE[,FILE...] for route tables of refit.record)", t.layout_text));
+  if (!layout)
+    bad(
+        fmt::format("--layout {}: unknown (plain, fused, ep, tpN for N from 2 to 64: tp2, tp4, ..., "
+                    "recorded:FILE[,FILE...] for route tables of refit.record)",
+                    t.layout_text));
   c.layout = *layout;
   c.spread_receivers = t.receiver_devices == "spread";
   if (c.layout.tp > 1) {
     if (c.rank < 0 || c.rank >= c.layout.tp)
-      bad(fmt::format("--rank {}: out of range for --layout {} (ranks 0 to {})", c.rank, t.layout_text, c.layout.tp - 1));
+      bad(fmt::format("--rank {}: out of range for --layout {} (ranks 0 to {})", c.rank, t.layout_text,
+                      c.layout.tp - 1));
     // One nccl receiver per rank.
     if (*t.receivers_opt && c.receivers != static_cast<std::size_t>(c.layout.tp))
-      bad(fmt::format("--receivers {} with --layout {}: tensor parallelism runs one receiver per rank ({}); leave "
-                      "--receivers out", c.receivers, t.layout_text, c.layout.tp));
+      bad(
+          fmt::format("--receivers {} with --layout {}: tensor parallelism runs one receiver per rank ({}); leave "
+                      "--receivers out",
+                      c.receivers, t.layout_text, c.layout.tp));
     c.receivers = static_cast<std::size_t>(c.layout.tp);
   } else if (c.rank != 0) {
     bad(fmt::format("--rank {} is for --layout tpN or recorded with several files (a tensor-parallel rank)", c.rank));
@@ -271,8 +306,9 @@ dtype dtype_named(const std::string& name) {
 std::optional<config> parse_args(int argc, const char* const* argv, int& exit_code) {
   config c;
   for (int i = 0; i < argc; ++i) c.argv.emplace_back(argv[i]);
-  CLI::App app{"refit-bench: measures refit throughput (streamer → receiver) on real model shapes, "
-               "against the hardware's own copy bandwidth measured in the same run."};
+  CLI::App app{
+      "refit-bench: measures refit throughput (streamer → receiver) on real model shapes, "
+      "against the hardware's own copy bandwidth measured in the same run."};
   app.name("refit-bench");
   cli_text t;
   add_endpoint_options(app, c, t);
@@ -308,8 +344,10 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   parse_layout_options(c, t);
   if (!t.convert_text.empty()) {
     c.convert = parse_conversion(t.convert_text);
-    if (!c.convert) bad(fmt::format("--convert {}: unknown (bf16:fp8-block128, bf16:fp8-tensor, f32:bf16)", t.convert_text));
-    if (c.layout != layout_kind::plain) bad(fmt::format("--convert with --layout {}: only --layout plain", t.convert_text));
+    if (!c.convert)
+      bad(fmt::format("--convert {}: unknown (bf16:fp8-block128, bf16:fp8-tensor, f32:bf16)", t.convert_text));
+    if (c.layout != layout_kind::plain)
+      bad(fmt::format("--convert with --layout {}: only --layout plain", t.convert_text));
     if (t.dtype_name != "bf16" && dtype_named(t.dtype_name) != c.convert->from)
       bad(fmt::format("--convert {} converts {} sources; --dtype {} disagrees", t.convert_text,
                       to_string(c.convert->from), t.dtype_name));
@@ -323,7 +361,8 @@ void check_role(const config& c) {
     case role::streamer:
       if (c.connect.empty()) bad("--role streamer needs --connect ENDPOINT (the receiver prints it when it starts)");
       if (c.report.empty() && !c.no_verify)
-        bad("--role streamer needs --report ENDPOINT, the report endpoint the receiver printed (\"report\" in its ready "
+        bad("--role streamer needs --report ENDPOINT, the report endpoint the receiver printed (\"report\" in its "
+            "ready "
             "line and its banner), to verify every refit; or --no-verify to run unverified");
       if (!c.report.empty() && c.no_verify) bad("--role streamer: --report and --no-verify exclude each other");
       break;
@@ -332,16 +371,22 @@ void check_role(const config& c) {
       break;
     case role::both:
       if (!c.report.empty() || c.no_verify)
-        bad("--report and --no-verify are for the sides run by hand (--role streamer / receiver); a spawned receiver is "
+        bad("--report and --no-verify are for the sides run by hand (--role streamer / receiver); a spawned receiver "
+            "is "
             "always verified");
       break;
   }
 }
 
 std::vector<std::string> ceiling_args(const config& c, const std::string& id_hex, int rank, int nranks, int device) {
-  std::vector<std::string> a{"--role", "receiver", "--transport", "nccl", "--device", std::to_string(device),
-                             "--timeout-ms", std::to_string(c.timeout_ms), "--nccl-ceiling", id_hex,
-                             "--nccl-rank", std::to_string(rank), "--nccl-ranks", std::to_string(nranks), "--spawned"};
+  std::vector<std::string> a{"--role",         "receiver",
+                             "--transport",    "nccl",
+                             "--device",       std::to_string(device),
+                             "--timeout-ms",   std::to_string(c.timeout_ms),
+                             "--nccl-ceiling", id_hex,
+                             "--nccl-rank",    std::to_string(rank),
+                             "--nccl-ranks",   std::to_string(nranks),
+                             "--spawned"};
   if (c.quiet) a.emplace_back("--quiet");
   return a;
 }
@@ -349,9 +394,12 @@ std::vector<std::string> ceiling_args(const config& c, const std::string& id_hex
 std::vector<std::string> receiver_args(const config& c, transport_kind t, const std::string& model,
                                        const std::string& endpoint, copy_engine engine, std::optional<int> device,
                                        std::optional<int> rank) {
-  std::vector<std::string> a{"--role", "receiver", "--bind", endpoint, "--transport", std::string(to_string(t)),
-                             "--engine", std::string(to_string(engine)),
-                             "--device", std::to_string(device.value_or(c.device)), "--timeout-ms", std::to_string(c.timeout_ms),
+  std::vector<std::string> a{"--role",       "receiver",
+                             "--bind",       endpoint,
+                             "--transport",  std::string(to_string(t)),
+                             "--engine",     std::string(to_string(engine)),
+                             "--device",     std::to_string(device.value_or(c.device)),
+                             "--timeout-ms", std::to_string(c.timeout_ms),
                              "--spawned"};
   if (!c.manifest_file.empty()) {
     a.insert(a.end(), {"--manifest", c.manifest_file, "--dtype", std::string(to_string(c.type))});

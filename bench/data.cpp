@@ -17,7 +17,9 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) noexcept {
 }
 
 // Word w of the stream seeded `seed`.
-inline std::uint64_t word(std::uint64_t seed, std::uint64_t w) noexcept { return splitmix64(seed ^ (w * 0xd1342543de82ef95ull)); }
+inline std::uint64_t word(std::uint64_t seed, std::uint64_t w) noexcept {
+  return splitmix64(seed ^ (w * 0xd1342543de82ef95ull));
+}
 
 void fill_range(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint64_t first) noexcept {
   // Byte i of the stream is byte (i % 8) of word (i / 8), whatever `first` is.
@@ -60,8 +62,8 @@ void fill_random(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint6
   }
 }
 
-std::uint64_t checksum_after_flip(std::uint64_t sum, std::uint64_t bytes, std::uint64_t offset,
-                                  std::uint8_t old_byte, std::uint8_t new_byte) noexcept {
+std::uint64_t checksum_after_flip(std::uint64_t sum, std::uint64_t bytes, std::uint64_t offset, std::uint8_t old_byte,
+                                  std::uint8_t new_byte) noexcept {
   // copy::checksum is linear in the bytes: a byte's weight depends only on its position.
   const std::uint64_t delta = static_cast<std::uint64_t>(new_byte) - static_cast<std::uint64_t>(old_byte);
   const std::uint64_t words = bytes / 8;

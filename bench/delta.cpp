@@ -120,7 +120,8 @@ struct trainer {
       return out;
     }
 #endif
-    for (std::size_t k = 0; k < metas.size(); ++k) out.push_back(tensor_ref{metas[k], weights[k].data(), device::cpu(), nullptr});
+    for (std::size_t k = 0; k < metas.size(); ++k)
+      out.push_back(tensor_ref{metas[k], weights[k].data(), device::cpu(), nullptr});
     return out;
   }
 #if REFIT_HAVE_CUDA
@@ -253,9 +254,10 @@ int run_delta(const config& c, std::ostream& out) {
                      c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9,
                      gpu ? fmt::format("cuda_ipc staged on cuda:{}, base in device memory", c.device) : "host_shm",
                      so.buffer_count, c.buffer_mb.at(0));
-  out << fmt::format("# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
-                     "streamer, {} counted refits after {} warm-up\n",
-                     c.delta_update, c.iters, c.warmup);
+  out << fmt::format(
+      "# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
+      "streamer, {} counted refits after {} warm-up\n",
+      c.delta_update, c.iters, c.warmup);
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "row", "step", "changed",
                      "blk256", "blk4k", "wire", "wire/v", "time", "diff", "/whole");
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "", "", "(%)", "(%)", "(%)",
@@ -270,9 +272,9 @@ int run_delta(const config& c, std::ostream& out) {
       const refit_stats s = plain.refit(++version, refs);
       if (i < c.warmup) continue;
       whole_ms.push_back(s.seconds * 1e3);
-      write_delta_row(out, delta_row{"whole", std::to_string(i - c.warmup), 0, 0, 0, s.bytes, s.tensor_bytes,
-                                     s.seconds * 1e3, 0},
-                      0);
+      write_delta_row(
+          out, delta_row{"whole", std::to_string(i - c.warmup), 0, 0, 0, s.bytes, s.tensor_bytes, s.seconds * 1e3, 0},
+          0);
     }
     plain.close();
   }
@@ -286,9 +288,9 @@ int run_delta(const config& c, std::ostream& out) {
   {
     const auto refs = t.refs();
     const refit_stats s = ds.refit(++version, refs);
-    write_delta_row(out, delta_row{"delta-first", "0", 1, 1, 1, s.bytes, s.tensor_bytes, s.seconds * 1e3,
-                                   s.diff_seconds * 1e3},
-                    whole);
+    write_delta_row(
+        out, delta_row{"delta-first", "0", 1, 1, 1, s.bytes, s.tensor_bytes, s.seconds * 1e3, s.diff_seconds * 1e3},
+        whole);
     out.flush();
   }
   std::vector<double> delta_ms;
@@ -326,8 +328,7 @@ int run_delta(const config& c, std::ostream& out) {
   const bool right = parsed && their_sum == t.checksum() && their_version == version;
   const double delta_median = median(delta_ms);
   out << fmt::format("# delta median {:.2f} ms = {:.3f} x whole median {:.2f} ms; wire {:.2f} % of the version\n",
-                     delta_median, whole > 0 ? delta_median / whole : 0.0, whole,
-                     100 * median(wire_fraction));
+                     delta_median, whole > 0 ? delta_median / whole : 0.0, whole, 100 * median(wire_fraction));
   out << fmt::format("# out of bounds/wrong values: {} (receiver's version checksum after version {} {})\n",
                      right ? 0 : 1, version, right ? "matches" : "DIFFERS");
   return right ? 0 : 1;

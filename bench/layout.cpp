@@ -86,11 +86,13 @@ enum class split : std::uint8_t { replicated, column, row, vocab };
 split split_of(const tensor_meta& t) {
   const std::string& name = t.name;
   const auto has = [&](std::string_view part) { return name.find(part) != std::string::npos; };
-  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return t.shape.size() == 2 ? split::vocab : split::replicated;
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight")
+    return t.shape.size() == 2 ? split::vocab : split::replicated;
   if (has(".q_proj.") || has(".k_proj.") || has(".v_proj.") || has(".gate_proj.") || has(".up_proj.") ||
       (has(".experts.") && (name.ends_with(".w1.weight") || name.ends_with(".w3.weight"))))
     return t.shape.empty() ? split::replicated : split::column;  // weights and their biases
-  if ((has(".o_proj.") || has(".down_proj.") || (has(".experts.") && name.ends_with(".w2.weight"))) && t.shape.size() == 2)
+  if ((has(".o_proj.") || has(".down_proj.") || (has(".experts.") && name.ends_with(".w2.weight"))) &&
+      t.shape.size() == 2)
     return split::row;  // a row-parallel bias is added once, after the reduction: replicated
   return split::replicated;
 }
@@ -106,13 +108,14 @@ std::optional<source_slice> shard_of(const manifest& m, const tensor_meta& t, in
                      (t.name.find(".q_proj.") != std::string::npos || t.name.find(".k_proj.") != std::string::npos ||
                       t.name.find(".v_proj.") != std::string::npos);
   if (heads && (size % m.head_dim != 0 || size / m.head_dim % tp != 0))
-    bad(fmt::format("--layout tp{}: {}: {} has {} heads of {} ({} rows), which do not split over {} ranks; use a tp "
+    bad(
+        fmt::format("--layout tp{}: {}: {} has {} heads of {} ({} rows), which do not split over {} ranks; use a tp "
                     "degree that divides the q and kv heads",
                     tp, m.name, describe(t), size / m.head_dim, m.head_dim, size, tp));
   if (size % tp != 0) {
     static const char* what[] = {"", "rows (column-parallel)", "columns (row-parallel)", "rows (vocab-parallel)"};
-    bad(fmt::format("--layout tp{}: {}: {} has {} {}, which do not divide by {}; use a tp degree that divides them",
-                    tp, m.name, describe(t), size, what[static_cast<int>(how)], tp));
+    bad(fmt::format("--layout tp{}: {}: {} has {} {}, which do not divide by {}; use a tp degree that divides them", tp,
+                    m.name, describe(t), size, what[static_cast<int>(how)], tp));
   }
   const std::int64_t n = size / tp;
   return source_slice{dim, rank * n, n};
@@ -229,9 +232,11 @@ class layout_builder {
   // Every expert's tensors, by layer (prefix), expert and role.
   void find_experts() {
     for (std::size_t i = 0; i < m_.entries.size(); ++i)
-      if (const auto p = expert_of(m_.entries[i].meta.name)) experts_[p->prefix][p->expert][static_cast<std::size_t>(p->role)] = i;
+      if (const auto p = expert_of(m_.entries[i].meta.name))
+        experts_[p->prefix][p->expert][static_cast<std::size_t>(p->role)] = i;
     if (experts_.empty())
-      bad(fmt::format("--layout ep stacks the experts of a mixture-of-experts model and {} has none "
+      bad(
+          fmt::format("--layout ep stacks the experts of a mixture-of-experts model and {} has none "
                       "(PREFIX.experts.E.gate_proj/up_proj/down_proj.weight, or w1/w3/w2); use --layout fused or plain",
                       m_.name));
   }
@@ -245,12 +250,14 @@ class layout_builder {
     for (std::int64_t e = 0; e < count; ++e) {
       const auto it = experts.find(e);
       if (it == experts.end())
-        bad(fmt::format("--layout ep: {}: the experts of {} do not stack: expert {} is missing ({} experts, numbered up "
-                        "to {})", m_.name, prefix, e, count, experts.rbegin()->first));
+        bad(fmt::format(
+            "--layout ep: {}: the experts of {} do not stack: expert {} is missing ({} experts, numbered up "
+            "to {})",
+            m_.name, prefix, e, count, experts.rbegin()->first));
       for (std::size_t r = 0; r < 3; ++r)
         if (!it->second[r])
-          bad(fmt::format("--layout ep: {}: the experts of {} do not stack: expert {} has no {} tensor", m_.name, prefix,
-                          e, role_names[r]));
+          bad(fmt::format("--layout ep: {}: the experts of {} do not stack: expert {} has no {} tensor", m_.name,
+                          prefix, e, role_names[r]));
     }
     const tensor_meta& gate = m_.entries[*e0[0]].meta;
     const tensor_meta& down = m_.entries[*e0[2]].meta;
@@ -350,7 +357,8 @@ byte_region region_of(const tensor_meta& t, const std::optional<source_slice>& s
   for (std::size_t d = 0; d < dim; ++d) outer *= static_cast<std::uint64_t>(t.shape[d]);
   const std::uint64_t pitch = static_cast<std::uint64_t>(t.shape[dim]) * inner;
   const std::uint64_t width = static_cast<std::uint64_t>(slice->length) * inner;
-  if (outer == 1 || width == pitch) return {static_cast<std::uint64_t>(slice->start) * inner, width * outer, width * outer, 1};
+  if (outer == 1 || width == pitch)
+    return {static_cast<std::uint64_t>(slice->start) * inner, width * outer, width * outer, 1};
   return {static_cast<std::uint64_t>(slice->start) * inner, width, pitch, outer};
 }
 
@@ -382,7 +390,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
     std::vector<std::int64_t> v;
     if (!j.is_array()) bad(fmt::format("{}: {}: not a list of integers", what, where));
     for (const auto& d : j) {
-      if (!d.is_number_integer() || d.get<std::int64_t>() < 0) bad(fmt::format("{}: {}: not a list of integers", what, where));
+      if (!d.is_number_integer() || d.get<std::int64_t>() < 0)
+        bad(fmt::format("{}: {}: not a list of integers", what, where));
       v.push_back(d.get<std::int64_t>());
     }
     return v;
@@ -398,7 +407,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
   if (!t["unrecorded"].empty()) {
     std::vector<std::string> names;
     for (const auto& [name, why] : t["unrecorded"].items()) names.push_back(name);
-    bad(fmt::format("{}: the table has {} unrecorded source{} (refit.record could not follow the loader): {}; "
+    bad(
+        fmt::format("{}: the table has {} unrecorded source{} (refit.record could not follow the loader): {}; "
                     "a recorded layout needs every source routed",
                     what, names.size(), names.size() == 1 ? "" : "s", fmt::join(names, ", ")));
   }
@@ -412,7 +422,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
   std::unordered_map<std::string, std::size_t> params;
   for (const auto& [name, p] : t["params"].items()) {
     const std::string where = "parameter " + name;
-    if (!p.is_object() || !p.contains("dtype") || !p.contains("shape")) bad(fmt::format("{}: {}: no dtype or shape", what, where));
+    if (!p.is_object() || !p.contains("dtype") || !p.contains("shape"))
+      bad(fmt::format("{}: {}: no dtype or shape", what, where));
     tensor_meta meta{name, dtype_of(p["dtype"], where), shape_of(p["shape"], where)};
     if (p.contains("stride") && shape_of(p["stride"], where) != dense_strides(meta.shape))
       bad(fmt::format("{}: {} has strides {} and the bench allocates dense parameters ({})", what, describe(meta),
@@ -425,21 +436,25 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
   for (const auto& [name, routes] : t["entries"].items()) {
     const auto at = index.find(name);
     if (at == index.end())
-      bad(fmt::format("{}: the table routes {}, which {} lacks; give the model the table was recorded for", what, name, m.name));
+      bad(fmt::format("{}: the table routes {}, which {} lacks; give the model the table was recorded for", what, name,
+                      m.name));
     const std::size_t i = at->second;
     const tensor_meta& src = m.entries[i].meta;
     if (t.contains("sources") && t["sources"].contains(name)) {
       const auto& s = t["sources"][name];
-      const tensor_meta rec{name, dtype_of(s.value("dtype", ojson()), "source " + name), shape_of(s.value("shape", ojson()), "source " + name)};
+      const tensor_meta rec{name, dtype_of(s.value("dtype", ojson()), "source " + name),
+                            shape_of(s.value("shape", ojson()), "source " + name)};
       if (rec.type != src.type || rec.shape != src.shape)
-        bad(fmt::format("{}: the table was recorded with {} and {} has {}", what, describe(rec), m.name, describe(src)));
+        bad(fmt::format("{}: the table was recorded with {} and {} has {}", what, describe(rec), m.name,
+                        describe(src)));
     }
     if (!routes.is_array() || routes.empty()) bad(fmt::format("{}: {} has no route", what, name));
     bool first = true;
     for (const auto& r : routes) {
       const std::string param = r.value("param", std::string());
       const auto p = params.find(param);
-      if (p == params.end()) bad(fmt::format("{}: {} is routed to {}, which is not among the table's params", what, name, param));
+      if (p == params.end())
+        bad(fmt::format("{}: {} is routed to {}, which is not among the table's params", what, name, param));
       const tensor_meta& engine = l.tensors.entries[p->second].meta;
       if (engine.type != src.type)
         bad(fmt::format("{}: {} is routed to {}, of another dtype", what, describe(src), describe(engine)));
@@ -449,12 +464,14 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
         const auto sl = shape_of(r["source_slice"], name + "'s source_slice");
         if (sl.size() != 3 || sl[0] >= static_cast<std::int64_t>(src.shape.size()) ||
             sl[1] + sl[2] > src.shape[static_cast<std::size_t>(sl[0])])
-          bad(fmt::format("{}: {}: source_slice {} does not fit {}", what, name, r["source_slice"].dump(), describe(src)));
+          bad(fmt::format("{}: {}: source_slice {} does not fit {}", what, name, r["source_slice"].dump(),
+                          describe(src)));
         slice = source_slice{static_cast<int>(sl[0]), sl[1], sl[2]};
         shape[static_cast<std::size_t>(sl[0])] = sl[2];
       }
       if (!first && slice != l.slices[i])
-        bad(fmt::format("{}: the routes of {} take different parts of it; the bench checks one slice per source", what, name));
+        bad(fmt::format("{}: the routes of {} take different parts of it; the bench checks one slice per source", what,
+                        name));
       first = false;
       l.slices[i] = slice;
       const auto vshape = shape_of(r.value("shape", ojson()), name + "'s view shape");
@@ -467,12 +484,13 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
                         slice ? "the slice" : "all", fmt::join(shape, ", ")));
       const std::uint64_t numel = tensor_meta{"", src.type, shape}.nbytes() / itemsize(src.type);
       if (vstrides.size() != vshape.size() || (numel > 1 && vstrides != dense_strides(vshape)))
-        bad(fmt::format("{}: {} lands in {} with strides [{}]: not one contiguous run of it (the bench checks those only)",
-                        what, name, param, fmt::join(vstrides, ", ")));
+        bad(fmt::format(
+            "{}: {} lands in {} with strides [{}]: not one contiguous run of it (the bench checks those only)", what,
+            name, param, fmt::join(vstrides, ", ")));
       const std::uint64_t engine_numel = engine.nbytes() / itemsize(engine.type);
       if (offset + numel > engine_numel)
-        bad(fmt::format("{}: {} lands in {} from element {}: {} elements do not fit its {}", what, name, describe(engine),
-                        offset, numel, engine_numel));
+        bad(fmt::format("{}: {} lands in {} from element {}: {} elements do not fit its {}", what, name,
+                        describe(engine), offset, numel, engine_numel));
       layout_view v;
       v.source = i;
       v.tensor = p->second;
@@ -520,7 +538,8 @@ std::uint64_t fold_view_checksums(const std::vector<std::uint64_t>& sums) noexce
 }
 
 std::optional<conversion_spec> parse_conversion(std::string_view name) {
-  if (name == "bf16:fp8-block128") return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::block128};
+  if (name == "bf16:fp8-block128")
+    return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::block128};
   if (name == "bf16:fp8-tensor") return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::tensor};
   if (name == "f32:bf16") return conversion_spec{std::string(name), dtype::f32, dtype::bf16, quant::none};
   return std::nullopt;

@@ -47,8 +47,7 @@ constexpr int max_json_depth = 64;
 
 // Parses JSON; every failure (syntax, a number no double holds such as 1e999, nesting) comes as
 // refit::error. `invalid` leads the message for bad JSON, `subject` names the text for nesting.
-ojson parse_json(std::string_view text, const std::string& file, std::string_view invalid,
-                 std::string_view subject) {
+ojson parse_json(std::string_view text, const std::string& file, std::string_view invalid, std::string_view subject) {
   const ojson::parser_callback_t bounded = [&](int depth, ojson::parse_event_t, ojson&) {
     if (depth > max_json_depth)
       fail(file, fmt::format("{} nests deeper than {} levels (a manifest needs 3)", subject, max_json_depth));
@@ -78,7 +77,8 @@ dtype parse_entry_dtype(const ojson& v, const std::string& file, const std::stri
   if (!t)
     fail_entry(file, name,
                fmt::format("unknown dtype '{}' (known: BOOL U8 I8 I16 I32 I64 F16 BF16 F32 F64 "
-                           "F8_E4M3 F8_E5M2 U16 U32 U64)", v.get<std::string>()));
+                           "F8_E4M3 F8_E5M2 U16 U32 U64)",
+                           v.get<std::string>()));
   return *t;
 }
 
@@ -128,19 +128,21 @@ bool looks_like_json(const std::string& path) {
 
 }  // namespace
 
-manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t file_size,
-                           const std::string& file) {
+manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t file_size, const std::string& file) {
   if (size < 8 || file_size < 8)
     fail(file, fmt::format("truncated: {} bytes, shorter than the 8-byte header length every "
-                           "safetensors file starts with", std::min(size, file_size)));
+                           "safetensors file starts with",
+                           std::min(size, file_size)));
   std::uint64_t n = 0;
   std::memcpy(&n, data, 8);  // little-endian, as the format says (x86-64, aarch64 hosts)
   if (n > max_header)
     fail(file, fmt::format("header length {} is larger than the format's 100 MB limit: not a "
-                           "safetensors file?", n));
+                           "safetensors file?",
+                           n));
   if (n > file_size - 8)
     fail(file, fmt::format("header length {} runs past the end of the file ({} bytes): the file "
-                           "is truncated or not a safetensors file", n, file_size));
+                           "is truncated or not a safetensors file",
+                           n, file_size));
   if (size < 8 + n) fail(file, fmt::format("header truncated: {} of {} bytes given", size - 8, n));
   const std::uint64_t data_size = file_size - 8 - n;
   const std::string_view text(static_cast<const char*>(data) + 8, n);
@@ -165,26 +167,28 @@ manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t f
     const std::uint64_t bytes = nbytes_of(meta, file);
     const auto& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-      fail_entry(file, name, fmt::format("\"data_offsets\" must be [begin, end] (non-negative integers), got {}", off.dump()));
+      fail_entry(file, name,
+                 fmt::format("\"data_offsets\" must be [begin, end] (non-negative integers), got {}", off.dump()));
     const auto begin = off[0].get<std::uint64_t>();
     const auto end = off[1].get<std::uint64_t>();
     if (end < begin) fail_entry(file, name, fmt::format("data_offsets [{}, {}] end before they begin", begin, end));
     if (end - begin != bytes)
       fail_entry(file, name,
                  fmt::format("size mismatch: shape [{}] × {} bytes ({}) = {} bytes, but data_offsets "
-                             "[{}, {}] span {} bytes", fmt::join(meta.shape, ", "), itemsize(meta.type),
-                             to_string(meta.type), bytes, begin, end, end - begin));
+                             "[{}, {}] span {} bytes",
+                             fmt::join(meta.shape, ", "), itemsize(meta.type), to_string(meta.type), bytes, begin, end,
+                             end - begin));
     if (end > data_size)
       fail_entry(file, name,
                  fmt::format("data_offsets [{}, {}] out of range: the data section after the header "
-                             "is {} bytes (file {} bytes)", begin, end, data_size, file_size));
+                             "is {} bytes (file {} bytes)",
+                             begin, end, data_size, file_size));
     spans.push_back({begin, end, m.entries.size()});
     m.entries.push_back({std::move(meta), 0, 8 + n + begin});
   }
   // File order; and no two tensors may share bytes.
-  std::sort(spans.begin(), spans.end(), [](const span_of& a, const span_of& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
+  std::sort(spans.begin(), spans.end(),
+            [](const span_of& a, const span_of& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   const span_of* widest = nullptr;  // the non-empty span reaching furthest so far
   for (const auto& b : spans) {
     if (b.end == b.begin) continue;
@@ -238,7 +242,8 @@ manifest parse_json_manifest(std::string_view text, const std::string& file, dty
       // An init-capture: clang 14 (the fuzz build) cannot capture a structured binding.
       const bool found = std::any_of(m.entries.begin(), m.entries.end(),
                                      [&n = name](const manifest_entry& e) { return e.meta.name == n; });
-      if (!found) fail_entry(file, name, fmt::format("listed in weight_map but not in shard {}", shard.get<std::string>()));
+      if (!found)
+        fail_entry(file, name, fmt::format("listed in weight_map but not in shard {}", shard.get<std::string>()));
     }
     // As for the other forms: a workload without tensors is a wrong file, not an empty bench.
     if (m.entries.empty()) fail(file, "\"weight_map\" lists no tensors");
@@ -259,8 +264,7 @@ manifest parse_json_manifest(std::string_view text, const std::string& file, dty
 }
 
 manifest load_manifest(const std::string& path, dtype fallback) {
-  if (!std::filesystem::exists(path))
-    throw error(errc::io, fmt::format("manifest {}: no such file", path));
+  if (!std::filesystem::exists(path)) throw error(errc::io, fmt::format("manifest {}: no such file", path));
   if (looks_like_json(path)) return parse_json_manifest(read_all(path), path, fallback);
   return read_safetensors(path);
 }

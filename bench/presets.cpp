@@ -14,7 +14,7 @@ namespace {
 
 struct dense_config {
   std::int64_t vocab, hidden, intermediate, layers, heads, kv_heads, head_dim;
-  bool tied = false;     ///< tie_word_embeddings: no lm_head
+  bool tied = false;      ///< tie_word_embeddings: no lm_head
   bool qkv_bias = false;  ///< Qwen2 has q/k/v biases
   bool qk_norm = false;   ///< Qwen3 normalises q and k per head
   // Mixture of experts (experts == 0: dense MLP).
@@ -94,18 +94,24 @@ struct named_config {
 // vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied, qkv_bias, qk_norm,
 // experts, expert_intermediate, mixtral_names
 const named_config presets[] = {
-    {"qwen2.5-0.5b", {151936, 896, 4864, 24, 14, 2, 64, true, true, false, 0, 0, false},
+    {"qwen2.5-0.5b",
+     {151936, 896, 4864, 24, 14, 2, 64, true, true, false, 0, 0, false},
      "Qwen/Qwen2.5-0.5B: 494,032,768 params"},
-    {"qwen2.5-7b", {152064, 3584, 18944, 28, 28, 4, 128, false, true, false, 0, 0, false},
+    {"qwen2.5-7b",
+     {152064, 3584, 18944, 28, 28, 4, 128, false, true, false, 0, 0, false},
      "Qwen/Qwen2.5-7B: 7,615,616,512 params"},
-    {"llama3-8b", {128256, 4096, 14336, 32, 32, 8, 128, false, false, false, 0, 0, false},
+    {"llama3-8b",
+     {128256, 4096, 14336, 32, 32, 8, 128, false, false, false, 0, 0, false},
      "meta-llama/Meta-Llama-3-8B: 8,030,261,248 params"},
-    {"qwen3-30b-a3b", {151936, 2048, 6144, 48, 32, 4, 128, false, false, true, 128, 768, false},
+    {"qwen3-30b-a3b",
+     {151936, 2048, 6144, 48, 32, 4, 128, false, false, true, 128, 768, false},
      "Qwen/Qwen3-30B-A3B: 30,532,122,624 params, 128 experts"},
-    {"mixtral-8x7b", {32000, 4096, 14336, 32, 32, 8, 128, false, false, false, 8, 14336, true},
+    {"mixtral-8x7b",
+     {32000, 4096, 14336, 32, 32, 8, 128, false, false, false, 8, 14336, true},
      "mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 params, 8 experts"},
     // Not a real model: a few MB of llama-shaped tensors for smoke tests.
-    {"tiny", {1000, 256, 704, 2, 4, 2, 64, false, true, false, 0, 0, false},
+    {"tiny",
+     {1000, 256, 704, 2, 4, 2, 64, false, true, false, 0, 0, false},
      "a 2-layer llama-shaped toy (1.3 M params) for smoke tests"},
 };
 
@@ -138,10 +144,9 @@ std::vector<std::string> preset_names() {
 manifest preset(std::string_view name, dtype type) {
   for (const auto& p : presets)
     if (p.name == name) return build(std::string(p.name), p.config, type);
-  throw error(errc::invalid_argument,
-              fmt::format("unknown model '{}': built-in models are {}; or give --manifest FILE "
-                          "(a .safetensors file or a JSON {{name: {{dtype, shape}}}})",
-                          name, fmt::join(preset_names(), ", ")));
+  throw error(errc::invalid_argument, fmt::format("unknown model '{}': built-in models are {}; or give --manifest FILE "
+                                                  "(a .safetensors file or a JSON {{name: {{dtype, shape}}}})",
+                                                  name, fmt::join(preset_names(), ", ")));
 }
 
 }  // namespace refit::bench

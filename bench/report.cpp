@@ -20,11 +20,10 @@ struct column {
   int width;
 };
 constexpr column columns[] = {
-    {"transport", "", 9}, {"model", "", 14},   {"engine", "", 25},  {"buf_MiB", "", 7},  {"nbuf", "", 4},
-    {"tensors", "", 7},   {"bytes", "(GB)", 8}, {"median", "(ms)", 9}, {"min", "(ms)", 9},
-    {"max", "(ms)", 9},   {"GB/s", "", 8},      {"ceiling", "(GB/s)", 8}, {"floor", "(ms)", 9},
-    {"ratio", "", 6},     {"source", "(ms)", 8}, {"pack", "(ms)", 8}, {"wait", "(ms)", 8},
-    {"apply", "(ms)", 8}, {"wrong", "", 6},
+    {"transport", "", 9}, {"model", "", 14},        {"engine", "", 25},    {"buf_MiB", "", 7}, {"nbuf", "", 4},
+    {"tensors", "", 7},   {"bytes", "(GB)", 8},     {"median", "(ms)", 9}, {"min", "(ms)", 9}, {"max", "(ms)", 9},
+    {"GB/s", "", 8},      {"ceiling", "(GB/s)", 8}, {"floor", "(ms)", 9},  {"ratio", "", 6},   {"source", "(ms)", 8},
+    {"pack", "(ms)", 8},  {"wait", "(ms)", 8},      {"apply", "(ms)", 8},  {"wrong", "", 6},
 };
 
 std::string fmt_ms(double ms) { return ms < 0 ? "n/a" : fmt::format("{:.2f}", ms); }
@@ -81,20 +80,25 @@ void write_preamble(std::ostream& out, const preamble& p) {
     out << fmt::format("# model     : {}: {} tensors, {} params, {:.3f} GB, largest tensor {:.1f} MB\n", m.name,
                        m.tensors, m.params, m.bytes / 1e9, m.largest / 1e6);
   out << fmt::format("# data      : {}, dtype {}\n", p.data, p.dtype);
-  out << fmt::format("# buffers   : {} x {} MiB, alignment {} B, {}\n", fmt::join(p.buffer_counts, "|"),
-                     fmt::join(p.buffer_mb, "|"), p.alignment,
-                     p.keep_whole ? "tensors kept whole where they fit a buffer" : "batches filled up (--keep-whole 0)");
+  out << fmt::format(
+      "# buffers   : {} x {} MiB, alignment {} B, {}\n", fmt::join(p.buffer_counts, "|"), fmt::join(p.buffer_mb, "|"),
+      p.alignment, p.keep_whole ? "tensors kept whole where they fit a buffer" : "batches filled up (--keep-whole 0)");
   out << fmt::format("# copy      : engine {}\n", p.engine);
-  out << fmt::format("# iterations: {} warm-up + {} counted per row, each a new version with fresh data; {}\n", p.warmup,
-                     p.iters, p.verified ? "every refit verified" : "NOT verified (--no-verify)");
-  out << "# GB/s = payload bytes / median time; floor = 2 x bytes / ceiling for a staged refit (every byte copied twice),\n"
+  out << fmt::format("# iterations: {} warm-up + {} counted per row, each a new version with fresh data; {}\n",
+                     p.warmup, p.iters, p.verified ? "every refit verified" : "NOT verified (--no-verify)");
+  out << "# GB/s = payload bytes / median time; floor = 2 x bytes / ceiling for a staged refit (every byte copied "
+         "twice),\n"
          "#   1 x bytes / ceiling for a direct one (engine +direct: written straight into the receiver's weights);\n"
-         "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad checksum\n";
+         "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad "
+         "checksum\n";
   if (std::find(p.transports.begin(), p.transports.end(), "nccl") != p.transports.end())
-    out << "# nccl rows: ceiling = raw ncclBroadcast among the same GPUs; floor = 1 x bytes / ceiling (one pass: refit\n"
+    out << "# nccl rows: ceiling = raw ncclBroadcast among the same GPUs; floor = 1 x bytes / ceiling (one pass: "
+           "refit\n"
            "#   broadcasts every byte once, from the tensors into the weights where they are on the GPUs), so ratio =\n"
-           "#   refit GB/s / raw broadcast GB/s; +in-place: every entry in place, 1 GiB batches whatever the buffer size\n"
-           "#   (--path direct); without: buffer-sized batches (--path staged); apply = the slowest receiver's; wrong =\n"
+           "#   refit GB/s / raw broadcast GB/s; +in-place: every entry in place, 1 GiB batches whatever the buffer "
+           "size\n"
+           "#   (--path direct); without: buffer-sized batches (--path staged); apply = the slowest receiver's; wrong "
+           "=\n"
            "#   summed over every receiver\n";
   out << "#\n";
 }
@@ -167,7 +171,10 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
   pj["notes"] = p.notes;
   pj["models"] = nlohmann::json::array();
   for (const auto& m : p.models)
-    pj["models"].push_back({{"name", m.name}, {"tensors", m.tensors}, {"bytes", m.bytes}, {"params", m.params},
+    pj["models"].push_back({{"name", m.name},
+                            {"tensors", m.tensors},
+                            {"bytes", m.bytes},
+                            {"params", m.params},
                             {"largest_bytes", m.largest}});
   pj["buffer_mb"] = p.buffer_mb;
   pj["buffer_counts"] = p.buffer_counts;
@@ -318,28 +325,37 @@ void svg_header(std::string& s, const preamble& p) {
   s += fmt::format(R"svg(<?xml version="1.0" encoding="UTF-8"?>
 <svg xmlns="http://www.w3.org/2000/svg" width="{0}" height="{1}" viewBox="0 0 {0} {1}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-)svg", svg_width, svg_height);
+)svg",
+                   svg_width, svg_height);
   std::vector<std::string> names;
   for (const auto& m : p.models) names.push_back(m.name);
-  s += fmt::format(R"svg(<text x="{}" y="24" font-size="16" font-weight="bold">refit throughput vs buffer size — {}</text>
+  s += fmt::format(
+      R"svg(<text x="{}" y="24" font-size="16" font-weight="bold">refit throughput vs buffer size — {}</text>
 <text x="{}" y="42" fill="#555">refit {} on {}{}{}; {} warm-up + {} iterations, median</text>
-)svg", svg_left, xml_escape(fmt::format("{}", fmt::join(names, ", "))), svg_left, xml_escape(p.refit_version), xml_escape(p.host),
-                   p.gpus.empty() ? "" : ", ", xml_escape(p.gpus.empty() ? "" : p.gpus.front()), p.warmup, p.iters);
+)svg",
+      svg_left, xml_escape(fmt::format("{}", fmt::join(names, ", "))), svg_left, xml_escape(p.refit_version),
+      xml_escape(p.host), p.gpus.empty() ? "" : ", ", xml_escape(p.gpus.empty() ? "" : p.gpus.front()), p.warmup,
+      p.iters);
 }
 
 /// Grid and axes.
 void svg_axes(std::string& s, const chart_axes& a) {
   for (const double y : a.y_ticks)
-    s += fmt::format(R"svg(<line x1="{0}" y1="{1:.1f}" x2="{2}" y2="{1:.1f}" stroke="#e5e5e5"/><text x="{3}" y="{4:.1f}" text-anchor="end">{5:g}</text>
-)svg", svg_left, a.Y(y), svg_left + plot_w, svg_left - 8, a.Y(y) + 4, y);
+    s += fmt::format(
+        R"svg(<line x1="{0}" y1="{1:.1f}" x2="{2}" y2="{1:.1f}" stroke="#e5e5e5"/><text x="{3}" y="{4:.1f}" text-anchor="end">{5:g}</text>
+)svg",
+        svg_left, a.Y(y), svg_left + plot_w, svg_left - 8, a.Y(y) + 4, y);
   for (double lx = a.x_lo; lx <= a.x_hi + 0.5; lx += 1)
-    s += fmt::format(R"svg(<line x1="{0:.1f}" y1="{1}" x2="{0:.1f}" y2="{2}" stroke="#e5e5e5"/><text x="{0:.1f}" y="{3}" text-anchor="middle">{4:g}</text>
-)svg", a.X(lx), svg_top, svg_top + plot_h, svg_top + plot_h + 18, std::exp2(lx));
+    s += fmt::format(
+        R"svg(<line x1="{0:.1f}" y1="{1}" x2="{0:.1f}" y2="{2}" stroke="#e5e5e5"/><text x="{0:.1f}" y="{3}" text-anchor="middle">{4:g}</text>
+)svg",
+        a.X(lx), svg_top, svg_top + plot_h, svg_top + plot_h + 18, std::exp2(lx));
   s += fmt::format(R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="#333"/>
 <text x="{}" y="{}" text-anchor="middle">buffer size (MiB, log2 scale)</text>
 <text x="20" y="{}" text-anchor="middle" transform="rotate(-90 20 {})">throughput (GB/s of payload{})</text>
-)svg", svg_left, svg_top, plot_w, plot_h, svg_left + plot_w / 2, svg_height - 24, svg_top + plot_h / 2, svg_top + plot_h / 2,
-                   a.log_y ? ", log scale" : "");
+)svg",
+                   svg_left, svg_top, plot_w, plot_h, svg_left + plot_w / 2, svg_height - 24, svg_top + plot_h / 2,
+                   svg_top + plot_h / 2, a.log_y ? ", log scale" : "");
 }
 
 /// The legend on the right, one line per call.
@@ -348,8 +364,10 @@ struct svg_legend {
   double y = svg_top + 8;
   void add(const std::string& style, const std::string& color, const std::string& label) {
     const double lx = svg_left + plot_w + 16;
-    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="2" {}/><text x="{}" y="{:.1f}">{}</text>
-)svg", lx, y, lx + 28, y, color, style, lx + 34, y + 4, xml_escape(label));
+    s += fmt::format(
+        R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="2" {}/><text x="{}" y="{:.1f}">{}</text>
+)svg",
+        lx, y, lx + 28, y, color, style, lx + 34, y + 4, xml_escape(label));
     y += 20;
   }
 };
@@ -359,12 +377,16 @@ void svg_ceilings(std::string& s, chart_data& d, const chart_axes& a, svg_legend
   for (std::size_t t = 0; t < d.transports.size(); ++t) {
     const std::string color = d.transport_color(d.transports[t]);
     const double c = d.ceilings[d.transports[t]];
-    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="8 4"/>
-)svg", svg_left, a.Y(c), svg_left + plot_w, a.Y(c), color);
+    s += fmt::format(
+        R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="8 4"/>
+)svg",
+        svg_left, a.Y(c), svg_left + plot_w, a.Y(c), color);
     legend.add(R"(stroke-dasharray="8 4")", color, fmt::format("{} ceiling {:.1f} GB/s", d.transports[t], c));
     if (d.transports[t] == "nccl") continue;  // its ceiling is the broadcast itself: no staged limit
-    s += fmt::format(R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>
-)svg", svg_left, a.Y(c / 2), svg_left + plot_w, a.Y(c / 2), color);
+    s += fmt::format(
+        R"svg(<line x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>
+)svg",
+        svg_left, a.Y(c / 2), svg_left + plot_w, a.Y(c / 2), color);
     legend.add(R"(stroke-dasharray="2 3")", color, fmt::format("{} staged limit {:.1f} GB/s", d.transports[t], c / 2));
   }
 }
@@ -378,12 +400,16 @@ void svg_series(std::string& s, chart_data& d, const chart_axes& a, svg_legend& 
     std::string poly;
     for (const row* r : pts) poly += fmt::format("{:.1f},{:.1f} ", a.X(log2_mib(r->buffer_bytes)), a.Y(r->gbps));
     s += fmt::format(R"svg(<polyline points="{}" fill="none" stroke="{}" stroke-width="2.5"/>
-)svg", poly, color);
+)svg",
+                     poly, color);
     for (const row* r : pts) {
       const double x = a.X(log2_mib(r->buffer_bytes));
-      s += fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="4" fill="{}"><title>{} {} MiB x{}: {:.2f} GB/s, {:.2f} ms ({:.0f}% of floor){}</title></circle>
-)svg", x, a.Y(r->gbps), r->wrong > 0 ? "black" : color, xml_escape(r->transport), fmt_mb(static_cast<double>(r->buffer_bytes) / (1 << 20)),
-                       r->buffers, r->gbps, r->median_ms, r->ratio * 100, r->wrong > 0 ? ", WRONG VALUES" : "");
+      s += fmt::format(
+          R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="4" fill="{}"><title>{} {} MiB x{}: {:.2f} GB/s, {:.2f} ms ({:.0f}% of floor){}</title></circle>
+)svg",
+          x, a.Y(r->gbps), r->wrong > 0 ? "black" : color, xml_escape(r->transport),
+          fmt_mb(static_cast<double>(r->buffer_bytes) / (1 << 20)), r->buffers, r->gbps, r->median_ms, r->ratio * 100,
+          r->wrong > 0 ? ", WRONG VALUES" : "");
     }
     legend.add("", color, d.order[k]);
   }

@@ -114,13 +114,13 @@ std::string child_process::read_line(std::chrono::milliseconds timeout) {
     }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
     if (left <= 0)
-      throw error(errc::timeout, fmt::format("refit-bench: the receiver (pid {}) sent no result for {} ms", pid_,
-                                             timeout.count()));
-    if (stdout_ < 0)
-      throw error(errc::peer, fmt::format("refit-bench: the receiver process (pid {}) has ended", pid_));
+      throw error(errc::timeout,
+                  fmt::format("refit-bench: the receiver (pid {}) sent no result for {} ms", pid_, timeout.count()));
+    if (stdout_ < 0) throw error(errc::peer, fmt::format("refit-bench: the receiver process (pid {}) has ended", pid_));
     pollfd p{stdout_, POLLIN, 0};
     const int r = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
-    if (r < 0 && errno != EINTR) throw error(errc::io, fmt::format("refit-bench: poll failed: {}", std::strerror(errno)));
+    if (r < 0 && errno != EINTR)
+      throw error(errc::io, fmt::format("refit-bench: poll failed: {}", std::strerror(errno)));
     if (r <= 0) continue;
     char chunk[65536];
     const ssize_t n = ::read(stdout_, chunk, sizeof chunk);
@@ -185,17 +185,18 @@ std::string default_report_endpoint(std::string_view refit_endpoint) {
 }
 
 std::int64_t count_wrong(const config& c, const json& line, std::uint64_t version, const manifest& m,
-                         const std::vector<std::uint64_t>& expected, const std::string& who, const std::string& receiver,
-                         std::int64_t& printed, int rank) {
+                         const std::vector<std::uint64_t>& expected, const std::string& who,
+                         const std::string& receiver, std::int64_t& printed, int rank) {
   const auto said = [&] { return line.dump().substr(0, 300); };
   const bool object = line.is_object();
   const auto v = object ? line.find("version") : line.end();
   if (!object || line.value("event", json()) != "committed" || v == line.end() || unsigned_of(*v) != version) {
     const bool unknown = object && line.value("event", json()) == "unknown";
-    throw error(errc::protocol, fmt::format("refit-bench: {} did not commit version {}: it said {}{}", who, version, said(),
-                                            unknown ? " (it has no record of that version: is --connect the endpoint of "
-                                                      "the receiver that printed this report endpoint?)"
-                                                    : ""));
+    throw error(errc::protocol,
+                fmt::format("refit-bench: {} did not commit version {}: it said {}{}", who, version, said(),
+                            unknown ? " (it has no record of that version: is --connect the endpoint of "
+                                      "the receiver that printed this report endpoint?)"
+                                    : ""));
   }
   // A receiver started by hand with another --layout: its checksums would still match, but the
   // rows would name the wrong layout.
@@ -207,9 +208,10 @@ std::int64_t count_wrong(const config& c, const json& line, std::uint64_t versio
   // A tensor-parallel rank's checksums are of its slices: another rank's would all be wrong.
   const auto held_rank = line.find("rank");
   if (c.layout.tp > 1 && held_rank != line.end() && unsigned_of(*held_rank) != static_cast<std::uint64_t>(rank))
-    throw error(errc::protocol, fmt::format("refit-bench: {} holds rank {} of --layout {} and this streamer checks rank "
-                                            "{}: give both sides the same --rank",
-                                            who, held_rank->dump(), layout_name(c.layout), rank));
+    throw error(errc::protocol,
+                fmt::format("refit-bench: {} holds rank {} of --layout {} and this streamer checks rank "
+                            "{}: give both sides the same --rank",
+                            who, held_rank->dump(), layout_name(c.layout), rank));
   const std::size_t n = m.entries.size();
   const auto sums = line.find("checksums");
   if (sums == line.end() || !sums->is_array() || sums->size() != n)
@@ -224,8 +226,8 @@ std::int64_t count_wrong(const config& c, const json& line, std::uint64_t versio
                   fmt::format("refit-bench: {} sent checksum {} as {}, not a number", who, i, (*sums)[i].dump()));
     if (*sum == expected[i]) continue;
     if (printed < 3) {
-      progress(c, fmt::format("WRONG: version {}{} tensor {} ({}): checksum {:#018x}, expected {:#018x}", version, receiver, i,
-                              describe(m.entries[i].meta), *sum, expected[i]));
+      progress(c, fmt::format("WRONG: version {}{} tensor {} ({}): checksum {:#018x}, expected {:#018x}", version,
+                              receiver, i, describe(m.entries[i].meta), *sum, expected[i]));
       ++printed;
     }
     ++wrong;
@@ -280,7 +282,8 @@ struct temp_dir {
   temp_dir() {
     const char* base = std::getenv("XDG_RUNTIME_DIR");
     std::string tmpl = fmt::format("{}/refit-bench-XXXXXX", base && *base && ::access(base, W_OK) == 0 ? base : "/tmp");
-    if (!::mkdtemp(tmpl.data())) throw error(errc::io, fmt::format("refit-bench: mkdtemp failed: {}", std::strerror(errno)));
+    if (!::mkdtemp(tmpl.data()))
+      throw error(errc::io, fmt::format("refit-bench: mkdtemp failed: {}", std::strerror(errno)));
     path = tmpl;
   }
   ~temp_dir() {
@@ -377,10 +380,17 @@ struct row_samples {
 class group_runner {
  public:
   explicit group_runner(group& g)
-      : g_(g), c_(g.c), tname_(to_string(g.kind)), endpoint_(c_.connect), spawn_(c_.side == role::both),
-        verify_((spawn_ || !c_.no_verify) && !c_.convert), report_who_(fmt::format("the receiver at report endpoint {}", c_.report)),
-        nccl_(g.kind == transport_kind::nccl), tp_(c_.layout.tp > 1),
-        count_(spawn_ ? receiver_processes(c_, g.kind) : 1), several_(nccl_ || count_ > 1) {
+      : g_(g),
+        c_(g.c),
+        tname_(to_string(g.kind)),
+        endpoint_(c_.connect),
+        spawn_(c_.side == role::both),
+        verify_((spawn_ || !c_.no_verify) && !c_.convert),
+        report_who_(fmt::format("the receiver at report endpoint {}", c_.report)),
+        nccl_(g.kind == transport_kind::nccl),
+        tp_(c_.layout.tp > 1),
+        count_(spawn_ ? receiver_processes(c_, g.kind) : 1),
+        several_(nccl_ || count_ > 1) {
     // The rank each receiver holds: every rank when tpN spawns one per rank, else --rank (0 without tpN).
     for (std::size_t k = 0; k < count_; ++k) ranks_.push_back(tp_ ? (count_ > 1 ? static_cast<int>(k) : c_.rank) : 0);
   }
@@ -434,7 +444,8 @@ class group_runner {
     } else {
       // Always said, --quiet or not: the table cannot vouch for the data in this mode.
       std::cerr << "refit-bench: WARNING: --no-verify: the receiver's checksums are printed on its side "
-                   "and not verified here (wrong = n/a)" << std::endl;
+                   "and not verified here (wrong = n/a)"
+                << std::endl;
     }
   }
 
@@ -445,17 +456,19 @@ class group_runner {
       reply = report_->request(json{{"version", v}}.dump(), timeout, fmt::format("the report of version {}", v));
     } catch (const error& e) {
       if (e.code() == errc::timeout)
-        throw error(errc::timeout, fmt::format("refit-bench: {} did not answer for version {} within {} ms: is it the "
-                                               "\"report\" endpoint the receiver printed, and is that receiver running?",
-                                               report_who_, v, timeout.count()));
+        throw error(errc::timeout,
+                    fmt::format("refit-bench: {} did not answer for version {} within {} ms: is it the "
+                                "\"report\" endpoint the receiver printed, and is that receiver running?",
+                                report_who_, v, timeout.count()));
       throw error(e.code(), fmt::format("refit-bench: asking {} for version {} failed: {}", report_who_, v, e.what()));
     }
     json line = json::parse(reply, nullptr, false);
     if (line.is_discarded())
-      throw error(errc::protocol, fmt::format("refit-bench: {} answered for version {} with something that is not JSON "
-                                              "(is it the refit endpoint, --connect, instead of the report one?): {}",
-                                              report_who_, v,
-                                              json(reply.substr(0, 100)).dump(-1, ' ', false, json::error_handler_t::replace)));
+      throw error(
+          errc::protocol,
+          fmt::format("refit-bench: {} answered for version {} with something that is not JSON "
+                      "(is it the refit endpoint, --connect, instead of the report one?): {}",
+                      report_who_, v, json(reply.substr(0, 100)).dump(-1, ' ', false, json::error_handler_t::replace)));
     return line;
   }
 
@@ -516,7 +529,7 @@ class group_runner {
     r.receivers = spawn_ ? endpoints_.size() : 1;
     r.model = g_.m.name;
     r.engine = g_.kind == transport_kind::host_shm ? "memcpy"
-               : g_.engine == g_.apply_engine ? std::string(to_string(g_.engine))
+               : g_.engine == g_.apply_engine      ? std::string(to_string(g_.engine))
                                               : fmt::format("{}/{}", to_string(g_.engine), to_string(g_.apply_engine));
     r.buffer_bytes = so.buffer_bytes;
     r.buffers = so.buffer_count;
@@ -548,8 +561,8 @@ class group_runner {
       const std::int64_t wrong_now = check_receivers(v, apply_ms);
       if (verify_) r.wrong += wrong_now;
       const bool counted = it >= c_.warmup;
-      progress(c_, fmt::format("{} {} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname_, r.engine, g_.m.name, mb,
-                               nbuf, counted ? "iter" : "warm-up", counted ? it - c_.warmup + 1 : it + 1,
+      progress(c_, fmt::format("{} {} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname_, r.engine, g_.m.name,
+                               mb, nbuf, counted ? "iter" : "warm-up", counted ? it - c_.warmup + 1 : it + 1,
                                counted ? c_.iters : c_.warmup, ms, r.bytes / (ms * 1e6),
                                wrong_now ? fmt::format(", {} WRONG", wrong_now) : ""));
       went_direct = st.direct;
@@ -585,14 +598,16 @@ class group_runner {
       for (std::size_t k = 0; k < children_.size(); ++k) {
         try {
           const json line = json::parse(children_[k]->read_line(std::chrono::seconds(2)));
-          if (line.value("event", "") == "aborted") detail += fmt::format("; {} says: {}", who(k), line.value("error", ""));
+          if (line.value("event", "") == "aborted")
+            detail += fmt::format("; {} says: {}", who(k), line.value("error", ""));
         } catch (...) {
         }
       }
       if (report_) {
         try {
           const json line = ask_report(v, std::chrono::seconds(2));
-          if (line.value("event", "") == "aborted") detail += fmt::format("; {} says: {}", report_who_, line.value("error", ""));
+          if (line.value("event", "") == "aborted")
+            detail += fmt::format("; {} says: {}", report_who_, line.value("error", ""));
         } catch (...) {
         }
       }
@@ -606,14 +621,16 @@ class group_runner {
   std::int64_t check_receivers(std::uint64_t v, double& apply_ms) {
     std::int64_t wrong_now = 0, printed = 0;
     for (std::size_t k = 0; k < children_.size(); ++k) {
-      const json line = json::parse(children_[k]->read_line(milliseconds(std::max<std::uint64_t>(c_.timeout_ms, 600000))));
+      const json line =
+          json::parse(children_[k]->read_line(milliseconds(std::max<std::uint64_t>(c_.timeout_ms, 600000))));
       const std::string label = !several_ ? std::string() : fmt::format(" {} {}", tp_ ? "rank" : "receiver", k);
       wrong_now += count_wrong(c_, line, v, g_.m, expects_[expect_of_[k]].sums, who(k), label, printed, ranks_[k]);
       apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
     }
     if (report_) {
       const json line = ask_report(v, milliseconds(c_.timeout_ms));
-      wrong_now += count_wrong(c_, line, v, g_.m, expects_.front().sums, report_who_, std::string(), printed, ranks_.front());
+      wrong_now +=
+          count_wrong(c_, line, v, g_.m, expects_.front().sums, report_who_, std::string(), printed, ranks_.front());
       apply_ms = line.value("apply_ms", -1.0);
     }
     return wrong_now;
@@ -764,8 +781,8 @@ int run_ceiling_rank(const config& c) {
   try {
     nccl_ceiling_rank(c.nccl_ceiling_id, c.nccl_rank, c.nccl_ranks, c.device, timeout, watch, done);
   } catch (const error& e) {
-    throw error(e.code(), fmt::format("refit-bench: nccl ceiling rank {} of {} on GPU {}: {}", c.nccl_rank, c.nccl_ranks,
-                                      c.device, e.what()));
+    throw error(e.code(), fmt::format("refit-bench: nccl ceiling rank {} of {} on GPU {}: {}", c.nccl_rank,
+                                      c.nccl_ranks, c.device, e.what()));
   }
   return 0;
 }
@@ -779,8 +796,9 @@ class report_endpoint {
     try {
       channel_.emplace(endpoint);
     } catch (const error& e) {
-      throw error(e.code(), fmt::format("refit-bench: the report endpoint {}: {}; choose another with --report ENDPOINT",
-                                        endpoint, e.what()));
+      throw error(e.code(),
+                  fmt::format("refit-bench: the report endpoint {}: {}; choose another with --report ENDPOINT",
+                              endpoint, e.what()));
     }
   }
   ~report_endpoint() {
@@ -798,8 +816,7 @@ class report_endpoint {
 };
 
 /// Registers every source tensor's view(s) of the engine tensors in `dest` as parameters.
-void register_views(receiver& r, const config& c, const manifest& m, const engine_layout& layout,
-                    tensor_memory& dest) {
+void register_views(receiver& r, const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest) {
   for (const layout_view& v : layout.views) {
     const tensor_meta& src = m.entries[v.source].meta;
     tensor_dest d{tensor_meta{src.name, src.type, v.shape}, dest.data(v.tensor) + v.offset, dest.where()};
@@ -828,37 +845,42 @@ void emit(const json& j) {
 /// The line that tells the streamer (or the user) where this receiver listens and what it holds.
 json ready_line(const config& c, const manifest& m, const engine_layout& layout, receiver& r, const std::string& device,
                 report_endpoint* reports) {
-  json ready{{"event", "ready"}, {"endpoint", r.endpoint()}, {"pid", ::getpid()}, {"device", device},
-             {"tensors", m.entries.size()}, {"bytes", m.bytes()}, {"layout", layout_name(c.layout)},
-             {"engine_tensors", layout.tensors.entries.size()}, {"views", layout.views.size()}};
+  json ready{{"event", "ready"},
+             {"endpoint", r.endpoint()},
+             {"pid", ::getpid()},
+             {"device", device},
+             {"tensors", m.entries.size()},
+             {"bytes", m.bytes()},
+             {"layout", layout_name(c.layout)},
+             {"engine_tensors", layout.tensors.entries.size()},
+             {"views", layout.views.size()}};
   if (c.layout.tp > 1) ready["rank"] = c.rank;
   if (reports) ready["report"] = reports->channel().endpoint();
   return ready;
 }
 
 /// Started by hand: tells the user, on stderr, the streamer's command line.
-void print_banner(const config& c, const manifest& m, const std::string& model, receiver& r,
-                  report_endpoint& reports) {
+void print_banner(const config& c, const manifest& m, const std::string& model, receiver& r, report_endpoint& reports) {
   const std::string transport(to_string(c.transports.front()));
-  std::string same = fmt::format("--transport {} {} {}", transport, c.manifest_file.empty() ? "--model" : "--manifest",
-                                 model);
+  std::string same =
+      fmt::format("--transport {} {} {}", transport, c.manifest_file.empty() ? "--model" : "--manifest", model);
   if (c.type != dtype::bf16) same += fmt::format(" --dtype {}", to_string(c.type));
   if (c.layout != layout_kind::plain) same += fmt::format(" --layout {}", layout_name(c.layout));
   if (c.layout.tp > 1) same += fmt::format(" --rank {}", c.rank);
   const std::string& report_ep = reports.channel().endpoint();
-  const bool wildcard = r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
-  std::cerr << fmt::format("refit-bench: receiver for {} over {} listening on {}, checksums on {} (Ctrl-C to stop)\n"
-                           "refit-bench: start the streamer with:\n"
-                           "  refit-bench --role streamer --connect {} --report {} {}\n{}",
-                           m.name, transport, r.endpoint(), report_ep, r.endpoint(), report_ep, same,
-                           wildcard ? "refit-bench: (from another host, put this host's address in place of 0.0.0.0)\n"
-                                    : "");
+  const bool wildcard =
+      r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
+  std::cerr << fmt::format(
+      "refit-bench: receiver for {} over {} listening on {}, checksums on {} (Ctrl-C to stop)\n"
+      "refit-bench: start the streamer with:\n"
+      "  refit-bench --role streamer --connect {} --report {} {}\n{}",
+      m.name, transport, r.endpoint(), report_ep, r.endpoint(), report_ep, same,
+      wildcard ? "refit-bench: (from another host, put this host's address in place of 0.0.0.0)\n" : "");
 }
 
 /// The committed line for the version just committed: each source's bytes as they landed in its
 /// view(s), after the deliberate damage --corrupt-byte asks for.
-json committed_line(const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest,
-                    receiver& r) {
+json committed_line(const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest, receiver& r) {
   const receiver_stats st = r.last_stats();
   const std::uint64_t v = r.committed_version().value_or(0);
   if (c.corrupt_tensor && m.bytes() != 0) {
@@ -882,9 +904,14 @@ json committed_line(const config& c, const manifest& m, const engine_layout& lay
     sums.push_back(fold_view_checksums(of_views));
   }
   // apply: copying into the weights, plus the wait at END for the device to finish them.
-  json line{{"event", "committed"}, {"version", v}, {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
-            {"receiver_ms", st.seconds * 1e3}, {"batches", st.batches}, {"checksum_ms", ms_since(t1)},
-            {"layout", layout_name(c.layout)}, {"checksums", std::move(sums)}};
+  json line{{"event", "committed"},
+            {"version", v},
+            {"apply_ms", (st.apply_seconds + st.drain_seconds) * 1e3},
+            {"receiver_ms", st.seconds * 1e3},
+            {"batches", st.batches},
+            {"checksum_ms", ms_since(t1)},
+            {"layout", layout_name(c.layout)},
+            {"checksums", std::move(sums)}};
   if (c.layout.tp > 1) line["rank"] = c.rank;
   return line;
 }
@@ -954,7 +981,8 @@ int run_receiver(const config& c) {
     }
     // Not in the middle of a refit: a report request sent during one waits in the socket's queue.
     if (reports && event != receiver_event::hello && event != receiver_event::begin && event != receiver_event::batch)
-      while (const auto request = reports->channel().receive(milliseconds(0))) reports->channel().reply(log.answer(*request));
+      while (const auto request = reports->channel().receive(milliseconds(0)))
+        reports->channel().reply(log.answer(*request));
   }
   return 0;
 }
@@ -972,10 +1000,11 @@ std::string tp_note(const config& c, const manifest& m) {
     views = l.views.size();
     needs.push_back(fmt::format("{:.3f}", l.needed_bytes(m) / 1e9));
   }
-  return fmt::format("--layout {}: each rank holds {} in {} engine tensors: {} views of {} source tensors; a rank "
-                     "needs {} GB of the {:.3f} GB (ranks 0..{})",
-                     layout_name(c.layout), m.name, tensors, views, m.entries.size(), fmt::join(needs, "|"),
-                     m.bytes() / 1e9, c.layout.tp - 1);
+  return fmt::format(
+      "--layout {}: each rank holds {} in {} engine tensors: {} views of {} source tensors; a rank "
+      "needs {} GB of the {:.3f} GB (ranks 0..{})",
+      layout_name(c.layout), m.name, tensors, views, m.entries.size(), fmt::join(needs, "|"), m.bytes() / 1e9,
+      c.layout.tp - 1);
 }
 
 }  // namespace
@@ -999,13 +1028,15 @@ std::vector<std::unique_ptr<transport_path>> resolve_paths(const config& c, std:
     if (receiver_processes(c, t) > 1 && transport::capabilities_of(t).several_need_direct &&
         std::find(c.direct.begin(), c.direct.end(), false) != c.direct.end()) {
       if (std::find(c.direct.begin(), c.direct.end(), true) == c.direct.end())
-        throw error(errc::invalid_argument,
-                    fmt::format("refit-bench: --path staged with --layout {} over {}: one streamer serves its {} receivers "
-                                "only by writing into each one's weights; use --path direct",
-                                layout_name(c.layout), to_string(t), receiver_processes(c, t)));
-      notes.push_back(fmt::format("{}: direct rows only: one streamer serves {} receivers (--layout {}) only by writing "
-                                  "into each one's weights (--path staged skipped)",
-                                  to_string(t), receiver_processes(c, t), layout_name(c.layout)));
+        throw error(
+            errc::invalid_argument,
+            fmt::format("refit-bench: --path staged with --layout {} over {}: one streamer serves its {} receivers "
+                        "only by writing into each one's weights; use --path direct",
+                        layout_name(c.layout), to_string(t), receiver_processes(c, t)));
+      notes.push_back(
+          fmt::format("{}: direct rows only: one streamer serves {} receivers (--layout {}) only by writing "
+                      "into each one's weights (--path staged skipped)",
+                      to_string(t), receiver_processes(c, t), layout_name(c.layout)));
     }
     paths.push_back(make_path(t, c));
     if (t == transport_kind::nccl) {
@@ -1017,15 +1048,17 @@ std::vector<std::unique_ptr<transport_path>> resolve_paths(const config& c, std:
     }
   }
   if (c.convert)
-    notes.push_back(fmt::format("--convert {}: the receiver holds {} {} tensors as {}; floor = (bytes read + written) / "
-                                "(2 x ceiling), over nccl converted bytes / ceiling; not verified here (wrong = n/a): "
-                                "the test suites check converted bytes",
-                                c.convert->name, c.convert->q == quant::none ? "every" : "the 2-d",
-                                to_string(c.convert->from), to_string(c.convert->to)));
+    notes.push_back(
+        fmt::format("--convert {}: the receiver holds {} {} tensors as {}; floor = (bytes read + written) / "
+                    "(2 x ceiling), over nccl converted bytes / ceiling; not verified here (wrong = n/a): "
+                    "the test suites check converted bytes",
+                    c.convert->name, c.convert->q == quant::none ? "every" : "the 2-d", to_string(c.convert->from),
+                    to_string(c.convert->to)));
   if (c.side == role::streamer)
-    notes.push_back(c.no_verify ? std::string("--no-verify: the receiver's checksums are not compared here (wrong = n/a)")
-                                : fmt::format("receiver started by hand: every refit verified through its report endpoint {}",
-                                              c.report));
+    notes.push_back(
+        c.no_verify
+            ? std::string("--no-verify: the receiver's checksums are not compared here (wrong = n/a)")
+            : fmt::format("receiver started by hand: every refit verified through its report endpoint {}", c.report));
   return paths;
 }
 
@@ -1039,26 +1072,30 @@ void lay_out_models(const config& c, const std::vector<manifest>& models, std::v
     }
     const engine_layout l = make_layout(m, c.layout);
     if (c.layout != layout_kind::plain)
-      notes.push_back(fmt::format("--layout {}: the receiver holds {} in {} engine tensors: {} views of {} source tensors",
-                                  layout_name(c.layout), m.name, l.tensors.entries.size(), l.views.size(), m.entries.size()));
+      notes.push_back(
+          fmt::format("--layout {}: the receiver holds {} in {} engine tensors: {} views of {} source tensors",
+                      layout_name(c.layout), m.name, l.tensors.entries.size(), l.views.size(), m.entries.size()));
   }
   if (c.layout.tp > 1)
-    notes.push_back(fmt::format("+{0} rows: bytes (and GB/s, floor, ratio) = what the receivers need, summed over the ranks "
-                                "they hold (each rank's slices, replicated tensors once per rank), not the source bytes "
-                                "streamed; cuda_ipc and nccl run all {1} ranks, one receiver each, host_shm rank {2} (--rank)",
-                                c.layout.kind == layout_kind::recorded ? std::string("recorded") : layout_name(c.layout),
-                                c.layout.tp, c.rank));
+    notes.push_back(fmt::format(
+        "+{0} rows: bytes (and GB/s, floor, ratio) = what the receivers need, summed over the ranks "
+        "they hold (each rank's slices, replicated tensors once per rank), not the source bytes "
+        "streamed; cuda_ipc and nccl run all {1} ranks, one receiver each, host_shm rank {2} (--rank)",
+        c.layout.kind == layout_kind::recorded ? std::string("recorded") : layout_name(c.layout), c.layout.tp, c.rank));
 }
 
 /// --load: the mapped safetensors files of the (one) model.
 std::vector<mapped_file> load_files(const config& c, const std::vector<manifest>& models) {
   std::vector<mapped_file> files;
   if (c.load) {
-    if (c.manifest_file.empty()) throw error(errc::invalid_argument, "refit-bench: --load needs --manifest FILE.safetensors");
+    if (c.manifest_file.empty())
+      throw error(errc::invalid_argument, "refit-bench: --load needs --manifest FILE.safetensors");
     for (const auto& e : models.front().entries)
       if (e.file < 0)
-        throw error(errc::invalid_argument, fmt::format("refit-bench: --load needs a .safetensors manifest (or a sharded "
-                                                        "checkpoint's index); {} has no tensor data", c.manifest_file));
+        throw error(errc::invalid_argument,
+                    fmt::format("refit-bench: --load needs a .safetensors manifest (or a sharded "
+                                "checkpoint's index); {} has no tensor data",
+                                c.manifest_file));
     for (const auto& f : models.front().files) files.emplace_back(f);
   }
   return files;
@@ -1115,7 +1152,15 @@ void measure(const config& c, std::ostream& out, const std::vector<std::unique_p
     const std::size_t engines = paths[t]->kind() == transport_kind::host_shm ? 1 : c.engines.size();
     for (std::size_t e = 0; e < engines; ++e)
       for (const auto& m : models) {
-        group g{c, *paths[t], paths[t]->kind(), m, c.engines[e], c.apply_engines[e], ceilings[t], c.load ? &files : nullptr, version};
+        group g{c,
+                *paths[t],
+                paths[t]->kind(),
+                m,
+                c.engines[e],
+                c.apply_engines[e],
+                ceilings[t],
+                c.load ? &files : nullptr,
+                version};
         run_group(g, out, rows);
       }
   }

@@ -77,8 +77,8 @@ class device_memory final : public tensor_memory {
   }
   [[nodiscard]] std::uint64_t checksum(std::size_t i, std::uint64_t offset, std::uint64_t bytes) const override {
     if (offset > sizes_.at(i) || bytes > sizes_[i] - offset)
-      throw error(errc::invalid_argument, fmt::format("refit-bench: bytes {}..{} of a {}-byte tensor", offset,
-                                                      offset + bytes, sizes_[i]));
+      throw error(errc::invalid_argument,
+                  fmt::format("refit-bench: bytes {}..{} of a {}-byte tensor", offset, offset + bytes, sizes_[i]));
     return copy::checksum(ptrs_[i] + offset, bytes, device::cuda(dev_));
   }
   // A strided region (a dim-1 slice) is gathered on the GPU: one cudaMemcpy2D into a scratch buffer.
@@ -86,7 +86,8 @@ class device_memory final : public tensor_memory {
     if (r.contiguous()) return checksum(i, r.offset, r.bytes());
     if (r.offset + (r.rows - 1) * r.pitch + r.width > sizes_.at(i))
       throw error(errc::invalid_argument, fmt::format("refit-bench: {} runs of {} bytes {} apart from byte {} of a "
-                                                      "{}-byte tensor", r.rows, r.width, r.pitch, r.offset, sizes_[i]));
+                                                      "{}-byte tensor",
+                                                      r.rows, r.width, r.pitch, r.offset, sizes_[i]));
     check(cudaSetDevice(dev_), fmt::format("cudaSetDevice({})", dev_));
     void* scratch = nullptr;
     check(cudaMalloc(&scratch, r.bytes()), "cudaMalloc (slice scratch)");
@@ -120,11 +121,13 @@ class cuda_ipc_path final : public transport_path {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       (void)cudaGetLastError();
-      throw error(errc::cuda, "refit-bench: --transport cuda_ipc needs a CUDA device and none is "
-                              "visible; use --transport host_shm");
+      throw error(errc::cuda,
+                  "refit-bench: --transport cuda_ipc needs a CUDA device and none is "
+                  "visible; use --transport host_shm");
     }
     if (dev_ < 0 || dev_ >= count)
-      throw error(errc::invalid_argument, fmt::format("refit-bench: --device {} but {} CUDA devices are visible", dev_, count));
+      throw error(errc::invalid_argument,
+                  fmt::format("refit-bench: --device {} but {} CUDA devices are visible", dev_, count));
   }
   [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::cuda_ipc; }
   [[nodiscard]] std::string describe_device() const override {
@@ -134,8 +137,8 @@ class cuda_ipc_path final : public transport_path {
     cudaDriverGetVersion(&driver);
     cudaRuntimeGetVersion(&runtime);
     return fmt::format("GPU {}: {} ({:.0f} GiB, sm_{}{}, driver {}.{}, runtime {}.{})", dev_, prop.name,
-                       static_cast<double>(prop.totalGlobalMem) / (1ull << 30), prop.major, prop.minor,
-                       driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+                       static_cast<double>(prop.totalGlobalMem) / (1ull << 30), prop.major, prop.minor, driver / 1000,
+                       driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
   }
   std::unique_ptr<tensor_memory> sources(const manifest& m, std::uint64_t seed,
                                          const std::vector<mapped_file>* files) override {
@@ -144,7 +147,8 @@ class cuda_ipc_path final : public transport_path {
       for (std::size_t i = 0; i < m.entries.size(); ++i) {
         const auto& e = m.entries[i];
         const std::byte* src = files->at(static_cast<std::size_t>(e.file)).data() + e.offset;
-        if (mem->size(i) != 0) check(cudaMemcpy(mem->data(i), src, mem->size(i), cudaMemcpyHostToDevice), "cudaMemcpy (load)");
+        if (mem->size(i) != 0)
+          check(cudaMemcpy(mem->data(i), src, mem->size(i), cudaMemcpyHostToDevice), "cudaMemcpy (load)");
       }
       return mem;
     }
@@ -166,8 +170,8 @@ class cuda_ipc_path final : public transport_path {
   }
   double measure_ceiling() override { return device_copy_bandwidth(dev_, ceiling_bytes); }
   [[nodiscard]] std::string ceiling_method() const override {
-    return fmt::format("cudaMemcpyAsync device to device of {} MiB on GPU {}, events, best of 5",
-                       ceiling_bytes >> 20, dev_);
+    return fmt::format("cudaMemcpyAsync device to device of {} MiB on GPU {}, events, best of 5", ceiling_bytes >> 20,
+                       dev_);
   }
 
  private:

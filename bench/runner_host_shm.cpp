@@ -61,8 +61,8 @@ class host_memory final : public tensor_memory {
     size_ = std::max<std::uint64_t>(total, 1);
     void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED)
-      throw error(errc::io, fmt::format("cannot allocate {:.2f} GB of host memory for the {} of {}",
-                                        total / 1e9, what, m.name));
+      throw error(errc::io,
+                  fmt::format("cannot allocate {:.2f} GB of host memory for the {} of {}", total / 1e9, what, m.name));
     arena_ = static_cast<std::byte*>(p);
     for (const auto off : offsets_) ptrs_.push_back(arena_ + off);
   }
@@ -92,15 +92,16 @@ class host_memory final : public tensor_memory {
   }
   [[nodiscard]] std::uint64_t checksum(std::size_t i, std::uint64_t offset, std::uint64_t bytes) const override {
     if (offset > sizes_.at(i) || bytes > sizes_[i] - offset)
-      throw error(errc::invalid_argument, fmt::format("refit-bench: bytes {}..{} of a {}-byte tensor", offset,
-                                                      offset + bytes, sizes_[i]));
+      throw error(errc::invalid_argument,
+                  fmt::format("refit-bench: bytes {}..{} of a {}-byte tensor", offset, offset + bytes, sizes_[i]));
     return copy::checksum(ptrs_[i] + offset, bytes, device::cpu());
   }
   [[nodiscard]] std::uint64_t checksum(std::size_t i, const byte_region& r) const override {
     if (r.contiguous()) return checksum(i, r.offset, r.bytes());
     if (r.offset + (r.rows - 1) * r.pitch + r.width > sizes_.at(i))
       throw error(errc::invalid_argument, fmt::format("refit-bench: {} runs of {} bytes {} apart from byte {} of a "
-                                                      "{}-byte tensor", r.rows, r.width, r.pitch, r.offset, sizes_[i]));
+                                                      "{}-byte tensor",
+                                                      r.rows, r.width, r.pitch, r.offset, sizes_[i]));
     std::vector<std::byte> gathered(r.bytes());
     for (std::uint64_t k = 0; k < r.rows; ++k)
       std::memcpy(gathered.data() + k * r.width, ptrs_[i] + r.offset + k * r.pitch, r.width);

@@ -101,9 +101,9 @@ using std::chrono::milliseconds;
 
 error nccl_error(ncclResult_t status, std::string_view what, ncclComm_t comm) {
   const char* last = ncclGetLastError(comm);
-  return error(errc::nccl, fmt::format("{}: {}{}; set NCCL_DEBUG=WARN for NCCL's own report", what,
-                                       ncclGetErrorString(status),
-                                       last != nullptr && *last != '\0' ? fmt::format(" ({})", last) : std::string()));
+  return error(errc::nccl,
+               fmt::format("{}: {}{}; set NCCL_DEBUG=WARN for NCCL's own report", what, ncclGetErrorString(status),
+                           last != nullptr && *last != '\0' ? fmt::format(" ({})", last) : std::string()));
 }
 
 /// Polls `done` (true: finished) until it says so; between polls checks the communicator for an
@@ -138,7 +138,8 @@ void abort_comm(ncclComm_t c) noexcept { (void)ncclCommAbort(c); }
 /// One rank of a non-blocking communicator; the destructor aborts it (local, never waits on a peer).
 class communicator {
  public:
-  communicator(int nranks, const ncclUniqueId& id, int rank, const deadline& until, const std::function<void()>& watch) {
+  communicator(int nranks, const ncclUniqueId& id, int rank, const deadline& until,
+               const std::function<void()>& watch) {
     const std::string what = fmt::format("ncclCommInitRankConfig (rank {} of {})", rank, nranks);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // set-up runs in the background and is polled against the deadline
@@ -205,8 +206,9 @@ double nccl_ceiling_rank(const std::string& id_hex, int rank, int nranks, int de
     comm.enqueued(ncclAllReduce(flag.handle(), flag.handle(), 1, ncclFloat, ncclSum, comm.handle(), s.handle()),
                   "ncclAllReduce (ceiling barrier)", until, watch);
     if (rank == 0 && timed >= 0) check_cuda(cudaEventRecord(start[timed].handle(), s.handle()), "cudaEventRecord");
-    comm.enqueued(ncclBroadcast(buf.handle(), buf.handle(), nccl_ceiling_bytes, ncclUint8, 0, comm.handle(), s.handle()),
-                  "ncclBroadcast (ceiling)", until, watch);
+    comm.enqueued(
+        ncclBroadcast(buf.handle(), buf.handle(), nccl_ceiling_bytes, ncclUint8, 0, comm.handle(), s.handle()),
+        "ncclBroadcast (ceiling)", until, watch);
     if (rank == 0 && timed >= 0) check_cuda(cudaEventRecord(stop[timed].handle(), s.handle()), "cudaEventRecord");
   }
   wait_for(
@@ -240,8 +242,11 @@ namespace {
 class nccl_path final : public transport_path {
  public:
   explicit nccl_path(const config& c)
-      : device_(c.device), receivers_(receiver_processes(c, transport_kind::nccl)), timeout_(c.timeout_ms),
-        exe_(c.receiver_exe), config_(c) {
+      : device_(c.device),
+        receivers_(receiver_processes(c, transport_kind::nccl)),
+        timeout_(c.timeout_ms),
+        exe_(c.receiver_exe),
+        config_(c) {
     if (c.side != role::receiver) {
       visible_ = visible_gpus();
       if (visible_ < 2)
@@ -320,11 +325,11 @@ class nccl_path final : public transport_path {
     return bandwidth;
   }
   [[nodiscard]] std::string ceiling_method() const override {
-    return fmt::format("ncclBroadcast of {} MiB from GPU {} to GPU {} ({} ranks, one process each), {} warm-up + "
-                       "median of {}, CUDA events on the root{}",
-                       nccl_ceiling_bytes >> 20, device_, fmt::join(devices_, ", "), receivers_ + 1,
-                       nccl_ceiling_warmup, nccl_ceiling_reps,
-                       best_ > 0 ? fmt::format("; best {:.2f} GB/s", best_ / 1e9) : std::string());
+    return fmt::format(
+        "ncclBroadcast of {} MiB from GPU {} to GPU {} ({} ranks, one process each), {} warm-up + "
+        "median of {}, CUDA events on the root{}",
+        nccl_ceiling_bytes >> 20, device_, fmt::join(devices_, ", "), receivers_ + 1, nccl_ceiling_warmup,
+        nccl_ceiling_reps, best_ > 0 ? fmt::format("; best {:.2f} GB/s", best_ / 1e9) : std::string());
   }
 
  private:

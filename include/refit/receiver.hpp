@@ -58,7 +58,7 @@ enum class receiver_event : std::uint8_t {
   /// Also a BEGIN the receiver refused for its version. committed_version() is unchanged; dirty()
   /// says whether the weights were partly overwritten; last_error() says why.
   aborted,
-  bye,        ///< the session ended
+  bye,  ///< the session ended
   /// A message was refused or ignored without touching the session: a stranger's or a bad HELLO,
   /// a BEGIN without a session or a sink, a BATCH or END without a refit, an ABORT of no refit in
   /// progress (answered OK: that refit already ended here).

@@ -114,15 +114,15 @@ struct refit_stats {
   std::uint64_t tensors = 0;
   std::uint64_t bytes = 0;
   std::uint64_t batches = 0;
-  double seconds = 0;       ///< whole refit, BEGIN to END's reply
+  double seconds = 0;         ///< whole refit, BEGIN to END's reply
   double source_seconds = 0;  ///< in the tensor source's next()
-  double pack_seconds = 0;  ///< enqueuing (cuda) or doing (cpu) the copies into buffers
-  double wait_seconds = 0;  ///< waiting for the receiver's replies
-  bool direct = false;      ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
+  double pack_seconds = 0;    ///< enqueuing (cuda) or doing (cpu) the copies into buffers
+  double wait_seconds = 0;    ///< waiting for the receiver's replies
+  bool direct = false;        ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
   // Subset and delta versions. `bytes` is what moved through the buffers (on the wire).
-  bool subset = false;           ///< sent as a subset (refit_scope::subset, or a delta)
-  bool delta = false;            ///< sent as patches against version `base`
-  std::uint64_t base = 0;        ///< the delta's base version
+  bool subset = false;               ///< sent as a subset (refit_scope::subset, or a delta)
+  bool delta = false;                ///< sent as patches against version `base`
+  std::uint64_t base = 0;            ///< the delta's base version
   bool whole_after_refusal = false;  ///< a receiver refused the delta (errc::needs_whole): sent whole
   std::uint64_t tensor_bytes = 0;    ///< bytes of the tensors the source yielded
   std::uint64_t elements = 0;        ///< elements of those tensors (delta)
@@ -177,8 +177,7 @@ class REFIT_API streamer {
   /// streamer (streamer_options::delta) a whole refit is sent as a delta when it can be.
   refit_stats refit(std::uint64_t version, tensor_source& source, refit_scope scope = refit_scope::whole);
   /// Same, over a list of tensors.
-  refit_stats refit(std::uint64_t version, std::span<const tensor_ref> tensors,
-                    refit_scope scope = refit_scope::whole);
+  refit_stats refit(std::uint64_t version, std::span<const tensor_ref> tensors, refit_scope scope = refit_scope::whole);
   /// Same, over a callback that yields the tensors one at a time.
   refit_stats refit(std::uint64_t version, const std::function<std::optional<tensor_ref>()>& next,
                     refit_scope scope = refit_scope::whole);

@@ -210,11 +210,15 @@ class zap_authority {
           const auto it = domains_.find(domain);
           allowed = it != domains_.end() && it->second.contains(client);
         }
-        if (!allowed) REFIT_WARN("refused a CURVE client{} (not in receiver_options.curve.allowed_clients)",
-                                 client.empty() ? std::string() : " with public key " + client);
+        if (!allowed)
+          REFIT_WARN("refused a CURVE client{} (not in receiver_options.curve.allowed_clients)",
+                     client.empty() ? std::string() : " with public key " + client);
         std::array<zmq::const_buffer, 6> reply = {
-            zmq::str_buffer("1.0"), zmq::buffer(request_id), zmq::buffer(std::string_view(allowed ? "200" : "400")),
-            zmq::buffer(std::string_view(allowed ? "OK" : "client key not allowed")), zmq::str_buffer(""),
+            zmq::str_buffer("1.0"),
+            zmq::buffer(request_id),
+            zmq::buffer(std::string_view(allowed ? "200" : "400")),
+            zmq::buffer(std::string_view(allowed ? "OK" : "client key not allowed")),
+            zmq::str_buffer(""),
             zmq::str_buffer("")};
         zmq::send_multipart(socket_, reply);
       } catch (...) {
@@ -441,7 +445,8 @@ void req_channel::send(std::string_view bytes, std::chrono::milliseconds timeout
   try {
     socket_->set(zmq::sockopt::sndtimeo, std::max(remaining_ms(deadline), 1));
     if (!socket_->send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::none))
-      throw request_failure(*this, errc::timeout, timeout_message("could not send to", endpoint_, what, timeout, start));
+      throw request_failure(*this, errc::timeout,
+                            timeout_message("could not send to", endpoint_, what, timeout, start));
   } catch (const zmq::error_t& e) {
     // The socket may be stuck in the middle of a request (EFSM); rebuild it so the next one works.
     throw request_failure(*this, errc::io,
@@ -473,9 +478,9 @@ std::string req_channel::request(std::string_view bytes, std::chrono::millisecon
   const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
   send(bytes, timeout, what);
   try {
-    return receive(std::max(std::chrono::milliseconds(1),
-                            std::chrono::ceil<std::chrono::milliseconds>(deadline - clock::now())),
-                   what);
+    return receive(
+        std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(deadline - clock::now())),
+        what);
   } catch (const error& e) {
     if (e.code() != errc::timeout) throw;
     // receive() reset the socket already; report the caller's whole deadline, not what was left.

@@ -90,8 +90,9 @@ std::string bind_endpoint(std::string_view requested) {
     const auto colon = rest.rfind(':');
     if (colon == std::string_view::npos) {
       if (!all_digits(rest))
-        throw error(errc::invalid_argument,
-                    fmt::format("endpoint '{}' has no port: use tcp://127.0.0.1:PORT (0 for any free port)", requested));
+        throw error(
+            errc::invalid_argument,
+            fmt::format("endpoint '{}' has no port: use tcp://127.0.0.1:PORT (0 for any free port)", requested));
       port = std::string(rest);
     } else {
       host = std::string(rest.substr(0, colon));

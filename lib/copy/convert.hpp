@@ -57,9 +57,7 @@ REFIT_HOST_DEVICE float float_of(std::uint32_t u) {
 #endif
 }
 
-REFIT_HOST_DEVICE std::uint32_t item(std::uint8_t type) {
-  return type == f32 ? 4u : type == f8_e4m3 ? 1u : 2u;
-}
+REFIT_HOST_DEVICE std::uint32_t item(std::uint8_t type) { return type == f32 ? 4u : type == f8_e4m3 ? 1u : 2u; }
 
 /// m · 2^-shift rounded to nearest, ties to even (shift ≥ 1).
 REFIT_HOST_DEVICE std::uint32_t round_shift(std::uint32_t m, std::uint32_t shift) {
@@ -124,7 +122,7 @@ REFIT_HOST_DEVICE std::uint8_t f32_to_e4m3(float f) {
   const std::uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return 0x7fu;
   if (a >= 0x43e00000u) return static_cast<std::uint8_t>(sign | 0x7eu);  // 448 and beyond
-  if (a >= 0x3c800000u) {                                                 // ≥ 2^-6: normal
+  if (a >= 0x3c800000u) {                                                // ≥ 2^-6: normal
     const std::uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
     return static_cast<std::uint8_t>(sign | ((r >> 20) - (120u << 3)));
   }

@@ -16,7 +16,8 @@
 
 namespace refit::copy {
 
-static_assert(cvt::f16 == static_cast<std::uint8_t>(dtype::f16) && cvt::bf16 == static_cast<std::uint8_t>(dtype::bf16) &&
+static_assert(cvt::f16 == static_cast<std::uint8_t>(dtype::f16) &&
+              cvt::bf16 == static_cast<std::uint8_t>(dtype::bf16) &&
               cvt::f32 == static_cast<std::uint8_t>(dtype::f32) &&
               cvt::f8_e4m3 == static_cast<std::uint8_t>(dtype::f8_e4m3));
 static_assert(cvt::quant_none == static_cast<std::uint8_t>(quant::none) &&
@@ -135,7 +136,13 @@ class cpu_copier final : public copier {
       const std::uint64_t si = cvt::item(c.from);
       for (std::uint64_t row = 0; row < j.lead * j.rows && j.col_hi > j.col_lo; ++row) {
         const convert_op o{static_cast<const std::byte*>(j.src) + (row * j.cols + j.col_lo) * si,
-                           j.dst + row * j.dst_pitch, j.col_hi - j.col_lo, 1, 0, 0, row * j.cols + j.col_lo, c};
+                           j.dst + row * j.dst_pitch,
+                           j.col_hi - j.col_lo,
+                           1,
+                           0,
+                           0,
+                           row * j.cols + j.col_lo,
+                           c};
         convert_row(o, o.src, o.dst, o.first, o.count);
       }
       if (j.scale == nullptr) continue;
@@ -242,8 +249,9 @@ std::optional<allocation> cuda_allocation_of(const void* /*p*/, int /*device*/) 
 }
 
 void enable_peer_access(int device, int peer) {
-  throw error(errc::invalid_argument,
-              fmt::format("copies between cuda:{} and cuda:{} need CUDA, and this refit was built without it", device, peer));
+  throw error(
+      errc::invalid_argument,
+      fmt::format("copies between cuda:{} and cuda:{} need CUDA, and this refit was built without it", device, peer));
 }
 #endif
 

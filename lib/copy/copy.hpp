@@ -101,8 +101,8 @@ bool append_convert_route(std::span<const plan::run> runs, std::uint64_t from, s
                           std::vector<plan::run>& scratch);
 
 enum class engine : std::uint8_t {
-  cpu = 0,         ///< memcpy on the calling thread
-  kernel = 1,      ///< one launch of refit's vectorised copy kernel per batch
+  cpu = 0,           ///< memcpy on the calling thread
+  kernel = 1,        ///< one launch of refit's vectorised copy kernel per batch
   memcpy_batch = 2,  ///< cudaMemcpyBatchAsync per batch
   memcpy_each = 3,   ///< one cudaMemcpyAsync per op (the baseline the others beat)
 };

@@ -31,7 +31,8 @@ int multiprocessors(int device) {
 }
 
 std::size_t non_empty(std::span<const op> ops) noexcept {
-  return static_cast<std::size_t>(std::count_if(ops.begin(), ops.end(), [](const op& o) { return o.bytes != 0 && o.rows != 0; }));
+  return static_cast<std::size_t>(
+      std::count_if(ops.begin(), ops.end(), [](const op& o) { return o.bytes != 0 && o.rows != 0; }));
 }
 
 /// One launch of the copy kernel per run(). The op list reaches the device through a ring of
@@ -170,9 +171,8 @@ class kernel_copier final : public cuda_copier {
     for (const op& o : ops) {
       const kernel::tiling cut = kernel::tiles_of(o.bytes, o.rows);
       if (cut.tiles == 0) continue;
-      list[n++] = kernel::device_op{o.src,  o.dst,       o.bytes,           tiles,
-                                    o.rows, o.src_pitch, o.dst_pitch,       cut.tiles_per_row,
-                                    cut.rows_per_tile};
+      list[n++] = kernel::device_op{
+          o.src, o.dst, o.bytes, tiles, o.rows, o.src_pitch, o.dst_pitch, cut.tiles_per_row, cut.rows_per_tile};
       tiles += cut.tiles;
     }
 
@@ -307,10 +307,10 @@ class each_copier final : public cuda_copier {
                    [&] { return fmt::format("cudaMemcpyAsync({} bytes, device {})", o.bytes, device_); });
         continue;
       }
-      check_cuda(cudaMemcpy2DAsync(o.dst, static_cast<std::size_t>(o.dst_pitch), o.src,
-                                   static_cast<std::size_t>(o.src_pitch), static_cast<std::size_t>(o.bytes),
-                                   static_cast<std::size_t>(o.rows), cudaMemcpyDefault, s),
-                 [&] { return fmt::format("cudaMemcpy2DAsync({} rows of {} bytes, device {})", o.rows, o.bytes, device_); });
+      check_cuda(
+          cudaMemcpy2DAsync(o.dst, static_cast<std::size_t>(o.dst_pitch), o.src, static_cast<std::size_t>(o.src_pitch),
+                            static_cast<std::size_t>(o.bytes), static_cast<std::size_t>(o.rows), cudaMemcpyDefault, s),
+          [&] { return fmt::format("cudaMemcpy2DAsync({} rows of {} bytes, device {})", o.rows, o.bytes, device_); });
     }
   }
 
@@ -377,7 +377,8 @@ std::optional<allocation> cuda_allocation_of(const void* p, int device) {
   constexpr int not_found = 500;
   if (status == invalid_value || status == not_found) return std::nullopt;
   if (status != 0)
-    throw error(errc::cuda, fmt::format("cuMemGetAddressRange({}) on cuda:{} failed with CUresult {}", p, device, status));
+    throw error(errc::cuda,
+                fmt::format("cuMemGetAddressRange({}) on cuda:{} failed with CUresult {}", p, device, status));
   return allocation{static_cast<std::uintptr_t>(base), static_cast<std::uint64_t>(size)};
 }
 

@@ -69,10 +69,10 @@ __device__ __forceinline__ void copy_range(const unsigned char* s, unsigned char
 /// flat range of 16-byte vectors when every row start and the row length allow it (the usual
 /// case: bf16 rows of a TP shard), one row at a time otherwise.
 __device__ __forceinline__ void copy_short_rows(const unsigned char* s, unsigned char* d, std::uint64_t bytes,
-                                                std::uint64_t src_pitch, std::uint64_t dst_pitch,
-                                                std::uint64_t first, std::uint64_t count) {
-  const auto bits = reinterpret_cast<std::uintptr_t>(s) | reinterpret_cast<std::uintptr_t>(d) | bytes | src_pitch |
-                    dst_pitch;
+                                                std::uint64_t src_pitch, std::uint64_t dst_pitch, std::uint64_t first,
+                                                std::uint64_t count) {
+  const auto bits =
+      reinterpret_cast<std::uintptr_t>(s) | reinterpret_cast<std::uintptr_t>(d) | bytes | src_pitch | dst_pitch;
   if ((bits & 15) == 0) {
     const auto per_row = static_cast<std::uint32_t>(bytes / 16);
     const auto total = static_cast<std::uint32_t>(count) * per_row;
@@ -157,7 +157,6 @@ __global__ void __launch_bounds__(checksum_threads)
     atomicAdd(result, static_cast<unsigned long long>(block_sum));
   }
 }
-
 
 // ------------------------------------------------------------------------------ conversions
 // Every element goes through copy/convert.hpp, the definition the CPU engine uses too.
@@ -292,7 +291,8 @@ __global__ void __launch_bounds__(convert_threads)
   }
   m = block_max(m);
   if (threadIdx.x == 0)
-    write_scale(m, inv, mul, (static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
+    write_scale(m, inv, mul,
+                (static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
 }
 
 __global__ void __launch_bounds__(convert_threads)
@@ -430,20 +430,20 @@ __global__ void __launch_bounds__(convert_threads)
     }
   } else {
 #pragma unroll
-  for (int k = 0; k < passes; ++k) {
-    const std::uint64_t rr = sub + 16u * k;
+    for (int k = 0; k < passes; ++k) {
+      const std::uint64_t rr = sub + 16u * k;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[k][e] = 0.0f;
-    if (rr >= nr || cb >= nc) continue;
-    const elem* p = base + (matrix + r0 + rr) * cols + c0 + cb;
-    if (cb + 8 <= nc) {
-      load8<From>(p, v[k]);
-    } else {
-      for (std::uint64_t e = 0; e < nc - cb; ++e) v[k][e] = cvt::load(p, From, e);
+      for (int e = 0; e < 8; ++e) v[k][e] = 0.0f;
+      if (rr >= nr || cb >= nc) continue;
+      const elem* p = base + (matrix + r0 + rr) * cols + c0 + cb;
+      if (cb + 8 <= nc) {
+        load8<From>(p, v[k]);
+      } else {
+        for (std::uint64_t e = 0; e < nc - cb; ++e) v[k][e] = cvt::load(p, From, e);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) take(m, v[k][e]);
     }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) take(m, v[k][e]);
-  }
   }
   m = block_max(m);
   const float a = cvt::clamp_amax(m);
@@ -520,14 +520,14 @@ cudaError_t launch_fused_block128(const void* src, std::uint8_t from, std::uint6
   const bool vec = reinterpret_cast<std::uintptr_t>(src) % 16 == 0 && cols % 8 == 0 &&
                    reinterpret_cast<std::uintptr_t>(dst) % 8 == 0 && dst_pitch % 8 == 0;
   if (vec && from == cvt::bf16)
-    fused_block128_vec<cvt::bf16><<<grid, convert_threads, 0, stream>>>(src, rows, cols, dst, dst_pitch, col_lo,
-                                                                         col_hi, scale, scale_pitch);
+    fused_block128_vec<cvt::bf16>
+        <<<grid, convert_threads, 0, stream>>>(src, rows, cols, dst, dst_pitch, col_lo, col_hi, scale, scale_pitch);
   else if (vec && from == cvt::f16)
-    fused_block128_vec<cvt::f16><<<grid, convert_threads, 0, stream>>>(src, rows, cols, dst, dst_pitch, col_lo,
-                                                                        col_hi, scale, scale_pitch);
+    fused_block128_vec<cvt::f16>
+        <<<grid, convert_threads, 0, stream>>>(src, rows, cols, dst, dst_pitch, col_lo, col_hi, scale, scale_pitch);
   else if (vec && from == cvt::f32)
-    fused_block128_vec<cvt::f32><<<grid, convert_threads, 0, stream>>>(src, rows, cols, dst, dst_pitch, col_lo,
-                                                                        col_hi, scale, scale_pitch);
+    fused_block128_vec<cvt::f32>
+        <<<grid, convert_threads, 0, stream>>>(src, rows, cols, dst, dst_pitch, col_lo, col_hi, scale, scale_pitch);
   else
     fused_block128<<<grid, convert_threads, 0, stream>>>(src, from, rows, cols, dst, dst_pitch, col_lo, col_hi, scale,
                                                          scale_pitch);

@@ -58,7 +58,8 @@ std::unique_ptr<std::byte, base_store::freer> base_store::allocate(std::uint64_t
     return {static_cast<std::byte*>(p), freer{allocator::device}};
   }
   // Page-locked, so that a GPU diff reads it directly; plain memory where CUDA cannot (no device).
-  if (cudaHostAlloc(&p, n, cudaHostAllocDefault) == cudaSuccess) return {static_cast<std::byte*>(p), freer{allocator::pinned}};
+  if (cudaHostAlloc(&p, n, cudaHostAllocDefault) == cudaSuccess)
+    return {static_cast<std::byte*>(p), freer{allocator::pinned}};
   (void)cudaGetLastError();
 #endif
   return {static_cast<std::byte*>(::operator new[](n, std::align_val_t{256})), freer{allocator::plain}};

@@ -26,8 +26,10 @@ std::uint64_t range_terms(const std::byte* p, std::uint64_t off, std::uint64_t n
   }
   for (; b < end; ++b) {
     const auto v = static_cast<std::uint64_t>(p[b - off]);
-    if (b < whole) sum += (v << (8 * (b & 7))) * (2 * (b >> 3) + 1);
-    else sum += v * (2 * (b - whole) + 3) * tail_prime;
+    if (b < whole)
+      sum += (v << (8 * (b & 7))) * (2 * (b >> 3) + 1);
+    else
+      sum += v * (2 * (b - whole) + 3) * tail_prime;
   }
   return sum;
 }

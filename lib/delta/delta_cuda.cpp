@@ -59,8 +59,8 @@ void* workspace::scratch(int slot, std::uint64_t bytes) {
   return b.handle();
 }
 
-std::vector<std::uint64_t> count(const std::byte* base, const std::byte* next, std::uint64_t total,
-                                 std::uint64_t span, std::size_t item, workspace& ws, void* stream) {
+std::vector<std::uint64_t> count(const std::byte* base, const std::byte* next, std::uint64_t total, std::uint64_t span,
+                                 std::size_t item, workspace& ws, void* stream) {
   device_guard guard(ws.device());
   std::vector<std::uint64_t> changes;
   std::vector<std::uint64_t> first_chunk;
@@ -73,8 +73,8 @@ std::vector<std::uint64_t> count(const std::byte* base, const std::byte* next, s
   for (std::uint64_t k = 0, off = 0; off < total; off += span, ++k) {
     const std::uint64_t elements = std::min(span, total - off) / item;
     const std::uint64_t n = (k + 1 < first_chunk.size() ? first_chunk[k + 1] : chunks) - first_chunk[k];
-    check_cuda(kernel::launch_count(base + off, next + off, elements, static_cast<int>(item), counts + first_chunk[k], n,
-                                    as_stream(stream)),
+    check_cuda(kernel::launch_count(base + off, next + off, elements, static_cast<int>(item), counts + first_chunk[k],
+                                    n, as_stream(stream)),
                "delta count kernel launch");
   }
   std::vector<std::uint32_t> host(chunks);
@@ -137,9 +137,9 @@ void check(std::span<const patch_ref> patches, workspace& ws, void* stream) {
                "delta check kernel launch");
   }
   std::vector<unsigned int> host(patches.size());
-  check_cuda(cudaMemcpyAsync(host.data(), bad, host.size() * sizeof(unsigned int), cudaMemcpyDeviceToHost,
-                             as_stream(stream)),
-             "delta: reading the checks");
+  check_cuda(
+      cudaMemcpyAsync(host.data(), bad, host.size() * sizeof(unsigned int), cudaMemcpyDeviceToHost, as_stream(stream)),
+      "delta: reading the checks");
   check_cuda(cudaStreamSynchronize(as_stream(stream)), "delta: cudaStreamSynchronize");
   for (std::size_t k = 0; k < patches.size(); ++k)
     if (host[k] != 0)
@@ -153,9 +153,10 @@ void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::
   const std::uint64_t n = patch.bytes / record_bytes(patch.item);
   if (n == 0) return;
   device_guard guard(ws.device());
-  check_cuda(kernel::launch_apply(reinterpret_cast<const std::uint32_t*>(patch.data), patch.data + 4 * n, n,
-                                  static_cast<int>(patch.item), dest, off, total, weight, ws.terms(), as_stream(stream)),
-             "delta apply kernel launch");
+  check_cuda(
+      kernel::launch_apply(reinterpret_cast<const std::uint32_t*>(patch.data), patch.data + 4 * n, n,
+                           static_cast<int>(patch.item), dest, off, total, weight, ws.terms(), as_stream(stream)),
+      "delta apply kernel launch");
 }
 
 void add_range_terms(const std::byte* p, std::uint64_t off, std::uint64_t n, std::uint64_t total, std::uint64_t weight,

@@ -42,8 +42,8 @@ class workspace {
 /// Pass 1 of a diff over a tensor of `total` bytes cut into spans of `span` bytes: the changed
 /// elements of each span; the slots pass 2 needs are uploaded into the workspace (valid until the
 /// next count()). Synchronous on `stream` (a cudaStream_t).
-std::vector<std::uint64_t> count(const std::byte* base, const std::byte* next, std::uint64_t total,
-                                 std::uint64_t span, std::size_t item, workspace& ws, void* stream);
+std::vector<std::uint64_t> count(const std::byte* base, const std::byte* next, std::uint64_t total, std::uint64_t span,
+                                 std::size_t item, workspace& ws, void* stream);
 
 /// Pass 2 for span k of the last count(): brings the base up to date, writes the span's patch to
 /// `out` (device memory; null: only the base), and adds `weight` times its checksum terms to the

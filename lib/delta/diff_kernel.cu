@@ -207,8 +207,8 @@ cudaError_t launch_apply(const std::uint32_t* indices, const void* values, std::
 cudaError_t launch_range_terms(const void* p, std::uint64_t off, std::uint64_t n, std::uint64_t total,
                                std::uint64_t weight, bool negate, unsigned long long* terms, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  range_kernel<<<grid_for(n), threads, 0, stream>>>(static_cast<const unsigned char*>(p), off, n, total, weight,
-                                                    negate, terms);
+  range_kernel<<<grid_for(n), threads, 0, stream>>>(static_cast<const unsigned char*>(p), off, n, total, weight, negate,
+                                                    terms);
   return cudaGetLastError();
 }
 

@@ -20,9 +20,12 @@ struct sink_state {
 
   sink_state() {
     if (const char* v = std::getenv("REFIT_LOG")) {
-      if (std::strcmp(v, "error") == 0) threshold = level::error;
-      else if (std::strcmp(v, "info") == 0) threshold = level::info;
-      else if (std::strcmp(v, "debug") == 0) threshold = level::debug;
+      if (std::strcmp(v, "error") == 0)
+        threshold = level::error;
+      else if (std::strcmp(v, "info") == 0)
+        threshold = level::info;
+      else if (std::strcmp(v, "debug") == 0)
+        threshold = level::debug;
     }
     if (const char* path = std::getenv("REFIT_LOG_FILE"); path != nullptr && *path != '\0') {
       if (std::FILE* f = std::fopen(path, "a")) file = f;
@@ -52,7 +55,8 @@ void write(level l, std::string_view message) noexcept {
     // processes of one host, so a streamer's and a receiver's lines interleave into one timeline.
     const std::string when =
         l == level::debug
-            ? fmt::format("{:.6f} ", std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count())
+            ? fmt::format("{:.6f} ",
+                          std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count())
             : std::string();
     const std::string line = fmt::format("{}:{} refit {} {}{}\n", s.prefix.substr(0, s.prefix.find(':')), ::getpid(),
                                          names[static_cast<int>(l)], when, message);

@@ -17,8 +17,8 @@ void write(level l, std::string_view message) noexcept;
 
 }  // namespace refit::log
 
-#define REFIT_LOG_AT(lvl, ...)                                                 \
-  do {                                                                         \
+#define REFIT_LOG_AT(lvl, ...)                                                            \
+  do {                                                                                    \
     if (::refit::log::enabled(lvl)) ::refit::log::write(lvl, ::fmt::format(__VA_ARGS__)); \
   } while (0)
 #define REFIT_ERROR(...) REFIT_LOG_AT(::refit::log::level::error, __VA_ARGS__)

@@ -42,13 +42,27 @@ struct alias {
   dtype type;
 };
 constexpr std::array<alias, 22> aliases = {{
-    {"bfloat16", dtype::bf16},   {"float16", dtype::f16},      {"half", dtype::f16},
-    {"float32", dtype::f32},     {"float", dtype::f32},        {"float64", dtype::f64},
-    {"double", dtype::f64},      {"int8", dtype::i8},          {"int16", dtype::i16},
-    {"int32", dtype::i32},       {"int64", dtype::i64},        {"uint8", dtype::u8},
-    {"uint16", dtype::u16},      {"uint32", dtype::u32},       {"uint64", dtype::u64},
-    {"float8_e4m3fn", dtype::f8_e4m3}, {"float8_e5m2", dtype::f8_e5m2}, {"f8_e4m3fn", dtype::f8_e4m3},
-    {"boolean", dtype::bool_},   {"short", dtype::i16},        {"int", dtype::i32},
+    {"bfloat16", dtype::bf16},
+    {"float16", dtype::f16},
+    {"half", dtype::f16},
+    {"float32", dtype::f32},
+    {"float", dtype::f32},
+    {"float64", dtype::f64},
+    {"double", dtype::f64},
+    {"int8", dtype::i8},
+    {"int16", dtype::i16},
+    {"int32", dtype::i32},
+    {"int64", dtype::i64},
+    {"uint8", dtype::u8},
+    {"uint16", dtype::u16},
+    {"uint32", dtype::u32},
+    {"uint64", dtype::u64},
+    {"float8_e4m3fn", dtype::f8_e4m3},
+    {"float8_e5m2", dtype::f8_e5m2},
+    {"f8_e4m3fn", dtype::f8_e4m3},
+    {"boolean", dtype::bool_},
+    {"short", dtype::i16},
+    {"int", dtype::i32},
     {"long", dtype::i64},
 }};
 
@@ -136,20 +150,23 @@ std::optional<std::uint64_t> checked_nbytes(dtype t, std::span<const std::int64_
   const auto n = checked_numel(shape);
   const std::size_t size = itemsize(t);
   std::uint64_t bytes = 0;
-  if (!n || size == 0 || __builtin_mul_overflow(*n, static_cast<std::uint64_t>(size), &bytes))
-    return std::nullopt;
+  if (!n || size == 0 || __builtin_mul_overflow(*n, static_cast<std::uint64_t>(size), &bytes)) return std::nullopt;
   return bytes;
 }
 
 std::uint64_t tensor_meta::numel() const {
   const auto n = checked_numel(shape);
-  if (!n) throw error(errc::invalid_argument, fmt::format("tensor {}: shape has a negative dimension or too many elements", describe(*this)));
+  if (!n)
+    throw error(errc::invalid_argument,
+                fmt::format("tensor {}: shape has a negative dimension or too many elements", describe(*this)));
   return *n;
 }
 
 std::uint64_t tensor_meta::nbytes() const {
   const auto n = checked_nbytes(type, shape);
-  if (!n) throw error(errc::invalid_argument, fmt::format("tensor {}: shape has a negative dimension or too many bytes", describe(*this)));
+  if (!n)
+    throw error(errc::invalid_argument,
+                fmt::format("tensor {}: shape has a negative dimension or too many bytes", describe(*this)));
   return *n;
 }
 

@@ -29,7 +29,8 @@ std::string_view to_string(copy_engine e) noexcept {
 }
 
 std::optional<copy_engine> parse_copy_engine(std::string_view name) noexcept {
-  for (const auto e : {copy_engine::automatic, copy_engine::kernel, copy_engine::memcpy_batch, copy_engine::memcpy_each})
+  for (const auto e :
+       {copy_engine::automatic, copy_engine::kernel, copy_engine::memcpy_batch, copy_engine::memcpy_each})
     if (to_string(e) == name) return e;
   return std::nullopt;
 }

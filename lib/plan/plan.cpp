@@ -43,8 +43,7 @@ void validate(const plan_options& options) {
                             "least the alignment (typically many MiB)",
                             options.buffer_bytes, a));
   if (options.max_entries < 1)
-    throw error(errc::invalid_argument,
-                fmt::format("plan: max_entries {} must be at least 1", options.max_entries));
+    throw error(errc::invalid_argument, fmt::format("plan: max_entries {} must be at least 1", options.max_entries));
 }
 
 planner::planner(const plan_options& options) : options_(options) { validate(options_); }

@@ -104,12 +104,12 @@ void check_strides_and_slice(const destination& d) {
   if (d.slice) {
     const source_slice& s = *d.slice;
     if (s.dim < 0 || static_cast<std::size_t>(s.dim) >= rank)
-      throw error(errc::invalid_argument,
-                  fmt::format("{}: the slice's dimension {} is not one of the view's {} dimensions", where(d), s.dim,
-                              rank));
+      throw error(
+          errc::invalid_argument,
+          fmt::format("{}: the slice's dimension {} is not one of the view's {} dimensions", where(d), s.dim, rank));
     if (s.start < 0)
-      throw error(errc::invalid_argument, fmt::format("{}: the slice starts at {}, before the source's first element",
-                                                      where(d), s.start));
+      throw error(errc::invalid_argument,
+                  fmt::format("{}: the slice starts at {}, before the source's first element", where(d), s.start));
     if (s.length != d.meta.shape[static_cast<std::size_t>(s.dim)])
       throw error(errc::invalid_argument,
                   fmt::format("{}: the slice takes {} of dimension {}, but the view has {} there", where(d), s.length,
@@ -168,9 +168,8 @@ void check_allocation(const destination& d, const extent& e) {
       throw error(errc::invalid_argument,
                   fmt::format("{}: the view spans bytes [{}, {}) of its allocation of {} bytes: it leaves the "
                               "allocation",
-                              where(d), static_cast<std::int64_t>(p - lo), static_cast<std::int64_t>(p - lo) +
-                                  static_cast<std::int64_t>(e.bytes),
-                              d.alloc_bytes));
+                              where(d), static_cast<std::int64_t>(p - lo),
+                              static_cast<std::int64_t>(p - lo) + static_cast<std::int64_t>(e.bytes), d.alloc_bytes));
   }
 }
 
@@ -227,7 +226,8 @@ std::vector<run> route(const destination& d, dtype type, std::span<const std::in
   for (std::size_t k = 0; k < view.size(); ++k)
     if (view[k] != 1)
       axes.push_back(axis{static_cast<std::uint64_t>(view[k]), ss[k], static_cast<std::uint64_t>(ds[k])});
-  const std::uint64_t base = d.slice ? static_cast<std::uint64_t>(d.slice->start) * ss[static_cast<std::size_t>(d.slice->dim)] : 0;
+  const std::uint64_t base =
+      d.slice ? static_cast<std::uint64_t>(d.slice->start) * ss[static_cast<std::size_t>(d.slice->dim)] : 0;
   return runs_of(std::move(axes), base, itemsize(type), d);
 }
 
@@ -281,7 +281,8 @@ void clip(const run& r, std::uint64_t from, std::uint64_t to, std::vector<run>& 
   if (i_lo > i_hi || i_lo >= r.rows) return;
   const auto row = [&](std::uint64_t i, std::uint64_t lo, std::uint64_t hi) {
     // Bytes [lo, hi) of row i (offsets within the row).
-    out.push_back(run{r.src + i * r.src_pitch + lo, r.src_pitch, r.dst + i * r.dst_pitch + lo, r.dst_pitch, hi - lo, 1});
+    out.push_back(
+        run{r.src + i * r.src_pitch + lo, r.src_pitch, r.dst + i * r.dst_pitch + lo, r.dst_pitch, hi - lo, 1});
   };
   const std::uint64_t first_lo = from > r.src + i_lo * pitch ? from - (r.src + i_lo * pitch) : 0;
   const std::uint64_t last_hi = std::min(r.width, to - (r.src + i_hi * pitch));

@@ -34,8 +34,14 @@ struct destination {
 
   destination() = default;
   destination(const tensor_dest& d, const dest_layout& l)
-      : meta(d.meta), data(d.data), dev(d.dev), strides(l.strides), slice(l.slice), alloc(l.alloc),
-        alloc_bytes(l.alloc_bytes), q(d.q) {}
+      : meta(d.meta),
+        data(d.data),
+        dev(d.dev),
+        strides(l.strides),
+        slice(l.slice),
+        alloc(l.alloc),
+        alloc_bytes(l.alloc_bytes),
+        q(d.q) {}
 };
 
 /// `rows` runs of `width` bytes: run r reads source bytes [src + r·src_pitch, + width) and writes

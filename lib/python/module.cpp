@@ -131,7 +131,8 @@ class py_receiver {
     o.token = token.value_or("");
     o.curve = to_curve(curve);
     const auto e = parse_copy_engine(engine);
-    if (!e) throw py::value_error("engine must be one of automatic, kernel, memcpy_batch, memcpy_each; got '" + engine + "'");
+    if (!e)
+      throw py::value_error("engine must be one of automatic, kernel, memcpy_batch, memcpy_each; got '" + engine + "'");
     o.engine = *e;
     device_ = device;
     py::gil_scoped_release nogil;  // binding a socket may take a moment
@@ -171,9 +172,9 @@ class py_receiver {
         throw py::value_error("tensor '" + name + "': unknown dtype '" + *dtype_name +
                               "' (refit names such as 'f8_e4m3', 'bf16', or torch names)");
       if (itemsize(*t) != itemsize(b.meta.type))
-        throw py::value_error("tensor '" + name + "': dtype='" + *dtype_name + "' has " +
-                              std::to_string(itemsize(*t)) + "-byte elements, but the tensor's " +
-                              std::string(to_string(b.meta.type)) + " has " + std::to_string(itemsize(b.meta.type)) +
+        throw py::value_error("tensor '" + name + "': dtype='" + *dtype_name + "' has " + std::to_string(itemsize(*t)) +
+                              "-byte elements, but the tensor's " + std::string(to_string(b.meta.type)) + " has " +
+                              std::to_string(itemsize(b.meta.type)) +
                               ": pass a tensor of the same element size (uint8 for f8_e4m3)");
       b.meta.type = *t;
     }
@@ -207,12 +208,13 @@ class py_receiver {
     if (!source_slice.is_none()) {
       std::tuple<std::int64_t, std::int64_t, std::int64_t> s;
       try {
-        if (!py::isinstance<py::tuple>(source_slice) && !py::isinstance<py::list>(source_slice))
-          throw py::cast_error();
+        if (!py::isinstance<py::tuple>(source_slice) && !py::isinstance<py::list>(source_slice)) throw py::cast_error();
         s = source_slice.cast<std::tuple<std::int64_t, std::int64_t, std::int64_t>>();
       } catch (const py::cast_error&) {
-        throw py::type_error("tensor '" + name + "': source_slice must be a tuple (dim, start, length) of three "
-                             "ints, got " + std::string(py::repr(source_slice)));
+        throw py::type_error("tensor '" + name +
+                             "': source_slice must be a tuple (dim, start, length) of three "
+                             "ints, got " +
+                             std::string(py::repr(source_slice)));
       }
       const auto rank = static_cast<std::int64_t>(b.meta.shape.size());
       const std::int64_t dim = std::get<0>(s) < 0 ? std::get<0>(s) + rank : std::get<0>(s);
@@ -382,7 +384,7 @@ class py_receiver {
   std::unique_ptr<receiver> rx_;
   int device_ = 0;
   std::unordered_multimap<std::string, py::object> keep_;  ///< registered tensors stay alive
-  std::vector<py::object> retired_;                   ///< removed ones, until after() lets go
+  std::vector<py::object> retired_;                        ///< removed ones, until after() lets go
   py::object batch_fn_, begin_fn_, commit_fn_, abort_fn_;
   std::unique_ptr<py::error_already_set> interrupt_;
 };
@@ -526,8 +528,8 @@ class py_streamer {
     python_tensors source(stream, device_);
     // Containers (a state_dict, a list of pairs) are read 64 pairs per visit under the GIL, while
     // the streamer moves the bytes of the ones before: the conversion overlaps the transfer.
-    const bool container = py::hasattr(tensors, "items") || py::isinstance<py::list>(tensors) ||
-                           py::isinstance<py::tuple>(tensors);
+    const bool container =
+        py::hasattr(tensors, "items") || py::isinstance<py::list>(tensors) || py::isinstance<py::tuple>(tensors);
     const py::object pairs = py::hasattr(tensors, "items") ? tensors.attr("items")() : tensors;
     source.pull_from(py::iter(pairs), container ? 64 : 1);
     try {
@@ -558,9 +560,12 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::uint64_t delta_max_bytes) {
   streamer_options o;
   o.delta.enable = delta;
-  if (delta_memory_name == "host") o.delta.memory = delta_memory::host;
-  else if (delta_memory_name == "device") o.delta.memory = delta_memory::device;
-  else throw py::value_error("delta_memory must be 'host' or 'device'; got '" + delta_memory_name + "'");
+  if (delta_memory_name == "host")
+    o.delta.memory = delta_memory::host;
+  else if (delta_memory_name == "device")
+    o.delta.memory = delta_memory::device;
+  else
+    throw py::value_error("delta_memory must be 'host' or 'device'; got '" + delta_memory_name + "'");
   o.delta.max_bytes = delta_max_bytes;
   o.layout = layout;
   o.endpoint = std::move(endpoint);
@@ -578,7 +583,8 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
   o.alignment = alignment;
   o.keep_whole = keep_whole;
   const auto e = parse_copy_engine(engine);
-  if (!e) throw py::value_error("engine must be one of automatic, kernel, memcpy_batch, memcpy_each; got '" + engine + "'");
+  if (!e)
+    throw py::value_error("engine must be one of automatic, kernel, memcpy_batch, memcpy_each; got '" + engine + "'");
   o.engine = *e;
   return o;
 }
@@ -664,9 +670,11 @@ PYBIND11_MODULE(_refit, m) {
 
   py::class_<view>(m, "View", "One entry of a batch: a whole tensor or a byte range (chunk) of one.")
       .def_property_readonly("name", [](const view& v) { return v.meta.name; })
-      .def_property_readonly("offset", [](const view& v) { return v.offset; }, "first byte of the range in the tensor")
+      .def_property_readonly(
+          "offset", [](const view& v) { return v.offset; }, "first byte of the range in the tensor")
       .def_property_readonly("nbytes", [](const view& v) { return v.bytes; })
-      .def_property_readonly("total", [](const view& v) { return v.total; }, "bytes of the whole tensor")
+      .def_property_readonly(
+          "total", [](const view& v) { return v.total; }, "bytes of the whole tensor")
       .def_property_readonly("whole", &view::whole)
       .def_property_readonly("last", &view::last)
       .def_property_readonly("shape", [](const view& v) { return py::tuple(py::cast(v.meta.shape)); })
@@ -674,8 +682,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_property_readonly("tensor", &view::get_tensor,
                              "the bytes as a tensor (typed and shaped when whole, flat uint8 for a chunk)")
       .def("__repr__", [](const view& v) {
-        return "View('" + v.meta.name + "', offset=" + std::to_string(v.offset) + ", nbytes=" +
-               std::to_string(v.bytes) + ", total=" + std::to_string(v.total) + ")";
+        return "View('" + v.meta.name + "', offset=" + std::to_string(v.offset) +
+               ", nbytes=" + std::to_string(v.bytes) + ", total=" + std::to_string(v.total) + ")";
       });
 
   py::class_<py_receiver>(m, "Receiver")
@@ -710,10 +718,10 @@ PYBIND11_MODULE(_refit, m) {
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                        std::uint64_t delta_max_bytes) {
-             return std::make_unique<py_streamer>(streamer_options_from(
-                 std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
-                 std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
-                 delta_max_bytes));
+             return std::make_unique<py_streamer>(
+                 streamer_options_from(std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers,
+                                       direct, timeout, std::move(token), device, curve, alignment, keep_whole, engine,
+                                       layout, delta, delta_memory_name, delta_max_bytes));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,

@@ -138,11 +138,21 @@ tensor_world::tensor_world() : torch_(py::none()) {
   uint8_ = torch_.attr("uint8");
   // Every torch dtype refit carries; newer ones (fp8, unsigned) only where this torch has them.
   static constexpr std::pair<const char*, dtype> names[] = {
-      {"bool", dtype::bool_},       {"uint8", dtype::u8},           {"int8", dtype::i8},
-      {"int16", dtype::i16},        {"int32", dtype::i32},          {"int64", dtype::i64},
-      {"float16", dtype::f16},      {"bfloat16", dtype::bf16},      {"float32", dtype::f32},
-      {"float64", dtype::f64},      {"float8_e4m3fn", dtype::f8_e4m3}, {"float8_e5m2", dtype::f8_e5m2},
-      {"uint16", dtype::u16},       {"uint32", dtype::u32},         {"uint64", dtype::u64},
+      {"bool", dtype::bool_},
+      {"uint8", dtype::u8},
+      {"int8", dtype::i8},
+      {"int16", dtype::i16},
+      {"int32", dtype::i32},
+      {"int64", dtype::i64},
+      {"float16", dtype::f16},
+      {"bfloat16", dtype::bf16},
+      {"float32", dtype::f32},
+      {"float64", dtype::f64},
+      {"float8_e4m3fn", dtype::f8_e4m3},
+      {"float8_e5m2", dtype::f8_e5m2},
+      {"uint16", dtype::u16},
+      {"uint32", dtype::u32},
+      {"uint64", dtype::u64},
   };
   for (const auto& [name, type] : names) {
     if (!py::hasattr(torch_, name)) continue;
@@ -215,7 +225,8 @@ borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& na
       for (std::size_t k = b.strides.size(); k-- > 0;) {
         if (b.meta.shape[k] == 1) continue;
         if (b.strides[k] != 1)
-          throw py::value_error(where(name) + " is not contiguous in its last dimension (stride " + std::to_string(b.strides[k]) +
+          throw py::value_error(where(name) + " is not contiguous in its last dimension (stride " +
+                                std::to_string(b.strides[k]) +
                                 "): refit writes rows of elements; register a view whose last dimension has "
                                 "stride 1, such as qkv.narrow(0, q, kv) or w[:, a:b] with b - a > 1");
         break;
@@ -227,8 +238,9 @@ borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& na
     b.alloc = reinterpret_cast<const void*>(storage.attr("data_ptr")().cast<std::uintptr_t>());
     b.alloc_bytes = storage.attr("nbytes")().cast<std::uint64_t>();
   } else if (!contiguous) {
-    throw py::value_error(where(name) + " is not contiguous: refit reads dense row-major tensors (pass "
-                                        "tensor.contiguous())");
+    throw py::value_error(where(name) +
+                          " is not contiguous: refit reads dense row-major tensors (pass "
+                          "tensor.contiguous())");
   }
   if (truth(get(obj, n.is_cuda))) {
     b.dev = device::cuda(call(obj, n.get_device).cast<int>());
@@ -297,8 +309,7 @@ py::object tensor_world::python_dtype(dtype t) {
   return py::str(std::string(to_string(t)));
 }
 
-py::object tensor_world::alias(const tensor_meta& meta, const void* data, std::uint64_t bytes, device dev,
-                               bool whole) {
+py::object tensor_world::alias(const tensor_meta& meta, const void* data, std::uint64_t bytes, device dev, bool whole) {
   py::tuple shape(meta.shape.size());
   for (std::size_t i = 0; i < meta.shape.size(); ++i) shape[i] = py::int_(meta.shape[i]);
   if (has_torch()) {
@@ -309,16 +320,16 @@ py::object tensor_world::alias(const tensor_meta& meta, const void* data, std::u
   if (dev.kind != device_kind::cpu)
     throw py::type_error("tensor '" + meta.name + "' is in CUDA memory: views of it need torch (not importable here)");
   if (numpy_.is_none() || !numpy_) numpy_ = py::module_::import("numpy");
-  py::object memory = py::reinterpret_steal<py::object>(
-      PyMemoryView_FromMemory(static_cast<char*>(const_cast<void*>(data)), static_cast<Py_ssize_t>(bytes), PyBUF_WRITE));
+  py::object memory = py::reinterpret_steal<py::object>(PyMemoryView_FromMemory(
+      static_cast<char*>(const_cast<void*>(data)), static_cast<Py_ssize_t>(bytes), PyBUF_WRITE));
   if (!memory) throw py::error_already_set();
   py::object a = numpy_.attr("frombuffer")(memory, "uint8");
   // numpy has no bf16 or fp8: those stay flat bytes.
   const std::string_view name = to_string(meta.type);
   static constexpr std::pair<std::string_view, const char*> numpy_names[] = {
-      {"bool", "bool"},       {"u8", "uint8"},     {"i8", "int8"},       {"i16", "int16"},     {"i32", "int32"},
-      {"i64", "int64"},       {"f16", "float16"},  {"f32", "float32"},   {"f64", "float64"},   {"u16", "uint16"},
-      {"u32", "uint32"},      {"u64", "uint64"},
+      {"bool", "bool"},   {"u8", "uint8"},   {"i8", "int8"},     {"i16", "int16"},
+      {"i32", "int32"},   {"i64", "int64"},  {"f16", "float16"}, {"f32", "float32"},
+      {"f64", "float64"}, {"u16", "uint16"}, {"u32", "uint32"},  {"u64", "uint64"},
   };
   if (whole)
     for (const auto& [refit_name, numpy_name] : numpy_names)

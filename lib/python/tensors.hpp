@@ -66,11 +66,11 @@ class tensor_world {
   borrowed_tensor borrow_dlpack(py::handle obj, const std::string& name, bool views);
   py::object torch_dtype(dtype t);
 
-  py::object torch_;         // the torch module, or None
-  py::object tensor_type_;   // torch.Tensor
-  py::object from_dlpack_;   // torch.utils.dlpack.from_dlpack
-  py::object uint8_;         // torch.uint8
-  py::object numpy_;         // numpy, looked up lazily
+  py::object torch_;        // the torch module, or None
+  py::object tensor_type_;  // torch.Tensor
+  py::object from_dlpack_;  // torch.utils.dlpack.from_dlpack
+  py::object uint8_;        // torch.uint8
+  py::object numpy_;        // numpy, looked up lazily
   std::unordered_map<PyObject*, dtype> by_torch_dtype_;
   std::unordered_map<int, py::object> torch_by_refit_;
 };

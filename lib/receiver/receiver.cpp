@@ -54,9 +54,7 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
-double seconds_since(clock::time_point t0) {
-  return std::chrono::duration<double>(clock::now() - t0).count();
-}
+double seconds_since(clock::time_point t0) { return std::chrono::duration<double>(clock::now() - t0).count(); }
 
 /// Compares without an early exit, so the time taken does not tell how much of a guess was right.
 bool same_token(std::string_view a, std::string_view b) noexcept {
@@ -144,8 +142,7 @@ class table_t {
   void add_pair(plan::destination d, plan::destination scale) {
     prepared a = prepare(std::move(d));
     prepared b = prepare(std::move(scale));
-    if (a.reach != 0 && b.reach != 0 && a.s.dest.dev == b.s.dest.dev &&
-        plan::overlaps(a.lo, a.s.foot, b.lo, b.s.foot))
+    if (a.reach != 0 && b.reach != 0 && a.s.dest.dev == b.s.dest.dev && plan::overlaps(a.lo, a.s.foot, b.lo, b.s.foot))
       throw error(errc::invalid_argument,
                   fmt::format("add_parameter: the scale of '{}' shares bytes with its destination ({})",
                               a.s.dest.meta.name, describe(a.s.dest.meta)));
@@ -252,10 +249,10 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::unique_ptr<copy::copier> copier;
   std::optional<wire::refit_tracker> tracker;
   std::string peer;
-  bool direct = false;  ///< the streamer writes straight into the table (cuda_ipc direct)
-  bool in_place = false;  ///< every entry is received straight into the table (nccl)
-  bool laid_out = false;  ///< the session's HELLO asked for a layout from the table (direct, in place)
-  std::vector<wire::conversion> asked;  ///< the conversions the session's OK asked for
+  bool direct = false;                   ///< the streamer writes straight into the table (cuda_ipc direct)
+  bool in_place = false;                 ///< every entry is received straight into the table (nccl)
+  bool laid_out = false;                 ///< the session's HELLO asked for a layout from the table (direct, in place)
+  std::vector<wire::conversion> asked;   ///< the conversions the session's OK asked for
   std::uint64_t session_generation = 0;  ///< sink_generation when the session was set up
 
   /// A HELLO, BEGIN or BYE that superseded a refit in progress: received, not yet answered,
@@ -268,9 +265,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   clock::time_point last_message{};
   double apply_seconds = 0;
   std::optional<refusal> deferred;  ///< a host-side apply that failed after its reply went out
-  bool refit_subset = false;  ///< BEGIN said subset: tensors not sent keep their committed values
-  bool refit_delta = false;   ///< BEGIN named a base: patches, and a checksum at END
-  std::uint64_t delta_terms = 0;  ///< the version checksum's change by what the delta wrote so far
+  bool refit_subset = false;        ///< BEGIN said subset: tensors not sent keep their committed values
+  bool refit_delta = false;         ///< BEGIN named a base: patches, and a checksum at END
+  std::uint64_t delta_terms = 0;    ///< the version checksum's change by what the delta wrote so far
 
   // What the committed version is a base for (subset and delta versions).
   /// sink_generation when a whole version last committed, if one did: a subset needs one committed
@@ -280,7 +277,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::optional<std::uint64_t> known_checksum;
   /// A delta failed after writing: the weights are neither the base nor the new version.
   std::atomic<bool> is_poisoned{false};
-  std::string poison_note;  ///< what last_error() says once abort_refit() poisoned the receiver
+  std::string poison_note;    ///< what last_error() says once abort_refit() poisoned the receiver
   std::string poison_reason;  ///< why the receiver is poisoned (for the refusals that follow)
 #if REFIT_HAVE_CUDA
   std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
@@ -291,7 +288,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 #endif
   /// The refit in progress is a delta patched on the GPU.
-  [[nodiscard]] bool delta_on_device() const noexcept { return refit_delta && sink && sink->where().kind == device_kind::cuda; }
+  [[nodiscard]] bool delta_on_device() const noexcept {
+    return refit_delta && sink && sink->where().kind == device_kind::cuda;
+  }
 
   // Readable from any thread.
   std::atomic<bool> has_committed{false};
@@ -304,7 +303,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   explicit impl(receiver_options o)
       : options(std::move(o)),
         token(options.token.empty() && std::getenv("REFIT_TOKEN") != nullptr ? std::getenv("REFIT_TOKEN")
-                                                                              : options.token),
+                                                                             : options.token),
         channel(options.endpoint, options.curve) {
     if (options.idle_timeout.count() <= 0)
       throw error(errc::invalid_argument, "receiver_options.idle_timeout must be positive");
@@ -345,15 +344,17 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       if (!sink->attached()) tracker.reset();  // the session cannot go on: the next HELLO rebuilds
     }
     try {
-      poison_note = poisons ? fmt::format("poisoned: delta version {} failed after patching the weights in place "
-                                          "({}); the receiver refuses deltas and subsets until a whole version commits",
-                                          version, why)
+      poison_note = poisons ? fmt::format(
+                                  "poisoned: delta version {} failed after patching the weights in place "
+                                  "({}); the receiver refuses deltas and subsets until a whole version commits",
+                                  version, why)
                             : std::string();
       if (poisons) poison_reason = fmt::format("delta version {}: {}", version, why);
       note_error(poisons ? poison_note : why);
       REFIT_WARN("refit of version {} from {} aborted: {}{}", version, peer, why,
-                 poisons ? " (poisoned: a delta was applied half-way; dirty until a whole version commits)"
-                 : is_dirty.load() ? " (weights partly overwritten: dirty until a refit commits)" : "");
+                 poisons           ? " (poisoned: a delta was applied half-way; dirty until a whole version commits)"
+                 : is_dirty.load() ? " (weights partly overwritten: dirty until a refit commits)"
+                                   : "");
       endings.push_back(ending{version, false, why});
     } catch (...) {
     }
@@ -507,8 +508,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     for (const auto& [name, slots] : table) {
       const plan::destination& d = slots.front().dest;
       if (name.find(scale_suffix) != std::string::npos) continue;
-      const bool cast = d.q == quant::none && (d.meta.type == dtype::f32 || d.meta.type == dtype::bf16 ||
-                                               d.meta.type == dtype::f16);
+      const bool cast =
+          d.q == quant::none && (d.meta.type == dtype::f32 || d.meta.type == dtype::bf16 || d.meta.type == dtype::f16);
       if (cast || d.q != quant::none) out.push_back(wire::conversion{name, d.meta.type, d.q});
     }
     std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
@@ -534,11 +535,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         const auto lo = reinterpret_cast<std::uintptr_t>(d.alloc_bytes != 0 ? d.alloc : d.data);
         const std::uint64_t need = d.alloc_bytes != 0 ? d.alloc_bytes : 1;
         if (!a || lo < a->base || lo - a->base > a->bytes || need > a->bytes - (lo - a->base))
-          return fmt::format("the CUDA memory of '{}' ({}) on cuda:{} is {} since it was registered: refit writes only "
-                             "where a parameter was registered; register the parameters again (clear_parameters, "
-                             "add_parameter) after the engine reallocates them",
-                             name, describe(d.meta), d.dev.index,
-                             a ? "in another allocation" : "not allocated any more (freed)");
+          return fmt::format(
+              "the CUDA memory of '{}' ({}) on cuda:{} is {} since it was registered: refit writes only "
+              "where a parameter was registered; register the parameters again (clear_parameters, "
+              "add_parameter) after the engine reallocates them",
+              name, describe(d.meta), d.dev.index, a ? "in another allocation" : "not allocated any more (freed)");
       }
     }
     return std::nullopt;
@@ -548,17 +549,20 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     if (!tracker) {
       // errc::peer tells the streamer that this process has no session with it (it restarted,
       // or ended the session): the streamer then says HELLO again instead of failing.
-      reply_error(errc::peer, "no session: BEGIN before HELLO (this receiver restarted or ended the session); the "
-                              "streamer must say HELLO again");
+      reply_error(errc::peer,
+                  "no session: BEGIN before HELLO (this receiver restarted or ended the session); the "
+                  "streamer must say HELLO again");
       return receiver_event::refused;
     }
     if (session_generation != sink_generation && !laid_out && conversions() != asked) {
       // The streamer converts what the OK to HELLO asked for: new conversions need a new session.
       end_session();
-      REFIT_INFO("the parameter table asks for other conversions since the session's HELLO: asking the streamer "
-                 "for a new session");
-      reply_error(errc::peer, "no session: the receiver's parameter table asks for other conversions since HELLO; "
-                              "the streamer must say HELLO again");
+      REFIT_INFO(
+          "the parameter table asks for other conversions since the session's HELLO: asking the streamer "
+          "for a new session");
+      reply_error(errc::peer,
+                  "no session: the receiver's parameter table asks for other conversions since HELLO; "
+                  "the streamer must say HELLO again");
       return receiver_event::refused;
     }
     if (laid_out && session_generation != sink_generation) {
@@ -567,8 +571,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       // streamer say HELLO again and repeat this BEGIN by itself.
       end_session();
       REFIT_INFO("the parameter table changed since the session's HELLO: asking the streamer for a new session");
-      reply_error(errc::peer, "no session: the receiver's parameter table changed since HELLO, which laid the "
-                              "session out from it; the streamer must say HELLO again");
+      reply_error(errc::peer,
+                  "no session: the receiver's parameter table changed since HELLO, which laid the "
+                  "session out from it; the streamer must say HELLO again");
       return receiver_event::refused;
     }
     if (table.empty() && !callback) {
@@ -617,42 +622,49 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::optional<std::string> no_base_for(const wire::begin& b) const {
     const std::string what = fmt::format("{} version {}", b.base ? "delta" : "subset", b.version);
     if (callback)
-      return fmt::format("{}: this receiver applies through a callback, which keeps no weights to keep the tensors "
-                         "not sent from; send whole versions",
-                         what);
+      return fmt::format(
+          "{}: this receiver applies through a callback, which keeps no weights to keep the tensors "
+          "not sent from; send whole versions",
+          what);
     if (!whole_generation || *whole_generation != sink_generation)
-      return fmt::format("{}: this receiver has not committed a whole version{}, so it holds no base for the tensors "
-                         "a subset does not send; send a whole version first",
-                         what, whole_generation ? " since its parameter table was last changed" : "");
+      return fmt::format(
+          "{}: this receiver has not committed a whole version{}, so it holds no base for the tensors "
+          "a subset does not send; send a whole version first",
+          what, whole_generation ? " since its parameter table was last changed" : "");
     if (is_poisoned.load())
-      return fmt::format("{}: this receiver is poisoned (a delta failed after patching its weights: {}); send a "
-                         "whole version",
-                         what, poison_reason);
+      return fmt::format(
+          "{}: this receiver is poisoned (a delta failed after patching its weights: {}); send a "
+          "whole version",
+          what, poison_reason);
     if (is_dirty.load())
-      return fmt::format("{}: this receiver's weights are dirty (a refit that did not commit overwrote part of them); "
-                         "send a whole version",
-                         what);
+      return fmt::format(
+          "{}: this receiver's weights are dirty (a refit that did not commit overwrote part of them); "
+          "send a whole version",
+          what);
     if (!b.base) return std::nullopt;
     const auto have = committed_version();
     if (have != b.base)
       return fmt::format("{}: its base is version {}, but this receiver holds version {}; send a whole version", what,
                          *b.base, have ? std::to_string(*have) : std::string("none"));
     if (!known_checksum)
-      return fmt::format("{}: this receiver has no checksum of version {} (its END carried none) to check the delta "
-                         "against; send a whole version",
-                         what, *b.base);
+      return fmt::format(
+          "{}: this receiver has no checksum of version {} (its END carried none) to check the delta "
+          "against; send a whole version",
+          what, *b.base);
     const bool gpu = sink->where().kind == device_kind::cuda;
     if (direct || in_place || (gpu && !REFIT_HAVE_CUDA))
-      return fmt::format("{}: this receiver's session ({}{}) cannot apply patches, which are applied from the staging "
-                         "buffers; send a whole version",
-                         what, sink->name(), direct || in_place ? ", written in place" : "");
+      return fmt::format(
+          "{}: this receiver's session ({}{}) cannot apply patches, which are applied from the staging "
+          "buffers; send a whole version",
+          what, sink->name(), direct || in_place ? ", written in place" : "");
     for (const auto& [name, slots] : table)
       for (const slot& sl : slots)
         if (!plan::is_plain(sl.dest) || !(sl.dest.dev == sink->where()))
-          return fmt::format("{}: the destination of '{}' ({}) is {}, and patches are applied only to plain tensors "
-                             "in the memory the session applies into; send a whole version",
-                             what, name, describe(sl.dest.meta),
-                             plan::is_plain(sl.dest) ? "elsewhere" : "a view in the engine's layout");
+          return fmt::format(
+              "{}: the destination of '{}' ({}) is {}, and patches are applied only to plain tensors "
+              "in the memory the session applies into; send a whole version",
+              what, name, describe(sl.dest.meta),
+              plan::is_plain(sl.dest) ? "elsewhere" : "a view in the engine's layout");
     return std::nullopt;
   }
 
@@ -728,7 +740,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       delta::cuda::add_range_terms(first, e.tensor_offset, e.bytes, total, weight, true, ws, stream);
       delta::cuda::add_range_terms(from, e.tensor_offset, e.bytes, total, weight, false, ws, stream);
       ops.clear();
-      for (const slot& sl : slots) ops.emplace_back(from, static_cast<std::byte*>(sl.dest.data) + e.tensor_offset, e.bytes);
+      for (const slot& sl : slots)
+        ops.emplace_back(from, static_cast<std::byte*>(sl.dest.data) + e.tensor_offset, e.bytes);
       copier->run(ops, stream);
     }
   }
@@ -777,16 +790,17 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       const wire::entry& e = b.entries[k];
       std::vector<slot>* slots = table.find(e.name);
       if (slots == nullptr)
-        throw error(errc::apply, fmt::format("tensor '{}' (BATCH {} entry {}) is not in this receiver's parameter table",
-                                             e.name, b.seq, k));
+        throw error(
+            errc::apply,
+            fmt::format("tensor '{}' (BATCH {} entry {}) is not in this receiver's parameter table", e.name, b.seq, k));
       for (slot& sl : *slots) {
         route_converted(sl, e);
         if (e.bytes != 0 && sl.dest.dev.kind != where && !sl.runs.empty())
           throw error(errc::apply,
                       fmt::format("tensor '{}': its destination is in {} memory, but the {} transport applies into {} "
                                   "memory",
-                                  e.name, sl.dest.dev.kind == device_kind::cuda ? "CUDA" : "host",
-                                  sink->name(), where == device_kind::cuda ? "CUDA" : "host"));
+                                  e.name, sl.dest.dev.kind == device_kind::cuda ? "CUDA" : "host", sink->name(),
+                                  where == device_kind::cuda ? "CUDA" : "host"));
       }
       if (e.bytes == 0 || check_only) continue;
       const slot& only = slots->front();
@@ -840,7 +854,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     }
     sink->begin_read(b.buffer);
     if (refit_delta) check_patches(b);  // a corrupt patch is refused before its batch writes anything
-    is_dirty.store(true);  // from here on the weights may be partly overwritten
+    is_dirty.store(true);               // from here on the weights may be partly overwritten
     if (callback) {
       const std::byte* base = sink->data(b.buffer);
       std::vector<tensor_meta> metas;
@@ -966,8 +980,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     known_checksum = refit_subset && !refit_delta ? std::nullopt : e.checksum;
     {
       std::lock_guard lock(mutex);
-      stats_ = receiver_stats{e.version, e.tensors, e.bytes, e.batches, seconds_since(refit_start), apply_seconds,
-                              drain_seconds};
+      stats_ = receiver_stats{e.version,     e.tensors,    e.bytes, e.batches, seconds_since(refit_start),
+                              apply_seconds, drain_seconds};
     }
     tracker->reset();
     REFIT_INFO("committed version {} from {}: {} tensors, {:.3f} GB", e.version, peer, e.tensors,
@@ -980,8 +994,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   /// A delta's END: the checksum the streamer computed of the whole new version must be the one the
   /// receiver's weights now have (the base's, changed by what the patches wrote). Throws errc::apply.
   void check_delta(const wire::end& e) const {
-    if (!e.checksum)
-      throw error(errc::protocol, fmt::format("END of delta version {} carries no checksum", e.version));
+    if (!e.checksum) throw error(errc::protocol, fmt::format("END of delta version {} carries no checksum", e.version));
     const std::uint64_t mine = *known_checksum + delta_terms;
     if (mine != *e.checksum)
       throw error(errc::apply,
@@ -1123,8 +1136,8 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout) {
     return;
   }
   if (static_cast<std::uint8_t>(d.q) > static_cast<std::uint8_t>(quant::block128))
-    throw error(errc::invalid_argument, fmt::format("{} has an unknown quant (code {})", what,
-                                                    static_cast<unsigned>(d.q)));
+    throw error(errc::invalid_argument,
+                fmt::format("{} has an unknown quant (code {})", what, static_cast<unsigned>(d.q)));
   if (d.meta.type != dtype::f8_e4m3)
     throw error(errc::invalid_argument,
                 fmt::format("{} asks for quant {}, which quantises to f8_e4m3: register the destination as f8_e4m3, "
@@ -1182,8 +1195,9 @@ void receiver::add_parameter(const tensor_dest& dest) { add_parameter(dest, dest
 
 void receiver::add_parameter(const tensor_dest& dest, const dest_layout& layout) {
   if (impl_->callback)
-    throw error(errc::invalid_argument, "add_parameter: this receiver applies through a callback (on_batch); use one "
-                                        "sink or the other");
+    throw error(errc::invalid_argument,
+                "add_parameter: this receiver applies through a callback (on_batch); use one "
+                "sink or the other");
   if (dest.meta.name.empty()) throw error(errc::invalid_argument, "add_parameter: empty tensor name");
   const std::uint64_t bytes = dest.meta.nbytes();  // throws for a bad shape
   if (dest.data == nullptr && bytes != 0)

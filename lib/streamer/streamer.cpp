@@ -46,9 +46,7 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
-double seconds_since(clock::time_point t0) {
-  return std::chrono::duration<double>(clock::now() - t0).count();
-}
+double seconds_since(clock::time_point t0) { return std::chrono::duration<double>(clock::now() - t0).count(); }
 
 std::string token_from(const std::string& configured) {
   if (!configured.empty()) return configured;
@@ -92,31 +90,30 @@ void validate(const streamer_options& o) {
     throw error(errc::invalid_argument,
                 fmt::format("{} receivers given, but the {} transport serves {} receiver{} per streamer; use cuda_ipc "
                             "(receivers on this host) or nccl to serve several",
-                            endpoints.size(), name, can.max_receivers,
-                            can.max_receivers == 1 ? "" : "s"));
+                            endpoints.size(), name, can.max_receivers, can.max_receivers == 1 ? "" : "s"));
   if (endpoints.size() > 1 && can.several_need_direct && !o.direct)
-    throw error(errc::invalid_argument,
-                fmt::format("{} receivers given with direct = false, but the {} transport serves several receivers only "
-                            "by writing straight into each one's parameter table: set direct = true",
-                            endpoints.size(), name));
+    throw error(
+        errc::invalid_argument,
+        fmt::format("{} receivers given with direct = false, but the {} transport serves several receivers only "
+                    "by writing straight into each one's parameter table: set direct = true",
+                    endpoints.size(), name));
   if (o.buffer_count < 2)
-    throw error(errc::invalid_argument,
-                fmt::format("streamer_options.buffer_count is {}: refit needs at least 2 buffers (ping-pong)",
-                            o.buffer_count));
+    throw error(
+        errc::invalid_argument,
+        fmt::format("streamer_options.buffer_count is {}: refit needs at least 2 buffers (ping-pong)", o.buffer_count));
   if (o.buffer_count > wire::max_buffers)
-    throw error(errc::invalid_argument,
-                fmt::format("streamer_options.buffer_count is {}: at most {} buffers", o.buffer_count,
-                            wire::max_buffers));
-  if (o.timeout.count() <= 0)
-    throw error(errc::invalid_argument, "streamer_options.timeout must be positive");
+    throw error(errc::invalid_argument, fmt::format("streamer_options.buffer_count is {}: at most {} buffers",
+                                                    o.buffer_count, wire::max_buffers));
+  if (o.timeout.count() <= 0) throw error(errc::invalid_argument, "streamer_options.timeout must be positive");
   channel::validate_curve(o.curve, false);
   refit::validate(plan_from(o));
   if (o.delta.enable && o.transport != transport_kind::host_shm &&
       !(o.transport == transport_kind::cuda_ipc && !o.direct && REFIT_HAVE_CUDA))
-    throw error(errc::invalid_argument,
-                fmt::format("streamer_options.delta needs the host_shm transport, or cuda_ipc with direct = false (staged "
-                            "buffers) in a build with CUDA, not {}{}",
-                            to_string(o.transport), o.transport == transport_kind::cuda_ipc ? " with direct = true" : ""));
+    throw error(
+        errc::invalid_argument,
+        fmt::format("streamer_options.delta needs the host_shm transport, or cuda_ipc with direct = false (staged "
+                    "buffers) in a build with CUDA, not {}{}",
+                    to_string(o.transport), o.transport == transport_kind::cuda_ipc ? " with direct = true" : ""));
   if (o.delta.enable && o.delta.memory == delta_memory::device && o.transport == transport_kind::host_shm)
     throw error(errc::invalid_argument,
                 "streamer_options.delta.memory is device, but the host_shm transport sends host tensors: keep the "
@@ -308,8 +305,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         // The receiver offered its weights for direct writes, but they cannot be mapped here:
         // start over with a session that stages through the buffers.
         if (e.code() != errc::transport || endpoints.size() > 1) throw;  // several receivers: no staging
-        REFIT_WARN("cannot write straight into the weights of {}: {}; staging through the buffers instead",
-                   who(0), e.what());
+        REFIT_WARN("cannot write straight into the weights of {}: {}; staging through the buffers instead", who(0),
+                   e.what());
         buffers->disable_direct();
         drop_session();
         ensure_session();
@@ -362,8 +359,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       throw error(errc::invalid_argument, fmt::format("tensor name of {} bytes is too long (at most {})",
                                                       t.meta.name.size(), wire::max_name_bytes));
     if (t.meta.shape.size() > wire::max_rank)
-      throw error(errc::invalid_argument, fmt::format("tensor {} has {} dimensions: at most {}",
-                                                      describe(t.meta), t.meta.shape.size(), wire::max_rank));
+      throw error(errc::invalid_argument, fmt::format("tensor {} has {} dimensions: at most {}", describe(t.meta),
+                                                      t.meta.shape.size(), wire::max_rank));
     if (t.data == nullptr && bytes != 0)
       throw error(errc::invalid_argument,
                   fmt::format("tensor {} has no data (null pointer); only a tensor with no elements may have none "
@@ -550,7 +547,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::uint64_t direct_checked = 0;
 
     batch_writer(impl& s, std::uint64_t v, refit_stats& r)
-        : st(s), version(v), stats(r), direct(s.buffers->direct()), by_entry(!direct && s.buffers->moves_entries()),
+        : st(s),
+          version(v),
+          stats(r),
+          direct(s.buffers->direct()),
+          by_entry(!direct && s.buffers->moves_entries()),
           in_place(by_entry && s.buffers->in_place()) {
       stats.direct = direct || in_place;
     }
@@ -676,12 +677,13 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                        const copy::cvt::conversion& cv) {
       const std::uint64_t di = copy::cvt::item(cv.to);
       if (p.entry.tensor_offset % di != 0 || p.entry.bytes % di != 0)
-        throw error(errc::invalid_argument,
-                    fmt::format("tensor {}: a batch boundary at byte {} splits one of its converted elements ({} "
-                                "bytes each): give the streamer buffer_bytes and alignment that are multiples of 4",
-                                describe(t.meta), p.entry.tensor_offset % di != 0 ? p.entry.tensor_offset
-                                                                                 : p.entry.tensor_offset + p.entry.bytes,
-                                di));
+        throw error(
+            errc::invalid_argument,
+            fmt::format("tensor {}: a batch boundary at byte {} splits one of its converted elements ({} "
+                        "bytes each): give the streamer buffer_bytes and alignment that are multiples of 4",
+                        describe(t.meta),
+                        p.entry.tensor_offset % di != 0 ? p.entry.tensor_offset : p.entry.tensor_offset + p.entry.bytes,
+                        di));
       if (t.dev.kind == device_kind::cuda && !(t.dev == st.buffers->where()))
         copy::enable_peer_access(st.buffers->where().index, t.dev.index);
       if (direct) {
@@ -694,8 +696,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       const std::uint64_t first = p.entry.tensor_offset / di;
       // An in-place session packs converted entries after all, into its staging buffers (the
       // planned offsets fit: they are an in-place batch's).
-      std::byte* base = in_place ? st.buffers->staging(seq % st.buffers->count())
-                                 : st.buffers->data(seq % st.buffers->count());
+      std::byte* base =
+          in_place ? st.buffers->staging(seq % st.buffers->count()) : st.buffers->data(seq % st.buffers->count());
       if (base == nullptr)
         throw error(errc::invalid_argument,
                     fmt::format("tensor {}: the receivers ask for it as {}, but this {} session sends every tensor in "
@@ -732,9 +734,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     delta::base_store::tensor* b = base->place(t.meta);
     if (b == nullptr) {
       if (!warned_base_bound)
-        REFIT_WARN("the delta base would take more than its bound of {} bytes (delta_options::max_bytes): versions "
-                   "are sent whole",
-                   base->max_bytes());
+        REFIT_WARN(
+            "the delta base would take more than its bound of {} bytes (delta_options::max_bytes): versions "
+            "are sent whole",
+            base->max_bytes());
       warned_base_bound = true;
       return false;
     }
@@ -928,11 +931,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       // A cast asked of an integer or f64 source: sent as it is, the receiver refuses the dtype
       // (errc::apply) as it always did. A quantisation: refused here, naming both.
       if (c.q == quant::none) return nullptr;
-      throw error(errc::apply,
-                  fmt::format("tensor {}: the receiver asks for it as {}, but refit converts only from f32, bf16 and "
-                              "f16, not from {}: send it as {} or register the destination as {}",
-                              describe(t.meta), asked, to_string(t.meta.type), to_string(c.type),
-                              to_string(t.meta.type)));
+      throw error(
+          errc::apply,
+          fmt::format("tensor {}: the receiver asks for it as {}, but refit converts only from f32, bf16 and "
+                      "f16, not from {}: send it as {} or register the destination as {}",
+                      describe(t.meta), asked, to_string(t.meta.type), to_string(c.type), to_string(t.meta.type)));
     }
     if (c.q == quant::block128 && t.meta.shape.size() < 2)
       throw error(errc::invalid_argument,
@@ -994,8 +997,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     const std::uint64_t scale_bytes = scale->meta.nbytes();
     for (const placement& p : pl.add(w.planned++, scale_bytes)) {
       while (p.batch > w.seq) w.flush();
-      w.add(*scale, p, fused.empty() ? std::span<const transport::routed>(scale_targets)
-                                     : std::span<const transport::routed>());
+      w.add(*scale, p,
+            fused.empty() ? std::span<const transport::routed>(scale_targets) : std::span<const transport::routed>());
     }
     stats.tensors += 1;
     stats.bytes += scale_bytes;
@@ -1038,8 +1041,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       }
       const std::uint64_t b_lo = j.col_lo / 128;
       const std::uint64_t b_hi = (j.col_hi + 127) / 128;
-      if (s.rows == 1 && s.src == 0 && s.width == 4 * lead * grid_rows * grid_cols && b_lo == 0 &&
-          b_hi == grid_cols) {
+      if (s.rows == 1 && s.src == 0 && s.width == 4 * lead * grid_rows * grid_cols && b_lo == 0 && b_hi == grid_cols) {
         j.scale_pitch = grid_cols;  // the whole grid, dense
       } else if (s.src == 4 * b_lo && s.width == 4 * (b_hi - b_lo) && s.rows == lead * grid_rows && s.rows > 1 &&
                  s.src_pitch == 4 * grid_cols && s.dst_pitch % 4 == 0) {

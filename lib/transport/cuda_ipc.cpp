@@ -241,8 +241,8 @@ class cuda_ipc_source final : public source {
     std::vector<routed> out;
     for (std::size_t k = 0; k < receivers_.size(); ++k) {
       const auto it = receivers_[k].targets.find(meta.name);
-      const std::string whose = receivers_.size() == 1 ? std::string("the receiver's")
-                                                       : fmt::format("receiver {}'s", k);
+      const std::string whose =
+          receivers_.size() == 1 ? std::string("the receiver's") : fmt::format("receiver {}'s", k);
       if (it == receivers_[k].targets.end())
         throw error(errc::apply, fmt::format("tensor '{}' is not in {} parameter table (direct cuda_ipc session: "
                                              "nothing was written)",
@@ -451,14 +451,16 @@ class cuda_ipc_sink final : public sink {
     tensors.reserve(table.size());
     for (const plan::destination& d : table) {
       const std::uint64_t bytes = d.meta.nbytes();
-      if (d.dev.kind != device_kind::cuda || d.meta.name.size() + 64 + 20 * d.meta.shape.size() > wire::max_handle_bytes)
+      if (d.dev.kind != device_kind::cuda ||
+          d.meta.name.size() + 64 + 20 * d.meta.shape.size() > wire::max_handle_bytes)
         return decline(fmt::format("'{}' is not in CUDA memory, or its name is too long", d.meta.name));
       std::uint64_t alloc = wire::dest_record::no_allocation;
       std::uint64_t offset = 0;
       if (bytes != 0) {
         device_guard on(d.dev.index);
         void* base = allocation_base(d.data, d.dev.index);
-        if (base == nullptr) return decline(fmt::format("the allocation of '{}' is unknown to the driver", d.meta.name));
+        if (base == nullptr)
+          return decline(fmt::format("the allocation of '{}' is unknown to the driver", d.meta.name));
         auto [it, fresh] = allocations.emplace(base, allocations.size());
         if (fresh) {
           cudaIpcMemHandle_t handle{};
@@ -471,7 +473,8 @@ class cuda_ipc_sink final : public sink {
           records.push_back("A" + raw_bytes(handle));
         }
         alloc = it->second;
-        offset = static_cast<std::uint64_t>(static_cast<const std::byte*>(d.data) - static_cast<const std::byte*>(base));
+        offset =
+            static_cast<std::uint64_t>(static_cast<const std::byte*>(d.data) - static_cast<const std::byte*>(base));
       }
       tensors.push_back("T" + wire::encode_dest(wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides,
                                                                   d.slice, alloc, offset}));
@@ -618,5 +621,6 @@ std::unique_ptr<sink> make_cuda_ipc_sink(int device, milliseconds timeout) {
 }  // namespace refit::transport
 
 // The registration. Several receivers on one host when each is written directly; writes in place when offered.
-REFIT_TRANSPORT(cuda_ipc, {refit::transport::transport_name, refit::transport::capabilities{1u << 16, true, false, true},
-                      refit::transport::make_cuda_ipc_source, refit::transport::make_cuda_ipc_sink});
+REFIT_TRANSPORT(cuda_ipc,
+                {refit::transport::transport_name, refit::transport::capabilities{1u << 16, true, false, true},
+                 refit::transport::make_cuda_ipc_source, refit::transport::make_cuda_ipc_sink});

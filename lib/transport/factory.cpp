@@ -38,7 +38,8 @@ bool valid_name(std::string_view name) noexcept {
 void register_transport(const registration& r) {
   if (!valid_name(r.name) || r.make_source == nullptr || r.make_sink == nullptr)
     throw error(errc::internal, fmt::format("transport registration '{}' is malformed (a name of [a-z0-9_], both "
-                                            "factories)", r.name));
+                                            "factories)",
+                                            r.name));
   table& t = registry();
   const std::lock_guard lock(t.mutex);
   for (const auto& e : t.entries)
@@ -89,10 +90,9 @@ std::unique_ptr<source> make_source(const source_options& options) {
 std::unique_ptr<sink> make_sink(std::string_view transport, int device, milliseconds timeout) {
   const registration* r = find_transport(transport);
   if (r == nullptr)
-    throw error(errc::transport,
-                fmt::format("the streamer uses transport '{}', which this receiver does not support "
-                            "(built: {}); start the streamer with one of those",
-                            transport, registered_transports()));
+    throw error(errc::transport, fmt::format("the streamer uses transport '{}', which this receiver does not support "
+                                             "(built: {}); start the streamer with one of those",
+                                             transport, registered_transports()));
   return r->make_sink(device, timeout);
 }
 

@@ -77,7 +77,8 @@ void reap_orphans() noexcept {
       const long pid = std::strtol(file.c_str() + prefix.size(), &end, 10);
       if (pid <= 0 || end != file.c_str() + dash) continue;
       if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
-      if (::shm_unlink(("/" + file).c_str()) == 0) REFIT_INFO("host_shm: removed {}, left by dead process {}", file, pid);
+      if (::shm_unlink(("/" + file).c_str()) == 0)
+        REFIT_INFO("host_shm: removed {}, left by dead process {}", file, pid);
     }
   } catch (...) {
     // Best effort: a failure here must not stop a streamer from starting.
@@ -104,20 +105,19 @@ class shm_segment {
     // From here on the name exists: remove it on any failure.
     auto fail = [&](std::string_view what, int e) {
       ::shm_unlink(name_.c_str());
-      return error(errc::transport,
-                   fmt::format("host_shm: cannot {} shared memory {} of {} bytes: {}{}", what, name_, bytes,
-                               errno_text(e),
-                               e == ENOSPC || e == ENOMEM
-                                   ? "; /dev/shm is too small for the buffers (docker: --shm-size; or lower "
-                                     "buffer_bytes)"
-                                   : ""));
+      return error(
+          errc::transport,
+          fmt::format("host_shm: cannot {} shared memory {} of {} bytes: {}{}", what, name_, bytes, errno_text(e),
+                      e == ENOSPC || e == ENOMEM
+                          ? "; /dev/shm is too small for the buffers (docker: --shm-size; or lower "
+                            "buffer_bytes)"
+                          : ""));
     };
     if (::fchmod(fd, 0600) != 0) throw fail("restrict (fchmod 0600)", errno);
     if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) throw fail("size", errno);
     // Reserve the pages now so a too-small /dev/shm fails here with a message instead of a
     // SIGBUS in the middle of packing. Filesystems without fallocate keep the lazy behaviour.
-    if (const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-        rc != 0 && rc != EOPNOTSUPP && rc != EINVAL)
+    if (const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); rc != 0 && rc != EOPNOTSUPP && rc != EINVAL)
       throw fail("reserve", rc);
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) throw fail("map", errno);
@@ -127,7 +127,9 @@ class shm_segment {
   shm_segment(const shm_segment&) = delete;
   shm_segment& operator=(const shm_segment&) = delete;
   shm_segment(shm_segment&& o) noexcept
-      : name_(std::move(o.name_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)),
+      : name_(std::move(o.name_)),
+        data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
         unlinked_(std::exchange(o.unlinked_, true)) {}
   shm_segment& operator=(shm_segment&& o) noexcept {
     if (this != &o) {
@@ -184,9 +186,8 @@ class shm_mapping {
       throw error(errc::transport, fmt::format("host_shm: cannot stat shared memory {}: {}", name, errno_text(e)));
     }
     if (st.st_size < 0 || static_cast<std::uint64_t>(st.st_size) != expected)
-      throw error(errc::transport,
-                  fmt::format("host_shm: shared memory {} has {} bytes but HELLO announced {} bytes", name,
-                              static_cast<long long>(st.st_size), expected));
+      throw error(errc::transport, fmt::format("host_shm: shared memory {} has {} bytes but HELLO announced {} bytes",
+                                               name, static_cast<long long>(st.st_size), expected));
     void* p = ::mmap(nullptr, expected, PROT_READ, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       const int e = errno;
@@ -304,8 +305,7 @@ class host_shm_sink final : public sink {
     (void)reply;
     detach();
     if (h.transport != transport_name)
-      throw error(errc::transport,
-                  fmt::format("host_shm receiver got a HELLO for transport '{}'", h.transport));
+      throw error(errc::transport, fmt::format("host_shm receiver got a HELLO for transport '{}'", h.transport));
     const std::string here = host_identity();
     if (h.host_id != here)
       throw error(errc::transport,
@@ -313,8 +313,8 @@ class host_shm_sink final : public sink {
                               "this receiver on {}; use the nccl transport across hosts",
                               h.host_id.empty() ? std::string("(unknown)") : h.host_id, here));
     if (h.buffers.empty() || h.buffers.size() > wire::max_buffers)
-      throw error(errc::transport, fmt::format("host_shm: HELLO announced {} buffers; expected 1..{}",
-                                               h.buffers.size(), wire::max_buffers));
+      throw error(errc::transport, fmt::format("host_shm: HELLO announced {} buffers; expected 1..{}", h.buffers.size(),
+                                               wire::max_buffers));
     for (std::size_t i = 0; i < h.buffers.size(); ++i) {
       const auto& d = h.buffers[i];
       if (!looks_like_ours(d.handle))
@@ -364,4 +364,4 @@ std::unique_ptr<sink> make_host_shm_sink(int, milliseconds) { return std::make_u
 
 // The registration. One receiver per streamer, always staged through the shared segments.
 REFIT_TRANSPORT(host_shm, {refit::transport::transport_name, refit::transport::capabilities{},
-                      refit::transport::make_host_shm_source, refit::transport::make_host_shm_sink});
+                           refit::transport::make_host_shm_source, refit::transport::make_host_shm_sink});

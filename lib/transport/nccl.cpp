@@ -76,9 +76,7 @@ using clock = std::chrono::steady_clock;
 
 constexpr std::string_view transport_name = "nccl";
 
-double ms_since(clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
-}
+double ms_since(clock::time_point t0) { return std::chrono::duration<double, std::milli>(clock::now() - t0).count(); }
 
 // ------------------------------------------------------------------------------------ errors
 
@@ -133,13 +131,11 @@ void wait_work(Query query, ncclComm_t comm, const deadline& until, std::string_
     throw error(errc::timeout, fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
 }
 
-void wait_stream(cudaStream_t s, ncclComm_t comm, const deadline& until, std::string_view what,
-                 std::string_view late) {
+void wait_stream(cudaStream_t s, ncclComm_t comm, const deadline& until, std::string_view what, std::string_view late) {
   wait_work([s] { return cudaStreamQuery(s); }, comm, until, what, late);
 }
 
-void wait_event(cudaEvent_t e, ncclComm_t comm, const deadline& until, std::string_view what,
-                std::string_view late) {
+void wait_event(cudaEvent_t e, ncclComm_t comm, const deadline& until, std::string_view what, std::string_view late) {
   wait_work([e] { return cudaEventQuery(e); }, comm, until, what, late);
 }
 
@@ -164,8 +160,7 @@ class communicator {
   /// Joins as `rank` of `nranks` on CUDA device `device`, waiting until `until`. Throws
   /// errc::nccl when NCCL fails, errc::timeout (message ends with `late`) when the other ranks do
   /// not all join in time; the half-made communicator is aborted either way.
-  communicator(int nranks, const ncclUniqueId& id, int rank, int device, const deadline& until,
-               std::string_view late)
+  communicator(int nranks, const ncclUniqueId& id, int rank, int device, const deadline& until, std::string_view late)
       : device_(device) {
     const std::string what = fmt::format("ncclCommInitRankConfig (rank {} of {}, cuda:{})", rank, nranks, device);
     device_guard guard(device);
@@ -231,8 +226,10 @@ void broadcast_entries(const communicator& comm, std::span<const segment> batch,
   if (failed != ncclSuccess && failed != ncclInProgress)
     throw nccl_error(failed, fmt::format("ncclBroadcast of entry {} of a batch of {}", k, batch.size()), comm.handle());
   const std::string what = "ncclGroupEnd (the broadcasts of a batch)";
-  if (ended == ncclInProgress) wait_ready(comm.handle(), deadline::after(budget), what, late);
-  else if (ended != ncclSuccess) throw nccl_error(ended, what, comm.handle());
+  if (ended == ncclInProgress)
+    wait_ready(comm.handle(), deadline::after(budget), what, late);
+  else if (ended != ncclSuccess)
+    throw nccl_error(ended, what, comm.handle());
 }
 
 std::string device_uuid(int device) {
@@ -246,13 +243,13 @@ device_guard use_device(int device, std::string_view who) {
   int n = 0;
   const cudaError_t status = cudaGetDeviceCount(&n);
   if (status != cudaSuccess || device < 0 || device >= n)
-    throw error(errc::cuda,
-                fmt::format("the nccl transport needs a CUDA device on the {}, but cuda:{} is not available ({}); "
-                            "run it on a GPU, or use the host_shm transport",
-                            who, device,
-                            status != cudaSuccess ? fmt::format("{}: {}", cudaGetErrorName(status),
-                                                                cudaGetErrorString(status))
-                                                  : fmt::format("{} device(s) visible", n)));
+    throw error(
+        errc::cuda,
+        fmt::format("the nccl transport needs a CUDA device on the {}, but cuda:{} is not available ({}); "
+                    "run it on a GPU, or use the host_shm transport",
+                    who, device,
+                    status != cudaSuccess ? fmt::format("{}: {}", cudaGetErrorName(status), cudaGetErrorString(status))
+                                          : fmt::format("{} device(s) visible", n)));
   return device_guard(device);
 }
 
@@ -352,12 +349,13 @@ class timeline {
         }
         applies = fmt::format("; {} applies {:.2f} ms (longest {:.3f} ms)", a.n, total, longest);
       }
-      REFIT_DEBUG("nccl timeline, {}: {} broadcasts, {:.3f} GB, {:.2f} ms first start to last end; busy {:.2f} ms "
-                  "({:.1f} GB/s while busy; each {:.3f}/{:.3f}/{:.3f} ms min/median/max), idle between them {:.2f} "
-                  "ms (longest {:.3f} ms, before batch {}){}",
-                  who, b.n, static_cast<double>(bytes_) / 1e9, span, busy,
-                  busy > 0 ? static_cast<double>(bytes_) / (busy * 1e6) : 0.0, dur.front(), dur[dur.size() / 2],
-                  dur.back(), idle, longest_idle, at, applies);
+      REFIT_DEBUG(
+          "nccl timeline, {}: {} broadcasts, {:.3f} GB, {:.2f} ms first start to last end; busy {:.2f} ms "
+          "({:.1f} GB/s while busy; each {:.3f}/{:.3f}/{:.3f} ms min/median/max), idle between them {:.2f} "
+          "ms (longest {:.3f} ms, before batch {}){}",
+          who, b.n, static_cast<double>(bytes_) / 1e9, span, busy,
+          busy > 0 ? static_cast<double>(bytes_) / (busy * 1e6) : 0.0, dur.front(), dur[dur.size() / 2], dur.back(),
+          idle, longest_idle, at, applies);
     } catch (const std::exception& e) {
       REFIT_WARN("nccl timeline: {}", e.what());
     }
@@ -499,9 +497,10 @@ class nccl_source final : public source {
       throw error(e.code(), fmt::format("nccl: the streamer (rank 0 of {} on cuda:{}) could not set up the session: {}",
                                         nranks, device_, e.what()));
     }
-    late_ = fmt::format("a receiver of this session ({} in all) is stuck or gone; the communicator was aborted and "
-                        "the next refit builds a new one",
-                        receivers_);
+    late_ = fmt::format(
+        "a receiver of this session ({} in all) is stuck or gone; the communicator was aborted and "
+        "the next refit builds a new one",
+        receivers_);
     REFIT_INFO("nccl: communicator ready: rank 0 of {} on cuda:{}, {} receivers, in {:.1f} ms", nranks, device_,
                receivers_, ms_since(t0));
   }
@@ -510,9 +509,9 @@ class nccl_source final : public source {
     if (!comm_)
       throw error(errc::internal, "nccl: a receiver accepted the session before join() built the communicator");
     // In place only when every receiver offered it: one that stages needs buffer-sized batches.
-    in_place_ = want_in_place_ && !replies.empty() && std::all_of(replies.begin(), replies.end(), [](const wire::ok& r) {
-                  return r.mode == wire::session_mode::in_place;
-                });
+    in_place_ = want_in_place_ && !replies.empty() &&
+                std::all_of(replies.begin(), replies.end(),
+                            [](const wire::ok& r) { return r.mode == wire::session_mode::in_place; });
     if (in_place_) {
       send_.clear();  // nothing is packed in this session (unless converted: staging()): the memory goes back
       send_bytes_ = 0;
@@ -689,8 +688,8 @@ class nccl_sink final : public sink {
     const int nranks = static_cast<int>(session.nranks);
     ncclUniqueId id{};
     std::memcpy(id.internal, session.id.data(), sizeof id.internal);
-    const std::string late = fmt::format(
-        "the streamer {} or another of its {} receivers did not join the communicator", h.peer, nranks - 1);
+    const std::string late =
+        fmt::format("the streamer {} or another of its {} receivers did not join the communicator", h.peer, nranks - 1);
     try {
       const deadline until = deadline::after(timeout_);
       comm_ = communicator(nranks, id, rank, device_, until, late);
@@ -708,13 +707,15 @@ class nccl_sink final : public sink {
     rank_ = rank;
     ahead_->reset();
     timeline_.reset();
-    late_ = fmt::format("the streamer {} or another receiver of its session is stuck or gone; the communicator of "
-                        "rank {} was aborted and the next HELLO builds a new one",
-                        peer_, rank);
+    late_ = fmt::format(
+        "the streamer {} or another receiver of its session is stuck or gone; the communicator of "
+        "rank {} was aborted and the next HELLO builds a new one",
+        peer_, rank);
     attached_ = true;
-    REFIT_INFO("nccl: communicator ready: rank {} of {} on cuda:{} (streamer {}), {} × {} MiB buffers announced, in "
-               "{:.1f} ms",
-               rank, nranks, device_, peer_, sizes_.size(), sizes_[0] >> 20, ms_since(t0));
+    REFIT_INFO(
+        "nccl: communicator ready: rank {} of {} on cuda:{} (streamer {}), {} × {} MiB buffers announced, in "
+        "{:.1f} ms",
+        rank, nranks, device_, peer_, sizes_.size(), sizes_[0] >> 20, ms_since(t0));
   }
 
   void detach() noexcept override {
@@ -760,7 +761,8 @@ class nccl_sink final : public sink {
   [[nodiscard]] bool moves_entries() const noexcept override { return true; }
 
   void entries(std::size_t i, std::span<const segment> batch) override {
-    if (i >= sizes_.size()) throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, sizes_.size()));
+    if (i >= sizes_.size())
+      throw error(errc::internal, fmt::format("nccl: entries of buffer {} of {}", i, sizes_.size()));
     // Without receive buffers (in place) no entry may be staged: a buffer of 0 bytes refuses it.
     batch_.take(batch, i < recv_.size() ? sizes_[i] : 0, i);
   }
@@ -865,7 +867,7 @@ class nccl_sink final : public sink {
   bool attached_ = false;
   cuda::stream comm_stream_;
   cuda::stream apply_;
-  std::vector<std::uint64_t> sizes_;      ///< the buffers the streamer announced
+  std::vector<std::uint64_t> sizes_;       ///< the buffers the streamer announced
   std::vector<cuda::device_buffer> recv_;  ///< made for sessions that stage (make_buffers)
   cuda::device_buffer scratch_;            ///< the warm-up broadcast's bytes
   std::vector<cuda::event> received_;
@@ -891,4 +893,4 @@ std::unique_ptr<sink> make_nccl_sink(int device, milliseconds timeout) {
 
 // The registration. A failure at any rank ends the collective everywhere; receives in place when granted.
 REFIT_TRANSPORT(nccl, {refit::transport::transport_name, refit::transport::capabilities{1u << 16, false, true, true},
-                      refit::transport::make_nccl_source, refit::transport::make_nccl_sink});
+                       refit::transport::make_nccl_source, refit::transport::make_nccl_sink});

@@ -42,8 +42,8 @@ nccl_session decode_nccl_session(std::string_view bytes) {
   s.nranks = get_u32(bytes.substr(nccl_session::id_bytes + 4));
   if (s.nranks < 2 || s.rank < 1 || s.rank >= s.nranks || s.nranks > static_cast<std::uint32_t>(INT_MAX))
     throw error(errc::protocol,
-                fmt::format("nccl: HELLO gives this receiver rank {} of {}: a receiver's rank is 1..nranks-1",
-                            s.rank, s.nranks));
+                fmt::format("nccl: HELLO gives this receiver rank {} of {}: a receiver's rank is 1..nranks-1", s.rank,
+                            s.nranks));
   return s;
 }
 

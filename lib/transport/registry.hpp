@@ -50,8 +50,8 @@ struct registrar {
 /// The registrar is the symbol `refit_transport_<ident>`; for a transport listed in
 /// lib/transport/meson.build the build generates a reference to it (builtin.cpp.in), so that a
 /// static link keeps the transport.
-#define REFIT_TRANSPORT(ident, ...)                                                                 \
-  extern "C" {                                                                                      \
+#define REFIT_TRANSPORT(ident, ...)                                                                    \
+  extern "C" {                                                                                         \
   ::refit::transport::registrar refit_transport_##ident{::refit::transport::registration __VA_ARGS__}; \
-  }                                                                                                 \
+  }                                                                                                    \
   static_assert(true, "REFIT_TRANSPORT ends with a semicolon")

@@ -23,8 +23,8 @@ std::uint64_t check_buffer_ranges(const batch& b, std::uint64_t capacity) {
     const entry& e = b.entries[i];
     std::uint64_t last = 0;
     if (__builtin_add_overflow(e.buffer_offset, e.bytes, &last) || last > capacity)
-      violation(fmt::format("BATCH {}: entry {} ('{}'): buffer range [{}, {} + {}) exceeds buffer {}'s {} bytes",
-                            b.seq, i, e.name, e.buffer_offset, e.buffer_offset, e.bytes, b.buffer, capacity));
+      violation(fmt::format("BATCH {}: entry {} ('{}'): buffer range [{}, {} + {}) exceeds buffer {}'s {} bytes", b.seq,
+                            i, e.name, e.buffer_offset, e.buffer_offset, e.bytes, b.buffer, capacity));
     if (__builtin_add_overflow(batch_bytes, e.bytes, &batch_bytes))
       violation(fmt::format("BATCH {}: the entries hold more bytes than fit 64 bits", b.seq));
   }
@@ -37,16 +37,15 @@ void check_overlaps(const batch& b) {
   order.reserve(b.entries.size());
   for (std::size_t i = 0; i < b.entries.size(); ++i)
     if (b.entries[i].bytes != 0) order.push_back(i);
-  std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
-    return b.entries[x].buffer_offset < b.entries[y].buffer_offset;
-  });
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t x, std::size_t y) { return b.entries[x].buffer_offset < b.entries[y].buffer_offset; });
   for (std::size_t k = 1; k < order.size(); ++k) {
     const entry& p = b.entries[order[k - 1]];
     const entry& c = b.entries[order[k]];
     if (p.buffer_offset + p.bytes > c.buffer_offset)
       violation(fmt::format("BATCH {}: entries {} ('{}') at [{}, {}) and {} ('{}') at [{}, {}) overlap in buffer {}",
-                            b.seq, order[k - 1], p.name, p.buffer_offset, p.buffer_offset + p.bytes, order[k],
-                            c.name, c.buffer_offset, c.buffer_offset + c.bytes, b.buffer));
+                            b.seq, order[k - 1], p.name, p.buffer_offset, p.buffer_offset + p.bytes, order[k], c.name,
+                            c.buffer_offset, c.buffer_offset + c.bytes, b.buffer));
   }
 }
 
@@ -67,9 +66,10 @@ void refit_tracker::reset() noexcept {
 
 void refit_tracker::begin(const wire::begin& b, std::optional<std::uint64_t> committed) {
   if (committed && b.version <= *committed)
-    violation(fmt::format("BEGIN: version {} is not newer than the committed version {}; every refit needs a "
-                          "larger version number",
-                          b.version, *committed));
+    violation(
+        fmt::format("BEGIN: version {} is not newer than the committed version {}; every refit needs a "
+                    "larger version number",
+                    b.version, *committed));
   // A BEGIN during a refit restarts: the receiver has aborted the old one.
   reset();
   active_ = true;
@@ -91,16 +91,14 @@ void refit_tracker::check(const wire::batch& b) {
 void refit_tracker::check_header(const wire::batch& b) const {
   if (!active_) violation(fmt::format("BATCH without BEGIN (version {}, seq {})", b.version, b.seq));
   if (b.version != version_)
-    violation(fmt::format("BATCH: version {} does not match the refit in progress, version {}", b.version,
-                          version_));
+    violation(fmt::format("BATCH: version {} does not match the refit in progress, version {}", b.version, version_));
   if (b.seq != next_seq_)
     violation(fmt::format("BATCH: sequence number {} out of order, expected {}", b.seq, next_seq_));
   if (b.buffer >= buffer_bytes_.size())
     violation(fmt::format("BATCH {}: buffer index {} out of range: the session has {} buffers", b.seq, b.buffer,
                           buffer_bytes_.size()));
   if (b.entries.size() > max_entries_)
-    violation(fmt::format("BATCH {}: {} entries, more than the limit of {}", b.seq, b.entries.size(),
-                          max_entries_));
+    violation(fmt::format("BATCH {}: {} entries, more than the limit of {}", b.seq, b.entries.size(), max_entries_));
 }
 
 refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) const {
@@ -108,7 +106,8 @@ refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) 
   for (std::size_t i = 0; i < b.entries.size(); ++i) {
     const entry& e = b.entries[i];
     const auto where = [&] { return fmt::format("BATCH {}: entry {} ('{}')", b.seq, i, e.name); };
-    if (completed_.contains(e.name)) violation(fmt::format("{}: duplicate tensor '{}': it already arrived whole", where(), e.name));
+    if (completed_.contains(e.name))
+      violation(fmt::format("{}: duplicate tensor '{}': it already arrived whole", where(), e.name));
 
     const partial* prev = nullptr;
     auto staged_it = changes.find(e.name);
@@ -123,25 +122,27 @@ refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) 
     partial next;
     if (!prev) {
       if (e.tensor_offset != 0)
-        violation(fmt::format("{}: the first chunk of a tensor must start at offset 0, got {}", where(),
-                              e.tensor_offset));
+        violation(
+            fmt::format("{}: the first chunk of a tensor must start at offset 0, got {}", where(), e.tensor_offset));
       const auto total = checked_nbytes(e.type, e.shape);
-      if (!total) violation(fmt::format("{}: shape {} has no valid byte count", where(), shape_string(e.type, e.shape)));
+      if (!total)
+        violation(fmt::format("{}: shape {} has no valid byte count", where(), shape_string(e.type, e.shape)));
       next = partial{e.type, e.shape, 0, *total};
     } else {
       if (e.type != prev->type || e.shape != prev->shape)
         violation(fmt::format("{}: chunk changes the tensor from {} to {}", where(),
                               shape_string(prev->type, prev->shape), shape_string(e.type, e.shape)));
       if (e.tensor_offset != prev->next)
-        violation(fmt::format("{}: chunk starts at byte {} but the previous chunk ended at byte {}; chunks must be "
-                              "in order and contiguous",
-                              where(), e.tensor_offset, prev->next));
+        violation(
+            fmt::format("{}: chunk starts at byte {} but the previous chunk ended at byte {}; chunks must be "
+                        "in order and contiguous",
+                        where(), e.tensor_offset, prev->next));
       next = *prev;
     }
     std::uint64_t last = 0;
     if (__builtin_add_overflow(next.next, e.covered(), &last) || last > next.total)
-      violation(fmt::format("{}: byte range [{}, {} + {}) exceeds the tensor's {} bytes ({})", where(),
-                            e.tensor_offset, e.tensor_offset, e.covered(), next.total, shape_string(e.type, e.shape)));
+      violation(fmt::format("{}: byte range [{}, {} + {}) exceeds the tensor's {} bytes ({})", where(), e.tensor_offset,
+                            e.tensor_offset, e.covered(), next.total, shape_string(e.type, e.shape)));
     if (e.kind == entry_kind::patch && !delta_)
       violation(fmt::format("{}: a patch entry in version {}, which is not a delta (BEGIN named no base)", where(),
                             version_));
@@ -175,12 +176,12 @@ void refit_tracker::finish(const wire::end& e) {
     // Name the first one in order, so the message does not depend on hashing.
     const auto it = std::min_element(partial_.begin(), partial_.end(),
                                      [](const auto& x, const auto& y) { return x.first < y.first; });
-    throw refit::error(errc::incomplete,
-                       fmt::format("END of version {}: tensor '{}' is incomplete: {} of {} bytes arrived{}; nothing "
-                                   "was committed",
-                                   version_, it->first, it->second.next, it->second.total,
-                                   partial_.size() > 1 ? fmt::format(" ({} incomplete tensors)", partial_.size())
-                                                       : std::string()));
+    throw refit::error(
+        errc::incomplete,
+        fmt::format("END of version {}: tensor '{}' is incomplete: {} of {} bytes arrived{}; nothing "
+                    "was committed",
+                    version_, it->first, it->second.next, it->second.total,
+                    partial_.size() > 1 ? fmt::format(" ({} incomplete tensors)", partial_.size()) : std::string()));
   }
   auto mismatch = [&](std::string_view what, std::uint64_t announced, std::uint64_t arrived) {
     if (announced != arrived)

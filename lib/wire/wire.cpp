@@ -27,26 +27,30 @@ std::string_view to_string(msg_type t) noexcept {
   return "UNKNOWN";
 }
 
-std::string_view to_string(entry_kind k) noexcept {
-  return k == entry_kind::patch ? "patch" : "bytes";
-}
+std::string_view to_string(entry_kind k) noexcept { return k == entry_kind::patch ? "patch" : "bytes"; }
 
-std::string_view to_string(session_mode m) noexcept {
-  return m == session_mode::in_place ? "in place" : "buffers";
-}
+std::string_view to_string(session_mode m) noexcept { return m == session_mode::in_place ? "in place" : "buffers"; }
 
 msg_type type_of(const message& m) noexcept {
   return std::visit(
       [](const auto& v) -> msg_type {
         using T = std::decay_t<decltype(v)>;
-        if constexpr (std::is_same_v<T, hello>) return msg_type::hello;
-        else if constexpr (std::is_same_v<T, begin>) return msg_type::begin;
-        else if constexpr (std::is_same_v<T, batch>) return msg_type::batch;
-        else if constexpr (std::is_same_v<T, end>) return msg_type::end;
-        else if constexpr (std::is_same_v<T, bye>) return msg_type::bye;
-        else if constexpr (std::is_same_v<T, ok>) return msg_type::ok;
-        else if constexpr (std::is_same_v<T, error>) return msg_type::error;
-        else return msg_type::abort;
+        if constexpr (std::is_same_v<T, hello>)
+          return msg_type::hello;
+        else if constexpr (std::is_same_v<T, begin>)
+          return msg_type::begin;
+        else if constexpr (std::is_same_v<T, batch>)
+          return msg_type::batch;
+        else if constexpr (std::is_same_v<T, end>)
+          return msg_type::end;
+        else if constexpr (std::is_same_v<T, bye>)
+          return msg_type::bye;
+        else if constexpr (std::is_same_v<T, ok>)
+          return msg_type::ok;
+        else if constexpr (std::is_same_v<T, error>)
+          return msg_type::error;
+        else
+          return msg_type::abort;
       },
       m);
 }
@@ -96,13 +100,17 @@ void encode_body(packer& p, const hello& m) {
 }
 
 void pack_optional(packer& p, const std::optional<std::uint64_t>& v) {
-  if (v) pack_uint(p, *v);
-  else p.pack_nil();
+  if (v)
+    pack_uint(p, *v);
+  else
+    p.pack_nil();
 }
 
 void pack_bool(packer& p, bool v) {
-  if (v) p.pack_true();
-  else p.pack_false();
+  if (v)
+    p.pack_true();
+  else
+    p.pack_false();
 }
 
 void encode_body(packer& p, const begin& m) {
@@ -256,8 +264,8 @@ class reader {
   std::uint32_t u32(const object& o, std::string_view field) const {
     const std::uint64_t v = u64(o, field);
     if (v > std::numeric_limits<std::uint32_t>::max())
-      fail(field, fmt::format("is {}, more than the largest allowed value {}", v,
-                              std::numeric_limits<std::uint32_t>::max()));
+      fail(field,
+           fmt::format("is {}, more than the largest allowed value {}", v, std::numeric_limits<std::uint32_t>::max()));
     return static_cast<std::uint32_t>(v);
   }
 
@@ -290,8 +298,7 @@ class reader {
   // An array of exactly n elements (a nested record).
   std::span<const object> record(const object& o, std::string_view field, std::size_t n) const {
     expect(o, mt::ARRAY, field, "an array");
-    if (o.via.array.size != n)
-      fail(field, fmt::format("must have {} elements, got {}", n, o.via.array.size));
+    if (o.via.array.size != n) fail(field, fmt::format("must have {} elements, got {}", n, o.via.array.size));
     return {o.via.array.ptr, o.via.array.size};
   }
 
@@ -372,8 +379,8 @@ void check_patch_entry(reader& r, entry& e, std::uint64_t total) {
   if (e.bytes % (4 + item) != 0)
     r.fail("bytes", fmt::format("{} is not a whole number of {}-byte (index, value) records", e.bytes, 4 + item));
   if (e.bytes / (4 + item) > e.span / item)
-    r.fail("bytes", fmt::format("hold {} changes, more than the {} elements of the span", e.bytes / (4 + item),
-                                e.span / item));
+    r.fail("bytes",
+           fmt::format("hold {} changes, more than the {} elements of the span", e.bytes / (4 + item), e.span / item));
 }
 
 entry decode_entry(reader& r, const object& o, std::size_t index) {
@@ -411,8 +418,8 @@ entry decode_entry(reader& r, const object& o, std::size_t index) {
     if (__builtin_add_overflow(e.tensor_offset, e.bytes, &last))
       r.fail("tensor_offset", fmt::format("{} + bytes {} overflows", e.tensor_offset, e.bytes));
     if (last > *total)
-      r.fail("byte range", fmt::format("[{}, {}) exceeds the tensor's {} bytes ({})", e.tensor_offset, last,
-                                       *total, describe_type(e.type, e.shape)));
+      r.fail("byte range", fmt::format("[{}, {}) exceeds the tensor's {} bytes ({})", e.tensor_offset, last, *total,
+                                       describe_type(e.type, e.shape)));
   }
   if (__builtin_add_overflow(e.buffer_offset, e.bytes, &last))
     r.fail("buffer_offset", fmt::format("{} + bytes {} overflows", e.buffer_offset, e.bytes));
@@ -477,8 +484,7 @@ std::vector<conversion> decode_conversions(reader& r, const object& o) {
 
 std::optional<std::uint64_t> optional_u64(reader& r, const object& o, std::string_view field) {
   if (o.type == mt::NIL) return std::nullopt;
-  if (o.type != mt::POSITIVE_INTEGER)
-    r.fail(field, fmt::format("must be nil or an unsigned integer, got {}", kind(o)));
+  if (o.type != mt::POSITIVE_INTEGER) r.fail(field, fmt::format("must be nil or an unsigned integer, got {}", kind(o)));
   return o.via.u64;
 }
 
@@ -510,7 +516,8 @@ ok decode_ok(reader& r, std::span<const object> f) {
 errc decode_errc(reader& r, const object& o) {
   constexpr auto lo = static_cast<std::int64_t>(errc::invalid_argument);
   constexpr auto hi = static_cast<std::int64_t>(errc::needs_whole);
-  if (o.type == mt::NEGATIVE_INTEGER) r.fail("code", fmt::format("{} is not an error code ({}..{})", o.via.i64, lo, hi));
+  if (o.type == mt::NEGATIVE_INTEGER)
+    r.fail("code", fmt::format("{} is not an error code ({}..{})", o.via.i64, lo, hi));
   const std::uint64_t code = r.u64(o, "code");
   if (code < static_cast<std::uint64_t>(lo) || code > static_cast<std::uint64_t>(hi))
     r.fail("code", fmt::format("{} is not an error code ({}..{})", code, lo, hi));
@@ -543,8 +550,7 @@ msgpack::object_handle unpack_bounded(std::span<const std::byte> bytes) {
   // limits are one above ours so that the field checks, which name the field, see them.
   const std::size_t n = bytes.size();
   const std::size_t elements = std::min(n, max_entries + 1);
-  const msgpack::unpack_limit limit(elements, elements, max_message_bytes, max_message_bytes, max_message_bytes,
-                                    16);
+  const msgpack::unpack_limit limit(elements, elements, max_message_bytes, max_message_bytes, max_message_bytes, 16);
   msgpack::object_handle handle;
   std::size_t off = 0;
   try {
@@ -589,9 +595,8 @@ std::pair<msg_type, std::span<const object>> open_envelope(const object& top) {
   const auto t = static_cast<msg_type>(code);
   const auto fields = all.subspan(2);
   if (fields.size() != field_count(t))
-    throw refit::error(errc::protocol,
-                       fmt::format("invalid {} message: {} fields, expected {}", to_string(t), fields.size(),
-                                   field_count(t)));
+    throw refit::error(errc::protocol, fmt::format("invalid {} message: {} fields, expected {}", to_string(t),
+                                                   fields.size(), field_count(t)));
   return {t, fields};
 }
 

@@ -70,10 +70,10 @@ std::string_view to_string(session_mode m) noexcept;
 
 /// Streamer → receiver, once per session.
 struct hello {
-  std::string token;      ///< session token ("" when none)
-  std::string transport;  ///< "host_shm", "cuda_ipc", "nccl"
-  std::string peer;       ///< "host:pid" of the streamer, for messages
-  std::string host_id;    ///< hostname + boot id: same value ⇔ same host
+  std::string token;        ///< session token ("" when none)
+  std::string transport;    ///< "host_shm", "cuda_ipc", "nccl"
+  std::string peer;         ///< "host:pid" of the streamer, for messages
+  std::string host_id;      ///< hostname + boot id: same value ⇔ same host
   std::string device_uuid;  ///< cuda: the 16-byte UUID of the streamer's GPU
   std::uint64_t alignment = 256;
   std::vector<buffer_desc> buffers;

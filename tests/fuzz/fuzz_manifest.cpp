@@ -36,8 +36,8 @@ fs::path scratch;
   std::abort();
 }
 
-#define FUZZ_ASSERT(cond) \
-  do {                    \
+#define FUZZ_ASSERT(cond)                \
+  do {                                   \
     if (!(cond)) property_failed(#cond); \
   } while (0)
 

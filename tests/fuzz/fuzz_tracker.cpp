@@ -43,8 +43,8 @@ constexpr std::uint64_t entry_limit = 64;
   std::abort();
 }
 
-#define FUZZ_ASSERT(cond) \
-  do {                    \
+#define FUZZ_ASSERT(cond)                \
+  do {                                   \
     if (!(cond)) property_failed(#cond); \
   } while (0)
 
@@ -71,8 +71,12 @@ struct snapshot {
   std::uint64_t version, batches, tensors, bytes;
   std::set<std::string, std::less<>> completed;
   explicit snapshot(const wire::refit_tracker& t)
-      : active(t.active()), version(t.version()), batches(t.batches()), tensors(t.tensors_completed()),
-        bytes(t.bytes()), completed(t.completed()) {}
+      : active(t.active()),
+        version(t.version()),
+        batches(t.batches()),
+        tensors(t.tensors_completed()),
+        bytes(t.bytes()),
+        completed(t.completed()) {}
   bool operator==(const snapshot&) const = default;
 };
 
@@ -118,8 +122,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         arrived += sum;
         FUZZ_ASSERT(tracker.batches() == before.batches + 1);
         FUZZ_ASSERT(tracker.bytes() == arrived);
-        FUZZ_ASSERT(std::includes(tracker.completed().begin(), tracker.completed().end(),
-                                  before.completed.begin(), before.completed.end()));
+        FUZZ_ASSERT(std::includes(tracker.completed().begin(), tracker.completed().end(), before.completed.begin(),
+                                  before.completed.end()));
         for (const auto& name : tracker.completed()) FUZZ_ASSERT(totals.contains(name));
       } else if (const auto* e = std::get_if<wire::end>(&m)) {
         tracker.finish(*e);

@@ -81,12 +81,16 @@ wire::hello hello_nccl() {
 // Batch 0 of version 7: a whole small tensor, and the first half of a larger one. Batch 1: its
 // second half and an empty tensor. Fits buffer 1 (4096 bytes) of the tracker target.
 wire::batch batch0() {
-  return {7, 0, 1,
+  return {7,
+          0,
+          1,
           {{"model.embed.weight", dtype::bf16, {4, 8}, 0, 64, 0},
            {"model.layers.0.mlp.up_proj.weight", dtype::f32, {16, 16}, 0, 512, 256}}};
 }
 wire::batch batch1() {
-  return {7, 1, 2,
+  return {7,
+          1,
+          2,
           {{"model.layers.0.mlp.up_proj.weight", dtype::f32, {16, 16}, 512, 512, 0},
            {"model.norm.bias", dtype::f16, {0}, 0, 0, 512},
            {"lm_head.scale", dtype::u8, {}, 0, 1, 1024}}};
@@ -116,10 +120,13 @@ int main(int argc, char** argv) {
     write(w, "hello_cuda_ipc", wire::encode(hello_cuda()));
     write(w, "hello_nccl", wire::encode(hello_nccl()));
     // decode_dest runs on every input too: destination records of a direct offer.
-    write(w, "dest_shard", wire::encode_dest(wire::dest_record{"layers.0.o_proj.weight", refit::dtype::bf16, {64, 32},
-                                                                {64, 1}, refit::source_slice{1, 32, 32}, 0, 4096}));
+    write(
+        w, "dest_shard",
+        wire::encode_dest(wire::dest_record{
+            "layers.0.o_proj.weight", refit::dtype::bf16, {64, 32}, {64, 1}, refit::source_slice{1, 32, 32}, 0, 4096}));
     write(w, "session_nccl", refit::transport::encode_nccl_session({std::string(128, '\x2a'), 2, 4}));
-    write(w, "dest_dense", wire::encode_dest(wire::dest_record{"q", refit::dtype::f32, {8, 4}, {}, std::nullopt, 1, 0}));
+    write(w, "dest_dense",
+          wire::encode_dest(wire::dest_record{"q", refit::dtype::f32, {8, 4}, {}, std::nullopt, 1, 0}));
     write(w, "begin", wire::encode(wire::begin{7, false, {}}));
     write(w, "batch_0", wire::encode(batch0()));
     write(w, "batch_1", wire::encode(batch1()));
@@ -131,40 +138,48 @@ int main(int argc, char** argv) {
     write(w, "batch_patch", wire::encode(batch_patch8()));
     write(w, "end_checksum", wire::encode(end8()));
     write(w, "error_needs_whole",
-          wire::encode(wire::error{refit::errc::needs_whole, "delta version 8: its base is version 7, but this "
-                                                             "receiver holds version 6; send a whole version"}));
-    write(w, "ok_hello", wire::encode(wire::ok{std::nullopt, false, {std::string(64, '\x66'), "h2"},
-                                               wire::session_mode::buffers, {}}));
+          wire::encode(wire::error{refit::errc::needs_whole,
+                                   "delta version 8: its base is version 7, but this "
+                                   "receiver holds version 6; send a whole version"}));
+    write(
+        w, "ok_hello",
+        wire::encode(wire::ok{std::nullopt, false, {std::string(64, '\x66'), "h2"}, wire::session_mode::buffers, {}}));
     write(w, "ok_in_place", wire::encode(wire::ok{std::nullopt, false, {"A", "T"}, wire::session_mode::in_place, {}}));
     write(w, "ok_committed", wire::encode(wire::ok{7, false, {}, wire::session_mode::buffers, {}}));
     write(w, "ok_dirty", wire::encode(wire::ok{6, true, {}, wire::session_mode::buffers, {}}));
-    write(w, "ok_convert", wire::encode(wire::ok{std::nullopt, false, {}, wire::session_mode::buffers,
-                                                 {{"w", dtype::f8_e4m3, refit::quant::block128},
-                                                  {"s", dtype::f8_e4m3, refit::quant::tensor},
-                                                  {"b", dtype::bf16, refit::quant::none}}}));
+    write(w, "ok_convert",
+          wire::encode(wire::ok{std::nullopt,
+                                false,
+                                {},
+                                wire::session_mode::buffers,
+                                {{"w", dtype::f8_e4m3, refit::quant::block128},
+                                 {"s", dtype::f8_e4m3, refit::quant::tensor},
+                                 {"b", dtype::bf16, refit::quant::none}}}));
     write(w, "error_protocol",
           wire::encode(wire::error{refit::errc::protocol, "BATCH 3: sequence number 4 out of order, expected 3"}));
     write(w, "error_unauthorized", wire::encode(wire::error{refit::errc::unauthorized, "session token mismatch"}));
-    write(w, "abort", wire::encode(wire::abort{7, refit::errc::invalid_argument,
-                                               "the source yielded tensor 'w' twice in version 7"}));
+    write(w, "abort",
+          wire::encode(
+              wire::abort{7, refit::errc::invalid_argument, "the source yielded tensor 'w' twice in version 7"}));
 
     // ------------------------------------------------------------- fuzz_tracker
     // Byte 0: bit 0 = a committed version exists, bits 1-3 = its value.
     const fs::path t = root / "fuzz_tracker";
     write(t, "refit_one", concat(0, {hello_shm(), wire::begin{7, false, {}}, batch0(), batch1(), end7()}));
-    write(t, "refit_after_committed_5", concat(1 | (5 << 1), {wire::begin{7, false, {}}, batch0(), batch1(), end7(), wire::bye{}}));
+    write(t, "refit_after_committed_5",
+          concat(1 | (5 << 1), {wire::begin{7, false, {}}, batch0(), batch1(), end7(), wire::bye{}}));
     write(t, "refit_two_versions",
           concat(0, {wire::begin{7, false, {}}, batch0(), batch1(), end7(), wire::begin{8, false, {}},
                      wire::batch{8, 0, 0, {{"w", dtype::i32, {2, 3}, 0, 24, 0}}}, wire::end{8, 1, 24, 1, {}}}));
-    write(t, "refit_restart", concat(0, {wire::begin{7, false, {}}, batch0(), wire::begin{7, false, {}}, batch0(), batch1(), end7()}));
-    write(t, "refit_incomplete", concat(0, {wire::begin{7, false, {}}, batch0(), wire::end{7, 1, 576, 1, {}}, wire::bye{}}));
+    write(t, "refit_restart",
+          concat(0, {wire::begin{7, false, {}}, batch0(), wire::begin{7, false, {}}, batch0(), batch1(), end7()}));
+    write(t, "refit_incomplete",
+          concat(0, {wire::begin{7, false, {}}, batch0(), wire::end{7, 1, 576, 1, {}}, wire::bye{}}));
     write(t, "refit_delta", concat(1 | (7 << 1), {wire::begin{8, true, 7}, batch_patch8(), end8()}));
     write(t, "refit_subset", concat(1 | (5 << 1), {wire::begin{7, true, std::nullopt}, batch0(), end7()}));
     write(t, "refit_many_chunks",
-          concat(0, {wire::begin{1, false, {}},
-                     wire::batch{1, 0, 0, {{"x", dtype::f64, {64}, 0, 256, 0}}},
-                     wire::batch{1, 1, 0, {{"x", dtype::f64, {64}, 256, 256, 0}}},
-                     wire::end{1, 1, 512, 2, {}}}));
+          concat(0, {wire::begin{1, false, {}}, wire::batch{1, 0, 0, {{"x", dtype::f64, {64}, 0, 256, 0}}},
+                     wire::batch{1, 1, 0, {{"x", dtype::f64, {64}, 256, 256, 0}}}, wire::end{1, 1, 512, 2, {}}}));
 
     // ------------------------------------------------------------- fuzz_manifest
     // Byte 0: 0 = safetensors in memory, 1 = JSON in memory (next to shard.safetensors),
@@ -187,7 +202,8 @@ int main(int argc, char** argv) {
     const std::string json =
         R"({"model.embed.weight":{"dtype":"BF16","shape":[32000,4096]},"model.norm.weight":{"shape":[4096]},)"
         R"("__metadata__":{"total_size":1}})";
-    const std::string index = R"({"metadata":{"total_size":8},"weight_map":{"a":"shard.safetensors","b":"shard.safetensors"}})";
+    const std::string index =
+        R"({"metadata":{"total_size":8},"weight_map":{"a":"shard.safetensors","b":"shard.safetensors"}})";
     write(m, "safetensors_mem", std::string(1, '\0') + st);
     write(m, "safetensors_mem_all_dtypes", std::string(1, '\0') + st_all_dtypes);
     write(m, "json_mem", std::string(1, '\1') + json);

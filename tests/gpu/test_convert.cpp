@@ -137,9 +137,9 @@ void kernels_body() {
         std::vector<refit::copy::convert_op> ops;
         const std::uint64_t n = lead * rows * cols;
         for (std::uint64_t e = 0; e < n; e += piece)
-          ops.push_back(refit::copy::convert_op{static_cast<const std::byte*>(dsrc.handle()) + e * refit::itemsize(from),
-                                                static_cast<std::byte*>(out.handle()) + e, std::min(piece, n - e), 1, 0,
-                                                0, e, cv});
+          ops.push_back(refit::copy::convert_op{
+              static_cast<const std::byte*>(dsrc.handle()) + e * refit::itemsize(from),
+              static_cast<std::byte*>(out.handle()) + e, std::min(piece, n - e), 1, 0, 0, e, cv});
         gpu->convert(ops, stream);
         const auto diff = first_difference(download(out.handle(), n), want.q);
         expect(diff.empty(), std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) +
@@ -153,39 +153,39 @@ void kernels_body() {
     // in rows of 2. 260 columns take the scalar kernel; 264 (a multiple of 8) the vectorised one,
     // whose whole tiles (NaN and ±inf among them) use the hardware's e4m3 conversion.
     for (const std::size_t fcols : {cols, std::size_t{264}}) {
-    const host_source fsrc = fcols == cols ? src : make_source(from, lead * rows, fcols, 23);
-    const auto fdsrc = upload(fsrc.bytes);
-    const ref::quantised want = ref::quantise(fsrc.values, lead, rows, fcols, true);
-    for (const bool shard : {false, true}) {
-      const std::uint64_t lo = shard ? 128 : 0, width = fcols - lo, blocks = shard ? 2 : 3;
-      refit::cuda::device_buffer out(lead * rows * width);
-      refit::cuda::device_buffer scale(lead * 3 * blocks * 4);
-      refit::copy::fused_job j;
-      j.src = fdsrc.handle();
-      j.from = from;
-      j.lead = lead;
-      j.rows = rows;
-      j.cols = fcols;
-      j.dst = static_cast<std::uint8_t*>(out.handle());
-      j.dst_pitch = width;
-      j.col_lo = lo;
-      j.col_hi = fcols;
-      j.scale = static_cast<float*>(scale.handle());
-      j.scale_pitch = blocks;
-      gpu->fused(std::span(&j, 1), stream);
-      const auto got = download(out.handle(), lead * rows * width);
-      std::vector<std::uint8_t> want_q;
-      for (std::size_t r = 0; r < lead * rows; ++r)
-        for (std::size_t c = lo; c < fcols; ++c) want_q.push_back(want.q[r * fcols + c]);
-      const auto diff = first_difference(got, want_q);
-      expect(diff.empty(), std::string("fused ") + refit::to_string(from).data() + " cols " + std::to_string(fcols) +
-                               (shard ? " shard: " : ": ") + diff);
-      std::vector<float> want_s;
-      for (std::size_t g = 0; g < lead * 3; ++g)
-        for (std::size_t b = lo / 128; b < 3; ++b) want_s.push_back(want.scale_inv[g * 3 + b]);
-      expect(same_floats(download_floats(static_cast<float*>(scale.handle()), want_s.size()), want_s),
-             std::string("fused scales ") + refit::to_string(from).data());
-    }
+      const host_source fsrc = fcols == cols ? src : make_source(from, lead * rows, fcols, 23);
+      const auto fdsrc = upload(fsrc.bytes);
+      const ref::quantised want = ref::quantise(fsrc.values, lead, rows, fcols, true);
+      for (const bool shard : {false, true}) {
+        const std::uint64_t lo = shard ? 128 : 0, width = fcols - lo, blocks = shard ? 2 : 3;
+        refit::cuda::device_buffer out(lead * rows * width);
+        refit::cuda::device_buffer scale(lead * 3 * blocks * 4);
+        refit::copy::fused_job j;
+        j.src = fdsrc.handle();
+        j.from = from;
+        j.lead = lead;
+        j.rows = rows;
+        j.cols = fcols;
+        j.dst = static_cast<std::uint8_t*>(out.handle());
+        j.dst_pitch = width;
+        j.col_lo = lo;
+        j.col_hi = fcols;
+        j.scale = static_cast<float*>(scale.handle());
+        j.scale_pitch = blocks;
+        gpu->fused(std::span(&j, 1), stream);
+        const auto got = download(out.handle(), lead * rows * width);
+        std::vector<std::uint8_t> want_q;
+        for (std::size_t r = 0; r < lead * rows; ++r)
+          for (std::size_t c = lo; c < fcols; ++c) want_q.push_back(want.q[r * fcols + c]);
+        const auto diff = first_difference(got, want_q);
+        expect(diff.empty(), std::string("fused ") + refit::to_string(from).data() + " cols " + std::to_string(fcols) +
+                                 (shard ? " shard: " : ": ") + diff);
+        std::vector<float> want_s;
+        for (std::size_t g = 0; g < lead * 3; ++g)
+          for (std::size_t b = lo / 128; b < 3; ++b) want_s.push_back(want.scale_inv[g * 3 + b]);
+        expect(same_floats(download_floats(static_cast<float*>(scale.handle()), want_s.size()), want_s),
+               std::string("fused scales ") + refit::to_string(from).data());
+      }
     }
   }
   // Casts.
@@ -203,8 +203,8 @@ void kernels_body() {
     const refit::copy::convert_op host_op{src.bytes.data(), want.data(), n, 1, 0, 0, 0, cv};
     cpu->convert(std::span(&host_op, 1), nullptr);
     const auto diff = first_difference(download(out.handle(), want.size()), want);
-    expect(diff.empty(), std::string("cast ") + refit::to_string(from).data() + " to " + refit::to_string(to).data() +
-                             ": " + diff);
+    expect(diff.empty(),
+           std::string("cast ") + refit::to_string(from).data() + " to " + refit::to_string(to).data() + ": " + diff);
   }
 }
 
@@ -231,8 +231,8 @@ void receiver_body(const std::string& ep, rt::signal_pipe& ready, int device = 0
   o.device = device;
   o.idle_timeout = 30000ms;
   refit::receiver r(o);
-  refit::cuda::device_buffer q_block(300 * 260), s_block(9 * 4), q_shard(256 * 172), s_shard(2 * 2 * 4),
-      q_tensor(6400), s_tensor(4), bf_cast(2000), q_big(1024 * 1024), s_big(64 * 4);
+  refit::cuda::device_buffer q_block(300 * 260), s_block(9 * 4), q_shard(256 * 172), s_shard(2 * 2 * 4), q_tensor(6400),
+      s_tensor(4), bf_cast(2000), q_big(1024 * 1024), s_big(64 * 4);
   const auto fp8 = [device](const char* name, std::vector<std::int64_t> shape, refit::cuda::device_buffer& q,
                             refit::cuda::device_buffer& s, quant qu) {
     refit::tensor_dest d{{name, dtype::f8_e4m3, std::move(shape)}, q.handle(), refit::device::cuda(device)};
@@ -298,8 +298,8 @@ void receiver_body(const std::string& ep, rt::signal_pipe& ready, int device = 0
 void streamer_body(const std::string& ep, bool direct, bool nccl = false, bool shard = true) {
   refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
   const model m;
-  const auto b = upload(m.block.bytes), s = upload(m.shard.bytes), t = upload(m.tensor.bytes),
-             c = upload(m.cast.bytes), g = upload(m.big.bytes);
+  const auto b = upload(m.block.bytes), s = upload(m.shard.bytes), t = upload(m.tensor.bytes), c = upload(m.cast.bytes),
+             g = upload(m.big.bytes);
   std::vector<refit::tensor_ref> refs{
       {{"w_block", dtype::bf16, {300, 260}}, b.handle(), refit::device::cuda(0), nullptr},
       {{"w_tensor", dtype::f32, {64, 100}}, t.handle(), refit::device::cuda(0), nullptr},

@@ -366,8 +366,9 @@ void expect_no_growth(const std::string& who, const resources& earlier, const re
 std::optional<refit::copy::op> random_rows(std::mt19937_64& rng, const std::byte* src, std::uint64_t src_bytes,
                                            std::byte* dst, std::uint64_t dst_bytes, std::uint64_t& cursor) {
   const auto kind = rng() % 3;
-  const std::uint64_t width = kind == 0 ? 1 + rng() % 2048 : kind == 1 ? 60 * kib + rng() % (8 * kib)
-                                                                        : 64 * kib + rng() % (200 * kib);
+  const std::uint64_t width = kind == 0   ? 1 + rng() % 2048
+                              : kind == 1 ? 60 * kib + rng() % (8 * kib)
+                                          : 64 * kib + rng() % (200 * kib);
   const std::uint64_t rows = 2 + rng() % (kind == 0 ? 300 : 6);
   const bool aligned = rng() % 2 == 0;
   std::uint64_t w = aligned ? (width + 15) / 16 * 16 : width;
@@ -521,7 +522,7 @@ TEST_CASE("the device checksum equals the CPU checksum for any size and offset",
     refit::check_cuda(cudaMemcpy(dev.handle(), host.data(), bytes, cudaMemcpyHostToDevice), "upload");
     const auto* d = static_cast<const std::uint8_t*>(dev.handle());
 
-    std::vector<std::pair<std::uint64_t, std::uint64_t> > cases = {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> cases = {
         {0, 0},        {0, 1}, {3, 7}, {5, 8}, {1, 9}, {0, 4096}, {7, 4096 + 3}, {0, bytes}, {13, 33 * mib + 5},
         {8, bytes - 8}};
     for (int k = 0; k < 200; ++k) {
@@ -568,8 +569,8 @@ TEST_CASE("with direct writes turned off, cuda_ipc stages through the buffers in
 /// a strided view (w into columns 6..25 of a [12, 40] tensor). u16 stands for bf16.
 struct engine_layout {
   static constexpr std::int64_t h = 32;
-  std::vector<refit::tensor_meta> sources{{"q", refit::dtype::u16, {64, h}},  {"k", refit::dtype::u16, {16, h}},
-                                          {"v", refit::dtype::u16, {16, h}},  {"o", refit::dtype::u16, {h, 64}},
+  std::vector<refit::tensor_meta> sources{{"q", refit::dtype::u16, {64, h}},   {"k", refit::dtype::u16, {16, h}},
+                                          {"v", refit::dtype::u16, {16, h}},   {"o", refit::dtype::u16, {h, 64}},
                                           {"emb", refit::dtype::u16, {40, h}}, {"w", refit::dtype::u16, {12, 20}}};
   // Element offsets in the engine allocation: qkv [96, h], o_local [h, h], emb, head [40, h], big [12, 40].
   static constexpr std::int64_t qkv = 0, o_local = 96 * h, emb = o_local + h * h, head = emb + 40 * h,
@@ -637,8 +638,8 @@ void engine_layout_refits(bool direct) {
           refit::check_cuda(cudaMemcpy(got.data(), engine.handle(), bytes, cudaMemcpyDeviceToHost), "download");
           const auto want = layout.image(v);
           const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
-          expect(w == want.end(), "version " + std::to_string(v) + ": engine element " +
-                                      std::to_string(w - want.begin()) + " differs");
+          expect(w == want.end(),
+                 "version " + std::to_string(v) + ": engine element " + std::to_string(w - want.begin()) + " differs");
           ++commits;
         });
         expect(commits == versions.size(), std::to_string(commits) + " commits");
@@ -658,9 +659,10 @@ void engine_layout_refits(bool direct) {
       });
 }
 
-TEST_CASE("an engine layout (fused GQA qkv, a row-parallel shard, tied embeddings, a strided view) is written "
-          "directly over cuda_ipc, bit-exact over three versions",
-          "[cuda_ipc][layout]") {
+TEST_CASE(
+    "an engine layout (fused GQA qkv, a row-parallel shard, tied embeddings, a strided view) is written "
+    "directly over cuda_ipc, bit-exact over three versions",
+    "[cuda_ipc][layout]") {
   engine_layout_refits(true);
 }
 
@@ -689,9 +691,8 @@ struct tp_layout {
       l.slice = slice;
       l.alloc = base;
       l.alloc_bytes = bytes;
-      r.add_parameter(refit::tensor_dest{{name, refit::dtype::u16, std::move(shape)}, base + at,
-                                         refit::device::cuda(device)},
-                      l);
+      r.add_parameter(
+          refit::tensor_dest{{name, refit::dtype::u16, std::move(shape)}, base + at, refit::device::cuda(device)}, l);
     };
     add("q", {32, 32}, qk, refit::source_slice{0, 32 * rank, 32});
     add("k", {8, 32}, qk + 32 * 32, refit::source_slice{0, 8 * rank, 8});
@@ -825,9 +826,10 @@ TEST_CASE("a cuda_ipc streamer with two receivers refuses to stage: one with a c
   CHECK(rx1.wait(60s) == 0);
 }
 
-TEST_CASE("a receiver whose registered CUDA memory was freed refuses the next HELLO naming the tensor; nothing is "
-          "written or committed",
-          "[cuda_ipc][layout]") {
+TEST_CASE(
+    "a receiver whose registered CUDA memory was freed refuses the next HELLO naming the tensor; nothing is "
+    "written or committed",
+    "[cuda_ipc][layout]") {
   const auto ep = rt::temp_endpoint();
   const refit::tensor_meta w{"w", refit::dtype::u16, {64, 32}};
   rt::signal_pipe ready, stop;
@@ -882,8 +884,7 @@ TEST_CASE("a direct cuda_ipc source that does not fit its view (slice past the e
         ready.send("ready");
         int aborts = 0;
         serve_until_bye(
-            r, [](std::uint64_t v) { expect(false, "committed version " + std::to_string(v)); }, {},
-            [&] { ++aborts; });
+            r, [](std::uint64_t v) { expect(false, "committed version " + std::to_string(v)); }, {}, [&] { ++aborts; });
         expect(aborts == 1, std::to_string(aborts) + " aborts reported");
         std::vector<std::uint8_t> got(32 * 32 * 2);
         refit::check_cuda(cudaMemcpy(got.data(), engine.handle(), got.size(), cudaMemcpyDeviceToHost), "download");
@@ -950,9 +951,10 @@ TEST_CASE("a direct cuda_ipc refit of a tensor the receiver lacks fails before w
       });
 }
 
-TEST_CASE("a parameter table moved to new memory between two direct cuda_ipc refits gets the second one there, "
-          "and its old memory keeps the first",
-          "[cuda_ipc]") {
+TEST_CASE(
+    "a parameter table moved to new memory between two direct cuda_ipc refits gets the second one there, "
+    "and its old memory keeps the first",
+    "[cuda_ipc]") {
   // The session's direct offer was made from the first table: the receiver asks for a new
   // session at the next BEGIN (refused, errc::peer), the streamer says HELLO again by itself, and
   // maps the new weights. Nothing of version 2 may reach the memory the table no longer holds.
@@ -986,8 +988,8 @@ TEST_CASE("a parameter table moved to new memory between two direct cuda_ipc ref
           if (e == refit::receiver_event::aborted) throw std::runtime_error("receiver: aborted: " + r.last_error());
           if (e == refit::receiver_event::bye) break;
         }
-        const std::vector<std::string> want = {"hello", "begin", "committed", "refused", "hello", "begin",
-                                               "committed", "bye"};
+        const std::vector<std::string> want = {"hello", "begin", "committed", "refused",
+                                               "hello", "begin", "committed", "bye"};
         std::string got;
         for (const auto& e : events) got += e + " ";
         expect(events == want, "events: " + got);
@@ -997,7 +999,9 @@ TEST_CASE("a parameter table moved to new memory between two direct cuda_ipc ref
         m = first.mismatch(1);
         expect(m.empty(), "the table's old memory was written after it was removed: " + m);
       },
-      [&] { streamer_of(ep, metas, 0, {1, 2}, path::direct); });
+      [&] {
+        streamer_of(ep, metas, 0, {1, 2}, path::direct);
+      });
 }
 
 TEST_CASE("three refits over cuda_ipc reach a callback sink that copies the views on its stream", "[cuda_ipc]") {

@@ -79,10 +79,11 @@ void check_case(std::mt19937_64& rng, std::size_t item, std::uint64_t elements, 
   refit::cuda::device_buffer base(span + 1), nxt(span + 1), out(elements * refit::delta::record_bytes(item) + 1);
   upload(base.handle(), old_bytes);
   upload(nxt.handle(), next);
-  const auto gpu = refit::delta::cuda::diff(static_cast<std::byte*>(base.handle()), static_cast<const std::byte*>(nxt.handle()),
-                                            off, span, item, total, static_cast<std::byte*>(out.handle()), 0);
-  require(gpu.changes == cpu.changes, what + ": device found " + std::to_string(gpu.changes) + " changes, CPU " +
-                                          std::to_string(cpu.changes));
+  const auto gpu =
+      refit::delta::cuda::diff(static_cast<std::byte*>(base.handle()), static_cast<const std::byte*>(nxt.handle()), off,
+                               span, item, total, static_cast<std::byte*>(out.handle()), 0);
+  require(gpu.changes == cpu.changes,
+          what + ": device found " + std::to_string(gpu.changes) + " changes, CPU " + std::to_string(cpu.changes));
   require(gpu.terms == cpu.terms, what + ": device terms differ from the CPU's");
   require(download(base.handle(), span) == next, what + ": the device base is not the new span");
   require(download(out.handle(), cpu_patch.size()) == cpu_patch, what + ": the device patch differs from the CPU's");
@@ -92,9 +93,9 @@ void check_case(std::mt19937_64& rng, std::size_t item, std::uint64_t elements, 
   std::vector<std::byte> old_tensor(off + span, std::byte{0});
   std::memcpy(old_tensor.data() + off, old_bytes.data(), span);
   upload(dest.handle(), old_tensor);
-  const std::uint64_t terms = refit::delta::cuda::apply(static_cast<const std::byte*>(out.handle()), cpu_patch.size(),
-                                                        item, span, off, total, static_cast<std::byte*>(dest.handle()),
-                                                        0, "t");
+  const std::uint64_t terms =
+      refit::delta::cuda::apply(static_cast<const std::byte*>(out.handle()), cpu_patch.size(), item, span, off, total,
+                                static_cast<std::byte*>(dest.handle()), 0, "t");
   require(terms == cpu.terms, what + ": device apply terms differ");
   const auto applied = download(dest.handle(), off + span);
   require(std::equal(applied.begin() + static_cast<std::ptrdiff_t>(off), applied.end(), next.begin()),
@@ -182,7 +183,8 @@ struct model_bytes {
       const std::size_t item = refit::itemsize(metas[k].type);
       std::bernoulli_distribution pick(metas[k].type == refit::dtype::f32 ? 1.0 : 0.02);
       for (std::uint64_t i = 0; i < bytes[k].size() / item; ++i)
-        if (pick(rng)) bytes[k][i * item] = static_cast<std::byte>(static_cast<unsigned>(bytes[k][i * item]) + 1 + rng() % 200);
+        if (pick(rng))
+          bytes[k][i * item] = static_cast<std::byte>(static_cast<unsigned>(bytes[k][i * item]) + 1 + rng() % 200);
     }
   }
 };
@@ -226,7 +228,8 @@ TEST_CASE("delta versions over cuda_ipc staged buffers are bit-exact after 20 st
     std::uint64_t seen = 0;
     const auto start = std::chrono::steady_clock::now();
     while (seen < last) {
-      require(std::chrono::steady_clock::now() - start < 120s, "receiver: version " + std::to_string(last) + " did not come");
+      require(std::chrono::steady_clock::now() - start < 120s,
+              "receiver: version " + std::to_string(last) + " did not come");
       const auto e = r.serve_one(refit::milliseconds{50});
       require(e != refit::receiver_event::aborted, "receiver: aborted: " + r.last_error());
       if (e != refit::receiver_event::committed) continue;
@@ -235,7 +238,8 @@ TEST_CASE("delta versions over cuda_ipc staged buffers are bit-exact after 20 st
       require(r.committed_version() == std::optional<std::uint64_t>(seen), "receiver: unexpected version");
       require(weights.equals(expect_model), "receiver: version " + std::to_string(seen) + " is not bit-exact");
     }
-    for (auto e = r.serve_one(refit::milliseconds{50}); e != refit::receiver_event::bye; e = r.serve_one(refit::milliseconds{50}))
+    for (auto e = r.serve_one(refit::milliseconds{50}); e != refit::receiver_event::bye;
+         e = r.serve_one(refit::milliseconds{50}))
       require(std::chrono::steady_clock::now() - start < 150s, "receiver: no BYE");
   });
   rt::child st([&] {
@@ -258,8 +262,11 @@ TEST_CASE("delta versions over cuda_ipc staged buffers are bit-exact after 20 st
       if (v > 1) m.step();
       tensors.upload_from(m);
       const auto stats = s.refit(v, refs);
-      require(stats.delta == (v > 1), "streamer: version " + std::to_string(v) + (v > 1 ? " was not" : " was") + " a delta");
-      if (v > 1) require(stats.bytes < stats.tensor_bytes / 4, "streamer: a delta sent " + std::to_string(stats.bytes) + " bytes");
+      require(stats.delta == (v > 1),
+              "streamer: version " + std::to_string(v) + (v > 1 ? " was not" : " was") + " a delta");
+      if (v > 1)
+        require(stats.bytes < stats.tensor_bytes / 4,
+                "streamer: a delta sent " + std::to_string(stats.bytes) + " bytes");
     }
     s.close();
   });

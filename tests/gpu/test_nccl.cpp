@@ -60,8 +60,8 @@ bool nccl_gpus(int needed) {
   nccl_environment();
   const int devices = rt::cuda_device_count();
   if (devices >= needed) return true;
-  WARN("this test needs " << needed << " GPUs (a streamer and " << needed - 1 << " receiver"
-                          << (needed == 2 ? "" : "s") << "); " << devices << " visible: skipped");
+  WARN("this test needs " << needed << " GPUs (a streamer and " << needed - 1 << " receiver" << (needed == 2 ? "" : "s")
+                          << "); " << devices << " visible: skipped");
   return false;
 }
 
@@ -253,8 +253,7 @@ void receiver_child::run() {
         reports_.send(outcome(event_name(e), r.committed_version(), r.dirty()) + " | " + r.last_error());
         if (spec_.prefill && e != refit::receiver_event::bye) reports_.send("untouched " + dest.check(*spec_.prefill));
         break;
-      default:
-        break;
+      default: break;
     }
   }
 }
@@ -269,8 +268,13 @@ class streamer_child {
   streamer_child(std::vector<std::string> receivers, std::vector<refit::tensor_meta> tensors,
                  refit::milliseconds timeout, bool direct = true, int tensor_device = 0,
                  std::uint64_t buffers = buffer_bytes)
-      : receivers_(std::move(receivers)), tensors_(std::move(tensors)), timeout_(timeout), direct_(direct),
-        tensor_device_(tensor_device), buffers_(buffers), proc_([this] { run(); }) {}
+      : receivers_(std::move(receivers)),
+        tensors_(std::move(tensors)),
+        timeout_(timeout),
+        direct_(direct),
+        tensor_device_(tensor_device),
+        buffers_(buffers),
+        proc_([this] { run(); }) {}
 
   /// Starts one refit; result() returns its report.
   void start(std::uint64_t version) { commands_.send("refit " + std::to_string(version)); }
@@ -302,7 +306,8 @@ class streamer_child {
 void streamer_child::run() {
   device_tensors src(tensor_device_, tensors_);
   std::vector<refit::tensor_ref> refs;
-  for (std::size_t i = 0; i < src.size(); ++i) refs.push_back(refit::tensor_ref{tensors_[i], src.data(i), src.dev(), nullptr});
+  for (std::size_t i = 0; i < src.size(); ++i)
+    refs.push_back(refit::tensor_ref{tensors_[i], src.data(i), src.dev(), nullptr});
 
   refit::streamer_options so;
   so.receivers = receivers_;
@@ -456,9 +461,10 @@ TEST_CASE("nccl: with direct = false the same model goes through the buffers in 
   CHECK(rx.stop() == 0);
 }
 
-TEST_CASE("nccl: tensors and weights on other GPUs than the streamer's and the receiver's are packed and staged, "
-          "bit-exact",
-          "[nccl]") {
+TEST_CASE(
+    "nccl: tensors and weights on other GPUs than the streamer's and the receiver's are packed and staged, "
+    "bit-exact",
+    "[nccl]") {
   if (!nccl_gpus(2)) return;
   // The streamer runs on cuda:0 with its tensors on cuda:1 (packed into its buffers across GPUs);
   // the receiver runs on cuda:1 with its table on cuda:0 (staged, then copied across GPUs). Both
@@ -512,7 +518,8 @@ TEST_CASE("nccl: in an in-place session a tensor on another GPU than the streame
   if (!nccl_gpus(2)) return;
   // The streamer runs on cuda:0 but its tensors live on cuda:1: nothing can be sent in place.
   const auto metas = rt::mixed_model(40, 0, 8);
-  const auto first = std::find_if(metas.begin(), metas.end(), [](const refit::tensor_meta& m) { return m.nbytes() > 0; });
+  const auto first =
+      std::find_if(metas.begin(), metas.end(), [](const refit::tensor_meta& m) { return m.nbytes() > 0; });
   REQUIRE(first != metas.end());
   const auto ep = rt::temp_endpoint();
   receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas, .prefill = 4});
@@ -633,8 +640,8 @@ TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees t
 
   // A fresh receiver set: a new process on the dead one's endpoint and GPU, the survivors as they
   // are. The next refit makes a new communicator and commits everywhere.
-  rx[static_cast<std::size_t>(victim)] = std::make_unique<receiver_child>(receiver_spec{
-      .endpoint = victim_ep, .device = victim + 1, .tensors = metas, .idle_timeout = fault_timeout});
+  rx[static_cast<std::size_t>(victim)] = std::make_unique<receiver_child>(
+      receiver_spec{.endpoint = victim_ep, .device = victim + 1, .tensors = metas, .idle_timeout = fault_timeout});
   REQUIRE(rx[static_cast<std::size_t>(victim)]->next_report() == "ready");
   // In place again only where every receiver now has a table (no callback survivor).
   CHECK(without_batches(tx.refit(3)) == ok_line(3, metas, receivers == 1));

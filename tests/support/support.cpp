@@ -246,8 +246,8 @@ void fill_pattern(const std::string& name, std::uint64_t version, std::uint8_t* 
 // ------------------------------------------------------------------------------------ models
 
 std::vector<tensor_meta> mixed_model(std::size_t count, std::uint64_t oversize_bytes, std::uint64_t seed) {
-  static constexpr const char* kinds[] = {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.gate", "mlp.down",
-                                          "norm"};
+  static constexpr const char* kinds[] = {"attn.q", "attn.k",   "attn.v",   "attn.o",
+                                          "mlp.up", "mlp.gate", "mlp.down", "norm"};
   constexpr std::uint64_t max_bytes = 64u << 10;
   std::mt19937_64 rng(splitmix64(seed));
   std::vector<tensor_meta> out;
@@ -264,8 +264,10 @@ std::vector<tensor_meta> mixed_model(std::size_t count, std::uint64_t oversize_b
       *largest = (*largest + 1) / 2;
     }
     if (i % 25 == 12) {
-      if (m.shape.empty()) m.shape.push_back(0);
-      else m.shape[rng() % m.shape.size()] = 0;
+      if (m.shape.empty())
+        m.shape.push_back(0);
+      else
+        m.shape[rng() % m.shape.size()] = 0;
     }
     out.push_back(std::move(m));
   }

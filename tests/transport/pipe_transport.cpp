@@ -285,7 +285,8 @@ class pipe_sink final : public sink {
     const deadline until = deadline::after(timeout_);
     std::uint32_t index = 0;
     receive_all(conn_.fd, reinterpret_cast<std::byte*>(&index), sizeof index, until);
-    if (i >= buffers_.size() || index != i) throw error(errc::protocol, fmt::format("pipe: the frame of buffer {} came for batch buffer {}", index, i));
+    if (i >= buffers_.size() || index != i)
+      throw error(errc::protocol, fmt::format("pipe: the frame of buffer {} came for batch buffer {}", index, i));
     receive_all(conn_.fd, aligned(i), buffer_bytes(i), until);
   }
   void end_read(std::size_t) override {}

@@ -256,7 +256,8 @@ TEST_CASE("each kind of bad safetensors file gets an error naming the file, the 
                Catch::Contains("tensor 'y'") && Catch::Contains("overlap") && Catch::Contains("'x'"));
   }
   SECTION("an entry without offsets") {
-    CHECK_THAT(manifest_error(path, with(R"({"dtype":"U8","shape":[1]})")), Catch::Contains("missing \"data_offsets\""));
+    CHECK_THAT(manifest_error(path, with(R"({"dtype":"U8","shape":[1]})")),
+               Catch::Contains("missing \"data_offsets\""));
   }
   SECTION("a negative dimension") {
     CHECK_THAT(manifest_error(path, with(R"({"dtype":"U8","shape":[-1],"data_offsets":[0,0]})")),
@@ -305,8 +306,7 @@ TEST_CASE("a sharded checkpoint's index reads every shard's header", "[bench]") 
   scratch s;
   write_file(s.file("m-1.safetensors"),
              safetensors(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "abcd"));
-  write_file(s.file("m-2.safetensors"),
-             safetensors(R"({"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "ef"));
+  write_file(s.file("m-2.safetensors"), safetensors(R"({"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "ef"));
   write_file(s.file("model.safetensors.index.json"),
              R"({"metadata": {}, "weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}})");
   const manifest m = load_manifest(s.file("model.safetensors.index.json"));
@@ -328,7 +328,8 @@ TEST_CASE("built-in models add up to their published parameter counts", "[bench]
   const manifest qwen = preset("qwen2.5-0.5b");
   CHECK(qwen.entries.size() == 290);  // tied embeddings: no lm_head
   CHECK(qwen.bytes() == 2 * 494'032'768ull);
-  CHECK(std::none_of(qwen.entries.begin(), qwen.entries.end(), [](const manifest_entry& e) { return e.meta.name == "lm_head.weight"; }));
+  CHECK(std::none_of(qwen.entries.begin(), qwen.entries.end(),
+                     [](const manifest_entry& e) { return e.meta.name == "lm_head.weight"; }));
   const manifest llama = preset("llama3-8b");
   CHECK(llama.entries.size() == 291);
   CHECK(llama.bytes() == 16'060'522'496ull);
@@ -386,8 +387,8 @@ TEST_CASE("the command line defaults to host_shm, qwen2.5-0.5b and 2 x 64 MiB, a
   CHECK(d->iters == 5);
   CHECK(d->side == role::both);
 
-  const char* sweep[] = {"refit-bench", "--buffer-mb", "16,64,256,1024", "--transport", "all", "--buffers", "2,3",
-                         "--model", "llama3-8b,tiny"};
+  const char* sweep[] = {"refit-bench", "--buffer-mb", "16,64,256,1024", "--transport",   "all",
+                         "--buffers",   "2,3",         "--model",        "llama3-8b,tiny"};
   const auto s = parse_args(static_cast<int>(std::size(sweep)), sweep, code);
   REQUIRE(s);
   CHECK(s->buffer_mb == std::vector<double>{16, 64, 256, 1024});
@@ -398,14 +399,18 @@ TEST_CASE("the command line defaults to host_shm, qwen2.5-0.5b and 2 x 64 MiB, a
   const char* engines[] = {"refit-bench", "--engine", "kernel,memcpy_batch,memcpy_each"};
   const auto e = parse_args(static_cast<int>(std::size(engines)), engines, code);
   REQUIRE(e);
-  CHECK(e->engines == std::vector<copy_engine>{copy_engine::kernel, copy_engine::memcpy_batch, copy_engine::memcpy_each});
+  CHECK(e->engines ==
+        std::vector<copy_engine>{copy_engine::kernel, copy_engine::memcpy_batch, copy_engine::memcpy_each});
   CHECK(d->engines == std::vector<copy_engine>{copy_engine::automatic});
   const char* bad_engine[] = {"refit-bench", "--engine", "warp"};
-  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad_engine)), bad_engine, code), Catch::Contains("--engine warp"));
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad_engine)), bad_engine, code),
+                    Catch::Contains("--engine warp"));
   const char* bad_align[] = {"refit-bench", "--alignment", "100"};
-  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad_align)), bad_align, code), Catch::Contains("power of two"));
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad_align)), bad_align, code),
+                    Catch::Contains("power of two"));
   const char* one_buffer[] = {"refit-bench", "--buffers", "1"};
-  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(one_buffer)), one_buffer, code), Catch::Contains("at least 2"));
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(one_buffer)), one_buffer, code),
+                    Catch::Contains("at least 2"));
   const char* nccl[] = {"refit-bench", "--transport", "nccl"};
   const auto n = parse_args(static_cast<int>(std::size(nccl)), nccl, code);
   REQUIRE(n);
@@ -502,7 +507,8 @@ TEST_CASE("the preamble says how nccl rows are floored and lists the notes; JSON
 
 // ---------------------------------------------------------------- report
 
-TEST_CASE("the table has a preamble, two header rows, fixed-width rows and a footer; JSON and SVG mirror it", "[bench]") {
+TEST_CASE("the table has a preamble, two header rows, fixed-width rows and a footer; JSON and SVG mirror it",
+          "[bench]") {
   preamble p;
   p.refit_version = "0.1.0";
   p.host = "h";
@@ -657,7 +663,8 @@ TEST_CASE("--load refits the data of a safetensors file", "[bench][e2e]") {
   fill_random(reinterpret_cast<std::byte*>(data.data()), data.size(), 3);
   const std::string path = s.file("w.safetensors");
   write_file(path, safetensors(R"({"a":{"dtype":"BF16","shape":[2048],"data_offsets":[0,4096]},)"
-                               R"("b":{"dtype":"U8","shape":[6],"data_offsets":[4096,4102]}})", data));
+                               R"("b":{"dtype":"U8","shape":[6],"data_offsets":[4096,4102]}})",
+                               data));
   config c = short_run("tiny");
   c.manifest_file = path;
   c.load = true;
@@ -690,8 +697,9 @@ TEST_CASE("a byte corrupted on the receiver is reported as wrong and fails the r
 
   // The binary's exit code says so too.
   std::string stdout_text;
-  const int code = run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet",
-                               "--corrupt-byte", "0"}, stdout_text);
+  const int code = run_binary(
+      {"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet", "--corrupt-byte", "0"},
+      stdout_text);
   CHECK(code == 1);
   CHECK_THAT(stdout_text, Catch::Contains("1 FAILED"));
 }
@@ -706,13 +714,16 @@ TEST_CASE("the bench binary with a good run exits 0 and prints the table on stdo
 
 // ---------------------------------------------------------------- by hand: --role receiver / streamer
 
-TEST_CASE("the default report endpoint sits next to an ipc endpoint and on a free port of a tcp one's host", "[bench]") {
-  CHECK(default_report_endpoint("ipc:///run/user/1/refit-ab/receiver.sock") == "ipc:///run/user/1/refit-ab/receiver.sock.report");
+TEST_CASE("the default report endpoint sits next to an ipc endpoint and on a free port of a tcp one's host",
+          "[bench]") {
+  CHECK(default_report_endpoint("ipc:///run/user/1/refit-ab/receiver.sock") ==
+        "ipc:///run/user/1/refit-ab/receiver.sock.report");
   CHECK(default_report_endpoint("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:*");
   CHECK(default_report_endpoint("tcp://gpu-node-7:40001") == "tcp://gpu-node-7:*");
   CHECK(default_report_endpoint("tcp://[::1]:5555") == "tcp://[::1]:*");
   for (const char* bad : {"ipc://", "tcp://", "tcp://[::1]", "inproc://x", "receiver.sock"})
-    CHECK_THROWS_WITH(default_report_endpoint(bad), Catch::Contains("no default report endpoint") && Catch::Contains("--report"));
+    CHECK_THROWS_WITH(default_report_endpoint(bad),
+                      Catch::Contains("no default report endpoint") && Catch::Contains("--report"));
 }
 
 TEST_CASE("a streamer started by hand without --report is refused and told what to pass", "[bench]") {
@@ -735,7 +746,8 @@ TEST_CASE("a streamer started by hand without --report is refused and told what 
   std::string stdout_text;
   CHECK(run_binary({"--role", "streamer", "--connect", "ipc:///x"}, stdout_text, s.file("err")) == 2);
   CHECK(stdout_text.empty());
-  CHECK_THAT(read_file(s.file("err")), Catch::Contains("error (invalid_argument): --role streamer needs --report ENDPOINT"));
+  CHECK_THAT(read_file(s.file("err")),
+             Catch::Contains("error (invalid_argument): --role streamer needs --report ENDPOINT"));
 
   const char* report[] = {"refit-bench", "--role", "streamer", "--connect", "ipc:///x", "--report", "ipc:///x.report"};
   const auto r = parse_args(static_cast<int>(std::size(report)), report, code);
@@ -746,7 +758,8 @@ TEST_CASE("a streamer started by hand without --report is refused and told what 
   const auto u = parse_args(static_cast<int>(std::size(unverified)), unverified, code);
   REQUIRE(u);
   CHECK(u->no_verify);
-  const char* both[] = {"refit-bench", "--role", "streamer", "--connect", "ipc:///x", "--report", "ipc:///r", "--no-verify"};
+  const char* both[] = {"refit-bench", "--role",   "streamer", "--connect",
+                        "ipc:///x",    "--report", "ipc:///r", "--no-verify"};
   CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(both)), both, code), Catch::Contains("exclude each other"));
   const char* spawned[] = {"refit-bench", "--report", "ipc:///r"};
   CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(spawned)), spawned, code),
@@ -795,8 +808,9 @@ TEST_CASE("the report log answers with a version's committed line, its abort or 
     CHECK(json::parse(log.answer(bad))["event"] == "error");
 }
 
-TEST_CASE("a receiver's report counts each checksum unlike the expected one and refuses anything but that version's commit",
-          "[bench]") {
+TEST_CASE(
+    "a receiver's report counts each checksum unlike the expected one and refuses anything but that version's commit",
+    "[bench]") {
   manifest m;
   m.name = "two";
   m.entries = {{tensor_meta{"a", dtype::u8, {4}}}, {tensor_meta{"b", dtype::u8, {2}}}};
@@ -819,7 +833,8 @@ TEST_CASE("a receiver's report counts each checksum unlike the expected one and 
     }
     return std::string();
   };
-  CHECK_THAT(refused(line(6, {11, 22})), Catch::Contains("the receiver at report endpoint ipc:///r did not commit version 7"));
+  CHECK_THAT(refused(line(6, {11, 22})),
+             Catch::Contains("the receiver at report endpoint ipc:///r did not commit version 7"));
   CHECK_THAT(refused(json{{"event", "unknown"}, {"version", 7}}),
              Catch::Contains("ipc:///r did not commit version 7: it said {\"event\":\"unknown\",\"version\":7}") &&
                  Catch::Contains("no record of that version"));
@@ -873,9 +888,10 @@ TEST_CASE("a byte corrupted on a receiver started by hand is reported as wrong a
   scratch s;
   hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny", "--corrupt-byte", "0"});
   std::string stdout_text;
-  const int code = run_binary({"--role", "streamer", "--connect", rx.endpoint(), "--report", rx.report(), "--model", "tiny",
-                               "--buffer-mb", "1", "--warmup", "0", "--iters", "2", "--json", s.file("out.json")},
-                              stdout_text, s.file("streamer.err"));
+  const int code =
+      run_binary({"--role", "streamer", "--connect", rx.endpoint(), "--report", rx.report(), "--model", "tiny",
+                  "--buffer-mb", "1", "--warmup", "0", "--iters", "2", "--json", s.file("out.json")},
+                 stdout_text, s.file("streamer.err"));
   INFO(stdout_text);
   CHECK(code == 1);
   CHECK_THAT(stdout_text, Catch::Contains("# Wrong values          : 2 FAILED"));
@@ -905,7 +921,8 @@ TEST_CASE("a report endpoint nobody serves fails the run within the timeout, nam
     what = e.what();
   }
   const auto waited = std::chrono::steady_clock::now() - t0;
-  CHECK_THAT(what, Catch::Contains("the receiver at report endpoint " + c.report + " did not answer for version 1 within 1500 ms"));
+  CHECK_THAT(what, Catch::Contains("the receiver at report endpoint " + c.report +
+                                   " did not answer for version 1 within 1500 ms"));
   // Set-up, one refit and one unanswered request: nowhere near the default --timeout-ms (120 s),
   // with room for a sanitizer build.
   CHECK(waited < std::chrono::seconds(20));
@@ -1111,17 +1128,18 @@ TEST_CASE("the ep layout stacks every layer's experts into w13[E, 2I, H] and w2[
   gap.name = "gap";
   for (const int e : {0, 2})
     for (const char* part : {"gate_proj", "up_proj", "down_proj"})
-      gap.entries.push_back({tensor_meta{fmt::format("m.experts.{}.{}.weight", e, part), dtype::bf16,
-                                         part == std::string("down_proj") ? std::vector<std::int64_t>{8, 4}
-                                                                          : std::vector<std::int64_t>{4, 8}}});
-  CHECK_THROWS_WITH(make_layout(gap, layout_kind::ep), Catch::Contains("the experts of m.experts. do not stack: expert 1 is missing"));
+      gap.entries.push_back({tensor_meta{
+          fmt::format("m.experts.{}.{}.weight", e, part), dtype::bf16,
+          part == std::string("down_proj") ? std::vector<std::int64_t>{8, 4} : std::vector<std::int64_t>{4, 8}}});
+  CHECK_THROWS_WITH(make_layout(gap, layout_kind::ep),
+                    Catch::Contains("the experts of m.experts. do not stack: expert 1 is missing"));
 }
 
 TEST_CASE("the checksum of a tied source is its views' when they agree and unlike all of them when not", "[bench]") {
   CHECK(fold_view_checksums({42}) == 42);
   CHECK(fold_view_checksums({42, 42}) == 42);
-  for (const std::vector<std::uint64_t>& sums : {std::vector<std::uint64_t>{42, 43}, {43, 42}, {42, ~42ull},
-                                                {42, ~42ull, 42 ^ 1}, {0, ~0ull, 1, 2}}) {
+  for (const std::vector<std::uint64_t>& sums :
+       {std::vector<std::uint64_t>{42, 43}, {43, 42}, {42, ~42ull}, {42, ~42ull, 42 ^ 1}, {0, ~0ull, 1, 2}}) {
     const std::uint64_t f = fold_view_checksums(sums);
     for (const auto s : sums) CHECK(f != s);
   }
@@ -1159,9 +1177,10 @@ TEST_CASE("--layout takes plain, fused or ep, passes it to the receiver, and ref
   scratch s;
   std::string stdout_text;
   CHECK(run_binary({"--layout", "sideways"}, stdout_text, s.file("err")) == 2);
-  CHECK(read_file(s.file("err")) == "refit-bench: error (invalid_argument): --layout sideways: unknown (plain, fused, ep, "
-                                    "tpN for N from 2 to 64: tp2, tp4, ..., recorded:FILE[,FILE...] for route "
-                                    "tables of refit.record)\n");
+  CHECK(read_file(s.file("err")) ==
+        "refit-bench: error (invalid_argument): --layout sideways: unknown (plain, fused, ep, "
+        "tpN for N from 2 to 64: tp2, tp4, ..., recorded:FILE[,FILE...] for route "
+        "tables of refit.record)\n");
   CHECK(stdout_text.empty());
 }
 
@@ -1173,9 +1192,10 @@ TEST_CASE("a host_shm run with --layout fused verifies every source tensor as it
   std::ostringstream out;
   CHECK(run(c, out) == 0);
   INFO(out.str());
-  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK") &&
-                            Catch::Contains("--layout fused: the receiver holds tiny in 17 engine tensors: 27 views of 27 "
-                                            "source tensors"));
+  CHECK_THAT(out.str(),
+             Catch::Contains("# Wrong values          : 0 OK") &&
+                 Catch::Contains("--layout fused: the receiver holds tiny in 17 engine tensors: 27 views of 27 "
+                                 "source tensors"));
   const auto rows = table_rows(out.str());
   REQUIRE(rows.size() == 2);
   for (const auto& row : rows) CHECK_THAT(row, Catch::Contains(" memcpy+fused "));
@@ -1242,15 +1262,17 @@ TEST_CASE("a byte corrupted in a view fails a --layout fused run, a tied embeddi
 
   // The binary: a view of v_proj in the middle of the engine tensor (tensor 6: layer 0's v_proj).
   std::string stdout_text;
-  CHECK(run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet", "--layout", "fused",
-                    "--corrupt-byte", "6"}, stdout_text) == 1);
+  CHECK(run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet", "--layout",
+                    "fused", "--corrupt-byte", "6"},
+                   stdout_text) == 1);
   CHECK_THAT(stdout_text, Catch::Contains("1 FAILED") && Catch::Contains("memcpy+fused"));
 
   // The embedding's byte flipped in the engine's lm_head only: the embedding itself is intact.
   write_file(s.file("moe.json"), tied_moe_manifest());
   std::string tied_text;
   CHECK(run_binary({"--manifest", s.file("moe.json"), "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet",
-                    "--layout", "ep", "--corrupt-byte", "0"}, tied_text) == 1);
+                    "--layout", "ep", "--corrupt-byte", "0"},
+                   tied_text) == 1);
   CHECK_THAT(tied_text, Catch::Contains("1 FAILED"));
 }
 
@@ -1268,7 +1290,8 @@ TEST_CASE("a streamer started by hand with another --layout than its receiver's 
     FAIL("no error");
   } catch (const refit::error& e) {
     CHECK(e.code() == errc::protocol);
-    CHECK_THAT(e.what(), Catch::Contains("holds the model in layout \"fused\" and this streamer runs with --layout plain"));
+    CHECK_THAT(e.what(),
+               Catch::Contains("holds the model in layout \"fused\" and this streamer runs with --layout plain"));
   }
   // Versions count from 1 in every streamer run: a fresh receiver for the next one.
   hand_receiver fresh(s, "fresh", {"--bind", "ipc://" + s.file("y"), "--model", "tiny", "--layout", "fused"});
@@ -1358,7 +1381,8 @@ TEST_CASE("tpN shards q/k/v and gate/up by rows, o_proj and down_proj by columns
 
   // A tied embedding: the rank's vocabulary rows land in its embedding and its lm_head.
   const manifest qwen = preset("qwen2.5-0.5b");
-  const auto embed = views_of(qwen, make_layout(qwen, layout_spec{layout_kind::fused, 2}, 1), "model.embed_tokens.weight");
+  const auto embed =
+      views_of(qwen, make_layout(qwen, layout_spec{layout_kind::fused, 2}, 1), "model.embed_tokens.weight");
   REQUIRE(embed.size() == 2);
   CHECK(embed[0].slice == rows(75968, 75968));
   CHECK(embed[1].slice == rows(75968, 75968));
@@ -1371,18 +1395,21 @@ TEST_CASE("tpN shards q/k/v and gate/up by rows, o_proj and down_proj by columns
     const manifest m = preset(name);
     for (int r = 0; r < tp; r += tp - 1) CHECK(layout_error(m, layout_spec{layout_kind::fused, tp}, r).empty());
   }
-  CHECK_THAT(layout_error(preset("qwen2.5-0.5b"), layout_spec{layout_kind::fused, 4}), Catch::Contains("has 14 heads of 64"));
-  CHECK(layout_error(tiny, layout_spec{layout_kind::fused, 2}, 2) == "refit-bench: --rank 2: out of range for --layout tp2 "
-                                                                      "(ranks 0 to 1)");
+  CHECK_THAT(layout_error(preset("qwen2.5-0.5b"), layout_spec{layout_kind::fused, 4}),
+             Catch::Contains("has 14 heads of 64"));
+  CHECK(layout_error(tiny, layout_spec{layout_kind::fused, 2}, 2) ==
+        "refit-bench: --rank 2: out of range for --layout tp2 "
+        "(ranks 0 to 1)");
   CHECK(layout_error(tiny, layout_spec{layout_kind::ep, 2}) ==
         "refit-bench: --layout: tensor parallelism (degree 2) shards the fused layout only");
 }
 
 TEST_CASE("a tpN size that does not divide is refused, naming the tensor, its size and the degree", "[bench][e2e]") {
   // tiny has 2 kv heads: they do not split over 4 ranks, though their 128 rows would.
-  const std::string heads = "refit-bench: --layout tp4: tiny: model.layers.0.self_attn.k_proj.weight bf16[128, 256] has 2 "
-                            "heads of 64 (128 rows), which do not split over 4 ranks; use a tp degree that divides the q "
-                            "and kv heads";
+  const std::string heads =
+      "refit-bench: --layout tp4: tiny: model.layers.0.self_attn.k_proj.weight bf16[128, 256] has 2 "
+      "heads of 64 (128 rows), which do not split over 4 ranks; use a tp degree that divides the q "
+      "and kv heads";
   CHECK(layout_error(preset("tiny"), layout_spec{layout_kind::fused, 4}) == heads);
   scratch s;
   std::string out;
@@ -1395,9 +1422,10 @@ TEST_CASE("a tpN size that does not divide is refused, naming the tensor, its si
                                      "model.layers.0.mlp.down_proj.weight": {"shape": [64, 90]}})");
   const manifest odd = load_manifest(s.file("odd.json"));
   CHECK(layout_error(odd, layout_spec{layout_kind::fused, 2}).empty());
-  CHECK(layout_error(odd, layout_spec{layout_kind::fused, 4}) ==
-        "refit-bench: --layout tp4: odd: model.layers.0.mlp.down_proj.weight bf16[64, 90] has 90 columns (row-parallel), "
-        "which do not divide by 4; use a tp degree that divides them");
+  CHECK(
+      layout_error(odd, layout_spec{layout_kind::fused, 4}) ==
+      "refit-bench: --layout tp4: odd: model.layers.0.mlp.down_proj.weight bf16[64, 90] has 90 columns (row-parallel), "
+      "which do not divide by 4; use a tp degree that divides them");
   std::string odd_out;
   CHECK(run_binary({"--manifest", s.file("odd.json"), "--layout", "tp4", "--quiet"}, odd_out, s.file("odd.err")) == 2);
   CHECK_THAT(read_file(s.file("odd.err")), Catch::Contains("has 90 columns (row-parallel), which do not divide by 4"));
@@ -1487,17 +1515,21 @@ TEST_CASE("--layout tpN runs one receiver per rank over cuda_ipc and nccl, and -
     }
     return std::string();
   };
-  CHECK(refused({"--layout", "tp2", "--rank", "2"}) == "refit-bench: --rank 2: out of range for --layout tp2 (ranks 0 to 1)");
-  CHECK(refused({"--rank", "1"}) == "refit-bench: --rank 1 is for --layout tpN or recorded with several files (a tensor-parallel rank)");
+  CHECK(refused({"--layout", "tp2", "--rank", "2"}) ==
+        "refit-bench: --rank 2: out of range for --layout tp2 (ranks 0 to 1)");
+  CHECK(refused({"--rank", "1"}) ==
+        "refit-bench: --rank 1 is for --layout tpN or recorded with several files (a tensor-parallel rank)");
   CHECK(refused({"--layout", "tp2", "--receivers", "3"}) ==
-        "refit-bench: --receivers 3 with --layout tp2: tensor parallelism runs one receiver per rank (2); leave --receivers out");
+        "refit-bench: --receivers 3 with --layout tp2: tensor parallelism runs one receiver per rank (2); leave "
+        "--receivers out");
   // cuda_ipc serves several receivers by direct writes only: a staged-only run is refused before anything runs.
   config staged = *c;
   staged.transports = {transport_kind::cuda_ipc};
   staged.direct = {false};
   std::ostringstream out;
-  CHECK_THROWS_WITH(run(staged, out), "refit-bench: --path staged with --layout tp2 over cuda_ipc: one streamer serves "
-                                      "its 2 receivers only by writing into each one's weights; use --path direct");
+  CHECK_THROWS_WITH(run(staged, out),
+                    "refit-bench: --path staged with --layout tp2 over cuda_ipc: one streamer serves "
+                    "its 2 receivers only by writing into each one's weights; use --path direct");
   for (const char* name : {"tp1", "tp0", "tp02", "tp65", "tpx", "tp"})
     CHECK_THAT(refused({"--layout", name}), Catch::Contains(fmt::format("--layout {}: unknown", name)));
 }
@@ -1535,7 +1567,8 @@ TEST_CASE("a host_shm run with --layout tp2 verifies rank 1's slices as they lan
   write_file(s.file("moe.json"), tied_moe_manifest());
   std::string tied;
   CHECK(run_binary({"--manifest", s.file("moe.json"), "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout", "tp2",
-                    "--rank", "1"}, tied) == 0);
+                    "--rank", "1"},
+                   tied) == 0);
   CHECK_THAT(tied, Catch::Contains("# Wrong values          : 0 OK"));
 }
 
@@ -1545,7 +1578,8 @@ TEST_CASE("a byte corrupted in a row-parallel shard fails a --layout tp2 run wit
   for (const char* tensor : {"8", "12"}) {
     std::string text;
     CHECK(run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--layout", "tp2",
-                      "--rank", "1", "--corrupt-byte", tensor}, text, s.file("err")) == 1);
+                      "--rank", "1", "--corrupt-byte", tensor},
+                     text, s.file("err")) == 1);
     CHECK_THAT(text, Catch::Contains("# Wrong values          : 1 FAILED") && Catch::Contains("memcpy+tp2"));
     CHECK_THAT(read_file(s.file("err")),
                Catch::Contains(fmt::format("WRONG: version 1 tensor {} (model.layers.0.{}", tensor,
@@ -1556,7 +1590,8 @@ TEST_CASE("a byte corrupted in a row-parallel shard fails a --layout tp2 run wit
 TEST_CASE("a streamer started by hand checking another tp rank than its receiver's is refused, naming both",
           "[bench][e2e]") {
   scratch s;
-  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny", "--layout", "tp2", "--rank", "1"});
+  hand_receiver rx(s, "receiver",
+                   {"--bind", "ipc://" + s.file("x"), "--model", "tiny", "--layout", "tp2", "--rank", "1"});
   CHECK(rx.ready["rank"] == 1);
   CHECK_THAT(rx.banner(), Catch::Contains("--layout tp2 --rank 1"));
   config c = hand_streamer(rx);
@@ -1570,7 +1605,8 @@ TEST_CASE("a streamer started by hand checking another tp rank than its receiver
     CHECK(e.code() == errc::protocol);
     CHECK_THAT(e.what(), Catch::Contains("holds rank 1 of --layout tp2 and this streamer checks rank 0"));
   }
-  hand_receiver fresh(s, "fresh", {"--bind", "ipc://" + s.file("y"), "--model", "tiny", "--layout", "tp2", "--rank", "1"});
+  hand_receiver fresh(s, "fresh",
+                      {"--bind", "ipc://" + s.file("y"), "--model", "tiny", "--layout", "tp2", "--rank", "1"});
   config same = hand_streamer(fresh);
   same.buffer_mb = {1};
   same.layout = layout_spec{layout_kind::fused, 2};
@@ -1630,8 +1666,8 @@ TEST_CASE("--layout recorded:FILE parses, names itself and round-trips; one file
       CHECK(v.slice == source_slice{1, 16, 16});
       CHECK(v.shape == std::vector<std::int64_t>{32, 16});
     }
-  CHECK(layout_error(m, both, 2) == "refit-bench: --rank 2: out of range for --layout recorded:" + r0 + "," + r1 +
-                                        " (ranks 0 to 1)");
+  CHECK(layout_error(m, both, 2) ==
+        "refit-bench: --rank 2: out of range for --layout recorded:" + r0 + "," + r1 + " (ranks 0 to 1)");
 }
 
 TEST_CASE("--layout recorded:FILE refuses unrecorded sources, sources the model lacks and shapes that differ",
@@ -1651,20 +1687,24 @@ TEST_CASE("--layout recorded:FILE refuses unrecorded sources, sources the model 
   json unrecorded = table;
   unrecorded["entries"].erase("model.norm.weight");
   unrecorded["unrecorded"]["model.norm.weight"] = "used by mul";
-  CHECK(refused(unrecorded) == "the table has 1 unrecorded source (refit.record could not follow the loader): "
-                               "model.norm.weight; a recorded layout needs every source routed");
+  CHECK(refused(unrecorded) ==
+        "the table has 1 unrecorded source (refit.record could not follow the loader): "
+        "model.norm.weight; a recorded layout needs every source routed");
   json lacking = table;
   lacking["entries"]["model.extra.weight"] = table["entries"]["model.norm.weight"];
-  CHECK(refused(lacking) == "the table routes model.extra.weight, which tiny-llama lacks; give the model the table was "
-                            "recorded for");
+  CHECK(refused(lacking) ==
+        "the table routes model.extra.weight, which tiny-llama lacks; give the model the table was "
+        "recorded for");
   json shape = table;
   shape["sources"]["model.norm.weight"]["shape"] = {64};
-  CHECK(refused(shape) == "the table was recorded with model.norm.weight bf16[64] and tiny-llama has "
-                          "model.norm.weight bf16[32]");
+  CHECK(refused(shape) ==
+        "the table was recorded with model.norm.weight bf16[64] and tiny-llama has "
+        "model.norm.weight bf16[32]");
   json outside = table;
   outside["entries"]["model.norm.weight"][0]["offset"] = 1;
-  CHECK(refused(outside) == "model.norm.weight lands in model.norm.weight bf16[32] from element 1: 32 elements do not "
-                            "fit its 32");
+  CHECK(refused(outside) ==
+        "model.norm.weight lands in model.norm.weight bf16[32] from element 1: 32 elements do not "
+        "fit its 32");
   json missing = table;
   missing["entries"].erase("model.norm.weight");
   CHECK(refused(missing) == "tiny-llama has model.norm.weight, which the table does not route");
@@ -1672,23 +1712,29 @@ TEST_CASE("--layout recorded:FILE refuses unrecorded sources, sources the model 
   write_file(s.file("u.json"), unrecorded.dump());
   std::string out;
   CHECK(run_binary({"--manifest", dir + "/tiny-llama.json", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout",
-                    "recorded:" + s.file("u.json")}, out, s.file("err")) == 2);
-  CHECK_THAT(read_file(s.file("err")), Catch::Contains("1 unrecorded source (refit.record could not follow the loader): "
-                                                       "model.norm.weight"));
+                    "recorded:" + s.file("u.json")},
+                   out, s.file("err")) == 2);
+  CHECK_THAT(read_file(s.file("err")),
+             Catch::Contains("1 unrecorded source (refit.record could not follow the loader): "
+                             "model.norm.weight"));
   CHECK(run_binary({"--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout",
-                    "recorded:" + dir + "/tiny-llama-tp2-rank0.json"}, out, s.file("err")) == 2);
-  CHECK_THAT(read_file(s.file("err")), Catch::Contains("the table was recorded with model.embed_tokens.weight bf16[98, 32] "
-                                                       "and tiny has model.embed_tokens.weight bf16[1000, 256]"));
+                    "recorded:" + dir + "/tiny-llama-tp2-rank0.json"},
+                   out, s.file("err")) == 2);
+  CHECK_THAT(read_file(s.file("err")),
+             Catch::Contains("the table was recorded with model.embed_tokens.weight bf16[98, 32] "
+                             "and tiny has model.embed_tokens.weight bf16[1000, 256]"));
 }
 
-TEST_CASE("a host_shm run with --layout recorded:FILE verifies every source in its recorded views; a wrong byte fails it",
-          "[bench][e2e]") {
+TEST_CASE(
+    "a host_shm run with --layout recorded:FILE verifies every source in its recorded views; a wrong byte fails it",
+    "[bench][e2e]") {
   scratch s;
   const std::string dir = layouts_dir();
   const std::string r0 = dir + "/tiny-llama-tp2-rank0.json", r1 = dir + "/tiny-llama-tp2-rank1.json";
   std::string text;
   CHECK(run_binary({"--manifest", dir + "/tiny-llama.json", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout",
-                    "recorded:" + r0, "--json", s.file("out.json")}, text) == 0);
+                    "recorded:" + r0, "--json", s.file("out.json")},
+                   text) == 0);
   INFO(text);
   CHECK_THAT(text, Catch::Contains("# Wrong values          : 0 OK") && Catch::Contains("memcpy+recorded"));
   {
@@ -1704,11 +1750,13 @@ TEST_CASE("a host_shm run with --layout recorded:FILE verifies every source in i
   }
   // Rank 1 of both tables.
   CHECK(run_binary({"--manifest", dir + "/tiny-llama.json", "--buffer-mb", "1", "--iters", "1", "--quiet", "--layout",
-                    "recorded:" + r0 + "," + r1, "--rank", "1"}, text) == 0);
+                    "recorded:" + r0 + "," + r1, "--rank", "1"},
+                   text) == 0);
   CHECK_THAT(text, Catch::Contains("# Wrong values          : 0 OK"));
   // tensor 4 of tiny-llama: layer 0's o_proj (rank 0's columns, strided in the source).
   CHECK(run_binary({"--manifest", dir + "/tiny-llama.json", "--buffer-mb", "1", "--iters", "1", "--warmup", "0",
-                    "--layout", "recorded:" + r0, "--corrupt-byte", "4"}, text, s.file("err")) == 1);
+                    "--layout", "recorded:" + r0, "--corrupt-byte", "4"},
+                   text, s.file("err")) == 1);
   CHECK_THAT(text, Catch::Contains("# Wrong values          : 1 FAILED"));
   CHECK_THAT(read_file(s.file("err")), Catch::Contains("WRONG: version 1 tensor 4 (model.layers.0.self_attn.o_proj"));
 }
@@ -1727,11 +1775,14 @@ TEST_CASE("--convert parses its three conversions, sets the source dtype and ref
   CHECK(c->type == refit::dtype::f32);
   CHECK(c->convert->to == refit::dtype::bf16);
   const char* bad[] = {"refit-bench", "--convert", "bf16:int4"};
-  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad)), bad, code), Catch::Contains("--convert bf16:int4: unknown"));
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad)), bad, code),
+                    Catch::Contains("--convert bf16:int4: unknown"));
   const char* fused[] = {"refit-bench", "--convert", "bf16:fp8-tensor", "--layout", "fused"};
-  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(fused)), fused, code), Catch::Contains("only --layout plain"));
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(fused)), fused, code),
+                    Catch::Contains("only --layout plain"));
   const char* dtype[] = {"refit-bench", "--convert", "bf16:fp8-tensor", "--dtype", "f16"};
-  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(dtype)), dtype, code), Catch::Contains("--dtype f16 disagrees"));
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(dtype)), dtype, code),
+                    Catch::Contains("--dtype f16 disagrees"));
 }
 
 TEST_CASE("a short host_shm run with --convert commits every refit into fp8 destinations, rows with their own floor",

@@ -22,13 +22,14 @@ namespace {
 /// Answers `n` requests with "re:<request>" on a thread; joins on destruction.
 class echo_server {
  public:
-  echo_server(rep_channel& rep, int n) : thread_([&rep, n] {
-      for (int i = 0; i < n; ++i) {
-        auto got = rep.receive(40s);
-        if (!got) return;
-        rep.reply("re:" + *got);
-      }
-    }) {}
+  echo_server(rep_channel& rep, int n)
+      : thread_([&rep, n] {
+          for (int i = 0; i < n; ++i) {
+            auto got = rep.receive(40s);
+            if (!got) return;
+            rep.reply("re:" + *got);
+          }
+        }) {}
   ~echo_server() { thread_.join(); }
   echo_server(const echo_server&) = delete;
   echo_server& operator=(const echo_server&) = delete;
@@ -50,7 +51,8 @@ TEST_CASE("a request gets its reply over ipc", "[channel]") {
     CHECK(rep.endpoint() == ep);
     req_channel req(rep.endpoint());
     echo_server server(rep, 3);
-    for (int i = 0; i < 3; ++i) CHECK(req.request("ping" + std::to_string(i), 5s, "PING") == "re:ping" + std::to_string(i));
+    for (int i = 0; i < 3; ++i)
+      CHECK(req.request("ping" + std::to_string(i), 5s, "PING") == "re:ping" + std::to_string(i));
     CHECK(req.resets() == 0);
   }
   refit::channel::remove_private_endpoint(ep);
@@ -72,8 +74,7 @@ TEST_CASE("a request gets its reply over tcp on an ephemeral loopback port", "[c
   CHECK(req.request(std::string(1 << 20, 'x'), 30s, "BIG") == "re:" + std::string(1 << 20, 'x'));
 }
 
-TEST_CASE("a request without a receiver times out with a message naming the endpoint and the request",
-          "[channel]") {
+TEST_CASE("a request without a receiver times out with a message naming the endpoint and the request", "[channel]") {
   const auto ep = refit::test::temp_endpoint();
   req_channel req(ep);
   const auto start = std::chrono::steady_clock::now();
@@ -114,7 +115,7 @@ TEST_CASE("a receiver that stopped answering does not poison the next request", 
   req_channel req(ep);
   // The receiver takes the request but never replies in time.
   std::thread slow([&] {
-    if (!rep.receive(5s)) return;  // (no Catch2 assertions off the main thread)
+    if (!rep.receive(5s)) return;        // (no Catch2 assertions off the main thread)
     std::this_thread::sleep_for(400ms);  // simulates a stuck peer: it replies after the deadline
     rep.reply("late");
   });
@@ -230,8 +231,7 @@ TEST_CASE("bind_endpoint applies the loopback and private-directory defaults", "
   CHECK_FALSE(std::filesystem::exists(dir_of(ep)));
 }
 
-TEST_CASE("a private endpoint lives in a fresh 0700 directory that remove_private_endpoint removes",
-          "[channel]") {
+TEST_CASE("a private endpoint lives in a fresh 0700 directory that remove_private_endpoint removes", "[channel]") {
   const auto a = refit::channel::make_private_endpoint("x");
   const auto b = refit::channel::make_private_endpoint("x");
   CHECK(a != b);

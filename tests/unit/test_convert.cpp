@@ -51,11 +51,31 @@ std::vector<float> probe_floats(std::size_t random_count) {
     v.push_back(std::nextafter(mid, 1e9f));
     v.push_back(std::nextafter(mid, -1e9f));
   }
-  for (float f : {448.0f, 449.0f, 463.99f, 464.0f, 465.0f, 480.0f, 500.0f, 1e6f, 65504.0f, 65519.99f, 65520.0f,
-                  std::ldexp(1.0f, -10), std::ldexp(3.0f, -10), std::ldexp(1.0f, -6), std::ldexp(15.0f, -10),
-                  std::ldexp(1.0f, -24), std::ldexp(1.0f, -25), std::ldexp(3.0f, -26), 1e-45f, 1.00390625f,
-                  1.01171875f, std::numeric_limits<float>::max(), std::numeric_limits<float>::infinity(),
-                  std::numeric_limits<float>::quiet_NaN(), 0.0f}) {
+  for (float f : {448.0f,
+                  449.0f,
+                  463.99f,
+                  464.0f,
+                  465.0f,
+                  480.0f,
+                  500.0f,
+                  1e6f,
+                  65504.0f,
+                  65519.99f,
+                  65520.0f,
+                  std::ldexp(1.0f, -10),
+                  std::ldexp(3.0f, -10),
+                  std::ldexp(1.0f, -6),
+                  std::ldexp(15.0f, -10),
+                  std::ldexp(1.0f, -24),
+                  std::ldexp(1.0f, -25),
+                  std::ldexp(3.0f, -26),
+                  1e-45f,
+                  1.00390625f,
+                  1.01171875f,
+                  std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(),
+                  0.0f}) {
     v.push_back(f);
     v.push_back(-f);
   }
@@ -78,10 +98,10 @@ TEST_CASE("f32 to e4m3 rounds to nearest even, saturates at 448 and keeps subnor
   CHECK(cvt::f32_to_e4m3(std::numeric_limits<float>::quiet_NaN()) == 0x7f);
   CHECK(cvt::f32_to_e4m3(-std::numeric_limits<float>::quiet_NaN()) == 0x7f);
   CHECK(cvt::f32_to_e4m3(-0.0f) == 0x80);
-  CHECK(cvt::f32_to_e4m3(std::ldexp(1.0f, -9)) == 0x01);   // the smallest subnormal
-  CHECK(cvt::f32_to_e4m3(std::ldexp(1.0f, -10)) == 0x00);  // half of it: a tie, to even (zero)
-  CHECK(cvt::f32_to_e4m3(std::ldexp(3.0f, -10)) == 0x02);  // 1.5 units: a tie, to even (2)
-  CHECK(cvt::f32_to_e4m3(std::ldexp(15.0f, -10)) == 0x08); // 7.5 units: to the smallest normal
+  CHECK(cvt::f32_to_e4m3(std::ldexp(1.0f, -9)) == 0x01);    // the smallest subnormal
+  CHECK(cvt::f32_to_e4m3(std::ldexp(1.0f, -10)) == 0x00);   // half of it: a tie, to even (zero)
+  CHECK(cvt::f32_to_e4m3(std::ldexp(3.0f, -10)) == 0x02);   // 1.5 units: a tie, to even (2)
+  CHECK(cvt::f32_to_e4m3(std::ldexp(15.0f, -10)) == 0x08);  // 7.5 units: to the smallest normal
   std::size_t wrong = 0;
   std::string first;
   for (const float f : probe_floats(200000)) {
@@ -93,9 +113,10 @@ TEST_CASE("f32 to e4m3 rounds to nearest even, saturates at 448 and keeps subnor
   CHECK(wrong == 0);
 }
 
-TEST_CASE("f32 to bf16 and to f16 round to nearest even like the reference; f16 keeps subnormals and overflows "
-          "to inf",
-          "[convert]") {
+TEST_CASE(
+    "f32 to bf16 and to f16 round to nearest even like the reference; f16 keeps subnormals and overflows "
+    "to inf",
+    "[convert]") {
   CHECK(cvt::f32_to_bf16(ref::from_bits(0x3f808000)) == 0x3f80);  // a tie, to even
   CHECK(cvt::f32_to_bf16(ref::from_bits(0x3f818000)) == 0x3f82);  // a tie, to even (up)
   CHECK(cvt::f32_to_bf16(ref::from_bits(0x3f808001)) == 0x3f81);
@@ -308,9 +329,11 @@ TEST_CASE("a strided converting copy (a column shard) finds each element's block
   const source_tensor src = make_source(dtype::bf16, source_values(300, 260, 11));
   auto copier = refit::copy::make_copier(refit::copy::engine::cpu);
   std::vector<float> scale(9), mul(9);
-  const refit::copy::scale_job job{src.bytes.data(), dtype::bf16, {300, 260}, quant::block128, scale.data(), mul.data()};
+  const refit::copy::scale_job job{src.bytes.data(), dtype::bf16,  {300, 260},
+                                   quant::block128,  scale.data(), mul.data()};
   copier->scales(std::span(&job, 1), nullptr);
-  const auto cv = refit::copy::conversion_of(dtype::bf16, dtype::f8_e4m3, quant::block128, std::vector<std::int64_t>{300, 260}, mul.data());
+  const auto cv = refit::copy::conversion_of(dtype::bf16, dtype::f8_e4m3, quant::block128,
+                                             std::vector<std::int64_t>{300, 260}, mul.data());
   std::vector<std::uint8_t> shard(300 * 132, 0);
   const refit::copy::convert_op op{src.bytes.data() + 128 * 2, shard.data(), 132, 300, 260, 132, 128, cv};
   copier->convert(std::span(&op, 1), nullptr);
@@ -429,12 +452,12 @@ struct convert_model {
   std::vector<source> sources;
 
   convert_model() {
-    add("w_block", dtype::bf16, {300, 260}, 1);      // fp8 block128, partial edge blocks
-    add("w_tensor", dtype::f32, {64, 100}, 2);       // fp8 per tensor
-    add("w_cast", dtype::f32, {1000}, 3);            // bf16
-    add("w_shard", dtype::bf16, {256, 300}, 4);      // two TP column shards, fp8 block128
-    add("w_chunked", dtype::bf16, {512, 512}, 5);    // 256 KiB of fp8 over 64 KiB buffers
-    add("w_plain", dtype::bf16, {33, 7}, 6);         // no conversion
+    add("w_block", dtype::bf16, {300, 260}, 1);    // fp8 block128, partial edge blocks
+    add("w_tensor", dtype::f32, {64, 100}, 2);     // fp8 per tensor
+    add("w_cast", dtype::f32, {1000}, 3);          // bf16
+    add("w_shard", dtype::bf16, {256, 300}, 4);    // two TP column shards, fp8 block128
+    add("w_chunked", dtype::bf16, {512, 512}, 5);  // 256 KiB of fp8 over 64 KiB buffers
+    add("w_plain", dtype::bf16, {33, 7}, 6);       // no conversion
   }
   void add(std::string name, dtype type, std::vector<std::int64_t> shape, std::uint32_t seed) {
     const auto n = static_cast<std::size_t>(*refit::checked_numel(shape));
@@ -565,8 +588,7 @@ TEST_CASE("a host_shm refit converts into fp8 block128, fp8 per-tensor, bf16 and
   CHECK(rx.wait() == 0);
 }
 
-TEST_CASE("a block128 shard that ends inside a block before the source's end fails the refit naming it",
-          "[convert]") {
+TEST_CASE("a block128 shard that ends inside a block before the source's end fails the refit naming it", "[convert]") {
   const rt::scoped_endpoint endpoint;
   rt::signal_pipe stop;
   std::vector<std::uint16_t> src(256 * 300, 0x3f80);

@@ -57,7 +57,6 @@ refit::curve_keys client_keys(const key_pair& mine, const std::string& server_pu
   return refit::curve_keys{mine.public_key, mine.secret_key, server_public, {}};
 }
 
-
 refit::streamer_options stream_options(const std::string& endpoint, refit::curve_keys curve,
                                        const std::string& token = {}) {
   refit::streamer_options o = rt::host_shm_streamer(endpoint, 256 << 10, streamer_timeout);

@@ -46,11 +46,8 @@ std::vector<refit::tensor_meta> delta_model() {
       {"embed", dtype::bf16, {300000}},       // 600,000 bytes: 5 spans
       {"layers.0.q", dtype::bf16, {64, 65}},  // 8,320 bytes
       {"layers.0.odd", dtype::bf16, {4097}},  // 8,194 bytes: 2 tail bytes
-      {"layers.0.norm", dtype::f32, {1000}},
-      {"layers.0.bytes", dtype::u8, {333}},
-      {"layers.0.count", dtype::i64, {17}},
-      {"empty", dtype::bf16, {0, 4}},
-      {"frozen", dtype::bf16, {1000}},
+      {"layers.0.norm", dtype::f32, {1000}}, {"layers.0.bytes", dtype::u8, {333}}, {"layers.0.count", dtype::i64, {17}},
+      {"empty", dtype::bf16, {0, 4}},        {"frozen", dtype::bf16, {1000}},
   };
 }
 
@@ -85,7 +82,8 @@ struct trainer {
   [[nodiscard]] std::vector<refit::tensor_ref> refs() const {
     std::vector<refit::tensor_ref> out;
     for (std::size_t k = 0; k < metas.size(); ++k)
-      out.push_back(refit::tensor_ref{metas[k], const_cast<std::uint8_t*>(bytes[k].data()), refit::device::cpu(), nullptr});
+      out.push_back(
+          refit::tensor_ref{metas[k], const_cast<std::uint8_t*>(bytes[k].data()), refit::device::cpu(), nullptr});
     return out;
   }
   /// Only the tensors whose name contains `part`.
@@ -103,8 +101,7 @@ struct engine {
   std::vector<std::vector<std::uint8_t>> bytes;
   refit::receiver r;
 
-  engine(const std::vector<refit::tensor_meta>& m, const std::string& endpoint)
-      : metas(m), r(options(endpoint)) {
+  engine(const std::vector<refit::tensor_meta>& m, const std::string& endpoint) : metas(m), r(options(endpoint)) {
     for (const auto& t : metas) bytes.emplace_back(t.nbytes(), std::uint8_t{0xee});
     for (std::size_t k = 0; k < metas.size(); ++k)
       r.add_parameter(refit::tensor_dest{metas[k], bytes[k].empty() ? nullptr : bytes[k].data(), refit::device::cpu()});
@@ -189,10 +186,11 @@ TEST_CASE("a patch rebuilds the new span and its checksum terms match a full che
       std::vector<std::byte> base = old_bytes;
       std::vector<std::uint32_t> idx(bytes / item);
       std::vector<std::byte> values(bytes);
-      const auto r = refit::delta::diff(base.data() + off, next.data() + off, off, bytes - off, item, bytes,
-                                        idx.data(), values.data());
+      const auto r = refit::delta::diff(base.data() + off, next.data() + off, off, bytes - off, item, bytes, idx.data(),
+                                        values.data());
       std::vector<std::byte> expect = old_bytes;
-      std::copy(next.begin() + static_cast<std::ptrdiff_t>(off), next.end(), expect.begin() + static_cast<std::ptrdiff_t>(off));
+      std::copy(next.begin() + static_cast<std::ptrdiff_t>(off), next.end(),
+                expect.begin() + static_cast<std::ptrdiff_t>(off));
       CHECK(base == expect);
       CHECK(refit::copy::checksum(old_bytes.data(), bytes) + r.terms == refit::copy::checksum(expect.data(), bytes));
       // The patch, applied to the old bytes, gives the same bytes and the same terms.
@@ -271,8 +269,7 @@ TEST_CASE("subset versions over host_shm are bit-exact after 20 steps and keep t
 
 // ================================================================================== deltas
 
-TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a fraction of the bytes",
-          "[delta]") {
+TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a fraction of the bytes", "[delta]") {
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
   engine e(t.metas, ep.name);
@@ -327,9 +324,10 @@ TEST_CASE("a version larger than the base's bound is always sent whole", "[delta
   }
 }
 
-TEST_CASE("a delta to a receiver with another base is refused before writing and the whole version follows "
-          "in the same refit",
-          "[delta]") {
+TEST_CASE(
+    "a delta to a receiver with another base is refused before writing and the whole version follows "
+    "in the same refit",
+    "[delta]") {
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
   engine e(t.metas, ep.name);
@@ -377,7 +375,8 @@ TEST_CASE("a delta to a receiver that registered its table again is sent whole",
   e.r.clear_parameters();
   for (auto& b : e.bytes) std::fill(b.begin(), b.end(), std::uint8_t{0});
   for (std::size_t k = 0; k < e.metas.size(); ++k)
-    e.r.add_parameter(refit::tensor_dest{e.metas[k], e.bytes[k].empty() ? nullptr : e.bytes[k].data(), refit::device::cpu()});
+    e.r.add_parameter(
+        refit::tensor_dest{e.metas[k], e.bytes[k].empty() ? nullptr : e.bytes[k].data(), refit::device::cpu()});
   t.step();
   const auto stats = refit_once(st, e, 2, t.refs());
   CHECK(stats.whole_after_refusal);
@@ -387,9 +386,10 @@ TEST_CASE("a delta to a receiver that registered its table again is sent whole",
   CHECK(e.differs_from(t).empty());
 }
 
-TEST_CASE("weights changed behind the receiver's back fail the delta's checksum and poison it; a whole version "
-          "cures it",
-          "[delta]") {
+TEST_CASE(
+    "weights changed behind the receiver's back fail the delta's checksum and poison it; a whole version "
+    "cures it",
+    "[delta]") {
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
   engine e(t.metas, ep.name);
@@ -455,9 +455,10 @@ std::string error_of(const wire::message& m) {
 
 }  // namespace
 
-TEST_CASE("a corrupted patch value is caught by the checksum; a corrupt index is refused before anything is "
-          "written",
-          "[delta]") {
+TEST_CASE(
+    "a corrupted patch value is caught by the checksum; a corrupt index is refused before anything is "
+    "written",
+    "[delta]") {
   const rt::scoped_endpoint ep;
   const refit::tensor_meta w{"w", dtype::bf16, {64}};
   std::vector<std::uint8_t> weights(128);
@@ -473,8 +474,10 @@ TEST_CASE("a corrupted patch value is caught by the checksum; a corrupt index is
     std::vector<receiver_event> seen;
     for (int idle = 0; idle < 200;) {
       const auto e = r.serve_one(50ms);
-      if (e == receiver_event::idle) ++idle;
-      else seen.push_back(e);
+      if (e == receiver_event::idle)
+        ++idle;
+      else
+        seen.push_back(e);
       if (e == receiver_event::bye) break;
     }
     return seen;
@@ -484,7 +487,8 @@ TEST_CASE("a corrupted patch value is caught by the checksum; a corrupt index is
     // Version 1, whole, with its checksum.
     std::memcpy(s.buffer(0), v1.data(), v1.size());
     REQUIRE(error_of(s.request(wire::begin{1, false, {}})) == "OK");
-    REQUIRE(error_of(s.request(wire::batch{1, 0, 0, {wire::entry{"w", dtype::bf16, {64}, 0, 128, 0, wire::entry_kind::bytes, 0}}})) == "OK");
+    REQUIRE(error_of(s.request(wire::batch{
+                1, 0, 0, {wire::entry{"w", dtype::bf16, {64}, 0, 128, 0, wire::entry_kind::bytes, 0}}})) == "OK");
     REQUIRE(error_of(s.request(wire::end{1, 1, 128, 1, sum1})) == "OK");
 
     // Version 2 changes elements 3 and 10; the patch carries a wrong value for element 10.
@@ -496,7 +500,8 @@ TEST_CASE("a corrupted patch value is caught by the checksum; a corrupt index is
       const std::uint16_t x0 = 1;
       std::memcpy(b, &i0, 4), std::memcpy(b + 4, &i1, 4), std::memcpy(b + 8, &x0, 2), std::memcpy(b + 10, &x1, 2);
       REQUIRE(error_of(s.request(wire::begin{version, true, *r.committed_version()})) == "OK");
-      return s.request(wire::batch{version, 0, 0, {wire::entry{"w", dtype::bf16, {64}, 0, 12, 0, wire::entry_kind::patch, 128}}});
+      return s.request(
+          wire::batch{version, 0, 0, {wire::entry{"w", dtype::bf16, {64}, 0, 12, 0, wire::entry_kind::patch, 128}}});
     };
     REQUIRE(error_of(send_patch(2, 3, 10, 3)) == "OK");  // the batch is applied after its reply
     const std::string end2 = error_of(s.request(wire::end{2, 1, 12, 1, sum2}));
@@ -509,7 +514,8 @@ TEST_CASE("a corrupted patch value is caught by the checksum; a corrupt index is
     // A whole version cures it.
     std::memcpy(s.buffer(1), v2.data(), v2.size());
     REQUIRE(error_of(s.request(wire::begin{4, false, {}})) == "OK");
-    REQUIRE(error_of(s.request(wire::batch{4, 0, 1, {wire::entry{"w", dtype::bf16, {64}, 0, 128, 0, wire::entry_kind::bytes, 0}}})) == "OK");
+    REQUIRE(error_of(s.request(wire::batch{
+                4, 0, 1, {wire::entry{"w", dtype::bf16, {64}, 0, 128, 0, wire::entry_kind::bytes, 0}}})) == "OK");
     REQUIRE(error_of(s.request(wire::end{4, 1, 128, 1, sum2})) == "OK");
 
     // A patch whose index is out of its span is refused before its batch writes anything: the
@@ -554,9 +560,10 @@ class blocking_source final : public refit::tensor_source {
 
 }  // namespace
 
-TEST_CASE("a streamer killed mid-delta leaves the receiver poisoned; the next streamer's refit is whole and "
-          "cures it",
-          "[delta]") {
+TEST_CASE(
+    "a streamer killed mid-delta leaves the receiver poisoned; the next streamer's refit is whole and "
+    "cures it",
+    "[delta]") {
   const rt::scoped_endpoint ep;
   const std::string& endpoint = ep.name;
   // Three large bf16 tensors: each one's patches fill most of a batch, so the first is applied

@@ -20,8 +20,8 @@ using refit::errc;
 namespace {
 
 wire::dest_record shard() {
-  return wire::dest_record{"layers.0.o_proj.weight", dtype::bf16, {4096, 2048}, {2048, 1},
-                           refit::source_slice{1, 2048, 2048}, 3, 1ull << 20};
+  return wire::dest_record{"layers.0.o_proj.weight",           dtype::bf16, {4096, 2048}, {2048, 1},
+                           refit::source_slice{1, 2048, 2048}, 3,           1ull << 20};
 }
 
 /// A record as msgpack, built field by field so that each test can break one.
@@ -66,7 +66,7 @@ TEST_CASE("a destination record survives encode and decode, slice, strides and e
 }
 
 TEST_CASE("decode_dest refuses every malformed field, naming it", "[wire][dest]") {
-  CHECK(refusal("") .find("invalid msgpack") != std::string::npos);
+  CHECK(refusal("").find("invalid msgpack") != std::string::npos);
   CHECK(refusal(raw(
                     [](auto& p) {
                       p.pack(std::string("w"));

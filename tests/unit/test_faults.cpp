@@ -27,11 +27,11 @@ namespace rt = refit::test;
 
 namespace {
 
-using rt::scoped_endpoint;
-using rt::host_tensors;
+using rt::code_name;
 using rt::failure;
 using rt::failure_of;
-using rt::code_name;
+using rt::host_tensors;
+using rt::scoped_endpoint;
 
 using clock_type = std::chrono::steady_clock;
 
@@ -184,9 +184,10 @@ class blocking_source final : public refit::tensor_source {
 
 }  // namespace
 
-TEST_CASE("a receiver killed mid-refit fails the streamer with errc::timeout in time; a new receiver on the "
-          "same endpoint takes the next refit",
-          "[faults]") {
+TEST_CASE(
+    "a receiver killed mid-refit fails the streamer with errc::timeout in time; a new receiver on the "
+    "same endpoint takes the next refit",
+    "[faults]") {
   const auto metas = rt::mixed_model(60, 3 * mib + 11);
   const scoped_endpoint endpoint;
   const std::string& ep = endpoint.name;
@@ -247,9 +248,10 @@ TEST_CASE("a receiver killed mid-refit fails the streamer with errc::timeout in 
   CHECK(b.stop() == 0);
 }
 
-TEST_CASE("a streamer killed mid-refit leaves the receiver on its previous version, dirty, and serving the next "
-          "streamer",
-          "[faults]") {
+TEST_CASE(
+    "a streamer killed mid-refit leaves the receiver on its previous version, dirty, and serving the next "
+    "streamer",
+    "[faults]") {
   const auto metas = rt::mixed_model(120, 2 * mib + 3);
   const scoped_endpoint endpoint;
   const std::string& ep = endpoint.name;

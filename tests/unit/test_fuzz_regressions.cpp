@@ -54,22 +54,22 @@ std::string safetensors_of(std::string_view header) {
 // json::out_of_range, which the parser did not catch (only parse_error): not a refit::error, and
 // refit-bench died in std::terminate.
 TEST_CASE("a JSON manifest with a number too large for a double is refused", "[fuzz][bench]") {
-  const auto [code, what] = error_of([] {
-    (void)refit::bench::parse_json_manifest("4e444", "/ckpt/model.json", refit::dtype::bf16);
-  });
+  const auto [code, what] =
+      error_of([] { (void)refit::bench::parse_json_manifest("4e444", "/ckpt/model.json", refit::dtype::bf16); });
   CHECK(code == errc::invalid_argument);
-  CHECK(what == "manifest /ckpt/model.json: not valid JSON: [json.exception.out_of_range.406] number overflow "
-                "parsing '4e444'");
+  CHECK(what ==
+        "manifest /ckpt/model.json: not valid JSON: [json.exception.out_of_range.406] number overflow "
+        "parsing '4e444'");
 }
 
 TEST_CASE("a safetensors header with a number too large for a double is refused", "[fuzz][bench]") {
   const std::string file = safetensors_of(R"({"t":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}})");
-  const auto [code, what] = error_of([&] {
-    (void)refit::bench::parse_safetensors(file.data(), file.size(), file.size(), "m.safetensors");
-  });
+  const auto [code, what] =
+      error_of([&] { (void)refit::bench::parse_safetensors(file.data(), file.size(), file.size(), "m.safetensors"); });
   CHECK(code == errc::invalid_argument);
-  CHECK(what == "manifest m.safetensors: header is not valid JSON: [json.exception.out_of_range.406] number "
-                "overflow parsing '1e999'");
+  CHECK(what ==
+        "manifest m.safetensors: header is not valid JSON: [json.exception.out_of_range.406] number "
+        "overflow parsing '1e999'");
 }
 
 // regressions/fuzz_manifest/deep_nesting (a hand-made input run through fuzz_manifest: the
@@ -81,24 +81,22 @@ TEST_CASE("JSON nested deeper than any manifest is refused before it overflows t
   const std::string nested = std::string(depth, '[') + std::string(depth, ']');
   {
     const std::string text = R"({"t":{"dtype":)" + nested + R"(,"shape":[]}})";
-    const auto [code, what] = error_of([&] {
-      (void)refit::bench::parse_json_manifest(text, "/ckpt/model.json", refit::dtype::bf16);
-    });
+    const auto [code, what] =
+        error_of([&] { (void)refit::bench::parse_json_manifest(text, "/ckpt/model.json", refit::dtype::bf16); });
     CHECK(code == errc::invalid_argument);
     CHECK(what == "manifest /ckpt/model.json: JSON nests deeper than 64 levels (a manifest needs 3)");
   }
   {
     const std::string file = safetensors_of(R"({"t":{"dtype":)" + nested + R"(,"shape":[],"data_offsets":[0,0]}})");
-    const auto [code, what] = error_of([&] {
-      (void)refit::bench::parse_safetensors(file.data(), file.size(), file.size(), "m.safetensors");
-    });
+    const auto [code, what] = error_of(
+        [&] { (void)refit::bench::parse_safetensors(file.data(), file.size(), file.size(), "m.safetensors"); });
     CHECK(code == errc::invalid_argument);
     CHECK(what == "manifest m.safetensors: header nests deeper than 64 levels (a manifest needs 3)");
   }
   // 64 levels still parse (as far as the nesting goes: the dtype is then the wrong type).
   const std::string ok_depth = std::string(62, '[') + std::string(62, ']');
-  CHECK_THROWS_WITH(refit::bench::parse_json_manifest(R"({"t":{"dtype":)" + ok_depth + R"(,"shape":[]}})",
-                                                      "m.json", refit::dtype::bf16),
+  CHECK_THROWS_WITH(refit::bench::parse_json_manifest(R"({"t":{"dtype":)" + ok_depth + R"(,"shape":[]}})", "m.json",
+                                                      refit::dtype::bf16),
                     Catch::Contains("\"dtype\" must be a string"));
 }
 

@@ -203,8 +203,8 @@ TEST_CASE("a host_shm sink refuses what it cannot or must not map", "[host_shm]"
     expect_refused(h, "alive");
   }
   SECTION("a name that is not one of refit's") {
-    for (const char* name : {"/etc-passwd", "refit-1-00", "/refit-../../etc/passwd", "/refit-", "",
-                             "/dev/shm/refit-1"}) {
+    for (const char* name :
+         {"/etc-passwd", "refit-1-00", "/refit-../../etc/passwd", "/refit-", "", "/dev/shm/refit-1"}) {
       auto h = good;
       h.buffers[0].handle = name;
       expect_refused(h, "not a refit shared memory object");
@@ -304,8 +304,7 @@ TEST_CASE("host and process identities name this host and process", "[host_shm]"
   CHECK(host.starts_with(proc.substr(0, proc.rfind(':'))));
 }
 
-TEST_CASE("the segments of a streamer killed before HELLO are removed by the next streamer on the host",
-          "[host_shm]") {
+TEST_CASE("the segments of a streamer killed before HELLO are removed by the next streamer on the host", "[host_shm]") {
   refit::test::signal_pipe names;
   refit::test::child victim([&] {
     auto source = tr::make_source(shm_options());

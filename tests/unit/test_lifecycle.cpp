@@ -192,7 +192,8 @@ refit::streamer_options stream_options(const std::string& endpoint, std::uint64_
 std::vector<refit::tensor_meta> flat_model(std::size_t n, std::uint64_t bytes) {
   std::vector<refit::tensor_meta> out;
   for (std::size_t i = 0; i < n; ++i)
-    out.push_back({"layers." + std::to_string(i) + ".weight", refit::dtype::f32, {static_cast<std::int64_t>(bytes / 4)}});
+    out.push_back(
+        {"layers." + std::to_string(i) + ".weight", refit::dtype::f32, {static_cast<std::int64_t>(bytes / 4)}});
   return out;
 }
 
@@ -269,8 +270,7 @@ class throwing_source final : public refit::tensor_source {
 
 // ======================================================================= superseded refits
 
-TEST_CASE("a BEGIN during a refit is reported as aborted, then handled as begin by the next serve_one",
-          "[lifecycle]") {
+TEST_CASE("a BEGIN during a refit is reported as aborted, then handled as begin by the next serve_one", "[lifecycle]") {
   const auto model = flat_model(2, 1 * kib);
   const scoped_endpoint endpoint;
   receiver_child rx(spec{endpoint.name, model});
@@ -295,10 +295,9 @@ TEST_CASE("a BEGIN during a refit is reported as aborted, then handled as begin 
   REQUIRE(is_ok(s.batch(2, 0, {model[0]})));
   REQUIRE(is_ok(s.batch(2, 1, {model[1]})));
   REQUIRE(is_ok(s.request(wire::end{2, 2, 2 * kib, 2, {}})));
-  CHECK(rx.until("event committed") == std::vector<std::string>{"event batch committed=none dirty=1",
-                                                                "event batch committed=none dirty=1",
-                                                                "hook commit 2 committed=2 dirty=0",
-                                                                "event committed committed=2 dirty=0"});
+  CHECK(rx.until("event committed") ==
+        std::vector<std::string>{"event batch committed=none dirty=1", "event batch committed=none dirty=1",
+                                 "hook commit 2 committed=2 dirty=0", "event committed committed=2 dirty=0"});
   CHECK(rx.command("check 2") == "check ok");
   CHECK(rx.stop() == 0);
 }
@@ -431,8 +430,9 @@ TEST_CASE("an ABORT of no refit in progress, or of another version, is answered 
   REQUIRE(is_ok(s.batch(2, 0, {model[0]})));
   CHECK(is_ok(s.request(wire::abort{2, refit::errc::cuda, "cudaMemcpyAsync failed"})));
   const auto lines = rx.until("event aborted");
-  CHECK(lines.back() == "event aborted committed=1 dirty=1 | the streamer raw-streamer aborted version 2 (cuda): "
-                        "cudaMemcpyAsync failed");
+  CHECK(lines.back() ==
+        "event aborted committed=1 dirty=1 | the streamer raw-streamer aborted version 2 (cuda): "
+        "cudaMemcpyAsync failed");
   // Its batches are refused from then on.
   const auto late = s.batch(2, 1, {model[1]});
   CHECK_THAT(error_text(late), Catch::StartsWith("protocol: BATCH 1 of version 2 without a refit in progress"));
@@ -458,10 +458,9 @@ TEST_CASE("hooks fire begin, batches, commit for each of three versions, and not
     std::vector<std::string> hooks_and_calls;
     for (const auto& line : rx.until("event committed"))
       if (!line.starts_with("event")) hooks_and_calls.push_back(line);
-    CHECK(hooks_and_calls == std::vector<std::string>{"hook begin " + std::to_string(v), "callback 2", "callback 2",
-                                                      "callback 2",
-                                                      "hook commit " + std::to_string(v) + " committed=" +
-                                                          std::to_string(v) + " dirty=0"});
+    CHECK(hooks_and_calls == std::vector<std::string>{
+                                 "hook begin " + std::to_string(v), "callback 2", "callback 2", "callback 2",
+                                 "hook commit " + std::to_string(v) + " committed=" + std::to_string(v) + " dirty=0"});
   }
 
   // An empty function removes each hook.
@@ -557,8 +556,7 @@ TEST_CASE("exceptions thrown by on_commit and on_abort do not escape serve_one",
   CHECK(rx.until("event committed") ==
         std::vector<std::string>{"event hello committed=none dirty=0", "hook begin 1",
                                  "event begin committed=none dirty=0", "event batch committed=none dirty=1",
-                                 "hook commit 1 committed=1 dirty=0",
-                                 "event committed committed=1 dirty=0"});
+                                 "hook commit 1 committed=1 dirty=0", "event committed committed=1 dirty=0"});
 
   const host_tensors v2(model, 2);
   auto refs = v2.refs;
@@ -577,8 +575,7 @@ TEST_CASE("exceptions thrown by on_commit and on_abort do not escape serve_one",
 
 // ======================================================================= the parameter table
 
-TEST_CASE("a parameter table re-registered at new memory between refits receives the next refit there",
-          "[lifecycle]") {
+TEST_CASE("a parameter table re-registered at new memory between refits receives the next refit there", "[lifecycle]") {
   const auto model = flat_model(4, 16 * kib);
   const scoped_endpoint endpoint;
   receiver_child rx(spec{endpoint.name, model});
@@ -598,8 +595,7 @@ TEST_CASE("a parameter table re-registered at new memory between refits receives
   CHECK(rx.stop() == 0);
 }
 
-TEST_CASE("a parameter table changed while a refit is in progress fails that refit with errc::apply",
-          "[lifecycle]") {
+TEST_CASE("a parameter table changed while a refit is in progress fails that refit with errc::apply", "[lifecycle]") {
   const auto model = flat_model(2, 1 * kib);
   const scoped_endpoint endpoint;
   receiver_child rx(spec{endpoint.name, model});
@@ -670,7 +666,9 @@ TEST_CASE("add_parameter accepts a null pointer for a tensor without elements an
   refit::receiver r;
   CHECK_NOTHROW(r.add_parameter({{"empty", refit::dtype::bf16, {0, 128}}, nullptr, refit::device::cpu()}));
   CHECK_NOTHROW(r.add_parameter({{"empty.too", refit::dtype::u8, {7, 0}}, nullptr, refit::device::cpu()}));
-  const auto f = failure_of([&] { r.add_parameter({{"scale", refit::dtype::f32, {}}, nullptr, refit::device::cpu()}); });
+  const auto f = failure_of([&] {
+    r.add_parameter({{"scale", refit::dtype::f32, {}}, nullptr, refit::device::cpu()});
+  });
   REQUIRE(f);
   CHECK(f->code == rt::code_name(refit::errc::invalid_argument));
   CHECK_THAT(f->message, Catch::Contains("add_parameter: scale f32[] has no data (null pointer)") &&

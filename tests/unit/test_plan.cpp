@@ -278,7 +278,9 @@ TEST_CASE("randomized plans cover every byte of every tensor exactly once", "[pl
   const std::uint64_t seed = env ? std::strtoull(env, nullptr, 10) : 20240611;
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
-  auto uniform = [&](std::uint64_t lo, std::uint64_t hi) { return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng); };
+  auto uniform = [&](std::uint64_t lo, std::uint64_t hi) {
+    return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
+  };
 
   for (int round = 0; round < 3000; ++round) {
     INFO("round " << round);

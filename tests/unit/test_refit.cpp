@@ -27,12 +27,12 @@ namespace rt = refit::test;
 
 namespace {
 
-using rt::scoped_endpoint;
-using rt::host_tensors;
-using rt::pattern_mismatch;
+using rt::code_name;
 using rt::failure;
 using rt::failure_of;
-using rt::code_name;
+using rt::host_tensors;
+using rt::pattern_mismatch;
+using rt::scoped_endpoint;
 
 constexpr std::uint64_t kib = 1ull << 10;
 constexpr std::uint64_t mib = 1ull << 20;
@@ -45,9 +45,6 @@ std::uint64_t total_bytes(const std::vector<refit::tensor_meta>& metas) {
 }
 
 // A private endpoint for one test; its socket file and directory go when the test ends.
-
-
-
 
 refit::streamer_options stream_options(const std::string& endpoint, std::size_t buffer_count,
                                        std::uint64_t buffer_bytes) {
@@ -215,7 +212,9 @@ void receiver_child::run() {
         std::sort(rs.begin(), rs.end());
         std::uint64_t cursor = 0;
         for (const auto& [offset, bytes] : rs) {
-          if (offset != cursor) note(meta.name + ": byte " + std::to_string(std::min(offset, cursor)) + " arrived " + (offset < cursor ? "twice" : "never"));
+          if (offset != cursor)
+            note(meta.name + ": byte " + std::to_string(std::min(offset, cursor)) + " arrived " +
+                 (offset < cursor ? "twice" : "never"));
           cursor = std::max(cursor, offset + bytes);
         }
         if (cursor != meta.nbytes()) note(meta.name + ": bytes from " + std::to_string(cursor) + " never arrived");
@@ -224,7 +223,8 @@ void receiver_child::run() {
       const auto m = pattern_mismatch(meta, version, data[i].data());
       if (!m.empty()) note(m);
     }
-    if (spec_.expect_small_splits && small_splits == 0) note("no tensor that fits a buffer was split (keep_whole=false)");
+    if (spec_.expect_small_splits && small_splits == 0)
+      note("no tensor that fits a buffer was split (keep_whole=false)");
     return problem.empty() ? "ok" : problem;
   };
 
@@ -259,8 +259,7 @@ void receiver_child::run() {
       case refit::receiver_event::refused:
         reports_.send(outcome(event_name(e), r.committed_version(), r.dirty()));
         break;
-      default:
-        break;
+      default: break;
     }
   }
 }
@@ -329,9 +328,10 @@ TEST_CASE("three consecutive refits with different data commit in turn, each bit
   const host_tensors v3(metas, 3);
   const host_tensors v4(metas, 4);
   const host_tensors v10(metas, 10);
-  const auto big = static_cast<std::size_t>(
-      std::max_element(metas.begin(), metas.end(), [](const auto& a, const auto& b) { return a.nbytes() < b.nbytes(); }) -
-      metas.begin());
+  const auto big =
+      static_cast<std::size_t>(std::max_element(metas.begin(), metas.end(),
+                                                [](const auto& a, const auto& b) { return a.nbytes() < b.nbytes(); }) -
+                               metas.begin());
   const bool differ = v3.bytes[big] != v4.bytes[big] && v4.bytes[big] != v10.bytes[big];
   CHECK(differ);
 
@@ -491,9 +491,10 @@ TEST_CASE("a shape different from the parameter table's aborts the refit and com
   table_refuses(registered, sent, refit::errc::apply, {"lm_head.weight f32[32, 64]", "lm_head.weight f32[64, 32]"});
 }
 
-TEST_CASE("a streamer recorded for another engine layout is refused at HELLO naming both digests; a matching one and "
-          "one without a digest commit",
-          "[refit][layout]") {
+TEST_CASE(
+    "a streamer recorded for another engine layout is refused at HELLO naming both digests; a matching one and "
+    "one without a digest commit",
+    "[refit][layout]") {
   const auto metas = rt::mixed_model(20, 0);
   const scoped_endpoint endpoint;
   const std::string& ep = endpoint.name;
@@ -600,7 +601,8 @@ TEST_CASE("a version not newer than the committed one is refused, from the same 
       const auto f = failure_of([&] { s.refit(old, v.refs); });
       REQUIRE(f);
       CHECK(f->code == code_name(refit::errc::protocol));
-      CHECK_THAT(f->message, Catch::Contains("version " + std::to_string(old) + " is not newer than the committed version 5"));
+      CHECK_THAT(f->message,
+                 Catch::Contains("version " + std::to_string(old) + " is not newer than the committed version 5"));
       CHECK(rx.next_report() == outcome("aborted", 5, false));
     }
     s.close();
@@ -619,9 +621,10 @@ TEST_CASE("a version not newer than the committed one is refused, from the same 
   CHECK(rx.stop() == 0);
 }
 
-TEST_CASE("a tensor the streamer cannot send fails the refit at the streamer; the receiver, told by ABORT, reports "
-          "it aborted and commits nothing of it",
-          "[refit]") {
+TEST_CASE(
+    "a tensor the streamer cannot send fails the refit at the streamer; the receiver, told by ABORT, reports "
+    "it aborted and commits nothing of it",
+    "[refit]") {
   const auto metas = rt::mixed_model(60, 600 * kib);
   const scoped_endpoint endpoint;
   const std::string& ep = endpoint.name;
@@ -677,7 +680,10 @@ TEST_CASE("bad streamer options are rejected by the constructor with errc::inval
       {"alignment 0", [](auto& o) { o.alignment = 0; }, "alignment"},
       {"empty buffers", [](auto& o) { o.buffer_bytes = 0; }, "buffer_bytes"},
       {"buffers smaller than the alignment", [](auto& o) { o.buffer_bytes = 100; }, "buffer_bytes"},
-      {"two host_shm receivers", [&](auto& o) { o.receivers = {ep, ep + "2"}; },
+      {"two host_shm receivers",
+       [&](auto& o) {
+         o.receivers = {ep, ep + "2"};
+       },
        "2 receivers given, but the host_shm transport serves 1 receiver per streamer"},
       {"two cuda_ipc receivers without direct writes",
        [&](auto& o) {

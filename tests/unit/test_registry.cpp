@@ -74,7 +74,7 @@ TEST_CASE("nccl session data round-trips and every malformed one is refused with
   CHECK(refused(bytes.substr(0, 135)) ==
         "nccl: HELLO's session data is 135 bytes, but an nccl session is 136 (a 128-byte ncclUniqueId, rank, nranks): "
         "the streamer was built against another NCCL");
-  CHECK(refused("") .find("is 0 bytes") != std::string::npos);
+  CHECK(refused("").find("is 0 bytes") != std::string::npos);
   const auto with = [&](std::uint32_t rank, std::uint32_t nranks) {
     return tr::encode_nccl_session({std::string(128, 'x'), rank, nranks});
   };

@@ -41,9 +41,9 @@ namespace {
 
 using shape_t = std::vector<std::int64_t>;
 
-refit::plan::destination make_dest(const std::string& name, dtype type, shape_t shape, void* data,
-                                   shape_t strides = {}, std::optional<source_slice> slice = std::nullopt,
-                                   const void* alloc = nullptr, std::uint64_t alloc_bytes = 0) {
+refit::plan::destination make_dest(const std::string& name, dtype type, shape_t shape, void* data, shape_t strides = {},
+                                   std::optional<source_slice> slice = std::nullopt, const void* alloc = nullptr,
+                                   std::uint64_t alloc_bytes = 0) {
   refit::tensor_dest d;
   d.meta = refit::tensor_meta{name, type, std::move(shape)};
   d.data = data;
@@ -121,15 +121,15 @@ std::int64_t uniform(std::mt19937_64& rng, std::int64_t lo, std::int64_t hi) {
 struct view_case {
   dtype type = dtype::u8;
   std::uint64_t item = 1;
-  shape_t shape;                     // the view
-  shape_t strides;                   // as registered (empty: dense)
-  shape_t eff;                       // the view's strides, always filled
-  std::uint64_t offset = 0;          // the view's first byte in the engine buffer
+  shape_t shape;             // the view
+  shape_t strides;           // as registered (empty: dense)
+  shape_t eff;               // the view's strides, always filled
+  std::uint64_t offset = 0;  // the view's first byte in the engine buffer
   std::uint64_t engine_bytes = 0;
   std::optional<source_slice> slice;
-  shape_t source;                    // the source's shape
-  shape_t big;                       // the engine tensor the view narrows
-  std::uint64_t front = 0;           // its first byte in the engine buffer
+  shape_t source;           // the source's shape
+  shape_t big;              // the engine tensor the view narrows
+  std::uint64_t front = 0;  // its first byte in the engine buffer
 
   [[nodiscard]] std::uint64_t source_bytes() const { return static_cast<std::uint64_t>(numel(source)) * item; }
 
@@ -289,8 +289,7 @@ bool no_empty_run(const std::vector<run>& runs) {
 
 // ------------------------------------------------------------------------------------- route()
 
-TEST_CASE("route moves every element of random strided views and slices where a brute-force walk puts it",
-          "[route]") {
+TEST_CASE("route moves every element of random strided views and slices where a brute-force walk puts it", "[route]") {
   std::mt19937_64 rng(20240611);
   int sliced = 0;
   int strided = 0;
@@ -439,8 +438,7 @@ TEST_CASE("clip to a range covering a run returns the run itself and to a range 
   CHECK(out == std::vector<run>{run{143, 40, 75, 64, 4, 1}});
 }
 
-TEST_CASE("clipping a route to consecutive random chunks of its source writes every destination byte once",
-          "[route]") {
+TEST_CASE("clipping a route to consecutive random chunks of its source writes every destination byte once", "[route]") {
   std::mt19937_64 rng(4242);
   for (int n = 0; n < 3000; ++n) {
     const view_case c = random_view(rng);
@@ -452,15 +450,15 @@ TEST_CASE("clipping a route to consecutive random chunks of its source writes ev
     while (cuts.back() < total) {
       const std::int64_t left = static_cast<std::int64_t>(total - cuts.back());
       std::int64_t step = uniform(rng, 1, std::max<std::int64_t>(1, left / 2));
-      if (uniform(rng, 0, 2) == 0) step = std::max<std::int64_t>(1, step / static_cast<std::int64_t>(c.item) *
-                                                                         static_cast<std::int64_t>(c.item));
+      if (uniform(rng, 0, 2) == 0)
+        step = std::max<std::int64_t>(1, step / static_cast<std::int64_t>(c.item) * static_cast<std::int64_t>(c.item));
       if (uniform(rng, 0, 5) == 0) step = left;
       cuts.push_back(std::min(total, cuts.back() + static_cast<std::uint64_t>(step)));
     }
     std::ostringstream chunks;
     for (const auto x : cuts) chunks << x << ' ';
     INFO("case " << n << ": " << c.describe() << "; runs " << Catch::Detail::stringify(runs) << "; cuts "
-                  << chunks.str());
+                 << chunks.str());
 
     std::vector<run> pieces;
     bool in_range = true;
@@ -504,8 +502,8 @@ TEST_CASE("check_view refuses a view that cannot be written and names the tensor
     refused(make_dest(name, dtype::f32, {4, 3}, p, {30, 3, 1}));
   }
   SECTION("a view that overlaps itself") {
-    refused(make_dest(name, dtype::f32, {4, 3}, p, {0, 1}));      // stride 0 on a dimension of 4
-    refused(make_dest(name, dtype::f32, {4, 3}, p, {2, 1}));      // rows of 3 two elements apart
+    refused(make_dest(name, dtype::f32, {4, 3}, p, {0, 1}));          // stride 0 on a dimension of 4
+    refused(make_dest(name, dtype::f32, {4, 3}, p, {2, 1}));          // rows of 3 two elements apart
     refused(make_dest(name, dtype::f32, {2, 4, 3}, p, {13, 12, 1}));  // (1, 0, 0) and (0, 1, 1) are one element
   }
   SECTION("a slice of a dimension the view does not have") {
@@ -528,7 +526,7 @@ TEST_CASE("check_view refuses a view that cannot be written and names the tensor
   }
   SECTION("a view that leaves its allocation") {
     // [4, 3] f32 with strides (10, 1): 132 bytes from its first.
-    refused(make_dest(name, dtype::f32, {4, 3}, p, {10, 1}, std::nullopt, p, 131));  // one byte past the end
+    refused(make_dest(name, dtype::f32, {4, 3}, p, {10, 1}, std::nullopt, p, 131));      // one byte past the end
     refused(make_dest(name, dtype::f32, {4, 3}, p, {10, 1}, std::nullopt, p + 8, 200));  // starts before it
     refused(make_dest(name, dtype::f32, {4, 3}, p + 100, {10, 1}, std::nullopt, p, 200));
   }
@@ -611,12 +609,18 @@ TEST_CASE("route gives no runs for a view without elements and one item for a 0-
 TEST_CASE("route refuses a view split into more than max_runs blocks", "[route]") {
   // [257, 257, 2, 2] out of [257, 257, 4, 4]: 257 · 257 blocks of 2 rows.
   const auto many = make_dest("experts", dtype::u8, {257, 257, 2, 2}, nullptr, {257 * 16, 16, 4, 1});
-  expect_error([&] { (void)refit::plan::route(many, dtype::u8, shape_t{257, 257, 2, 2}); }, errc::invalid_argument,
-               "experts");
+  expect_error(
+      [&] {
+        (void)refit::plan::route(many, dtype::u8, shape_t{257, 257, 2, 2});
+      },
+      errc::invalid_argument, "experts");
   // 65,537 blocks, one past the limit.
   const auto one_more = make_dest("experts", dtype::u8, {65537, 2, 2}, nullptr, {16, 4, 1});
-  expect_error([&] { (void)refit::plan::route(one_more, dtype::u8, shape_t{65537, 2, 2}); }, errc::invalid_argument,
-               "experts");
+  expect_error(
+      [&] {
+        (void)refit::plan::route(one_more, dtype::u8, shape_t{65537, 2, 2});
+      },
+      errc::invalid_argument, "experts");
   const auto most = make_dest("experts", dtype::u8, {256, 256, 2, 2}, nullptr, {256 * 16, 16, 4, 1});
   const auto runs = refit::plan::route(most, dtype::u8, shape_t{256, 256, 2, 2});
   REQUIRE(runs.size() == refit::plan::max_runs);
@@ -690,15 +694,15 @@ bool meet(const narrowing& a, const narrowing& b) {
 TEST_CASE("narrowings of one tensor overlap exactly when they share an element", "[route]") {
   CHECK(narrow86(0, 4, 0, 6).fp == std::vector<run>{run{0, 0, 0, 0, 4 * 6 * 4, 1}});
   CHECK(narrow86(0, 8, 3, 3).fp == std::vector<run>{run{0, 24, 0, 24, 12, 8}});
-  CHECK_FALSE(meet(narrow86(0, 4, 0, 6), narrow86(4, 4, 0, 6)));    // rows 0-3 and 4-7
-  CHECK_FALSE(meet(narrow86(0, 8, 0, 3), narrow86(0, 8, 3, 3)));    // w[:, 0:3] and w[:, 3:6], interleaved
+  CHECK_FALSE(meet(narrow86(0, 4, 0, 6), narrow86(4, 4, 0, 6)));  // rows 0-3 and 4-7
+  CHECK_FALSE(meet(narrow86(0, 8, 0, 3), narrow86(0, 8, 3, 3)));  // w[:, 0:3] and w[:, 3:6], interleaved
   CHECK_FALSE(meet(narrow86(2, 3, 0, 3), narrow86(2, 3, 3, 3)));
   CHECK_FALSE(meet(narrow86(0, 4, 0, 3), narrow86(4, 4, 3, 3)));
-  CHECK(meet(narrow86(0, 5, 0, 6), narrow86(4, 4, 0, 6)));          // share row 4
-  CHECK(meet(narrow86(0, 8, 0, 4), narrow86(0, 8, 3, 3)));          // share column 3
-  CHECK(meet(narrow86(7, 1, 5, 1), narrow86(0, 8, 3, 3)));          // the last element
-  CHECK(meet(narrow86(0, 1, 0, 1), narrow86(0, 8, 0, 6)));          // the first element
-  CHECK_FALSE(meet(narrow86(0, 8, 0, 2), narrow86(0, 8, 3, 3)));    // a column between them
+  CHECK(meet(narrow86(0, 5, 0, 6), narrow86(4, 4, 0, 6)));        // share row 4
+  CHECK(meet(narrow86(0, 8, 0, 4), narrow86(0, 8, 3, 3)));        // share column 3
+  CHECK(meet(narrow86(7, 1, 5, 1), narrow86(0, 8, 3, 3)));        // the last element
+  CHECK(meet(narrow86(0, 1, 0, 1), narrow86(0, 8, 0, 6)));        // the first element
+  CHECK_FALSE(meet(narrow86(0, 8, 0, 2), narrow86(0, 8, 3, 3)));  // a column between them
   CHECK_FALSE(meet(narrow86(1, 1, 2, 1), narrow86(0, 8, 3, 3)));
   // The same memory as bytes: one byte of an f32 is enough to overlap.
   const narrowing byte{at(3 * 4 + 3), refit::plan::footprint(make_dest("b", dtype::u8, {1}, nullptr))};
@@ -808,8 +812,8 @@ TEST_CASE("engine layouts reduce to the runs a hand computation gives", "[route]
     CHECK(refit::plan::route(up, dtype::bf16, shape_t{i2 / 2, hh}) ==
           std::vector<run>{run{0, 0, 0, 0, static_cast<std::uint64_t>(i2 / 2 * hh) * bf, 1}});
     // w13[e] as a [1, 2I, H] narrowing of the stack, taking expert e of a stacked source.
-    const auto one = make_dest("experts.w13", dtype::bf16, {1, i2, hh}, nullptr, {i2 * hh, hh, 1},
-                               source_slice{0, 5, 1});
+    const auto one =
+        make_dest("experts.w13", dtype::bf16, {1, i2, hh}, nullptr, {i2 * hh, hh, 1}, source_slice{0, 5, 1});
     CHECK(refit::plan::route(one, dtype::bf16, shape_t{8, i2, hh}) ==
           std::vector<run>{run{5ull * static_cast<std::uint64_t>(i2 * hh) * bf, 0, 0, 0,
                                static_cast<std::uint64_t>(i2 * hh) * bf, 1}});

@@ -37,8 +37,7 @@ class error_matcher : public Catch::MatcherBase<refit::error> {
 
 error_matcher is_error(errc code, std::string fragment) { return {code, std::move(fragment)}; }
 
-#define CHECK_REFIT_ERROR(expr, code, fragment) \
-  CHECK_THROWS_MATCHES(expr, refit::error, is_error(code, fragment))
+#define CHECK_REFIT_ERROR(expr, code, fragment) CHECK_THROWS_MATCHES(expr, refit::error, is_error(code, fragment))
 
 // ------------------------------------------------------------------------------ message builder
 
@@ -72,22 +71,37 @@ class mp {
 using field = std::function<void(mp&)>;
 
 // [type, protocol_version, fields...]
-std::string message(std::uint64_t type, const std::vector<field>& fields,
-                    std::uint64_t pv = wire::protocol_version) {
+std::string message(std::uint64_t type, const std::vector<field>& fields, std::uint64_t pv = wire::protocol_version) {
   mp m;
   m.arr(static_cast<std::uint32_t>(2 + fields.size())).u(type).u(pv);
   for (const auto& f : fields) f(m);
   return m.str();
 }
 
-field U(std::uint64_t v) { return [v](mp& m) { m.u(v); }; }
-field I(std::int64_t v) { return [v](mp& m) { m.i(v); }; }
-field S(std::string v) { return [v](mp& m) { m.s(v); }; }
-field B(std::string v) { return [v](mp& m) { m.b(v); }; }
-field NIL() { return [](mp& m) { m.nil(); }; }
-field T(bool v) { return [v](mp& m) { m.t(v); }; }
-field F(double v) { return [v](mp& m) { m.f(v); }; }
-field MAP() { return [](mp& m) { m.map0(); }; }
+field U(std::uint64_t v) {
+  return [v](mp& m) { m.u(v); };
+}
+field I(std::int64_t v) {
+  return [v](mp& m) { m.i(v); };
+}
+field S(std::string v) {
+  return [v](mp& m) { m.s(v); };
+}
+field B(std::string v) {
+  return [v](mp& m) { m.b(v); };
+}
+field NIL() {
+  return [](mp& m) { m.nil(); };
+}
+field T(bool v) {
+  return [v](mp& m) { m.t(v); };
+}
+field F(double v) {
+  return [v](mp& m) { m.f(v); };
+}
+field MAP() {
+  return [](mp& m) { m.map0(); };
+}
 field ARR(std::vector<field> items) {
   return [items](mp& m) {
     m.arr(static_cast<std::uint32_t>(items.size()));
@@ -98,8 +112,16 @@ field ARR(std::vector<field> items) {
 field good_buffer() { return ARR({U(1024), B("/refit-shm-1"), B(""), B("")}); }
 
 std::vector<field> hello_fields() {
-  return {S("token"), S("host_shm"), S("host:42"), S("host-boot"), B(std::string(16, '\x7f')), U(256),
-          ARR({good_buffer(), good_buffer()}), B(""), U(0), S("")};
+  return {S("token"),
+          S("host_shm"),
+          S("host:42"),
+          S("host-boot"),
+          B(std::string(16, '\x7f')),
+          U(256),
+          ARR({good_buffer(), good_buffer()}),
+          B(""),
+          U(0),
+          S("")};
 }
 
 // An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset, kind, span].
@@ -224,7 +246,8 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
   }
   SECTION("ABORT with every code") {
     for (int c = 1; c <= 13; ++c) {
-      wire::abort a{static_cast<std::uint64_t>(c) << 40, static_cast<errc>(c), "the source failed: " + std::to_string(c)};
+      wire::abort a{static_cast<std::uint64_t>(c) << 40, static_cast<errc>(c),
+                    "the source failed: " + std::to_string(c)};
       const auto m = roundtrip(a);
       CHECK(std::get<wire::abort>(m) == a);
       CHECK(wire::type_of(m) == wire::msg_type::abort);
@@ -365,14 +388,16 @@ TEST_CASE("decode rejects HELLO fields of the wrong type", "[wire]") {
   const auto h = hello_fields();
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 0, B("token")))), errc::protocol,
                     "HELLO message: token must be a str, got bin");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 1, NIL()))), errc::protocol, "transport must be a str, got nil");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 1, NIL()))), errc::protocol,
+                    "transport must be a str, got nil");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 2, U(5)))), errc::protocol, "peer must be a str");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 3, ARR({})))), errc::protocol, "host_id must be a str");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 4, S("uuid")))), errc::protocol,
                     "device_uuid must be a bin, got str");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 5, I(-256)))), errc::protocol,
                     "alignment must be an unsigned integer, got negative int");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, MAP()))), errc::protocol, "buffers must be an array, got map");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, MAP()))), errc::protocol,
+                    "buffers must be an array, got map");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, S("id")))), errc::protocol, "session must be a bin");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 8, U(2)))), errc::protocol,
                     "HELLO message: mode has unknown value 2");
@@ -390,18 +415,19 @@ TEST_CASE("decode rejects buffer descriptors of the wrong shape or type", "[wire
                     "buffer 1: descriptor must be an array");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(""), B("")})})))), errc::protocol,
                     "buffer 0: descriptor must have 4 elements, got 3");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({S("1"), B(""), B(""), B("")})})))),
-                    errc::protocol, "buffer 0: bytes must be an unsigned integer");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({S("1"), B(""), B(""), B("")})})))), errc::protocol,
+                    "buffer 0: bytes must be an unsigned integer");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), S("/shm"), B(""), B("")})})))),
                     errc::protocol, "buffer 0: handle must be a bin, got str");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(""), NIL(), B("")})})))),
-                    errc::protocol, "packed_event must be a bin");
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(""), B(""), U(0)})})))),
-                    errc::protocol, "applied_event must be a bin");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(""), NIL(), B("")})})))), errc::protocol,
+                    "packed_event must be a bin");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(""), B(""), U(0)})})))), errc::protocol,
+                    "applied_event must be a bin");
 }
 
 TEST_CASE("decode rejects BEGIN, END, BATCH header fields of the wrong type", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {S("1"), T(false), NIL()})), errc::protocol, "BEGIN message: version must be an unsigned integer");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {S("1"), T(false), NIL()})), errc::protocol,
+                    "BEGIN message: version must be an unsigned integer");
   CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {I(-1), T(false), NIL()})), errc::protocol, "got negative int");
   CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), T(false), U(4), NIL()})), errc::protocol,
                     "END message: bytes must be an unsigned integer, got bool");
@@ -472,10 +498,12 @@ TEST_CASE("decode rejects every bad conversion an OK asks for", "[wire]") {
 TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(OK, {S("3"), T(false), ARR({}), U(0), ARR({})})), errc::protocol,
                     "OK message: committed must be nil or an unsigned integer, got str");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({}), U(0), ARR({})})), errc::protocol, "committed must be nil");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({}), U(0), ARR({})})), errc::protocol,
+                    "committed must be nil");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), U(0), ARR({}), U(0), ARR({})})), errc::protocol,
                     "OK message: dirty must be a bool, got unsigned int");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL(), U(0), ARR({})})), errc::protocol, "handles must be an array");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL(), U(0), ARR({})})), errc::protocol,
+                    "handles must be an array");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(7), ARR({})})), errc::protocol,
                     "OK message: mode has unknown value 7");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), S("in place"), ARR({})})), errc::protocol,
@@ -486,7 +514,8 @@ TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
                     "ERROR message: code must be an unsigned integer, got str");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(0)})), errc::protocol,
                     "OK message: 4 fields, expected 5");
-  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2), B("x")})), errc::protocol, "ERROR message: message must be a str");
+  CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2), B("x")})), errc::protocol,
+                    "ERROR message: message must be a str");
 }
 
 TEST_CASE("decode rejects ABORT fields of the wrong type", "[wire]") {
@@ -571,8 +600,8 @@ TEST_CASE("decode rejects empty and over-long tensor names", "[wire]") {
 TEST_CASE("decode rejects an unknown dtype code", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 15, {1}, 0, 1, 0)}))), errc::protocol,
                     "entry 0 ('x'): dtype has unknown code 15");
-  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("y", 1ull << 60, {1}, 0, 1, 0)}))),
-                    errc::protocol, "unknown code 1152921504606846976");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("y", 1ull << 60, {1}, 0, 1, 0)}))), errc::protocol,
+                    "unknown code 1152921504606846976");
 }
 
 TEST_CASE("decode rejects shapes with too many dimensions", "[wire]") {
@@ -584,8 +613,8 @@ TEST_CASE("decode rejects shapes with too many dimensions", "[wire]") {
 }
 
 TEST_CASE("decode rejects dimensions and byte counts that do not fit", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {1ull << 63}, 0, 1, 0)}))),
-                    errc::protocol, "entry 0 ('x'): shape[0] is 9223372036854775808, which does not fit");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {1ull << 63}, 0, 1, 0)}))), errc::protocol,
+                    "entry 0 ('x'): shape[0] is 9223372036854775808, which does not fit");
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 8, {1ull << 31, 1ull << 31, 8}, 0, 1, 0)}))),
                     errc::protocol, "entry 0 ('x'): shape f32[2147483648, 2147483648, 8] has more bytes than fit");
 }
@@ -593,7 +622,8 @@ TEST_CASE("decode rejects dimensions and byte counts that do not fit", "[wire]")
 TEST_CASE("decode rejects a byte range past the end of the tensor", "[wire]") {
   // shape × itemsize = 40, but the entry claims 48 bytes.
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({good_entry(), entry("x", 8, {10}, 0, 48, 64)}))),
-                    errc::protocol, "BATCH message: entry 1 ('x'): byte range [0, 48) exceeds the tensor's 40 bytes (f32[10])");
+                    errc::protocol,
+                    "BATCH message: entry 1 ('x'): byte range [0, 48) exceeds the tensor's 40 bytes (f32[10])");
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 7, {4, 4}, 30, 4, 0)}))), errc::protocol,
                     "byte range [30, 34) exceeds the tensor's 32 bytes (bf16[4, 4])");
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {0}, 0, 1, 0)}))), errc::protocol,
@@ -606,8 +636,8 @@ TEST_CASE("decode rejects offsets whose sum overflows", "[wire]") {
   const std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {16}, max, 2, 0)}))), errc::protocol,
                     "entry 0 ('x'): tensor_offset 18446744073709551615 + bytes 2 overflows");
-  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {16}, 0, 16, max - 3)}))),
-                    errc::protocol, "entry 0 ('x'): buffer_offset 18446744073709551612 + bytes 16 overflows");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 1, {16}, 0, 16, max - 3)}))), errc::protocol,
+                    "entry 0 ('x'): buffer_offset 18446744073709551612 + bytes 16 overflows");
 }
 
 // ======================================================================================= tracker
@@ -704,7 +734,8 @@ TEST_CASE("tracker restarts on a BEGIN during a refit", "[wire]") {
 
 TEST_CASE("tracker rejects a batch of another version", "[wire]") {
   auto t = started();
-  CHECK_REFIT_ERROR(t.check(BT(6, 0, 0, {})), errc::protocol, "version 6 does not match the refit in progress, version 5");
+  CHECK_REFIT_ERROR(t.check(BT(6, 0, 0, {})), errc::protocol,
+                    "version 6 does not match the refit in progress, version 5");
 }
 
 TEST_CASE("tracker rejects an out-of-order sequence number", "[wire]") {
@@ -733,8 +764,9 @@ TEST_CASE("tracker rejects an entry past the end of its buffer", "[wire]") {
 
 TEST_CASE("tracker rejects more entries than its limit", "[wire]") {
   auto t = started(2);
-  CHECK_REFIT_ERROR(t.check(BT(5, 0, 0, {E("a", dtype::u8, {1}, 0, 1, 0), E("b", dtype::u8, {1}, 0, 1, 64),
-                                        E("c", dtype::u8, {1}, 0, 1, 128)})),
+  CHECK_REFIT_ERROR(t.check(BT(5, 0, 0,
+                               {E("a", dtype::u8, {1}, 0, 1, 0), E("b", dtype::u8, {1}, 0, 1, 64),
+                                E("c", dtype::u8, {1}, 0, 1, 128)})),
                     errc::protocol, "3 entries, more than the limit of 2");
 }
 
@@ -743,8 +775,9 @@ TEST_CASE("tracker rejects overlapping entries in a batch", "[wire]") {
   CHECK_REFIT_ERROR(t.check(BT(5, 0, 0, {E("b", dtype::f32, {10}, 0, 40, 32), E("a", dtype::f32, {10}, 0, 40, 0)})),
                     errc::protocol, "entries 1 ('a') at [0, 40) and 0 ('b') at [32, 72) overlap in buffer 0");
   // Zero-byte entries overlap nothing; touching ranges do not overlap.
-  CHECK_NOTHROW(t.check(BT(5, 0, 0, {E("a", dtype::f32, {10}, 0, 40, 0), E("z", dtype::f32, {0}, 0, 0, 0),
-                                    E("b", dtype::f32, {10}, 0, 40, 40)})));
+  CHECK_NOTHROW(t.check(
+      BT(5, 0, 0,
+         {E("a", dtype::f32, {10}, 0, 40, 0), E("z", dtype::f32, {0}, 0, 0, 0), E("b", dtype::f32, {10}, 0, 40, 40)})));
 }
 
 TEST_CASE("tracker rejects a tensor sent twice", "[wire]") {
@@ -756,8 +789,7 @@ TEST_CASE("tracker rejects a tensor sent twice", "[wire]") {
   SECTION("across batches") {
     auto t = started();
     t.check(BT(5, 0, 0, {E("a", dtype::u8, {8}, 0, 8, 0)}));
-    CHECK_REFIT_ERROR(t.check(BT(5, 1, 1, {E("a", dtype::u8, {8}, 0, 8, 0)})), errc::protocol,
-                      "duplicate tensor 'a'");
+    CHECK_REFIT_ERROR(t.check(BT(5, 1, 1, {E("a", dtype::u8, {8}, 0, 8, 0)})), errc::protocol, "duplicate tensor 'a'");
   }
   SECTION("a zero-byte tensor") {
     auto t = started();
@@ -829,7 +861,8 @@ TEST_CASE("tracker END fails as incomplete when a chunk is missing", "[wire]") {
   auto t = started();
   t.check(BT(5, 0, 0, {E("small", dtype::u8, {4}, 0, 4, 0)}));
   t.check(BT(5, 1, 1, {E("big", dtype::u8, {2048}, 0, 1024, 0)}));
-  CHECK_REFIT_ERROR(t.finish({5, 2, 2052, 2, {}}), errc::incomplete, "tensor 'big' is incomplete: 1024 of 2048 bytes arrived");
+  CHECK_REFIT_ERROR(t.finish({5, 2, 2052, 2, {}}), errc::incomplete,
+                    "tensor 'big' is incomplete: 1024 of 2048 bytes arrived");
   CHECK(t.active());
 }
 
@@ -840,7 +873,8 @@ TEST_CASE("tracker END fails as incomplete when the totals differ", "[wire]") {
   CHECK_REFIT_ERROR(t.finish({5, 4, 20, 2, {}}), errc::incomplete, "the streamer sent 4 tensors but 3 arrived");
   CHECK_REFIT_ERROR(t.finish({5, 3, 21, 2, {}}), errc::incomplete, "the streamer sent 21 bytes but 20 arrived");
   CHECK_REFIT_ERROR(t.finish({5, 3, 20, 3, {}}), errc::incomplete, "the streamer sent 3 batches but 2 arrived");
-  CHECK_REFIT_ERROR(t.finish({6, 3, 20, 2, {}}), errc::protocol, "END: version 6 does not match the refit in progress, version 5");
+  CHECK_REFIT_ERROR(t.finish({6, 3, 20, 2, {}}), errc::protocol,
+                    "END: version 6 does not match the refit in progress, version 5");
   CHECK(t.active());
   CHECK_NOTHROW(t.finish({5, 3, 20, 2, {}}));
   CHECK_FALSE(t.active());
@@ -869,8 +903,7 @@ TEST_CASE("decode rejects every bad subset, base and checksum", "[wire][delta]")
                     "base 9 is not older than the version 9");
   CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(true), U(10)})), errc::protocol,
                     "base 10 is not older than the version 9");
-  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(false), U(8)})), errc::protocol,
-                    "subset is false in a delta");
+  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(false), U(8)})), errc::protocol, "subset is false in a delta");
   CHECK_REFIT_ERROR(wire::decode(message(END, {U(9), U(1), U(2), U(3), T(true)})), errc::protocol,
                     "END message: checksum must be nil or an unsigned integer, got bool");
   CHECK_REFIT_ERROR(wire::decode(message(END, {U(9), U(1), U(2), U(3), F(1.5)})), errc::protocol,
