@@ -41,6 +41,7 @@ TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cu
 #include "copy/cuda_handles.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
+#include "refit/version.hpp"
 #include "support/support.hpp"
 
 using namespace std::chrono_literals;
@@ -577,11 +578,11 @@ struct engine_layout {
                                 big = head + 40 * h, total = big + 12 * 40;
 
   /// Registers every destination of the layout, the engine's memory starting at `base`.
-  void register_with(refit::receiver& r, std::uint16_t* base, std::uint64_t bytes) const {
+  void register_with(refit::receiver& r, std::uint16_t* base, std::uint64_t bytes, int device = 0) const {
     const auto add = [&](const refit::tensor_meta& m, std::int64_t at, refit::dest_layout l) {
       l.alloc = base;
       l.alloc_bytes = bytes;
-      r.add_parameter(refit::tensor_dest{m, base + at, refit::device::cuda(0)}, l);
+      r.add_parameter(refit::tensor_dest{m, base + at, refit::device::cuda(device)}, l);
     };
     add(sources[0], qkv, {});
     add(sources[1], qkv + 64 * h, {});
@@ -618,18 +619,22 @@ struct engine_layout {
   }
 };
 
-void engine_layout_refits(bool direct) {
+/// `transport` nccl: the receiver on cuda:1 (views and slices are staged there: a broadcast
+/// of each whole tensor, then the receiver's own copies into its views).
+void engine_layout_refits(bool direct, refit::transport_kind transport = refit::transport_kind::cuda_ipc) {
+  const bool nccl = transport == refit::transport_kind::nccl;
+  const int rx_device = nccl ? 1 : 0;
   const engine_layout layout;
   const auto ep = rt::temp_endpoint();
   const std::vector<std::uint64_t> versions = {1, 2, 3};
   two_processes(
       [&](rt::signal_pipe& ready) {
-        refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+        refit::check_cuda(cudaSetDevice(rx_device), "cudaSetDevice");
         const std::uint64_t bytes = engine_layout::total * 2;
         refit::cuda::device_buffer engine(bytes);
         refit::check_cuda(cudaMemset(engine.handle(), 0, bytes), "cudaMemset(engine)");
-        refit::receiver r(receive_options(ep, 0, relaxed));
-        layout.register_with(r, static_cast<std::uint16_t*>(engine.handle()), bytes);
+        refit::receiver r(receive_options(ep, rx_device, relaxed));
+        layout.register_with(r, static_cast<std::uint16_t*>(engine.handle()), bytes, rx_device);
         ready.send("ready");
         std::size_t commits = 0;
         serve_until_bye(r, [&](std::uint64_t v) {
@@ -647,13 +652,17 @@ void engine_layout_refits(bool direct) {
       [&] {
         device_tensors source(layout.sources, 0);
         auto o = stream_options(ep, 0, relaxed);
+        o.transport = transport;
         o.direct = direct;
         o.buffer_bytes = 4 * kib;  // staged: rows of the shard and the strided view split across chunks
         refit::streamer s(o);
         for (const std::uint64_t v : versions) {
           source.upload(v);
           const auto stats = s.refit(v, source.refs());
-          expect(stats.direct == direct, direct ? "the refit was staged, not direct" : "the refit was direct");
+          if (!nccl)
+            expect(stats.direct == direct, direct ? "the refit was staged, not direct" : "the refit was direct");
+          else
+            expect(!stats.direct, "an nccl refit into views was in place");  // views are staged over nccl
         }
         s.close();
       });
@@ -669,6 +678,16 @@ TEST_CASE(
 TEST_CASE("the same engine layout staged through 4 KiB cuda_ipc buffers (rows split across chunks) lands bit-exact",
           "[cuda_ipc][layout]") {
   engine_layout_refits(false);
+}
+
+TEST_CASE("the same engine layout over nccl to a receiver on cuda:1, in-place asked and not, lands bit-exact",
+          "[nccl][layout]") {
+  if (rt::cuda_device_count() < 2 || !refit::has_transport(refit::transport_kind::nccl)) {
+    WARN("one CUDA device or no nccl: the nccl engine-layout test did not run");
+    return;
+  }
+  engine_layout_refits(true, refit::transport_kind::nccl);
+  engine_layout_refits(false, refit::transport_kind::nccl);
 }
 
 /// Tensor parallelism of degree 2 on one host: rank r holds half of q's and k's rows (its local
