@@ -65,7 +65,7 @@ struct capabilities {
 /// The capabilities of the transport registered under `name` (see registry.hpp); defaults (one
 /// receiver, buffers only) for a name nothing registered.
 capabilities capabilities_of(std::string_view name) noexcept;
-/// The same for a built-in transport (also for one this build lacks).
+/// The same for a built-in transport (the defaults for one this build lacks).
 capabilities capabilities_of(transport_kind kind) noexcept;
 
 /// Options a transport is built from (the subset of streamer/receiver options it needs).
