@@ -311,6 +311,16 @@ __global__ void tensor_finish(float* inv, float* mul) {
   write_scale(amax, inv, mul, 0);
 }
 
+/// The end of a fused kernel's reading: the tile's amax from every thread's `m`, its scale
+/// written (by thread 0, when wanted) at the tile's place in the grid, and its multiplier 448/amax.
+__device__ __forceinline__ float tile_multiplier(float m, float* scale, std::uint64_t scale_pitch) {
+  const float a = cvt::clamp_amax(block_max(m));
+  if (threadIdx.x == 0 && scale != nullptr)
+    scale[(static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * scale_pitch + blockIdx.x] =
+        a / cvt::e4m3_max;
+  return cvt::e4m3_max / a;
+}
+
 /// The fused one-pass kernel: 256 threads hold a 128 × 128 tile in registers (64 elements each:
 /// column t % 128, rows t / 128 + 2k), so the source is read once.
 __global__ void __launch_bounds__(convert_threads)
@@ -337,12 +347,7 @@ __global__ void __launch_bounds__(convert_threads)
       take(m, v[k]);
     }
   }
-  m = block_max(m);
-  const float a = cvt::clamp_amax(m);
-  const float mul = cvt::e4m3_max / a;
-  if (threadIdx.x == 0 && scale != nullptr)
-    scale[(static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * scale_pitch + blockIdx.x] =
-        a / cvt::e4m3_max;
+  const float mul = tile_multiplier(m, scale, scale_pitch);
   const std::uint64_t col = c0 + cc;
   if (cc >= nc || col < col_lo || col >= col_hi) return;
 #pragma unroll
@@ -445,12 +450,7 @@ __global__ void __launch_bounds__(convert_threads)
       for (int e = 0; e < 8; ++e) take(m, v[k][e]);
     }
   }
-  m = block_max(m);
-  const float a = cvt::clamp_amax(m);
-  const float mul = cvt::e4m3_max / a;
-  if (threadIdx.x == 0 && scale != nullptr)
-    scale[(static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * scale_pitch + blockIdx.x] =
-        a / cvt::e4m3_max;
+  const float mul = tile_multiplier(m, scale, scale_pitch);
   const std::uint64_t col = c0 + cb;
   if (cb >= nc || col < col_lo || col >= col_hi) return;
   const std::uint64_t n = nc - cb < 8 ? nc - cb : 8;

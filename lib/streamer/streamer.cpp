@@ -754,6 +754,18 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     return true;
   }
 
+  /// Patches are small: a batch would hold a large part of the version, and the receiver would
+  /// start patching only once the streamer had diffed all of it. A batch is sent once it covers
+  /// delta_batch_covers bytes of tensors, so that the receiver's patching overlaps the next diffs.
+  static void close_if_covered(batch_writer& w, planner& pl, std::uint64_t total) {
+    w.covered += total;
+    if (w.covered >= delta_batch_covers) {
+      w.flush();
+      pl = planner(pl.options());
+      w.first_batch = w.seq;
+    }
+  }
+
   /// Diffs one tensor against the base span by span (delta::span_bytes), brings the base up to date
   /// and adds the tensor's patches (or, for a span that changed densely, its bytes) to the batches.
   /// A tensor that did not change is not sent: returns false. Throws errc::invalid_argument for a
@@ -825,15 +837,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         w.stats.bytes += p.entry.bytes;
       }
     }
-    // Patches are small: a batch would hold a large part of the version, and the receiver would
-    // start patching only once the streamer had diffed all of it. A batch is sent once it covers
-    // delta_batch_covers bytes of tensors, so that the receiver's patching overlaps the next diffs.
-    w.covered += total;
-    if (w.covered >= delta_batch_covers) {
-      w.flush();
-      pl = planner(pl.options());
-      w.first_batch = w.seq;
-    }
+    close_if_covered(w, pl, total);
     return true;
   }
 
@@ -890,12 +894,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
     w.stats.diff_seconds += seconds_since(td);
     w.stats.pack_seconds += seconds_since(td);
-    w.covered += total;
-    if (w.covered >= delta_batch_covers) {
-      w.flush();
-      pl = planner(pl.options());
-      w.first_batch = w.seq;
-    }
+    close_if_covered(w, pl, total);
     return true;
   }
 #endif
