@@ -19,6 +19,7 @@
 
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
+#include "refit/version.hpp"
 #include "channel/channel.hpp"
 #include "support/support.hpp"
 
@@ -691,7 +692,10 @@ TEST_CASE("bad streamer options are rejected by the constructor with errc::inval
          o.direct = false;
          o.receivers = {ep, ep + "2"};
        },
-       "serves several receivers only by writing straight into each one's parameter table: set direct = true"},
+       // A build without CUDA says first that it lacks the transport.
+       refit::has_transport(refit::transport_kind::cuda_ipc)
+           ? "serves several receivers only by writing straight into each one's parameter table: set direct = true"
+           : "transport cuda_ipc is not built into this refit (built: host_shm)"},
   };
   for (const auto& c : cases) {
     INFO(c.what);
