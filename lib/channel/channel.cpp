@@ -108,13 +108,17 @@ bool ipc_endpoint_in_use(std::string_view endpoint) {
 /// receiver of this process binding the endpoint again would find it "in use" by itself.
 /// Trusted for a second: long enough for the I/O thread, too short for another process to have
 /// taken the endpoint over in between.
+constexpr std::chrono::seconds released_trust{1};
 std::mutex released_mutex;
 std::map<std::string, clock::time_point, std::less<>> released_endpoints;
 
 void note_released(const std::string& endpoint) {
   if (!endpoint.starts_with("ipc://")) return;
+  const auto now = clock::now();
   const std::lock_guard lock(released_mutex);
-  released_endpoints.insert_or_assign(endpoint, clock::now());
+  // Forget what is past trusting: a process that makes receivers on fresh endpoints keeps none.
+  std::erase_if(released_endpoints, [&](const auto& e) { return now - e.second >= released_trust; });
+  released_endpoints.insert_or_assign(endpoint, now);
 }
 
 /// True (once) when this process released `endpoint` itself within the last second.
@@ -122,7 +126,7 @@ bool released_here(std::string_view endpoint) {
   const std::lock_guard lock(released_mutex);
   const auto it = released_endpoints.find(endpoint);
   if (it == released_endpoints.end()) return false;
-  const bool recent = clock::now() - it->second < std::chrono::seconds(1);
+  const bool recent = clock::now() - it->second < released_trust;
   released_endpoints.erase(it);
   return recent;
 }

@@ -754,6 +754,15 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     return true;
   }
 
+  /// Adds a piece of span [off, ...) of `t` that goes as its plain bytes (it changed densely),
+  /// copied from `src` (the tensor) when the batch is packed.
+  static void add_span_bytes(batch_writer& w, const tensor_ref& t, std::uint64_t off, const placement& p,
+                             const std::byte* src) {
+    w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off + p.entry.tensor_offset, p.entry.bytes,
+                             p.entry.buffer_offset, wire::entry_kind::bytes, 0},
+                 src + off + p.entry.tensor_offset);
+  }
+
   /// Patches are small: a batch would hold a large part of the version, and the receiver would
   /// start patching only once the streamer had diffed all of it. A batch is sent once it covers
   /// delta_batch_covers bytes of tensors, so that the receiver's patching overlaps the next diffs.
@@ -825,9 +834,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       for (const placement& p : pl.add(index, as_bytes ? n : patch.size())) {
         while (w.first_batch + p.batch > w.seq) w.flush();
         if (as_bytes) {
-          w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off + p.entry.tensor_offset, p.entry.bytes,
-                                   p.entry.buffer_offset, wire::entry_kind::bytes, 0},
-                       src + off + p.entry.tensor_offset);
+          add_span_bytes(w, t, off, p, src);
         } else {
           w.patches.push_back(std::move(patch));
           w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off, p.entry.bytes, p.entry.buffer_offset,
@@ -876,9 +883,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         while (w.first_batch + p.batch > w.seq) w.flush();
         if (as_bytes) {
           // Copied from the tensor at flush(), after the pack stream waited for the buffer.
-          w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off + p.entry.tensor_offset, p.entry.bytes,
-                                   p.entry.buffer_offset, wire::entry_kind::bytes, 0},
-                       src + off + p.entry.tensor_offset);
+          add_span_bytes(w, t, off, p, src);
         } else {
           const std::size_t buffer = w.seq % buffers->count();
           buffers->begin_pack(buffer);
