@@ -77,6 +77,19 @@ struct REFIT_API tensor_meta {
 /// "name bf16[4096, 4096]" — for error messages.
 REFIT_API std::string describe(const tensor_meta& meta);
 
+/// A tensor that is part of a larger one (tensor_ref::shard): what a trainer rank holds of a
+/// parameter under FSDP (`Shard(0)`: a range of rows) or a Megatron TP slice along dimension 0.
+/// The tensor_ref's `meta.shape` is the shard's; `global_shape` the whole tensor's, which equals it
+/// except along `dim`, where the shard takes [start, start + meta.shape[dim]). The shard must be
+/// one contiguous byte range of the whole tensor: `dim` 0, or a dimension all of whose leading
+/// dimensions have size 1 (errc::invalid_argument otherwise, at refit()).
+struct tensor_shard {
+  std::vector<std::int64_t> global_shape;
+  int dim = 0;
+  std::int64_t start = 0;
+  friend bool operator==(const tensor_shard&, const tensor_shard&) = default;
+};
+
 /// A tensor the streamer reads (policy side). The memory must stay valid and unchanged until the
 /// refit that reads it returns (or throws). `data` may be null only for a tensor with no elements
 /// (a 0 in its shape); a 0-d tensor (shape {}) is a scalar of one element and needs memory.
@@ -88,6 +101,10 @@ struct tensor_ref {
   /// stream's work is assumed complete). The streamer orders its copies after the work enqueued
   /// on this stream so far, with an event — never with a device-wide synchronisation.
   void* stream = nullptr;
+  /// Set when this tensor is one shard of the tensor `meta.name` (see tensor_shard): the streamer
+  /// sends it as its byte range of the whole tensor, and the receivers assemble the whole from the
+  /// shards of every streamer of the group (streamer_options::group_size).
+  std::optional<tensor_shard> shard{};
 };
 
 /// `source[..., start:start + length, ...]` along dimension `dim`: the part of a source tensor a

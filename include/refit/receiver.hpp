@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "refit/error.hpp"
 #include "refit/export.hpp"
@@ -36,6 +37,13 @@ struct receiver_options {
   /// (errc::invalid_argument naming both digests) and nothing is exchanged; either side without a
   /// digest accepts any.
   std::string layout;
+  /// Streamers that send each version together (sharded trainers: every trainer rank streams its
+  /// own shards, tensor_ref::shard), 1 for a streamer alone. The receiver binds one endpoint per
+  /// streamer (endpoints()); rank k (streamer_options::group_rank) connects to endpoints()[k]. With
+  /// more than one, `endpoint` must be "" (private ipc endpoints), a tcp endpoint with port 0, or
+  /// contain "{rank}" (replaced by each rank's number). See receiver::endpoints() for how a group's
+  /// version commits.
+  std::size_t streamers = 1;
 };
 
 /// Called with the entries of one batch. Views are valid only during the call. On CUDA
@@ -56,13 +64,18 @@ enum class receiver_event : std::uint8_t {
   /// an incomplete manifest, the idle timeout, the streamer's ABORT (it failed on its side), or a
   /// HELLO, BEGIN or BYE that arrived before END (that message is handled by the next serve_one()).
   /// Also a BEGIN the receiver refused for its version. committed_version() is unchanged; dirty()
-  /// says whether the weights were partly overwritten; last_error() says why.
+  /// says whether the weights were partly overwritten; last_error() says why. In a group, a version
+  /// that ends without committing is reported once, by the call that ended it.
   aborted,
   bye,  ///< the session ended
   /// A message was refused or ignored without touching the session: a stranger's or a bad HELLO,
   /// a BEGIN without a session or a sink, a BATCH or END without a refit, an ABORT of no refit in
   /// progress (answered OK: that refit already ended here).
   refused,
+  /// One streamer of a group ended its part of the version (END checked, its reply held): the
+  /// version commits, and every streamer of the group hears how it ended, when the last one's END
+  /// arrives.
+  ended,
 };
 REFIT_API std::string_view to_string(receiver_event e) noexcept;
 
@@ -144,8 +157,25 @@ class REFIT_API receiver {
   receiver(const receiver&) = delete;
   receiver& operator=(const receiver&) = delete;
 
-  /// The endpoint to give the streamer (ports resolved).
+  /// The endpoint to give the streamer (ports resolved); a group's rank 0's.
   [[nodiscard]] std::string endpoint() const;
+  /// The endpoint of each streamer of the group (receiver_options::streamers): rank k connects to
+  /// endpoints()[k]. A streamer that says another rank or group size at HELLO is refused
+  /// (errc::invalid_argument).
+  ///
+  /// How a group's version commits: every streamer says BEGIN, its batches and END for the same
+  /// version (a BEGIN of another version while one is in progress is refused with errc::protocol;
+  /// the group never mixes versions). Each streamer's END is checked and held: its refit() returns
+  /// when the version ends. It commits when the last END arrives and the byte ranges of every
+  /// tensor that the streamers sent cover it exactly once, with one dtype and shape (else
+  /// errc::invalid_argument for ranks that disagree or overlap, errc::incomplete for rows no rank
+  /// sent, naming the tensor and the ranks), and, for a whole version, every registered tensor
+  /// arrived. A streamer that fails (ABORT, a new session, a bad message) or is silent for the idle
+  /// timeout (or does not begin within it) fails the version on every lane: each streamer hears it,
+  /// with the rank, in the reply to its END or its next message (errc::peer, or errc::timeout for
+  /// the silent one). The next version starts clean. A group sends whole versions or subsets, not
+  /// deltas.
+  [[nodiscard]] std::vector<std::string> endpoints() const;
 
   /// Parameter-table sink: registers a destination. Incoming tensors are checked against it
   /// (name known, dtype and shape equal) and copied into place; END commits only when every

@@ -106,6 +106,16 @@ struct streamer_options {
   std::string layout;
   /// Delta versions (off by default).
   delta_options delta;
+  /// Sharded trainers: this streamer is rank `group_rank` of `group_size` streamers (one per
+  /// trainer rank) that send each version together, each its own shards (tensor_ref::shard), to the
+  /// same receivers; each receiver commits a version when the shards of every rank cover every
+  /// tensor exactly once (see receiver::endpoints()). Rank k connects to endpoints()[k] of each
+  /// receiver (receiver_options::streamers = group_size); every rank calls refit() with the same
+  /// versions, and its refit() returns when the version has ended on every receiver (the last rank's
+  /// END), so streamer_options::timeout must cover the slowest rank's part. A group sends whole
+  /// versions and subsets: delta is refused (errc::invalid_argument), and so is nccl for now.
+  std::size_t group_rank = 0;
+  std::size_t group_size = 1;
 };
 
 /// Figures of one refit.

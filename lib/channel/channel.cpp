@@ -46,14 +46,20 @@ constexpr std::chrono::microseconds spin_before_blocking{500};
 
 /// Polls `socket` for `events` until `deadline`; retries on EINTR. True when ready. With `spin`,
 /// asks without blocking (yielding between asks) for that long first.
-bool poll_until(zmq::socket_t& socket, short events, clock::time_point deadline,
-                std::chrono::microseconds spin = std::chrono::microseconds{0}) {
+/// Polls `items` (their `events`) until `deadline`; retries on EINTR. The index of the first ready
+/// one, or nullopt. With `spin`, asks without blocking (yielding between asks) for that long first.
+std::optional<std::size_t> poll_any(std::vector<zmq::pollitem_t>& items, clock::time_point deadline,
+                                    std::chrono::microseconds spin) {
+  const auto ready = [&]() -> std::optional<std::size_t> {
+    for (std::size_t k = 0; k < items.size(); ++k)
+      if ((items[k].revents & items[k].events) != 0) return k;
+    return std::nullopt;
+  };
   if (spin.count() > 0) {
     const auto spin_until = std::min(deadline, clock::now() + spin);
     do {
-      zmq::pollitem_t item{socket.handle(), 0, events, 0};
       try {
-        if (zmq::poll(&item, 1, std::chrono::milliseconds(0)) > 0 && (item.revents & events) != 0) return true;
+        if (zmq::poll(items, std::chrono::milliseconds(0)) > 0) return ready();
       } catch (const zmq::error_t& e) {
         if (e.num() != EINTR) throw;
       }
@@ -61,16 +67,22 @@ bool poll_until(zmq::socket_t& socket, short events, clock::time_point deadline,
     } while (clock::now() < spin_until);
   }
   for (;;) {
-    zmq::pollitem_t item{socket.handle(), 0, events, 0};
     try {
-      const int n = zmq::poll(&item, 1, std::chrono::milliseconds(remaining_ms(deadline)));
-      if (n > 0 && (item.revents & events) != 0) return true;
-      if (clock::now() >= deadline) return false;
+      const int n = zmq::poll(items, std::chrono::milliseconds(remaining_ms(deadline)));
+      if (n > 0) return ready();
+      if (clock::now() >= deadline) return std::nullopt;
     } catch (const zmq::error_t& e) {
       if (e.num() != EINTR) throw;
-      if (clock::now() >= deadline) return false;
+      if (clock::now() >= deadline) return std::nullopt;
     }
   }
+}
+
+/// Polls `socket` for `events` until `deadline` (see poll_any). True when ready.
+bool poll_until(zmq::socket_t& socket, short events, clock::time_point deadline,
+                std::chrono::microseconds spin = std::chrono::microseconds{0}) {
+  std::vector<zmq::pollitem_t> items{zmq::pollitem_t{socket.handle(), 0, events, 0}};
+  return poll_any(items, deadline, spin).has_value();
 }
 
 void set_curve_server(zmq::socket_t& s, const curve_keys& curve) {
@@ -367,6 +379,24 @@ std::optional<std::string> rep_channel::receive(std::chrono::milliseconds wait, 
     return msg.to_string();
   } catch (const zmq::error_t& e) {
     throw error(errc::io, fmt::format("receiving a request on {} failed: {}", endpoint_, zmq_reason(e)));
+  }
+}
+
+std::optional<std::size_t> rep_channel::wait_any(std::span<rep_channel* const> channels,
+                                                 std::chrono::milliseconds wait, bool soon) {
+  std::vector<zmq::pollitem_t> items;
+  items.reserve(channels.size());
+  for (rep_channel* c : channels) {
+    if (!c->socket_) throw error(errc::internal, "wait_any() on a moved-from rep_channel");
+    items.push_back(zmq::pollitem_t{c->socket_->handle(), 0, ZMQ_POLLIN, 0});
+  }
+  if (items.empty()) return std::nullopt;
+  try {
+    const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
+    return poll_any(items, deadline, soon ? spin_before_blocking : std::chrono::microseconds{0});
+  } catch (const zmq::error_t& e) {
+    throw error(errc::io, fmt::format("waiting for a request on {} endpoints failed: {}", channels.size(),
+                                      zmq_reason(e)));
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -62,6 +63,11 @@ class rep_channel {
   void reply(std::string_view bytes);
 
   [[nodiscard]] zmq::socket_t& handle() noexcept { return *socket_; }
+
+  /// Waits up to `wait` until one of `channels` has a request; returns its index (the first ready
+  /// one in order), nullopt when none came. `soon` as for receive().
+  static std::optional<std::size_t> wait_any(std::span<rep_channel* const> channels, std::chrono::milliseconds wait,
+                                             bool soon = false);
 
  private:
   std::shared_ptr<const void> zap_;  ///< this socket's ZAP domain (allowed client keys), if any

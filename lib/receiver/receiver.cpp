@@ -222,6 +222,57 @@ class table_t {
   std::size_t count_ = 0;
 };
 
+/// One streamer's session with the receiver: its channel, the transport's sink of its buffers, and
+/// the state of its part of the refit in progress. A receiver has one lane per streamer of a group
+/// (receiver_options::streamers; one for a streamer alone), each bound at its own endpoint.
+struct lane {
+  std::size_t rank = 0;
+  channel::rep_channel channel;
+  std::unique_ptr<transport::sink> sink;
+  std::unique_ptr<copy::copier> copier;
+  std::optional<wire::refit_tracker> tracker;
+  std::string peer;
+  bool direct = false;                   ///< the streamer writes straight into the table (cuda_ipc direct)
+  bool in_place = false;                 ///< every entry is received straight into the table (nccl)
+  bool laid_out = false;                 ///< the session's HELLO asked for a layout from the table (direct, in place)
+  std::vector<wire::conversion> asked;   ///< the conversions the session's OK asked for
+  std::uint64_t session_generation = 0;  ///< sink_generation when the session was set up
+  /// A HELLO, BEGIN or BYE that superseded a refit in progress: received, not yet answered,
+  /// handled at the start of the next serve_one().
+  std::optional<wire::message> pending;
+  clock::time_point last_message{};
+  std::optional<refusal> deferred;  ///< a host-side apply that failed after its reply went out
+  /// The END of this lane's part, checked and not answered yet: a group's version commits (and
+  /// every lane hears how it ended) when the last lane's END arrives.
+  std::optional<wire::end> held;
+  /// The group's version this lane took part in ended without it (another rank failed it): its
+  /// next BATCH or END of that version hears why, instead of "no refit in progress".
+  std::optional<std::pair<std::uint64_t, refusal>> failed;
+#if REFIT_HAVE_CUDA
+  std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
+#endif
+
+  lane(std::size_t r, const std::string& endpoint, const curve_keys& curve) : rank(r), channel(endpoint, curve) {}
+
+  /// This lane's part of a refit is in progress: begun, not ended.
+  [[nodiscard]] bool refit_active() const noexcept { return tracker && tracker->active(); }
+  /// This lane takes part in the refit in progress: begun, and not answered at its END yet.
+  [[nodiscard]] bool in_refit() const noexcept { return refit_active() || held.has_value(); }
+};
+
+/// The endpoint lane `rank` of `count` binds (see receiver_options::streamers).
+std::string lane_endpoint(const std::string& requested, std::size_t rank, std::size_t count) {
+  if (count == 1 || requested.empty()) return requested;
+  if (const auto at = requested.find("{rank}"); at != std::string::npos)
+    return requested.substr(0, at) + std::to_string(rank) + requested.substr(at + 6);
+  if (requested.starts_with("tcp://") && (requested.ends_with(":0") || requested.ends_with(":*"))) return requested;
+  throw error(errc::invalid_argument,
+              fmt::format("receiver_options.endpoint '{}': a receiver of {} streamers binds one endpoint per streamer; "
+                          "give \"\" (private ipc endpoints), a tcp endpoint with port 0, or a pattern with "
+                          "\"{{rank}}\" in it",
+                          requested, count));
+}
+
 }  // namespace
 
 // Hidden by hand: a nested class takes the visibility of the class around it, and receiver is
@@ -229,7 +280,11 @@ class table_t {
 struct __attribute__((visibility("hidden"))) receiver::impl {
   receiver_options options;
   std::string token;
-  channel::rep_channel channel;
+  /// One per streamer of the group (receiver_options::streamers), never resized: `ln` points into it.
+  std::vector<lane> lanes;
+  /// The lane whose message is being handled.
+  lane* ln = nullptr;
+  std::size_t next_lane = 0;  ///< where the next wait for a message starts looking (fairness)
 
   // Sinks: a parameter table or a callback (exclusive).
   table_t table;
@@ -244,30 +299,14 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::function<void(std::uint64_t, const std::string&)> abort_hook;
   std::vector<ending> endings;  ///< refits ended by this serve_one() call, for the hooks
 
-  // Session.
-  std::unique_ptr<transport::sink> sink;
-  std::unique_ptr<copy::copier> copier;
-  std::optional<wire::refit_tracker> tracker;
-  std::string peer;
-  bool direct = false;                   ///< the streamer writes straight into the table (cuda_ipc direct)
-  bool in_place = false;                 ///< every entry is received straight into the table (nccl)
-  bool laid_out = false;                 ///< the session's HELLO asked for a layout from the table (direct, in place)
-  std::vector<wire::conversion> asked;   ///< the conversions the session's OK asked for
-  std::uint64_t session_generation = 0;  ///< sink_generation when the session was set up
-
-  /// A HELLO, BEGIN or BYE that superseded a refit in progress: received, not yet answered,
-  /// handled at the start of the next serve_one().
-  std::optional<wire::message> pending;
-
-  // Refit in progress.
-  std::uint64_t refit_generation = 0;  ///< sink_generation at its BEGIN
+  // Refit in progress (of the whole group: every lane sends its part of this version).
+  std::optional<std::uint64_t> group_version;  ///< the version in progress, from its first BEGIN to its end
+  std::uint64_t refit_generation = 0;          ///< sink_generation at its BEGIN
   clock::time_point refit_start{};
-  clock::time_point last_message{};
   double apply_seconds = 0;
-  std::optional<refusal> deferred;  ///< a host-side apply that failed after its reply went out
-  bool refit_subset = false;        ///< BEGIN said subset: tensors not sent keep their committed values
-  bool refit_delta = false;         ///< BEGIN named a base: patches, and a checksum at END
-  std::uint64_t delta_terms = 0;    ///< the version checksum's change by what the delta wrote so far
+  bool refit_subset = false;      ///< BEGIN said subset: tensors not sent keep their committed values
+  bool refit_delta = false;       ///< BEGIN named a base: patches, and a checksum at END
+  std::uint64_t delta_terms = 0;  ///< the version checksum's change by what the delta wrote so far
 
   // What the committed version is a base for (subset and delta versions).
   /// sink_generation when a whole version last committed, if one did: a subset needs one committed
@@ -280,16 +319,15 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::string poison_note;    ///< what last_error() says once abort_refit() poisoned the receiver
   std::string poison_reason;  ///< why the receiver is poisoned (for the refusals that follow)
 #if REFIT_HAVE_CUDA
-  std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
   delta::cuda::workspace& device_workspace() {
-    if (!device_delta || device_delta->device() != sink->where().index)
-      device_delta = std::make_unique<delta::cuda::workspace>(sink->where().index);
-    return *device_delta;
+    if (!ln->device_delta || ln->device_delta->device() != ln->sink->where().index)
+      ln->device_delta = std::make_unique<delta::cuda::workspace>(ln->sink->where().index);
+    return *ln->device_delta;
   }
 #endif
   /// The refit in progress is a delta patched on the GPU.
   [[nodiscard]] bool delta_on_device() const noexcept {
-    return refit_delta && sink && sink->where().kind == device_kind::cuda;
+    return refit_delta && ln->sink && ln->sink->where().kind == device_kind::cuda;
   }
 
   // Readable from any thread.
@@ -303,15 +341,47 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   explicit impl(receiver_options o)
       : options(std::move(o)),
         token(options.token.empty() && std::getenv("REFIT_TOKEN") != nullptr ? std::getenv("REFIT_TOKEN")
-                                                                             : options.token),
-        channel(options.endpoint, options.curve) {
+                                                                             : options.token) {
     if (options.idle_timeout.count() <= 0)
       throw error(errc::invalid_argument, "receiver_options.idle_timeout must be positive");
+    if (options.streamers == 0 || options.streamers > wire::max_group_size)
+      throw error(errc::invalid_argument, fmt::format("receiver_options.streamers is {}; it must be in [1, {}]",
+                                                      options.streamers, wire::max_group_size));
+    lanes.reserve(options.streamers);
+    try {
+      for (std::size_t r = 0; r < options.streamers; ++r)
+        lanes.emplace_back(r, lane_endpoint(options.endpoint, r, options.streamers), options.curve);
+    } catch (...) {
+      remove_endpoints();
+      throw;
+    }
+    ln = &lanes.front();
   }
 
   ~impl() {
-    end_session();
-    if (options.endpoint.empty()) channel::remove_private_endpoint(channel.endpoint());
+    for (lane& l : lanes) {
+      ln = &l;
+      end_session();
+    }
+    remove_endpoints();
+  }
+
+  void remove_endpoints() noexcept {
+    if (options.endpoint.empty())
+      for (const lane& l : lanes) channel::remove_private_endpoint(l.channel.endpoint());
+  }
+
+  [[nodiscard]] bool grouped() const noexcept { return lanes.size() > 1; }
+
+  /// A message kept by serve_one() waits for its reply on some lane.
+  [[nodiscard]] bool owes() const noexcept {
+    return std::any_of(lanes.begin(), lanes.end(), [](const lane& l) { return l.pending.has_value(); });
+  }
+
+  /// The streamer of lane `l`, for messages: its peer name, and its rank in a group.
+  [[nodiscard]] std::string who(const lane& l) const {
+    const std::string name = l.peer.empty() ? std::string("a streamer") : l.peer;
+    return grouped() ? fmt::format("rank {} ({})", l.rank, name) : name;
   }
 
   std::optional<std::uint64_t> committed_version() const noexcept {
@@ -324,25 +394,40 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     last_error_ = message;
   }
 
-  bool refit_active() const noexcept { return tracker && tracker->active(); }
+  /// The current lane's part of a refit is in progress.
+  bool refit_active() const noexcept { return ln->refit_active(); }
 
-  /// Ends the refit in progress without committing (on_abort runs before serve_one() returns).
-  /// `finished`: END's totals were already checked (the tracker is no longer active), and a later
-  /// check at END failed.
-  void abort_refit(const std::string& why, bool finished = false) noexcept {
-    if (!refit_active() && !(finished && tracker)) return;
-    const std::uint64_t version = tracker->version();
-    tracker->reset();
-    deferred.reset();
+  /// Ends the refit in progress without committing, on every lane (on_abort runs before
+  /// serve_one() returns). Lanes whose END waits for the group hear `code` and `why` now; lanes
+  /// still sending hear it at their next message of the version (the current lane's caller answers
+  /// the message in hand).
+  void abort_refit(const std::string& why, errc code = errc::apply) noexcept {
+    if (!group_version) return;
+    const std::uint64_t version = *group_version;
+    group_version.reset();
+    for (lane& l : lanes) {
+      const bool part = l.in_refit();
+      if (l.tracker) l.tracker->reset();
+      l.deferred.reset();
+      if (l.sink && part) {
+        // Device work that waits on a peer which will not come (nccl) must not outlive the refit.
+        l.sink->abort();
+        if (!l.sink->attached()) l.tracker.reset();  // the session cannot go on: the next HELLO rebuilds
+      }
+      try {
+        if (l.held) {
+          l.held.reset();
+          l.channel.reply(wire::encode(wire::error{code, why}));
+        } else if (part && &l != ln) {
+          l.failed.emplace(version, refusal{code, why});
+        }
+      } catch (...) {
+      }
+    }
     // A delta patches in place: once it wrote anything, the weights are neither its base nor the
     // new version, and only a whole version can tell what they are.
     const bool poisons = refit_delta && is_dirty.load();
     if (poisons) is_poisoned.store(true);
-    if (sink) {
-      // Device work that waits on a peer which will not come (nccl) must not outlive the refit.
-      sink->abort();
-      if (!sink->attached()) tracker.reset();  // the session cannot go on: the next HELLO rebuilds
-    }
     try {
       poison_note = poisons ? fmt::format(
                                   "poisoned: delta version {} failed after patching the weights in place "
@@ -351,7 +436,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                             : std::string();
       if (poisons) poison_reason = fmt::format("delta version {}: {}", version, why);
       note_error(poisons ? poison_note : why);
-      REFIT_WARN("refit of version {} from {} aborted: {}{}", version, peer, why,
+      REFIT_WARN("refit of version {} from {} aborted: {}{}", version, who(*ln), why,
                  poisons           ? " (poisoned: a delta was applied half-way; dirty until a whole version commits)"
                  : is_dirty.load() ? " (weights partly overwritten: dirty until a refit commits)"
                                    : "");
@@ -383,22 +468,24 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     }
   }
 
+  /// Ends the current lane's session (and the refit in progress, if the lane takes part in it).
   void end_session() noexcept {
-    abort_refit("the session ended");
-    if (sink) {
+    if (ln->in_refit()) abort_refit(fmt::format("the session with {} ended", who(*ln)), errc::peer);
+    ln->failed.reset();
+    if (ln->sink) {
       try {
-        sink->drain();
+        ln->sink->drain();
       } catch (const std::exception& e) {
-        REFIT_WARN("draining the session with {} failed: {}", peer, e.what());
+        REFIT_WARN("draining the session with {} failed: {}", ln->peer, e.what());
       }
-      sink->detach();
+      ln->sink->detach();
     }
-    tracker.reset();
-    copier.reset();
-    peer.clear();
-    direct = false;
-    in_place = false;
-    laid_out = false;
+    ln->tracker.reset();
+    ln->copier.reset();
+    ln->peer.clear();
+    ln->direct = false;
+    ln->in_place = false;
+    ln->laid_out = false;
   }
 
   void reply_ok(std::vector<std::string> handles = {}, wire::session_mode mode = wire::session_mode::buffers,
@@ -409,27 +496,31 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     ok.dirty = is_dirty.load();
     ok.handles = std::move(handles);
     ok.mode = mode;
-    channel.reply(wire::encode(ok));
+    ln->channel.reply(wire::encode(ok));
   }
 
   void reply_error(errc code, const std::string& message) {
     note_error(message);
-    channel.reply(wire::encode(wire::error{code, message}));
+    ln->channel.reply(wire::encode(wire::error{code, message}));
   }
 
-  /// Ends the refit in progress and says why in the reply.
-  receiver_event fail_refit(errc code, const std::string& message, bool finished = false) {
+  /// Ends the refit in progress and says why in the reply (to every lane whose END waits).
+  receiver_event fail_refit(errc code, const std::string& message) {
     poison_note.clear();
-    abort_refit(message, finished);
-    reply_error(code, message);
+    const bool owed = !ln->held;  // a held END is answered by abort_refit
+    abort_refit(message, code);
+    if (owed)
+      reply_error(code, message);
+    else
+      note_error(message);
     if (!poison_note.empty()) note_error(poison_note);  // the streamer hears why; last_error() says poisoned
     return receiver_event::aborted;
   }
 
   /// A host-side apply that failed after its reply went out fails the refit at the next message.
   std::optional<receiver_event> fail_if_deferred() {
-    if (!deferred) return std::nullopt;
-    const refusal r = *deferred;
+    if (!ln->deferred) return std::nullopt;
+    const refusal r = *ln->deferred;
     return fail_refit(r.code, r.message);
   }
 
@@ -450,6 +541,19 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
           token.empty() ? "no token" : "another token");
       return refuse_hello(h, errc::unauthorized, message, "token mismatch");
     }
+    if (h.group_size != lanes.size() || h.group_rank != ln->rank) {
+      // Shards of one group assembled with another's, or two streamers on one lane, would commit
+      // versions nobody sent whole.
+      const std::string message =
+          lanes.size() == 1
+              ? fmt::format("this receiver takes one streamer, but the streamer says it is rank {} of a group of {} "
+                            "(streamer_options::group_size): give the receiver receiver_options::streamers = {}",
+                            h.group_rank, h.group_size, h.group_size)
+              : fmt::format("this endpoint takes rank {} of a group of {} streamers (receiver_options::streamers), but "
+                            "the streamer says it is rank {} of {}: rank k connects to the receiver's endpoints()[k]",
+                            ln->rank, lanes.size(), h.group_rank, h.group_size);
+      return refuse_hello(h, errc::invalid_argument, message, message);
+    }
     if (!h.layout.empty() && !options.layout.empty() && h.layout != options.layout) {
       // Bytes laid out for another engine would land in the wrong places: refuse before any move.
       const std::string message = fmt::format(
@@ -465,35 +569,35 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     // A new session replaces the old one (its streamer is gone or restarted).
     end_session();
     try {
-      if (!sink || sink->name() != h.transport)
-        sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
+      if (!ln->sink || ln->sink->name() != h.transport)
+        ln->sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
-      sink->attach(h, reply);
+      ln->sink->attach(h, reply);
       if (!callback) reply.convert = conversions();
-      asked = reply.convert;
+      ln->asked = reply.convert;
       std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place
       if (!callback) {
         dests.reserve(table.size());
         for (const auto& [name, slots] : table)
           for (const slot& sl : slots) dests.push_back(sl.dest);
-        direct = sink->offer_direct(h, dests, reply);
+        ln->direct = ln->sink->offer_direct(h, dests, reply);
       }
-      in_place = !direct && sink->offer_in_place(h, dests, reply);
+      ln->in_place = !ln->direct && ln->sink->offer_in_place(h, dests, reply);
       std::vector<std::uint64_t> sizes;
-      for (std::size_t i = 0; i < sink->count(); ++i)
-        sizes.push_back(direct || in_place ? transport::direct_batch_bytes : sink->buffer_bytes(i));
-      tracker.emplace(std::move(sizes));
-      copier = copy::make_copier(copy::choose(sink->engine(), options.engine), options.device, options.idle_timeout);
-      peer = h.peer;
-      laid_out = h.mode == wire::session_mode::in_place;
-      session_generation = sink_generation;
-      REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", peer, sink->count(), sink->buffer_bytes(0) >> 20,
-                 h.transport, direct || in_place ? ", written in place" : "");
+      for (std::size_t i = 0; i < ln->sink->count(); ++i)
+        sizes.push_back(ln->direct || ln->in_place ? transport::direct_batch_bytes : ln->sink->buffer_bytes(i));
+      ln->tracker.emplace(std::move(sizes), wire::max_entries, grouped());
+      ln->copier = copy::make_copier(copy::choose(ln->sink->engine(), options.engine), options.device, options.idle_timeout);
+      ln->peer = h.peer;
+      ln->laid_out = h.mode == wire::session_mode::in_place;
+      ln->session_generation = sink_generation;
+      REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", who(*ln), ln->sink->count(), ln->sink->buffer_bytes(0) >> 20,
+                 h.transport, ln->direct || ln->in_place ? ", written in place" : "");
       reply_ok(std::move(reply.handles), reply.mode, std::move(reply.convert));
       return receiver_event::hello;
     } catch (const error& e) {
-      if (sink) sink->detach();
-      tracker.reset();
+      if (ln->sink) ln->sink->detach();
+      ln->tracker.reset();
       REFIT_WARN("refused HELLO from {}: {}", h.peer, e.what());
       reply_error(e.code(), e.what());
       return receiver_event::refused;
@@ -546,7 +650,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
   receiver_event on_begin(const wire::begin& b) {
-    if (!tracker) {
+    if (!ln->tracker) {
       // errc::peer tells the streamer that this process has no session with it (it restarted,
       // or ended the session): the streamer then says HELLO again instead of failing.
       reply_error(errc::peer,
@@ -554,7 +658,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                   "streamer must say HELLO again");
       return receiver_event::refused;
     }
-    if (session_generation != sink_generation && !laid_out && conversions() != asked) {
+    if (ln->session_generation != sink_generation && !ln->laid_out && conversions() != ln->asked) {
       // The streamer converts what the OK to HELLO asked for: new conversions need a new session.
       end_session();
       REFIT_INFO(
@@ -565,7 +669,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                   "the streamer must say HELLO again");
       return receiver_event::refused;
     }
-    if (laid_out && session_generation != sink_generation) {
+    if (ln->laid_out && ln->session_generation != sink_generation) {
       // The session was laid out from the table as it was at HELLO (the streamer maps those
       // weights, or receives into them): a new table needs a new session. errc::peer makes the
       // streamer say HELLO again and repeat this BEGIN by itself.
@@ -581,16 +685,24 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                   "this receiver has no sink: register parameters (add_parameter) or a callback (on_batch) first");
       return receiver_event::refused;
     }
+    if (group_version) return join_refit(b);
     try {
-      tracker->begin(b, committed_version());
+      ln->tracker->begin(b, committed_version());
     } catch (const error& e) {
       reply_error(e.code(), e.what());
       return receiver_event::aborted;
     }
+    if (b.base && grouped()) {
+      ln->tracker->reset();
+      reply_error(errc::protocol, fmt::format("BEGIN of delta version {} from {}: a group of streamers sends whole "
+                                              "versions and subsets, not deltas",
+                                              b.version, who(*ln)));
+      return receiver_event::refused;
+    }
     if (b.subset) {
       if (const auto why = no_base_for(b)) {
-        tracker->reset();
-        REFIT_INFO("refused BEGIN of {} version {} from {}: {}", b.base ? "delta" : "subset", b.version, peer, *why);
+        ln->tracker->reset();
+        REFIT_INFO("refused BEGIN of {} version {} from {}: {}", b.base ? "delta" : "subset", b.version, ln->peer, *why);
         reply_error(errc::needs_whole, *why);
         return receiver_event::refused;
       }
@@ -599,19 +711,48 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     refit_delta = b.base.has_value();
     delta_terms = 0;
 #if REFIT_HAVE_CUDA
-    if (delta_on_device()) (void)device_workspace().take_terms(sink->stream());  // what a failed refit left
+    if (delta_on_device()) (void)device_workspace().take_terms(ln->sink->stream());  // what a failed refit left
 #endif
     refit_generation = sink_generation;
     if (const auto refused = run_begin_hook(b.version)) {
-      tracker->reset();
+      ln->tracker->reset();
       reply_error(refused->code, refused->message);
       return receiver_event::aborted;
     }
     refit_start = clock::now();
     apply_seconds = 0;
-    deferred.reset();
+    group_version = b.version;
+    for (lane& l : lanes) l.failed.reset();
+    ln->deferred.reset();
     // Direct writes start as soon as the streamer has this reply.
-    if (direct) is_dirty.store(true);
+    if (ln->direct) is_dirty.store(true);
+    reply_ok();
+    return receiver_event::begin;
+  }
+
+  /// BEGIN from another streamer of the group, for the version in progress: its part joins it. A
+  /// streamer of another version is refused (the group never mixes versions); so is a lane that
+  /// already sent its part of this one.
+  receiver_event join_refit(const wire::begin& b) {
+    if (b.version != *group_version || b.subset != refit_subset || b.base) {
+      const std::string message = fmt::format(
+          "BEGIN of {}version {} from {}, while {}version {} is in progress: every streamer of a group sends the "
+          "same versions, whole or subset alike; this one is refused (the group's version goes on)",
+          b.base ? "delta " : b.subset ? "subset " : "", b.version, who(*ln), refit_subset ? "subset " : "",
+          *group_version);
+      REFIT_WARN("{}", message);
+      reply_error(errc::protocol, message);
+      return receiver_event::refused;
+    }
+    try {
+      ln->tracker->begin(b, committed_version());
+    } catch (const error& e) {
+      reply_error(e.code(), e.what());
+      return receiver_event::refused;
+    }
+    ln->deferred.reset();
+    ln->failed.reset();
+    if (ln->direct) is_dirty.store(true);
     reply_ok();
     return receiver_event::begin;
   }
@@ -651,15 +792,15 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
           "{}: this receiver has no checksum of version {} (its END carried none) to check the delta "
           "against; send a whole version",
           what, *b.base);
-    const bool gpu = sink->where().kind == device_kind::cuda;
-    if (direct || in_place || (gpu && !REFIT_HAVE_CUDA))
+    const bool gpu = ln->sink->where().kind == device_kind::cuda;
+    if (ln->direct || ln->in_place || (gpu && !REFIT_HAVE_CUDA))
       return fmt::format(
           "{}: this receiver's session ({}{}) cannot apply patches, which are applied from the staging "
           "buffers; send a whole version",
-          what, sink->name(), direct || in_place ? ", written in place" : "");
+          what, ln->sink->name(), ln->direct || ln->in_place ? ", written in place" : "");
     for (const auto& [name, slots] : table)
       for (const slot& sl : slots)
-        if (!plan::is_plain(sl.dest) || !(sl.dest.dev == sink->where()))
+        if (!plan::is_plain(sl.dest) || !(sl.dest.dev == ln->sink->where()))
           return fmt::format(
               "{}: the destination of '{}' ({}) is {}, and patches are applied only to plain tensors "
               "in the memory the session applies into; send a whole version",
@@ -673,14 +814,14 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   /// sent as bytes into every destination of their tensor, summing the version checksum's change
   /// as the old bytes are overwritten.
   void check_patches(const wire::batch& b) {
-    const std::byte* base = sink->data(b.buffer);
+    const std::byte* base = ln->sink->data(b.buffer);
 #if REFIT_HAVE_CUDA
     if (delta_on_device()) {
       std::vector<delta::cuda::patch_ref> refs;
       for (const wire::entry& e : b.entries)
         if (e.kind == wire::entry_kind::patch)
           refs.push_back(delta::cuda::patch_ref{base + e.buffer_offset, e.bytes, itemsize(e.type), e.span, e.name});
-      delta::cuda::check(refs, device_workspace(), sink->stream());
+      delta::cuda::check(refs, device_workspace(), ln->sink->stream());
       return;
     }
 #endif
@@ -690,7 +831,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
   void apply_delta(const wire::batch& b) {
-    const std::byte* base = sink->data(b.buffer);
+    const std::byte* base = ln->sink->data(b.buffer);
 #if REFIT_HAVE_CUDA
     if (delta_on_device()) return apply_delta_device(b, base);
 #endif
@@ -718,7 +859,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   /// as bytes by the copier, the checksum terms summed on the device (read at END).
   void apply_delta_device(const wire::batch& b, const std::byte* base) {
     delta::cuda::workspace& ws = device_workspace();
-    void* stream = sink->stream();
+    void* stream = ln->sink->stream();
     std::vector<copy::op> ops;
     for (const wire::entry& e : b.entries) {
       if (e.bytes == 0) continue;
@@ -742,7 +883,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       ops.clear();
       for (const slot& sl : slots)
         ops.emplace_back(from, static_cast<std::byte*>(sl.dest.data) + e.tensor_offset, e.bytes);
-      copier->run(ops, stream);
+      ln->copier->run(ops, stream);
     }
   }
 #endif
@@ -771,7 +912,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     return refusal{errc::apply,
                    fmt::format("the receiver's parameter table or callback changed while version {} was in progress "
                                "(change it only between refits); nothing was committed",
-                               tracker->version())};
+                               group_version.value_or(0))};
   }
 
   /// Builds the copies of a batch into the parameter table, checking every entry against it
@@ -784,7 +925,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                                   std::vector<transport::segment>* segments, bool check_only = false) {
     std::vector<copy::op> ops;
     ops.reserve(b.entries.size());
-    const device_kind where = sink->where().kind;
+    const device_kind where = ln->sink->where().kind;
     std::vector<plan::run> pieces;
     for (std::size_t k = 0; k < b.entries.size(); ++k) {
       const wire::entry& e = b.entries[k];
@@ -799,21 +940,21 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
           throw error(errc::apply,
                       fmt::format("tensor '{}': its destination is in {} memory, but the {} transport applies into {} "
                                   "memory",
-                                  e.name, sl.dest.dev.kind == device_kind::cuda ? "CUDA" : "host", sink->name(),
+                                  e.name, sl.dest.dev.kind == device_kind::cuda ? "CUDA" : "host", ln->sink->name(),
                                   where == device_kind::cuda ? "CUDA" : "host"));
       }
       if (e.bytes == 0 || check_only) continue;
       const slot& only = slots->front();
-      if (segments != nullptr && slots->size() == 1 && plan::is_plain(only.dest) && only.dest.dev == sink->where()) {
+      if (segments != nullptr && slots->size() == 1 && plan::is_plain(only.dest) && only.dest.dev == ln->sink->where()) {
         segments->push_back(transport::segment{static_cast<std::byte*>(only.dest.data) + e.tensor_offset, 0, e.bytes});
         continue;
       }
       for (const slot& sl : *slots) {
         const bool copies = copy::append_route(sl.runs, e.tensor_offset, e.bytes, base + e.buffer_offset,
                                                static_cast<std::byte*>(sl.dest.data), ops, pieces);
-        if (copies && where == device_kind::cuda && !(sl.dest.dev == sink->where()) &&
-            copier->kind() == copy::engine::kernel)
-          copy::enable_peer_access(sink->where().index, sl.dest.dev.index);
+        if (copies && where == device_kind::cuda && !(sl.dest.dev == ln->sink->where()) &&
+            ln->copier->kind() == copy::engine::kernel)
+          copy::enable_peer_access(ln->sink->where().index, sl.dest.dev.index);
       }
       if (segments != nullptr) segments->push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
     }
@@ -846,17 +987,17 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   /// Copies (or enqueues the copies of) one batch, or runs the callback over it.
   void apply(const wire::batch& b, std::vector<copy::op>& ops, std::vector<transport::segment>& segments) {
     const auto t0 = clock::now();
-    if (sink->moves_entries()) {
+    if (ln->sink->moves_entries()) {
       if (callback)  // the callback reads every entry from the buffer
         for (const wire::entry& e : b.entries)
           if (e.bytes != 0) segments.push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
-      sink->entries(b.buffer, segments);
+      ln->sink->entries(b.buffer, segments);
     }
-    sink->begin_read(b.buffer);
+    ln->sink->begin_read(b.buffer);
     if (refit_delta) check_patches(b);  // a corrupt patch is refused before its batch writes anything
     is_dirty.store(true);               // from here on the weights may be partly overwritten
     if (callback) {
-      const std::byte* base = sink->data(b.buffer);
+      const std::byte* base = ln->sink->data(b.buffer);
       std::vector<tensor_meta> metas;
       metas.reserve(b.entries.size());
       std::vector<tensor_view> views;
@@ -864,11 +1005,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       for (const wire::entry& e : b.entries) {
         metas.push_back(tensor_meta{e.name, e.type, e.shape});
         const std::uint64_t total = *checked_nbytes(e.type, e.shape);  // validated by wire::decode
-        views.push_back(tensor_view{nullptr, base + e.buffer_offset, e.tensor_offset, e.bytes, total, sink->where()});
+        views.push_back(tensor_view{nullptr, base + e.buffer_offset, e.tensor_offset, e.bytes, total, ln->sink->where()});
       }
       for (std::size_t i = 0; i < views.size(); ++i) views[i].meta = &metas[i];
       try {
-        callback(views, sink->stream());
+        callback(views, ln->sink->stream());
       } catch (const error&) {
         throw;
       } catch (const std::exception& ex) {
@@ -879,13 +1020,24 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     } else if (refit_delta) {
       apply_delta(b);
     } else {
-      copier->run(ops, sink->stream());
+      ln->copier->run(ops, ln->sink->stream());
     }
-    sink->end_read(b.buffer);
+    ln->sink->end_read(b.buffer);
     apply_seconds += seconds_since(t0);
   }
 
+  /// A message of version `version` from a lane whose part of it ended without it (another rank
+  /// failed the group's version): answered with why, once.
+  std::optional<receiver_event> refuse_failed(std::uint64_t version) {
+    if (!ln->failed || ln->failed->first != version) return std::nullopt;
+    const refusal r = ln->failed->second;
+    ln->failed.reset();
+    reply_error(r.code, r.message);
+    return receiver_event::refused;
+  }
+
   receiver_event on_batch(const wire::batch& b) {
+    if (const auto refused = refuse_failed(b.version); refused && !refit_active()) return *refused;
     if (!refit_active()) {
       reply_error(errc::protocol, fmt::format("BATCH {} of version {} without a refit in progress (no BEGIN, or the "
                                               "refit was aborted: see the receiver's log)",
@@ -897,18 +1049,18 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     std::vector<copy::op> ops;
     std::vector<transport::segment> segments;
     try {
-      tracker->check(b);
+      ln->tracker->check(b);
       if (!callback)
-        ops = table_ops(b, sink->data(b.buffer), sink->moves_entries() && !direct ? &segments : nullptr,
-                        direct || refit_delta);
+        ops = table_ops(b, ln->sink->data(b.buffer), ln->sink->moves_entries() && !ln->direct ? &segments : nullptr,
+                        ln->direct || refit_delta);
     } catch (const error& e) {
       return fail_refit(e.code(), e.what());
     }
-    if (direct) {
+    if (ln->direct) {
       // The streamer has written the bytes already; what is left is the manifest, checked above.
       is_dirty.store(true);
       reply_ok();
-    } else if (sink->asynchronous()) {
+    } else if (ln->sink->asynchronous()) {
       try {
         apply(b, ops, segments);
       } catch (const error& e) {
@@ -920,75 +1072,179 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       try {
         apply(b, ops, segments);
       } catch (const error& e) {
-        deferred = refusal{e.code(), e.what()};
+        ln->deferred = refusal{e.code(), e.what()};
       }
     }
     return receiver_event::batch;
   }
 
   receiver_event on_end(const wire::end& e) {
+    if (const auto refused = refuse_failed(e.version); refused && !refit_active()) return *refused;
     if (!refit_active()) {
       reply_error(errc::protocol, fmt::format("END of version {} without a refit in progress", e.version));
       return receiver_event::refused;
     }
     if (const auto failed = fail_if_deferred()) return *failed;
     if (const auto changed = sink_changed()) return fail_refit(changed->code, changed->message);
-    double drain_seconds = 0;
     try {
-      tracker->finish(e);
+      ln->tracker->finish(e);
     } catch (const error& ex) {
       return fail_refit(ex.code(), ex.what());
     }
+    // Answered when the version ends: now for a streamer alone, at the last END of a group.
+    ln->held = e;
+    for (const lane& l : lanes)
+      if (!l.held) {
+        REFIT_DEBUG("END of version {} from {}: waiting for the other streamers of the group", e.version, who(*ln));
+        return receiver_event::ended;
+      }
+    return finish_refit();
+  }
+
+  /// Every lane's END arrived: checks the version as a whole, commits it, and answers every END.
+  receiver_event finish_refit() {
+    const std::uint64_t version = *group_version;
+    double drain_seconds = 0;
+    for (lane& l : lanes)
+      if (l.deferred) {
+        const refusal r = *l.deferred;
+        return fail_refit(r.code, r.message);
+      }
     try {
 #if REFIT_HAVE_CUDA
       if (delta_on_device()) {
-        sink->drain();  // deadline-bounded; then the device's terms are final
-        delta_terms += device_workspace().take_terms(sink->stream());
+        ln->sink->drain();  // deadline-bounded; then the device's terms are final
+        delta_terms += device_workspace().take_terms(ln->sink->stream());
       }
 #endif
-      if (refit_delta) check_delta(e);
+      if (refit_delta) check_delta(*ln->held);
+      std::set<std::string, std::less<>> arrived = grouped() ? check_shards(version) : ln->tracker->completed();
       if (!callback && !refit_subset) {
         std::size_t missing = 0;
         std::string first;
         for (const auto& [name, slots] : table) {
-          if (!tracker->completed().contains(name)) {
+          if (!arrived.contains(name)) {
             if (missing++ == 0) first = name;
           }
         }
         if (missing != 0)
           throw error(errc::incomplete,
-                      fmt::format("version {} is missing {} of the {} registered tensors (first: {}); nothing was "
+                      fmt::format("version {} is missing {} of the {} registered tensors (first: {}{}); nothing was "
                                   "committed",
-                                  e.version, missing, table.names(), shown(first)));
+                                  version, missing, table.names(), shown(first), grouped() ? ", sent by no rank" : ""));
       }
       const auto td = clock::now();
-      sink->drain();
+      for (lane& l : lanes) l.sink->drain();
       drain_seconds = seconds_since(td);
     } catch (const error& ex) {
-      return fail_refit(ex.code(), ex.what(), true);
+      return fail_refit(ex.code(), ex.what());
     }
-    committed.store(e.version, std::memory_order_release);
+    receiver_stats figures{version, 0, 0, 0, seconds_since(refit_start), apply_seconds, drain_seconds};
+    for (const lane& l : lanes) {
+      figures.tensors += l.held->tensors;
+      figures.bytes += l.held->bytes;
+      figures.batches += l.held->batches;
+    }
+    const std::optional<std::uint64_t> checksum = lanes.front().held->checksum;
+    committed.store(version, std::memory_order_release);
     has_committed.store(true, std::memory_order_release);
     is_dirty.store(false);
+    group_version.reset();
     // What the new version is a base for: a whole version for subsets, and for deltas when its END
     // carried a checksum (trusted: re-reading every byte would cost what a delta saves); a delta's
-    // was checked above; a subset's is unknown (it did not carry the other tensors).
+    // was checked above; a subset's is unknown (it did not carry the other tensors). A group's
+    // streamers keep no base.
     if (!refit_subset) {
       whole_generation = sink_generation;
       is_poisoned.store(false);
     }
-    known_checksum = refit_subset && !refit_delta ? std::nullopt : e.checksum;
+    known_checksum = (refit_subset && !refit_delta) || grouped() ? std::nullopt : checksum;
     {
       std::lock_guard lock(mutex);
-      stats_ = receiver_stats{e.version,     e.tensors,    e.bytes, e.batches, seconds_since(refit_start),
-                              apply_seconds, drain_seconds};
+      stats_ = figures;
     }
-    tracker->reset();
-    REFIT_INFO("committed version {} from {}: {} tensors, {:.3f} GB", e.version, peer, e.tensors,
-               static_cast<double>(e.bytes) / 1e9);
-    endings.push_back(ending{e.version, true, {}});
-    reply_ok();
+    REFIT_INFO("committed version {} from {}: {} tensors, {:.3f} GB", version,
+               grouped() ? fmt::format("{} streamers", lanes.size()) : who(*ln), figures.tensors,
+               static_cast<double>(figures.bytes) / 1e9);
+    endings.push_back(ending{version, true, {}});
+    lane* const current = ln;
+    for (lane& l : lanes) {
+      l.tracker->reset();
+      l.held.reset();
+      ln = &l;
+      reply_ok();
+    }
+    ln = current;
     return receiver_event::committed;
+  }
+
+  /// A group's version: the byte ranges its streamers sent of each tensor must cover the tensor
+  /// exactly once, with one dtype and shape. Returns the names that arrived. Throws
+  /// errc::invalid_argument (ranks disagree on a tensor, or their shards overlap) or
+  /// errc::incomplete (bytes no rank sent), naming the tensor and the ranks.
+  std::set<std::string, std::less<>> check_shards(std::uint64_t version) const {
+    struct piece {
+      std::uint64_t first, next;
+      std::size_t rank;
+      const wire::refit_tracker::range* r;
+    };
+    std::map<std::string_view, std::vector<piece>> by_name;
+    for (const lane& l : lanes)
+      for (const auto& [name, r] : l.tracker->ranges()) by_name[name].push_back(piece{r.first, r.next, l.rank, &r});
+    std::set<std::string, std::less<>> arrived;
+    for (auto& [name, pieces] : by_name) {
+      std::sort(pieces.begin(), pieces.end(), [](const piece& x, const piece& y) {
+        return x.first != y.first ? x.first < y.first : x.next < y.next;
+      });
+      const wire::refit_tracker::range& one = *pieces.front().r;
+      // Rows when the ranges fall on rows (shards of dimension 0), bytes otherwise.
+      const std::uint64_t row =
+          one.shape.empty() || one.shape.front() <= 0 ? 0 : one.total / static_cast<std::uint64_t>(one.shape.front());
+      const auto span = [&](std::uint64_t lo, std::uint64_t hi) {
+        if (row != 0 && lo % row == 0 && hi % row == 0) return fmt::format("rows [{}, {})", lo / row, hi / row);
+        return fmt::format("bytes [{}, {})", lo, hi);
+      };
+      std::uint64_t cursor = 0;
+      std::size_t last_rank = pieces.front().rank;
+      for (const piece& p : pieces) {
+        if (p.r->type != one.type || p.r->shape != one.shape)
+          throw error(errc::invalid_argument,
+                      fmt::format("version {}: tensor '{}' is {} from rank {} but {} from rank {}; nothing was "
+                                  "committed",
+                                  version, name, describe(tensor_meta{std::string(name), one.type, one.shape}),
+                                  pieces.front().rank, describe(tensor_meta{std::string(name), p.r->type, p.r->shape}),
+                                  p.rank));
+        if (p.first == p.next) continue;  // an empty shard covers nothing
+        if (p.first < cursor)
+          throw error(errc::invalid_argument,
+                      fmt::format("version {}: tensor '{}': {} were sent by rank {} and by rank {} (their shards "
+                                  "overlap); nothing was committed",
+                                  version, name, span(p.first, std::min(cursor, p.next)), last_rank, p.rank));
+        if (p.first > cursor)
+          throw error(errc::incomplete,
+                      fmt::format("version {}: tensor '{}': {} were sent by no rank (the shards of ranks {} leave "
+                                  "them out); nothing was committed",
+                                  version, name, span(cursor, p.first), ranks_of(pieces)));
+        cursor = p.next;
+        last_rank = p.rank;
+      }
+      if (cursor != one.total)
+        throw error(errc::incomplete,
+                    fmt::format("version {}: tensor '{}': {} were sent by no rank (the shards of ranks {} leave them "
+                                "out); nothing was committed",
+                                version, name, span(cursor, one.total), ranks_of(pieces)));
+      arrived.emplace(name);
+    }
+    return arrived;
+  }
+
+  template <typename Pieces>
+  static std::string ranks_of(const Pieces& pieces) {
+    std::vector<std::size_t> ranks;
+    for (const auto& p : pieces) ranks.push_back(p.rank);
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    return fmt::format("{}", fmt::join(ranks, ", "));
   }
 
   /// A delta's END: the checksum the streamer computed of the whole new version must be the one the
@@ -1006,17 +1262,19 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 
   /// The streamer gave up the refit on its side (ABORT).
   receiver_event on_abort(const wire::abort& a) {
-    if (!refit_active() || tracker->version() != a.version) {
+    if (ln->failed && ln->failed->first == a.version) ln->failed.reset();  // it knows: it gave up itself
+    if (!refit_active() || ln->tracker->version() != a.version) {
       // Nothing to abort: the refit already ended here (refused, timed out, superseded) or never
       // began. The streamer only wants to know that it need not wait.
-      REFIT_INFO("ABORT of version {} from {} ignored: {}", a.version, peer.empty() ? "a streamer" : peer,
-                 refit_active() ? fmt::format("version {} is in progress", tracker->version())
+      REFIT_INFO("ABORT of version {} from {} ignored: {}", a.version, ln->peer.empty() ? "a streamer" : ln->peer,
+                 refit_active() ? fmt::format("version {} is in progress", ln->tracker->version())
                                 : std::string("no refit in progress"));
       reply_ok();
       return receiver_event::refused;
     }
-    abort_refit(fmt::format("the streamer {}aborted version {} ({}): {}", peer.empty() ? "" : peer + " ", a.version,
-                            to_string(a.code), a.reason));
+    abort_refit(fmt::format("the streamer {} aborted version {} ({}): {}", who(*ln), a.version, to_string(a.code),
+                            a.reason),
+                grouped() ? errc::peer : errc::apply);
     reply_ok();
     return receiver_event::aborted;
   }
@@ -1026,12 +1284,13 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::optional<std::string> supersedes(const wire::message& m) const {
     if (!refit_active()) return std::nullopt;
     if (const auto* b = std::get_if<wire::begin>(&m))
-      return fmt::format("BEGIN of version {} arrived before END of version {}", b->version, tracker->version());
+      return fmt::format("BEGIN of version {} arrived before END of version {}", b->version, ln->tracker->version());
     if (const auto* h = std::get_if<wire::hello>(&m); h != nullptr && same_token(h->token, token))
       return fmt::format("a new session (HELLO from {}) replaced the session with {} before END of version {}",
-                         h->peer.empty() ? "an unnamed peer" : h->peer, peer, tracker->version());
+                         h->peer.empty() ? "an unnamed peer" : h->peer, who(*ln), ln->tracker->version());
     if (std::holds_alternative<wire::bye>(m))
-      return fmt::format("the streamer {} ended the session (BYE) before END of version {}", peer, tracker->version());
+      return fmt::format("the streamer {} ended the session (BYE) before END of version {}", who(*ln),
+                         ln->tracker->version());
     return std::nullopt;
   }
 
@@ -1041,14 +1300,14 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       m = wire::decode(bytes);
     } catch (const error& e) {
       const bool was_active = refit_active();
-      abort_refit(e.what());
+      if (was_active) abort_refit(e.what(), e.code());
       reply_error(e.code(), e.what());
       return was_active ? receiver_event::aborted : receiver_event::refused;
     }
     if (const auto why = supersedes(m)) {
       // Reported on its own; the message that ended the refit is answered by the next call.
-      abort_refit(*why);
-      pending = std::move(m);
+      abort_refit(*why, grouped() ? errc::peer : errc::apply);
+      ln->pending = std::move(m);
       return receiver_event::aborted;
     }
     return dispatch(m);
@@ -1093,31 +1352,69 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
   receiver_event step(milliseconds wait) {
-    if (pending) {
+    for (lane& l : lanes) {
+      if (!l.pending) continue;
       // Received by the last call, which ended the refit it superseded; its streamer is waiting.
-      const wire::message m = std::move(*pending);
-      pending.reset();
-      last_message = clock::now();
+      ln = &l;
+      const wire::message m = std::move(*l.pending);
+      l.pending.reset();
+      l.last_message = clock::now();
       return dispatch(m);
     }
-    if (refit_active()) {
-      // A refit in progress must not wait forever on a dead streamer.
-      const auto deadline = last_message + options.idle_timeout;
+    if (group_version) {
+      // A refit in progress must not wait forever on a dead streamer: every lane that has not
+      // ended its part must say something within the idle timeout (one that has not begun it yet,
+      // within the idle timeout of the version's first BEGIN).
       const auto now = clock::now();
-      if (now >= deadline) {
-        abort_refit(fmt::format("no message from the streamer {} for {} ms during version {}", peer,
-                                options.idle_timeout.count(), tracker->version()));
+      lane* late = nullptr;
+      clock::time_point deadline{};
+      for (lane& l : lanes) {
+        if (l.held) continue;
+        const auto due = (l.refit_active() ? l.last_message : std::max(l.last_message, refit_start)) +
+                         options.idle_timeout;
+        if (late == nullptr || due < deadline) late = &l, deadline = due;
+      }
+      if (late != nullptr && now >= deadline) {
+        ln = late;
+        abort_refit(late->refit_active()
+                        ? fmt::format("no message from the streamer {} for {} ms during version {}", who(*late),
+                                      options.idle_timeout.count(), *group_version)
+                        : fmt::format("the streamer {} did not begin version {} within {} ms of the group's first BEGIN",
+                                      who(*late), *group_version, options.idle_timeout.count()),
+                    errc::timeout);
         return receiver_event::aborted;
       }
-      wait = std::min(wait, std::chrono::ceil<milliseconds>(deadline - now));
+      if (late != nullptr) wait = std::min(wait, std::chrono::ceil<milliseconds>(deadline - now));
     }
-    std::optional<std::string> request = channel.receive(wait, refit_active());
+    const auto request = receive(wait);
     if (!request) return receiver_event::idle;
-    last_message = clock::now();
+    ln->last_message = clock::now();
     const receiver_event e = handle(*request);
     REFIT_DEBUG("{} handled in {:.0f} us ({} bytes)", to_string(e),
-                std::chrono::duration<double, std::micro>(clock::now() - last_message).count(), request->size());
+                std::chrono::duration<double, std::micro>(clock::now() - ln->last_message).count(), request->size());
     return e;
+  }
+
+  /// Waits up to `wait` for a request on any lane that is not holding one (a held END must be
+  /// answered first); makes its lane the current one.
+  std::optional<std::string> receive(milliseconds wait) {
+    if (lanes.size() == 1) {
+      ln = &lanes.front();
+      return ln->channel.receive(wait, refit_active());
+    }
+    std::vector<channel::rep_channel*> open;
+    std::vector<lane*> owners;
+    for (std::size_t k = 0; k < lanes.size(); ++k) {
+      lane& l = lanes[(next_lane + k) % lanes.size()];
+      if (l.held) continue;
+      open.push_back(&l.channel);
+      owners.push_back(&l);
+    }
+    const auto ready = channel::rep_channel::wait_any(open, wait, group_version.has_value());
+    if (!ready) return std::nullopt;
+    ln = owners[*ready];
+    next_lane = (ln->rank + 1) % lanes.size();
+    return ln->channel.receive(milliseconds{0});
   }
 };
 
@@ -1189,7 +1486,14 @@ receiver::~receiver() = default;
 receiver::receiver(receiver&&) noexcept = default;
 receiver& receiver::operator=(receiver&&) noexcept = default;
 
-std::string receiver::endpoint() const { return impl_->channel.endpoint(); }
+std::string receiver::endpoint() const { return impl_->lanes.front().channel.endpoint(); }
+
+std::vector<std::string> receiver::endpoints() const {
+  std::vector<std::string> out;
+  out.reserve(impl_->lanes.size());
+  for (const lane& l : impl_->lanes) out.push_back(l.channel.endpoint());
+  return out;
+}
 
 void receiver::add_parameter(const tensor_dest& dest) { add_parameter(dest, dest_layout{}); }
 
@@ -1243,7 +1547,7 @@ receiver_event receiver::serve_one(milliseconds wait) { return impl_->serve_one(
 
 void receiver::serve(const std::function<bool()>& stop, milliseconds poll) {
   // A message kept by the last call is owed its reply, stop or not.
-  while (impl_->pending || !stop()) impl_->serve_one(poll);
+  while (impl_->owes() || !stop()) impl_->serve_one(poll);
 }
 
 std::optional<std::uint64_t> receiver::committed_version() const noexcept { return impl_->committed_version(); }

@@ -14,6 +14,7 @@ std::string_view to_string(receiver_event e) noexcept {
     case receiver_event::aborted: return "aborted";
     case receiver_event::bye: return "bye";
     case receiver_event::refused: return "refused";
+    case receiver_event::ended: return "ended";
   }
   return "?";
 }

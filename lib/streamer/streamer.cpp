@@ -114,6 +114,19 @@ void validate(const streamer_options& o) {
         fmt::format("streamer_options.delta needs the host_shm transport, or cuda_ipc with direct = false (staged "
                     "buffers) in a build with CUDA, not {}{}",
                     to_string(o.transport), o.transport == transport_kind::cuda_ipc ? " with direct = true" : ""));
+  if (o.group_size == 0 || o.group_size > wire::max_group_size || o.group_rank >= o.group_size)
+    throw error(errc::invalid_argument,
+                fmt::format("streamer_options: group_rank {} of group_size {}: the size must be in [1, {}] and the "
+                            "rank below it",
+                            o.group_rank, o.group_size, wire::max_group_size));
+  if (o.group_size > 1 && o.delta.enable)
+    throw error(errc::invalid_argument,
+                "streamer_options.delta with group_size > 1: a group of streamers sends whole versions (each rank's "
+                "shards); turn delta off");
+  if (o.group_size > 1 && o.transport_name.empty() && o.transport == transport_kind::nccl)
+    throw error(errc::invalid_argument,
+                "streamer_options.group_size > 1 over nccl: a group of streamers sends over cuda_ipc (one host) or "
+                "host_shm for now");
   if (o.delta.enable && o.delta.memory == delta_memory::device && o.transport == transport_kind::host_shm)
     throw error(errc::invalid_argument,
                 "streamer_options.delta.memory is device, but the host_shm transport sends host tensors: keep the "
@@ -290,6 +303,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     h.token = token;
     h.alignment = options.alignment;
     h.layout = options.layout;
+    h.group_rank = options.group_rank;
+    h.group_size = options.group_size;
     buffers->open_session(h);
     try {
       const auto hello_to = [&](std::size_t k) {
@@ -346,6 +361,56 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       }
     }
     return merged;
+  }
+
+  /// Where a shard (tensor_ref::shard) lies in its whole tensor: the whole tensor's meta, and the
+  /// shard's first element and element count (one contiguous range of the whole). Throws
+  /// errc::invalid_argument naming the tensor for a shard that does not fit its whole, is not one
+  /// contiguous range, or is a part of a tensor while this streamer is alone (group_size 1).
+  struct shard_place {
+    tensor_meta whole;
+    std::uint64_t first = 0;
+    std::uint64_t count = 0;
+  };
+  shard_place place_shard(const tensor_ref& t) const {
+    const tensor_shard& sh = *t.shard;
+    shard_place out{tensor_meta{t.meta.name, t.meta.type, sh.global_shape}, 0, t.meta.numel()};
+    const auto what = [&] {
+      return fmt::format("tensor {}, a shard of {} at [{}] along dimension {}", describe(t.meta), describe(out.whole),
+                         sh.start, sh.dim);
+    };
+    const std::size_t rank = sh.global_shape.size();
+    if (rank != t.meta.shape.size() || sh.dim < 0 || static_cast<std::size_t>(sh.dim) >= std::max<std::size_t>(rank, 1))
+      throw error(errc::invalid_argument,
+                  fmt::format("{}: the shard and the whole must have the same number of dimensions, and the "
+                              "dimension must be one of them",
+                              what()));
+    if (!checked_numel(sh.global_shape))
+      throw error(errc::invalid_argument, fmt::format("{}: the whole's shape is not valid", what()));
+    const auto dim = static_cast<std::size_t>(sh.dim);
+    std::uint64_t inner = 1;
+    for (std::size_t d = 0; d < rank; ++d) {
+      if (d != dim && sh.global_shape[d] != t.meta.shape[d])
+        throw error(errc::invalid_argument,
+                    fmt::format("{}: the shard's size along dimension {} must be the whole's", what(), d));
+      if (d < dim && sh.global_shape[d] != 1)
+        throw error(errc::invalid_argument,
+                    fmt::format("{}: a shard along dimension {} of a tensor whose dimension {} is {} is not one "
+                                "contiguous range of it; shard along dimension 0 (FSDP's Shard(0))",
+                                what(), dim, d, sh.global_shape[d]));
+      if (d > dim) inner *= static_cast<std::uint64_t>(sh.global_shape[d]);
+    }
+    if (sh.start < 0 || sh.start > sh.global_shape[dim] - t.meta.shape[dim])
+      throw error(errc::invalid_argument,
+                  fmt::format("{}: [{}, {}) is not inside the whole's {} along dimension {}", what(), sh.start,
+                              sh.start + t.meta.shape[dim], sh.global_shape[dim], dim));
+    out.first = static_cast<std::uint64_t>(sh.start) * inner;
+    if (options.group_size == 1 && out.count != out.whole.numel())
+      throw error(errc::invalid_argument,
+                  fmt::format("{}: this streamer is alone (streamer_options::group_size 1), so nobody sends the "
+                              "rest; give each trainer rank its own streamer of a group (group_rank, group_size)",
+                              what()));
+    return out;
   }
 
   void check_tensor(const tensor_ref& t, std::uint64_t bytes) const {
@@ -950,11 +1015,22 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
   /// Sends `t` converted as `c` asks: the tensor as `c.type` (same shape) and, quantised, its
   /// scale tensor `name` + scale_suffix, computed by a scale pass over the source first.
+  ///
+  /// With `part`, `t` is the whole tensor (its data shifted to where the whole would start) and only
+  /// the shard's elements are sent (casts only: a quantisation needs the whole tensor).
   void send_converted(batch_writer& w, planner& pl, const tensor_ref& t, const wire::conversion& c,
-                      refit_stats& stats) {
+                      refit_stats& stats, const shard_place* part = nullptr) {
     tensor_ref sent = t;
     sent.meta.type = c.type;
-    const std::uint64_t bytes = sent.meta.nbytes();
+    if (part != nullptr && c.q != quant::none)
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor {} is sent as a shard (elements [{}, {})), but the receiver asks for it "
+                              "quantised to f8_e4m3 per {}, which needs the amax of the whole tensor: send it whole, "
+                              "or register the destination as a cast (bf16)",
+                              describe(t.meta), part->first, part->first + part->count,
+                              c.q == quant::tensor ? "tensor" : "128 × 128 block"));
+    const std::uint64_t bytes = part != nullptr ? part->count * itemsize(c.type) : sent.meta.nbytes();
+    const std::uint64_t shift = part != nullptr ? part->first * itemsize(c.type) : 0;
     std::optional<tensor_ref> scale;
     if (c.q != quant::none) {
       scale.emplace();
@@ -972,8 +1048,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     // (copy::fused_job) writes the codes and the scales where they go. Otherwise a scale pass
     // into scratch, then converting copies, then the scale tensor copied like any other.
     std::vector<copy::fused_job> fused;
-    if (w.direct && c.q == quant::block128 && placed.size() == 1 && placed[0].entry.tensor_offset == 0 &&
-        placed[0].entry.bytes == bytes)
+    if (w.direct && c.q == quant::block128 && part == nullptr && placed.size() == 1 &&
+        placed[0].entry.tensor_offset == 0 && placed[0].entry.bytes == bytes)
       fused = fused_jobs(t, targets, scale_targets);
     const float* mul = nullptr;
     if (scale && fused.empty()) {
@@ -986,8 +1062,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       w.jobs.push_back(copy::scale_job{t.data, t.meta.type, t.meta.shape, c.q, inv, m});
     }
     const copy::cvt::conversion cv = copy::conversion_of(t.meta.type, c.type, c.q, t.meta.shape, mul);
-    for (const placement& p : placed) {
+    for (placement p : placed) {
       while (p.batch > w.seq) w.flush();
+      p.entry.tensor_offset += shift;
       if (fused.empty()) {
         w.add(sent, p, targets, &cv);
       } else {
@@ -1089,6 +1166,20 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         throw error(errc::invalid_argument,
                     fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
       stats.tensor_bytes += bytes;
+      // A shard goes as the byte range it is of its whole tensor: from here on `t` is the whole,
+      // its data shifted to where the whole would start (only the shard's bytes are ever read), and
+      // every placement moves by `shift`.
+      std::optional<shard_place> part;
+      std::uint64_t shift = 0;
+      if (t->shard) {
+        part = place_shard(*t);
+        shift = part->first * itemsize(t->meta.type);
+        t->meta = part->whole;
+        t->data = reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(t->data) - shift);
+        t->shard.reset();
+        if (how == sending::delta && (part->first != 0 || bytes != t->meta.nbytes()))
+          throw error(errc::internal, fmt::format("tensor {}: a delta of a shard", describe(t->meta)));
+      }
       if (const wire::conversion* c = conversion_for(*t)) {
         if (how == sending::delta)
           throw error(errc::invalid_argument,
@@ -1096,7 +1187,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                                   "bytes the trainer holds, not converted ones: send versions whole to receivers "
                                   "that convert (streamer_options::delta off)",
                                   describe(t->meta)));
-        send_converted(w, pl, *t, *c, stats);
+        send_converted(w, pl, *t, *c, stats, part ? &*part : nullptr);
         keep = false;  // the base holds what was sent as it was; a converted tensor is not there
         continue;
       }
@@ -1109,8 +1200,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         if (send_delta(w, pl, w.planned++, *t, scratch, *checksum)) stats.tensors += 1;
         continue;
       }
-      for (const placement& p : pl.add(w.planned++, bytes)) {
+      for (placement p : pl.add(w.planned++, bytes)) {
         while (p.batch > w.seq) w.flush();
+        p.entry.tensor_offset += shift;
         w.add(*t, p, targets);
       }
       stats.tensors += 1;

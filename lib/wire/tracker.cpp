@@ -51,8 +51,8 @@ void check_overlaps(const batch& b) {
 
 }  // namespace
 
-refit_tracker::refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint64_t max_entries)
-    : buffer_bytes_(std::move(buffer_bytes)), max_entries_(max_entries) {}
+refit_tracker::refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint64_t max_entries, bool sharded)
+    : buffer_bytes_(std::move(buffer_bytes)), max_entries_(max_entries), sharded_(sharded) {}
 
 void refit_tracker::reset() noexcept {
   active_ = false;
@@ -121,13 +121,17 @@ refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) 
 
     partial next;
     if (!prev) {
-      if (e.tensor_offset != 0)
+      // A shard starts where it lies in the whole tensor; anything else starts at its first byte.
+      if (e.tensor_offset != 0 && !sharded_)
         violation(
             fmt::format("{}: the first chunk of a tensor must start at offset 0, got {}", where(), e.tensor_offset));
       const auto total = checked_nbytes(e.type, e.shape);
       if (!total)
         violation(fmt::format("{}: shape {} has no valid byte count", where(), shape_string(e.type, e.shape)));
-      next = partial{e.type, e.shape, 0, *total};
+      if (e.tensor_offset > *total)
+        violation(fmt::format("{}: chunk starts at byte {}, past the tensor's {} bytes ({})", where(), e.tensor_offset,
+                              *total, shape_string(e.type, e.shape)));
+      next = partial{e.type, e.shape, e.tensor_offset, e.tensor_offset, *total};
     } else {
       if (e.type != prev->type || e.shape != prev->shape)
         violation(fmt::format("{}: chunk changes the tensor from {} to {}", where(),
@@ -147,7 +151,8 @@ refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) 
       violation(fmt::format("{}: a patch entry in version {}, which is not a delta (BEGIN named no base)", where(),
                             version_));
     next.next = last;
-    const bool done = next.next == next.total;
+    // A sharded tracker keeps every range (the group's ranges are checked together at END).
+    const bool done = !sharded_ && next.next == next.total;
     changes.insert_or_assign(std::string_view(e.name), staged{std::move(next), done});
   }
   return changes;
@@ -172,7 +177,7 @@ void refit_tracker::finish(const wire::end& e) {
   if (!active_) violation(fmt::format("END without BEGIN (version {})", e.version));
   if (e.version != version_)
     violation(fmt::format("END: version {} does not match the refit in progress, version {}", e.version, version_));
-  if (!partial_.empty()) {
+  if (!partial_.empty() && !sharded_) {
     // Name the first one in order, so the message does not depend on hashing.
     const auto it = std::min_element(partial_.begin(), partial_.end(),
                                      [](const auto& x, const auto& y) { return x.first < y.first; });
@@ -189,7 +194,7 @@ void refit_tracker::finish(const wire::end& e) {
                          fmt::format("END of version {}: the streamer sent {} {} but {} arrived; nothing was committed",
                                      version_, announced, what, arrived));
   };
-  mismatch("tensors", e.tensors, completed_.size());
+  mismatch("tensors", e.tensors, completed_.size() + (sharded_ ? partial_.size() : 0));
   mismatch("bytes", e.bytes, bytes_);
   mismatch("batches", e.batches, next_seq_);
   active_ = false;

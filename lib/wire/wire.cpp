@@ -79,7 +79,7 @@ void head(packer& p, msg_type t, std::uint32_t fields) {
 }
 
 void encode_body(packer& p, const hello& m) {
-  head(p, msg_type::hello, 10);
+  head(p, msg_type::hello, 12);
   pack_str(p, m.token);
   pack_str(p, m.transport);
   pack_str(p, m.peer);
@@ -97,6 +97,8 @@ void encode_body(packer& p, const hello& m) {
   pack_bin(p, m.session);
   pack_uint(p, static_cast<std::uint8_t>(m.mode));
   pack_str(p, m.layout);
+  pack_uint(p, m.group_rank);
+  pack_uint(p, m.group_size);
 }
 
 void pack_optional(packer& p, const std::optional<std::uint64_t>& v) {
@@ -310,7 +312,7 @@ class reader {
 // Fields of each message, after [type, protocol version].
 constexpr std::size_t field_count(msg_type t) noexcept {
   switch (t) {
-    case msg_type::hello: return 10;
+    case msg_type::hello: return 12;
     case msg_type::begin: return 3;
     case msg_type::batch: return 4;
     case msg_type::end: return 5;
@@ -355,6 +357,12 @@ hello decode_hello(reader& r, std::span<const object> f) {
   m.session = r.bin(f[7], "session", max_handle_bytes);
   m.mode = decode_mode(r, f[8]);
   m.layout = r.str(f[9], "layout", max_handle_bytes);
+  m.group_size = r.u64(f[11], "group_size");
+  if (m.group_size == 0 || m.group_size > max_group_size)
+    r.fail("group_size", fmt::format("{} is not in [1, {}]", m.group_size, max_group_size));
+  m.group_rank = r.u64(f[10], "group_rank");
+  if (m.group_rank >= m.group_size)
+    r.fail("group_rank", fmt::format("{} is not below the group's size {}", m.group_rank, m.group_size));
   return m;
 }
 

@@ -28,7 +28,7 @@ namespace refit::wire {
 /// Bumped on every incompatible change of the format below. A new message type is not one: a
 /// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
 /// ERROR and aborts the refit all the same), and a streamer never receives a request.
-inline constexpr std::uint32_t protocol_version = 3;
+inline constexpr std::uint32_t protocol_version = 4;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
 inline constexpr std::size_t max_message_bytes = 64u << 20;
@@ -37,6 +37,7 @@ inline constexpr std::size_t max_rank = 8;  ///< dimensions of a shape
 inline constexpr std::size_t max_buffers = 64;
 inline constexpr std::size_t max_entries = 1u << 20;
 inline constexpr std::size_t max_handle_bytes = 4096;
+inline constexpr std::uint64_t max_group_size = 4096;  ///< streamers of one group
 
 enum class msg_type : std::uint8_t {
   hello = 1,
@@ -84,6 +85,11 @@ struct hello {
   /// The digest of the engine layout (route table) the streamer's side was set up for, "" when
   /// none: a receiver set up for another refuses the session.
   std::string layout;
+  /// The streamer is rank `group_rank` of `group_size` streamers that send one version together
+  /// (sharded trainers); 0 of 1 for a streamer alone. 1 <= group_size <= max_group_size,
+  /// group_rank < group_size.
+  std::uint64_t group_rank = 0;
+  std::uint64_t group_size = 1;
   friend bool operator==(const hello&, const hello&) = default;
 };
 
@@ -242,10 +248,25 @@ message decode(std::string_view bytes);
 /// name, and no name after it completed. finish() needs
 /// version == the refit's, every started tensor complete, and the END totals equal to what arrived.
 /// Each violation throws refit::error(errc::protocol, or errc::incomplete for finish()).
+///
+/// A sharded tracker (one streamer of a group: hello::group_size > 1) takes each name as one
+/// contiguous byte range that may start anywhere and end before the tensor does (the streamer's
+/// shard); finish() then leaves it to the receiver to check that the group's ranges cover every
+/// tensor exactly once (see ranges()).
 class refit_tracker {
  public:
   /// `buffer_bytes[i]` is the size of buffer i of this session.
-  explicit refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint64_t max_entries = wire::max_entries);
+  explicit refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint64_t max_entries = wire::max_entries,
+                         bool sharded = false);
+
+  /// The bytes [first, next) of one tensor that arrived in this refit (a sharded tracker's).
+  struct range {
+    dtype type;
+    std::vector<std::int64_t> shape;
+    std::uint64_t first = 0;
+    std::uint64_t next = 0;
+    std::uint64_t total = 0;  ///< bytes of the whole tensor
+  };
 
   /// Starts a refit. `committed`: the receiver's committed version, if any.
   void begin(const wire::begin& b, std::optional<std::uint64_t> committed);
@@ -263,14 +284,12 @@ class refit_tracker {
   [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
   /// Names that completed in this refit.
   [[nodiscard]] const std::set<std::string, std::less<>>& completed() const noexcept { return completed_; }
+  [[nodiscard]] bool sharded() const noexcept { return sharded_; }
+  /// A sharded tracker's ranges, by name (a tensor of this refit that arrived whole is among them too).
+  [[nodiscard]] const std::unordered_map<std::string, range>& ranges() const noexcept { return partial_; }
 
  private:
-  struct partial {
-    dtype type;
-    std::vector<std::int64_t> shape;
-    std::uint64_t next = 0;   ///< next expected tensor offset
-    std::uint64_t total = 0;  ///< bytes of the whole tensor
-  };
+  using partial = range;  ///< next: the next expected tensor offset
   /// A tensor's state as it will be once the batch being checked passes.
   struct staged {
     partial state;
@@ -285,6 +304,7 @@ class refit_tracker {
 
   std::vector<std::uint64_t> buffer_bytes_;
   std::uint64_t max_entries_;
+  bool sharded_ = false;
   bool active_ = false;
   bool delta_ = false;  ///< BEGIN named a base: patch entries are allowed
   std::uint64_t version_ = 0;

@@ -92,6 +92,7 @@ std::string event_name(refit::receiver_event e) {
     case refit::receiver_event::aborted: return "aborted";
     case refit::receiver_event::bye: return "bye";
     case refit::receiver_event::refused: return "refused";
+    case refit::receiver_event::ended: return "ended";
   }
   return "unknown";
 }

@@ -121,7 +121,9 @@ std::vector<field> hello_fields() {
           ARR({good_buffer(), good_buffer()}),
           B(""),
           U(0),
-          S("")};
+          S(""),
+          U(0),
+          U(1)};
 }
 
 // An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset, kind, span].
@@ -190,6 +192,13 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
                   {"v", dtype::f8_e4m3, refit::quant::tensor},
                   {"b", dtype::bf16, refit::quant::none}};
     CHECK(std::get<wire::ok>(roundtrip(ok)) == ok);
+  }
+  SECTION("HELLO of rank 2 of a group of 4 streamers") {
+    wire::hello h;
+    h.transport = "cuda_ipc";
+    h.group_rank = 2;
+    h.group_size = 4;
+    CHECK(std::get<wire::hello>(roundtrip(h)) == h);
   }
   SECTION("HELLO with every optional field empty") {
     wire::hello h;
@@ -345,11 +354,12 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
   };
   check_mismatch(message(BEGIN, {U(1)}, 1), 1);
   check_mismatch(message(BEGIN, {U(1)}, 2), 2);  // the release before conversions and session data
-  check_mismatch(message(BEGIN, {U(1)}, 4), 4);
+  check_mismatch(message(BEGIN, {U(1)}, 3), 3);  // the release before groups of streamers
+  check_mismatch(message(BEGIN, {U(1)}, 5), 5);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
   check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 9), 9);
-  check_mismatch(message(99, {}, 4), 4);
+  check_mismatch(message(99, {}, 5), 5);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
@@ -364,7 +374,7 @@ TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(BYE, {NIL()})), errc::protocol, "BYE message: 1 fields, expected 0");
   auto h = hello_fields();
   h.pop_back();
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 9 fields, expected 10");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 11 fields, expected 12");
   CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), U(3)})), errc::protocol, "END message: 3 fields");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true)})), errc::protocol, "OK message: 2 fields");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2)})), errc::protocol, "ERROR message: 1 fields");
@@ -407,6 +417,23 @@ TEST_CASE("decode rejects HELLO fields of the wrong type", "[wire]") {
                     "layout must be a str, got bin");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 9, S(std::string(5000, 'x'))))), errc::protocol,
                     "layout is 5000 bytes long, more than the limit");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 10, I(-1)))), errc::protocol,
+                    "group_rank must be an unsigned integer, got negative int");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 11, S("2")))), errc::protocol,
+                    "group_size must be an unsigned integer, got str");
+}
+
+TEST_CASE("decode rejects a HELLO whose group makes no sense", "[wire]") {
+  const auto h = hello_fields();
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 11, U(0)))), errc::protocol,
+                    "HELLO message: group_size 0 is not in [1, 4096]");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 11, U(4097)))), errc::protocol,
+                    "group_size 4097 is not in [1, 4096]");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(with(h, 10, U(2)), 11, U(2)))), errc::protocol,
+                    "HELLO message: group_rank 2 is not below the group's size 2");
+  const auto m = wire::decode(message(HELLO, with(with(h, 10, U(1)), 11, U(2))));
+  CHECK(std::get<wire::hello>(m).group_rank == 1);
+  CHECK(std::get<wire::hello>(m).group_size == 2);
 }
 
 TEST_CASE("decode rejects buffer descriptors of the wrong shape or type", "[wire]") {
