@@ -382,8 +382,8 @@ std::optional<std::string> rep_channel::receive(std::chrono::milliseconds wait, 
   }
 }
 
-std::optional<std::size_t> rep_channel::wait_any(std::span<rep_channel* const> channels,
-                                                 std::chrono::milliseconds wait, bool soon) {
+std::optional<std::size_t> rep_channel::wait_any(std::span<rep_channel* const> channels, std::chrono::milliseconds wait,
+                                                 bool soon) {
   std::vector<zmq::pollitem_t> items;
   items.reserve(channels.size());
   for (rep_channel* c : channels) {
@@ -395,8 +395,8 @@ std::optional<std::size_t> rep_channel::wait_any(std::span<rep_channel* const> c
     const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
     return poll_any(items, deadline, soon ? spin_before_blocking : std::chrono::microseconds{0});
   } catch (const zmq::error_t& e) {
-    throw error(errc::io, fmt::format("waiting for a request on {} endpoints failed: {}", channels.size(),
-                                      zmq_reason(e)));
+    throw error(errc::io,
+                fmt::format("waiting for a request on {} endpoints failed: {}", channels.size(), zmq_reason(e)));
   }
 }
 

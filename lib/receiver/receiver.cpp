@@ -546,12 +546,14 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       // versions nobody sent whole.
       const std::string message =
           lanes.size() == 1
-              ? fmt::format("this receiver takes one streamer, but the streamer says it is rank {} of a group of {} "
-                            "(streamer_options::group_size): give the receiver receiver_options::streamers = {}",
-                            h.group_rank, h.group_size, h.group_size)
-              : fmt::format("this endpoint takes rank {} of a group of {} streamers (receiver_options::streamers), but "
-                            "the streamer says it is rank {} of {}: rank k connects to the receiver's endpoints()[k]",
-                            ln->rank, lanes.size(), h.group_rank, h.group_size);
+              ? fmt::format(
+                    "this receiver takes one streamer, but the streamer says it is rank {} of a group of {} "
+                    "(streamer_options::group_size): give the receiver receiver_options::streamers = {}",
+                    h.group_rank, h.group_size, h.group_size)
+              : fmt::format(
+                    "this endpoint takes rank {} of a group of {} streamers (receiver_options::streamers), but "
+                    "the streamer says it is rank {} of {}: rank k connects to the receiver's endpoints()[k]",
+                    ln->rank, lanes.size(), h.group_rank, h.group_size);
       return refuse_hello(h, errc::invalid_argument, message, message);
     }
     if (!h.layout.empty() && !options.layout.empty() && h.layout != options.layout) {
@@ -587,12 +589,13 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       for (std::size_t i = 0; i < ln->sink->count(); ++i)
         sizes.push_back(ln->direct || ln->in_place ? transport::direct_batch_bytes : ln->sink->buffer_bytes(i));
       ln->tracker.emplace(std::move(sizes), wire::max_entries, grouped());
-      ln->copier = copy::make_copier(copy::choose(ln->sink->engine(), options.engine), options.device, options.idle_timeout);
+      ln->copier =
+          copy::make_copier(copy::choose(ln->sink->engine(), options.engine), options.device, options.idle_timeout);
       ln->peer = h.peer;
       ln->laid_out = h.mode == wire::session_mode::in_place;
       ln->session_generation = sink_generation;
-      REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", who(*ln), ln->sink->count(), ln->sink->buffer_bytes(0) >> 20,
-                 h.transport, ln->direct || ln->in_place ? ", written in place" : "");
+      REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", who(*ln), ln->sink->count(),
+                 ln->sink->buffer_bytes(0) >> 20, h.transport, ln->direct || ln->in_place ? ", written in place" : "");
       reply_ok(std::move(reply.handles), reply.mode, std::move(reply.convert));
       return receiver_event::hello;
     } catch (const error& e) {
@@ -702,7 +705,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     if (b.subset) {
       if (const auto why = no_base_for(b)) {
         ln->tracker->reset();
-        REFIT_INFO("refused BEGIN of {} version {} from {}: {}", b.base ? "delta" : "subset", b.version, ln->peer, *why);
+        REFIT_INFO("refused BEGIN of {} version {} from {}: {}", b.base ? "delta" : "subset", b.version, ln->peer,
+                   *why);
         reply_error(errc::needs_whole, *why);
         return receiver_event::refused;
       }
@@ -738,8 +742,10 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       const std::string message = fmt::format(
           "BEGIN of {}version {} from {}, while {}version {} is in progress: every streamer of a group sends the "
           "same versions, whole or subset alike; this one is refused (the group's version goes on)",
-          b.base ? "delta " : b.subset ? "subset " : "", b.version, who(*ln), refit_subset ? "subset " : "",
-          *group_version);
+          b.base     ? "delta "
+          : b.subset ? "subset "
+                     : "",
+          b.version, who(*ln), refit_subset ? "subset " : "", *group_version);
       REFIT_WARN("{}", message);
       reply_error(errc::protocol, message);
       return receiver_event::refused;
@@ -945,7 +951,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       }
       if (e.bytes == 0 || check_only) continue;
       const slot& only = slots->front();
-      if (segments != nullptr && slots->size() == 1 && plan::is_plain(only.dest) && only.dest.dev == ln->sink->where()) {
+      if (segments != nullptr && slots->size() == 1 && plan::is_plain(only.dest) &&
+          only.dest.dev == ln->sink->where()) {
         segments->push_back(transport::segment{static_cast<std::byte*>(only.dest.data) + e.tensor_offset, 0, e.bytes});
         continue;
       }
@@ -1005,7 +1012,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       for (const wire::entry& e : b.entries) {
         metas.push_back(tensor_meta{e.name, e.type, e.shape});
         const std::uint64_t total = *checked_nbytes(e.type, e.shape);  // validated by wire::decode
-        views.push_back(tensor_view{nullptr, base + e.buffer_offset, e.tensor_offset, e.bytes, total, ln->sink->where()});
+        views.push_back(
+            tensor_view{nullptr, base + e.buffer_offset, e.tensor_offset, e.bytes, total, ln->sink->where()});
       }
       for (std::size_t i = 0; i < views.size(); ++i) views[i].meta = &metas[i];
       try {
@@ -1272,9 +1280,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       reply_ok();
       return receiver_event::refused;
     }
-    abort_refit(fmt::format("the streamer {} aborted version {} ({}): {}", who(*ln), a.version, to_string(a.code),
-                            a.reason),
-                grouped() ? errc::peer : errc::apply);
+    abort_refit(
+        fmt::format("the streamer {} aborted version {} ({}): {}", who(*ln), a.version, to_string(a.code), a.reason),
+        grouped() ? errc::peer : errc::apply);
     reply_ok();
     return receiver_event::aborted;
   }
@@ -1370,18 +1378,19 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       clock::time_point deadline{};
       for (lane& l : lanes) {
         if (l.held) continue;
-        const auto due = (l.refit_active() ? l.last_message : std::max(l.last_message, refit_start)) +
-                         options.idle_timeout;
+        const auto due =
+            (l.refit_active() ? l.last_message : std::max(l.last_message, refit_start)) + options.idle_timeout;
         if (late == nullptr || due < deadline) late = &l, deadline = due;
       }
       if (late != nullptr && now >= deadline) {
         ln = late;
-        abort_refit(late->refit_active()
-                        ? fmt::format("no message from the streamer {} for {} ms during version {}", who(*late),
-                                      options.idle_timeout.count(), *group_version)
-                        : fmt::format("the streamer {} did not begin version {} within {} ms of the group's first BEGIN",
-                                      who(*late), *group_version, options.idle_timeout.count()),
-                    errc::timeout);
+        abort_refit(
+            late->refit_active()
+                ? fmt::format("no message from the streamer {} for {} ms during version {}", who(*late),
+                              options.idle_timeout.count(), *group_version)
+                : fmt::format("the streamer {} did not begin version {} within {} ms of the group's first BEGIN",
+                              who(*late), *group_version, options.idle_timeout.count()),
+            errc::timeout);
         return receiver_event::aborted;
       }
       if (late != nullptr) wait = std::min(wait, std::chrono::ceil<milliseconds>(deadline - now));

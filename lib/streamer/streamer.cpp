@@ -1018,8 +1018,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   ///
   /// With `part`, `t` is the whole tensor (its data shifted to where the whole would start) and only
   /// the shard's elements are sent (casts only: a quantisation needs the whole tensor).
-  void send_converted(batch_writer& w, planner& pl, const tensor_ref& t, const wire::conversion& c,
-                      refit_stats& stats, const shard_place* part = nullptr) {
+  void send_converted(batch_writer& w, planner& pl, const tensor_ref& t, const wire::conversion& c, refit_stats& stats,
+                      const shard_place* part = nullptr) {
     tensor_ref sent = t;
     sent.meta.type = c.type;
     if (part != nullptr && c.q != quant::none)
