@@ -2,9 +2,10 @@
 //
 // A diff is two passes over the span so that the patch keeps the CPU format (lib/delta/patch.hpp:
 // indices strictly increasing, then values): pass 1 counts the changed elements of each chunk of
-// chunk_elements, the host turns the counts into each chunk's first output slot (and learns the
-// patch's size, so that it can place it before it is written), pass 2 writes each chunk's changes
-// at its slot, in order, with a scan over the block's threads. Both passes read base and next once
+// chunk_elements and scans the counts of each span into each chunk's first output slot, for a
+// whole group of spans at once (the host then reads the spans' totals with one copy, so that it can
+// place every patch before it is written), pass 2 writes each chunk's changes at its slot, in
+// order, with a scan over the block's threads. Both passes read base and next once
 // with every thread on per_thread consecutive elements; the checksum terms are summed per block and
 // added once per block.
 #include <cstdint>
@@ -72,17 +73,69 @@ __device__ T block_sum(T v, T* shared) {
   return total;
 }
 
-__global__ void count_kernel(const void* base, const void* next, std::uint64_t elements, int item,
-                             std::uint32_t* counts) {
+/// Inclusive scan of `v` over the block's threads (Hillis-Steele in `scan`); every thread gets its
+/// own prefix, and scan[threads - 1] holds the block's total until the next call.
+__device__ std::uint32_t block_scan(std::uint32_t v, std::uint32_t* scan) {
+  scan[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = 1; s < threads; s <<= 1) {
+    const std::uint32_t add = threadIdx.x >= s ? scan[threadIdx.x - s] : 0;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  return scan[threadIdx.x];
+}
+
+/// The span of a group that chunk `chunk` belongs to: the last one whose first chunk is at or before
+/// it (a span of no chunks shares its first chunk with the next, which is the one found).
+__device__ std::uint64_t find_span(const span_desc* spans, std::uint64_t n, std::uint64_t chunk) {
+  std::uint64_t lo = 0, hi = n;  // spans[lo].first_chunk <= chunk < spans[hi].first_chunk (hi = n: past the end)
+  while (hi - lo > 1) {
+    const std::uint64_t mid = lo + (hi - lo) / 2;
+    if (spans[mid].first_chunk <= chunk)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/// One block per chunk of the group: counts[chunk] = its changed elements.
+__global__ void count_kernel(const span_desc* spans, std::uint64_t n, std::uint32_t* counts) {
   __shared__ std::uint32_t shared[threads];
-  const std::uint64_t first = blockIdx.x * chunk_elements + threadIdx.x * per_thread;
+  __shared__ std::uint64_t which;
+  const std::uint64_t chunk = blockIdx.x;
+  if (threadIdx.x == 0) which = find_span(spans, n, chunk);
+  __syncthreads();
+  const span_desc s = spans[which];
+  const int item = static_cast<int>(s.item);
+  const std::uint64_t first = (chunk - s.first_chunk) * chunk_elements + threadIdx.x * per_thread;
   std::uint32_t c = 0;
   for (int k = 0; k < per_thread; ++k) {
     const std::uint64_t i = first + k;
-    if (i < elements && load(base, i, item) != load(next, i, item)) ++c;
+    if (i < s.elements && load(s.base, i, item) != load(s.next, i, item)) ++c;
   }
   const std::uint32_t total = block_sum(c, shared);
-  if (threadIdx.x == 0) counts[blockIdx.x] = total;
+  if (threadIdx.x == 0) counts[chunk] = total;
+}
+
+/// One block per span: firsts = the exclusive prefix sum of the span's chunk counts, tile by tile
+/// of `threads` chunks; totals[span] = their sum.
+__global__ void scan_kernel(const span_desc* spans, const std::uint32_t* counts, std::uint32_t* firsts,
+                            unsigned long long* totals) {
+  __shared__ std::uint32_t scan[threads];
+  const span_desc s = spans[blockIdx.x];
+  std::uint64_t carry = 0;
+  for (std::uint64_t tile = 0; tile < s.chunks; tile += threads) {
+    const std::uint64_t b = tile + threadIdx.x;
+    const std::uint32_t c = b < s.chunks ? counts[s.first_chunk + b] : 0;
+    const std::uint32_t inclusive = block_scan(c, scan);
+    if (b < s.chunks) firsts[s.first_chunk + b] = static_cast<std::uint32_t>(carry + inclusive - c);
+    carry += scan[threads - 1];
+    __syncthreads();  // every thread has read the tile's total before the next tile's scan writes
+  }
+  if (threadIdx.x == 0) totals[blockIdx.x] = carry;
 }
 
 __global__ void write_kernel(void* base, const void* next, std::uint64_t elements, int item,
@@ -96,16 +149,8 @@ __global__ void write_kernel(void* base, const void* next, std::uint64_t element
     const std::uint64_t i = first + k;
     if (i < elements && load(base, i, item) != load(next, i, item)) ++c;
   }
-  // Inclusive scan of the threads' counts (Hillis-Steele), then this thread's first slot.
-  scan[threadIdx.x] = c;
-  __syncthreads();
-  for (int s = 1; s < threads; s <<= 1) {
-    const std::uint32_t add = threadIdx.x >= s ? scan[threadIdx.x - s] : 0;
-    __syncthreads();
-    scan[threadIdx.x] += add;
-    __syncthreads();
-  }
-  std::uint64_t slot = firsts[blockIdx.x] + scan[threadIdx.x] - c;
+  // This thread's first slot: the chunk's, then the threads' before it.
+  std::uint64_t slot = firsts[blockIdx.x] + block_scan(c, scan) - c;
   std::uint64_t t = 0;
   for (int k = 0; k < per_thread; ++k) {
     const std::uint64_t i = first + k;
@@ -173,10 +218,15 @@ unsigned int grid_for(std::uint64_t n) {
 
 }  // namespace
 
-cudaError_t launch_count(const void* base, const void* next, std::uint64_t elements, int item, std::uint32_t* counts,
-                         std::uint64_t chunks, cudaStream_t stream) {
-  if (chunks == 0) return cudaSuccess;
-  count_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(base, next, elements, item, counts);
+cudaError_t launch_count(const span_desc* spans, std::uint64_t n, std::uint64_t chunks, std::uint32_t* counts,
+                         std::uint32_t* firsts, unsigned long long* totals, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (chunks > 0x7fffffffu || n > 0x7fffffffu) return cudaErrorInvalidConfiguration;  // grid.x at most 2^31 - 1
+  if (chunks != 0) {
+    count_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(spans, n, counts);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  scan_kernel<<<static_cast<unsigned int>(n), threads, 0, stream>>>(spans, counts, firsts, totals);
   return cudaGetLastError();
 }
 

@@ -14,10 +14,27 @@ inline constexpr int threads = 256;
 inline constexpr int per_thread = 8;
 inline constexpr std::uint64_t chunk_elements = threads * per_thread;
 
-/// Pass 1 of a diff: counts[b] = elements of chunk b (of `elements` elements of `item` bytes) where
-/// base and next differ.
-cudaError_t launch_count(const void* base, const void* next, std::uint64_t elements, int item, std::uint32_t* counts,
-                         std::uint64_t chunks, cudaStream_t stream);
+/// One span of a group diffed together (see launch_count): where its elements are, and where its
+/// chunks sit in the group's per-chunk arrays.
+struct span_desc {
+  void* base = nullptr;           ///< the base's bytes of the span
+  const void* next = nullptr;     ///< the new bytes of the span
+  std::uint64_t elements = 0;     ///< elements of the span
+  std::uint64_t first_chunk = 0;  ///< the group's index of the span's first chunk
+  std::uint64_t chunks = 0;       ///< ceil(elements / chunk_elements)
+  std::uint64_t off = 0;          ///< tensor byte of the span's first byte (for the checksum terms)
+  std::uint64_t total = 0;        ///< bytes of the span's tensor (for the checksum terms)
+  std::uint32_t item = 1;         ///< bytes of an element: 1, 2, 4 or 8
+  std::uint32_t reserved = 0;
+};
+
+/// Pass 1 of a diff over a group of `n` spans (`spans`: device memory, ordered by first_chunk, the
+/// first at chunk 0, `chunks` chunks in all): counts[b] = elements of the group's chunk b where base
+/// and next differ (one block per chunk, each finding its span); then, per span, firsts[b] = the
+/// exclusive prefix sum of counts over the span's chunks (each chunk's first slot in the span's
+/// patch) and totals[s] = the span's changed elements (one block per span). Two launches.
+cudaError_t launch_count(const span_desc* spans, std::uint64_t n, std::uint64_t chunks, std::uint32_t* counts,
+                         std::uint32_t* firsts, unsigned long long* totals, cudaStream_t stream);
 
 /// Pass 2: writes each chunk's changes in order from firsts[b] (the exclusive prefix sum of counts):
 /// indices (u32) at `indices`, values at `values`; copies them into base; adds the new minus old
