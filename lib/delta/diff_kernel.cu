@@ -120,18 +120,34 @@ __global__ void count_kernel(const span_desc* spans, std::uint64_t n, std::uint3
   if (threadIdx.x == 0) counts[chunk] = total;
 }
 
+/// Chunks each thread of scan_kernel sums in turn: a tile of threads * scan_per_thread chunks covers
+/// a span of 16 MiB of bf16 (delta::span_bytes' largest) in one block-wide scan.
+constexpr int scan_per_thread = 16;
+
 /// One block per span: firsts = the exclusive prefix sum of the span's chunk counts, tile by tile
-/// of `threads` chunks; totals[span] = their sum.
+/// (each thread sums scan_per_thread consecutive chunks, the block scans the threads' sums);
+/// totals[span] = their sum. A thread's sum is at most scan_per_thread * chunk_elements, a tile's at
+/// most 2^23: 32 bits hold both.
 __global__ void scan_kernel(const span_desc* spans, const std::uint32_t* counts, std::uint32_t* firsts,
                             unsigned long long* totals) {
   __shared__ std::uint32_t scan[threads];
   const span_desc s = spans[blockIdx.x];
+  const std::uint32_t* in = counts + s.first_chunk;
+  std::uint32_t* out = firsts + s.first_chunk;
   std::uint64_t carry = 0;
-  for (std::uint64_t tile = 0; tile < s.chunks; tile += threads) {
-    const std::uint64_t b = tile + threadIdx.x;
-    const std::uint32_t c = b < s.chunks ? counts[s.first_chunk + b] : 0;
-    const std::uint32_t inclusive = block_scan(c, scan);
-    if (b < s.chunks) firsts[s.first_chunk + b] = static_cast<std::uint32_t>(carry + inclusive - c);
+  for (std::uint64_t tile = 0; tile < s.chunks; tile += threads * scan_per_thread) {
+    const std::uint64_t first = tile + threadIdx.x * static_cast<std::uint64_t>(scan_per_thread);
+    std::uint32_t mine[scan_per_thread];
+    std::uint32_t sum = 0;
+    for (int k = 0; k < scan_per_thread; ++k) {
+      mine[k] = first + k < s.chunks ? in[first + k] : 0;
+      sum += mine[k];
+    }
+    std::uint64_t at = carry + block_scan(sum, scan) - sum;
+    for (int k = 0; k < scan_per_thread && first + k < s.chunks; ++k) {
+      out[first + k] = static_cast<std::uint32_t>(at);
+      at += mine[k];
+    }
     carry += scan[threads - 1];
     __syncthreads();  // every thread has read the tile's total before the next tile's scan writes
   }

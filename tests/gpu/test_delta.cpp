@@ -317,12 +317,12 @@ TEST_CASE("one batched device diff of a group of tensors makes the CPU's patches
         {4, 200000, 0.02, true},  // spans of 2 %, none and all
         {2, 2048 * 3, 0.3},       // whole chunks
         {1, 777, 0.02, true},
-        {1, (16u << 20) + 4097, 0.01},  // a largest span of 8192 chunks (32 tiles of the scan), and a short one
+        {1, (16u << 20) + 4097, 0.01},  // a largest span of 8192 chunks (two tiles of the scan), and a short one
     };
     refit::delta::cuda::workspace ws(0);
     refit::cuda::stream stream(cudaStreamNonBlocking);
     // Small spans (one chunk or less each, thousands per group, a search per block), spans of
-    // hundreds of chunks (scans over several tiles), and the streamer's largest spans.
+    // hundreds of chunks, and the streamer's largest spans (the scan over more than one tile).
     for (const std::uint64_t span : {256ull, 4096ull, 1ull << 20, 16ull << 20}) {
       std::vector<group_tensor> tensors;
       for (const group_spec& g : specs) {
