@@ -35,6 +35,9 @@ struct workspace::impl {
   refit::cuda::pinned_buffer host_totals;  ///< read back here
   /// A count() threw between its upload and its wait: the upload from host_spans may be in flight.
   bool in_flight = false;
+  /// Writes queued by write(), not launched yet, and their stream.
+  kernel::write_list pending;
+  cudaStream_t pending_stream = nullptr;
 };
 
 workspace::workspace(int device) : device_(device) {
@@ -56,11 +59,17 @@ unsigned long long* workspace::terms() noexcept { return static_cast<unsigned lo
 
 std::uint64_t workspace::take_terms(void* stream) {
   device_guard guard(device_);
+  launch_writes(*this);
   unsigned long long t = 0;
   check_cuda(cudaMemcpyAsync(&t, terms(), sizeof t, cudaMemcpyDeviceToHost, as_stream(stream)), "delta: reading terms");
   check_cuda(cudaMemsetAsync(terms(), 0, sizeof t, as_stream(stream)), "delta: zeroing terms");
   check_cuda(cudaStreamSynchronize(as_stream(stream)), "delta: cudaStreamSynchronize");
   return t;
+}
+
+void workspace::discard_writes() noexcept {
+  impl_->pending.n = 0;
+  impl_->pending.first_block[0] = 0;
 }
 
 void* workspace::scratch(int slot, std::uint64_t bytes) {
@@ -155,6 +164,7 @@ void count_group(workspace& ws, std::uint64_t chunks, cudaStream_t stream) {
 
 void count(std::span<const diff_tensor> tensors, std::uint64_t span, workspace& ws, void* stream) {
   device_guard guard(ws.device());
+  launch_writes(ws);  // the last group's: they read the slots this count overwrites
   workspace::impl& st = ws.state();
   st.spans.clear();
   st.first_span.clear();
@@ -169,24 +179,38 @@ void count(std::span<const diff_tensor> tensors, std::uint64_t span, workspace& 
 }
 
 void write(std::size_t i, std::size_t k, std::byte* out, std::uint64_t weight, workspace& ws, void* stream) {
-  device_guard guard(ws.device());
-  const workspace::impl& st = ws.state();
+  workspace::impl& st = ws.state();
   const std::uint64_t n = ws.changes(i).size();
   if (k >= n) throw error(errc::internal, fmt::format("delta: span {} of tensor {}, which has {}", k, i, n));
   const std::size_t s = st.first_span[i] + k;
   const kernel::span_desc& d = st.spans[s];
   if (d.chunks == 0) return;
-  const auto* firsts = static_cast<const std::uint32_t*>(st.firsts.handle()) + d.first_chunk;
+  kernel::write_list& l = st.pending;
+  if (l.n == kernel::max_writes || (l.n != 0 && st.pending_stream != as_stream(stream))) launch_writes(ws);
+  kernel::write_desc& w = l.w[l.n];
+  w.base = d.base;
+  w.next = d.next;
+  w.elements = d.elements;
+  w.firsts = static_cast<const std::uint32_t*>(st.firsts.handle()) + d.first_chunk;
   // The patch's values follow its indices: its size is the span's count, which the caller placed.
-  std::uint32_t* indices = nullptr;
-  std::byte* values = nullptr;
-  if (out != nullptr) {
-    indices = reinterpret_cast<std::uint32_t*>(out);
-    values = out + 4 * st.changes[s];
-  }
-  check_cuda(kernel::launch_write(d.base, d.next, d.elements, static_cast<int>(d.item), firsts, d.chunks, indices,
-                                  values, d.off, d.total, weight, ws.terms(), as_stream(stream)),
-             "delta write kernel launch");
+  w.indices = out != nullptr ? reinterpret_cast<std::uint32_t*>(out) : nullptr;
+  w.values = out != nullptr ? out + 4 * st.changes[s] : nullptr;
+  w.off = d.off;
+  w.total = d.total;
+  w.weight = weight;
+  w.item = d.item;
+  l.first_block[l.n + 1] = l.first_block[l.n] + d.chunks;
+  l.n += 1;
+  st.pending_stream = as_stream(stream);
+}
+
+void launch_writes(workspace& ws) {
+  kernel::write_list& l = ws.state().pending;
+  if (l.n == 0) return;
+  device_guard guard(ws.device());
+  const cudaError_t status = kernel::launch_writes(l, ws.terms(), ws.state().pending_stream);
+  ws.discard_writes();
+  check_cuda(status, "delta write kernel launch");
 }
 
 void check(std::span<const patch_ref> patches, workspace& ws, void* stream) {

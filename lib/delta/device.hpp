@@ -25,8 +25,12 @@ class workspace {
   workspace& operator=(const workspace&) = delete;
 
   [[nodiscard]] int device() const noexcept { return device_; }
-  /// Waits for `stream` and returns the terms summed since the last take (then zero).
+  /// Launches the writes still queued (write()), waits for `stream` and returns the terms summed
+  /// since the last take (then zero).
   std::uint64_t take_terms(void* stream);
+  /// Drops the writes queued and not launched (a failed refit's: their buffer may be another
+  /// batch's by now).
+  void discard_writes() noexcept;
   /// The accumulator, device memory.
   [[nodiscard]] unsigned long long* terms() noexcept;
   /// Device memory of at least `bytes`, kept until the next call with `slot`.
@@ -63,9 +67,14 @@ void count(std::span<const diff_tensor> tensors, std::uint64_t span, workspace& 
 
 /// Pass 2 for span k of tensor i of the last count(): brings the base up to date, writes the span's
 /// patch to `out` (device memory, workspace::changes(i)[k] records; null: only the base), and adds
-/// `weight` times its checksum terms to the workspace's accumulator. Enqueued on `stream`, which
-/// must be count()'s stream or ordered after it.
+/// `weight` times its checksum terms to the workspace's accumulator. Queued in the workspace and
+/// launched with the others (up to kernel::max_writes spans a launch) by launch_writes(), the next
+/// count() or take_terms(), on `stream`, which must be count()'s: whoever hands `out` on must call
+/// launch_writes() first.
 void write(std::size_t i, std::size_t k, std::byte* out, std::uint64_t weight, workspace& ws, void* stream);
+
+/// Enqueues the writes queued by write() on their stream. Throws refit::error(cuda).
+void launch_writes(workspace& ws);
 
 /// A patch in device memory, as a receiver checks it.
 struct patch_ref {

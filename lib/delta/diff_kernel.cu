@@ -154,35 +154,45 @@ __global__ void scan_kernel(const span_desc* spans, const std::uint32_t* counts,
   if (threadIdx.x == 0) totals[blockIdx.x] = carry;
 }
 
-__global__ void write_kernel(void* base, const void* next, std::uint64_t elements, int item,
-                             const std::uint32_t* firsts, std::uint32_t* indices, void* values, std::uint64_t off,
-                             std::uint64_t total, std::uint64_t weight, unsigned long long* terms) {
+/// One block per chunk of the spans of `list` (each block finds its span among the launch's few).
+__global__ void write_kernel(const __grid_constant__ write_list list, unsigned long long* terms) {
   __shared__ std::uint32_t scan[threads];
   __shared__ unsigned long long sums[threads];
-  const std::uint64_t first = blockIdx.x * chunk_elements + threadIdx.x * per_thread;
+  std::uint64_t lo = 0, hi = list.n;  // the last span whose first block is at or before this one
+  while (hi - lo > 1) {
+    const std::uint64_t mid = lo + (hi - lo) / 2;
+    if (list.first_block[mid] <= blockIdx.x)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  const write_desc& d = list.w[lo];
+  const int item = static_cast<int>(d.item);
+  const std::uint64_t chunk = blockIdx.x - list.first_block[lo];
+  const std::uint64_t first = chunk * chunk_elements + threadIdx.x * per_thread;
   std::uint32_t c = 0;
   for (int k = 0; k < per_thread; ++k) {
     const std::uint64_t i = first + k;
-    if (i < elements && load(base, i, item) != load(next, i, item)) ++c;
+    if (i < d.elements && load(d.base, i, item) != load(d.next, i, item)) ++c;
   }
   // This thread's first slot: the chunk's, then the threads' before it.
-  std::uint64_t slot = firsts[blockIdx.x] + block_scan(c, scan) - c;
+  std::uint64_t slot = d.firsts[chunk] + block_scan(c, scan) - c;
   std::uint64_t t = 0;
   for (int k = 0; k < per_thread; ++k) {
     const std::uint64_t i = first + k;
-    if (i >= elements) break;
-    const std::uint64_t o = load(base, i, item);
-    const std::uint64_t n = load(next, i, item);
+    if (i >= d.elements) break;
+    const std::uint64_t o = load(d.base, i, item);
+    const std::uint64_t n = load(d.next, i, item);
     if (o == n) continue;
-    t += element_term(n, off + i * item, item, total) - element_term(o, off + i * item, item, total);
-    store(base, i, item, n);
-    if (indices != nullptr) {
-      indices[slot] = static_cast<std::uint32_t>(i);
-      store_unaligned(values, slot, item, n);
+    t += element_term(n, d.off + i * item, item, d.total) - element_term(o, d.off + i * item, item, d.total);
+    store(d.base, i, item, n);
+    if (d.indices != nullptr) {
+      d.indices[slot] = static_cast<std::uint32_t>(i);
+      store_unaligned(d.values, slot, item, n);
     }
     ++slot;
   }
-  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t * weight), sums);
+  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t * d.weight), sums);
   if (threadIdx.x == 0 && sum != 0) atomicAdd(terms, sum);
 }
 
@@ -246,12 +256,11 @@ cudaError_t launch_count(const span_desc* spans, std::uint64_t n, std::uint64_t 
   return cudaGetLastError();
 }
 
-cudaError_t launch_write(void* base, const void* next, std::uint64_t elements, int item, const std::uint32_t* firsts,
-                         std::uint64_t chunks, std::uint32_t* indices, void* values, std::uint64_t off,
-                         std::uint64_t total, std::uint64_t weight, unsigned long long* terms, cudaStream_t stream) {
-  if (chunks == 0) return cudaSuccess;
-  write_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(base, next, elements, item, firsts, indices,
-                                                                          values, off, total, weight, terms);
+cudaError_t launch_writes(const write_list& list, unsigned long long* terms, cudaStream_t stream) {
+  const std::uint64_t blocks = list.first_block[list.n];
+  if (list.n == 0 || blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffffu) return cudaErrorInvalidConfiguration;
+  write_kernel<<<static_cast<unsigned int>(blocks), threads, 0, stream>>>(list, terms);
   return cudaGetLastError();
 }
 

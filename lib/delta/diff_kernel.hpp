@@ -36,13 +36,40 @@ struct span_desc {
 cudaError_t launch_count(const span_desc* spans, std::uint64_t n, std::uint64_t chunks, std::uint32_t* counts,
                          std::uint32_t* firsts, unsigned long long* totals, cudaStream_t stream);
 
-/// Pass 2: writes each chunk's changes in order from firsts[b] (the exclusive prefix sum of counts):
-/// indices (u32) at `indices`, values at `values`; copies them into base; adds the new minus old
-/// checksum terms of the span (at tensor byte `off` of a tensor of `total` bytes), times `weight`, to
-/// *terms. `indices` and `values` may be null (only the base and the terms).
-cudaError_t launch_write(void* base, const void* next, std::uint64_t elements, int item, const std::uint32_t* firsts,
-                         std::uint64_t chunks, std::uint32_t* indices, void* values, std::uint64_t off,
-                         std::uint64_t total, std::uint64_t weight, unsigned long long* terms, cudaStream_t stream);
+/// Pass 2 of one span: writes each chunk's changes in order from firsts[b] (the span's slots, see
+/// launch_count): indices (u32) at `indices`, values at `values`; copies them into base; adds the
+/// new minus old checksum terms of the span, times `weight`, to the accumulator. `indices` and
+/// `values` may be null (only the base and the terms).
+struct write_desc {
+  void* base = nullptr;
+  const void* next = nullptr;
+  std::uint64_t elements = 0;
+  const std::uint32_t* firsts = nullptr;  ///< the slot of the span's chunk 0
+  std::uint32_t* indices = nullptr;
+  void* values = nullptr;
+  std::uint64_t off = 0;    ///< tensor byte of the span's first byte
+  std::uint64_t total = 0;  ///< bytes of the span's tensor
+  std::uint64_t weight = 1;
+  std::uint32_t item = 1;
+  std::uint32_t reserved = 0;
+};
+
+/// Spans one launch of pass 2 writes at most: the list is a kernel parameter (no copy), and stays
+/// under the 4 KiB a kernel's parameters may always take.
+inline constexpr int max_writes = 32;
+
+/// The spans of one launch of pass 2, and the prefix sum of their chunks (first_block[k]: the
+/// launch's block of span k's chunk 0; first_block[n]: the blocks in all).
+struct write_list {
+  std::uint64_t n = 0;
+  std::uint64_t first_block[max_writes + 1] = {};
+  write_desc w[max_writes];
+};
+
+static_assert(sizeof(write_list) <= 4096, "a write_list must fit a kernel's parameters");
+
+/// Pass 2 of the spans of `list`, one block per chunk, adding the terms to *terms.
+cudaError_t launch_writes(const write_list& list, unsigned long long* terms, cudaStream_t stream);
 
 /// Checks a patch of `n` records: indices strictly increasing and below `elements`; sets *bad to 1
 /// otherwise.

@@ -593,6 +593,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       auto tp = clock::now();
       if (!direct) st.buffers->begin_pack(buffer);
       run_ops();
+#if REFIT_HAVE_CUDA
+      // A delta's patches written on the device (send_device_group) are queued until here.
+      if (st.device_delta) delta::cuda::launch_writes(*st.device_delta);
+#endif
       if (!direct) {
         if (by_entry) st.buffers->entries(buffer, segments);
         st.buffers->end_pack(buffer);
@@ -892,9 +896,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// send_delta() for the queued tensors in device memory (cuda_ipc staged buffers): the diff runs
   /// on the pack stream (lib/delta/diff_kernel.cu). The changes of every span of the group are
   /// counted on the device and read back with one wait (the host places the patches), then each
-  /// patch is written straight into the staging buffer, after the buffer is free (begin_pack). The
-  /// checksum terms add up on the device: send_tensors() reads them before END. The batches are
-  /// those the tensors would make one by one.
+  /// patch is written straight into the staging buffer, after the buffer is free (begin_pack): the
+  /// writes are queued in the workspace and launched up to kernel::max_writes spans at a time, at
+  /// the latest when the batch is flushed. The checksum terms add up on the device: send_tensors()
+  /// reads them before END. The batches are those the tensors would make one by one.
   void send_device_group(batch_writer& w, planner& pl, delta_scratch& sc) {
     if (sc.group.empty()) return;
     const auto td = clock::now();
@@ -1126,6 +1131,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 #if REFIT_HAVE_CUDA
     scratch.group.clear();  // a failed refit's
     scratch.group_bytes = 0;
+    if (device_delta) device_delta->discard_writes();
     if (how == sending::delta && device_delta) (void)device_delta->take_terms(buffers->stream());  // a failed refit's
 #endif
     std::unordered_set<std::string> names;
