@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <vector>
 
 #include "copy/cuda_check.hpp"
@@ -20,8 +21,23 @@ cudaStream_t as_stream(void* s) noexcept { return static_cast<cudaStream_t>(s); 
 struct workspace::impl {
   refit::cuda::device_buffer terms{sizeof(unsigned long long)};
   std::array<refit::cuda::device_buffer, 4> slots;
-  std::vector<std::uint64_t> first_chunk;  ///< per span of the last count(): its first chunk's slot index
-  std::vector<std::uint64_t> changes;      ///< per span of the last count(): its changed elements
+  // The last count()'s group: its spans (host copy for write()), each tensor's first span (and one
+  // past the last), each span's changed elements.
+  std::vector<kernel::span_desc> spans;
+  std::vector<std::size_t> first_span;
+  std::vector<std::uint64_t> changes;
+  // Grown, never shrunk (see grow()).
+  refit::cuda::pinned_buffer host_spans;  ///< the span list, uploaded from here
+  refit::cuda::device_buffer device_spans;
+  refit::cuda::device_buffer counts;       ///< u32 per chunk of the group
+  refit::cuda::device_buffer firsts;       ///< u32 per chunk: its first slot in its span's patch
+  refit::cuda::device_buffer totals;       ///< u64 per span: its changed elements
+  refit::cuda::pinned_buffer host_totals;  ///< read back here
+  /// A count() threw between its upload and its wait: the upload from host_spans may be in flight.
+  bool in_flight = false;
+  /// Writes queued by write(), not launched yet, and their stream.
+  kernel::write_list pending;
+  cudaStream_t pending_stream = nullptr;
 };
 
 workspace::workspace(int device) : device_(device) {
@@ -43,11 +59,17 @@ unsigned long long* workspace::terms() noexcept { return static_cast<unsigned lo
 
 std::uint64_t workspace::take_terms(void* stream) {
   device_guard guard(device_);
+  launch_writes(*this);
   unsigned long long t = 0;
   check_cuda(cudaMemcpyAsync(&t, terms(), sizeof t, cudaMemcpyDeviceToHost, as_stream(stream)), "delta: reading terms");
   check_cuda(cudaMemsetAsync(terms(), 0, sizeof t, as_stream(stream)), "delta: zeroing terms");
   check_cuda(cudaStreamSynchronize(as_stream(stream)), "delta: cudaStreamSynchronize");
   return t;
+}
+
+void workspace::discard_writes() noexcept {
+  impl_->pending.n = 0;
+  impl_->pending.first_block[0] = 0;
 }
 
 void* workspace::scratch(int slot, std::uint64_t bytes) {
@@ -59,67 +81,136 @@ void* workspace::scratch(int slot, std::uint64_t bytes) {
   return b.handle();
 }
 
-std::vector<std::uint64_t> count(const std::byte* base, const std::byte* next, std::uint64_t total, std::uint64_t span,
-                                 std::size_t item, workspace& ws, void* stream) {
-  device_guard guard(ws.device());
-  std::vector<std::uint64_t> changes;
-  std::vector<std::uint64_t> first_chunk;
-  std::uint64_t chunks = 0;
-  for (std::uint64_t off = 0; off < total; off += span) {
-    first_chunk.push_back(chunks);
-    chunks += (std::min(span, total - off) / item + kernel::chunk_elements - 1) / kernel::chunk_elements;
-  }
-  auto* counts = static_cast<std::uint32_t*>(ws.scratch(0, (chunks + 1) * 4));
-  for (std::uint64_t k = 0, off = 0; off < total; off += span, ++k) {
-    const std::uint64_t elements = std::min(span, total - off) / item;
-    const std::uint64_t n = (k + 1 < first_chunk.size() ? first_chunk[k + 1] : chunks) - first_chunk[k];
-    check_cuda(kernel::launch_count(base + off, next + off, elements, static_cast<int>(item), counts + first_chunk[k],
-                                    n, as_stream(stream)),
-               "delta count kernel launch");
-  }
-  std::vector<std::uint32_t> host(chunks);
-  if (chunks != 0)
-    check_cuda(cudaMemcpyAsync(host.data(), counts, chunks * 4, cudaMemcpyDeviceToHost, as_stream(stream)),
-               "delta: reading the counts");
-  check_cuda(cudaStreamSynchronize(as_stream(stream)), "delta: cudaStreamSynchronize");
-  // Each chunk's first slot, counted from its span's start.
-  for (std::size_t k = 0; k < first_chunk.size(); ++k) {
-    const std::uint64_t end = k + 1 < first_chunk.size() ? first_chunk[k + 1] : chunks;
-    std::uint64_t sum = 0;
-    for (std::uint64_t b = first_chunk[k]; b < end; ++b) {
-      const std::uint32_t c = host[b];
-      host[b] = static_cast<std::uint32_t>(sum);
-      sum += c;
-    }
-    changes.push_back(sum);
-  }
-  auto* firsts = static_cast<std::uint32_t*>(ws.scratch(1, (chunks + 1) * 4));
-  if (chunks != 0)  // from pageable memory: copied before the call returns
-    check_cuda(cudaMemcpy(firsts, host.data(), chunks * 4, cudaMemcpyHostToDevice), "delta: writing the slots");
-  ws.state().first_chunk = std::move(first_chunk);
-  ws.state().changes = changes;
-  return changes;
+std::span<const std::uint64_t> workspace::changes(std::size_t i) const {
+  if (i + 1 >= impl_->first_span.size())
+    throw error(errc::internal, fmt::format("delta: changes of tensor {} of a group of {}", i,
+                                            impl_->first_span.empty() ? 0 : impl_->first_span.size() - 1));
+  return std::span<const std::uint64_t>(impl_->changes)
+      .subspan(impl_->first_span[i], impl_->first_span[i + 1] - impl_->first_span[i]);
 }
 
-void write(std::byte* base, const std::byte* next, std::uint64_t total, std::uint64_t span, std::size_t item,
-           std::size_t k, std::byte* out, std::uint64_t weight, workspace& ws, void* stream) {
-  device_guard guard(ws.device());
-  const auto& first_chunk = ws.state().first_chunk;
-  const std::uint64_t off = k * span;
-  const std::uint64_t elements = std::min(span, total - off) / item;
-  const std::uint64_t chunks = (elements + kernel::chunk_elements - 1) / kernel::chunk_elements;
-  const auto* firsts = static_cast<const std::uint32_t*>(ws.scratch(1, 0)) + first_chunk.at(k);
-  // The patch's values follow its indices: its size is the span's count, which the caller placed.
-  std::uint32_t* indices = nullptr;
-  std::byte* values = nullptr;
-  if (out != nullptr) {
-    const std::uint64_t n = ws.state().changes.at(k);
-    indices = reinterpret_cast<std::uint32_t*>(out);
-    values = out + 4 * n;
+namespace {
+
+/// Makes `b` hold at least `bytes` (twice what it held when it must grow, so that a growing group
+/// reallocates rarely). The memory it replaces may still be read by work queued on `stream` (the
+/// last group's writes read the slots): that work is waited for first.
+template <typename Buffer>
+void grow(Buffer& b, std::uint64_t bytes, cudaStream_t stream) {
+  if (b.bytes() >= bytes) return;
+  if (b) check_cuda(cudaStreamSynchronize(stream), "delta: cudaStreamSynchronize before growing the scratch");
+  b = Buffer(std::max<std::uint64_t>({bytes, 2 * b.bytes(), 256}));
+}
+
+/// Appends the spans of `span` bytes of `bytes` bytes at `base` and `next` (tensor byte `off` of a
+/// tensor of `total` bytes) to the group; returns its chunks after them.
+std::uint64_t add_spans(std::vector<kernel::span_desc>& spans, std::byte* base, const std::byte* next,
+                        std::uint64_t bytes, std::uint64_t span, std::size_t item, std::uint64_t off,
+                        std::uint64_t total, std::uint64_t chunks) {
+  for (std::uint64_t at = 0; at < bytes; at += span) {
+    const std::uint64_t elements = std::min(span, bytes - at) / item;
+    if (elements > 0xffffffffull)
+      throw error(
+          errc::invalid_argument,
+          fmt::format("delta: a span of {} elements: a patch indexes at most 2^32 - 1 (use smaller spans)", elements));
+    kernel::span_desc d;
+    d.base = base + at;
+    d.next = next + at;
+    d.elements = elements;
+    d.first_chunk = chunks;
+    d.chunks = (elements + kernel::chunk_elements - 1) / kernel::chunk_elements;
+    d.off = off + at;
+    d.total = total;
+    d.item = static_cast<std::uint32_t>(item);
+    spans.push_back(d);
+    chunks += d.chunks;
   }
-  check_cuda(kernel::launch_write(base + off, next + off, elements, static_cast<int>(item), firsts, chunks, indices,
-                                  values, off, total, weight, ws.terms(), as_stream(stream)),
-             "delta write kernel launch");
+  return chunks;
+}
+
+/// Pass 1 over the group in the workspace (its spans and first_span set): uploads the span list,
+/// counts and scans on the device, reads every span's total with one copy and one wait.
+void count_group(workspace& ws, std::uint64_t chunks, cudaStream_t stream) {
+  workspace::impl& st = ws.state();
+  const std::uint64_t n = st.spans.size();
+  st.changes.assign(n, 0);
+  if (n == 0) return;
+  if (st.in_flight) check_cuda(cudaStreamSynchronize(stream), "delta: cudaStreamSynchronize after a failed count");
+  st.in_flight = false;
+  const std::uint64_t list_bytes = n * sizeof(kernel::span_desc);
+  grow(st.host_spans, list_bytes, stream);
+  grow(st.device_spans, list_bytes, stream);
+  grow(st.counts, chunks * 4, stream);
+  grow(st.firsts, chunks * 4, stream);
+  grow(st.totals, n * 8, stream);
+  grow(st.host_totals, n * 8, stream);
+  // The last group's upload from host_spans finished before its count returned (its wait).
+  std::memcpy(st.host_spans.handle(), st.spans.data(), list_bytes);
+  st.in_flight = true;
+  auto* spans = static_cast<kernel::span_desc*>(st.device_spans.handle());
+  check_cuda(cudaMemcpyAsync(spans, st.host_spans.handle(), list_bytes, cudaMemcpyHostToDevice, stream),
+             "delta: uploading the span list");
+  auto* totals = static_cast<unsigned long long*>(st.totals.handle());
+  check_cuda(kernel::launch_count(spans, n, chunks, static_cast<std::uint32_t*>(st.counts.handle()),
+                                  static_cast<std::uint32_t*>(st.firsts.handle()), totals, stream),
+             "delta count kernel launch");
+  check_cuda(cudaMemcpyAsync(st.host_totals.handle(), totals, n * 8, cudaMemcpyDeviceToHost, stream),
+             "delta: reading the spans' counts");
+  check_cuda(cudaStreamSynchronize(stream), "delta: cudaStreamSynchronize");
+  st.in_flight = false;
+  std::memcpy(st.changes.data(), st.host_totals.handle(), n * 8);
+}
+
+}  // namespace
+
+void count(std::span<const diff_tensor> tensors, std::uint64_t span, workspace& ws, void* stream) {
+  device_guard guard(ws.device());
+  launch_writes(ws);  // the last group's: they read the slots this count overwrites
+  workspace::impl& st = ws.state();
+  st.spans.clear();
+  st.first_span.clear();
+  if (span == 0) throw error(errc::invalid_argument, "delta: spans of 0 bytes");
+  std::uint64_t chunks = 0;
+  for (const diff_tensor& t : tensors) {
+    st.first_span.push_back(st.spans.size());
+    chunks = add_spans(st.spans, t.base, t.next, t.total, span, t.item, 0, t.total, chunks);
+  }
+  st.first_span.push_back(st.spans.size());
+  count_group(ws, chunks, as_stream(stream));
+}
+
+void write(std::size_t i, std::size_t k, std::byte* out, std::uint64_t weight, workspace& ws, void* stream) {
+  workspace::impl& st = ws.state();
+  const std::uint64_t n = ws.changes(i).size();
+  if (k >= n) throw error(errc::internal, fmt::format("delta: span {} of tensor {}, which has {}", k, i, n));
+  const std::size_t s = st.first_span[i] + k;
+  const kernel::span_desc& d = st.spans[s];
+  if (d.chunks == 0) return;
+  kernel::write_list& l = st.pending;
+  if (l.n == kernel::max_writes || (l.n != 0 && st.pending_stream != as_stream(stream))) launch_writes(ws);
+  kernel::write_desc& w = l.w[l.n];
+  w.base = d.base;
+  w.next = d.next;
+  w.elements = d.elements;
+  w.firsts = static_cast<const std::uint32_t*>(st.firsts.handle()) + d.first_chunk;
+  // The patch's values follow its indices: its size is the span's count, which the caller placed.
+  w.indices = out != nullptr ? reinterpret_cast<std::uint32_t*>(out) : nullptr;
+  w.values = out != nullptr ? out + 4 * st.changes[s] : nullptr;
+  w.off = d.off;
+  w.total = d.total;
+  w.weight = weight;
+  w.item = d.item;
+  l.first_block[l.n + 1] = l.first_block[l.n] + d.chunks;
+  l.n += 1;
+  st.pending_stream = as_stream(stream);
+}
+
+void launch_writes(workspace& ws) {
+  kernel::write_list& l = ws.state().pending;
+  if (l.n == 0) return;
+  device_guard guard(ws.device());
+  const cudaError_t status = kernel::launch_writes(l, ws.terms(), ws.state().pending_stream);
+  ws.discard_writes();
+  check_cuda(status, "delta write kernel launch");
 }
 
 void check(std::span<const patch_ref> patches, workspace& ws, void* stream) {
@@ -168,23 +259,17 @@ void add_range_terms(const std::byte* p, std::uint64_t off, std::uint64_t n, std
 
 diff_result diff(std::byte* base, const std::byte* next, std::uint64_t off, std::uint64_t span, std::size_t item,
                  std::uint64_t total, std::byte* out, int device) {
-  // One span of a tensor whose byte `off` it starts at: shift the pointers so that the span is span 0
-  // of a "tensor" of off + span bytes, whose terms are those of the real tensor (the terms depend
-  // on the byte's position and on `total`, which the kernels take as given).
   workspace ws(device);
   diff_result r;
   if (span / item == 0) return r;
   device_guard guard(device);
-  const auto changes = count(base, next, span, span, item, ws, nullptr);
-  r.changes = changes.at(0);
-  ws.state().changes = changes;
-  const std::uint64_t elements = span / item;
-  const std::uint64_t chunks = (elements + kernel::chunk_elements - 1) / kernel::chunk_elements;
-  const auto* firsts = static_cast<const std::uint32_t*>(ws.scratch(1, 0));
-  check_cuda(kernel::launch_write(base, next, elements, static_cast<int>(item), firsts, chunks,
-                                  r.changes != 0 ? reinterpret_cast<std::uint32_t*>(out) : nullptr,
-                                  r.changes != 0 ? out + 4 * r.changes : nullptr, off, total, 1, ws.terms(), nullptr),
-             "delta write kernel launch");
+  // One span at tensor byte `off`: a group of one span, whose terms are those of the real tensor.
+  workspace::impl& st = ws.state();
+  const std::uint64_t chunks = add_spans(st.spans, base, next, span, span, item, off, total, 0);
+  st.first_span = {0, st.spans.size()};
+  count_group(ws, chunks, nullptr);
+  r.changes = st.changes.at(0);
+  write(0, 0, r.changes != 0 ? out : nullptr, 1, ws, nullptr);
   r.terms = ws.take_terms(nullptr);
   return r;
 }

@@ -13,9 +13,10 @@
 
 namespace refit::delta::cuda {
 
-/// Device scratch of the functions below on one CUDA device, kept between calls: chunk counts and
-/// slots, a checksum-terms accumulator, a sink for the patches of spans sent as bytes, check flags.
-/// Not thread-safe.
+/// Scratch of the functions below on one CUDA device, kept between calls and grown, never shrunk:
+/// the group's span list (device, and page-locked host memory to upload it from), chunk counts and
+/// slots, the spans' totals (device, and page-locked host memory to read them into), a
+/// checksum-terms accumulator, check flags. Not thread-safe.
 class workspace {
  public:
   explicit workspace(int device);
@@ -24,12 +25,19 @@ class workspace {
   workspace& operator=(const workspace&) = delete;
 
   [[nodiscard]] int device() const noexcept { return device_; }
-  /// Waits for `stream` and returns the terms summed since the last take (then zero).
+  /// Launches the writes still queued (write()), waits for `stream` and returns the terms summed
+  /// since the last take (then zero).
   std::uint64_t take_terms(void* stream);
+  /// Drops the writes queued and not launched (a failed refit's: their buffer may be another
+  /// batch's by now).
+  void discard_writes() noexcept;
   /// The accumulator, device memory.
   [[nodiscard]] unsigned long long* terms() noexcept;
   /// Device memory of at least `bytes`, kept until the next call with `slot`.
   void* scratch(int slot, std::uint64_t bytes);
+  /// After count(): the changed elements of each span of tensor `i` of its group, span by span.
+  /// Throws refit::error(internal) for an `i` outside the group.
+  [[nodiscard]] std::span<const std::uint64_t> changes(std::size_t i) const;
 
   struct impl;
   [[nodiscard]] impl& state() noexcept { return *impl_; }
@@ -39,17 +47,34 @@ class workspace {
   impl* impl_;
 };
 
-/// Pass 1 of a diff over a tensor of `total` bytes cut into spans of `span` bytes: the changed
-/// elements of each span; the slots pass 2 needs are uploaded into the workspace (valid until the
-/// next count()). Synchronous on `stream` (a cudaStream_t).
-std::vector<std::uint64_t> count(const std::byte* base, const std::byte* next, std::uint64_t total, std::uint64_t span,
-                                 std::size_t item, workspace& ws, void* stream);
+/// One tensor of a group that count() diffs: its base (brought up to date by write()) and its new
+/// bytes, both device (or page-locked host) memory, `total` bytes of elements of `item` bytes.
+struct diff_tensor {
+  std::byte* base = nullptr;
+  const std::byte* next = nullptr;
+  std::uint64_t total = 0;
+  std::size_t item = 1;
+};
 
-/// Pass 2 for span k of the last count(): brings the base up to date, writes the span's patch to
-/// `out` (device memory; null: only the base), and adds `weight` times its checksum terms to the
-/// workspace's accumulator. Enqueued on `stream`.
-void write(std::byte* base, const std::byte* next, std::uint64_t total, std::uint64_t span, std::size_t item,
-           std::size_t k, std::byte* out, std::uint64_t weight, workspace& ws, void* stream);
+/// Pass 1 of a diff over a group of tensors, each cut into spans of `span` bytes (a multiple of
+/// every item; the last span of a tensor may be shorter): counts the changed elements of every span
+/// of every tensor (workspace::changes) and leaves on the device each chunk's slot that pass 2
+/// needs (valid until the next count()). Enqueued on `stream` (a cudaStream_t) after its work so
+/// far, with one upload of the span list, two kernel launches and one download of the spans'
+/// totals; returns after one wait for `stream`, however many tensors the group holds. Throws
+/// refit::error(cuda), or (invalid_argument) for a span of 2^32 elements or more.
+void count(std::span<const diff_tensor> tensors, std::uint64_t span, workspace& ws, void* stream);
+
+/// Pass 2 for span k of tensor i of the last count(): brings the base up to date, writes the span's
+/// patch to `out` (device memory, workspace::changes(i)[k] records; null: only the base), and adds
+/// `weight` times its checksum terms to the workspace's accumulator. Queued in the workspace and
+/// launched with the others (up to kernel::max_writes spans a launch) by launch_writes(), the next
+/// count() or take_terms(), on `stream`, which must be count()'s: whoever hands `out` on must call
+/// launch_writes() first.
+void write(std::size_t i, std::size_t k, std::byte* out, std::uint64_t weight, workspace& ws, void* stream);
+
+/// Enqueues the writes queued by write() on their stream. Throws refit::error(cuda).
+void launch_writes(workspace& ws);
 
 /// A patch in device memory, as a receiver checks it.
 struct patch_ref {
@@ -75,7 +100,7 @@ void add_range_terms(const std::byte* p, std::uint64_t off, std::uint64_t n, std
                      bool negate, workspace& ws, void* stream);
 
 /// One span, synchronously, on the legacy default stream (for tests): count() + write() with
-/// weight 1.
+/// weight 1, of the span at tensor byte `off` of a tensor of `total` bytes.
 diff_result diff(std::byte* base, const std::byte* next, std::uint64_t off, std::uint64_t span, std::size_t item,
                  std::uint64_t total, std::byte* out, int device);
 /// check() + apply() of one patch, synchronously, with weight 1: returns its terms.

@@ -2,9 +2,10 @@
 //
 // A diff is two passes over the span so that the patch keeps the CPU format (lib/delta/patch.hpp:
 // indices strictly increasing, then values): pass 1 counts the changed elements of each chunk of
-// chunk_elements, the host turns the counts into each chunk's first output slot (and learns the
-// patch's size, so that it can place it before it is written), pass 2 writes each chunk's changes
-// at its slot, in order, with a scan over the block's threads. Both passes read base and next once
+// chunk_elements and scans the counts of each span into each chunk's first output slot, for a
+// whole group of spans at once (the host then reads the spans' totals with one copy, so that it can
+// place every patch before it is written), pass 2 writes each chunk's changes at its slot, in
+// order, with a scan over the block's threads. Both passes read base and next once
 // with every thread on per_thread consecutive elements; the checksum terms are summed per block and
 // added once per block.
 #include <cstdint>
@@ -72,32 +73,10 @@ __device__ T block_sum(T v, T* shared) {
   return total;
 }
 
-__global__ void count_kernel(const void* base, const void* next, std::uint64_t elements, int item,
-                             std::uint32_t* counts) {
-  __shared__ std::uint32_t shared[threads];
-  const std::uint64_t first = blockIdx.x * chunk_elements + threadIdx.x * per_thread;
-  std::uint32_t c = 0;
-  for (int k = 0; k < per_thread; ++k) {
-    const std::uint64_t i = first + k;
-    if (i < elements && load(base, i, item) != load(next, i, item)) ++c;
-  }
-  const std::uint32_t total = block_sum(c, shared);
-  if (threadIdx.x == 0) counts[blockIdx.x] = total;
-}
-
-__global__ void write_kernel(void* base, const void* next, std::uint64_t elements, int item,
-                             const std::uint32_t* firsts, std::uint32_t* indices, void* values, std::uint64_t off,
-                             std::uint64_t total, std::uint64_t weight, unsigned long long* terms) {
-  __shared__ std::uint32_t scan[threads];
-  __shared__ unsigned long long sums[threads];
-  const std::uint64_t first = blockIdx.x * chunk_elements + threadIdx.x * per_thread;
-  std::uint32_t c = 0;
-  for (int k = 0; k < per_thread; ++k) {
-    const std::uint64_t i = first + k;
-    if (i < elements && load(base, i, item) != load(next, i, item)) ++c;
-  }
-  // Inclusive scan of the threads' counts (Hillis-Steele), then this thread's first slot.
-  scan[threadIdx.x] = c;
+/// Inclusive scan of `v` over the block's threads (Hillis-Steele in `scan`); every thread gets its
+/// own prefix, and scan[threads - 1] holds the block's total until the next call.
+__device__ std::uint32_t block_scan(std::uint32_t v, std::uint32_t* scan) {
+  scan[threadIdx.x] = v;
   __syncthreads();
   for (int s = 1; s < threads; s <<= 1) {
     const std::uint32_t add = threadIdx.x >= s ? scan[threadIdx.x - s] : 0;
@@ -105,23 +84,115 @@ __global__ void write_kernel(void* base, const void* next, std::uint64_t element
     scan[threadIdx.x] += add;
     __syncthreads();
   }
-  std::uint64_t slot = firsts[blockIdx.x] + scan[threadIdx.x] - c;
+  return scan[threadIdx.x];
+}
+
+/// The span of a group that chunk `chunk` belongs to: the last one whose first chunk is at or before
+/// it (a span of no chunks shares its first chunk with the next, which is the one found).
+__device__ std::uint64_t find_span(const span_desc* spans, std::uint64_t n, std::uint64_t chunk) {
+  std::uint64_t lo = 0, hi = n;  // spans[lo].first_chunk <= chunk < spans[hi].first_chunk (hi = n: past the end)
+  while (hi - lo > 1) {
+    const std::uint64_t mid = lo + (hi - lo) / 2;
+    if (spans[mid].first_chunk <= chunk)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/// One block per chunk of the group: counts[chunk] = its changed elements.
+__global__ void count_kernel(const span_desc* spans, std::uint64_t n, std::uint32_t* counts) {
+  __shared__ std::uint32_t shared[threads];
+  __shared__ std::uint64_t which;
+  const std::uint64_t chunk = blockIdx.x;
+  if (threadIdx.x == 0) which = find_span(spans, n, chunk);
+  __syncthreads();
+  const span_desc s = spans[which];
+  const int item = static_cast<int>(s.item);
+  const std::uint64_t first = (chunk - s.first_chunk) * chunk_elements + threadIdx.x * per_thread;
+  std::uint32_t c = 0;
+  for (int k = 0; k < per_thread; ++k) {
+    const std::uint64_t i = first + k;
+    if (i < s.elements && load(s.base, i, item) != load(s.next, i, item)) ++c;
+  }
+  const std::uint32_t total = block_sum(c, shared);
+  if (threadIdx.x == 0) counts[chunk] = total;
+}
+
+/// Chunks each thread of scan_kernel sums in turn: a tile of threads * scan_per_thread chunks covers
+/// a span of 16 MiB of bf16 (delta::span_bytes' largest) in one block-wide scan.
+constexpr int scan_per_thread = 16;
+
+/// One block per span: firsts = the exclusive prefix sum of the span's chunk counts, tile by tile
+/// (each thread sums scan_per_thread consecutive chunks, the block scans the threads' sums);
+/// totals[span] = their sum. A thread's sum is at most scan_per_thread * chunk_elements, a tile's at
+/// most 2^23: 32 bits hold both.
+__global__ void scan_kernel(const span_desc* spans, const std::uint32_t* counts, std::uint32_t* firsts,
+                            unsigned long long* totals) {
+  __shared__ std::uint32_t scan[threads];
+  const span_desc s = spans[blockIdx.x];
+  const std::uint32_t* in = counts + s.first_chunk;
+  std::uint32_t* out = firsts + s.first_chunk;
+  std::uint64_t carry = 0;
+  for (std::uint64_t tile = 0; tile < s.chunks; tile += threads * scan_per_thread) {
+    const std::uint64_t first = tile + threadIdx.x * static_cast<std::uint64_t>(scan_per_thread);
+    std::uint32_t mine[scan_per_thread];
+    std::uint32_t sum = 0;
+    for (int k = 0; k < scan_per_thread; ++k) {
+      mine[k] = first + k < s.chunks ? in[first + k] : 0;
+      sum += mine[k];
+    }
+    std::uint64_t at = carry + block_scan(sum, scan) - sum;
+    for (int k = 0; k < scan_per_thread && first + k < s.chunks; ++k) {
+      out[first + k] = static_cast<std::uint32_t>(at);
+      at += mine[k];
+    }
+    carry += scan[threads - 1];
+    __syncthreads();  // every thread has read the tile's total before the next tile's scan writes
+  }
+  if (threadIdx.x == 0) totals[blockIdx.x] = carry;
+}
+
+/// One block per chunk of the spans of `list` (each block finds its span among the launch's few).
+__global__ void write_kernel(const __grid_constant__ write_list list, unsigned long long* terms) {
+  __shared__ std::uint32_t scan[threads];
+  __shared__ unsigned long long sums[threads];
+  std::uint64_t lo = 0, hi = list.n;  // the last span whose first block is at or before this one
+  while (hi - lo > 1) {
+    const std::uint64_t mid = lo + (hi - lo) / 2;
+    if (list.first_block[mid] <= blockIdx.x)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  const write_desc& d = list.w[lo];
+  const int item = static_cast<int>(d.item);
+  const std::uint64_t chunk = blockIdx.x - list.first_block[lo];
+  const std::uint64_t first = chunk * chunk_elements + threadIdx.x * per_thread;
+  std::uint32_t c = 0;
+  for (int k = 0; k < per_thread; ++k) {
+    const std::uint64_t i = first + k;
+    if (i < d.elements && load(d.base, i, item) != load(d.next, i, item)) ++c;
+  }
+  // This thread's first slot: the chunk's, then the threads' before it.
+  std::uint64_t slot = d.firsts[chunk] + block_scan(c, scan) - c;
   std::uint64_t t = 0;
   for (int k = 0; k < per_thread; ++k) {
     const std::uint64_t i = first + k;
-    if (i >= elements) break;
-    const std::uint64_t o = load(base, i, item);
-    const std::uint64_t n = load(next, i, item);
+    if (i >= d.elements) break;
+    const std::uint64_t o = load(d.base, i, item);
+    const std::uint64_t n = load(d.next, i, item);
     if (o == n) continue;
-    t += element_term(n, off + i * item, item, total) - element_term(o, off + i * item, item, total);
-    store(base, i, item, n);
-    if (indices != nullptr) {
-      indices[slot] = static_cast<std::uint32_t>(i);
-      store_unaligned(values, slot, item, n);
+    t += element_term(n, d.off + i * item, item, d.total) - element_term(o, d.off + i * item, item, d.total);
+    store(d.base, i, item, n);
+    if (d.indices != nullptr) {
+      d.indices[slot] = static_cast<std::uint32_t>(i);
+      store_unaligned(d.values, slot, item, n);
     }
     ++slot;
   }
-  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t * weight), sums);
+  const unsigned long long sum = block_sum(static_cast<unsigned long long>(t * d.weight), sums);
   if (threadIdx.x == 0 && sum != 0) atomicAdd(terms, sum);
 }
 
@@ -173,19 +244,23 @@ unsigned int grid_for(std::uint64_t n) {
 
 }  // namespace
 
-cudaError_t launch_count(const void* base, const void* next, std::uint64_t elements, int item, std::uint32_t* counts,
-                         std::uint64_t chunks, cudaStream_t stream) {
-  if (chunks == 0) return cudaSuccess;
-  count_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(base, next, elements, item, counts);
+cudaError_t launch_count(const span_desc* spans, std::uint64_t n, std::uint64_t chunks, std::uint32_t* counts,
+                         std::uint32_t* firsts, unsigned long long* totals, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (chunks > 0x7fffffffu || n > 0x7fffffffu) return cudaErrorInvalidConfiguration;  // grid.x at most 2^31 - 1
+  if (chunks != 0) {
+    count_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(spans, n, counts);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  scan_kernel<<<static_cast<unsigned int>(n), threads, 0, stream>>>(spans, counts, firsts, totals);
   return cudaGetLastError();
 }
 
-cudaError_t launch_write(void* base, const void* next, std::uint64_t elements, int item, const std::uint32_t* firsts,
-                         std::uint64_t chunks, std::uint32_t* indices, void* values, std::uint64_t off,
-                         std::uint64_t total, std::uint64_t weight, unsigned long long* terms, cudaStream_t stream) {
-  if (chunks == 0) return cudaSuccess;
-  write_kernel<<<static_cast<unsigned int>(chunks), threads, 0, stream>>>(base, next, elements, item, firsts, indices,
-                                                                          values, off, total, weight, terms);
+cudaError_t launch_writes(const write_list& list, unsigned long long* terms, cudaStream_t stream) {
+  const std::uint64_t blocks = list.first_block[list.n];
+  if (list.n == 0 || blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffffu) return cudaErrorInvalidConfiguration;
+  write_kernel<<<static_cast<unsigned int>(blocks), threads, 0, stream>>>(list, terms);
   return cudaGetLastError();
 }
 

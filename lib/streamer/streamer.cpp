@@ -658,6 +658,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       auto tp = clock::now();
       if (!direct) st.buffers->begin_pack(buffer);
       run_ops();
+#if REFIT_HAVE_CUDA
+      // A delta's patches written on the device (send_device_group) are queued until here.
+      if (st.device_delta) delta::cuda::launch_writes(*st.device_delta);
+#endif
       if (!direct) {
         if (by_entry) st.buffers->entries(buffer, segments);
         st.buffers->end_pack(buffer);
@@ -776,12 +780,26 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
   };
 
-  /// Scratch of send_delta(): the diff's output for one span, and a tensor's patches until placed.
+#if REFIT_HAVE_CUDA
+  /// A device tensor of a delta waiting for its group's diff (see send_device_group).
+  struct queued_tensor {
+    std::size_t index;  ///< the planner's index
+    tensor_ref t;
+    delta::base_store::tensor* base;
+  };
+#endif
+  /// Scratch of send_delta(): the diff's output for one span, and a tensor's patches until placed;
+  /// the device tensors of the open group.
   struct delta_scratch {
     std::vector<std::uint32_t> indices;
     std::vector<std::byte> values;
     std::vector<std::vector<std::byte>> pending;
     std::vector<bool> as_bytes;
+#if REFIT_HAVE_CUDA
+    std::vector<queued_tensor> group;
+    std::vector<delta::cuda::diff_tensor> diffs;
+    std::uint64_t group_bytes = 0;
+#endif
   };
   delta_scratch delta_buffers;  ///< kept between refits (a span's worth of indices and values)
 #if REFIT_HAVE_CUDA
@@ -841,10 +859,12 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   }
 
   /// Diffs one tensor against the base span by span (delta::span_bytes), brings the base up to date
-  /// and adds the tensor's patches (or, for a span that changed densely, its bytes) to the batches.
-  /// A tensor that did not change is not sent: returns false. Throws errc::invalid_argument for a
-  /// tensor the base does not hold as it is (new, or another dtype or shape).
-  bool send_delta(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, delta_scratch& sc,
+  /// and adds the tensor's patches (or, for a span that changed densely, its bytes) to the batches,
+  /// counting it in stats.tensors. A tensor that did not change is not sent. A device tensor joins
+  /// the open group (send_device_group), which is sent once it holds what the open batch still
+  /// covers, or before a host tensor, or at the end (finish_delta). Throws errc::invalid_argument
+  /// for a tensor the base does not hold as it is (new, or another dtype or shape).
+  void send_delta(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, delta_scratch& sc,
                   std::uint64_t& checksum) {
     delta::base_store::tensor* b = base->find(t.meta.name);
     if (b == nullptr || b->meta.type != t.meta.type || b->meta.shape != t.meta.shape)
@@ -854,7 +874,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                               describe(t.meta), b == nullptr ? "not in" : fmt::format("{} in", describe(b->meta)),
                               w.stats.base));
 #if REFIT_HAVE_CUDA
-    if (t.dev.kind == device_kind::cuda) return send_delta_device(w, pl, index, t, *b);
+    if (t.dev.kind == device_kind::cuda) {
+      queue_device(w, pl, index, t, *b, sc);
+      return;
+    }
+    send_device_group(w, pl, sc);  // the device tensors before this one keep their place
 #endif
     const auto td = clock::now();
     const std::size_t item = itemsize(t.meta.type);
@@ -890,7 +914,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     w.stats.changed += changes;
     w.stats.diff_seconds += seconds_since(td);
     w.stats.pack_seconds += seconds_since(td);
-    if (changes == 0) return false;
+    if (changes == 0) return;
     std::uint64_t k = 0;
     for (std::uint64_t off = 0; off < total; off += span, ++k) {
       const std::uint64_t n = std::min(span, total - off);
@@ -910,62 +934,93 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       }
     }
     close_if_covered(w, pl, total);
-    return true;
+    w.stats.tensors += 1;
+  }
+
+  /// Sends what send_delta() left queued: before the version's last batch.
+  void finish_delta(batch_writer& w, planner& pl, delta_scratch& sc) {
+#if REFIT_HAVE_CUDA
+    send_device_group(w, pl, sc);
+#else
+    (void)w, (void)pl, (void)sc;
+#endif
   }
 
 #if REFIT_HAVE_CUDA
-  /// send_delta() for a tensor in device memory (cuda_ipc staged buffers): the diff runs on the pack
-  /// stream (lib/delta/diff_kernel.cu); each span's count is read back (the host places its patch),
-  /// then its patch is written straight into the staging buffer, after the buffer is free
-  /// (begin_pack). The checksum terms add up on the device: send_tensors() reads them before END.
-  bool send_delta_device(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t,
-                         delta::base_store::tensor& b) {
+  /// Queues a device tensor of a delta for its group's diff, ordering the diff after the work its
+  /// producer stream holds now; sends the group once it holds the bytes the open batch still covers
+  /// (close_if_covered), so that a group's one wait comes about once per batch.
+  void queue_device(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, delta::base_store::tensor& b,
+                    delta_scratch& sc) {
+    buffers->after(t.stream);
+    sc.group.push_back(queued_tensor{index, t, &b});
+    sc.group_bytes += b.bytes;
+    if (w.covered + sc.group_bytes >= delta_batch_covers) send_device_group(w, pl, sc);
+  }
+
+  /// send_delta() for the queued tensors in device memory (cuda_ipc staged buffers): the diff runs
+  /// on the pack stream (lib/delta/diff_kernel.cu). The changes of every span of the group are
+  /// counted on the device and read back with one wait (the host places the patches), then each
+  /// patch is written straight into the staging buffer, after the buffer is free (begin_pack): the
+  /// writes are queued in the workspace and launched up to kernel::max_writes spans at a time, at
+  /// the latest when the batch is flushed. The checksum terms add up on the device: send_tensors()
+  /// reads them before END. The batches are those the tensors would make one by one.
+  void send_device_group(batch_writer& w, planner& pl, delta_scratch& sc) {
+    if (sc.group.empty()) return;
     const auto td = clock::now();
     delta::cuda::workspace& ws = device_workspace();
+    sc.diffs.clear();
+    for (const queued_tensor& q : sc.group)
+      sc.diffs.push_back(delta::cuda::diff_tensor{q.base->data, static_cast<const std::byte*>(q.t.data), q.base->bytes,
+                                                  itemsize(q.t.meta.type)});
+    delta::cuda::count(sc.diffs, delta::span_bytes(plan.buffer_bytes), ws, buffers->stream());
+    w.stats.diff_seconds += seconds_since(td);
+    w.stats.pack_seconds += seconds_since(td);
+    for (std::size_t i = 0; i < sc.group.size(); ++i) place_device(w, pl, sc.group[i], i, ws);
+    sc.group.clear();
+    sc.group_bytes = 0;
+  }
+
+  /// Places the patches (or bytes) of tensor `i` of the counted group and enqueues their writes.
+  void place_device(batch_writer& w, planner& pl, const queued_tensor& q, std::size_t i, delta::cuda::workspace& ws) {
     void* stream = buffers->stream();
-    buffers->after(t.stream);
-    const std::size_t item = itemsize(t.meta.type);
-    const std::uint64_t total = b.bytes;
+    const std::size_t item = itemsize(q.t.meta.type);
+    const std::uint64_t total = q.base->bytes;
     const std::uint64_t span = delta::span_bytes(plan.buffer_bytes);
-    const auto* src = static_cast<const std::byte*>(t.data);
-    const std::uint64_t weight = delta::name_weight(t.meta.name);
-    const std::vector<std::uint64_t> changes = delta::cuda::count(b.data, src, total, span, item, ws, stream);
+    const auto* src = static_cast<const std::byte*>(q.t.data);
+    const std::uint64_t weight = delta::name_weight(q.t.meta.name);
+    const std::span<const std::uint64_t> changes = ws.changes(i);
     std::uint64_t sum = 0;
     for (const std::uint64_t c : changes) sum += c;
     w.stats.elements += total / item;
     w.stats.changed += sum;
-    if (sum == 0) {
-      w.stats.diff_seconds += seconds_since(td);
-      w.stats.pack_seconds += seconds_since(td);
-      return false;
-    }
+    if (sum == 0) return;
     for (std::size_t k = 0; k < changes.size(); ++k) {
       const std::uint64_t off = k * span;
       const std::uint64_t n = std::min(span, total - off);
       const std::uint64_t bytes = changes[k] * delta::record_bytes(item);
       const bool as_bytes = bytes >= n;
-      for (const placement& p : pl.add(index, as_bytes ? n : bytes)) {
+      for (const placement& p : pl.add(q.index, as_bytes ? n : bytes)) {
         while (w.first_batch + p.batch > w.seq) w.flush();
         if (as_bytes) {
           // Copied from the tensor at flush(), after the pack stream waited for the buffer.
-          add_span_bytes(w, t, off, p, src);
+          add_span_bytes(w, q.t, off, p, src);
         } else {
           const std::size_t buffer = w.seq % buffers->count();
           buffers->begin_pack(buffer);
-          delta::cuda::write(b.data, src, total, span, item, k, buffers->data(buffer) + p.entry.buffer_offset, weight,
-                             ws, stream);
-          w.entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off, p.entry.bytes,
+          // A span without changes has nothing to write, nor anything to bring up to date.
+          if (changes[k] != 0)
+            delta::cuda::write(i, k, buffers->data(buffer) + p.entry.buffer_offset, weight, ws, stream);
+          w.entries.push_back(wire::entry{q.t.meta.name, q.t.meta.type, q.t.meta.shape, off, p.entry.bytes,
                                           p.entry.buffer_offset, wire::entry_kind::patch, n});
         }
         w.stats.bytes += p.entry.bytes;
       }
       // A span sent as bytes still brings the base up to date (and adds its terms).
-      if (as_bytes) delta::cuda::write(b.data, src, total, span, item, k, nullptr, weight, ws, stream);
+      if (as_bytes) delta::cuda::write(i, k, nullptr, weight, ws, stream);
     }
-    w.stats.diff_seconds += seconds_since(td);
-    w.stats.pack_seconds += seconds_since(td);
     close_if_covered(w, pl, total);
-    return true;
+    w.stats.tensors += 1;
   }
 #endif
 
@@ -1151,6 +1206,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     planner pl(po);
     delta_scratch& scratch = delta_buffers;
 #if REFIT_HAVE_CUDA
+    scratch.group.clear();  // a failed refit's
+    scratch.group_bytes = 0;
+    if (device_delta) device_delta->discard_writes();
     if (how == sending::delta && device_delta) (void)device_delta->take_terms(buffers->stream());  // a failed refit's
 #endif
     std::unordered_set<std::string> names;
@@ -1197,7 +1255,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
           w.direct ? buffers->routes(t->meta) : std::vector<transport::routed>{};
       if (w.in_place) check_in_place(*t, bytes, version);
       if (how == sending::delta) {
-        if (send_delta(w, pl, w.planned++, *t, scratch, *checksum)) stats.tensors += 1;
+        send_delta(w, pl, w.planned++, *t, scratch, *checksum);
         continue;
       }
       for (placement p : pl.add(w.planned++, bytes)) {
@@ -1209,6 +1267,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       stats.bytes += bytes;
       if (keep) keep = keep_in_base(*t, bytes, *checksum, stats);
     }
+    if (how == sending::delta) finish_delta(w, pl, scratch);
     if (!w.entries.empty()) w.flush();
 #if REFIT_HAVE_CUDA
     if (how == sending::delta && device_delta) *checksum += device_delta->take_terms(buffers->stream());

@@ -28,6 +28,7 @@ TEST_CASE("the delta kernels are not built: their GPU tests are skipped", "[delt
 #include "refit/streamer.hpp"
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
+#include "delta/checksum.hpp"
 #include "delta/device.hpp"
 #include "delta/patch.hpp"
 #include "refit/error.hpp"
@@ -154,6 +155,200 @@ TEST_CASE("the device apply refuses a corrupt patch before writing anything", "[
     require(download(dest.handle(), 64) == before, "a refused patch wrote");
   });
   CHECK(c.wait(120s) == 0);
+}
+
+// ------------------------------------------------------------------ a group of tensors at once
+
+namespace {
+
+/// One tensor of a group: `elements` of `item` bytes; span k of it changes a fraction `changed` of
+/// its elements, or with `mixed` a fraction changed, none, every one as k % 3 is 0, 1, 2.
+struct group_spec {
+  std::size_t item;
+  std::uint64_t elements;
+  double changed;
+  bool mixed = false;
+};
+
+/// The CPU's view of one tensor of the group, and its device copies.
+struct group_tensor {
+  group_spec spec;
+  std::vector<std::byte> base, next;
+  refit::cuda::device_buffer device_base, device_next;
+  [[nodiscard]] std::uint64_t total() const { return spec.elements * spec.item; }
+};
+
+/// Where the first difference between `got` and `want` (a patch of `n` records of `item` bytes)
+/// lies: which record's index or value.
+std::string first_difference(const std::vector<std::byte>& got, const std::vector<std::byte>& want, std::uint64_t n,
+                             std::size_t item) {
+  std::uint64_t b = 0;
+  while (b < got.size() && b < want.size() && got[b] == want[b]) ++b;
+  const auto word = [&](const std::vector<std::byte>& v, std::uint64_t at, std::size_t len) {
+    std::uint64_t x = 0;
+    for (std::size_t k = 0; k < len && at + k < v.size(); ++k)
+      x |= std::to_integer<std::uint64_t>(v[at + k]) << (8 * k);
+    return std::to_string(x);
+  };
+  if (b < 4 * n)
+    return "index of record " + std::to_string(b / 4) + ": device " + word(got, b / 4 * 4, 4) + ", CPU " +
+           word(want, b / 4 * 4, 4);
+  const std::uint64_t r = (b - 4 * n) / item;
+  return "value of record " + std::to_string(r) + " (CPU index " + word(want, 4 * r, 4) + "): device " +
+         word(got, 4 * n + r * item, item) + ", CPU " + word(want, 4 * n + r * item, item);
+}
+
+/// Steps every tensor of the group (its spec's fractions), diffs the group on the device with one
+/// count() and a write() per span (spans whose records would not be smaller than the span get no
+/// output, as the streamer sends them as bytes), and compares each span's count and patch, each
+/// base and the weighted terms with the CPU diff (delta::diff), span by span.
+void check_group(std::mt19937_64& rng, std::vector<group_tensor>& tensors, std::uint64_t span,
+                 refit::delta::cuda::workspace& ws, cudaStream_t stream, const std::string& round) {
+  // Step the new bytes (the base is the last round's new bytes, or the start).
+  for (group_tensor& t : tensors) {
+    const std::uint64_t per_span = span / t.spec.item;
+    for (std::uint64_t i = 0; i < t.spec.elements; ++i) {
+      double f = t.spec.changed;
+      if (t.spec.mixed) f = (i / per_span) % 3 == 0 ? t.spec.changed : ((i / per_span) % 3 == 1 ? 0.0 : 1.0);
+      if (f > 0 && std::bernoulli_distribution(f)(rng))
+        t.next[i * t.spec.item] =
+            static_cast<std::byte>(std::to_integer<unsigned>(t.next[i * t.spec.item]) + 1 + rng() % 250);
+    }
+    upload(t.device_next.handle(), t.next);
+  }
+  std::vector<refit::delta::cuda::diff_tensor> diffs;
+  for (group_tensor& t : tensors)
+    diffs.push_back(refit::delta::cuda::diff_tensor{static_cast<std::byte*>(t.device_base.handle()),
+                                                    static_cast<const std::byte*>(t.device_next.handle()), t.total(),
+                                                    t.spec.item});
+  refit::delta::cuda::count(diffs, span, ws, stream);
+
+  // The CPU's patches; the device's counts against them; each patch placed after the last, at a
+  // multiple of 4 only (the indices' alignment), as a packed batch could place them.
+  struct placed {
+    std::size_t tensor;
+    std::size_t k;
+    std::uint64_t at;
+    std::uint64_t n;
+    std::vector<std::byte> patch;
+  };
+  std::vector<placed> patches;
+  std::uint64_t out_bytes = 0;
+  std::uint64_t terms = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    group_tensor& t = tensors[i];
+    const std::size_t item = t.spec.item;
+    const std::uint64_t total = t.total();
+    const std::uint64_t weight = refit::delta::name_weight("t" + std::to_string(i));
+    const std::string what = round + ", tensor " + std::to_string(i) + " (item " + std::to_string(item) + ", " +
+                             std::to_string(t.spec.elements) + " elements)";
+    const auto changes = ws.changes(i);
+    require(changes.size() == (total + span - 1) / span, what + ": " + std::to_string(changes.size()) + " spans");
+    std::vector<std::uint32_t> idx(span / item + 1);
+    std::vector<std::byte> values(span + 8);
+    for (std::uint64_t k = 0, off = 0; off < total; off += span, ++k) {
+      const std::uint64_t n = std::min(span, total - off);
+      const auto cpu =
+          refit::delta::diff(t.base.data() + off, t.next.data() + off, off, n, item, total, idx.data(), values.data());
+      terms += weight * cpu.terms;
+      require(changes[k] == cpu.changes, what + ", span " + std::to_string(k) + ": device counted " +
+                                             std::to_string(changes[k]) + " changes, CPU " +
+                                             std::to_string(cpu.changes));
+      const std::uint64_t bytes = cpu.changes * refit::delta::record_bytes(item);
+      if (bytes >= n) {  // sent as bytes: only the base and the terms
+        refit::delta::cuda::write(i, k, nullptr, weight, ws, stream);
+        continue;
+      }
+      placed p{i, k, out_bytes, cpu.changes, std::vector<std::byte>(bytes)};
+      std::memcpy(p.patch.data(), idx.data(), 4 * cpu.changes);
+      std::memcpy(p.patch.data() + 4 * cpu.changes, values.data(), cpu.changes * item);
+      out_bytes += (bytes + 3) / 4 * 4;
+      patches.push_back(std::move(p));
+    }
+  }
+  refit::cuda::device_buffer out(out_bytes + 8);
+  for (const placed& p : patches) {
+    if (p.n == 0) continue;  // the streamer writes nothing for a span without changes
+    refit::delta::cuda::write(p.tensor, p.k, static_cast<std::byte*>(out.handle()) + p.at,
+                              refit::delta::name_weight("t" + std::to_string(p.tensor)), ws, stream);
+  }
+  const std::uint64_t device_terms = ws.take_terms(stream);  // waits for the stream
+
+  const auto got = download(out.handle(), out_bytes);
+  for (const placed& p : patches) {
+    const std::vector<std::byte> mine(got.begin() + static_cast<std::ptrdiff_t>(p.at),
+                                      got.begin() + static_cast<std::ptrdiff_t>(p.at + p.patch.size()));
+    require(mine == p.patch, round + ", tensor " + std::to_string(p.tensor) + ", span " + std::to_string(p.k) +
+                                 ": the device patch differs from the CPU's at the " +
+                                 first_difference(mine, p.patch, p.n, tensors[p.tensor].spec.item));
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    group_tensor& t = tensors[i];
+    const auto b = download(t.device_base.handle(), t.total());
+    std::uint64_t e = 0;
+    while (e < t.spec.elements &&
+           std::memcmp(b.data() + e * t.spec.item, t.next.data() + e * t.spec.item, t.spec.item) == 0)
+      ++e;
+    require(e == t.spec.elements, round + ", tensor " + std::to_string(i) +
+                                      ": the device base is not the new "
+                                      "version at element " +
+                                      std::to_string(e) + " (span " + std::to_string(e * t.spec.item / span) + ")");
+    t.base = t.next;  // what the CPU diff made of its base
+  }
+  require(device_terms == terms, round + ": the device's weighted terms differ from the CPU's");
+}
+
+}  // namespace
+
+TEST_CASE("one batched device diff of a group of tensors makes the CPU's patches, bases and terms, span by span",
+          "[delta]") {
+  rt::child c([] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+    std::mt19937_64 rng(1616);
+    const std::vector<group_spec> specs{
+        {2, 1, 1.0},              // one element, changed
+        {8, 1, 0.0},              // one element, unchanged
+        {2, 0, 0.0},              // no elements: no spans
+        {2, 300000, 0.02},        // bf16 at 2 %
+        {4, 70001, 1.0},          // every element (fp32 weights)
+        {1, 1u << 20, 0.02},      // many chunks per span
+        {2, 4099, 0.5},           // ends in the checksum's tail bytes
+        {8, 33333, 0.0},          // nothing changed
+        {4, 200000, 0.02, true},  // spans of 2 %, none and all
+        {2, 2048 * 3, 0.3},       // whole chunks
+        {1, 777, 0.02, true},
+        {1, (16u << 20) + 4097, 0.01},  // a largest span of 8192 chunks (two tiles of the scan), and a short one
+    };
+    refit::delta::cuda::workspace ws(0);
+    refit::cuda::stream stream(cudaStreamNonBlocking);
+    // Small spans (one chunk or less each, thousands per group, a search per block), spans of
+    // hundreds of chunks, and the streamer's largest spans (the scan over more than one tile).
+    for (const std::uint64_t span : {256ull, 4096ull, 1ull << 20, 16ull << 20}) {
+      std::vector<group_tensor> tensors;
+      for (const group_spec& g : specs) {
+        group_tensor t{g,
+                       {},
+                       {},
+                       refit::cuda::device_buffer(g.elements * g.item + 8),
+                       refit::cuda::device_buffer(g.elements * g.item + 8)};
+        t.base.resize(t.total());
+        for (auto& b : t.base) b = static_cast<std::byte>(rng());
+        t.next = t.base;
+        upload(t.device_base.handle(), t.base);
+        tensors.push_back(std::move(t));
+      }
+      const std::string where = "span " + std::to_string(span);
+      for (int round = 0; round < 3; ++round)  // reusing the workspace, and the bases the last round wrote
+        check_group(rng, tensors, span, ws, stream.handle(), where + ", round " + std::to_string(round));
+      // A group of one tensor after larger ones, then the whole group again (the scratch only grows).
+      std::vector<group_tensor> one;
+      one.push_back(std::move(tensors[3]));
+      check_group(rng, one, span, ws, stream.handle(), where + ", one tensor");
+      tensors[3] = std::move(one[0]);
+      check_group(rng, tensors, span, ws, stream.handle(), where + ", again");
+    }
+  });
+  CHECK(c.wait(600s) == 0);
 }
 
 // ------------------------------------------------------------------ over cuda_ipc (staged)
