@@ -122,9 +122,10 @@ struct view {
 class py_receiver {
  public:
   py_receiver(std::optional<std::string> endpoint, int device, double idle_timeout, std::optional<std::string> token,
-              const py::object& curve, const std::string& engine, const std::string& layout) {
+              const py::object& curve, const std::string& engine, const std::string& layout, std::size_t streamers) {
     receiver_options o;
     o.layout = layout;
+    o.streamers = streamers;
     o.endpoint = endpoint.value_or("");
     o.device = device;
     o.idle_timeout = to_deadline(idle_timeout, "idle_timeout");
@@ -159,6 +160,7 @@ class py_receiver {
 
   [[nodiscard]] int device() const noexcept { return device_; }
   std::string endpoint() { return rx().endpoint(); }
+  std::vector<std::string> endpoints() { return rx().endpoints(); }
 
   /// `source_slice`: None or (dim, start, length); dim may be negative (counted from the end).
   void add_parameter(const std::string& name, const py::handle& tensor, const py::object& source_slice,
@@ -410,8 +412,14 @@ class python_tensors final : public tensor_source {
     if (!py::isinstance<py::str>(t[0]))
       throw py::type_error("refit(): a tensor name must be a str, got " +
                            std::string(py::str(py::type::handle_of(t[0]).attr("__name__"))));
-    borrowed_tensor b = world().borrow(t[1], t[0].cast<std::string>());
+    // A refit.Shard: the tensor is a part of the whole tensor of that name (sharded trainers).
+    const bool sharded = py::hasattr(t[1], "__refit_shard__");
+    const py::object value = sharded ? py::object(t[1].attr("tensor")) : py::reinterpret_borrow<py::object>(t[1]);
+    borrowed_tensor b = world().borrow(value, t[0].cast<std::string>());
     tensor_ref r{std::move(b.meta), b.data, b.dev, nullptr};
+    if (sharded)
+      r.shard = tensor_shard{t[1].attr("global_shape").cast<std::vector<std::int64_t>>(), t[1].attr("dim").cast<int>(),
+                             t[1].attr("start").cast<std::int64_t>()};
     if (r.dev.kind == device_kind::cuda) r.stream = stream_of(r.dev.index);
     keep_.push_back(std::move(b.keep));
     return r;
@@ -557,8 +565,10 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::optional<std::string> token, int device, const py::object& curve,
                                        std::uint64_t alignment, bool keep_whole, const std::string& engine,
                                        const std::string& layout, bool delta, const std::string& delta_memory_name,
-                                       std::uint64_t delta_max_bytes) {
+                                       std::uint64_t delta_max_bytes, std::size_t group_rank, std::size_t group_size) {
   streamer_options o;
+  o.group_rank = group_rank;
+  o.group_size = group_size;
   o.delta.enable = delta;
   if (delta_memory_name == "host")
     o.delta.memory = delta_memory::host;
@@ -688,11 +698,12 @@ PYBIND11_MODULE(_refit, m) {
 
   py::class_<py_receiver>(m, "Receiver")
       .def(py::init<std::optional<std::string>, int, double, std::optional<std::string>, py::object, std::string,
-                    std::string>(),
+                    std::string, std::size_t>(),
            py::arg("endpoint") = py::none(), py::kw_only(), py::arg("device") = 0, py::arg("idle_timeout") = 60.0,
            py::arg("token") = py::none(), py::arg("curve") = py::none(), py::arg("engine") = "automatic",
-           py::arg("layout") = "")
+           py::arg("layout") = "", py::arg("streamers") = 1)
       .def_property_readonly("endpoint", &py_receiver::endpoint)
+      .def_property_readonly("endpoints", &py_receiver::endpoints)
       .def_property_readonly("device", &py_receiver::device)
       .def("add_parameter", &py_receiver::add_parameter, py::arg("name"), py::arg("tensor"),
            py::arg("source_slice") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
@@ -717,18 +728,19 @@ PYBIND11_MODULE(_refit, m) {
                        std::size_t buffers, bool direct, double timeout, std::optional<std::string> token, int device,
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
-                       std::uint64_t delta_max_bytes) {
+                       std::uint64_t delta_max_bytes, std::size_t group_rank, std::size_t group_size) {
              return std::make_unique<py_streamer>(
                  streamer_options_from(std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers,
                                        direct, timeout, std::move(token), device, curve, alignment, keep_whole, engine,
-                                       layout, delta, delta_memory_name, delta_max_bytes));
+                                       layout, delta, delta_memory_name, delta_max_bytes, group_rank, group_size));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
            py::arg("timeout") = 30.0, py::arg("token") = py::none(), py::arg("device") = 0,
            py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
            py::arg("engine") = "automatic", py::arg("layout") = "", py::arg("delta") = false,
-           py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30)
+           py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30,
+           py::arg("group_rank") = 0, py::arg("group_size") = 1)
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("close", &py_streamer::close);

@@ -38,7 +38,7 @@ constexpr refit::milliseconds streamer_timeout{10000};
 /// a buffer (sent in chunks).
 std::vector<tensor_meta> group_model() {
   return {
-      {"embed", dtype::bf16, {37, 24}}, {"q", dtype::f32, {16, 16}},  {"norm", dtype::f32, {40}},
+      {"embed", dtype::bf16, {37, 24}}, {"q", dtype::f32, {16, 16}},   {"norm", dtype::f32, {40}},
       {"tiny", dtype::bf16, {3, 8}},    {"empty", dtype::f16, {0, 8}}, {"big", dtype::bf16, {300, 128}},
   };
 }
@@ -335,8 +335,9 @@ TEST_CASE("ranks that disagree on a tensor's dtype fail the version naming both"
   for (const auto& f : failed) {
     REQUIRE(f);
     CHECK(f->code == "invalid_argument");
-    CHECK_THAT(f->message,
-               Catch::Contains("tensor 'w' is w f32[4, 4] from rank 0 but w i32[4, 4] from rank 1; nothing was committed"));
+    CHECK_THAT(
+        f->message,
+        Catch::Contains("tensor 'w' is w f32[4, 4] from rank 0 but w i32[4, 4] from rank 1; nothing was committed"));
   }
 }
 
@@ -430,7 +431,8 @@ TEST_CASE("a streamer that fails its part tells the whole group, and the next ve
     }
     std::size_t k = 0;
     s1.refit(7, [&]() -> std::optional<refit::tensor_ref> {
-      if (k == 2) throw refit::error(errc::invalid_argument, "all-gather of q failed: rank 1's optimizer state is gone");
+      if (k == 2)
+        throw refit::error(errc::invalid_argument, "all-gather of q failed: rank 1's optimizer state is gone");
       return shards[k++];
     });
   });
@@ -548,7 +550,8 @@ TEST_CASE("bad group options and shards are refused with what to do", "[group]")
       CHECK(f->code == "invalid_argument");
       CHECK_THAT(f->message, Catch::Contains(what));
     };
-    refused(shard_of(w, src, 0, 2), "this streamer is alone (streamer_options::group_size 1), so nobody sends the rest");
+    refused(shard_of(w, src, 0, 2),
+            "this streamer is alone (streamer_options::group_size 1), so nobody sends the rest");
     refit::tensor_ref past = shard_of(w, src, 0, 2);
     past.shard->start = 3;
     refused(past, "[3, 5) is not inside the whole's 4 along dimension 0");

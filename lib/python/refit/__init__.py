@@ -50,6 +50,7 @@ __all__ = [
     "RefitStats",
     "RefitTimeout",
     "Route",
+    "Shard",
     "RouteTable",
     "Streamer",
     "View",
@@ -62,6 +63,40 @@ except ImportError:  # pragma: no cover - exercised where torch is absent
     _torch = None
 
 Tensors = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
+
+
+class Shard:
+    """A trainer rank's part of a tensor, for a group of streamers (sharded trainers).
+
+    ``tensor`` holds ``[start, start + tensor.shape[dim])`` along ``dim`` of the whole tensor,
+    whose shape is ``global_shape`` (equal to ``tensor.shape`` in every other dimension). The part
+    must be one contiguous range of the whole: ``dim=0`` (FSDP's ``Shard(0)``: a range of rows), or
+    a dimension after leading dimensions of size 1. Give it in place of the tensor::
+
+        rows = (param.shape[0] + world - 1) // world          # torch.chunk, as FSDP shards
+        st.refit(step, {name: refit.Shard(local, full_shape, 0, rank * rows)})
+
+    With FSDP2, ``param`` is a DTensor: ``refit.Shard(param.to_local(), param.shape, 0, start)``
+    with ``start`` its first row (``rank * ceil(rows / world)``, clipped to the rows). Every rank
+    of the group sends its shards to the same receivers (``Streamer(group_rank=, group_size=)``);
+    each receiver commits when the ranks' shards cover every tensor exactly once.
+    """
+
+    __refit_shard__ = True
+    __slots__ = ("tensor", "global_shape", "dim", "start")
+
+    def __init__(self, tensor: Any, global_shape: Any, dim: int = 0, start: int = 0) -> None:
+        self.tensor = tensor
+        self.global_shape = tuple(int(d) for d in global_shape)
+        dim = int(dim)
+        if dim < 0:
+            dim += len(self.global_shape)
+        self.dim = dim
+        self.start = int(start)
+
+    def __repr__(self) -> str:
+        shape = tuple(getattr(self.tensor, "shape", ()))
+        return f"refit.Shard({shape} of {self.global_shape}, dim={self.dim}, start={self.start})"
 
 
 def _device_index(device: Any) -> int:
@@ -132,6 +167,13 @@ class Receiver(_refit.Receiver):
         layout: the route table the parameters were registered from (``refit.record``), or its
             digest: a streamer whose ``layout`` differs is refused at HELLO (``Errc.invalid_argument``)
             before any byte moves. None: no check.
+        streamers: how many streamers send each version together (sharded trainers: one per
+            trainer rank, each sending its :class:`Shard` of every tensor). The receiver binds one
+            endpoint per streamer (:attr:`endpoints`; rank k connects to ``endpoints[k]``); with
+            more than one, ``endpoint`` must be None, ``"tcp://*:0"``, or contain ``"{rank}"``.
+            A version commits when every rank's END arrived and their shards cover every tensor
+            exactly once; rows covered twice or by nobody, or a rank that fails or falls silent,
+            fail it on every rank.
 
     Example::
 
@@ -156,6 +198,7 @@ class Receiver(_refit.Receiver):
         curve: Any = None,
         engine: str = "automatic",
         layout: Any = None,
+        streamers: int = 1,
     ) -> None:
         super().__init__(
             endpoint,
@@ -165,7 +208,10 @@ class Receiver(_refit.Receiver):
             curve=curve,
             engine=engine,
             layout=_layout_digest(layout),
+            streamers=streamers,
         )
+        self._begin_fn = None
+        self._partials = None  # on_tensor's chunks being reassembled, dropped at every BEGIN
 
     def add_parameter(
         self,
@@ -253,25 +299,30 @@ class Receiver(_refit.Receiver):
         engine's ``load_weights``. Tensors split into chunks on the way are reassembled first
         (in a tensor of their own); others alias the receiver's buffer and are valid only
         during the call. Returns ``fn``."""
+        # name -> [buffer, bytes covered]. Chunks of a tensor arrive in order from one streamer, in
+        # any order from a group (each rank's shard); a tensor is whole when its chunks cover it.
         partial = {}
+        self._partials = partial
+        self._on_begin(self._begin)  # a refit that failed half-way leaves nothing behind
 
         def assemble(v: View):
-            if v.offset == 0:  # a tensor's first chunk: a fresh buffer (drops one left by an abort)
+            entry = partial.get(v.name)
+            if entry is None:
                 like = v.tensor
                 if _torch is not None:
-                    partial[v.name] = _torch.empty(v.total, dtype=_torch.uint8, device=like.device)
+                    buf = _torch.empty(v.total, dtype=_torch.uint8, device=like.device)
                 else:
                     import numpy
 
-                    partial[v.name] = numpy.empty(v.total, dtype=numpy.uint8)
-            buf = partial.get(v.name)
-            if buf is None:
-                raise RefitError(f"tensor '{v.name}': a chunk at byte {v.offset} arrived without its first chunk")
+                    buf = numpy.empty(v.total, dtype=numpy.uint8)
+                entry = partial[v.name] = [buf, 0]
+            buf = entry[0]
             if _torch is not None:
                 buf[v.offset : v.offset + v.nbytes].copy_(v.tensor)
             else:
                 buf[v.offset : v.offset + v.nbytes] = v.tensor
-            if not v.last:
+            entry[1] += v.nbytes
+            if entry[1] < v.total:
                 return None
             del partial[v.name]
             if _torch is not None:
@@ -301,8 +352,14 @@ class Receiver(_refit.Receiver):
         """``fn(version)`` when a refit starts, before its first batch (pause generation,
         open a staging area). Raising refuses the refit (``Errc.apply`` at the streamer).
         None removes it. Returns ``fn``."""
-        self._on_begin(fn)
+        self._begin_fn = fn
+        self._on_begin(self._begin if self._partials is not None else fn)
         return fn
+
+    def _begin(self, version: int) -> None:
+        self._partials.clear()
+        if self._begin_fn is not None:
+            self._begin_fn(version)
 
     def on_commit(self, fn: Optional[Callable[[int], None]]):
         """``fn(version)`` once ``version`` is committed (:attr:`committed_version` says so).
@@ -371,6 +428,12 @@ class Streamer(_refit.Streamer):
             cuda_ipc with ``direct=False`` (the diff and the patching on the GPUs).
         delta_memory: where the base lives: ``"host"`` (page-locked with CUDA) or ``"device"``.
         delta_max_bytes: bound on the base's memory; a larger version is always sent whole.
+        group_rank, group_size: this streamer is rank ``group_rank`` of ``group_size`` streamers
+            (one per trainer rank) that send each version together, each its :class:`Shard` of
+            every tensor, to receivers made with ``streamers=group_size``; rank k connects to each
+            receiver's ``endpoints[k]``. Every rank refits the same versions; ``refit()`` returns
+            when the version has ended on every receiver (so ``timeout`` must cover the slowest
+            rank). cuda_ipc or host_shm; no ``delta``.
 
     Example::
 
@@ -406,6 +469,8 @@ class Streamer(_refit.Streamer):
         delta: bool = False,
         delta_memory: str = "host",
         delta_max_bytes: int = 64 << 30,
+        group_rank: int = 0,
+        group_size: int = 1,
     ) -> None:
         if endpoint is None:
             if not receivers:
@@ -429,6 +494,8 @@ class Streamer(_refit.Streamer):
             delta=delta,
             delta_memory=delta_memory,
             delta_max_bytes=delta_max_bytes,
+            group_rank=group_rank,
+            group_size=group_size,
         )
 
     def refit(self, version: int, tensors: Tensors, *, stream: Any = None, subset: bool = False) -> RefitStats:

@@ -37,6 +37,7 @@ class Event(enum.IntEnum):
     aborted = 5  #: a refit failed; committed_version is unchanged, dirty if partly applied
     bye = 6  #: the session ended
     refused = 7  #: a message was refused without touching the session (stranger, bad HELLO)
+    ended = 8  #: one streamer of a group ended its part; the version ends with the last one's
 
 
 class RefitError(Exception):

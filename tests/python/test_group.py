@@ -1,0 +1,187 @@
+"""Sharded trainers from Python: every trainer rank streams its refit.Shard of each tensor
+(FSDP's Shard(0) rows), and the receivers assemble and commit one version (issue 12).
+
+The receiver serves on a thread and each rank's streamer runs on a thread of its own: refit
+releases the GIL while it waits and moves bytes."""
+
+import threading
+
+import pytest
+import torch
+
+import refit
+
+
+def full_state(version: int):
+    g = torch.Generator().manual_seed(version)
+    return {
+        "model.embed_tokens.weight": torch.randn(37, 16, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(16, 24, generator=g),
+        "model.norm.weight": torch.randn(16, generator=g),
+        "lm_head.bias": torch.randn(3, generator=g),  # fewer rows than ranks: some shards are empty
+    }
+
+
+def shard_state(state, rank: int, world: int):
+    """What FSDP's Shard(0) gives rank ``rank``: torch.chunk rows of every parameter."""
+    out = {}
+    for name, t in state.items():
+        rows = (t.shape[0] + world - 1) // world
+        start = min(t.shape[0], rank * rows)
+        stop = min(t.shape[0], start + rows)
+        out[name] = refit.Shard(t[start:stop], t.shape, 0, start)
+    return out
+
+
+class Serving:
+    """A receiver serving on a thread until the block ends."""
+
+    def __init__(self, rx):
+        self.rx = rx
+        self.events = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            e = self.rx.serve_one(timeout=0.01)
+            if e != refit.Event.idle:
+                self.events.append(e)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def each_rank(world: int, body):
+    """Runs body(rank) on a thread per rank; returns what each one raised (None when it returned)."""
+    raised = [None] * world
+
+    def run(r):
+        try:
+            body(r)
+        except Exception as e:  # noqa: BLE001 - handed back to the test
+            raised[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return raised
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_of_shard0_rows_commit_bit_exact_versions_into_a_parameter_table(world):
+    rx = refit.Receiver(streamers=world)
+    weights = {name: torch.zeros_like(t) for name, t in full_state(0).items()}
+    rx.add_parameters(weights)
+    assert len(rx.endpoints) == world and rx.endpoints[0] == rx.endpoint
+    streamers = [
+        refit.Streamer(rx.endpoints[r], transport="host_shm", buffer_bytes=1 << 10, group_rank=r, group_size=world)
+        for r in range(world)
+    ]
+    with Serving(rx) as s:
+        for version in (1, 2):
+            state = full_state(version)
+            stats = [None] * world
+
+            def send(r):
+                stats[r] = streamers[r].refit(version, shard_state(state, r, world))
+
+            assert each_rank(world, send) == [None] * world
+            assert rx.committed_version == version
+            assert not rx.dirty
+            for name, t in state.items():
+                assert torch.equal(weights[name], t), name
+            assert sum(st.bytes for st in stats) == sum(t.numel() * t.element_size() for t in state.values())
+        assert refit.Event.ended in s.events
+        assert s.events.count(refit.Event.committed) == 2
+        for st in streamers:
+            st.close()
+    rx.close()
+
+
+def test_on_tensor_sees_each_tensor_once_assembled_from_every_rank():
+    world = 2
+    rx = refit.Receiver(streamers=world)
+    seen = {}
+
+    @rx.on_tensor
+    def load_weights(name, tensor):
+        assert name not in seen, f"{name} delivered twice"
+        seen[name] = tensor.clone()
+
+    streamers = [
+        refit.Streamer(rx.endpoints[r], transport="host_shm", buffer_bytes=1 << 10, group_rank=r, group_size=world)
+        for r in range(world)
+    ]
+    state = full_state(3)
+    with Serving(rx):
+        assert each_rank(world, lambda r: streamers[r].refit(3, shard_state(state, r, world))) == [None, None]
+        for st in streamers:
+            st.close()
+    assert rx.committed_version == 3
+    assert set(seen) == set(state)
+    for name, t in state.items():
+        assert seen[name].dtype == t.dtype and torch.equal(seen[name], t), name
+    rx.close()
+
+
+def test_rows_sent_twice_fail_the_version_on_every_rank_and_the_next_commits():
+    world = 2
+    rx = refit.Receiver(streamers=world)
+    w = torch.zeros(8, 4)
+    rx.add_parameter("w", w)
+    streamers = [
+        refit.Streamer(rx.endpoints[r], transport="host_shm", group_rank=r, group_size=world) for r in range(world)
+    ]
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    with Serving(rx):
+        # Rank 1 claims rows [3, 8): row 3 is rank 0's too.
+        parts = [refit.Shard(full[0:4], (8, 4), 0, 0), refit.Shard(full[3:8], (8, 4), 0, 3)]
+        raised = each_rank(world, lambda r: streamers[r].refit(1, {"w": parts[r]}))
+        for e in raised:
+            assert isinstance(e, refit.RefitError)
+            assert e.code == refit.Errc.invalid_argument
+            assert "tensor 'w': rows [3, 4) were sent by rank 0 and by rank 1 (their shards overlap)" in str(e)
+        assert rx.committed_version is None
+        assert rx.dirty
+        parts = [refit.Shard(full[0:4], (8, 4), 0, 0), refit.Shard(full[4:8], (8, 4), 0, 4)]
+        assert each_rank(world, lambda r: streamers[r].refit(2, {"w": parts[r]})) == [None, None]
+        for st in streamers:
+            st.close()
+    assert rx.committed_version == 2
+    assert torch.equal(w, full)
+    rx.close()
+
+
+def test_a_shard_without_a_group_is_refused_before_anything_moves():
+    rx = refit.Receiver()
+    w = torch.zeros(8, 4)
+    rx.add_parameter("w", w)
+    with Serving(rx), refit.Streamer(rx.endpoint, transport="host_shm") as st:
+        with pytest.raises(refit.RefitError) as failure:
+            st.refit(1, {"w": refit.Shard(torch.ones(4, 4), (8, 4), 0, 0)})
+        assert failure.value.code == refit.Errc.invalid_argument
+        assert "this streamer is alone (streamer_options::group_size 1)" in str(failure.value)
+        # A whole tensor given as its own only shard goes as it is.
+        st.refit(2, {"w": refit.Shard(torch.ones(8, 4), (8, 4))})
+    assert rx.committed_version == 2
+    assert torch.equal(w, torch.ones(8, 4))
+    assert repr(refit.Shard(torch.ones(4, 4), (8, 4), -2, 4)) == "refit.Shard((4, 4) of (8, 4), dim=0, start=4)"
+    rx.close()
+
+
+def test_a_receiver_of_a_group_needs_an_endpoint_per_rank():
+    with pytest.raises(refit.RefitError) as failure:
+        refit.Receiver("ipc:///tmp/refit-one-endpoint", streamers=2)
+    assert failure.value.code == refit.Errc.invalid_argument
+    assert "binds one endpoint per streamer" in str(failure.value)
+    with refit.Receiver("tcp://*:0", streamers=3) as rx:
+        assert len(set(rx.endpoints)) == 3
+        assert all(e.startswith("tcp://127.0.0.1:") for e in rx.endpoints)
