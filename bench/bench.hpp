@@ -401,6 +401,9 @@ struct config {
   /// --delta STEPS: delta versions against whole ones (bench/delta.cpp); 0: the usual rows.
   int delta_steps = 0;
   double delta_update = 2.2e-4;   ///< --delta-update: relative size of one step's fp32 update
+  /// --streamers N: a group of N streamers, each holding the Shard(0) rows of every tensor, into
+  /// --receivers full replicas (bench/group.cpp); 0: the usual rows.
+  std::size_t streamers = 0;
   std::vector<std::string> argv;  ///< the command line, for the preamble
 };
 
@@ -488,6 +491,7 @@ struct row {
 double median(std::vector<double> v);
 /// refit-bench --delta STEPS (bench/delta.cpp): host_shm, one built-in model.
 int run_delta(const config& c, std::ostream& out);
+int run_group(const config& c, std::ostream& out);
 
 void write_preamble(std::ostream& out, const preamble& p);
 void write_header(std::ostream& out);

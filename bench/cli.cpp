@@ -166,6 +166,12 @@ void add_run_options(CLI::App& app, config& c, cli_text& t) {
                  "STEPS delta versions (host_shm, one --model), each after an fp32 "
                  "update rounded to bf16, against whole refits of the same run")
       ->check(CLI::PositiveNumber);
+  app.add_option("--streamers", c.streamers,
+                 "N streamers (one per trainer rank, in threads of this process), each holding the Shard(0) rows of "
+                 "every tensor, send each version together to --receivers full replicas (cuda_ipc or host_shm, one "
+                 "--model; --receiver-devices spread: rank k and receiver k on GPU (device + k) % visible); timed "
+                 "against the ceiling of the same copies made by the copy engines")
+      ->check(CLI::PositiveNumber);
   app.add_option("--delta-update", c.delta_update,
                  "--delta: relative size of one step's update (w += u * |w| * "
                  "U[-1, 1)); about 2 % of bf16 elements change at the default")
@@ -176,7 +182,7 @@ void add_run_options(CLI::App& app, config& c, cli_text& t) {
   t.receivers_opt = app.add_option("--receivers", c.receivers,
                                    "nccl: receiver processes, one GPU each after --device's "
                                    "(wrapping around the visible GPUs; --layout tpN: N, one per "
-                                   "rank); other transports ignore it")
+                                   "rank; --streamers: full replicas, on cuda_ipc too); other transports ignore it")
                         ->capture_default_str();
   app.add_option("--timeout-ms", c.timeout_ms, "longest wait for the peer")->capture_default_str();
   app.add_option("--json", c.json_file, "write every row and the preamble as JSON to FILE");

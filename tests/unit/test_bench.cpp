@@ -1803,3 +1803,20 @@ TEST_CASE("a short host_shm run with --convert commits every refit into fp8 dest
     CHECK(r["floor_ms"].get<double>() > 0);
   }
 }
+
+TEST_CASE("a host_shm run with --streamers 3 assembles Shard(0) rows into a verified replica, timed against its ceiling",
+          "[bench][e2e]") {
+  std::string out;
+  const int code = run_binary(
+      {"--streamers", "3", "--transport", "host_shm", "--model", "tiny", "--iters", "2", "--warmup", "1", "-q"},
+      out);
+  INFO(out);
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::Contains("# refit-bench --streamers 3: tiny"));
+  CHECK_THAT(out, Catch::Contains("Shard(0) rows per rank (torch.chunk)"));
+  CHECK_THAT(out, Catch::Contains("# ceiling: one memcpy"));
+  CHECK_THAT(out, Catch::Contains("x the ceiling"));
+  CHECK_THAT(out, Catch::Contains("# out of bounds/wrong values: 0"));
+  std::string refused;
+  CHECK(run_binary({"--streamers", "2", "--transport", "host_shm", "--receivers", "2", "-q"}, refused) != 0);
+}
