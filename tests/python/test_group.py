@@ -185,3 +185,67 @@ def test_a_receiver_of_a_group_needs_an_endpoint_per_rank():
     with refit.Receiver("tcp://*:0", streamers=3) as rx:
         assert len(set(rx.endpoints)) == 3
         assert all(e.startswith("tcp://127.0.0.1:") for e in rx.endpoints)
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+
+def group_table(chan, spec, device: int, streamers: int):
+    """Job (peer process): a parameter table of CUDA tensors on ``device`` served for a group of
+    ``streamers``; sends its endpoints. Commands: ``state``."""
+    from conftest import serve_loop, state_bytes, zeros_like_spec
+
+    torch.cuda.set_device(device)
+    params = zeros_like_spec(spec, device=f"cuda:{device}")
+    with refit.Receiver(device=device, streamers=streamers) as rx:
+        rx.add_parameters(params)
+        chan.send(rx.endpoints)
+        return serve_loop(rx, chan, {"state": lambda: state_bytes(params)})
+
+
+def mixed_shards(state, rank: int, world: int):
+    """Shard(0) rows of every tensor with rows; a 0-d tensor goes whole from rank 0 alone."""
+    out = {}
+    for name, t in state.items():
+        if t.dim() == 0:
+            if rank == 0:
+                out[name] = t
+            continue
+        rows = (t.shape[0] + world - 1) // world
+        start = min(t.shape[0], rank * rows)
+        out[name] = refit.Shard(t[start : min(t.shape[0], start + rows)], t.shape, 0, start)
+    return out
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("gpus", [1, 2], ids=["one-gpu", "two-gpus"])
+def test_two_ranks_on_cuda_commit_their_shards_bit_exact_over_cuda_ipc(peer, direct, gpus):
+    from conftest import mixed_state, need_gpus, spec_of, state_bytes
+
+    need_gpus(gpus)
+    world = 2
+    receiver_gpu = gpus - 1  # two GPUs: rank 1's shards are local, rank 0's cross NVLink
+    job = peer.run(group_table, spec_of(mixed_state(1)), receiver_gpu, world)
+    endpoints = job.recv()
+    rank_gpu = [0, gpus - 1]
+    streamers = [
+        refit.Streamer(endpoints[r], transport="cuda_ipc", device=rank_gpu[r], direct=direct, buffer_bytes=64 << 10,
+                       timeout=20.0, group_rank=r, group_size=world)
+        for r in range(world)
+    ]
+    for version in (1, 2, 3):
+        state = mixed_state(version)
+        per_rank = [{k: v.to(f"cuda:{rank_gpu[r]}") for k, v in state.items()} for r in range(world)]
+        stats = [None] * world
+
+        def send(r):
+            torch.cuda.set_device(rank_gpu[r])
+            stats[r] = streamers[r].refit(version, mixed_shards(per_rank[r], r, world))
+
+        assert each_rank(world, send) == [None, None]
+        assert job.request("state") == state_bytes(state), f"version {version}"
+        assert job.request("status")["committed_version"] == version
+        assert all(s.direct is direct for s in stats)
+    for st in streamers:
+        st.close()
+    job.stop()
