@@ -160,7 +160,8 @@ rank_shards make_shards(const manifest& m, std::size_t r, std::size_t n, int gpu
       const std::uint64_t bytes = m.entries[k].meta.nbytes();
 #if REFIT_HAVE_CUDA
       if (gpu >= 0) {
-        sum += delta::name_weight(m.entries[k].meta.name) * copy::checksum(on_device[k].handle(), bytes, device::cuda(gpu));
+        sum += delta::name_weight(m.entries[k].meta.name) *
+               copy::checksum(on_device[k].handle(), bytes, device::cuda(gpu));
         continue;
       }
 #endif
@@ -260,11 +261,10 @@ int run_group(const config& c, std::ostream& out) {
       ::close(down[1]);
       ::close(up[0]);
       const int visible = gpu ? visible_gpus() : 0;
-      const int g = !gpu ? -1
-                    : c.spread_receivers
-                        ? static_cast<int>((static_cast<std::size_t>(c.device) + j) %
-                                           static_cast<std::size_t>(std::max(visible, 1)))
-                        : c.device;
+      const int g = !gpu                 ? -1
+                    : c.spread_receivers ? static_cast<int>((static_cast<std::size_t>(c.device) + j) %
+                                                            static_cast<std::size_t>(std::max(visible, 1)))
+                                         : c.device;
       receiver_child(m, fmt::format("{}-{}-{{rank}}", base, j), n, down[0], up[1], g);
     }
     ::close(down[0]);
@@ -301,7 +301,8 @@ int run_group(const config& c, std::ostream& out) {
   for (std::size_t r = 0; r < n; ++r) {
     streamer_options so;
     so.transport = gpu ? transport_kind::cuda_ipc : transport_kind::host_shm;
-    for (std::size_t j = 0; j < receivers; ++j) so.receivers.push_back(endpoint_of(fmt::format("{}-{}-{{rank}}", base, j), r));
+    for (std::size_t j = 0; j < receivers; ++j)
+      so.receivers.push_back(endpoint_of(fmt::format("{}-{}-{{rank}}", base, j), r));
     so.endpoint = so.receivers.front();
     so.direct = direct;
     so.device = std::max(place(r), 0);
@@ -327,15 +328,19 @@ int run_group(const config& c, std::ostream& out) {
     ceiling_what = "one memcpy of the model's bytes on one thread";
   }
 
-  out << fmt::format("# refit-bench --streamers {}: {} ({} tensors, {:.3f} GB {}), Shard(0) rows per rank (torch.chunk)\n",
-                     n, m.name, m.entries.size(), m.bytes() / 1e9, to_string(c.type));
+  out << fmt::format(
+      "# refit-bench --streamers {}: {} ({} tensors, {:.3f} GB {}), Shard(0) rows per rank (torch.chunk)\n", n, m.name,
+      m.entries.size(), m.bytes() / 1e9, to_string(c.type));
   std::string where_s, where_r;
   for (std::size_t r = 0; r < n; ++r) where_s += (r ? "," : "") + (gpu ? fmt::format("cuda:{}", place(r)) : "cpu");
   for (std::size_t j = 0; j < receivers; ++j)
     where_r += (j ? "," : "") + (gpu ? fmt::format("cuda:{}", receiver_gpus[j]) : "cpu");
   out << fmt::format("# {} {}, streamers on {}, {} receiver(s) (full replicas) on {}, {} x {} MiB buffers\n",
-                     gpu ? "cuda_ipc" : "host_shm", !gpu ? "(staged)" : direct ? "direct" : "staged", where_s, receivers, where_r,
-                     c.buffer_counts.at(0), c.buffer_mb.at(0));
+                     gpu ? "cuda_ipc" : "host_shm",
+                     !gpu     ? "(staged)"
+                     : direct ? "direct"
+                              : "staged",
+                     where_s, receivers, where_r, c.buffer_counts.at(0), c.buffer_mb.at(0));
   out << fmt::format("# ceiling: {}: {:.2f} ms\n", ceiling_what, ceiling * 1e3);
   out << fmt::format("{:>8} {:>8} {:>10} {:>10} {:>10} {:>8}\n", "version", "counted", "time", "slowest", "GB/s",
                      "ceil/t");
@@ -364,12 +369,12 @@ int run_group(const config& c, std::ostream& out) {
     for (auto& t : threads) t.join();
     const double ms = std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
     for (std::size_t r = 0; r < n; ++r)
-      if (failed[r]) throw error(errc::internal, fmt::format("--streamers: rank {} failed version {}: {}", r, version, *failed[r]));
+      if (failed[r])
+        throw error(errc::internal, fmt::format("--streamers: rank {} failed version {}: {}", r, version, *failed[r]));
     const bool counted = it >= c.warmup;
     if (counted) times.push_back(ms);
     out << fmt::format("{:>8} {:>8} {:>10.2f} {:>10.2f} {:>10.2f} {:>8.3f}\n", version, counted ? "yes" : "warm-up", ms,
-                       *std::max_element(rank_ms.begin(), rank_ms.end()), m.bytes() / (ms * 1e6),
-                       ceiling * 1e3 / ms);
+                       *std::max_element(rank_ms.begin(), rank_ms.end()), m.bytes() / (ms * 1e6), ceiling * 1e3 / ms);
     out.flush();
   }
   for (auto& s : streamers) s->close();

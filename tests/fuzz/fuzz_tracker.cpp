@@ -88,7 +88,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (data[0] & 1) committed = (data[0] >> 1) & 7;
   std::span<const std::uint8_t> rest(data + 1, size - 1);
 
-  wire::refit_tracker tracker(buffer_sizes, entry_limit);
+  // Bit 4: a sharded tracker (one lane of a group: ranges that start anywhere, checked at END by
+  // the receiver across lanes).
+  const bool sharded = (data[0] & 0x10) != 0;
+  wire::refit_tracker tracker(buffer_sizes, entry_limit, sharded);
   std::map<std::string, std::uint64_t, std::less<>> totals;  // bytes of each tensor of this refit
   std::uint64_t arrived = 0;                                 // bytes of the accepted batches
 
@@ -128,12 +131,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       } else if (const auto* e = std::get_if<wire::end>(&m)) {
         tracker.finish(*e);
         FUZZ_ASSERT(!tracker.active());
-        FUZZ_ASSERT(e->version == before.version && e->tensors == before.tensors && e->bytes == before.bytes &&
-                    e->batches == before.batches);
-        // Nothing partial is left, so every byte that arrived belongs to a completed tensor.
-        std::uint64_t whole = 0;
-        for (const auto& name : tracker.completed()) whole += totals.at(name);
-        FUZZ_ASSERT(whole == tracker.bytes());
+        FUZZ_ASSERT(e->version == before.version && e->bytes == before.bytes && e->batches == before.batches);
+        if (sharded) {
+          // Every name is one range inside its tensor; they count as the tensors END announced.
+          FUZZ_ASSERT(tracker.completed().empty() && e->tensors == tracker.ranges().size());
+          for (const auto& [name, r] : tracker.ranges())
+            FUZZ_ASSERT(r.first <= r.next && r.next <= r.total && totals.at(name) == r.total);
+        } else {
+          FUZZ_ASSERT(e->tensors == before.tensors);
+          // Nothing partial is left, so every byte that arrived belongs to a completed tensor.
+          std::uint64_t whole = 0;
+          for (const auto& name : tracker.completed()) whole += totals.at(name);
+          FUZZ_ASSERT(whole == tracker.bytes());
+        }
         committed = e->version;
       } else if (std::holds_alternative<wire::bye>(m)) {
         tracker.reset();

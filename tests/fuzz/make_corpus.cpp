@@ -119,6 +119,12 @@ int main(int argc, char** argv) {
     write(w, "hello_host_shm", wire::encode(hello_shm()));
     write(w, "hello_cuda_ipc", wire::encode(hello_cuda()));
     write(w, "hello_nccl", wire::encode(hello_nccl()));
+    {
+      wire::hello h = hello_cuda();
+      h.group_rank = 3;
+      h.group_size = 8;
+      write(w, "hello_group", wire::encode(h));
+    }
     // decode_dest runs on every input too: destination records of a direct offer.
     write(
         w, "dest_shard",
@@ -163,8 +169,11 @@ int main(int argc, char** argv) {
               wire::abort{7, refit::errc::invalid_argument, "the source yielded tensor 'w' twice in version 7"}));
 
     // ------------------------------------------------------------- fuzz_tracker
-    // Byte 0: bit 0 = a committed version exists, bits 1-3 = its value.
+    // Byte 0: bit 0 = a committed version exists, bits 1-3 = its value, bit 4 = a sharded tracker.
     const fs::path t = root / "fuzz_tracker";
+    write(t, "refit_shard",
+          concat(0x10, {wire::begin{3, false, {}}, wire::batch{3, 0, 0, {{"x", dtype::f64, {64}, 256, 128, 0}}},
+                        wire::batch{3, 1, 0, {{"x", dtype::f64, {64}, 384, 64, 0}}}, wire::end{3, 1, 192, 2, {}}}));
     write(t, "refit_one", concat(0, {hello_shm(), wire::begin{7, false, {}}, batch0(), batch1(), end7()}));
     write(t, "refit_after_committed_5",
           concat(1 | (5 << 1), {wire::begin{7, false, {}}, batch0(), batch1(), end7(), wire::bye{}}));

@@ -1804,12 +1804,12 @@ TEST_CASE("a short host_shm run with --convert commits every refit into fp8 dest
   }
 }
 
-TEST_CASE("a host_shm run with --streamers 3 assembles Shard(0) rows into a verified replica, timed against its ceiling",
-          "[bench][e2e]") {
+TEST_CASE(
+    "a host_shm run with --streamers 3 assembles Shard(0) rows into a verified replica, timed against its ceiling",
+    "[bench][e2e]") {
   std::string out;
   const int code = run_binary(
-      {"--streamers", "3", "--transport", "host_shm", "--model", "tiny", "--iters", "2", "--warmup", "1", "-q"},
-      out);
+      {"--streamers", "3", "--transport", "host_shm", "--model", "tiny", "--iters", "2", "--warmup", "1", "-q"}, out);
   INFO(out);
   CHECK(code == 0);
   CHECK_THAT(out, Catch::Contains("# refit-bench --streamers 3: tiny"));
