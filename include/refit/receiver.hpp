@@ -172,9 +172,13 @@ class REFIT_API receiver {
   /// sent, naming the tensor and the ranks), and, for a whole version, every registered tensor
   /// arrived. A streamer that fails (ABORT, a new session, a bad message) or is silent for the idle
   /// timeout (or does not begin within it) fails the version on every lane: each streamer hears it,
-  /// with the rank, in the reply to its END or its next message (errc::peer, or errc::timeout for
-  /// the silent one). The next version starts clean. A group sends whole versions or subsets, not
-  /// deltas.
+  /// with the rank, in the reply to its END or to its next message of that version, its BEGIN
+  /// included (errc::incomplete, or errc::timeout for the silent one); a failed version is never
+  /// started over by the ranks that had not begun it. A held END is answered within three quarters
+  /// of its streamer's reply timeout (streamer_options::timeout, said at HELLO): if the other ranks
+  /// have not all ended by then, the version fails (errc::timeout, naming them), so a streamer never
+  /// gives up on a version that then commits. The next version starts clean. A group sends whole
+  /// versions or subsets, not deltas.
   [[nodiscard]] std::vector<std::string> endpoints() const;
 
   /// Parameter-table sink: registers a destination. Incoming tensors are checked against it

@@ -471,6 +471,57 @@ __global__ void __launch_bounds__(convert_threads)
   }
 }
 
+/// fused_block128_vec for a 16-bit source whose launched tiles are all whole (rows and the column
+/// range on 128-element edges): the same loads, codes and scale, but the tile stays in registers as
+/// its raw 16-bit words (32 registers a thread), unpacked again for the stores. fused_block128_vec
+/// keeps 64 floats a thread, which ptxas places on the stack (256 bytes of local memory written and
+/// read back per thread and tile: four times the tile's own bytes); this one needs 80 registers and
+/// no stack, three blocks to an SM.
+template <std::uint8_t From>
+__global__ void __launch_bounds__(convert_threads)
+    fused_block128_tiles(const std::uint16_t* src, std::uint64_t rows, std::uint64_t cols, std::uint8_t* dst,
+                         std::uint64_t dst_pitch, std::uint64_t col_lo, float* scale, std::uint64_t scale_pitch) {
+  const std::uint64_t c0 = (blockIdx.x + col_lo / cvt::block) * cvt::block;
+  const std::uint64_t r0 = blockIdx.y * cvt::block;
+  const std::uint32_t group = threadIdx.x % 16;  // eight columns of the tile
+  const std::uint32_t sub = threadIdx.x / 16;    // a row of each pass
+  const std::uint64_t matrix = static_cast<std::uint64_t>(blockIdx.z) * rows;
+  constexpr int passes = static_cast<int>(cvt::block) / 16;
+  const std::uint16_t* p = src + (matrix + r0 + sub) * cols + c0 + group * 8u;
+  uint4 raw[passes];
+#pragma unroll
+  for (int k = 0; k < passes; ++k) raw[k] = __ldg(reinterpret_cast<const uint4*>(p + 16u * k * cols));
+  const auto unpack = [](const uint4& w, float(&out)[8]) {
+    const std::uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const auto lo = static_cast<std::uint16_t>(words[i] & 0xffffu);
+      const auto hi = static_cast<std::uint16_t>(words[i] >> 16);
+      out[2 * i] = From == cvt::bf16 ? cvt::bf16_to_f32(lo) : cvt::f16_to_f32(lo);
+      out[2 * i + 1] = From == cvt::bf16 ? cvt::bf16_to_f32(hi) : cvt::f16_to_f32(hi);
+    }
+  };
+  float m = 0.0f;
+#pragma unroll
+  for (int k = 0; k < passes; ++k) {
+    float v[8];
+    unpack(raw[k], v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) take(m, v[e]);
+  }
+  const float mul = tile_multiplier(m, scale, scale_pitch);
+  std::uint8_t* out = dst + (matrix + r0 + sub) * dst_pitch + (c0 - col_lo) + group * 8u;
+#pragma unroll
+  for (int k = 0; k < passes; ++k) {
+    float v[8];
+    unpack(raw[k], v);
+    std::uint64_t word = 0;
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) word |= static_cast<std::uint64_t>(e4m3x2(v[e] * mul, v[e + 1] * mul)) << (8 * e);
+    *reinterpret_cast<std::uint64_t*>(out + 16u * k * dst_pitch) = word;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_convert(const convert_args& a, int max_blocks, cudaStream_t stream) noexcept {
@@ -519,7 +570,15 @@ cudaError_t launch_fused_block128(const void* src, std::uint8_t from, std::uint6
   // Wide loads and stores when alignment allows (what dense bf16 weights always give).
   const bool vec = reinterpret_cast<std::uintptr_t>(src) % 16 == 0 && cols % 8 == 0 &&
                    reinterpret_cast<std::uintptr_t>(dst) % 8 == 0 && dst_pitch % 8 == 0;
-  if (vec && from == cvt::bf16)
+  const bool whole = rows % cvt::block == 0 && col_lo % cvt::block == 0 && col_hi % cvt::block == 0;
+  const auto* src16 = static_cast<const std::uint16_t*>(src);
+  if (vec && whole && from == cvt::bf16)
+    fused_block128_tiles<cvt::bf16>
+        <<<grid, convert_threads, 0, stream>>>(src16, rows, cols, dst, dst_pitch, col_lo, scale, scale_pitch);
+  else if (vec && whole && from == cvt::f16)
+    fused_block128_tiles<cvt::f16>
+        <<<grid, convert_threads, 0, stream>>>(src16, rows, cols, dst, dst_pitch, col_lo, scale, scale_pitch);
+  else if (vec && from == cvt::bf16)
     fused_block128_vec<cvt::bf16>
         <<<grid, convert_threads, 0, stream>>>(src, rows, cols, dst, dst_pitch, col_lo, col_hi, scale, scale_pitch);
   else if (vec && from == cvt::f16)

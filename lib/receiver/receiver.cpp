@@ -245,9 +245,16 @@ struct lane {
   /// The END of this lane's part, checked and not answered yet: a group's version commits (and
   /// every lane hears how it ended) when the last lane's END arrives.
   std::optional<wire::end> held;
-  /// The group's version this lane took part in ended without it (another rank failed it): its
-  /// next BATCH or END of that version hears why, instead of "no refit in progress".
+  clock::time_point held_since{};
+  /// The streamer's reply timeout (HELLO), zero when it did not say: a held END is answered
+  /// within three quarters of it, so that the streamer hears how the version ended.
+  milliseconds reply_timeout{0};
+  /// The group's version ended without this lane's part (another rank failed it): the lane's next
+  /// message of that version hears why: a BATCH or END if it had begun (instead of "no refit in
+  /// progress"), its BEGIN if not (so that a rank late for a failed version does not start it over
+  /// alone). Kept across sessions; dropped once heard, or at a BEGIN of another version.
   std::optional<std::pair<std::uint64_t, refusal>> failed;
+  bool took_part = false;  ///< scratch of abort_refit(): the lane was in the refit it ends
 #if REFIT_HAVE_CUDA
   std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
 #endif
@@ -284,6 +291,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::vector<lane> lanes;
   /// The lane whose message is being handled.
   lane* ln = nullptr;
+  /// The lane whose message is being answered (null while no message is in hand: a timeout).
+  lane* answering = nullptr;
   std::size_t next_lane = 0;  ///< where the next wait for a message starts looking (fairness)
 
   // Sinks: a parameter table or a callback (exclusive).
@@ -406,22 +415,13 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     const std::uint64_t version = *group_version;
     group_version.reset();
     for (lane& l : lanes) {
-      const bool part = l.in_refit();
+      l.took_part = l.in_refit();
       if (l.tracker) l.tracker->reset();
       l.deferred.reset();
-      if (l.sink && part) {
+      if (l.sink && l.took_part) {
         // Device work that waits on a peer which will not come (nccl) must not outlive the refit.
         l.sink->abort();
         if (!l.sink->attached()) l.tracker.reset();  // the session cannot go on: the next HELLO rebuilds
-      }
-      try {
-        if (l.held) {
-          l.held.reset();
-          l.channel.reply(wire::encode(wire::error{code, why}));
-        } else if (part && &l != ln) {
-          l.failed.emplace(version, refusal{code, why});
-        }
-      } catch (...) {
       }
     }
     // A delta patches in place: once it wrote anything, the weights are neither its base nor the
@@ -442,6 +442,20 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                                    : "");
       endings.push_back(ending{version, false, why});
     } catch (...) {
+    }
+    // The streamers hear it last, once everything they may ask about (last_error(), dirty()) says so.
+    for (lane& l : lanes) {
+      try {
+        if (l.held) {
+          l.held.reset();
+          l.channel.reply(wire::encode(wire::error{code, why}));
+        } else if (grouped() && &l != answering) {
+          // Its next message of this version hears why: a BATCH or END if it took part, a BEGIN
+          // if it had not begun yet (it must not start the failed version over on its own).
+          l.failed.emplace(version, refusal{code, why});
+        }
+      } catch (...) {
+      }
     }
   }
 
@@ -470,8 +484,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 
   /// Ends the current lane's session (and the refit in progress, if the lane takes part in it).
   void end_session() noexcept {
-    if (ln->in_refit()) abort_refit(fmt::format("the session with {} ended", who(*ln)), errc::peer);
-    ln->failed.reset();
+    if (ln->in_refit()) abort_refit(fmt::format("the session with {} ended", who(*ln)), errc::incomplete);
     if (ln->sink) {
       try {
         ln->sink->drain();
@@ -592,6 +605,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       ln->copier =
           copy::make_copier(copy::choose(ln->sink->engine(), options.engine), options.device, options.idle_timeout);
       ln->peer = h.peer;
+      ln->reply_timeout =
+          milliseconds{static_cast<std::int64_t>(std::min<std::uint64_t>(h.reply_timeout_ms, std::uint64_t{1} << 40))};
       ln->laid_out = h.mode == wire::session_mode::in_place;
       ln->session_generation = sink_generation;
       REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", who(*ln), ln->sink->count(),
@@ -688,6 +703,15 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                   "this receiver has no sink: register parameters (add_parameter) or a callback (on_batch) first");
       return receiver_event::refused;
     }
+    if (ln->failed && ln->failed->first != b.version) ln->failed.reset();  // another version: moot
+    if (ln->failed) {
+      // The group's version failed before this streamer began it: it hears why, and the group
+      // does not start that version over with it alone.
+      const refusal r = ln->failed->second;
+      ln->failed.reset();
+      reply_error(r.code, fmt::format("version {} failed before {} began it: {}", b.version, who(*ln), r.message));
+      return receiver_event::refused;
+    }
     if (group_version) return join_refit(b);
     try {
       ln->tracker->begin(b, committed_version());
@@ -726,7 +750,6 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     refit_start = clock::now();
     apply_seconds = 0;
     group_version = b.version;
-    for (lane& l : lanes) l.failed.reset();
     ln->deferred.reset();
     // Direct writes start as soon as the streamer has this reply.
     if (ln->direct) is_dirty.store(true);
@@ -1101,6 +1124,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     }
     // Answered when the version ends: now for a streamer alone, at the last END of a group.
     ln->held = e;
+    ln->held_since = clock::now();
     for (const lane& l : lanes)
       if (!l.held) {
         REFIT_DEBUG("END of version {} from {}: waiting for the other streamers of the group", e.version, who(*ln));
@@ -1282,7 +1306,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     }
     abort_refit(
         fmt::format("the streamer {} aborted version {} ({}): {}", who(*ln), a.version, to_string(a.code), a.reason),
-        grouped() ? errc::peer : errc::apply);
+        grouped() ? errc::incomplete : errc::apply);
     reply_ok();
     return receiver_event::aborted;
   }
@@ -1308,13 +1332,17 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       m = wire::decode(bytes);
     } catch (const error& e) {
       const bool was_active = refit_active();
+      answering = ln;
       if (was_active) abort_refit(e.what(), e.code());
+      answering = nullptr;
       reply_error(e.code(), e.what());
       return was_active ? receiver_event::aborted : receiver_event::refused;
     }
     if (const auto why = supersedes(m)) {
       // Reported on its own; the message that ended the refit is answered by the next call.
-      abort_refit(*why, grouped() ? errc::peer : errc::apply);
+      answering = ln;
+      abort_refit(*why, grouped() ? errc::incomplete : errc::apply);
+      answering = nullptr;
       ln->pending = std::move(m);
       return receiver_event::aborted;
     }
@@ -1322,6 +1350,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
   receiver_event dispatch(const wire::message& m) {
+    answering = ln;
+    struct done_answering {
+      lane*& a;
+      ~done_answering() { a = nullptr; }
+    } done{answering};
     return std::visit(
         [&](const auto& msg) -> receiver_event {
           using T = std::decay_t<decltype(msg)>;
@@ -1373,24 +1406,20 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       // A refit in progress must not wait forever on a dead streamer: every lane that has not
       // ended its part must say something within the idle timeout (one that has not begun it yet,
       // within the idle timeout of the version's first BEGIN).
+      // A lane whose END is held is answered within three quarters of its streamer's reply timeout.
       const auto now = clock::now();
       lane* late = nullptr;
       clock::time_point deadline{};
       for (lane& l : lanes) {
-        if (l.held) continue;
+        if (l.held && l.reply_timeout.count() == 0) continue;
         const auto due =
-            (l.refit_active() ? l.last_message : std::max(l.last_message, refit_start)) + options.idle_timeout;
+            l.held ? l.held_since + l.reply_timeout * 3 / 4
+                   : (l.refit_active() ? l.last_message : std::max(l.last_message, refit_start)) + options.idle_timeout;
         if (late == nullptr || due < deadline) late = &l, deadline = due;
       }
       if (late != nullptr && now >= deadline) {
         ln = late;
-        abort_refit(
-            late->refit_active()
-                ? fmt::format("no message from the streamer {} for {} ms during version {}", who(*late),
-                              options.idle_timeout.count(), *group_version)
-                : fmt::format("the streamer {} did not begin version {} within {} ms of the group's first BEGIN",
-                              who(*late), *group_version, options.idle_timeout.count()),
-            errc::timeout);
+        abort_refit(late_reason(*late), errc::timeout);
         return receiver_event::aborted;
       }
       if (late != nullptr) wait = std::min(wait, std::chrono::ceil<milliseconds>(deadline - now));
@@ -1402,6 +1431,23 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     REFIT_DEBUG("{} handled in {:.0f} us ({} bytes)", to_string(e),
                 std::chrono::duration<double, std::micro>(clock::now() - ln->last_message).count(), request->size());
     return e;
+  }
+
+  /// Why the group's version fails at lane `l`'s deadline (see step()).
+  std::string late_reason(const lane& l) const {
+    if (l.refit_active())
+      return fmt::format("no message from the streamer {} for {} ms during version {}", who(l),
+                         options.idle_timeout.count(), *group_version);
+    if (!l.held)
+      return fmt::format("the streamer {} did not begin version {} within {} ms of the group's first BEGIN", who(l),
+                         *group_version, options.idle_timeout.count());
+    std::vector<std::size_t> missing;
+    for (const lane& o : lanes)
+      if (!o.held) missing.push_back(o.rank);
+    return fmt::format(
+        "version {} did not end within three quarters of the reply timeout of {} ({} ms): rank {} had not sent its "
+        "END",
+        *group_version, who(l), l.reply_timeout.count(), fmt::join(missing, ", "));
   }
 
   /// Waits up to `wait` for a request on any lane that is not holding one (a held END must be

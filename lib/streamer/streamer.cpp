@@ -305,6 +305,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     h.layout = options.layout;
     h.group_rank = options.group_rank;
     h.group_size = options.group_size;
+    h.reply_timeout_ms = static_cast<std::uint64_t>(options.timeout.count());
     buffers->open_session(h);
     try {
       const auto hello_to = [&](std::size_t k) {
@@ -730,6 +731,33 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
     }
 
+    /// A converted tensor in an in-place session without staging buffers. Throws.
+    [[noreturn]] void refuse_unconverted(const tensor_ref& t) const {
+      throw error(errc::invalid_argument,
+                  fmt::format("tensor {}: the receivers ask for it as {}, but this {} session sends every tensor in "
+                              "place, unconverted (nothing of it was sent; receivers that took earlier batches of "
+                              "version {} stay dirty until a refit commits): set streamer_options::direct = false "
+                              "so that it is converted into the send buffers",
+                              describe(t.meta), to_string(t.meta.type), to_string(st.options.transport), version));
+    }
+
+    /// Adds one whole block128 tensor of a staged session, written by `job` (one pass, its scales
+    /// into scratch) at its place in the open batch's buffer (in place: the staging buffer). `t`
+    /// is the tensor as sent (f8_e4m3), `src_dev` where its source is.
+    void add_fused(const tensor_ref& t, const placement& p, copy::fused_job job, device src_dev) {
+      std::byte* base =
+          in_place ? st.buffers->staging(seq % st.buffers->count()) : st.buffers->data(seq % st.buffers->count());
+      if (base == nullptr) refuse_unconverted(t);
+      if (t.stream != nullptr && (streams.empty() || streams.back() != t.stream)) streams.push_back(t.stream);
+      entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, p.entry.tensor_offset, p.entry.bytes,
+                                    p.entry.buffer_offset, wire::entry_kind::bytes, 0});
+      if (src_dev.kind == device_kind::cuda && !(src_dev == st.buffers->where()))
+        copy::enable_peer_access(st.buffers->where().index, src_dev.index);
+      job.dst = reinterpret_cast<std::uint8_t*>(base + p.entry.buffer_offset);
+      fused.push_back(job);
+      if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
+    }
+
     /// Counts `bytes` of direct writes planned, launching what is planned when the device idles.
     void note_direct(std::uint64_t bytes) {
       direct_pending += bytes;
@@ -767,13 +795,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       // planned offsets fit: they are an in-place batch's).
       std::byte* base =
           in_place ? st.buffers->staging(seq % st.buffers->count()) : st.buffers->data(seq % st.buffers->count());
-      if (base == nullptr)
-        throw error(errc::invalid_argument,
-                    fmt::format("tensor {}: the receivers ask for it as {}, but this {} session sends every tensor in "
-                                "place, unconverted (nothing of it was sent; receivers that took earlier batches of "
-                                "version {} stay dirty until a refit commits): set streamer_options::direct = false "
-                                "so that it is converted into the send buffers",
-                                describe(t.meta), to_string(t.meta.type), to_string(st.options.transport), version));
+      if (base == nullptr) refuse_unconverted(t);
       cops.push_back(copy::convert_op{static_cast<const std::byte*>(t.data) + first * copy::cvt::item(cv.from),
                                       base + p.entry.buffer_offset, p.entry.bytes / di, 1, 0, 0, first, cv});
       if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
@@ -1104,13 +1126,30 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     const std::vector<placement> placed = pl.add(w.planned++, bytes);
     if (t.stream != nullptr) w.streams.push_back(t.stream);
 
-    // Direct block128 writes of a whole tensor into plain or column-shard destinations: one pass
-    // (copy::fused_job) writes the codes and the scales where they go. Otherwise a scale pass
-    // into scratch, then converting copies, then the scale tensor copied like any other.
+    // Block128 of a whole tensor placed in one piece: one pass (copy::fused_job) writes the codes
+    // and the scales. Direct: into plain or column-shard destinations, codes and scales where they
+    // go. Staged: the codes into the buffer, the scales into scratch, sent from there as the scale
+    // tensor. Otherwise a scale pass into scratch, then converting copies, then the scale tensor.
     std::vector<copy::fused_job> fused;
-    if (w.direct && c.q == quant::block128 && part == nullptr && placed.size() == 1 &&
-        placed[0].entry.tensor_offset == 0 && placed[0].entry.bytes == bytes)
-      fused = fused_jobs(t, targets, scale_targets);
+    const bool whole_block128 = c.q == quant::block128 && part == nullptr && placed.size() == 1 &&
+                                placed[0].entry.tensor_offset == 0 && placed[0].entry.bytes == bytes;
+    if (w.direct && whole_block128) fused = fused_jobs(t, targets, scale_targets);
+    const bool staged_fused = !w.direct && whole_block128 && t.meta.numel() != 0;
+    if (staged_fused) {
+      const auto& shape = t.meta.shape;
+      copy::fused_job j;
+      j.src = t.data;
+      j.from = t.meta.type;
+      j.cols = static_cast<std::uint64_t>(shape[shape.size() - 1]);
+      j.rows = static_cast<std::uint64_t>(shape[shape.size() - 2]);
+      j.lead = t.meta.numel() / (j.rows * j.cols);
+      j.col_hi = j.cols;
+      j.dst_pitch = j.cols;
+      j.scale = copier->scratch(scale->meta.numel());
+      j.scale_pitch = (j.cols + 127) / 128;
+      scale->data = j.scale;
+      fused.push_back(j);  // its dst is the buffer's, known once its batch is open
+    }
     const float* mul = nullptr;
     if (scale && fused.empty()) {
       const std::uint64_t groups = scale->meta.numel();
@@ -1127,6 +1166,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       p.entry.tensor_offset += shift;
       if (fused.empty()) {
         w.add(sent, p, targets, &cv);
+      } else if (staged_fused) {
+        w.add_fused(sent, p, fused.front(), t.dev);
       } else {
         w.add(sent, p, {}, &cv);  // the entry only: the fused jobs write it
         w.fused.insert(w.fused.end(), fused.begin(), fused.end());

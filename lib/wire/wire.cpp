@@ -79,7 +79,7 @@ void head(packer& p, msg_type t, std::uint32_t fields) {
 }
 
 void encode_body(packer& p, const hello& m) {
-  head(p, msg_type::hello, 12);
+  head(p, msg_type::hello, 13);
   pack_str(p, m.token);
   pack_str(p, m.transport);
   pack_str(p, m.peer);
@@ -99,6 +99,7 @@ void encode_body(packer& p, const hello& m) {
   pack_str(p, m.layout);
   pack_uint(p, m.group_rank);
   pack_uint(p, m.group_size);
+  pack_uint(p, m.reply_timeout_ms);
 }
 
 void pack_optional(packer& p, const std::optional<std::uint64_t>& v) {
@@ -312,7 +313,7 @@ class reader {
 // Fields of each message, after [type, protocol version].
 constexpr std::size_t field_count(msg_type t) noexcept {
   switch (t) {
-    case msg_type::hello: return 12;
+    case msg_type::hello: return 13;
     case msg_type::begin: return 3;
     case msg_type::batch: return 4;
     case msg_type::end: return 5;
@@ -363,6 +364,7 @@ hello decode_hello(reader& r, std::span<const object> f) {
   m.group_rank = r.u64(f[10], "group_rank");
   if (m.group_rank >= m.group_size)
     r.fail("group_rank", fmt::format("{} is not below the group's size {}", m.group_rank, m.group_size));
+  m.reply_timeout_ms = r.u64(f[12], "reply_timeout_ms");
   return m;
 }
 

@@ -90,6 +90,10 @@ struct hello {
   /// group_rank < group_size.
   std::uint64_t group_rank = 0;
   std::uint64_t group_size = 1;
+  /// How long the streamer waits for any reply (streamer_options::timeout), 0 when it does not
+  /// say: a group's receiver ends a version within it while this streamer's END waits for the
+  /// others', so that the streamer hears how it ended before it gives up.
+  std::uint64_t reply_timeout_ms = 0;
   friend bool operator==(const hello&, const hello&) = default;
 };
 

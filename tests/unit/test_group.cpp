@@ -440,7 +440,8 @@ TEST_CASE("a streamer that fails its part tells the whole group, and the next ve
   REQUIRE(failed[1]);
   CHECK(failed[1]->code == "invalid_argument");  // its own error, unchanged
   REQUIRE(failed[0]);
-  CHECK(failed[0]->code == "peer");
+  // Rank 0 hears it in the reply to its END, or to its BEGIN when rank 1 gave up first.
+  CHECK(failed[0]->code == "incomplete");
   CHECK_THAT(failed[0]->message, Catch::Contains("the streamer rank 1"));
   CHECK_THAT(failed[0]->message, Catch::Contains("aborted version 7"));
   CHECK_FALSE(s.receiver.committed_version());
@@ -570,4 +571,68 @@ TEST_CASE("bad group options and shards are refused with what to do", "[group]")
     CHECK_NOTHROW(alone.refit(2, std::vector<refit::tensor_ref>{all}));
     CHECK(s.receiver.committed_version() == 2);
   }
+}
+
+TEST_CASE("a rank that begins a version the group already failed hears why, and the group does not restart it",
+          "[group]") {
+  constexpr std::size_t n = 2;
+  serving s(group_receiver(n));
+  table dest(s.receiver, group_model());
+  s.start();
+  const auto endpoints = s.receiver.endpoints();
+  refit::streamer s0(rank_options(endpoints[0], 0, n));
+  refit::streamer s1(rank_options(endpoints[1], 1, n));
+  const rt::host_tensors whole(group_model(), 7);
+  // Rank 1 alone begins version 7 and gives it up; only then does rank 0 begin it.
+  const auto shards1 = rank_shards(whole, 1, n);
+  std::size_t k = 0;
+  const auto f1 = rt::failure_of([&] {
+    s1.refit(7, [&]() -> std::optional<refit::tensor_ref> {
+      if (k == 1) throw refit::error(errc::invalid_argument, "rank 1 ran out of memory gathering q");
+      return shards1[k++];
+    });
+  });
+  REQUIRE(f1);
+  CHECK(f1->code == "invalid_argument");
+  const auto f0 = rt::failure_of([&] { s0.refit(7, rank_shards(whole, 0, n)); });
+  REQUIRE(f0);
+  CHECK(f0->code == "incomplete");
+  CHECK_THAT(f0->message, Catch::Contains("version 7 failed before rank 0"));
+  CHECK_THAT(f0->message, Catch::Contains("the streamer rank 1") && Catch::Contains("aborted version 7"));
+  CHECK_THAT(f0->message, Catch::Contains("rank 1 ran out of memory gathering q"));
+  CHECK_FALSE(s.receiver.committed_version());
+  // Both retry version 7: it commits.
+  const auto again = each_rank(n, [&](std::size_t r) {
+    const auto shards = rank_shards(whole, r, n);
+    (r == 0 ? s0 : s1).refit(7, shards);
+  });
+  INFO(failures_text(again));
+  for (const auto& f : again) CHECK_FALSE(f);
+  CHECK(s.receiver.committed_version() == 7);
+  CHECK(dest.mismatch(7).empty());
+}
+
+TEST_CASE("a rank whose END waits for a rank that never comes hears so within its own reply timeout", "[group]") {
+  constexpr std::size_t n = 2;
+  serving s(group_receiver(n));  // an idle timeout of a minute: the streamer's own timeout bounds the wait
+  table dest(s.receiver, {{"w", dtype::f32, {4, 2}}});
+  s.start();
+  auto o = rank_options(s.receiver.endpoints()[0], 0, n);
+  o.timeout = refit::milliseconds{800};
+  refit::streamer s0(o);
+  const rt::host_tensors whole({{"w", dtype::f32, {4, 2}}}, 1);
+  const auto f = rt::failure_of([&] { s0.refit(1, rank_shards(whole, 0, n)); });
+  REQUIRE(f);
+  // The receiver's reply (at 600 ms), not the streamer's own timeout: the version is known not to commit.
+  CHECK(f->code == "timeout");
+  CHECK_THAT(f->message, Catch::Contains("version 1 did not end within three quarters of the reply timeout of rank 0"));
+  CHECK_THAT(f->message, Catch::Contains("(800 ms): rank 1 had not sent its END"));
+  CHECK_FALSE(s.receiver.committed_version());
+  // Rank 1 turns up late with version 1: it is told, and nothing commits from half a version.
+  refit::streamer s1(rank_options(s.receiver.endpoints()[1], 1, n));
+  const auto late = rt::failure_of([&] { s1.refit(1, rank_shards(whole, 1, n)); });
+  REQUIRE(late);
+  CHECK(late->code == "timeout");
+  CHECK_THAT(late->message, Catch::Contains("version 1 failed before rank 1"));
+  CHECK_FALSE(s.receiver.committed_version());
 }

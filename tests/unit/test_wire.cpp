@@ -123,7 +123,8 @@ std::vector<field> hello_fields() {
           U(0),
           S(""),
           U(0),
-          U(1)};
+          U(1),
+          U(30000)};
 }
 
 // An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset, kind, span].
@@ -198,6 +199,7 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     h.transport = "cuda_ipc";
     h.group_rank = 2;
     h.group_size = 4;
+    h.reply_timeout_ms = 30000;
     CHECK(std::get<wire::hello>(roundtrip(h)) == h);
   }
   SECTION("HELLO with every optional field empty") {
@@ -374,7 +376,7 @@ TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(BYE, {NIL()})), errc::protocol, "BYE message: 1 fields, expected 0");
   auto h = hello_fields();
   h.pop_back();
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 11 fields, expected 12");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 12 fields, expected 13");
   CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), U(3)})), errc::protocol, "END message: 3 fields");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true)})), errc::protocol, "OK message: 2 fields");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2)})), errc::protocol, "ERROR message: 1 fields");
@@ -421,6 +423,8 @@ TEST_CASE("decode rejects HELLO fields of the wrong type", "[wire]") {
                     "group_rank must be an unsigned integer, got negative int");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 11, S("2")))), errc::protocol,
                     "group_size must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 12, NIL()))), errc::protocol,
+                    "reply_timeout_ms must be an unsigned integer, got nil");
 }
 
 TEST_CASE("decode rejects a HELLO whose group makes no sense", "[wire]") {
