@@ -42,6 +42,20 @@ tensor_world& world() {
   return *w;
 }
 
+/// What the refit package defines in Python and hands to this module when it is imported: the
+/// error types (refit/_errors.py) and refit.Shard. Unset when this module is imported on its own.
+struct package_types {
+  py::object refit_error;
+  py::object refit_timeout;
+  py::object shard;
+  py::str shard_marker{"__refit_shard__"};  ///< what any other Shard-like object has
+};
+
+package_types& package() {
+  static auto* t = new package_types;  // never destroyed: see world()
+  return *t;
+}
+
 /// Seconds (Python float) to a positive deadline; `what` names the argument in the error.
 milliseconds to_deadline(double seconds, const char* what, bool allow_zero = false) {
   if (!std::isfinite(seconds) || seconds < 0 || (!allow_zero && seconds == 0))
@@ -405,21 +419,27 @@ class python_tensors final : public tensor_source {
 
   /// Reads one (name, tensor) pair. Needs the GIL.
   tensor_ref take(const py::handle& pair) {
-    if (!py::isinstance<py::tuple>(pair) || py::len(pair) != 2)
+    PyObject* p = pair.ptr();
+    if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2)
       throw py::type_error("refit(): tensors must be a mapping of name to tensor or (name, tensor) pairs; got a " +
                            std::string(py::str(py::type::handle_of(pair).attr("__name__"))));
-    const py::tuple t = py::reinterpret_borrow<py::tuple>(pair);
-    if (!py::isinstance<py::str>(t[0]))
+    const py::handle key = PyTuple_GET_ITEM(p, 0);
+    const py::handle value = PyTuple_GET_ITEM(p, 1);
+    if (!PyUnicode_Check(key.ptr()))
       throw py::type_error("refit(): a tensor name must be a str, got " +
-                           std::string(py::str(py::type::handle_of(t[0]).attr("__name__"))));
+                           std::string(py::str(py::type::handle_of(key).attr("__name__"))));
+    Py_ssize_t length = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(key.ptr(), &length);
+    if (utf8 == nullptr) throw py::error_already_set();
+    std::string name(utf8, static_cast<std::size_t>(length));
     // A refit.Shard: the tensor is a part of the whole tensor of that name (sharded trainers).
-    const bool sharded = py::hasattr(t[1], "__refit_shard__");
-    const py::object value = sharded ? py::object(t[1].attr("tensor")) : py::reinterpret_borrow<py::object>(t[1]);
-    borrowed_tensor b = world().borrow(value, t[0].cast<std::string>());
+    const bool sharded = is_shard(value);
+    const py::object tensor = sharded ? py::object(value.attr("tensor")) : py::reinterpret_borrow<py::object>(value);
+    borrowed_tensor b = world().borrow(tensor, std::move(name));
     tensor_ref r{std::move(b.meta), b.data, b.dev, nullptr};
     if (sharded)
-      r.shard = tensor_shard{t[1].attr("global_shape").cast<std::vector<std::int64_t>>(), t[1].attr("dim").cast<int>(),
-                             t[1].attr("start").cast<std::int64_t>()};
+      r.shard = tensor_shard{value.attr("global_shape").cast<std::vector<std::int64_t>>(),
+                             value.attr("dim").cast<int>(), value.attr("start").cast<std::int64_t>()};
     if (r.dev.kind == device_kind::cuda) r.stream = stream_of(r.dev.index);
     keep_.push_back(std::move(b.keep));
     return r;
@@ -491,18 +511,30 @@ class python_tensors final : public tensor_source {
     return py::error_already_set();
   }
 
+  /// A refit.Shard (exactly, as the package registered it), or any object that says it is one
+  /// (`__refit_shard__`); a plain tensor is neither, without looking at its attributes.
+  static bool is_shard(py::handle value) {
+    if (world().is_plain_tensor(value)) return false;
+    const package_types& t = package();
+    if (t.shard && Py_TYPE(value.ptr()) == reinterpret_cast<PyTypeObject*>(t.shard.ptr())) return true;
+    return has_attr(value, t.shard_marker);
+  }
+
   void* stream_of(int index) {
     if (given_stream_ != nullptr) return given_stream_;
+    if (index == last_device_) return last_stream_;  // a model's tensors share one device
     const auto it = streams_.find(index);
-    if (it != streams_.end()) return it->second;
-    void* s = world().current_stream(index);
-    streams_.emplace(index, s);
+    void* s = it != streams_.end() ? it->second : streams_.emplace(index, world().current_stream(index)).first->second;
+    last_device_ = index;
+    last_stream_ = s;
     return s;
   }
 
   [[maybe_unused]] int default_device_;
   void* given_stream_ = nullptr;
-  std::unordered_map<int, void*> streams_;
+  std::unordered_map<int, void*> streams_;  ///< torch's current stream per device, read once per refit
+  int last_device_ = -1;
+  void* last_stream_ = nullptr;
   std::vector<py::object> keep_;
   py::iterator iterator_;
   std::size_t ahead_ = 1;
@@ -601,22 +633,11 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
 
 // ------------------------------------------------------------------------------- errors
 
-/// refit.RefitError and refit.RefitTimeout, defined in Python (refit/_errors.py).
-struct error_types {
-  py::object refit_error;
-  py::object refit_timeout;
-};
-
-error_types& errors() {
-  static auto* e = new error_types;  // never destroyed: see world()
-  return *e;
-}
-
 void translate(std::exception_ptr p) {
   try {
     if (p) std::rethrow_exception(p);
   } catch (const error& e) {
-    const error_types& t = errors();
+    const package_types& t = package();
     if (!t.refit_error) {  // the module imported on its own, without the refit package
       PyErr_SetString(PyExc_RuntimeError, e.what());
       return;
@@ -746,8 +767,12 @@ PYBIND11_MODULE(_refit, m) {
       .def("close", &py_streamer::close);
 
   m.def("_set_error_types", [](py::object refit_error, py::object refit_timeout) {
-    errors().refit_error = std::move(refit_error);
-    errors().refit_timeout = std::move(refit_timeout);
+    package().refit_error = std::move(refit_error);
+    package().refit_timeout = std::move(refit_timeout);
+  });
+  m.def("_set_shard_type", [](py::object shard) {
+    if (!PyType_Check(shard.ptr())) throw py::type_error("_set_shard_type() takes a class");
+    package().shard = std::move(shard);
   });
   py::register_exception_translator(&translate);
 }

@@ -127,6 +127,18 @@ std::int64_t dim_of(PyObject* item, const std::string& name) {
 
 }  // namespace
 
+bool has_attr(py::handle obj, const py::str& name) {
+  PyObject* found = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  const int r = PyObject_GetOptionalAttr(obj.ptr(), name.ptr(), &found);
+#else
+  const int r = _PyObject_LookupAttr(obj.ptr(), name.ptr(), &found);
+#endif
+  if (r < 0) throw py::error_already_set();
+  Py_XDECREF(found);
+  return r == 1;
+}
+
 tensor_world::tensor_world() : torch_(py::none()) {
   try {
     torch_ = py::module_::import("torch");
@@ -134,6 +146,11 @@ tensor_world::tensor_world() : torch_(py::none()) {
     return;  // numpy and other DLPack producers still work
   }
   tensor_type_ = torch_.attr("Tensor");
+  try {
+    parameter_type_ = torch_.attr("nn").attr("Parameter");
+  } catch (const py::error_already_set&) {
+    // A torch without nn: Parameters (if any) take the isinstance path.
+  }
   from_dlpack_ = py::module_::import("torch.utils.dlpack").attr("from_dlpack");
   uint8_ = torch_.attr("uint8");
   // Every torch dtype refit carries; newer ones (fp8, unsigned) only where this torch has them.
@@ -157,16 +174,15 @@ tensor_world::tensor_world() : torch_(py::none()) {
   for (const auto& [name, type] : names) {
     if (!py::hasattr(torch_, name)) continue;
     py::object d = torch_.attr(name);
-    by_torch_dtype_.emplace(d.ptr(), type);
+    by_torch_dtype_.emplace_back(d.ptr(), type);
     torch_by_refit_.emplace(static_cast<int>(type), d);
   }
 }
 
-borrowed_tensor tensor_world::borrow(py::handle obj, const std::string& name, bool views) {
-  if (has_torch() && PyObject_IsInstance(obj.ptr(), tensor_type_.ptr()) == 1) return borrow_torch(obj, name, views);
-  if (py::hasattr(obj, "__dlpack__")) return borrow_dlpack(obj, name, views);
-  throw py::type_error(where(name) + " is a " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
-                       ", not a tensor (a torch.Tensor or any object with __dlpack__: numpy, cupy, jax)");
+std::optional<dtype> tensor_world::of_torch_dtype(PyObject* type) const noexcept {
+  for (const auto& [object, refit_type] : by_torch_dtype_)
+    if (object == type) return refit_type;
+  return std::nullopt;
 }
 
 namespace {
@@ -175,7 +191,7 @@ namespace {
 /// building each name afresh costs as much as the lookup.
 struct torch_names {
   py::str dtype{"dtype"}, shape{"shape"}, is_contiguous{"is_contiguous"}, is_cuda{"is_cuda"}, is_cpu{"is_cpu"},
-      get_device{"get_device"}, data_ptr{"data_ptr"}, stride{"stride"}, device{"device"};
+      get_device{"get_device"}, data_ptr{"data_ptr"}, stride{"stride"}, device{"device"}, dlpack{"__dlpack__"};
 };
 
 const torch_names& names() {
@@ -189,13 +205,21 @@ py::object get(py::handle obj, const py::str& attr) {
   return py::reinterpret_steal<py::object>(r);
 }
 
+/// obj.method(), without a bound method object.
 py::object call(py::handle obj, const py::str& method) {
+#if PY_VERSION_HEX >= 0x03090000
+  PyObject* self = obj.ptr();
+  PyObject* r = PyObject_VectorcallMethod(method.ptr(), &self, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+#else
   PyObject* r = PyObject_CallMethodObjArgs(obj.ptr(), method.ptr(), nullptr);
+#endif
   if (r == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(r);
 }
 
 bool truth(const py::object& o) {
+  if (o.ptr() == Py_True) return true;  // torch's flags are the bool singletons
+  if (o.ptr() == Py_False) return false;
   const int t = PyObject_IsTrue(o.ptr());
   if (t < 0) throw py::error_already_set();
   return t == 1;
@@ -203,18 +227,33 @@ bool truth(const py::object& o) {
 
 }  // namespace
 
-borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& name, bool views) {
+borrowed_tensor tensor_world::borrow(py::handle obj, std::string name, bool views) {
+  // Exact torch.Tensor and nn.Parameter first: a state_dict() is thousands of them, and
+  // isinstance() of a subclass walks the metaclass's __instancecheck__.
+  if (is_plain_tensor(obj)) return borrow_torch(obj, std::move(name), views);
+  if (has_torch()) {
+    const int is_tensor = PyObject_IsInstance(obj.ptr(), tensor_type_.ptr());
+    if (is_tensor < 0) throw py::error_already_set();
+    if (is_tensor == 1) return borrow_torch(obj, std::move(name), views);
+  }
+  if (has_attr(obj, names().dlpack)) return borrow_dlpack(obj, std::move(name), views);
+  throw py::type_error(where(name) + " is a " + std::string(py::str(py::type::handle_of(obj).attr("__name__"))) +
+                       ", not a tensor (a torch.Tensor or any object with __dlpack__: numpy, cupy, jax)");
+}
+
+borrowed_tensor tensor_world::borrow_torch(py::handle obj, std::string&& tensor_name, bool views) {
   const torch_names& n = names();
   borrowed_tensor b;
-  b.meta.name = name;
+  b.meta.name = std::move(tensor_name);
+  const std::string& name = b.meta.name;
   const py::object type = get(obj, n.dtype);
-  const auto it = by_torch_dtype_.find(type.ptr());
-  if (it == by_torch_dtype_.end())
+  const auto t = of_torch_dtype(type.ptr());
+  if (!t)
     throw py::type_error(where(name) + " has dtype " + std::string(py::str(type)) + ", which refit does not carry");
-  b.meta.type = it->second;
+  b.meta.type = *t;
   const py::object shape = get(obj, n.shape);  // torch.Size: a tuple
-  const Py_ssize_t rank = PyTuple_Size(shape.ptr());
-  if (rank < 0) throw py::error_already_set();
+  if (!PyTuple_Check(shape.ptr())) throw py::type_error(where(name) + " has a shape that is not a tuple");
+  const Py_ssize_t rank = PyTuple_GET_SIZE(shape.ptr());
   b.meta.shape.reserve(static_cast<std::size_t>(rank));
   for (Py_ssize_t i = 0; i < rank; ++i) b.meta.shape.push_back(dim_of(PyTuple_GET_ITEM(shape.ptr(), i), name));
   const bool contiguous = truth(call(obj, n.is_contiguous));
@@ -249,19 +288,21 @@ borrowed_tensor tensor_world::borrow_torch(py::handle obj, const std::string& na
                           ": refit reads CPU and CUDA memory");
   }
   const py::object ptr = call(obj, n.data_ptr);
-  b.data = reinterpret_cast<void*>(static_cast<std::uintptr_t>(PyLong_AsUnsignedLongLong(ptr.ptr())));
-  if (PyErr_Occurred() != nullptr) throw py::error_already_set();
+  const unsigned long long address = PyLong_AsUnsignedLongLong(ptr.ptr());
+  if (address == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) throw py::error_already_set();
+  b.data = reinterpret_cast<void*>(static_cast<std::uintptr_t>(address));
   b.keep = py::reinterpret_borrow<py::object>(obj);
   return b;
 }
 
-borrowed_tensor tensor_world::borrow_dlpack(py::handle obj, const std::string& name, bool views) {
-  py::object capsule = obj.attr("__dlpack__")();
+borrowed_tensor tensor_world::borrow_dlpack(py::handle obj, std::string&& tensor_name, bool views) {
+  py::object capsule = call(obj, names().dlpack);
   auto* m = static_cast<dl::managed_tensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
   if (m == nullptr) throw py::error_already_set();
   const dl::tensor& t = m->t;
   borrowed_tensor b;
-  b.meta.name = name;
+  b.meta.name = std::move(tensor_name);
+  const std::string& name = b.meta.name;
   const auto type = from_dl(t.type);
   if (!type)
     throw py::type_error(where(name) + " has a DLPack dtype (code " + std::to_string(t.type.code) + ", " +

@@ -34,6 +34,11 @@ struct borrowed_tensor {
   std::uint64_t alloc_bytes = 0;
 };
 
+/// Python's hasattr(obj, name) for an interned `name`: a missing attribute makes no AttributeError
+/// (py::hasattr makes, formats and discards one: most of a microsecond); an error other than
+/// AttributeError raised by the lookup is raised. Needs the GIL.
+bool has_attr(py::handle obj, const py::str& name);
+
 /// What the binding knows of the Python side: torch (when importable) and its dtypes.
 class tensor_world {
  public:
@@ -47,7 +52,17 @@ class tensor_world {
   /// a device refit cannot reach; both name the tensor. Needs the GIL.
   /// With `views`, a strided tensor (a view into an engine tensor: `qkv.narrow(0, q, kv)`,
   /// `w[:, a:b]`) is accepted and its strides and allocation are read too.
-  borrowed_tensor borrow(py::handle obj, const std::string& name, bool views = false);
+  /// A torch.Tensor or nn.Parameter (exactly those types) is read without an isinstance check;
+  /// any other tensor subclass through its attributes (so its __torch_function__ is honoured).
+  borrowed_tensor borrow(py::handle obj, std::string name, bool views = false);
+
+  /// Whether `obj` is exactly a torch.Tensor or a torch.nn.Parameter (no subclass): what a
+  /// state_dict() or named_parameters() holds. One pointer comparison each.
+  [[nodiscard]] bool is_plain_tensor(py::handle obj) const noexcept {
+    // Without torch both are null, and no object's type is.
+    const auto* type = reinterpret_cast<const PyObject*>(Py_TYPE(obj.ptr()));
+    return type == tensor_type_.ptr() || type == parameter_type_.ptr();
+  }
 
   /// A tensor aliasing `bytes` bytes at `data` (on `dev`): typed and shaped like `meta` when
   /// `whole`, else a flat uint8 tensor of the byte range. torch when importable, numpy otherwise
@@ -62,16 +77,19 @@ class tensor_world {
   void* current_stream(int index);
 
  private:
-  borrowed_tensor borrow_torch(py::handle obj, const std::string& name, bool views);
-  borrowed_tensor borrow_dlpack(py::handle obj, const std::string& name, bool views);
+  borrowed_tensor borrow_torch(py::handle obj, std::string&& name, bool views);
+  borrowed_tensor borrow_dlpack(py::handle obj, std::string&& name, bool views);
+  std::optional<dtype> of_torch_dtype(PyObject* type) const noexcept;
   py::object torch_dtype(dtype t);
 
-  py::object torch_;        // the torch module, or None
-  py::object tensor_type_;  // torch.Tensor
-  py::object from_dlpack_;  // torch.utils.dlpack.from_dlpack
-  py::object uint8_;        // torch.uint8
-  py::object numpy_;        // numpy, looked up lazily
-  std::unordered_map<PyObject*, dtype> by_torch_dtype_;
+  py::object torch_;           // the torch module, or None
+  py::object tensor_type_;     // torch.Tensor
+  py::object parameter_type_;  // torch.nn.Parameter
+  py::object from_dlpack_;     // torch.utils.dlpack.from_dlpack
+  py::object uint8_;           // torch.uint8
+  py::object numpy_;           // numpy, looked up lazily
+  /// torch dtype object -> refit dtype: a dozen entries, scanned (faster than hashing here).
+  std::vector<std::pair<PyObject*, dtype>> by_torch_dtype_;
   std::unordered_map<int, py::object> torch_by_refit_;
 };
 

@@ -99,6 +99,9 @@ class Shard:
         return f"refit.Shard({shape} of {self.global_shape}, dim={self.dim}, start={self.start})"
 
 
+_refit._set_shard_type(Shard)  # refit() tells a Shard from a tensor by its type, not by hasattr()
+
+
 def _device_index(device: Any) -> int:
     """The CUDA ordinal of ``device`` (int, "cuda:1", torch.device); the current CUDA device
     (or 0) for None."""
