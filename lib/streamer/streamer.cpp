@@ -631,6 +631,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
     /// Runs (enqueues) the copies planned so far, after the work of their producer streams.
     void run_ops() {
+      if (direct)
+        REFIT_DEBUG("version {}: launching {} direct copies ({} bytes), the device {}", version, ops.size(),
+                    direct_pending, st.copier->idle() ? "idle" : "busy");
       for (void* s : streams) st.buffers->after(s);
       // Scales first: the converting copies read their multipliers, the plain copies of the scale
       // tensors their scale_inv.
