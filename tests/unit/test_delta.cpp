@@ -394,10 +394,14 @@ TEST_CASE("subset versions over host_shm are bit-exact after 20 steps and keep t
 // ================================================================================== deltas
 
 TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a fraction of the bytes", "[delta]") {
+  const std::size_t threads = GENERATE(1u, 3u);
+  INFO(threads << " diff threads");
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
   engine e(t.metas, ep.name);
-  refit::streamer st(delta_streamer(ep.name));
+  auto so = delta_streamer(ep.name);
+  so.delta.threads = threads;
+  refit::streamer st(so);
 
   const auto first = refit_once(st, e, 1, t.refs());
   CHECK_FALSE(first.delta);
