@@ -51,6 +51,18 @@ void host_differ::wave(std::span<const host_span> spans, std::span<span_patch> o
     ch.changes = r.changes;
     ch.terms = r.terms;
   });
+  // A recycled patch for each span that needs one, handed out here (not by the threads).
+  for (std::size_t s = 0; s < spans.size(); ++s) {
+    out[s] = span_patch{};
+    if (spare_.empty()) continue;
+    std::uint64_t changes = 0;
+    for (std::size_t c = first_chunk_[s]; c < first_chunk_[s + 1]; ++c) changes += chunks_[c].changes;
+    const std::uint64_t bytes = changes * record_bytes(spans[s].item);
+    if (changes == 0 || bytes >= spans[s].bytes) continue;
+    out[s].patch = std::move(spare_.back());
+    spare_.pop_back();
+    spare_bytes_ -= out[s].patch.capacity();
+  }
   pool_.run(spans.size(), [&](std::size_t s) {
     assemble(spans[s], std::span<const chunk>(chunks_).subspan(first_chunk_[s], first_chunk_[s + 1] - first_chunk_[s]),
              out[s]);
@@ -58,7 +70,6 @@ void host_differ::wave(std::span<const host_span> spans, std::span<span_patch> o
 }
 
 void host_differ::assemble(const host_span& s, std::span<const chunk> chunks, span_patch& out) const {
-  out = span_patch{};
   for (const chunk& ch : chunks) {
     out.changes += ch.changes;
     out.terms += ch.terms;
@@ -66,7 +77,7 @@ void host_differ::assemble(const host_span& s, std::span<const chunk> chunks, sp
   const std::uint64_t bytes = out.changes * record_bytes(s.item);
   out.as_bytes = bytes >= s.bytes;  // records no smaller than the span: send the span's bytes
   if (out.as_bytes || out.changes == 0) return;
-  out.patch.resize(bytes);
+  out.patch.resize(bytes);  // a recycled one has the room, most of the time
   std::byte* indices = out.patch.data();
   std::byte* values = indices + 4 * out.changes;
   for (const chunk& ch : chunks) {
@@ -81,6 +92,17 @@ void host_differ::assemble(const host_span& s, std::span<const chunk> chunks, sp
     indices += 4 * ch.changes;
     values += ch.changes * s.item;
   }
+}
+
+}  // namespace refit::delta
+
+namespace refit::delta {
+
+void host_differ::recycle(std::vector<std::byte>&& patch) {
+  if (patch.capacity() == 0 || spare_bytes_ + patch.capacity() > max_spare_bytes) return;
+  patch.clear();
+  spare_bytes_ += patch.capacity();
+  spare_.push_back(std::move(patch));
 }
 
 }  // namespace refit::delta

@@ -681,6 +681,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       seq += 1;
       entries.clear();
       segments.clear();
+      if (st.host_differ)
+        for (std::vector<std::byte>& p : patches) st.host_differ->recycle(std::move(p));
       patches.clear();
       covered = 0;
     }

@@ -283,16 +283,23 @@ TEST_CASE("the host diff gives the same patches, checksum terms and base on 1 an
         for (std::uint64_t off = 0; off < total; off += span)
           spans.push_back({base.data() + off, next.data() + off, off, std::min(span, total - off), total, item});
         std::vector<refit::delta::span_patch> found(spans.size());
-        d.diff(spans, found);
-        CHECK(base == next);
-        for (std::size_t k = 0; k < spans.size(); ++k) {
-          INFO("span " << k);
-          CHECK(found[k].changes == expect[k].changes);
-          CHECK(found[k].terms == expect[k].terms);
-          CHECK(found[k].as_bytes == expect[k].as_bytes);
-          CHECK(found[k].patch == expect[k].patch);
+        // Twice: the second time over the patches of the first, recycled (as the streamer does once
+        // they are sent), in whatever order and capacity.
+        for (int round = 0; round < 2; ++round) {
+          INFO("round " << round);
+          base = old_bytes;
+          d.diff(spans, found);
+          CHECK(base == next);
+          for (std::size_t k = 0; k < spans.size(); ++k) {
+            INFO("span " << k);
+            CHECK(found[k].changes == expect[k].changes);
+            CHECK(found[k].terms == expect[k].terms);
+            CHECK(found[k].as_bytes == expect[k].as_bytes);
+            CHECK(found[k].patch == expect[k].patch);
+          }
+          for (std::size_t k = found.size(); k-- > 0;) d.recycle(std::move(found[k].patch));
         }
-        // Used again (a second tensor), nothing changed: no patches.
+        // Used again, nothing changed: no patches.
         d.diff(spans, found);
         for (const auto& f : found) CHECK((f.changes == 0 && f.terms == 0 && f.patch.empty() && !f.as_bytes));
       }
