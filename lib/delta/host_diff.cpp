@@ -7,10 +7,7 @@
 
 namespace refit::delta {
 
-host_differ::host_differ(std::size_t threads)
-    : pool_(pool_threads(threads)),
-      indices_(new std::uint32_t[wave_bytes]),  // default-initialised: untouched until written
-      values_(new std::byte[wave_bytes]) {}
+host_differ::host_differ(std::size_t threads) : pool_(pool_threads(threads)) {}
 
 void host_differ::diff(std::span<const host_span> spans, std::span<span_patch> out) {
   // Waves of whole spans of at most wave_bytes (a span alone when it is larger, which span_bytes()
@@ -38,10 +35,14 @@ void host_differ::wave(std::span<const host_span> spans, std::span<span_patch> o
     }
   }
   first_chunk_.push_back(chunks_.size());
-  // Only when one span is larger than a wave could the arena be too small (span_bytes() <= 16 MiB).
-  if (slot > wave_bytes) {
+  // Grown to the largest wave so far (a wave of a small model's tensors is small), default-
+  // initialised: its pages are touched only where elements changed.
+  if (slot > arena_) {
+    indices_.reset();
+    values_.reset();
     indices_.reset(new std::uint32_t[slot]);
     values_.reset(new std::byte[slot]);
+    arena_ = slot;
   }
   pool_.run(chunks_.size(), [&](std::size_t c) {
     chunk& ch = chunks_[c];

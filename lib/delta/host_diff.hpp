@@ -54,8 +54,9 @@ class host_differ {
   explicit host_differ(std::size_t threads);
 
   /// Diffs every span (spans at most delta::span_bytes of any buffer: 16 MiB), bringing the base up
-  /// to date, and sets out[k] for spans[k] (out.size() == spans.size()). Throws refit::error when a
-  /// patch cannot be allocated (the base may then be part updated: drop it).
+  /// to date, and sets out[k] for spans[k] (out.size() == spans.size()). Throws std::bad_alloc when
+  /// its scratch cannot grow, refit::error when a patch cannot be allocated on a worker (the base
+  /// may then be part updated: drop it, as any failure of a delta does).
   void diff(std::span<const host_span> spans, std::span<span_patch> out);
 
   [[nodiscard]] std::size_t threads() const noexcept { return pool_.size(); }
@@ -87,6 +88,7 @@ class host_differ {
   // Not std::vector: their pages are never touched where nothing changed.
   std::unique_ptr<std::uint32_t[]> indices_;
   std::unique_ptr<std::byte[]> values_;
+  std::uint64_t arena_ = 0;  ///< slots of indices_ and values_
 };
 
 }  // namespace refit::delta
