@@ -307,6 +307,44 @@ TEST_CASE("the host diff gives the same patches, checksum terms and base on 1 an
   }
 }
 
+TEST_CASE("the host diff of a tensor larger than one wave gives the patches of one thread", "[delta]") {
+  // Spans of 16 MiB (64 MiB buffers), three of them and a bit: two waves (host_differ::wave_bytes).
+  const std::uint64_t span = refit::delta::span_bytes(64 << 20);
+  const std::uint64_t total = 3 * span + 1000;
+  REQUIRE(total > refit::delta::host_differ::wave_bytes);
+  std::mt19937_64 rng(5);
+  std::vector<std::byte> old_bytes(total);
+  for (std::uint64_t i = 0; i + 8 <= total; i += 8) {
+    const std::uint64_t v = rng();
+    std::memcpy(old_bytes.data() + i, &v, 8);
+  }
+  std::vector<std::byte> next = old_bytes;
+  for (std::uint64_t k = 0; k < total / 2 / 50; ++k) next[2 * (rng() % (total / 2))] ^= std::byte{1};
+  std::vector<std::byte> expect_base = old_bytes;
+  std::vector<refit::delta::span_patch> expect;
+  for (std::uint64_t off = 0; off < total; off += span)
+    expect.push_back(
+        reference_diff(expect_base.data() + off, next.data() + off, off, std::min(span, total - off), 2, total));
+  for (const std::size_t threads : {1u, 3u}) {
+    INFO(threads << " threads");
+    refit::delta::host_differ d(threads);
+    std::vector<std::byte> base = old_bytes;
+    std::vector<refit::delta::host_span> spans;
+    for (std::uint64_t off = 0; off < total; off += span)
+      spans.push_back({base.data() + off, next.data() + off, off, std::min(span, total - off), total, 2});
+    std::vector<refit::delta::span_patch> found(spans.size());
+    d.diff(spans, found);
+    CHECK(base == next);
+    for (std::size_t k = 0; k < spans.size(); ++k) {
+      INFO("span " << k);
+      CHECK(found[k].changes == expect[k].changes);
+      CHECK(found[k].terms == expect[k].terms);
+      CHECK(found[k].as_bytes == expect[k].as_bytes);
+      CHECK(found[k].patch == expect[k].patch);
+    }
+  }
+}
+
 TEST_CASE("a job that throws on the diff's threads reaches the caller as a refit::error after every job ran",
           "[delta]") {
   refit::delta::worker_pool pool(4);
