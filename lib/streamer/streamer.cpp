@@ -74,6 +74,9 @@ std::string transport_name_of(const streamer_options& o) {
   return o.transport_name.empty() ? std::string(to_string(o.transport)) : o.transport_name;
 }
 
+/// Most threads a host diff may have (delta_options::threads).
+constexpr std::size_t max_delta_threads = 256;
+
 void validate(const streamer_options& o) {
   const auto endpoints = endpoints_of(o);
   for (const auto& ep : endpoints)
@@ -132,6 +135,11 @@ void validate(const streamer_options& o) {
     throw error(errc::invalid_argument,
                 "streamer_options.delta.memory is device, but the host_shm transport sends host tensors: keep the "
                 "base in host memory");
+  if (o.delta.threads > max_delta_threads)
+    throw error(errc::invalid_argument,
+                fmt::format("streamer_options.delta.threads is {}: the host diff takes at most {} threads (0: "
+                            "min(hardware threads, 8)); beyond the memory bandwidth more only cost",
+                            o.delta.threads, max_delta_threads));
 }
 
 /// How one refit is sent.

@@ -480,6 +480,18 @@ TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a 
   CHECK(e.differs_from(t).empty());
 }
 
+TEST_CASE("a delta streamer asked for more than 256 diff threads is refused", "[delta]") {
+  const rt::scoped_endpoint ep;
+  auto o = delta_streamer(ep.name);
+  o.delta.threads = 257;
+  CHECK_THROWS_MATCHES(refit::streamer(o), refit::error, Catch::Predicate<refit::error>([](const refit::error& e) {
+                         return e.code() == errc::invalid_argument &&
+                                std::string(e.what()).find("delta.threads is 257") != std::string::npos;
+                       }));
+  o.delta.threads = 256;
+  CHECK_NOTHROW(refit::streamer(o));  // threads are made at the first host diff only
+}
+
 TEST_CASE("a version larger than the base's bound is always sent whole", "[delta]") {
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
