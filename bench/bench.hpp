@@ -400,7 +400,8 @@ struct config {
   bool quiet = false;  ///< no progress lines
   /// --delta STEPS: delta versions against whole ones (bench/delta.cpp); 0: the usual rows.
   int delta_steps = 0;
-  double delta_update = 2.2e-4;  ///< --delta-update: relative size of one step's fp32 update
+  double delta_update = 2.2e-4;   ///< --delta-update: relative size of one step's fp32 update
+  std::size_t delta_threads = 0;  ///< --delta-threads: delta_options::threads (host diff), 0: its default
   /// --streamers N: a group of N streamers, each holding the Shard(0) rows of every tensor, into
   /// --receivers full replicas (bench/group.cpp); 0: the usual rows.
   std::size_t streamers = 0;

@@ -26,6 +26,7 @@
 #include "config/config.hpp"
 #include "copy/copy.hpp"
 #include "delta/checksum.hpp"
+#include "delta/pool.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
 #if REFIT_HAVE_CUDA
@@ -256,8 +257,8 @@ int run_delta(const config& c, std::ostream& out) {
                      so.buffer_count, c.buffer_mb.at(0));
   out << fmt::format(
       "# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
-      "streamer, {} counted refits after {} warm-up\n",
-      c.delta_update, c.iters, c.warmup);
+      "streamer, {} counted refits after {} warm-up; host diff threads: {}\n",
+      c.delta_update, c.iters, c.warmup, delta::pool_threads(c.delta_threads));
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "row", "step", "changed",
                      "blk256", "blk4k", "wire", "wire/v", "time", "diff", "/whole");
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "", "", "(%)", "(%)", "(%)",
@@ -284,6 +285,7 @@ int run_delta(const config& c, std::ostream& out) {
 
   so.delta.enable = true;
   so.delta.memory = gpu ? delta_memory::device : delta_memory::host;
+  so.delta.threads = c.delta_threads;
   streamer ds(so);
   {
     const auto refs = t.refs();

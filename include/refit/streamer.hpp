@@ -42,6 +42,11 @@ struct delta_options {
   delta_memory memory = delta_memory::host;
   /// Bound on the base's memory: a version larger than this is always sent whole (a warning says so).
   std::uint64_t max_bytes = 64ull << 30;
+  /// Threads that diff host tensors against a host base (the refit()'s caller among them), made at the
+  /// first host diff and joined when the streamer is destroyed; 0: min(hardware threads, 8); at
+  /// most 256 (errc::invalid_argument). The patches and checksums do not depend on it. Device
+  /// tensors are diffed on the GPU.
+  std::size_t threads = 0;
 };
 
 /// What a refit carries.

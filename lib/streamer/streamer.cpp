@@ -31,6 +31,7 @@
 #include "copy/copy.hpp"
 #include "delta/base.hpp"
 #include "delta/checksum.hpp"
+#include "delta/host_diff.hpp"
 #include "delta/patch.hpp"
 #if REFIT_HAVE_CUDA
 #include "delta/device.hpp"
@@ -72,6 +73,9 @@ std::vector<std::string> endpoints_of(const streamer_options& o) {
 std::string transport_name_of(const streamer_options& o) {
   return o.transport_name.empty() ? std::string(to_string(o.transport)) : o.transport_name;
 }
+
+/// Most threads a host diff may have (delta_options::threads).
+constexpr std::size_t max_delta_threads = 256;
 
 void validate(const streamer_options& o) {
   const auto endpoints = endpoints_of(o);
@@ -131,6 +135,11 @@ void validate(const streamer_options& o) {
     throw error(errc::invalid_argument,
                 "streamer_options.delta.memory is device, but the host_shm transport sends host tensors: keep the "
                 "base in host memory");
+  if (o.delta.threads > max_delta_threads)
+    throw error(errc::invalid_argument,
+                fmt::format("streamer_options.delta.threads is {}: the host diff takes at most {} threads (0: "
+                            "min(hardware threads, 8)); beyond the memory bandwidth more only cost",
+                            o.delta.threads, max_delta_threads));
 }
 
 /// How one refit is sent.
@@ -684,6 +693,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       seq += 1;
       entries.clear();
       segments.clear();
+      if (st.host_differ)
+        for (std::vector<std::byte>& p : patches) st.host_differ->recycle(std::move(p));
       patches.clear();
       covered = 0;
     }
@@ -813,20 +824,20 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     delta::base_store::tensor* base;
   };
 #endif
-  /// Scratch of send_delta(): the diff's output for one span, and a tensor's patches until placed;
-  /// the device tensors of the open group.
+  /// Scratch of send_delta(): a host tensor's spans and what their diff found (its patches until
+  /// placed); the device tensors of the open group.
   struct delta_scratch {
-    std::vector<std::uint32_t> indices;
-    std::vector<std::byte> values;
-    std::vector<std::vector<std::byte>> pending;
-    std::vector<bool> as_bytes;
+    std::vector<delta::host_span> spans;
+    std::vector<delta::span_patch> found;
 #if REFIT_HAVE_CUDA
     std::vector<queued_tensor> group;
     std::vector<delta::cuda::diff_tensor> diffs;
     std::uint64_t group_bytes = 0;
 #endif
   };
-  delta_scratch delta_buffers;  ///< kept between refits (a span's worth of indices and values)
+  delta_scratch delta_buffers;  ///< kept between refits
+  /// The host diff's threads and scratch, made at the first host diff (options.delta.threads).
+  std::unique_ptr<delta::host_differ> host_differ;
 #if REFIT_HAVE_CUDA
   std::unique_ptr<delta::cuda::workspace> device_delta;  ///< the device diff's scratch, made when first needed
   delta::cuda::workspace& device_workspace() {
@@ -885,9 +896,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
   /// Diffs one tensor against the base span by span (delta::span_bytes), brings the base up to date
   /// and adds the tensor's patches (or, for a span that changed densely, its bytes) to the batches,
-  /// counting it in stats.tensors. A tensor that did not change is not sent. A device tensor joins
-  /// the open group (send_device_group), which is sent once it holds what the open batch still
-  /// covers, or before a host tensor, or at the end (finish_delta). Throws errc::invalid_argument
+  /// counting it in stats.tensors. A tensor that did not change is not sent. A host tensor is diffed
+  /// at once, on the host differ's threads (send_host). A device tensor joins the open group
+  /// (send_device_group), which is sent once it holds what the open batch still covers, or before a
+  /// host tensor, or at the end (finish_delta). Throws errc::invalid_argument
   /// for a tensor the base does not hold as it is (new, or another dtype or shape).
   void send_delta(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, delta_scratch& sc,
                   std::uint64_t& checksum) {
@@ -905,46 +917,54 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
     send_device_group(w, pl, sc);  // the device tensors before this one keep their place
 #endif
+    send_host(w, pl, index, t, *b, sc, checksum);
+  }
+
+  /// Diffs a host tensor against the base span by span (delta::span_bytes), each span cut in chunks
+  /// diffed on the host differ's threads, bringing the base up to date; then places its patches.
+  /// Tensor by tensor, as they come: a batch full of patches is sent before the next tensor is
+  /// asked of the source (whose gathering then overlaps the receiver's patching), and the batches
+  /// are those of a diff on one thread.
+  void send_host(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, delta::base_store::tensor& b,
+                 delta_scratch& sc, std::uint64_t& checksum) {
     const auto td = clock::now();
     const std::size_t item = itemsize(t.meta.type);
-    const std::uint64_t total = b->bytes;
+    const std::uint64_t total = b.bytes;
+    const std::uint64_t span = delta::span_bytes(plan.buffer_bytes);
+    const auto* src = static_cast<const std::byte*>(t.data);
+    sc.spans.clear();
+    for (std::uint64_t off = 0; off < total; off += span)
+      sc.spans.push_back(delta::host_span{b.data + off, src + off, off, std::min(span, total - off), total, item});
+    if (sc.found.size() < sc.spans.size()) sc.found.resize(sc.spans.size());
+    if (!host_differ) host_differ = std::make_unique<delta::host_differ>(options.delta.threads);
+    const std::span<delta::span_patch> found = std::span<delta::span_patch>(sc.found).first(sc.spans.size());
+    host_differ->diff(sc.spans, found);
+    w.stats.diff_seconds += seconds_since(td);
+    w.stats.pack_seconds += seconds_since(td);
+    place_host(w, pl, index, t, total, found, checksum);
+  }
+
+  /// Places the patches (or bytes) of a diffed host tensor, one span_patch per span. A tensor that
+  /// did not change is not sent.
+  void place_host(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, std::uint64_t total,
+                  std::span<delta::span_patch> found, std::uint64_t& checksum) {
+    const std::size_t item = itemsize(t.meta.type);
     const std::uint64_t span = delta::span_bytes(plan.buffer_bytes);
     const auto* src = static_cast<const std::byte*>(t.data);
     const std::uint64_t weight = delta::name_weight(t.meta.name);
-    if (sc.indices.size() < span / item) {
-      sc.indices.resize(span / item);
-      sc.values.resize(span);
-    }
-    // First every span, so that a tensor that did not change is not sent at all.
-    sc.pending.clear();
-    sc.as_bytes.clear();
     std::uint64_t changes = 0;
-    for (std::uint64_t off = 0; off < total; off += span) {
-      const std::uint64_t n = std::min(span, total - off);
-      const delta::diff_result r =
-          delta::diff(b->data + off, src + off, off, n, item, total, sc.indices.data(), sc.values.data());
-      checksum += weight * r.terms;
-      changes += r.changes;
-      const std::uint64_t bytes = r.changes * delta::record_bytes(item);
-      std::vector<std::byte> patch;
-      sc.as_bytes.push_back(bytes >= n);  // records no smaller than the span: send the span's bytes
-      if (bytes < n && bytes != 0) {
-        patch.resize(bytes);
-        std::memcpy(patch.data(), sc.indices.data(), 4 * r.changes);
-        std::memcpy(patch.data() + 4 * r.changes, sc.values.data(), r.changes * item);
-      }
-      sc.pending.push_back(std::move(patch));
+    for (const delta::span_patch& f : found) {
+      checksum += weight * f.terms;
+      changes += f.changes;
     }
     w.stats.elements += total / item;
     w.stats.changed += changes;
-    w.stats.diff_seconds += seconds_since(td);
-    w.stats.pack_seconds += seconds_since(td);
     if (changes == 0) return;
     std::uint64_t k = 0;
     for (std::uint64_t off = 0; off < total; off += span, ++k) {
       const std::uint64_t n = std::min(span, total - off);
-      std::vector<std::byte>& patch = sc.pending[k];
-      const bool as_bytes = sc.as_bytes[k];
+      std::vector<std::byte>& patch = found[k].patch;
+      const bool as_bytes = found[k].as_bytes;
       for (const placement& p : pl.add(index, as_bytes ? n : patch.size())) {
         while (w.first_batch + p.batch > w.seq) w.flush();
         if (as_bytes) {

@@ -18,7 +18,9 @@
 
 #include "channel/channel.hpp"
 #include "delta/checksum.hpp"
+#include "delta/host_diff.hpp"
 #include "delta/patch.hpp"
+#include "delta/pool.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
 #include "support/support.hpp"
@@ -168,6 +170,32 @@ bool contains(const std::vector<receiver_event>& v, receiver_event e) {
   return std::find(v.begin(), v.end(), e) != v.end();
 }
 
+/// What the diff of one span must give: element by element, as the first single-threaded diff did.
+refit::delta::span_patch reference_diff(std::byte* base, const std::byte* next, std::uint64_t off, std::uint64_t n,
+                                        std::size_t item, std::uint64_t total) {
+  refit::delta::span_patch r;
+  std::vector<std::uint32_t> indices;
+  std::vector<std::byte> values;
+  for (std::uint64_t b = 0; b < n; b += item) {
+    if (std::memcmp(base + b, next + b, item) == 0) continue;
+    const std::uint64_t o = refit::delta::load_bits(base + b, item);
+    const std::uint64_t v = refit::delta::load_bits(next + b, item);
+    r.terms +=
+        refit::delta::element_term(v, off + b, item, total) - refit::delta::element_term(o, off + b, item, total);
+    std::memcpy(base + b, next + b, item);
+    indices.push_back(static_cast<std::uint32_t>(b / item));
+    values.insert(values.end(), next + b, next + b + item);
+    ++r.changes;
+  }
+  r.as_bytes = r.changes * refit::delta::record_bytes(item) >= n;
+  if (!r.as_bytes && r.changes != 0) {
+    r.patch.resize(4 * indices.size());
+    std::memcpy(r.patch.data(), indices.data(), r.patch.size());
+    r.patch.insert(r.patch.end(), values.begin(), values.end());
+  }
+  return r;
+}
+
 }  // namespace
 
 // ================================================================================== patches
@@ -209,6 +237,147 @@ TEST_CASE("a patch rebuilds the new span and its checksum terms match a full che
             refit::copy::checksum(expect.data(), bytes));
     }
   }
+}
+
+TEST_CASE("the host diff gives the same patches, checksum terms and base on 1 and on several threads", "[delta]") {
+  std::mt19937_64 rng(11);
+  // Spans of 1 MiB: several chunks each (host_differ::chunk_bytes), as the streamer cuts them from
+  // 2 MiB buffers. Per span, by its number: ~2 % changed, every element (sent as plain bytes),
+  // nothing, ~0.05 %.
+  const std::uint64_t span = refit::delta::span_bytes(2 << 20);
+  REQUIRE(span > 2 * refit::delta::host_differ::chunk_bytes);
+  const double density[] = {0.02, 1.0, 0.0, 0.0005};
+  for (const std::size_t item : {1u, 2u, 4u, 8u}) {
+    // Empty, smaller than 8 bytes, smaller than a chunk with tail bytes, one chunk and a bit, and
+    // several spans whose last one ends in the tail.
+    for (const std::uint64_t elements : {std::uint64_t{0}, 8 / item - (item < 8 ? 1 : 0), 1001 / item * item + 3,
+                                         refit::delta::host_differ::chunk_bytes / item + 5, 4 * span / item + 77}) {
+      const std::uint64_t total = elements * item;
+      INFO("item " << item << ", " << total << " bytes");
+      std::vector<std::byte> old_bytes(total), next(total);
+      for (auto& b : old_bytes) b = static_cast<std::byte>(rng());
+      next = old_bytes;
+      std::bernoulli_distribution coin[4] = {
+          std::bernoulli_distribution(density[0]), std::bernoulli_distribution(density[1]),
+          std::bernoulli_distribution(density[2]), std::bernoulli_distribution(density[3])};
+      for (std::uint64_t e = 0; e < elements; ++e)
+        if (coin[(e * item / span) % 4](rng)) next[e * item + rng() % item] ^= static_cast<std::byte>(1 + rng() % 255);
+      if (elements != 0) next[total - 1] ^= std::byte{0x5a};  // the last element, in the tail when there is one
+
+      std::vector<std::byte> expect_base = old_bytes;
+      std::vector<refit::delta::span_patch> expect;
+      for (std::uint64_t off = 0; off < total; off += span)
+        expect.push_back(
+            reference_diff(expect_base.data() + off, next.data() + off, off, std::min(span, total - off), item, total));
+      REQUIRE(expect_base == next);
+      std::uint64_t terms = 0;
+      for (const auto& r : expect) terms += r.terms;
+      CHECK(refit::copy::checksum(old_bytes.data(), total) + terms == refit::copy::checksum(next.data(), total));
+
+      for (const std::size_t threads : {1u, 2u, 5u}) {
+        INFO(threads << " threads");
+        refit::delta::host_differ d(threads);
+        CHECK(d.threads() == threads);
+        std::vector<std::byte> base = old_bytes;
+        std::vector<refit::delta::host_span> spans;
+        for (std::uint64_t off = 0; off < total; off += span)
+          spans.push_back({base.data() + off, next.data() + off, off, std::min(span, total - off), total, item});
+        std::vector<refit::delta::span_patch> found(spans.size());
+        // Twice: the second time over the patches of the first, recycled (as the streamer does once
+        // they are sent), in whatever order and capacity.
+        for (int round = 0; round < 2; ++round) {
+          INFO("round " << round);
+          base = old_bytes;
+          d.diff(spans, found);
+          CHECK(base == next);
+          for (std::size_t k = 0; k < spans.size(); ++k) {
+            INFO("span " << k);
+            CHECK(found[k].changes == expect[k].changes);
+            CHECK(found[k].terms == expect[k].terms);
+            CHECK(found[k].as_bytes == expect[k].as_bytes);
+            CHECK(found[k].patch == expect[k].patch);
+          }
+          for (std::size_t k = found.size(); k-- > 0;) d.recycle(std::move(found[k].patch));
+        }
+        // Used again, nothing changed: no patches.
+        d.diff(spans, found);
+        for (const auto& f : found) CHECK((f.changes == 0 && f.terms == 0 && f.patch.empty() && !f.as_bytes));
+      }
+    }
+  }
+}
+
+TEST_CASE("the host diff of a tensor larger than one wave gives the patches of one thread", "[delta]") {
+  // Spans of 16 MiB (64 MiB buffers), three of them and a bit: two waves (host_differ::wave_bytes).
+  const std::uint64_t span = refit::delta::span_bytes(64 << 20);
+  const std::uint64_t total = 3 * span + 1000;
+  REQUIRE(total > refit::delta::host_differ::wave_bytes);
+  std::mt19937_64 rng(5);
+  std::vector<std::byte> old_bytes(total);
+  for (std::uint64_t i = 0; i + 8 <= total; i += 8) {
+    const std::uint64_t v = rng();
+    std::memcpy(old_bytes.data() + i, &v, 8);
+  }
+  std::vector<std::byte> next = old_bytes;
+  for (std::uint64_t k = 0; k < total / 2 / 50; ++k) next[2 * (rng() % (total / 2))] ^= std::byte{1};
+  std::vector<std::byte> expect_base = old_bytes;
+  std::vector<refit::delta::span_patch> expect;
+  for (std::uint64_t off = 0; off < total; off += span)
+    expect.push_back(
+        reference_diff(expect_base.data() + off, next.data() + off, off, std::min(span, total - off), 2, total));
+  for (const std::size_t threads : {1u, 3u}) {
+    INFO(threads << " threads");
+    refit::delta::host_differ d(threads);
+    std::vector<std::byte> base = old_bytes;
+    std::vector<refit::delta::host_span> spans;
+    for (std::uint64_t off = 0; off < total; off += span)
+      spans.push_back({base.data() + off, next.data() + off, off, std::min(span, total - off), total, 2});
+    std::vector<refit::delta::span_patch> found(spans.size());
+    d.diff(spans, found);
+    CHECK(base == next);
+    for (std::size_t k = 0; k < spans.size(); ++k) {
+      INFO("span " << k);
+      CHECK(found[k].changes == expect[k].changes);
+      CHECK(found[k].terms == expect[k].terms);
+      CHECK(found[k].as_bytes == expect[k].as_bytes);
+      CHECK(found[k].patch == expect[k].patch);
+    }
+  }
+}
+
+TEST_CASE("a job that throws on the diff's threads reaches the caller as a refit::error after every job ran",
+          "[delta]") {
+  refit::delta::worker_pool pool(4);
+  REQUIRE(pool.size() == 4);
+  std::vector<std::atomic<int>> ran(200);
+  const auto run = [&](std::size_t bad, bool refit_error) {
+    for (auto& r : ran) r = 0;
+    pool.run(ran.size(), [&](std::size_t k) {
+      ran[k] += 1;
+      if (k != bad) return;
+      if (refit_error) throw refit::error(errc::apply, "job 37 failed");
+      throw std::runtime_error("job 37 broke");
+    });
+  };
+  try {
+    run(37, false);
+    FAIL("no exception");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::internal);
+    CHECK_THAT(e.what(), Catch::Contains("job 37 broke"));
+  }
+  for (const auto& r : ran) CHECK(r == 1);
+  try {
+    run(37, true);
+    FAIL("no exception");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::apply);
+    CHECK_THAT(e.what(), Catch::Contains("job 37 failed"));
+  }
+  for (const auto& r : ran) CHECK(r == 1);
+  CHECK_NOTHROW(run(ran.size(), false));  // a failed run leaves the pool usable
+  for (const auto& r : ran) CHECK(r == 1);
+  pool.run(0, [](std::size_t) { FAIL("a run of no jobs ran one"); });
 }
 
 TEST_CASE("a corrupt patch is refused before it writes", "[delta]") {
@@ -270,10 +439,14 @@ TEST_CASE("subset versions over host_shm are bit-exact after 20 steps and keep t
 // ================================================================================== deltas
 
 TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a fraction of the bytes", "[delta]") {
+  const std::size_t threads = GENERATE(1u, 3u);
+  INFO(threads << " diff threads");
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
   engine e(t.metas, ep.name);
-  refit::streamer st(delta_streamer(ep.name));
+  auto so = delta_streamer(ep.name);
+  so.delta.threads = threads;
+  refit::streamer st(so);
 
   const auto first = refit_once(st, e, 1, t.refs());
   CHECK_FALSE(first.delta);
@@ -305,6 +478,18 @@ TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a 
   CHECK(same.bytes == 0);
   CHECK(e.r.committed_version() == std::optional<std::uint64_t>(22));
   CHECK(e.differs_from(t).empty());
+}
+
+TEST_CASE("a delta streamer asked for more than 256 diff threads is refused", "[delta]") {
+  const rt::scoped_endpoint ep;
+  auto o = delta_streamer(ep.name);
+  o.delta.threads = 257;
+  CHECK_THROWS_MATCHES(refit::streamer(o), refit::error, Catch::Predicate<refit::error>([](const refit::error& e) {
+                         return e.code() == errc::invalid_argument &&
+                                std::string(e.what()).find("delta.threads is 257") != std::string::npos;
+                       }));
+  o.delta.threads = 256;
+  CHECK_NOTHROW(refit::streamer(o));  // threads are made at the first host diff only
 }
 
 TEST_CASE("a version larger than the base's bound is always sent whole", "[delta]") {
