@@ -1068,7 +1068,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
   receiver_event on_batch(const wire::batch& b) {
-    if (const auto refused = refuse_failed(b.version); refused && !refit_active()) return *refused;
+    if (!refit_active())
+      if (const auto refused = refuse_failed(b.version)) return *refused;
     if (!refit_active()) {
       reply_error(errc::protocol, fmt::format("BATCH {} of version {} without a refit in progress (no BEGIN, or the "
                                               "refit was aborted: see the receiver's log)",
@@ -1110,7 +1111,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
   receiver_event on_end(const wire::end& e) {
-    if (const auto refused = refuse_failed(e.version); refused && !refit_active()) return *refused;
+    if (!refit_active())
+      if (const auto refused = refuse_failed(e.version)) return *refused;
     if (!refit_active()) {
       reply_error(errc::protocol, fmt::format("END of version {} without a refit in progress", e.version));
       return receiver_event::refused;
