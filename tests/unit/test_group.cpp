@@ -636,3 +636,58 @@ TEST_CASE("a rank whose END waits for a rank that never comes hears so within it
   CHECK_THAT(late->message, Catch::Contains("version 1 failed before rank 1"));
   CHECK_FALSE(s.receiver.committed_version());
 }
+
+TEST_CASE("a group sends a subset version: the tensors it sends are replaced, the others kept", "[group]") {
+  constexpr std::size_t n = 2;
+  serving s(group_receiver(n));
+  table dest(s.receiver, group_model());
+  s.start();
+  const auto endpoints = s.receiver.endpoints();
+  // A shorter reply timeout: the last step's version ends at 3/4 of it (its other rank was refused).
+  auto o0 = rank_options(endpoints[0], 0, n);
+  auto o1 = rank_options(endpoints[1], 1, n);
+  o0.timeout = o1.timeout = refit::milliseconds{4000};
+  refit::streamer s0(o0);
+  refit::streamer s1(o1);
+  const rt::host_tensors v1(group_model(), 1);
+  auto ok = each_rank(n, [&](std::size_t r) { (r == 0 ? s0 : s1).refit(1, rank_shards(v1, r, n)); });
+  for (const auto& f : ok) CHECK_FALSE(f);
+  REQUIRE(s.receiver.committed_version() == 1);
+  // Version 2 carries only "q" and "norm" (an adapter's tensors), sharded as before.
+  const rt::host_tensors v2(group_model(), 2);
+  ok = each_rank(n, [&](std::size_t r) {
+    const auto all = rank_shards(v2, r, n);
+    const std::vector<refit::tensor_ref> some{all[1], all[2]};
+    (r == 0 ? s0 : s1).refit(2, some, refit::refit_scope::subset);
+  });
+  INFO(failures_text(ok));
+  for (const auto& f : ok) CHECK_FALSE(f);
+  CHECK(s.receiver.committed_version() == 2);
+  for (std::size_t k = 0; k < dest.metas.size(); ++k) {
+    const std::uint64_t version = k == 1 || k == 2 ? 2 : 1;
+    CHECK(rt::pattern_mismatch(dest.metas[k], version, dest.bytes[k].data()).empty());
+  }
+  // A rank that sends its part of version 3 whole while the other sends a subset is refused.
+  const rt::host_tensors v3(group_model(), 3);
+  const auto mixed = each_rank(n, [&](std::size_t r) {
+    const auto all = rank_shards(v3, r, n);
+    if (r == 0) {
+      s0.refit(3, all);
+    } else {
+      const std::vector<refit::tensor_ref> some{all[1]};
+      s1.refit(3, some, refit::refit_scope::subset);
+    }
+  });
+  INFO(failures_text(mixed));
+  std::size_t refused = 0;
+  for (const auto& f : mixed) {
+    REQUIRE(f);
+    if (f->code == "protocol") {
+      ++refused;
+      CHECK_THAT(f->message,
+                 Catch::Contains("every streamer of a group sends the same versions, whole or subset alike"));
+    }
+  }
+  CHECK(refused == 1);
+  CHECK(s.receiver.committed_version() == 2);
+}
