@@ -597,7 +597,8 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::optional<std::string> token, int device, const py::object& curve,
                                        std::uint64_t alignment, bool keep_whole, const std::string& engine,
                                        const std::string& layout, bool delta, const std::string& delta_memory_name,
-                                       std::uint64_t delta_max_bytes, std::size_t group_rank, std::size_t group_size) {
+                                       std::uint64_t delta_max_bytes, std::size_t delta_threads, std::size_t group_rank,
+                                       std::size_t group_size) {
   streamer_options o;
   o.group_rank = group_rank;
   o.group_size = group_size;
@@ -609,6 +610,7 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
   else
     throw py::value_error("delta_memory must be 'host' or 'device'; got '" + delta_memory_name + "'");
   o.delta.max_bytes = delta_max_bytes;
+  o.delta.threads = delta_threads;
   o.layout = layout;
   o.endpoint = std::move(endpoint);
   const auto t = parse_transport(transport);
@@ -749,11 +751,12 @@ PYBIND11_MODULE(_refit, m) {
                        std::size_t buffers, bool direct, double timeout, std::optional<std::string> token, int device,
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
-                       std::uint64_t delta_max_bytes, std::size_t group_rank, std::size_t group_size) {
-             return std::make_unique<py_streamer>(
-                 streamer_options_from(std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers,
-                                       direct, timeout, std::move(token), device, curve, alignment, keep_whole, engine,
-                                       layout, delta, delta_memory_name, delta_max_bytes, group_rank, group_size));
+                       std::uint64_t delta_max_bytes, std::size_t delta_threads, std::size_t group_rank,
+                       std::size_t group_size) {
+             return std::make_unique<py_streamer>(streamer_options_from(
+                 std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
+                 std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
+                 delta_max_bytes, delta_threads, group_rank, group_size));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
@@ -761,7 +764,7 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
            py::arg("engine") = "automatic", py::arg("layout") = "", py::arg("delta") = false,
            py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30,
-           py::arg("group_rank") = 0, py::arg("group_size") = 1)
+           py::arg("delta_threads") = 0, py::arg("group_rank") = 0, py::arg("group_size") = 1)
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("close", &py_streamer::close);

@@ -58,10 +58,11 @@ def delta_peer(peer):
     return start
 
 
-def test_delta_versions_are_bit_exact_after_20_steps_and_send_a_fraction(delta_peer):
+@pytest.mark.parametrize("threads", [0, 1, 3], ids=["default-threads", "one-thread", "three-threads"])
+def test_delta_versions_are_bit_exact_after_20_steps_and_send_a_fraction(delta_peer, threads):
     t = Trainer()
     job, endpoint = delta_peer(spec_of(t.state()))
-    with streamer(endpoint, delta=True, delta_memory="host") as st:
+    with streamer(endpoint, delta=True, delta_memory="host", delta_threads=threads) as st:
         first = st.refit(1, t.state())
         assert not first.delta and first.bytes == first.tensor_bytes
         assert first.base_bytes == first.tensor_bytes
@@ -141,3 +142,5 @@ def test_delta_options_are_checked():
         refit.Streamer("ipc:///nowhere", transport="host_shm", delta=True, delta_memory="disk")
     with pytest.raises(refit.RefitError, match="needs the host_shm transport"):
         refit.Streamer("ipc:///nowhere", transport="cuda_ipc", delta=True)
+    with pytest.raises(refit.RefitError, match="delta.threads is 257: the host diff takes at most 256 threads"):
+        refit.Streamer("ipc:///nowhere", transport="host_shm", delta=True, delta_threads=257)

@@ -431,6 +431,8 @@ class Streamer(_refit.Streamer):
             cuda_ipc with ``direct=False`` (the diff and the patching on the GPUs).
         delta_memory: where the base lives: ``"host"`` (page-locked with CUDA) or ``"device"``.
         delta_max_bytes: bound on the base's memory; a larger version is always sent whole.
+        delta_threads: threads of the host diff (host_shm deltas); 0: min(hardware threads, 8).
+            The patches are the same bytes whatever the number.
         group_rank, group_size: this streamer is rank ``group_rank`` of ``group_size`` streamers
             (one per trainer rank) that send each version together, each its :class:`Shard` of
             every tensor, to receivers made with ``streamers=group_size``; rank k connects to each
@@ -472,6 +474,7 @@ class Streamer(_refit.Streamer):
         delta: bool = False,
         delta_memory: str = "host",
         delta_max_bytes: int = 64 << 30,
+        delta_threads: int = 0,
         group_rank: int = 0,
         group_size: int = 1,
     ) -> None:
@@ -497,6 +500,7 @@ class Streamer(_refit.Streamer):
             delta=delta,
             delta_memory=delta_memory,
             delta_max_bytes=delta_max_bytes,
+            delta_threads=delta_threads,
             group_rank=group_rank,
             group_size=group_size,
         )
