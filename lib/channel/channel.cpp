@@ -48,7 +48,7 @@ constexpr std::chrono::microseconds spin_before_blocking{500};
 /// asks without blocking (yielding between asks) for that long first.
 /// Polls `items` (their `events`) until `deadline`; retries on EINTR. The index of the first ready
 /// one, or nullopt. With `spin`, asks without blocking (yielding between asks) for that long first.
-std::optional<std::size_t> poll_any(std::vector<zmq::pollitem_t>& items, clock::time_point deadline,
+std::optional<std::size_t> poll_any(std::span<zmq::pollitem_t> items, clock::time_point deadline,
                                     std::chrono::microseconds spin) {
   const auto ready = [&]() -> std::optional<std::size_t> {
     for (std::size_t k = 0; k < items.size(); ++k)
@@ -59,7 +59,7 @@ std::optional<std::size_t> poll_any(std::vector<zmq::pollitem_t>& items, clock::
     const auto spin_until = std::min(deadline, clock::now() + spin);
     do {
       try {
-        if (zmq::poll(items, std::chrono::milliseconds(0)) > 0) return ready();
+        if (zmq::poll(items.data(), items.size(), std::chrono::milliseconds(0)) > 0) return ready();
       } catch (const zmq::error_t& e) {
         if (e.num() != EINTR) throw;
       }
@@ -68,7 +68,7 @@ std::optional<std::size_t> poll_any(std::vector<zmq::pollitem_t>& items, clock::
   }
   for (;;) {
     try {
-      const int n = zmq::poll(items, std::chrono::milliseconds(remaining_ms(deadline)));
+      const int n = zmq::poll(items.data(), items.size(), std::chrono::milliseconds(remaining_ms(deadline)));
       if (n > 0) return ready();
       if (clock::now() >= deadline) return std::nullopt;
     } catch (const zmq::error_t& e) {
@@ -81,8 +81,8 @@ std::optional<std::size_t> poll_any(std::vector<zmq::pollitem_t>& items, clock::
 /// Polls `socket` for `events` until `deadline` (see poll_any). True when ready.
 bool poll_until(zmq::socket_t& socket, short events, clock::time_point deadline,
                 std::chrono::microseconds spin = std::chrono::microseconds{0}) {
-  std::vector<zmq::pollitem_t> items{zmq::pollitem_t{socket.handle(), 0, events, 0}};
-  return poll_any(items, deadline, spin).has_value();
+  zmq::pollitem_t item{socket.handle(), 0, events, 0};  // on the stack: every receive() passes here
+  return poll_any({&item, 1}, deadline, spin).has_value();
 }
 
 void set_curve_server(zmq::socket_t& s, const curve_keys& curve) {

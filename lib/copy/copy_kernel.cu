@@ -369,7 +369,20 @@ __device__ __forceinline__ std::uint16_t e4m3x2(float a, float b) {
   return v;
 }
 
-/// Eight consecutive elements of a 16-bit source from one 16-byte load (`p` 16-byte aligned).
+/// The eight 16-bit elements (bf16 or f16) of one 16-byte word, widened to f32.
+template <std::uint8_t From>
+__device__ __forceinline__ void unpack8(const uint4& w, float (&out)[8]) {
+  const std::uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto lo = static_cast<std::uint16_t>(words[i] & 0xffffu);
+    const auto hi = static_cast<std::uint16_t>(words[i] >> 16);
+    out[2 * i] = From == cvt::bf16 ? cvt::bf16_to_f32(lo) : cvt::f16_to_f32(lo);
+    out[2 * i + 1] = From == cvt::bf16 ? cvt::bf16_to_f32(hi) : cvt::f16_to_f32(hi);
+  }
+}
+
+/// Eight consecutive elements of a source from one 16-byte load (two for f32; `p` 16-byte aligned).
 template <std::uint8_t From>
 __device__ __forceinline__ void load8(const void* p, float (&out)[8]) {
   if constexpr (From == cvt::f32) {
@@ -377,15 +390,7 @@ __device__ __forceinline__ void load8(const void* p, float (&out)[8]) {
     const float4 b = static_cast<const float4*>(p)[1];
     out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
   } else {
-    const uint4 w = *static_cast<const uint4*>(p);
-    const std::uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const auto lo = static_cast<std::uint16_t>(words[i] & 0xffffu);
-      const auto hi = static_cast<std::uint16_t>(words[i] >> 16);
-      out[2 * i] = From == cvt::bf16 ? cvt::bf16_to_f32(lo) : cvt::f16_to_f32(lo);
-      out[2 * i + 1] = From == cvt::bf16 ? cvt::bf16_to_f32(hi) : cvt::f16_to_f32(hi);
-    }
+    unpack8<From>(*static_cast<const uint4*>(p), out);
   }
 }
 
@@ -422,16 +427,9 @@ __global__ void __launch_bounds__(convert_threads)
     for (int k = 0; k < passes; ++k) raw[k] = __ldg(reinterpret_cast<const uint4*>(p + 16u * k * cols));
 #pragma unroll
     for (int k = 0; k < passes; ++k) {
-      const std::uint32_t words[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+      unpack8<From>(raw[k], v[k]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const auto lo = static_cast<std::uint16_t>(words[i] & 0xffffu);
-        const auto hi = static_cast<std::uint16_t>(words[i] >> 16);
-        v[k][2 * i] = From == cvt::bf16 ? cvt::bf16_to_f32(lo) : cvt::f16_to_f32(lo);
-        v[k][2 * i + 1] = From == cvt::bf16 ? cvt::bf16_to_f32(hi) : cvt::f16_to_f32(hi);
-        take(m, v[k][2 * i]);
-        take(m, v[k][2 * i + 1]);
-      }
+      for (int e = 0; e < 8; ++e) take(m, v[k][e]);
     }
   } else {
 #pragma unroll
@@ -491,21 +489,11 @@ __global__ void __launch_bounds__(convert_threads)
   uint4 raw[passes];
 #pragma unroll
   for (int k = 0; k < passes; ++k) raw[k] = __ldg(reinterpret_cast<const uint4*>(p + 16u * k * cols));
-  const auto unpack = [](const uint4& w, float(&out)[8]) {
-    const std::uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const auto lo = static_cast<std::uint16_t>(words[i] & 0xffffu);
-      const auto hi = static_cast<std::uint16_t>(words[i] >> 16);
-      out[2 * i] = From == cvt::bf16 ? cvt::bf16_to_f32(lo) : cvt::f16_to_f32(lo);
-      out[2 * i + 1] = From == cvt::bf16 ? cvt::bf16_to_f32(hi) : cvt::f16_to_f32(hi);
-    }
-  };
   float m = 0.0f;
 #pragma unroll
   for (int k = 0; k < passes; ++k) {
     float v[8];
-    unpack(raw[k], v);
+    unpack8<From>(raw[k], v);
 #pragma unroll
     for (int e = 0; e < 8; ++e) take(m, v[e]);
   }
@@ -514,7 +502,7 @@ __global__ void __launch_bounds__(convert_threads)
 #pragma unroll
   for (int k = 0; k < passes; ++k) {
     float v[8];
-    unpack(raw[k], v);
+    unpack8<From>(raw[k], v);
     std::uint64_t word = 0;
 #pragma unroll
     for (int e = 0; e < 8; e += 2) word |= static_cast<std::uint64_t>(e4m3x2(v[e] * mul, v[e + 1] * mul)) << (8 * e);

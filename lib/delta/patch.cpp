@@ -17,19 +17,25 @@ namespace {
 /// diff() for elements of ITEM bytes. The common case (a small fraction changed) is decided 64
 /// bytes at a time: eight XORed words ORed together, which the compiler vectorises; only blocks with
 /// a difference are looked at word by word, and only differing words element by element.
+/// The element at span byte `b` differs: its checksum terms, the base brought up to date, and its
+/// record (index and new value) appended to `r`.
+template <std::size_t ITEM>
+inline void record_change(std::byte* base, const std::byte* next, std::uint64_t b, std::uint64_t off,
+                          std::uint64_t total, std::uint32_t* indices, std::byte* values, diff_result& r) noexcept {
+  const std::uint64_t o = load_bits(base + b, ITEM);
+  const std::uint64_t n = load_bits(next + b, ITEM);
+  r.terms += element_term(n, off + b, ITEM, total) - element_term(o, off + b, ITEM, total);
+  std::memcpy(base + b, next + b, ITEM);
+  indices[r.changes] = static_cast<std::uint32_t>(b / ITEM);
+  std::memcpy(values + r.changes * ITEM, next + b, ITEM);
+  ++r.changes;
+}
+
 template <std::size_t ITEM>
 diff_result diff_items(std::byte* base, const std::byte* next, std::uint64_t off, std::uint64_t span,
                        std::uint64_t total, std::uint32_t* indices, std::byte* values) noexcept {
   diff_result r;
-  const auto note = [&](std::uint64_t b) {  // element at span byte b differs
-    const std::uint64_t o = load_bits(base + b, ITEM);
-    const std::uint64_t n = load_bits(next + b, ITEM);
-    r.terms += element_term(n, off + b, ITEM, total) - element_term(o, off + b, ITEM, total);
-    std::memcpy(base + b, next + b, ITEM);
-    indices[r.changes] = static_cast<std::uint32_t>(b / ITEM);
-    std::memcpy(values + r.changes * ITEM, next + b, ITEM);
-    ++r.changes;
-  };
+  const auto note = [&](std::uint64_t b) { record_change<ITEM>(base, next, b, off, total, indices, values, r); };
   const auto word = [&](std::uint64_t b) {
     std::uint64_t x, y;
     std::memcpy(&x, base + b, 8);
@@ -136,16 +142,8 @@ diff_result diff_sse2(std::byte* base, const std::byte* next, std::uint64_t off,
   }
   for (; b < blocks; b += 64) block(differing<ITEM>(base + b, next + b), b);
   // The rest (under 64 bytes, or the tensor's tail bytes): element by element.
-  for (; b < span; b += ITEM) {
-    if (std::memcmp(base + b, next + b, ITEM) == 0) continue;
-    const std::uint64_t o = load_bits(base + b, ITEM);
-    const std::uint64_t n = load_bits(next + b, ITEM);
-    r.terms += element_term(n, off + b, ITEM, total) - element_term(o, off + b, ITEM, total);
-    std::memcpy(base + b, next + b, ITEM);
-    indices[r.changes] = static_cast<std::uint32_t>(b / ITEM);
-    std::memcpy(values + r.changes * ITEM, next + b, ITEM);
-    ++r.changes;
-  }
+  for (; b < span; b += ITEM)
+    if (std::memcmp(base + b, next + b, ITEM) != 0) record_change<ITEM>(base, next, b, off, total, indices, values, r);
   return r;
 }
 #endif

@@ -1152,7 +1152,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       }
 #endif
       if (refit_delta) check_delta(*ln->held);
-      std::set<std::string, std::less<>> arrived = grouped() ? check_shards(version) : ln->tracker->completed();
+      // A streamer alone: the names its tracker saw complete (not copied); a group: check_shards's.
+      const std::set<std::string, std::less<>> shards = grouped() ? check_shards(version) : decltype(shards){};
+      const auto& arrived = grouped() ? shards : ln->tracker->completed();
       if (!callback && !refit_subset) {
         std::size_t missing = 0;
         std::string first;
@@ -1238,6 +1240,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         if (row != 0 && lo % row == 0 && hi % row == 0) return fmt::format("rows [{}, {})", lo / row, hi / row);
         return fmt::format("bytes [{}, {})", lo, hi);
       };
+      const auto unsent = [&](std::uint64_t lo, std::uint64_t hi) {
+        throw error(errc::incomplete,
+                    fmt::format("version {}: tensor '{}': {} were sent by no rank (the shards of ranks {} leave them "
+                                "out); nothing was committed",
+                                version, name, span(lo, hi), ranks_of(pieces)));
+      };
       std::uint64_t cursor = 0;
       std::size_t last_rank = pieces.front().rank;
       for (const piece& p : pieces) {
@@ -1254,19 +1262,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                       fmt::format("version {}: tensor '{}': {} were sent by rank {} and by rank {} (their shards "
                                   "overlap); nothing was committed",
                                   version, name, span(p.first, std::min(cursor, p.next)), last_rank, p.rank));
-        if (p.first > cursor)
-          throw error(errc::incomplete,
-                      fmt::format("version {}: tensor '{}': {} were sent by no rank (the shards of ranks {} leave "
-                                  "them out); nothing was committed",
-                                  version, name, span(cursor, p.first), ranks_of(pieces)));
+        if (p.first > cursor) unsent(cursor, p.first);
         cursor = p.next;
         last_rank = p.rank;
       }
-      if (cursor != one.total)
-        throw error(errc::incomplete,
-                    fmt::format("version {}: tensor '{}': {} were sent by no rank (the shards of ranks {} leave them "
-                                "out); nothing was committed",
-                                version, name, span(cursor, one.total), ranks_of(pieces)));
+      if (cursor != one.total) unsent(cursor, one.total);
       arrived.emplace(name);
     }
     return arrived;

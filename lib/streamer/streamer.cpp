@@ -707,6 +707,13 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       entries.push_back(std::move(e));
     }
 
+    /// The wire entry of one placed piece of `t` (as bytes), its copies ordered after `t`'s stream.
+    void add_entry(const tensor_ref& t, const placement& p) {
+      if (t.stream != nullptr && (streams.empty() || streams.back() != t.stream)) streams.push_back(t.stream);
+      entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, p.entry.tensor_offset, p.entry.bytes,
+                                    p.entry.buffer_offset, wire::entry_kind::bytes, 0});
+    }
+
     /// Adds one placed piece of tensor `t` to the open batch: its entry, and the copy or segment
     /// that moves its bytes (`targets`: its routes in a direct session).
     ///
@@ -714,9 +721,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     /// of dtype cv->from: the bytes are converted on their way.
     void add(const tensor_ref& t, const placement& p, std::span<const transport::routed> targets,
              const copy::cvt::conversion* cv = nullptr) {
-      if (t.stream != nullptr && (streams.empty() || streams.back() != t.stream)) streams.push_back(t.stream);
-      entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, p.entry.tensor_offset, p.entry.bytes,
-                                    p.entry.buffer_offset, wire::entry_kind::bytes, 0});
+      add_entry(t, p);
       if (p.entry.bytes == 0) return;
       if (cv != nullptr) {
         add_converted(t, p, targets, *cv);
@@ -762,9 +767,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       std::byte* base =
           in_place ? st.buffers->staging(seq % st.buffers->count()) : st.buffers->data(seq % st.buffers->count());
       if (base == nullptr) refuse_unconverted(t);
-      if (t.stream != nullptr && (streams.empty() || streams.back() != t.stream)) streams.push_back(t.stream);
-      entries.push_back(wire::entry{t.meta.name, t.meta.type, t.meta.shape, p.entry.tensor_offset, p.entry.bytes,
-                                    p.entry.buffer_offset, wire::entry_kind::bytes, 0});
+      add_entry(t, p);
       if (src_dev.kind == device_kind::cuda && !(src_dev == st.buffers->where()))
         copy::enable_peer_access(st.buffers->where().index, src_dev.index);
       job.dst = reinterpret_cast<std::uint8_t*>(base + p.entry.buffer_offset);
