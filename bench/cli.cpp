@@ -120,6 +120,11 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
                  "1: a tensor that fits a buffer is never split over two batches (streamer_options::keep_whole); "
                  "0: batches are filled up, tensors chunked at their edges")
       ->capture_default_str();
+  app.add_option("--share-tensors", c.share,
+                 "cuda_ipc staged rows: 1: the receiver reads the streamer's tensors where they are (mapped through "
+                 "CUDA IPC; engine +shared, floor one copy: streamer_options::share_tensors); 0: every tensor is "
+                 "packed into the buffers (two copies)")
+      ->capture_default_str();
   app.add_option("--engine", t.engines,
                  "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
                  "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "

@@ -88,7 +88,8 @@ void write_preamble(std::ostream& out, const preamble& p) {
                      p.warmup, p.iters, p.verified ? "every refit verified" : "NOT verified (--no-verify)");
   out << "# GB/s = payload bytes / median time; floor = 2 x bytes / ceiling for a staged refit (every byte copied "
          "twice),\n"
-         "#   1 x bytes / ceiling for a direct one (engine +direct: written straight into the receiver's weights);\n"
+         "#   1 x bytes / ceiling for a direct one (engine +direct: written straight into the receiver's weights)\n"
+         "#   and for a staged one the receiver read where the tensors are (engine +shared: share_tensors);\n"
          "# ratio = floor / median; source, pack, wait: streamer (medians); apply: receiver; wrong: tensors with a bad "
          "checksum\n";
   if (std::find(p.transports.begin(), p.transports.end(), "nccl") != p.transports.end())

@@ -516,6 +516,7 @@ class group_runner {
     so.buffer_bytes = static_cast<std::uint64_t>(std::llround(mb * (1 << 20)));
     so.alignment = c_.alignment;
     so.keep_whole = c_.keep_whole;
+    so.share_tensors = c_.share;
     so.device = c_.device;
     so.timeout = milliseconds(c_.timeout_ms);
     so.engine = g_.engine;
@@ -548,6 +549,7 @@ class group_runner {
     row r = row_head(so);
     row_samples samples;
     bool went_direct = false;
+    std::uint64_t shared = 0;
     const int total = c_.warmup + c_.iters;
     for (int it = 0; it < total; ++it) {
       const std::uint64_t v = g_.version++;
@@ -566,6 +568,7 @@ class group_runner {
                                counted ? c_.iters : c_.warmup, ms, r.bytes / (ms * 1e6),
                                wrong_now ? fmt::format(", {} WRONG", wrong_now) : ""));
       went_direct = st.direct;
+      shared = st.shared_bytes;
       if (!counted) continue;
       samples.times.push_back(ms);
       samples.source.push_back(st.source_seconds * 1e3);
@@ -574,7 +577,7 @@ class group_runner {
       if (apply_ms >= 0) samples.apply.push_back(apply_ms);
     }
     s.close();
-    finish_row(r, samples, went_direct);
+    finish_row(r, samples, went_direct, shared);
     return r;
   }
 
@@ -637,7 +640,8 @@ class group_runner {
   }
 
   /// The row's statistics from its counted refits.
-  void finish_row(row& r, const row_samples& samples, bool went_direct) const {
+  /// `shared`: bytes of a staged refit the receiver read where they were (copied once).
+  void finish_row(row& r, const row_samples& samples, bool went_direct, std::uint64_t shared = 0) const {
     r.median_ms = median(samples.times);
     r.min_ms = *std::min_element(samples.times.begin(), samples.times.end());
     r.max_ms = *std::max_element(samples.times.begin(), samples.times.end());
@@ -651,6 +655,11 @@ class group_runner {
     // Over nccl the ceiling is itself the transfer (a raw broadcast), which refit makes once, with
     // packing and applying overlapping it: one pass too.
     r.floor_ms = (went_direct || nccl_ ? 1.0 : 2.0) * static_cast<double>(r.bytes) / g_.ceiling * 1e3;
+    if (!went_direct && !nccl_ && shared != 0) {
+      // Read in place by the receiver: those bytes are copied once, the others twice.
+      r.engine += shared == r.bytes ? "+shared" : "+part-shared";
+      r.floor_ms = (2.0 * static_cast<double>(r.bytes) - static_cast<double>(shared)) / g_.ceiling * 1e3;
+    }
     if (c_.convert) {
       // Its own floor: the bytes read and written at the device-copy speed (a copy of B bytes
       // reads B and writes B). Direct: the source read once, the converted bytes written once;

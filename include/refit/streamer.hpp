@@ -99,6 +99,16 @@ struct streamer_options {
   /// (callback sink), batches are buffer-sized and a tensor on another GPU is packed. false:
   /// always buffer-sized batches (entries still go in place where they can).
   bool direct = true;
+  /// cuda_ipc sessions through the buffers (a callback sink, a table it cannot write directly):
+  /// the receiver reads each tensor that is in this device's memory where it is (the allocation
+  /// holding it, mapped through CUDA IPC) instead of this process packing it into a buffer: one
+  /// copy instead of two, done by the receiver's GPU work alone, with no per-batch hand-off
+  /// between the two processes' GPU work. Converted tensors, delta versions, tensors on other
+  /// devices and memory the driver will not export (pools, VMM) are packed as before. The
+  /// receiver keeps each allocation a refit read mapped until a refit that does not read it ends,
+  /// or the session does (close()): memory this process frees meanwhile returns to the driver only
+  /// then. false: every tensor goes through the buffers.
+  bool share_tensors = true;
   /// Longest wait for any reply of the receiver; past it the refit fails with errc::timeout and
   /// the next refit starts a new session.
   milliseconds timeout{30000};
@@ -129,11 +139,12 @@ struct refit_stats {
   std::uint64_t tensors = 0;
   std::uint64_t bytes = 0;
   std::uint64_t batches = 0;
-  double seconds = 0;         ///< whole refit, BEGIN to END's reply
-  double source_seconds = 0;  ///< in the tensor source's next()
-  double pack_seconds = 0;    ///< enqueuing (cuda) or doing (cpu) the copies into buffers
-  double wait_seconds = 0;    ///< waiting for the receiver's replies
-  bool direct = false;        ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
+  double seconds = 0;              ///< whole refit, BEGIN to END's reply
+  double source_seconds = 0;       ///< in the tensor source's next()
+  double pack_seconds = 0;         ///< enqueuing (cuda) or doing (cpu) the copies into buffers
+  double wait_seconds = 0;         ///< waiting for the receiver's replies
+  bool direct = false;             ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
+  std::uint64_t shared_bytes = 0;  ///< of `bytes`, read by the receiver where they are (share_tensors)
   // Subset and delta versions. `bytes` is what moved through the buffers (on the wire).
   bool subset = false;               ///< sent as a subset (refit_scope::subset, or a delta)
   bool delta = false;                ///< sent as patches against version `base`

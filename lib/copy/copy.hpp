@@ -160,6 +160,9 @@ void enable_peer_access(int device, int peer);
 struct allocation {
   std::uintptr_t base = 0;
   std::uint64_t bytes = 0;
+  /// The driver's process-wide unique id of the allocation (CU_POINTER_ATTRIBUTE_BUFFER_ID; 0 when it
+  /// does not say): a new allocation at a freed one's address has another.
+  std::uint64_t id = 0;
 };
 /// The CUDA allocation holding `p`, memory of CUDA device `device` (cuMemGetAddressRange in that
 /// device's primary context, through the runtime's driver entry point: refit links no libcuda),

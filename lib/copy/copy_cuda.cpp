@@ -352,21 +352,31 @@ std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device) {
   return static_cast<std::uint64_t>(sum) + bytes;
 }
 
+namespace {
+/// A driver function through the runtime's entry point (refit links no libcuda); nullptr when the
+/// driver has none.
+template <typename Fn>
+Fn driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+}  // namespace
+
 std::optional<allocation> cuda_allocation_of(const void* p, int device) {
   using get_range_fn = int (*)(unsigned long long*, std::size_t*, unsigned long long);
-  static const get_range_fn get_range = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return static_cast<get_range_fn>(nullptr);
-    }
-    return reinterpret_cast<get_range_fn>(fn);
-  }();
-  if (get_range == nullptr)
-    throw error(errc::cuda, "the CUDA driver has no cuMemGetAddressRange entry point (driver older than CUDA 12?)");
+  using get_attribute_fn = int (*)(void*, int, unsigned long long);
+  static const auto get_range = driver_entry<get_range_fn>("cuMemGetAddressRange");
+  static const auto get_attribute = driver_entry<get_attribute_fn>("cuPointerGetAttribute");
+  if (get_range == nullptr || get_attribute == nullptr)
+    throw error(errc::cuda,
+                "the CUDA driver has no cuMemGetAddressRange or cuPointerGetAttribute entry point "
+                "(driver older than CUDA 12?)");
   // A driver call needs a current context: a serving thread of a Python engine has none until
   // the runtime makes the device's primary context current.
   device_guard guard(device);
@@ -379,7 +389,10 @@ std::optional<allocation> cuda_allocation_of(const void* p, int device) {
   if (status != 0)
     throw error(errc::cuda,
                 fmt::format("cuMemGetAddressRange({}) on cuda:{} failed with CUresult {}", p, device, status));
-  return allocation{static_cast<std::uintptr_t>(base), static_cast<std::uint64_t>(size)};
+  constexpr int buffer_id = 7;  // CU_POINTER_ATTRIBUTE_BUFFER_ID
+  unsigned long long id = 0;
+  if (get_attribute(&id, buffer_id, reinterpret_cast<unsigned long long>(p)) != 0) id = 0;  // not known
+  return allocation{static_cast<std::uintptr_t>(base), static_cast<std::uint64_t>(size), id};
 }
 
 void enable_peer_access(int device, int peer) {

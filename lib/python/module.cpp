@@ -598,8 +598,9 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::uint64_t alignment, bool keep_whole, const std::string& engine,
                                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::size_t group_rank,
-                                       std::size_t group_size) {
+                                       std::size_t group_size, bool share_tensors) {
   streamer_options o;
+  o.share_tensors = share_tensors;
   o.group_rank = group_rank;
   o.group_size = group_size;
   o.delta.enable = delta;
@@ -679,6 +680,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_readonly("pack_seconds", &refit_stats::pack_seconds)
       .def_readonly("wait_seconds", &refit_stats::wait_seconds)
       .def_readonly("direct", &refit_stats::direct, "written straight into the receiver's weights")
+      .def_readonly("shared_bytes", &refit_stats::shared_bytes,
+                    "bytes the receiver read where they are in the streamer's memory (share_tensors)")
       .def_readonly("subset", &refit_stats::subset, "sent as a subset (subset=True, or a delta)")
       .def_readonly("delta", &refit_stats::delta, "sent as patches against version `base`")
       .def_readonly("base", &refit_stats::base, "the delta's base version")
@@ -752,11 +755,11 @@ PYBIND11_MODULE(_refit, m) {
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::size_t group_rank,
-                       std::size_t group_size) {
+                       std::size_t group_size, bool share_tensors) {
              return std::make_unique<py_streamer>(streamer_options_from(
                  std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
                  std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
-                 delta_max_bytes, delta_threads, group_rank, group_size));
+                 delta_max_bytes, delta_threads, group_rank, group_size, share_tensors));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
@@ -764,7 +767,8 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
            py::arg("engine") = "automatic", py::arg("layout") = "", py::arg("delta") = false,
            py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30,
-           py::arg("delta_threads") = 0, py::arg("group_rank") = 0, py::arg("group_size") = 1)
+           py::arg("delta_threads") = 0, py::arg("group_rank") = 0, py::arg("group_size") = 1,
+           py::arg("share_tensors") = true)
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("close", &py_streamer::close);

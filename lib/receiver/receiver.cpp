@@ -417,6 +417,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     for (lane& l : lanes) {
       l.took_part = l.in_refit();
       if (l.tracker) l.tracker->reset();
+      if (l.sink) l.sink->end_sources();
       l.deferred.reset();
       if (l.sink && l.took_part) {
         // Device work that waits on a peer which will not come (nccl) must not outlive the refit.
@@ -713,6 +714,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       return receiver_event::refused;
     }
     if (group_version) return join_refit(b);
+    ln->sink->end_sources();  // what a refit that ended without it mapped
     try {
       ln->tracker->begin(b, committed_version());
     } catch (const error& e) {
@@ -773,6 +775,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       reply_error(errc::protocol, message);
       return receiver_event::refused;
     }
+    ln->sink->end_sources();
     try {
       ln->tracker->begin(b, committed_version());
     } catch (const error& e) {
@@ -980,7 +983,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         continue;
       }
       for (const slot& sl : *slots) {
-        const bool copies = copy::append_route(sl.runs, e.tensor_offset, e.bytes, base + e.buffer_offset,
+        const bool copies = copy::append_route(sl.runs, e.tensor_offset, e.bytes, entry_data(e, base),
                                                static_cast<std::byte*>(sl.dest.data), ops, pieces);
         if (copies && where == device_kind::cuda && !(sl.dest.dev == ln->sink->where()) &&
             ln->copier->kind() == copy::engine::kernel)
@@ -1014,6 +1017,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                               e.name, d.slice->start, end, dim, e.shape[dim], end));
   }
 
+  /// The first byte of entry `e` of a batch in the buffer at `base`: there, or in the streamer's
+  /// memory the sink mapped (wire::entry::source). Throws errc::protocol for a range outside it.
+  const std::byte* entry_data(const wire::entry& e, const std::byte* base) const {
+    return e.source == 0 ? base + e.buffer_offset : ln->sink->source_data(e.source, e.buffer_offset, e.bytes);
+  }
+
   /// Copies (or enqueues the copies of) one batch, or runs the callback over it.
   void apply(const wire::batch& b, std::vector<copy::op>& ops, std::vector<transport::segment>& segments) {
     const auto t0 = clock::now();
@@ -1023,7 +1032,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
           if (e.bytes != 0) segments.push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
       ln->sink->entries(b.buffer, segments);
     }
-    ln->sink->begin_read(b.buffer);
+    // A ready batch reads only memory the streamer's GPU work had finished with (wire::batch::ready).
+    if (!(b.ready && ln->sink->maps_sources())) ln->sink->begin_read(b.buffer);
     if (refit_delta) check_patches(b);  // a corrupt patch is refused before its batch writes anything
     is_dirty.store(true);               // from here on the weights may be partly overwritten
     if (callback) {
@@ -1035,8 +1045,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       for (const wire::entry& e : b.entries) {
         metas.push_back(tensor_meta{e.name, e.type, e.shape});
         const std::uint64_t total = *checked_nbytes(e.type, e.shape);  // validated by wire::decode
-        views.push_back(
-            tensor_view{nullptr, base + e.buffer_offset, e.tensor_offset, e.bytes, total, ln->sink->where()});
+        views.push_back(tensor_view{nullptr, entry_data(e, base), e.tensor_offset, e.bytes, total, ln->sink->where()});
       }
       for (std::size_t i = 0; i < views.size(); ++i) views[i].meta = &metas[i];
       try {
@@ -1082,6 +1091,13 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     std::vector<transport::segment> segments;
     try {
       ln->tracker->check(b);
+      if (refit_delta)
+        for (const wire::entry& e : b.entries)
+          if (e.source != 0)
+            throw error(errc::protocol, fmt::format("BATCH {}: tensor '{}' is read in place from the streamer's "
+                                                    "memory in a delta version, whose entries travel in the buffer",
+                                                    b.seq, e.name));
+      ln->sink->map_sources(b.sources);
       if (!callback)
         ops = table_ops(b, ln->sink->data(b.buffer), ln->sink->moves_entries() && !ln->direct ? &segments : nullptr,
                         ln->direct || refit_delta);
@@ -1206,6 +1222,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     lane* const current = ln;
     for (lane& l : lanes) {
       l.tracker->reset();
+      if (l.sink) l.sink->end_sources();  // drained: what this version did not read is unmapped
       l.held.reset();
       ln = &l;
       reply_ok();

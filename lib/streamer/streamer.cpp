@@ -593,6 +593,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     // no buffer holds a batch, and every tensor must be sent from where it is.
     bool by_entry;
     bool in_place;
+    /// The receiver reads tensors of the buffers' device where they are (transport::source::share);
+    /// set by send_tensors for versions that are not deltas.
+    bool shares = false;
 
     std::uint64_t seq = 0;
     std::size_t planned = 0;  ///< tensors given to the planner, scale tensors included
@@ -607,6 +610,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::vector<copy::fused_job> fused;  ///< one-pass block128 direct writes
     std::vector<void*> streams;
     std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
+    std::vector<std::string> sources;          ///< memory of this process the open batch announces
     std::vector<plan::run> pieces;             ///< scratch of copy::append_route
     /// Patches of the open batch: their copies into the buffer run at flush().
     std::deque<std::vector<std::byte>> patches;
@@ -669,15 +673,23 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     void flush() {
       const std::size_t buffer = seq % st.buffers->count();
       auto tp = clock::now();
-      if (!direct) st.buffers->begin_pack(buffer);
+      // A batch the receiver reads only where the tensors are writes nothing into the buffer, so it
+      // neither waits for the receiver's last read of it nor, when the tensors are complete, makes
+      // the receiver wait for this process's GPU work: no hand-off between the two.
+      const bool packs_nothing = shares && std::none_of(entries.begin(), entries.end(), [](const wire::entry& e) {
+                                   return e.bytes != 0 && e.source == 0;
+                                 });
+      if (!direct && !packs_nothing) st.buffers->begin_pack(buffer);
       run_ops();
 #if REFIT_HAVE_CUDA
       // A delta's patches written on the device (send_device_group) are queued until here.
       if (st.device_delta) delta::cuda::launch_writes(*st.device_delta);
 #endif
+      bool ready = false;
       if (!direct) {
         if (by_entry) st.buffers->entries(buffer, segments);
-        st.buffers->end_pack(buffer);
+        ready = packs_nothing && st.buffers->idle();
+        if (!ready) st.buffers->end_pack(buffer);
       }
       stats.pack_seconds += seconds_since(tp);
 
@@ -686,6 +698,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       b.seq = seq;
       b.buffer = static_cast<std::uint32_t>(buffer);
       b.entries = std::move(entries);
+      b.sources = std::move(sources);
+      b.ready = ready;
       tp = clock::now();
       st.request(b, fmt::format("BATCH {} of version {}", seq, version));
       stats.wait_seconds += seconds_since(tp);
@@ -693,6 +707,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       seq += 1;
       entries.clear();
       segments.clear();
+      sources.clear();
       if (st.host_differ)
         for (std::vector<std::byte>& p : patches) st.host_differ->recycle(std::move(p));
       patches.clear();
@@ -734,6 +749,13 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         segments.push_back(transport::segment{const_cast<std::byte*>(from), 0, p.entry.bytes});
         return;
       }
+      if (shares && t.dev == where)
+        if (const auto at = st.buffers->share(from, p.entry.bytes, sources)) {
+          entries.back().source = at->source;  // read by the receiver where it is
+          entries.back().buffer_offset = at->offset;
+          stats.shared_bytes += p.entry.bytes;
+          return;
+        }
       if (t.dev.kind == device_kind::cuda && !(t.dev == where) && st.copier->kind() == copy::engine::kernel)
         copy::enable_peer_access(where.index, t.dev.index);
       if (direct) {
@@ -1273,6 +1295,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats, sending how,
                     std::uint64_t* checksum, bool& keep) {
     batch_writer w(*this, version, stats);
+    w.shares = options.share_tensors && how != sending::delta && !w.direct && !w.by_entry;
+    buffers->forget_shared();
     plan_options po = w.plan_for(plan);
     if (how == sending::delta) po.keep_whole = true;  // a patch must never be split (delta::span_bytes)
     planner pl(po);

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <span>
 #include <unordered_map>
 #include <string>
@@ -297,7 +298,75 @@ class cuda_ipc_source final : public source {
     check_cuda(cudaStreamSynchronize(stream_.handle()), "cudaStreamSynchronize(cuda_ipc pack stream)");
   }
 
+  std::optional<shared> share(const void* p, std::uint64_t bytes, std::vector<std::string>& announce) override {
+    if (direct_) return std::nullopt;
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    // A tensor stays valid until the refit returns, so an allocation of this refit cannot be freed
+    // and replaced meanwhile: its range is enough to recognise it.
+    const auto in = [&](const numbered& n) { return at >= n.base && at - n.base + bytes <= n.bytes; };
+    if (last_ != nullptr && in(*last_)) return shared{last_->source, at - last_->base};
+    if (auto it = numbered_.upper_bound(at); it != numbered_.begin() && in((--it)->second)) {
+      last_ = &it->second;
+      return shared{last_->source, at - last_->base};
+    }
+    std::optional<copy::allocation> a;
+    try {
+      a = copy::cuda_allocation_of(p, device_);
+    } catch (const error&) {
+    }
+    // An allocation whose identity the driver does not give is not shared: a receiver could not
+    // tell it from a freed one at the same address that it still maps.
+    if (!a || a->id == 0 || at - a->base + bytes > a->bytes) return std::nullopt;
+    auto found = exports_.find(a->id);
+    if (found == exports_.end()) {
+      if (exports_.size() >= max_exports) exports_.clear();
+      std::string record;
+      device_guard guard(device_);
+      cudaIpcMemHandle_t handle{};
+      const cudaError_t status = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(a->base));
+      if (status != cudaSuccess) {
+        (void)cudaGetLastError();  // memory the driver will not export (a pool, VMM): packed instead
+        REFIT_DEBUG("cuda_ipc: the allocation at {:#x} ({} bytes) cannot be shared ({}): its tensors are packed",
+                    a->base, a->bytes, cudaGetErrorName(status));
+      } else {
+        record = raw_bytes(handle) + raw_bytes(a->bytes) + raw_bytes(a->id);
+      }
+      found = exports_.emplace(a->id, std::move(record)).first;
+    }
+    if (found->second.empty()) return std::nullopt;
+    announce.push_back(found->second);
+    const auto source = static_cast<std::uint32_t>(numbered_.size() + 1);
+    last_ = &numbered_.insert_or_assign(a->base, numbered{a->base, a->bytes, source}).first->second;
+    return shared{source, at - a->base};
+  }
+
+  void forget_shared() noexcept override {
+    numbered_.clear();
+    last_ = nullptr;
+  }
+
+  [[nodiscard]] bool idle() override {
+    device_guard guard(device_);
+    const cudaError_t status = cudaStreamQuery(stream_.handle());
+    if (status == cudaErrorNotReady) return false;
+    check_cuda(status, "cudaStreamQuery(cuda_ipc pack stream)");
+    return true;
+  }
+
  private:
+  /// An allocation shared in this refit: its range and its number (wire::entry::source).
+  struct numbered {
+    std::uintptr_t base = 0;
+    std::uint64_t bytes = 0;
+    std::uint32_t source = 0;
+  };
+  std::map<std::uintptr_t, numbered> numbered_;  ///< by base
+  const numbered* last_ = nullptr;               ///< the last one a tensor was found in
+  /// Exported allocations by the driver's id: their record (handle, bytes, id), empty when the
+  /// driver would not export it. Bounded: forgotten wholesale past max_exports.
+  std::unordered_map<std::uint64_t, std::string> exports_;
+  static constexpr std::size_t max_exports = 1u << 16;
+
   /// Events that order the pack stream after producer streams, round robin per device. Waiting
   /// captures the event's state at the time of the call, so re-recording one is always safe; a
   /// few of them merely keep that independent of how the runtime implements it.
@@ -498,13 +567,16 @@ class cuda_ipc_sink final : public sink {
         REFIT_WARN("cuda_ipc: the apply stream did not finish within {} ms; abandoning the session's mappings",
                    timeout_.count());
         // Deliberately leaked: its destructors would close mappings under work that may never end.
-        (void)new abandoned{std::move(maps_), std::move(packed_), std::move(applied_), std::move(stream_)};
+        (void)new abandoned{std::move(maps_), std::move(sources_), std::move(packed_), std::move(applied_),
+                            std::move(stream_)};
       } else if (status != cudaSuccess) {
         (void)cudaGetLastError();
         REFIT_WARN("cuda_ipc: draining the apply stream before unmapping failed: {}: {}", cudaGetErrorName(status),
                    cudaGetErrorString(status));
       }
     }
+    numbered_.clear();
+    sources_.clear();
     maps_.clear();
     sizes_.clear();
     packed_.clear();
@@ -538,6 +610,69 @@ class cuda_ipc_sink final : public sink {
     device_guard guard(device_);
     check_cuda(cudaEventRecord(applied_[i].handle(), stream_.handle()),
                [&] { return fmt::format("cudaEventRecord(applied[{}])", i); });
+  }
+
+  [[nodiscard]] bool maps_sources() const noexcept override { return true; }
+
+  void map_sources(std::span<const std::string> records) override {
+    constexpr std::size_t record_bytes = sizeof(cudaIpcMemHandle_t) + 2 * sizeof(std::uint64_t);
+    for (const std::string& record : records) {
+      const std::size_t index = numbered_.size() + 1;
+      if (record.size() != record_bytes)
+        throw error(errc::protocol, fmt::format("cuda_ipc: source {} is a record of {} bytes, expected {}", index,
+                                                record.size(), record_bytes));
+      auto it = sources_.find(record);
+      if (it == sources_.end()) {
+        if (sources_.size() >= max_sources)
+          throw error(errc::protocol, fmt::format("cuda_ipc: the streamer announces more than {} allocations to "
+                                                  "read in place",
+                                                  max_sources));
+        device_guard guard(device_);
+        ipc_mapping map(from_raw_bytes<cudaIpcMemHandle_t>(record.substr(0, sizeof(cudaIpcMemHandle_t))),
+                        fmt::format("source {} (an allocation holding the streamer's tensors)", index));
+        const auto claimed = from_raw_bytes<std::uint64_t>(record.substr(sizeof(cudaIpcMemHandle_t), 8));
+        // The mapping's own size bounds every read, whatever the record claims.
+        std::optional<copy::allocation> a;
+        try {
+          a = copy::cuda_allocation_of(map.handle(), device_);
+        } catch (const error&) {
+        }
+        if (!a || a->base != reinterpret_cast<std::uintptr_t>(map.handle()) || a->bytes < claimed)
+          throw error(errc::transport, fmt::format("cuda_ipc: source {} maps {} bytes where the streamer announced "
+                                                   "{}",
+                                                   index, a ? a->bytes : 0, claimed));
+        it = sources_.emplace(record, mapped_source{std::move(map), claimed, false}).first;
+      }
+      it->second.read = true;
+      numbered_.push_back(&it->second);
+    }
+  }
+
+  [[nodiscard]] const std::byte* source_data(std::uint32_t index, std::uint64_t offset,
+                                             std::uint64_t bytes) const override {
+    if (index == 0 || index > numbered_.size())
+      throw error(errc::protocol,
+                  fmt::format("cuda_ipc: an entry reads source {}, but {} were announced", index, numbered_.size()));
+    const mapped_source& m = *numbered_[index - 1];
+    std::uint64_t last = 0;
+    if (__builtin_add_overflow(offset, bytes, &last) || last > m.bytes)
+      throw error(errc::protocol, fmt::format("cuda_ipc: an entry reads bytes [{}, {} + {}) of source {}, which has {}",
+                                              offset, offset, bytes, index, m.bytes));
+    return static_cast<const std::byte*>(m.map.handle()) + offset;
+  }
+
+  void end_sources() noexcept override {
+    if (numbered_.empty()) return;
+    numbered_.clear();
+    // Work still queued may read any of them (a refit that failed undrained): unmapped later.
+    device_guard_noexcept guard(device_);
+    const cudaError_t status = stream_ ? cudaStreamQuery(stream_.handle()) : cudaSuccess;
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    std::erase_if(sources_, [](auto& kv) { return !kv.second.read; });  // not read by this refit
+    for (auto& [record, m] : sources_) m.read = false;
   }
 
   void drain() override {
@@ -585,9 +720,17 @@ class cuda_ipc_sink final : public sink {
     return status;
   }
 
+  /// An allocation of the streamer that entries read in place, mapped here.
+  struct mapped_source {
+    ipc_mapping map;
+    std::uint64_t bytes = 0;
+    bool read = false;  ///< by the refit in progress (or the last one)
+  };
+
   /// What a session whose GPU work never finished left behind (see detach()).
   struct abandoned {
     std::vector<ipc_mapping> maps;
+    std::map<std::string, mapped_source> sources;
     std::vector<ipc_event> packed;
     std::vector<ipc_event> applied;
     cuda::stream stream;
@@ -597,6 +740,12 @@ class cuda_ipc_sink final : public sink {
     REFIT_INFO("cuda_ipc: staging through the buffers, not writing directly: {}", why);
     return false;
   }
+
+  /// By record (handle, bytes, the streamer's allocation id): kept from refit to refit while each
+  /// refit reads them (a trainer's weights stay where they are), unmapped after one that does not.
+  std::map<std::string, mapped_source> sources_;
+  std::vector<mapped_source*> numbered_;  ///< this refit's, from source 1
+  static constexpr std::size_t max_sources = 1u << 16;
 
   int device_;
   milliseconds timeout_;

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -157,6 +158,26 @@ class source {
   virtual void entries(std::size_t i, std::span<const segment> batch) { (void)i, (void)batch; }
   /// Waits until all local work of this refit is complete.
   virtual void drain() = 0;
+
+  /// Where a receiver can read bytes of the streamer's own memory itself (see share()).
+  struct shared {
+    std::uint32_t source = 0;  ///< wire::entry::source: from 1, in the order announced in this refit
+    std::uint64_t offset = 0;  ///< of the bytes in that memory
+  };
+  /// A buffers session of a transport whose receivers can map the streamer's memory (cuda_ipc on one
+  /// host): where the receiver reads the `bytes` bytes at `p` (memory of where()) itself, instead
+  /// of the streamer packing them into a buffer. Memory shared for the first time in this refit
+  /// appends its record to `announce` (wire::batch::sources). nullopt when it cannot be shared (the
+  /// streamer then packs the bytes): the default, and memory the driver will not export.
+  virtual std::optional<shared> share(const void* p, std::uint64_t bytes, std::vector<std::string>& announce) {
+    (void)p, (void)bytes, (void)announce;
+    return std::nullopt;
+  }
+  /// A new refit starts: what share() announced is numbered from 1 again.
+  virtual void forget_shared() noexcept {}
+  /// True when the work enqueued on stream() so far is complete (packs, and the producer streams
+  /// after() ordered it after): a batch that packed nothing is then wire::batch::ready.
+  [[nodiscard]] virtual bool idle() { return true; }
 };
 
 /// Receiver side: maps the streamer's buffers.
@@ -218,6 +239,30 @@ class sink {
   virtual void end_read(std::size_t i) = 0;
   /// Waits until every read and copy enqueued so far is complete (END, before committing).
   virtual void drain() = 0;
+
+  /// True when this sink can read the streamer's memory where it is (source::share): it maps what
+  /// batches announce, and a wire::batch::ready batch needs no begin_read().
+  [[nodiscard]] virtual bool maps_sources() const noexcept { return false; }
+  /// Maps the memory a batch announces (wire::batch::sources), numbered on from what earlier
+  /// batches of the refit announced. Throws refit::error (protocol when the sink maps nothing,
+  /// transport when the memory cannot be mapped); what it mapped before stays.
+  virtual void map_sources(std::span<const std::string> records) {
+    if (!records.empty())
+      throw error(errc::protocol,
+                  "a BATCH announces memory of the streamer to read in place, which this transport "
+                  "cannot map");
+  }
+  /// The first of `bytes` bytes at `offset` of source `index` (wire::entry::source, from 1) in this
+  /// process. Throws refit::error(protocol) for a source not announced or a range outside it.
+  [[nodiscard]] virtual const std::byte* source_data(std::uint32_t index, std::uint64_t offset,
+                                                     std::uint64_t bytes) const {
+    (void)offset, (void)bytes;
+    throw error(errc::protocol, "an entry reads source " + std::to_string(index) +
+                                    " of the streamer in place, which this transport cannot map");
+  }
+  /// The refit ended (committed, failed or aborted; nothing of it is in flight): the next one numbers
+  /// its sources from 1 again. Memory no refit since the previous call read may be unmapped.
+  virtual void end_sources() noexcept {}
   /// The refit in progress was aborted (bad message, dead peer, idle timeout): transports whose
   /// device work may wait on a peer that will never come (nccl) abort it here so that nothing
   /// hangs; the next HELLO builds afresh. Never throws.

@@ -16,13 +16,17 @@ std::string shape_string(dtype t, std::span<const std::int64_t> shape) {
   return fmt::format("{}[{}]", to_string(t), fmt::join(shape, ", "));
 }
 
-/// Every entry lies inside the buffer (of `capacity` bytes); returns the bytes the entries hold.
-std::uint64_t check_buffer_ranges(const batch& b, std::uint64_t capacity) {
+/// Every entry in the buffer lies inside it (of `capacity` bytes), every other one reads a source
+/// announced so far (`sources` of them, this batch's included); returns the bytes the entries hold.
+std::uint64_t check_buffer_ranges(const batch& b, std::uint64_t capacity, std::uint64_t sources) {
   std::uint64_t batch_bytes = 0;
   for (std::size_t i = 0; i < b.entries.size(); ++i) {
     const entry& e = b.entries[i];
     std::uint64_t last = 0;
-    if (__builtin_add_overflow(e.buffer_offset, e.bytes, &last) || last > capacity)
+    if (e.source > sources)
+      violation(fmt::format("BATCH {}: entry {} ('{}') reads source {}, but {} sources were announced in this refit",
+                            b.seq, i, e.name, e.source, sources));
+    if (e.source == 0 && (__builtin_add_overflow(e.buffer_offset, e.bytes, &last) || last > capacity))
       violation(fmt::format("BATCH {}: entry {} ('{}'): buffer range [{}, {} + {}) exceeds buffer {}'s {} bytes", b.seq,
                             i, e.name, e.buffer_offset, e.buffer_offset, e.bytes, b.buffer, capacity));
     if (__builtin_add_overflow(batch_bytes, e.bytes, &batch_bytes))
@@ -36,7 +40,7 @@ void check_overlaps(const batch& b) {
   std::vector<std::size_t> order;
   order.reserve(b.entries.size());
   for (std::size_t i = 0; i < b.entries.size(); ++i)
-    if (b.entries[i].bytes != 0) order.push_back(i);
+    if (b.entries[i].bytes != 0 && b.entries[i].source == 0) order.push_back(i);
   std::sort(order.begin(), order.end(),
             [&](std::size_t x, std::size_t y) { return b.entries[x].buffer_offset < b.entries[y].buffer_offset; });
   for (std::size_t k = 1; k < order.size(); ++k) {
@@ -60,6 +64,7 @@ void refit_tracker::reset() noexcept {
   version_ = 0;
   next_seq_ = 0;
   bytes_ = 0;
+  sources_ = 0;
   partial_.clear();
   completed_.clear();
 }
@@ -79,12 +84,14 @@ void refit_tracker::begin(const wire::begin& b, std::optional<std::uint64_t> com
 
 void refit_tracker::check(const wire::batch& b) {
   check_header(b);
-  const std::uint64_t batch_bytes = check_buffer_ranges(b, buffer_bytes_[b.buffer]);
+  const std::uint64_t sources = sources_ + b.sources.size();
+  const std::uint64_t batch_bytes = check_buffer_ranges(b, buffer_bytes_[b.buffer], sources);
   check_overlaps(b);
   // Chunk rules are checked against the state as it would be after the entries before each one;
   // the changes are applied only when the whole batch passed.
   staged_changes changes = check_chunks(b);
   apply(changes, batch_bytes);
+  sources_ = sources;
 }
 
 /// BEGIN seen, version, sequence, buffer index and entry count.

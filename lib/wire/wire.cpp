@@ -124,13 +124,13 @@ void encode_body(packer& p, const begin& m) {
 }
 
 void encode_body(packer& p, const batch& m) {
-  head(p, msg_type::batch, 4);
+  head(p, msg_type::batch, 6);
   pack_uint(p, m.version);
   pack_uint(p, m.seq);
   pack_uint(p, m.buffer);
   p.pack_array(static_cast<std::uint32_t>(m.entries.size()));
   for (const auto& e : m.entries) {
-    p.pack_array(8);
+    p.pack_array(9);
     pack_str(p, e.name);
     pack_uint(p, static_cast<std::uint64_t>(e.type));
     p.pack_array(static_cast<std::uint32_t>(e.shape.size()));
@@ -140,7 +140,11 @@ void encode_body(packer& p, const batch& m) {
     pack_uint(p, e.buffer_offset);
     pack_uint(p, static_cast<std::uint8_t>(e.kind));
     pack_uint(p, e.kind == entry_kind::patch ? e.span : 0);
+    pack_uint(p, e.source);
   }
+  p.pack_array(static_cast<std::uint32_t>(m.sources.size()));
+  for (const std::string& s : m.sources) pack_bin(p, s);
+  pack_bool(p, m.ready);
 }
 
 void encode_body(packer& p, const end& m) {
@@ -315,7 +319,7 @@ constexpr std::size_t field_count(msg_type t) noexcept {
   switch (t) {
     case msg_type::hello: return 13;
     case msg_type::begin: return 3;
-    case msg_type::batch: return 4;
+    case msg_type::batch: return 6;
     case msg_type::end: return 5;
     case msg_type::bye: return 0;
     case msg_type::ok: return 5;
@@ -395,7 +399,7 @@ void check_patch_entry(reader& r, entry& e, std::uint64_t total) {
 
 entry decode_entry(reader& r, const object& o, std::size_t index) {
   r.set_context(fmt::format("entry {}: ", index));
-  const auto f = r.record(o, "descriptor", 8);
+  const auto f = r.record(o, "descriptor", 9);
   entry e;
   e.name = r.str(f[0], "name", max_name_bytes);
   if (e.name.empty()) r.fail("name", "is empty; every tensor needs a name");
@@ -439,6 +443,9 @@ entry decode_entry(reader& r, const object& o, std::size_t index) {
     r.fail("kind", fmt::format("has unknown value {}; the peer runs a newer refit or is broken", k));
   e.kind = static_cast<entry_kind>(k);
   const std::uint64_t span = r.u64(f[7], "span");
+  e.source = r.u32(f[8], "source");
+  if (e.source != 0 && e.kind != entry_kind::bytes)
+    r.fail("source", fmt::format("is {} in a patch entry; a patch travels in the batch's buffer", e.source));
   if (e.kind == entry_kind::bytes) {
     if (span != 0) r.fail("span", fmt::format("is {} in an entry of kind bytes; only a patch covers a span", span));
     return e;
@@ -457,6 +464,11 @@ batch decode_batch(reader& r, std::span<const object> f) {
   m.entries.reserve(entries.size());
   for (std::size_t i = 0; i < entries.size(); ++i) m.entries.push_back(decode_entry(r, entries[i], i));
   r.set_context({});
+  const auto sources = r.array(f[4], "sources", max_entries);
+  m.sources.reserve(sources.size());
+  for (std::size_t i = 0; i < sources.size(); ++i)
+    m.sources.push_back(r.bin(sources[i], fmt::format("sources[{}]", i), max_handle_bytes));
+  m.ready = r.boolean(f[5], "ready");
   return m;
 }
 

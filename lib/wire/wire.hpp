@@ -28,7 +28,7 @@ namespace refit::wire {
 /// Bumped on every incompatible change of the format below. A new message type is not one: a
 /// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
 /// ERROR and aborts the refit all the same), and a streamer never receives a request.
-inline constexpr std::uint32_t protocol_version = 4;
+inline constexpr std::uint32_t protocol_version = 5;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
 inline constexpr std::size_t max_message_bytes = 64u << 20;
@@ -135,6 +135,10 @@ struct entry {
   std::uint64_t buffer_offset = 0;
   entry_kind kind = entry_kind::bytes;
   std::uint64_t span = 0;  ///< patch: the tensor bytes it covers; bytes: 0 on the wire, read as `bytes`
+  /// Where the bytes are: 0 in the batch's buffer, at buffer_offset; k ≥ 1 in the streamer's own
+  /// memory announced k-th in this refit (batch::sources), at buffer_offset there, read by the
+  /// receiver where it is (cuda_ipc: the streamer's tensor, mapped). Only entries of kind bytes.
+  std::uint32_t source = 0;
   /// The tensor bytes this entry accounts for (chunks must cover a tensor contiguously).
   [[nodiscard]] std::uint64_t covered() const noexcept { return kind == entry_kind::patch ? span : bytes; }
   friend bool operator==(const entry&, const entry&) = default;
@@ -146,6 +150,15 @@ struct batch {
   std::uint64_t seq = 0;
   std::uint32_t buffer = 0;
   std::vector<entry> entries;
+  /// Memory of the streamer that entries read where it is (entry::source), announced by the first
+  /// batch of the refit that reads it and numbered on from the sources of earlier batches: one
+  /// transport record each (cuda_ipc: an allocation's cudaIpcMemHandle_t), at most
+  /// max_handle_bytes. Only transports that map a streamer's memory accept any (sink::map_sources).
+  std::vector<std::string> sources{};
+  /// True when nothing of the batch waits for the streamer's GPU work: nothing was packed into the
+  /// buffer, and the tensors its entries read were complete when it was sent. The receiver then
+  /// reads without ordering after the streamer's stream (sink::begin_read).
+  bool ready = false;
   friend bool operator==(const batch&, const batch&) = default;
 };
 
@@ -314,6 +327,7 @@ class refit_tracker {
   std::uint64_t version_ = 0;
   std::uint64_t next_seq_ = 0;
   std::uint64_t bytes_ = 0;
+  std::uint64_t sources_ = 0;  ///< sources announced so far (batch::sources)
   std::unordered_map<std::string, partial> partial_;
   std::set<std::string, std::less<>> completed_;
 };

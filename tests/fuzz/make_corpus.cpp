@@ -104,6 +104,26 @@ wire::batch batch_patch8() {
 }
 wire::end end8() { return {8, 1, 12, 1, 0x9e3779b97f4a7c15ull}; }
 
+// Version 9 read in place: batch 0 announces two allocations of the streamer and reads from both
+// (one entry still packed in the buffer); batch 1 reads from the first again and packs nothing.
+wire::batch batch_shared9() {
+  wire::entry a{"model.embed.weight", dtype::bf16, {4, 8}, 0, 64, 4096};
+  a.source = 1;
+  wire::entry b{"model.layers.0.mlp.up_proj.weight", dtype::f32, {16, 16}, 0, 1024, 0};
+  b.source = 2;
+  wire::batch m{9, 0, 0, {a, b, {"model.norm.bias", dtype::f16, {4}, 0, 8, 0}}};
+  m.sources = {std::string(80, '\x11'), std::string(80, '\x22')};
+  return m;
+}
+wire::batch batch_shared9b() {
+  wire::entry c{"lm_head.weight", dtype::bf16, {4, 8}, 0, 64, 8192};
+  c.source = 1;
+  wire::batch m{9, 1, 1, {c}};
+  m.ready = true;
+  return m;
+}
+wire::end end9() { return {9, 4, 64 + 1024 + 8 + 64, 2, std::nullopt}; }
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -143,6 +163,8 @@ int main(int argc, char** argv) {
     write(w, "begin_delta", wire::encode(wire::begin{8, true, 7}));
     write(w, "batch_patch", wire::encode(batch_patch8()));
     write(w, "end_checksum", wire::encode(end8()));
+    write(w, "batch_shared", wire::encode(batch_shared9()));
+    write(w, "batch_ready", wire::encode(batch_shared9b()));
     write(w, "error_needs_whole",
           wire::encode(wire::error{refit::errc::needs_whole,
                                    "delta version 8: its base is version 7, but this "
@@ -185,6 +207,7 @@ int main(int argc, char** argv) {
     write(t, "refit_incomplete",
           concat(0, {wire::begin{7, false, {}}, batch0(), wire::end{7, 1, 576, 1, {}}, wire::bye{}}));
     write(t, "refit_delta", concat(1 | (7 << 1), {wire::begin{8, true, 7}, batch_patch8(), end8()}));
+    write(t, "refit_shared", concat(0, {wire::begin{9, false, {}}, batch_shared9(), batch_shared9b(), end9()}));
     write(t, "refit_subset", concat(1 | (5 << 1), {wire::begin{7, true, std::nullopt}, batch0(), end7()}));
     write(t, "refit_many_chunks",
           concat(0, {wire::begin{1, false, {}}, wire::batch{1, 0, 0, {{"x", dtype::f64, {64}, 0, 256, 0}}},

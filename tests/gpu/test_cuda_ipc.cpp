@@ -81,6 +81,7 @@ class device_tensors {
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return metas_.size(); }
+  [[nodiscard]] std::uint64_t total() const noexcept { return total_; }  ///< bytes of the allocation
   [[nodiscard]] const refit::tensor_meta& meta(std::size_t i) const { return metas_[i]; }
   [[nodiscard]] std::byte* data(std::size_t i) const { return static_cast<std::byte*>(arena_.handle()) + offsets_[i]; }
 
@@ -285,12 +286,15 @@ enum class path { direct, staged };
 
 /// Streams `versions` in turn. `want`, when given, is the path every refit must take;
 /// `force_staged` turns the streamer's direct option off.
+/// `share`: streamer_options::share_tensors; a staged refit of tensors on the buffers' device is
+/// then read by the receiver where they are, every byte of it.
 void streamer_of(const std::string& endpoint, const std::vector<refit::tensor_meta>& metas, int device,
                  const std::vector<std::uint64_t>& versions, std::optional<path> want = std::nullopt,
-                 bool force_staged = false) {
+                 bool force_staged = false, bool share = true) {
   device_tensors weights(metas, device);
   auto options = stream_options(endpoint, device, relaxed);
   options.direct = !force_staged;
+  options.share_tensors = share;
   refit::streamer s(options);
   for (const auto v : versions) {
     weights.upload(v);
@@ -301,6 +305,10 @@ void streamer_of(const std::string& endpoint, const std::vector<refit::tensor_me
     expect(!want || stats.direct == (want == path::direct),
            std::string("version ") + std::to_string(v) + " travelled " + (stats.direct ? "direct" : "staged") +
                ", expected " + (want == path::direct ? "direct" : "staged"));
+    const std::uint64_t shared = share && !stats.direct ? stats.bytes : 0;
+    expect(stats.shared_bytes == shared, "version " + std::to_string(v) + ": " + std::to_string(stats.shared_bytes) +
+                                             " of " + std::to_string(stats.bytes) + " bytes read in place, expected " +
+                                             std::to_string(shared));
   }
   s.close();
 }
@@ -561,6 +569,49 @@ TEST_CASE("with direct writes turned off, cuda_ipc stages through the buffers in
   const std::vector<std::uint64_t> versions = {1, 2, 3};
   two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 0, versions, ready); },
                 [&] { streamer_of(ep, metas, 0, versions, path::staged, true); });
+  // Every tensor packed into the buffers (the receiver reads nothing of the streamer's in place).
+  const auto ep2 = rt::temp_endpoint();
+  two_processes([&](rt::signal_pipe& ready) { table_receiver(ep2, metas, 0, versions, ready); },
+                [&] { streamer_of(ep2, metas, 0, versions, path::staged, true, false); });
+}
+
+TEST_CASE("a staged cuda_ipc receiver reads a streamer's reallocated tensors afresh and lets go of the old memory",
+          "[cuda_ipc][resources]") {
+  // Each version's tensors are a new allocation (often at the freed one's address): the receiver
+  // must map the new one, never read the old one through a mapping it kept, and unmap the old one
+  // once a refit no longer reads it, so the streamer's freed memory returns to the driver.
+  const auto metas = rt::mixed_model(40, 2 * buffer_bytes, 11);
+  std::vector<std::uint64_t> versions;
+  for (std::uint64_t v = 1; v <= 12; ++v) versions.push_back(v);
+  const auto ep = rt::temp_endpoint();
+  two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 0, versions, ready); },
+                [&] {
+                  auto o = stream_options(ep, 0, relaxed);
+                  o.direct = false;
+                  refit::streamer s(o);
+                  std::size_t free_at_3 = 0;
+                  std::uint64_t arena = 0;
+                  for (const std::uint64_t v : versions) {
+                    {
+                      device_tensors weights(metas, 0);
+                      weights.upload(v);
+                      const auto stats = s.refit(v, weights.refs());
+                      expect(stats.shared_bytes == stats.bytes && stats.bytes > 0,
+                             "version " + std::to_string(v) + ": " + std::to_string(stats.shared_bytes) + " of " +
+                                 std::to_string(stats.bytes) + " bytes read in place");
+                      arena = weights.total();
+                    }  // freed here: the receiver still maps it until the next refit ends
+                    std::size_t free_bytes = 0, total = 0;
+                    refit::check_cuda(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+                    if (v == 3) free_at_3 = free_bytes;
+                    if (v > 3)
+                      expect(free_bytes + arena / 2 >= free_at_3,
+                             "version " + std::to_string(v) + ": " + std::to_string((free_at_3 - free_bytes) >> 20) +
+                                 " MiB less free device memory than after version 3 (arena " +
+                                 std::to_string(arena >> 20) + " MiB): the receiver keeps freed allocations mapped");
+                  }
+                  s.close();
+                });
 }
 
 // ------------------------------------------------------------------------ engine layouts
@@ -1200,6 +1251,8 @@ TEST_CASE("a streamer killed mid-refit leaves the receiver's version and marks i
 
 TEST_CASE("a thousand refits in one cuda_ipc session grow neither device memory, descriptors nor mappings",
           "[cuda_ipc][resources]") {
+  // Direct, and staged with the receiver reading the streamer's tensors in place.
+  const bool staged = GENERATE(false, true);
   const auto metas = rt::mixed_model(20, 0, 7);
   const auto ep = rt::temp_endpoint();
   constexpr std::uint64_t refits = 1000;
@@ -1229,6 +1282,7 @@ TEST_CASE("a thousand refits in one cuda_ipc session grow neither device memory,
         device_tensors weights(metas, 0);
         refit::streamer_options o = stream_options(ep, 0, relaxed);
         o.buffer_bytes = 1 * mib;
+        o.direct = !staged;
         refit::streamer s(o);
         const auto refs = weights.refs();
         std::optional<resources> at_early;
@@ -1236,6 +1290,8 @@ TEST_CASE("a thousand refits in one cuda_ipc session grow neither device memory,
           weights.upload(v);
           const auto stats = s.refit(v, refs);
           expect(stats.version == v, "stats.version " + std::to_string(stats.version));
+          expect(stats.direct != staged && stats.shared_bytes == (staged ? stats.bytes : 0),
+                 "version " + std::to_string(v) + " took another path");
           if (v == early) at_early = resources::now();
         }
         expect_no_growth("streamer", *at_early, resources::now());

@@ -107,13 +107,17 @@ def test_cuda_ipc_state_dict_arrives_bit_exact(peer, one_gpu, direct):
     job.stop()
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "packed"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
-def test_cuda_ipc_through_on_tensor_arrives_bit_exact(peer, one_gpu, direct):
+def test_cuda_ipc_through_on_tensor_arrives_bit_exact(peer, one_gpu, direct, share):
     job = peer.run(gpu_on_tensor, 0, False)
     endpoint = job.recv()
-    with gpu_streamer(endpoint, "cuda_ipc", direct=direct, buffer_bytes=64 << 10) as st:
+    with gpu_streamer(endpoint, "cuda_ipc", direct=direct, buffer_bytes=64 << 10, share_tensors=share) as st:
         stats = refit_three_versions(job, st, "take")
     assert stats.direct is False  # a callback sink is always staged
+    # Shared: the receiver read every tensor where it is in this process's memory (torch's
+    # allocations, mapped); packed: every byte went through the buffers.
+    assert stats.shared_bytes == (stats.bytes if share else 0)
     job.stop()
 
 

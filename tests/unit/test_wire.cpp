@@ -129,15 +129,18 @@ std::vector<field> hello_fields() {
 
 // An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset, kind, span].
 field entry(std::string name, std::uint64_t code, std::vector<std::uint64_t> shape, std::uint64_t toff,
-            std::uint64_t bytes, std::uint64_t boff, field kind = U(0), field span = U(0)) {
+            std::uint64_t bytes, std::uint64_t boff, field kind = U(0), field span = U(0), field source = U(0)) {
   std::vector<field> dims;
   for (auto d : shape) dims.push_back(U(d));
-  return ARR({S(std::move(name)), U(code), ARR(dims), U(toff), U(bytes), U(boff), std::move(kind), std::move(span)});
+  return ARR({S(std::move(name)), U(code), ARR(dims), U(toff), U(bytes), U(boff), std::move(kind), std::move(span),
+              std::move(source)});
 }
 
 field good_entry() { return entry("w", static_cast<std::uint64_t>(dtype::f32), {10}, 0, 40, 0); }
 
-std::vector<field> batch_fields(std::vector<field> entries) { return {U(7), U(0), U(1), ARR(std::move(entries))}; }
+std::vector<field> batch_fields(std::vector<field> entries, std::vector<field> sources = {}, bool ready = false) {
+  return {U(7), U(0), U(1), ARR(std::move(entries)), ARR(std::move(sources)), T(ready)};
+}
 
 // Replaces field i of a field list.
 std::vector<field> with(std::vector<field> fields, std::size_t i, field f) {
@@ -357,11 +360,12 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
   check_mismatch(message(BEGIN, {U(1)}, 1), 1);
   check_mismatch(message(BEGIN, {U(1)}, 2), 2);  // the release before conversions and session data
   check_mismatch(message(BEGIN, {U(1)}, 3), 3);  // the release before groups of streamers
-  check_mismatch(message(BEGIN, {U(1)}, 5), 5);
+  check_mismatch(message(BEGIN, {U(1)}, 4), 4);  // the release before tensors read in place
+  check_mismatch(message(BEGIN, {U(1)}, 6), 6);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
   check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 9), 9);
-  check_mismatch(message(99, {}, 5), 5);
+  check_mismatch(message(99, {}, 6), 6);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
@@ -476,21 +480,50 @@ TEST_CASE("decode rejects entry fields of the wrong type", "[wire]") {
   const auto bad = [](field e) { return wire::decode(message(BATCH, batch_fields({good_entry(), std::move(e)}))); };
   CHECK_REFIT_ERROR(bad(U(3)), errc::protocol, "entry 1: descriptor must be an array");
   CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), U(64), U(0)})), errc::protocol,
-                    "entry 1: descriptor must have 8 elements, got 7");
-  CHECK_REFIT_ERROR(bad(ARR({B("x"), U(8), ARR({U(1)}), U(0), U(4), U(64), U(0), U(0)})), errc::protocol,
+                    "entry 1: descriptor must have 9 elements, got 7");
+  CHECK_REFIT_ERROR(bad(ARR({B("x"), U(8), ARR({U(1)}), U(0), U(4), U(64), U(0), U(0), U(0)})), errc::protocol,
                     "entry 1: name must be a str, got bin");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), S("f32"), ARR({U(1)}), U(0), U(4), U(64), U(0), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), S("f32"), ARR({U(1)}), U(0), U(4), U(64), U(0), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): dtype must be an unsigned integer, got str");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), S("[1]"), U(0), U(4), U(64), U(0), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), S("[1]"), U(0), U(4), U(64), U(0), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): shape must be an array, got str");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(2), I(-1)}), U(0), U(4), U(64), U(0), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(2), I(-1)}), U(0), U(4), U(64), U(0), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): shape[1] must be an unsigned integer, got negative int");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), NIL(), U(4), U(64), U(0), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), NIL(), U(4), U(64), U(0), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): tensor_offset must be");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), S("4"), U(64), U(0), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), S("4"), U(64), U(0), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): bytes must be");
-  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), F(64.5), U(0), U(0)})), errc::protocol,
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), F(64.5), U(0), U(0), U(0)})), errc::protocol,
                     "entry 1 ('x'): buffer_offset must be an unsigned integer, got float");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), U(64), U(0), U(0), S("1")})), errc::protocol,
+                    "entry 1 ('x'): source must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(bad(ARR({S("x"), U(8), ARR({U(1)}), U(0), U(4), U(64), U(0), U(0), U(1ull << 32)})), errc::protocol,
+                    "entry 1 ('x'): source");
+}
+
+TEST_CASE("decode checks the memory a batch reads in place", "[wire]") {
+  const std::uint64_t f32 = static_cast<std::uint64_t>(dtype::f32);
+  // A patch travels in the buffer; bytes may be read where they are.
+  CHECK_REFIT_ERROR(
+      wire::decode(message(BATCH, batch_fields({entry("x", f32, {10}, 0, 16, 0, U(1), U(40), U(1))}, {B("h")}))),
+      errc::protocol, "entry 0 ('x'): source is 1 in a patch entry; a patch travels in the batch's buffer");
+  const auto m = wire::decode(message(
+      BATCH, batch_fields({entry("x", f32, {10}, 0, 40, 4096, U(0), U(0), U(2))}, {B("first"), B("second")}, true)));
+  const auto& b = std::get<wire::batch>(m);
+  CHECK(b.entries.at(0).source == 2);
+  CHECK(b.entries.at(0).buffer_offset == 4096);
+  CHECK(b.sources == std::vector<std::string>{"first", "second"});
+  CHECK(b.ready);
+  // The records are transport bytes of bounded size, and `ready` a boolean.
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(batch_fields({good_entry()}), 4, ARR({S("h")})))), errc::protocol,
+                    "sources[0] must be a bin, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(batch_fields({good_entry()}), 4,
+                                                     ARR({B(std::string(wire::max_handle_bytes + 1, 'h'))})))),
+                    errc::protocol, "sources[0]");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(batch_fields({good_entry()}), 4, U(1)))), errc::protocol,
+                    "sources must be an array");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(batch_fields({good_entry()}), 5, U(1)))), errc::protocol,
+                    "ready must be a bool");
 }
 
 TEST_CASE("decode rejects every bad conversion an OK asks for", "[wire]") {
@@ -613,8 +646,9 @@ TEST_CASE("decode rejects handles longer than the limit", "[wire]") {
 TEST_CASE("decode rejects more entries than the limit", "[wire]") {
   // Each entry a nil: the count is checked before any entry is looked at.
   mp m;
-  m.arr(6).u(BATCH).u(wire::protocol_version).u(1).u(0).u(0).arr(static_cast<std::uint32_t>(wire::max_entries + 1));
+  m.arr(8).u(BATCH).u(wire::protocol_version).u(1).u(0).u(0).arr(static_cast<std::uint32_t>(wire::max_entries + 1));
   for (std::size_t i = 0; i < wire::max_entries + 1; ++i) m.nil();
+  m.arr(0).t(false);
   CHECK_REFIT_ERROR(wire::decode(m.str()), errc::protocol, "entries has 1048577 elements, more than the limit");
 }
 
@@ -791,6 +825,30 @@ TEST_CASE("tracker rejects an entry past the end of its buffer", "[wire]") {
   CHECK_REFIT_ERROR(t.check(BT(1, 0, 0, {E("a", dtype::u8, {64}, 0, 64, max)})), errc::protocol,
                     "exceeds buffer 0's 1024 bytes");
   CHECK_NOTHROW(t.check(BT(1, 0, 1, {E("a", dtype::u8, {64}, 0, 64, 448)})));
+}
+
+TEST_CASE("tracker checks entries read in place against the sources announced so far", "[wire]") {
+  auto t = started();
+  // Read in place: outside every buffer, overlapping nothing in it, from a source announced by
+  // this batch or an earlier one of the refit.
+  wire::entry a = E("a", dtype::u8, {4096}, 0, 4096, 1 << 20);
+  a.source = 1;
+  wire::batch b0 = BT(5, 0, 0, {a, E("p", dtype::u8, {64}, 0, 64, 0)});
+  b0.sources = {"one"};
+  CHECK_NOTHROW(t.check(b0));
+  wire::entry c = E("c", dtype::u8, {8}, 0, 8, 0);
+  c.source = 2;
+  wire::batch b1 = BT(5, 1, 1, {c});
+  CHECK_REFIT_ERROR(t.check(b1), errc::protocol, "entry 0 ('c') reads source 2, but 1 sources were announced");
+  b1.sources = {"two"};
+  CHECK_NOTHROW(t.check(b1));
+  c.name = "d";
+  c.source = 1;  // an earlier batch's source
+  CHECK_NOTHROW(t.check(BT(5, 2, 0, {c})));
+  CHECK(t.bytes() == 4096 + 64 + 8 + 8);
+  // A new refit numbers its sources afresh.
+  t.begin({6, false, {}}, std::nullopt);
+  CHECK_REFIT_ERROR(t.check(BT(6, 0, 0, {c})), errc::protocol, "reads source 1, but 0 sources were announced");
 }
 
 TEST_CASE("tracker rejects more entries than its limit", "[wire]") {

@@ -439,6 +439,14 @@ class Streamer(_refit.Streamer):
             receiver's ``endpoints[k]``. Every rank refits the same versions; ``refit()`` returns
             when the version has ended on every receiver (so ``timeout`` must cover the slowest
             rank). cuda_ipc or host_shm; no ``delta``.
+        share_tensors: cuda_ipc sessions through the buffers (a receiver with a callback, or one
+            whose weights cannot be written directly): the receiver reads every tensor in this
+            device's memory where it is (its allocation mapped through CUDA IPC) instead of the
+            streamer packing it into a buffer: one copy instead of two, and no per-batch hand-off
+            between the two processes' GPU work (``RefitStats.shared_bytes``). The receiver keeps
+            an allocation mapped until a refit that does not read it ends, or :meth:`close`:
+            memory the trainer frees meanwhile (``torch.cuda.empty_cache()``) returns to the
+            driver only then. False: every tensor goes through the buffers.
 
     Example::
 
@@ -477,6 +485,7 @@ class Streamer(_refit.Streamer):
         delta_threads: int = 0,
         group_rank: int = 0,
         group_size: int = 1,
+        share_tensors: bool = True,
     ) -> None:
         if endpoint is None:
             if not receivers:
@@ -503,6 +512,7 @@ class Streamer(_refit.Streamer):
             delta_threads=delta_threads,
             group_rank=group_rank,
             group_size=group_size,
+            share_tensors=share_tensors,
         )
 
     def refit(self, version: int, tensors: Tensors, *, stream: Any = None, subset: bool = False) -> RefitStats:

@@ -14,6 +14,7 @@ class RefitStats:
     pack_seconds: float
     wait_seconds: float
     direct: bool
+    shared_bytes: int
     subset: bool
     delta: bool
     base: int
@@ -90,7 +91,8 @@ class Streamer:
                  buffer_bytes: int = ..., buffers: int = 2, direct: bool = True, timeout: float = 30.0,
                  token: Optional[str] = None, device: int = 0, curve: Any = None, alignment: int = 256,
                  keep_whole: bool = True, engine: str = "automatic", layout: str = "", delta: bool = False,
-                 delta_memory: str = "host", delta_max_bytes: int = ...) -> None: ...
+                 delta_memory: str = "host", delta_max_bytes: int = ..., delta_threads: int = 0,
+                 group_rank: int = 0, group_size: int = 1, share_tensors: bool = True) -> None: ...
     def refit(self, version: int, tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], *,
               stream: Any = None, subset: bool = False) -> RefitStats: ...
     def close(self) -> None: ...
