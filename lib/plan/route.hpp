@@ -11,6 +11,7 @@
 // byte they read exactly once.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -81,6 +82,35 @@ bool is_plain(const destination& d) noexcept;
 /// the tensor and both shapes when they do not fit: another dtype, another rank, a dimension
 /// that differs (outside the slice's), or a slice past the source's end.
 std::vector<run> route(const destination& d, dtype type, std::span<const std::int64_t> shape);
+
+/// route() of one destination, kept for the source dtype and shape it was last asked for: a source
+/// keeps its dtype and shape across refits, so both sides compute a destination's runs once, not
+/// once per refit. Not thread-safe.
+class route_cache {
+ public:
+  /// route(d, type, shape), recomputed only when `type` or `shape` differs from the last call's
+  /// that succeeded (a misfit throws as route() does and leaves nothing cached). `d` must be the
+  /// destination of every call (a destination registered again gets a new cache). The runs stay
+  /// valid until the next call that recomputes them.
+  std::span<const run> get(const destination& d, dtype type, std::span<const std::int64_t> shape) {
+    if (valid_ && type == type_ && std::ranges::equal(shape, shape_)) return runs_;
+    valid_ = false;
+    runs_.clear();
+    runs_ = route(d, type, shape);
+    type_ = type;
+    shape_.assign(shape.begin(), shape.end());
+    valid_ = true;
+    return runs_;
+  }
+  /// The runs of the last get() that succeeded (none before the first).
+  [[nodiscard]] std::span<const run> runs() const noexcept { return runs_; }
+
+ private:
+  bool valid_ = false;
+  dtype type_ = dtype::u8;
+  std::vector<std::int64_t> shape_;
+  std::vector<run> runs_;
+};
 
 /// The destination bytes `d` writes, as runs with only dst/dst_pitch/width/rows meaningful (for
 /// overlap checks). Assumes check_view(d) passed.

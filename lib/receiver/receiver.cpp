@@ -92,17 +92,12 @@ struct ending {
 struct slot {
   plan::destination dest;
   std::vector<plan::run> foot;  ///< the bytes it writes, for overlap checks
-  /// The runs for the source dtype and shape last seen (a source keeps its shape across refits,
-  /// so they are computed once).
-  std::optional<std::pair<dtype, std::vector<std::int64_t>>> routed_for;
-  std::vector<plan::run> runs;
+  plan::route_cache routes;     ///< computed once: a source keeps its dtype and shape across refits
 
-  /// Makes `runs` those of a source of this dtype and shape. Throws errc::apply when it does not fit.
-  void route(dtype type, const std::vector<std::int64_t>& shape) {
-    if (routed_for && routed_for->first == type && routed_for->second == shape) return;
-    runs = plan::route(dest, type, shape);
-    routed_for.emplace(type, shape);
-  }
+  /// Makes runs() those of a source of this dtype and shape. Throws errc::apply when it does not fit.
+  void route(dtype type, const std::vector<std::int64_t>& shape) { (void)routes.get(dest, type, shape); }
+  /// The runs of the source last routed.
+  [[nodiscard]] std::span<const plan::run> runs() const noexcept { return routes.runs(); }
 };
 
 /// The parameter table: destinations by source name, with an index of the bytes they write.
@@ -158,7 +153,7 @@ class table_t {
     } catch (const error& e) {
       throw error(e.code(), fmt::format("add_parameter: {}", e.what()));
     }
-    slot s{std::move(d), {}, std::nullopt, {}};
+    slot s{std::move(d), {}, {}};
     s.foot = plan::footprint(s.dest);
     std::vector<slot>* same = find(s.dest.meta.name);
     if (same != nullptr) {
@@ -968,7 +963,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
             fmt::format("tensor '{}' (BATCH {} entry {}) is not in this receiver's parameter table", e.name, b.seq, k));
       for (slot& sl : *slots) {
         route_converted(sl, e);
-        if (e.bytes != 0 && sl.dest.dev.kind != where && !sl.runs.empty())
+        if (e.bytes != 0 && sl.dest.dev.kind != where && !sl.runs().empty())
           throw error(errc::apply,
                       fmt::format("tensor '{}': its destination is in {} memory, but the {} transport applies into {} "
                                   "memory",
@@ -983,7 +978,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         continue;
       }
       for (const slot& sl : *slots) {
-        const bool copies = copy::append_route(sl.runs, e.tensor_offset, e.bytes, entry_data(e, base),
+        const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base),
                                                static_cast<std::byte*>(sl.dest.data), ops, pieces);
         if (copies && where == device_kind::cuda && !(sl.dest.dev == ln->sink->where()) &&
             ln->copier->kind() == copy::engine::kernel)
@@ -1170,12 +1165,14 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       if (refit_delta) check_delta(*ln->held);
       // A streamer alone: the names its tracker saw complete (not copied); a group: check_shards's.
       const std::set<std::string, std::less<>> shards = grouped() ? check_shards(version) : decltype(shards){};
-      const auto& arrived = grouped() ? shards : ln->tracker->completed();
+      const auto arrived = [&](const std::string& name) {
+        return grouped() ? shards.contains(name) : ln->tracker->completed().contains(name);
+      };
       if (!callback && !refit_subset) {
         std::size_t missing = 0;
         std::string first;
         for (const auto& [name, slots] : table) {
-          if (!arrived.contains(name)) {
+          if (!arrived(name)) {
             if (missing++ == 0) first = name;
           }
         }

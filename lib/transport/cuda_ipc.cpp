@@ -242,18 +242,19 @@ class cuda_ipc_source final : public source {
     std::vector<routed> out;
     for (std::size_t k = 0; k < receivers_.size(); ++k) {
       const auto it = receivers_[k].targets.find(meta.name);
-      const std::string whose =
-          receivers_.size() == 1 ? std::string("the receiver's") : fmt::format("receiver {}'s", k);
+      const auto whose = [&] {
+        return receivers_.size() == 1 ? std::string("the receiver's") : fmt::format("receiver {}'s", k);
+      };
       if (it == receivers_[k].targets.end())
         throw error(errc::apply, fmt::format("tensor '{}' is not in {} parameter table (direct cuda_ipc session: "
                                              "nothing was written)",
-                                             meta.name, whose));
-      for (const plan::destination& d : it->second) {
+                                             meta.name, whose()));
+      for (target& d : it->second) {
         try {
-          out.push_back(routed{static_cast<std::byte*>(d.data), plan::route(d, meta.type, meta.shape)});
+          out.push_back(routed{static_cast<std::byte*>(d.dest.data), d.routes.get(d.dest, meta.type, meta.shape)});
         } catch (const error& e) {
           throw error(e.code(), fmt::format("{} ({} destination; direct cuda_ipc session: nothing was written)",
-                                            e.what(), whose));
+                                            e.what(), whose()));
         }
       }
     }
@@ -392,9 +393,14 @@ class cuda_ipc_source final : public source {
   bool direct_ = false;
   /// One receiver of a direct session: its weight allocations, mapped here, and its destinations
   /// by source name (their data in those mappings).
+  /// One destination of a receiver, with its runs (computed once per session, not once per refit).
+  struct target {
+    plan::destination dest;
+    plan::route_cache routes;
+  };
   struct receiver_targets {
     std::vector<ipc_mapping> mapped;
-    std::unordered_map<std::string, std::vector<plan::destination>> targets;
+    std::unordered_map<std::string, std::vector<target>> targets;
   };
   std::vector<receiver_targets> receivers_;  ///< direct sessions: one per receiver, in order
 
@@ -428,7 +434,7 @@ class cuda_ipc_source final : public source {
                                                   r.allocation, out.mapped.size()));
         d.data = static_cast<std::byte*>(out.mapped[r.allocation].handle()) + r.offset;
       }
-      out.targets[d.meta.name].push_back(std::move(d));
+      out.targets[d.meta.name].push_back(target{std::move(d), {}});
       ++count;
     }
     REFIT_INFO("cuda_ipc: direct session: {} destinations of {} tensors in {} allocations of a receiver's weights",

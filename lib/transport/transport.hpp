@@ -44,10 +44,10 @@ struct segment {
 };
 
 /// A destination of a direct session: its first byte (in the streamer's mapping of the receiver's
-/// weights) and the runs that move a source into it.
+/// weights) and the runs that move a source into it (kept by the source: see source::routes()).
 struct routed {
   std::byte* base = nullptr;
-  std::vector<plan::run> runs;
+  std::span<const plan::run> runs;
 };
 
 /// What a transport can do: the streamer and the receiver ask this instead of testing for a kind.
@@ -122,7 +122,9 @@ class source {
   /// Where the bytes of a tensor go in a direct session: each of the receiver's destinations of
   /// that name (a base address in the mapped weights) and the runs that reach it (plan::route).
   /// Throws refit::error (errc::apply) when the receiver's table has no such name or the tensor
-  /// does not fit a destination (dtype, shape, slice): nothing is written.
+  /// does not fit a destination (dtype, shape, slice): nothing is written. The runs are the
+  /// source's, valid until the session closes or routes() is asked for the same name with another
+  /// dtype or shape (a source keeps its shape across refits, so they are computed once).
   virtual std::vector<routed> routes(const tensor_meta& meta) {
     (void)meta;
     throw error(errc::internal, "routes() outside a direct session");

@@ -66,7 +66,12 @@ void refit_tracker::reset() noexcept {
   bytes_ = 0;
   sources_ = 0;
   partial_.clear();
-  completed_.clear();
+  staged_.clear();
+  try {
+    while (!completed_.empty()) spare_.push_back(completed_.extract(completed_.begin()));
+  } catch (...) {  // no room to keep them: freed instead
+    completed_.clear();
+  }
 }
 
 void refit_tracker::begin(const wire::begin& b, std::optional<std::uint64_t> committed) {
@@ -89,8 +94,8 @@ void refit_tracker::check(const wire::batch& b) {
   check_overlaps(b);
   // Chunk rules are checked against the state as it would be after the entries before each one;
   // the changes are applied only when the whole batch passed.
-  staged_changes changes = check_chunks(b);
-  apply(changes, batch_bytes);
+  check_chunks(b);
+  apply(batch_bytes);
   sources_ = sources;
 }
 
@@ -108,25 +113,31 @@ void refit_tracker::check_header(const wire::batch& b) const {
     violation(fmt::format("BATCH {}: {} entries, more than the limit of {}", b.seq, b.entries.size(), max_entries_));
 }
 
-refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) const {
-  staged_changes changes;
+void refit_tracker::check_chunks(const wire::batch& b) {
+  staged_.clear();
+  std::size_t slots = 16;
+  while (slots < 2 * b.entries.size()) slots *= 2;
+  index_.assign(slots, 0);
   for (std::size_t i = 0; i < b.entries.size(); ++i) {
     const entry& e = b.entries[i];
     const auto where = [&] { return fmt::format("BATCH {}: entry {} ('{}')", b.seq, i, e.name); };
-    if (completed_.contains(e.name))
+    if (completed_.contains(std::string_view(e.name)))
       violation(fmt::format("{}: duplicate tensor '{}': it already arrived whole", where(), e.name));
 
-    const partial* prev = nullptr;
-    auto staged_it = changes.find(e.name);
-    if (staged_it != changes.end()) {
-      if (staged_it->second.done)
+    staged* prev = find_staged(e.name);
+    staged from_partial;
+    if (prev != nullptr) {
+      if (prev->done)
         violation(fmt::format("{}: duplicate tensor '{}': it already arrived whole in this batch", where(), e.name));
-      prev = &staged_it->second.state;
-    } else if (auto it = partial_.find(e.name); it != partial_.end()) {
-      prev = &it->second;
+    } else if (!partial_.empty()) {
+      if (const auto it = partial_.find(e.name); it != partial_.end()) {
+        const partial& p = it->second;
+        from_partial = staged{e.name, p.type, p.shape, p.first, p.next, p.total, false, true};
+        prev = &from_partial;
+      }
     }
 
-    partial next;
+    staged next;
     if (!prev) {
       // A shard starts where it lies in the whole tensor; anything else starts at its first byte.
       if (e.tensor_offset != 0 && !sharded_)
@@ -138,9 +149,9 @@ refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) 
       if (e.tensor_offset > *total)
         violation(fmt::format("{}: chunk starts at byte {}, past the tensor's {} bytes ({})", where(), e.tensor_offset,
                               *total, shape_string(e.type, e.shape)));
-      next = partial{e.type, e.shape, e.tensor_offset, e.tensor_offset, *total};
+      next = staged{e.name, e.type, e.shape, e.tensor_offset, e.tensor_offset, *total, false, false};
     } else {
-      if (e.type != prev->type || e.shape != prev->shape)
+      if (e.type != prev->type || !std::ranges::equal(e.shape, prev->shape))
         violation(fmt::format("{}: chunk changes the tensor from {} to {}", where(),
                               shape_string(prev->type, prev->shape), shape_string(e.type, e.shape)));
       if (e.tensor_offset != prev->next)
@@ -159,23 +170,54 @@ refit_tracker::staged_changes refit_tracker::check_chunks(const wire::batch& b) 
                             version_));
     next.next = last;
     // A sharded tracker keeps every range (the group's ranges are checked together at END).
-    const bool done = !sharded_ && next.next == next.total;
-    changes.insert_or_assign(std::string_view(e.name), staged{std::move(next), done});
+    next.done = !sharded_ && next.next == next.total;
+    if (prev != nullptr && prev != &from_partial)
+      *prev = next;  // a later chunk of a tensor staged earlier in this batch
+    else
+      add_staged(next);
   }
-  return changes;
+}
+
+refit_tracker::staged* refit_tracker::find_staged(std::string_view name) {
+  const std::size_t mask = index_.size() - 1;
+  for (std::size_t k = name_hash{}(name)&mask;; k = (k + 1) & mask) {
+    const std::uint32_t at = index_[k];
+    if (at == 0) return nullptr;
+    if (staged_[at - 1].name == name) return &staged_[at - 1];
+  }
+}
+
+void refit_tracker::add_staged(const staged& s) {
+  const std::size_t mask = index_.size() - 1;
+  std::size_t k = name_hash{}(s.name) & mask;
+  while (index_[k] != 0) k = (k + 1) & mask;  // at most half the slots are taken
+  staged_.push_back(s);
+  index_[k] = static_cast<std::uint32_t>(staged_.size());
+}
+
+void refit_tracker::add_completed(std::string_view name) {
+  if (spare_.empty()) {
+    completed_.emplace(name);
+    return;
+  }
+  name_set::node_type node = std::move(spare_.back());
+  spare_.pop_back();
+  node.value().assign(name);  // within the capacity the last refit's name left, mostly
+  completed_.insert(std::move(node));
 }
 
 /// Everything passed: records the batch.
-void refit_tracker::apply(staged_changes& changes, std::uint64_t batch_bytes) {
-  for (auto& [name, s] : changes) {
+void refit_tracker::apply(std::uint64_t batch_bytes) {
+  for (const staged& s : staged_) {
     if (s.done) {
-      std::string key(name);
-      partial_.erase(key);
-      completed_.insert(std::move(key));
+      if (s.in_partial) partial_.erase(std::string(s.name));
+      add_completed(s.name);
     } else {
-      partial_.insert_or_assign(std::string(name), std::move(s.state));
+      partial_.insert_or_assign(std::string(s.name),
+                                partial{s.type, {s.shape.begin(), s.shape.end()}, s.first, s.next, s.total});
     }
   }
+  staged_.clear();
   bytes_ += batch_bytes;  // cannot overflow in practice: bounded by batches × buffer size
   ++next_seq_;
 }

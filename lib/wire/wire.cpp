@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "plan/route.hpp"
 
@@ -253,11 +254,20 @@ class reader {
 
   [[noreturn]] void fail(std::string_view field, std::string_view what) const {
     throw refit::error(errc::protocol,
-                       fmt::format("invalid {} message: {}{} {}", to_string(type_), context_, field, what));
+                       fmt::format("invalid {} message: {}{} {}", to_string(type_), context(), field, what));
   }
 
   // Prefix for fields of an entry or buffer ("entry 3 ('x'): ").
-  void set_context(std::string c) { context_ = std::move(c); }
+  void set_context(std::string c) {
+    context_ = std::move(c);
+    entry_ = std::nullopt;
+  }
+  // The same for entry `index` (named `name` once its name is read), formatted only when a field
+  // fails: a BATCH has an entry per tensor, and formatting its prefix cost more than decoding it.
+  // `name` must outlive the context (it points into the message being decoded).
+  void set_entry_context(std::size_t index, std::optional<std::string_view> name = std::nullopt) {
+    entry_ = std::pair{index, name};
+  }
 
   void expect(const object& o, mt::object_type t, std::string_view field, std::string_view want) const {
     if (o.type != t) fail(field, fmt::format("must be {}, got {}", want, kind(o)));
@@ -310,8 +320,15 @@ class reader {
   }
 
  private:
+  std::string context() const {
+    if (!entry_) return context_;
+    if (!entry_->second) return fmt::format("entry {}: ", entry_->first);
+    return fmt::format("entry {} ('{}'): ", entry_->first, *entry_->second);
+  }
+
   msg_type type_;
   std::string context_;
+  std::optional<std::pair<std::size_t, std::optional<std::string_view>>> entry_;
 };
 
 // Fields of each message, after [type, protocol version].
@@ -398,12 +415,12 @@ void check_patch_entry(reader& r, entry& e, std::uint64_t total) {
 }
 
 entry decode_entry(reader& r, const object& o, std::size_t index) {
-  r.set_context(fmt::format("entry {}: ", index));
+  r.set_entry_context(index);
   const auto f = r.record(o, "descriptor", 9);
   entry e;
   e.name = r.str(f[0], "name", max_name_bytes);
   if (e.name.empty()) r.fail("name", "is empty; every tensor needs a name");
-  r.set_context(fmt::format("entry {} ('{}'): ", index, e.name));
+  r.set_entry_context(index, std::string_view(f[0].via.str.ptr, f[0].via.str.size));  // the message's bytes
 
   const std::uint64_t code = r.u64(f[1], "dtype");
   const auto t = dtype_from_code(code);
@@ -413,11 +430,14 @@ entry decode_entry(reader& r, const object& o, std::size_t index) {
   const auto dims = r.array(f[2], "shape", max_rank);
   e.shape.reserve(dims.size());
   for (std::size_t d = 0; d < dims.size(); ++d) {
-    const std::string field = fmt::format("shape[{}]", d);
-    const std::uint64_t v = r.u64(dims[d], field);
-    if (v > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+    const object& dim = dims[d];
+    if (dim.type != mt::POSITIVE_INTEGER ||
+        dim.via.u64 > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+      const std::string field = fmt::format("shape[{}]", d);  // named only when it fails
+      const std::uint64_t v = r.u64(dim, field);
       r.fail(field, fmt::format("is {}, which does not fit a signed 64-bit dimension", v));
-    e.shape.push_back(static_cast<std::int64_t>(v));
+    }
+    e.shape.push_back(static_cast<std::int64_t>(dim.via.u64));
   }
   const auto total = checked_nbytes(e.type, e.shape);
   if (!total) r.fail("shape", fmt::format("{} has more bytes than fit 64 bits", describe_type(e.type, e.shape)));

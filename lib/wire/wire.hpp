@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <variant>
 #include <vector>
 
@@ -299,25 +300,42 @@ class refit_tracker {
   [[nodiscard]] std::uint64_t batches() const noexcept { return next_seq_; }
   [[nodiscard]] std::uint64_t tensors_completed() const noexcept { return completed_.size(); }
   [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
-  /// Names that completed in this refit.
-  [[nodiscard]] const std::set<std::string, std::less<>>& completed() const noexcept { return completed_; }
+  /// A set of names, looked up by std::string_view too.
+  struct name_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  };
+  using name_set = std::unordered_set<std::string, name_hash, std::equal_to<>>;
+  /// Names that completed in this refit (in no particular order).
+  [[nodiscard]] const name_set& completed() const noexcept { return completed_; }
   [[nodiscard]] bool sharded() const noexcept { return sharded_; }
   /// A sharded tracker's ranges, by name (a tensor of this refit that arrived whole is among them too).
   [[nodiscard]] const std::unordered_map<std::string, range>& ranges() const noexcept { return partial_; }
 
  private:
   using partial = range;  ///< next: the next expected tensor offset
-  /// A tensor's state as it will be once the batch being checked passes.
+  /// A tensor's state as it will be once the batch being checked passes. It refers to the batch's
+  /// entries and to partial_ (neither changes while a batch is checked), so that checking copies
+  /// and allocates nothing: a direct session's batch has an entry per tensor of the model.
   struct staged {
-    partial state;
+    std::string_view name;
+    dtype type = dtype::u8;
+    std::span<const std::int64_t> shape;
+    std::uint64_t first = 0;
+    std::uint64_t next = 0;
+    std::uint64_t total = 0;
     bool done = false;
+    bool in_partial = false;  ///< partial_ holds its state from an earlier batch
   };
-  using staged_changes = std::unordered_map<std::string_view, staged>;
 
   // The steps of check(), in order; each throws at the first rule a batch breaks.
   void check_header(const wire::batch& b) const;
-  [[nodiscard]] staged_changes check_chunks(const wire::batch& b) const;
-  void apply(staged_changes& changes, std::uint64_t batch_bytes);
+  void check_chunks(const wire::batch& b);
+  void apply(std::uint64_t batch_bytes);
+  /// The staged state of `name` in the batch being checked, or nullptr.
+  staged* find_staged(std::string_view name);
+  void add_staged(const staged& s);
+  void add_completed(std::string_view name);
 
   std::vector<std::uint64_t> buffer_bytes_;
   std::uint64_t max_entries_;
@@ -329,7 +347,14 @@ class refit_tracker {
   std::uint64_t bytes_ = 0;
   std::uint64_t sources_ = 0;  ///< sources announced so far (batch::sources)
   std::unordered_map<std::string, partial> partial_;
-  std::set<std::string, std::less<>> completed_;
+  name_set completed_;
+  /// Nodes of completed_ kept from earlier refits (reset()), so that a refit of the same names
+  /// as the last allocates nothing. Never more than the most names one refit completed.
+  std::vector<name_set::node_type> spare_;
+  // Scratch of check(): the batch's staged states, and an open-addressing index of them by name
+  // (position + 1, 0 for an empty slot; a power of two of slots, at least twice the entries).
+  std::vector<staged> staged_;
+  std::vector<std::uint32_t> index_;
 };
 
 }  // namespace refit::wire

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -838,4 +839,44 @@ TEST_CASE("the CPU copier copies an op of several rows row by row, leaving the g
     const std::uint8_t want = in_row ? src[3 + (i - 100) / 32 * 40 + (i - 100) % 32] : 0xee;
     REQUIRE(dst[i] == want);
   }
+}
+
+TEST_CASE("route_cache gives route()'s runs, recomputes them for another dtype or shape and caches no misfit",
+          "[route]") {
+  std::vector<std::uint8_t> buf(4096);
+  // A slice: the runs depend on the source's shape, not only on the view's.
+  const auto d = make_dest("w", dtype::bf16, {4, 6}, buf.data(), {8, 1}, source_slice{1, 2, 6});
+  refit::plan::route_cache cache;
+  CHECK(cache.runs().empty());
+  const auto same = [](std::span<const run> a, const std::vector<run>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  };
+  const auto first = cache.get(d, dtype::bf16, shape_t{4, 8});
+  CHECK(same(first, refit::plan::route(d, dtype::bf16, shape_t{4, 8})));
+  CHECK(cache.get(d, dtype::bf16, shape_t{4, 8}).data() == first.data());  // not recomputed
+  // Another source shape: its own runs (another source pitch), not the cached ones.
+  const auto wider = refit::plan::route(d, dtype::bf16, shape_t{4, 10});
+  REQUIRE_FALSE(same(first, wider));
+  CHECK(same(cache.get(d, dtype::bf16, shape_t{4, 10}), wider));
+  // A misfit throws what route() throws, every time, and leaves nothing cached.
+  std::string expected;
+  try {
+    (void)refit::plan::route(d, dtype::bf16, shape_t{4, 7});
+  } catch (const refit::error& e) {
+    expected = e.what();
+  }
+  REQUIRE_FALSE(expected.empty());
+  for (int k = 0; k < 2; ++k) {
+    try {
+      (void)cache.get(d, dtype::bf16, shape_t{4, 7});
+      FAIL("a misfit was routed");
+    } catch (const refit::error& e) {
+      CHECK(e.code() == errc::apply);
+      CHECK(std::string(e.what()) == expected);
+    }
+    CHECK(cache.runs().empty());
+  }
+  expect_error([&] { (void)cache.get(d, dtype::f16, shape_t{4, 10}); }, errc::apply, "w");
+  CHECK(same(cache.get(d, dtype::bf16, shape_t{4, 10}), wider));
+  CHECK(same(cache.get(d, dtype::bf16, shape_t{4, 8}), refit::plan::route(d, dtype::bf16, shape_t{4, 8})));
 }

@@ -1060,3 +1060,57 @@ TEST_CASE("tracker counts a patch by its span and refuses one outside a delta", 
   CHECK(t.bytes() == 78);
   CHECK_NOTHROW(t.finish({6, 1, 78, 2, 5}));
 }
+
+TEST_CASE("a tracker reused for refits of other names keeps no name of an earlier refit", "[wire]") {
+  // reset() keeps the nodes of the names that completed for the next refit: none may stay a name.
+  wire::refit_tracker t({1024});
+  t.begin({1, false, {}}, std::nullopt);
+  t.check(BT(1, 0, 0,
+             {E("model.layers.0.self_attn.q_proj.weight", dtype::u8, {4}, 0, 4, 0), E("b", dtype::u8, {4}, 0, 4, 256),
+              E("c", dtype::u8, {4}, 0, 4, 512)}));
+  t.finish({1, 3, 12, 1, {}});
+  t.begin({2, false, {}}, 1);
+  CHECK(t.completed().empty());
+  t.check(BT(2, 0, 0, {E("d", dtype::u8, {4}, 0, 4, 0), E("b", dtype::u8, {8}, 0, 4, 256)}));
+  CHECK(t.completed().size() == 1);
+  CHECK(t.completed().contains("d"));
+  CHECK_FALSE(t.completed().contains("b"));  // half of its 8 bytes
+  CHECK_FALSE(t.completed().contains("model.layers.0.self_attn.q_proj.weight"));
+  // A name of the earlier refit arrives afresh; one of this refit is a duplicate, with its message.
+  t.check(
+      BT(2, 1, 0,
+         {E("b", dtype::u8, {8}, 4, 4, 0), E("model.layers.0.self_attn.q_proj.weight", dtype::u8, {4}, 0, 4, 256)}));
+  try {
+    t.check(BT(2, 2, 0, {E("e", dtype::u8, {4}, 0, 4, 0), E("d", dtype::u8, {4}, 0, 4, 256)}));
+    FAIL("a duplicate was accepted");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::protocol);
+    CHECK(std::string(e.what()) == "BATCH 2: entry 1 ('d'): duplicate tensor 'd': it already arrived whole");
+  }
+  // The refused batch recorded nothing: "e" may still come.
+  CHECK_FALSE(t.completed().contains("e"));
+  t.check(BT(2, 2, 0, {E("e", dtype::u8, {4}, 0, 4, 0), E("e2", dtype::u8, {4}, 0, 4, 256)}));
+  try {
+    t.check(BT(2, 3, 0, {E("f", dtype::u8, {4}, 0, 4, 0), E("f", dtype::u8, {4}, 0, 4, 256)}));
+    FAIL("a duplicate was accepted");
+  } catch (const refit::error& e) {
+    CHECK(std::string(e.what()) ==
+          "BATCH 3: entry 1 ('f'): duplicate tensor 'f': it already arrived whole in this batch");
+  }
+  CHECK_NOTHROW(t.finish({2, 5, 24, 3, {}}));
+  CHECK(t.completed().size() == 5);
+  for (const char* n : {"b", "d", "e", "e2", "model.layers.0.self_attn.q_proj.weight"})
+    CHECK(t.completed().contains(n));
+}
+
+TEST_CASE("a BATCH entry's errors name the entry after a valid entry as before", "[wire]") {
+  // decode() formats an entry's prefix only when one of its fields fails.
+  wire::batch b{1, 0, 0, {E("good", dtype::u8, {4}, 0, 4, 0), E("bad", dtype::u8, {4}, 0, 8, 256)}};
+  try {
+    (void)wire::decode(wire::encode(b));
+    FAIL("accepted");
+  } catch (const refit::error& e) {
+    CHECK(std::string(e.what()) ==
+          "invalid BATCH message: entry 1 ('bad'): byte range [0, 8) exceeds the tensor's 4 bytes (u8[4])");
+  }
+}
