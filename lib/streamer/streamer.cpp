@@ -611,6 +611,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::vector<void*> streams;
     std::vector<transport::segment> segments;  ///< by_entry: every entry, packed or in place
     std::vector<std::string> sources;          ///< memory of this process the open batch announces
+    std::uint64_t shared_open = 0;             ///< bytes of the open batch read in place
+    std::uint64_t shared_entries = 0;          ///< its entries read in place
     std::vector<plan::run> pieces;             ///< scratch of copy::append_route
     /// Patches of the open batch: their copies into the buffer run at flush().
     std::deque<std::vector<std::byte>> patches;
@@ -708,10 +710,35 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       entries.clear();
       segments.clear();
       sources.clear();
+      shared_open = 0;
+      shared_entries = 0;
       if (st.host_differ)
         for (std::vector<std::byte>& p : patches) st.host_differ->recycle(std::move(p));
       patches.clear();
       covered = 0;
+    }
+
+    /// Adds tensor `t` (its bytes [shift, shift + bytes)) whole to the open batch as an entry the
+    /// receiver reads where it is (transport::source::share), or returns false (it is planned into
+    /// the buffers). It takes no room in the buffer, so a batch of shared tensors grows to
+    /// direct_batch_bytes (or the planner's entry bound): fewer, larger batches, each tensor whole.
+    bool share_whole(const tensor_ref& t, std::uint64_t shift, std::uint64_t bytes, planner& pl) {
+      if (!shares || bytes == 0 || !(t.dev == st.buffers->where())) return false;
+      if ((shared_open != 0 && shared_open + bytes > transport::direct_batch_bytes) ||
+          pl.open_entries() + shared_entries + 1 > pl.options().max_entries) {
+        flush();
+        pl = planner(pl.options());  // the planner's open batch went with it
+        first_batch = seq;
+      }
+      const auto* from = static_cast<const std::byte*>(t.data) + shift;
+      const auto at = st.buffers->share(from, bytes, sources);
+      if (!at) return false;
+      add_entry(t, placement{seq, plan_entry{0, shift, bytes, at->offset}});
+      entries.back().source = at->source;
+      shared_open += bytes;
+      shared_entries += 1;
+      stats.shared_bytes += bytes;
+      return true;
     }
 
     /// Adds an entry whose buffer bytes are copied from `from` (host memory valid until the next
@@ -749,13 +776,6 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         segments.push_back(transport::segment{const_cast<std::byte*>(from), 0, p.entry.bytes});
         return;
       }
-      if (shares && t.dev == where)
-        if (const auto at = st.buffers->share(from, p.entry.bytes, sources)) {
-          entries.back().source = at->source;  // read by the receiver where it is
-          entries.back().buffer_offset = at->offset;
-          stats.shared_bytes += p.entry.bytes;
-          return;
-        }
       if (t.dev.kind == device_kind::cuda && !(t.dev == where) && st.copier->kind() == copy::engine::kernel)
         copy::enable_peer_access(where.index, t.dev.index);
       if (direct) {
@@ -1210,7 +1230,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
     const copy::cvt::conversion cv = copy::conversion_of(t.meta.type, c.type, c.q, t.meta.shape, mul);
     for (placement p : placed) {
-      while (p.batch > w.seq) w.flush();
+      while (w.first_batch + p.batch > w.seq) w.flush();
       p.entry.tensor_offset += shift;
       if (fused.empty()) {
         w.add(sent, p, targets, &cv);
@@ -1226,7 +1246,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     if (!scale) return;
     const std::uint64_t scale_bytes = scale->meta.nbytes();
     for (const placement& p : pl.add(w.planned++, scale_bytes)) {
-      while (p.batch > w.seq) w.flush();
+      while (w.first_batch + p.batch > w.seq) w.flush();
       w.add(*scale, p,
             fused.empty() ? std::span<const transport::routed>(scale_targets) : std::span<const transport::routed>());
     }
@@ -1354,11 +1374,12 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         send_delta(w, pl, w.planned++, *t, scratch, *checksum);
         continue;
       }
-      for (placement p : pl.add(w.planned++, bytes)) {
-        while (p.batch > w.seq) w.flush();
-        p.entry.tensor_offset += shift;
-        w.add(*t, p, targets);
-      }
+      if (!w.share_whole(*t, shift, bytes, pl))
+        for (placement p : pl.add(w.planned++, bytes)) {
+          while (w.first_batch + p.batch > w.seq) w.flush();
+          p.entry.tensor_offset += shift;
+          w.add(*t, p, targets);
+        }
       stats.tensors += 1;
       stats.bytes += bytes;
       if (keep) keep = keep_in_base(*t, bytes, *checksum, stats);

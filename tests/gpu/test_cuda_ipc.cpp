@@ -672,7 +672,8 @@ struct engine_layout {
 
 /// `transport` nccl: the receiver on cuda:1 (views and slices are staged there: a broadcast
 /// of each whole tensor, then the receiver's own copies into its views).
-void engine_layout_refits(bool direct, refit::transport_kind transport = refit::transport_kind::cuda_ipc) {
+void engine_layout_refits(bool direct, refit::transport_kind transport = refit::transport_kind::cuda_ipc,
+                          bool share = true) {
   const bool nccl = transport == refit::transport_kind::nccl;
   const int rx_device = nccl ? 1 : 0;
   const engine_layout layout;
@@ -705,6 +706,7 @@ void engine_layout_refits(bool direct, refit::transport_kind transport = refit::
         auto o = stream_options(ep, 0, relaxed);
         o.transport = transport;
         o.direct = direct;
+        o.share_tensors = share;
         o.buffer_bytes = 4 * kib;  // staged: rows of the shard and the strided view split across chunks
         refit::streamer s(o);
         for (const std::uint64_t v : versions) {
@@ -728,7 +730,9 @@ TEST_CASE(
 
 TEST_CASE("the same engine layout staged through 4 KiB cuda_ipc buffers (rows split across chunks) lands bit-exact",
           "[cuda_ipc][layout]") {
-  engine_layout_refits(false);
+  engine_layout_refits(false, refit::transport_kind::cuda_ipc, false);
+  // Read where the tensors are: whole, each view applied from the streamer's memory.
+  engine_layout_refits(false, refit::transport_kind::cuda_ipc, true);
 }
 
 TEST_CASE("the same engine layout over nccl to a receiver on cuda:1, in-place asked and not, lands bit-exact",
@@ -1078,8 +1082,10 @@ TEST_CASE("three refits over cuda_ipc reach a callback sink that copies the view
   const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
   const auto ep = rt::temp_endpoint();
   const std::vector<std::uint64_t> versions = {4, 5, 9};
+  // Views of the streamer's tensors where they are (whole), and views of the buffers (chunks).
+  const bool share = GENERATE(true, false);
   two_processes([&](rt::signal_pipe& ready) { callback_receiver(ep, metas, 0, versions, ready); },
-                [&] { streamer_of(ep, metas, 0, versions, path::staged); });
+                [&] { streamer_of(ep, metas, 0, versions, path::staged, false, share); });
 }
 
 TEST_CASE("a receiver on cuda:1 maps the buffers of a streamer on cuda:0 and refits bit-exact", "[cuda_ipc]") {
