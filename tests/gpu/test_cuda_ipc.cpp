@@ -1139,7 +1139,9 @@ TEST_CASE("a receiver killed mid-refit fails the streamer with a timeout, and a 
   rt::signal_pipe go;       // parent → streamer
   rt::child tx([&] {
     device_tensors weights(metas, 0);
-    refit::streamer s(stream_options(ep, 0, fault_timeout));
+    auto o = stream_options(ep, 0, fault_timeout);
+    o.share_tensors = false;  // through the buffers: many batches, so the receiver dies after three
+    refit::streamer s(o);
     weights.upload(1);
     const auto t0 = std::chrono::steady_clock::now();
     std::string line = "no error";
