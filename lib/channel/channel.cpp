@@ -507,6 +507,15 @@ std::string req_channel::receive(std::chrono::milliseconds timeout, std::string_
   }
 }
 
+bool req_channel::reply_ready() noexcept {
+  if (!socket_) return false;
+  try {
+    return (socket_->get(zmq::sockopt::events) & ZMQ_POLLIN) != 0;
+  } catch (const zmq::error_t&) {
+    return false;
+  }
+}
+
 std::string req_channel::request(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what) {
   const auto start = clock::now();
   const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));

@@ -100,6 +100,10 @@ class req_channel {
   /// Closes and reconnects the socket (drops anything in flight).
   void reset();
 
+  /// After send(): true when the reply has arrived (receive() will not wait). Never waits itself;
+  /// false on any error (receive() then reports it).
+  [[nodiscard]] bool reply_ready() noexcept;
+
   [[nodiscard]] const std::string& endpoint() const noexcept { return endpoint_; }
   /// How many times the socket was rebuilt (for tests and logs).
   [[nodiscard]] std::size_t resets() const noexcept { return resets_; }

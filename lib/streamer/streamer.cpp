@@ -17,6 +17,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <exception>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -300,9 +301,56 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   }
 
   /// The same message to every receiver.
-  std::vector<wire::ok> request(const wire::message& m, const std::string& what) {
-    return request([&](std::size_t) { return m; }, what);
+  std::vector<wire::ok> request(const wire::message& m, const std::string& what,
+                                const std::function<void()>& between = {}) {
+    return request([&](std::size_t) { return m; }, what, between);
   }
+
+  /// The source of one refit, read ahead while BEGIN's replies are on their way (a round trip is
+  /// a tenth of a millisecond or more, and a Python source converts a tensor in a microsecond or
+  /// two), at most what the buffers hold: the tensors read ahead are handed out first, then the
+  /// rest. Tensors stay valid until
+  /// refit() returns, so nothing read ahead is lost when BEGIN must be said again (HELLO anew, a
+  /// delta refused and sent whole). An exception of the source while reading ahead is rethrown
+  /// where it would have been, once BEGIN is through (so the receivers hear ABORT).
+  class read_ahead final : public tensor_source {
+   public:
+    explicit read_ahead(tensor_source& inner) : inner_(inner) {}
+    std::optional<tensor_ref> next() override {
+      if (next_ < ahead_.size()) return ahead_[next_++];
+      if (failed_) std::rethrow_exception(std::exchange(failed_, nullptr));
+      if (ended_) return std::nullopt;
+      return inner_.next();
+    }
+    /// Reads ahead until `arrived()` (asked between tensors), the source ends or the tensors read
+    /// ahead hold `max_bytes`; returns the seconds spent in the source.
+    double fill(const std::function<bool()>& arrived, std::uint64_t max_bytes) {
+      const auto t0 = clock::now();
+      while (!ended_ && !failed_ && ahead_.size() < max_ahead && bytes_ < max_bytes && !arrived()) {
+        try {
+          std::optional<tensor_ref> t = inner_.next();
+          if (t) {
+            bytes_ += t->meta.nbytes();
+            ahead_.push_back(std::move(*t));
+          } else {
+            ended_ = true;
+          }
+        } catch (...) {
+          failed_ = std::current_exception();
+        }
+      }
+      return seconds_since(t0);
+    }
+
+   private:
+    static constexpr std::size_t max_ahead = 1u << 16;
+    tensor_source& inner_;
+    std::vector<tensor_ref> ahead_;
+    std::uint64_t bytes_ = 0;
+    std::size_t next_ = 0;
+    bool ended_ = false;
+    std::exception_ptr failed_;
+  };
 
   void ensure_session() {
     if (in_session) return;
@@ -452,13 +500,24 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   }
 
   /// Says BEGIN for `how` (a delta names the base); a receiver without a session makes it say HELLO
-  /// again, once.
-  void say_begin(std::uint64_t version, sending how) {
+  /// again, once. `ahead` reads the source while the replies are on their way.
+  void say_begin(std::uint64_t version, sending how, read_ahead& ahead, refit_stats& stats) {
     wire::begin b{version, how != sending::whole, std::nullopt};
     if (how == sending::delta) b.base = base->version();
     const std::string what = fmt::format("BEGIN of {}version {}", how == sending::delta ? "delta " : "", version);
+    // No more ahead than the buffers hold: a source that gathers each tensor (an all-gather) then
+    // holds no more than a refit in flight would.
+    const std::uint64_t bound = options.buffer_count * options.buffer_bytes;
+    const auto read = [&] {
+      stats.source_seconds += ahead.fill(
+          [&] {
+            return std::all_of(channels.begin(), channels.end(),
+                               [](channel::req_channel& c) { return c.reply_ready(); });
+          },
+          bound);
+    };
     try {
-      request(b, what);
+      request(b, what, read);
     } catch (const error& e) {
       // A receiver that restarted since our HELLO has no session with us (or one that must
       // lay the session out anew): start one, once.
@@ -466,28 +525,29 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       REFIT_INFO("{}; saying HELLO again", e.what());
       drop_session();
       ensure_session();
-      request(b, what);
+      request(b, what, read);
     }
   }
 
   /// Says BEGIN, as a delta when the base allows it; a receiver that refuses the delta
   /// (errc::needs_whole: it does not hold the base) gets the whole version instead.
-  sending begin_refit(std::uint64_t version, refit_scope scope, refit_stats& stats) {
+  sending begin_refit(std::uint64_t version, refit_scope scope, refit_stats& stats, read_ahead& ahead) {
     sending how = scope == refit_scope::subset ? sending::subset : sending::whole;
     if (base && scope == refit_scope::subset) base->invalidate();  // the receivers' version is no base of ours
     if (base && how == sending::whole && base->version()) how = sending::delta;
     const auto tw = clock::now();
+    const double reading = stats.source_seconds;
     try {
-      say_begin(version, how);
+      say_begin(version, how, ahead, stats);
     } catch (const error& e) {
       if (how != sending::delta || e.code() != errc::needs_whole) throw;
       REFIT_INFO("{}; sending version {} whole", e.what(), version);
       base->invalidate();
       how = sending::whole;
       stats.whole_after_refusal = true;
-      say_begin(version, how);
+      say_begin(version, how, ahead, stats);
     }
-    stats.wait_seconds += seconds_since(tw);
+    stats.wait_seconds += seconds_since(tw) - (stats.source_seconds - reading);
     stats.subset = how != sending::whole;
     stats.delta = how == sending::delta;
     if (stats.delta) stats.base = *base->version();
@@ -499,7 +559,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     ensure_session();
     refit_stats stats;
     stats.version = version;
-    const sending how = begin_refit(version, scope, stats);
+    read_ahead ahead(source);
+    const sending how = begin_refit(version, scope, stats, ahead);
     // From here until END's reply the base is being rewritten: any failure leaves it unusable.
     std::uint64_t checksum = how == sending::delta ? base->checksum() : 0;
     if (base) base->invalidate();
@@ -507,7 +568,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
     receivers_failed = false;
     try {
-      send_tensors(version, source, stats, how, &checksum, keep);
+      send_tensors(version, ahead, stats, how, &checksum, keep);
     } catch (const error& e) {
       if (!receivers_failed) abort_everywhere(version, e.code(), e.what());
       throw;

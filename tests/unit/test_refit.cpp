@@ -637,6 +637,7 @@ TEST_CASE(
 
   // The bad tensor comes last, after batches of version 2 were sent and applied.
   const host_tensors v2(metas, 2);
+  bool wrote = true;  // batches of version 2 reached the weights before the failure
   SECTION("a name yielded twice") {
     auto refs = v2.refs;
     refs.push_back(refs[3]);
@@ -654,9 +655,21 @@ TEST_CASE(
     CHECK(f->code == code_name(refit::errc::invalid_argument));
     CHECK_THAT(f->message, Catch::Contains("lm_head.weight bf16[16, 16] has no data (null pointer)"));
   }
+  SECTION("a source that throws while it is read ahead of BEGIN's reply") {
+    // The streamer reads the source while BEGIN is on its way: the exception waits until BEGIN is
+    // through, so the receiver still hears ABORT, and the caller gets it unchanged.
+    std::size_t calls = 0;
+    const std::function<std::optional<refit::tensor_ref>()> next = [&]() -> std::optional<refit::tensor_ref> {
+      if (calls == 2) throw std::runtime_error("the all-gather of rank 3 failed");
+      return v2.refs[calls++];
+    };
+    CHECK_THROWS_MATCHES(s.refit(2, next), std::runtime_error, Catch::Message("the all-gather of rank 3 failed"));
+    CHECK(calls == 2);
+    wrote = false;  // no batch was sent: the weights are clean
+  }
   // ABORT reached the receiver before refit() threw: the report is there without any timeout.
-  CHECK(rx.next_report() == outcome("aborted", 1, true));
-  CHECK(rx.state() == outcome("state", 1, true));
+  CHECK(rx.next_report() == outcome("aborted", 1, wrote));
+  CHECK(rx.state() == outcome("state", 1, wrote));
 
   // The next refit of the same streamer replaces the abandoned one and commits.
   good_refit(s, rx, metas, 3);
