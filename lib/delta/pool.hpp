@@ -22,6 +22,10 @@
 
 namespace refit::delta {
 
+/// Most threads a pool may be asked for (streamer_options::delta.threads,
+/// receiver_options::delta_threads): a typo would otherwise start thousands of threads.
+inline constexpr std::size_t max_threads = 256;
+
 /// Threads a pool of `asked` threads gets: `asked`, or when 0, min(hardware_concurrency, 8) (at
 /// least 1).
 [[nodiscard]] std::size_t pool_threads(std::size_t asked) noexcept;

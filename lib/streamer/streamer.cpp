@@ -75,7 +75,7 @@ std::string transport_name_of(const streamer_options& o) {
 }
 
 /// Most threads a host diff may have (delta_options::threads).
-constexpr std::size_t max_delta_threads = 256;
+constexpr std::size_t max_delta_threads = delta::max_threads;
 
 void validate(const streamer_options& o) {
   const auto endpoints = endpoints_of(o);
