@@ -616,6 +616,54 @@ TEST_CASE("a receiver asked for more than 256 delta threads is refused", "[delta
   CHECK_NOTHROW(refit::receiver(engine::options(ep.name, 256)));  // threads are made at the first delta batch
 }
 
+TEST_CASE(
+    "a tensor larger than a delta batch's coverage is sent over several batches, bit-exact, its unchanged "
+    "first spans included",
+    "[delta]") {
+  // 8 MiB buffers: spans of 4 MiB; a batch is sent every 32 MiB of tensor bytes covered (the
+  // streamer's delta_batch_covers), inside a tensor too. "big" is 80 MB of bf16; its patches (0.1 %
+  // changed) would fit one buffer.
+  const rt::scoped_endpoint ep;
+  const std::vector<refit::tensor_meta> metas = {{"small", dtype::bf16, {1000}}, {"big", dtype::bf16, {40000000}}};
+  trainer t(metas);
+  engine e(t.metas, ep.name, 2);
+  auto o = rt::host_shm_streamer(ep.name, 8ull << 20, streamer_timeout);
+  o.delta.enable = true;
+  o.delta.threads = 2;
+  refit::streamer st(o);
+  refit_once(st, e, 1, t.refs());
+  REQUIRE(e.differs_from(t).empty());
+  // Every 1000th element of "big" from `from` on, and element 7 of "small".
+  const auto change = [&](std::uint64_t from, std::uint8_t by) {
+    t.bytes[0][14] = static_cast<std::uint8_t>(t.bytes[0][14] + by);
+    for (std::uint64_t i = from; i < t.bytes[1].size() / 2; i += 1000)
+      t.bytes[1][2 * i] = static_cast<std::uint8_t>(t.bytes[1][2 * i] + by);
+  };
+  change(0, 1);
+  const auto all = refit_once(st, e, 2, t.refs());
+  CHECK(all.delta);
+  CHECK(all.tensors == 2);
+  CHECK(all.changed == 1 + 40000);
+  CHECK(all.bytes < (4ull << 20));
+  CHECK(all.batches >= 3);  // 80 MB of "big" in batches of 32 MiB covered
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(2));
+  REQUIRE(e.differs_from(t).empty());
+  // Only the last quarter of "big" changes: its first spans (no change) are sent as empty patches
+  // once its first change is found, in order, and the tensor counts once.
+  change(30000000, 3);
+  const auto tail = refit_once(st, e, 3, t.refs());
+  CHECK(tail.delta);
+  CHECK(tail.tensors == 2);
+  CHECK(tail.changed == 1 + 10000);
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(3));
+  REQUIRE(e.differs_from(t).empty());
+  // Nothing changed: nothing sent.
+  const auto none = refit_once(st, e, 4, t.refs());
+  CHECK(none.tensors == 0);
+  CHECK(none.bytes == 0);
+  CHECK(e.differs_from(t).empty());
+}
+
 TEST_CASE("a version larger than the base's bound is always sent whole", "[delta]") {
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
