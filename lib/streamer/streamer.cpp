@@ -832,6 +832,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   struct delta_scratch {
     std::vector<delta::host_span> spans;
     std::vector<delta::span_patch> found;
+    std::vector<delta::host_differ::target> targets;  ///< patches placed, to write before their batch is sent
 #if REFIT_HAVE_CUDA
     std::vector<queued_tensor> group;
     std::vector<delta::cuda::diff_tensor> diffs;
@@ -948,12 +949,16 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     w.stats.elements += total / item;
     std::size_t placed = 0;  // spans placed so far; none until the tensor's first change
     for (std::size_t k = 0; k < sc.spans.size();) {
+      // The spans that complete the open batch's coverage, at most a wave of the differ's scratch.
       const std::uint64_t room = delta_batch_covers() - std::min(w.covered, delta_batch_covers());
       std::size_t end = k;
-      for (std::uint64_t bytes = 0; end < sc.spans.size() && (end == k || bytes < room);)
+      for (std::uint64_t bytes = 0;
+           end < sc.spans.size() &&
+           (end == k || (bytes < room && bytes + sc.spans[end].bytes <= delta::host_differ::wave_bytes));)
         bytes += sc.spans[end++].bytes;
       const auto td = clock::now();
-      host_differ->diff(std::span<const delta::host_span>(sc.spans).subspan(k, end - k), found.subspan(k, end - k));
+      const auto group = std::span<const delta::host_span>(sc.spans).subspan(k, end - k);
+      host_differ->count(group, found.subspan(k, end - k));
       w.stats.diff_seconds += seconds_since(td);
       w.stats.pack_seconds += seconds_since(td);
       std::uint64_t changes = 0;
@@ -962,43 +967,82 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         changes += found[s].changes;
       }
       w.stats.changed += changes;
-      k = end;
       // Spans that changed nothing before the tensor's first change wait for it (a tensor that did
       // not change is not sent); from then on every span is placed, in order.
-      if (changes == 0 && placed == 0) continue;
-      place_spans(w, pl, index, t, found, placed, end);
-      placed = end;
+      if (changes != 0 || placed != 0) {
+        place_spans(w, pl, index, t, found, placed, end, group, k, sc);
+        placed = end;
+      }
+      k = end;
     }
     if (placed != 0) w.stats.tensors += 1;
   }
 
-  /// Places the patches (or bytes) of spans [from, to) of a diffed host tensor (found[k]: span k),
-  /// and sends the batch once it covers delta_batch_covers() bytes.
+  /// Places the patches (or bytes) of spans [from, to) of a diffed host tensor (found[k]: span k;
+  /// `group`: the spans of the last count(), from span `first`), writes their patches, and sends the
+  /// batch once it covers delta_batch_covers() bytes. A patch is written straight into the batch's
+  /// buffer when that is host memory (host_shm: the buffer of the open batch is not the receiver's
+  /// until its BATCH is sent), else into host memory copied there when the batch is packed.
   void place_spans(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t,
-                   std::span<delta::span_patch> found, std::size_t from, std::size_t to) {
+                   std::span<delta::span_patch> found, std::size_t from, std::size_t to,
+                   std::span<const delta::host_span> group, std::size_t first, delta_scratch& sc) {
     const std::uint64_t total = t.meta.nbytes();
     const std::uint64_t span = delta::span_bytes(plan.buffer_bytes);
+    const std::size_t item = itemsize(t.meta.type);
     const auto* src = static_cast<const std::byte*>(t.data);
+    const bool in_buffer = buffers->where().kind == device_kind::cpu;
+    sc.targets.clear();
+    // The patches placed so far, before their batch is sent.
+    const auto write = [&] {
+      const auto td = clock::now();
+      host_differ->write(group, sc.targets);
+      sc.targets.clear();
+      w.stats.diff_seconds += seconds_since(td);
+      w.stats.pack_seconds += seconds_since(td);
+    };
     std::uint64_t covered = 0;
     for (std::size_t k = from; k < to; ++k) {
       const std::uint64_t off = k * span;
       const std::uint64_t n = std::min(span, total - off);
-      std::vector<std::byte>& patch = found[k].patch;
       const bool as_bytes = found[k].as_bytes;
-      for (const placement& p : pl.add(index, as_bytes ? n : patch.size())) {
+      const std::uint64_t bytes = as_bytes ? n : found[k].changes * delta::record_bytes(item);
+      const std::vector<placement> places = pl.add(index, bytes);
+      if (places.size() != 1)  // delta::span_bytes: half a buffer at most, so never split
+        throw error(errc::internal, fmt::format("tensor {}: a delta's span of {} bytes was split in {} batches",
+                                                describe(t.meta), bytes, places.size()));
+      const placement& p = places.front();
+      if (w.first_batch + p.batch > w.seq) {
+        write();
         while (w.first_batch + p.batch > w.seq) w.flush();
-        if (as_bytes) {
-          add_span_bytes(w, t, off, p, src);
-        } else {
-          w.patches.push_back(std::move(patch));
-          w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off, p.entry.bytes, p.entry.buffer_offset,
-                                   wire::entry_kind::patch, n},
-                       w.patches.back().data());
-        }
-        w.stats.bytes += p.entry.bytes;
       }
+      if (as_bytes) {
+        add_span_bytes(w, t, off, p, src);
+      } else {
+        const wire::entry e{t.meta.name,
+                            t.meta.type,
+                            t.meta.shape,
+                            off,
+                            p.entry.bytes,
+                            p.entry.buffer_offset,
+                            wire::entry_kind::patch,
+                            n};
+        std::byte* to_write = nullptr;
+        if (p.entry.bytes == 0) {
+          w.entries.push_back(e);
+        } else if (in_buffer) {
+          to_write = buffers->data(w.seq % buffers->count()) + p.entry.buffer_offset;
+          w.entries.push_back(e);
+        } else {
+          w.patches.push_back(host_differ->patch_memory(p.entry.bytes));
+          to_write = w.patches.back().data();
+          w.add_copied(e, to_write);
+        }
+        if (to_write != nullptr) sc.targets.push_back(delta::host_differ::target{k - first, to_write});
+      }
+      w.stats.bytes += p.entry.bytes;
       covered += n;
     }
+    write();
     close_if_covered(w, pl, covered);
   }
 

@@ -303,6 +303,33 @@ TEST_CASE("the host diff gives the same patches, checksum terms and base on 1 an
           }
           for (std::size_t k = found.size(); k-- > 0;) d.recycle(std::move(found[k].patch));
         }
+        // count() and write(), as the streamer does for host buffers: the same figures, and the same
+        // patches written where it says (here one buffer, the last span's patch first).
+        base = old_bytes;
+        d.count(spans, found);
+        CHECK(base == next);
+        std::vector<refit::delta::host_differ::target> targets;
+        std::vector<std::uint64_t> at(spans.size());
+        std::uint64_t used = 0;
+        for (std::size_t k = spans.size(); k-- > 0;) {
+          CHECK(found[k].changes == expect[k].changes);
+          CHECK(found[k].terms == expect[k].terms);
+          CHECK(found[k].as_bytes == expect[k].as_bytes);
+          CHECK(found[k].patch.empty());
+          at[k] = used;
+          used += expect[k].patch.size();
+        }
+        std::vector<std::byte> buffer(used + 1, std::byte{0x77});
+        for (std::size_t k = 0; k < spans.size(); ++k)
+          if (!expect[k].patch.empty()) targets.push_back({k, buffer.data() + at[k]});
+        d.write(spans, targets);
+        for (std::size_t k = 0; k < spans.size(); ++k) {
+          INFO("span " << k << " written");
+          const auto from = buffer.begin() + static_cast<std::ptrdiff_t>(at[k]);
+          CHECK(std::vector<std::byte>(from, from + static_cast<std::ptrdiff_t>(expect[k].patch.size())) ==
+                expect[k].patch);
+        }
+        CHECK(buffer.back() == std::byte{0x77});
         // Used again, nothing changed: no patches.
         d.diff(spans, found);
         for (const auto& f : found) CHECK((f.changes == 0 && f.terms == 0 && f.patch.empty() && !f.as_bytes));
