@@ -1,4 +1,5 @@
-// refit — a small persistent pool of worker threads for the host diff (lib/delta/host_diff.hpp).
+// refit — a small persistent pool of worker threads for the host diff (lib/delta/host_diff.hpp)
+// and the receiver's host apply (lib/delta/host_apply.hpp).
 //
 // Why a pool of its own: a host diff reads the base and the new version once (2 GB for a 1 GB
 // model), which one core does at a fraction of the memory bandwidth of a many-core host; the
