@@ -182,7 +182,8 @@ void add_run_options(CLI::App& app, config& c, cli_text& t) {
                  "U[-1, 1)); about 2 % of bf16 elements change at the default")
       ->capture_default_str();
   app.add_option("--delta-threads", c.delta_threads,
-                 "--delta: threads of the streamer's host diff (delta_options::threads); 0: min(hardware threads, 8)")
+                 "--delta: threads of the streamer's host diff and of the receiver's apply (delta_options::threads, "
+                 "receiver_options::delta_threads); 0: min(hardware threads, 8)")
       ->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random tensor data")->capture_default_str();
   app.add_option("--device", c.device, "CUDA device (cuda_ipc; nccl: the streamer's, receivers on the next ones)")

@@ -145,13 +145,15 @@ struct trainer {
 
 /// The receiver child: a parameter table of the model; serves until told to stop on `in`, then writes
 /// the version checksum of its weights and its committed version to `out`.
-[[noreturn]] void receiver_child(const manifest& m, const std::string& endpoint, int in, int out, int gpu) {
+[[noreturn]] void receiver_child(const manifest& m, const std::string& endpoint, int in, int out, int gpu,
+                                 std::size_t threads) {
   int code = 0;
   try {
     receiver_options o;
     o.endpoint = endpoint;
     o.idle_timeout = milliseconds{120000};
     o.device = gpu < 0 ? 0 : gpu;
+    o.delta_threads = threads;
     receiver r(o);
     std::vector<std::vector<std::uint16_t>> weights;
 #if REFIT_HAVE_CUDA
@@ -229,7 +231,7 @@ int run_delta(const config& c, std::ostream& out) {
   if (pid == 0) {
     ::close(to_child[1]);
     ::close(from_child[0]);
-    receiver_child(m, endpoint, to_child[0], from_child[1], gpu ? c.device : -1);
+    receiver_child(m, endpoint, to_child[0], from_child[1], gpu ? c.device : -1, c.delta_threads);
   }
   ::close(to_child[0]);
   ::close(from_child[1]);  // so that reading its report ends when the child exits
@@ -257,7 +259,7 @@ int run_delta(const config& c, std::ostream& out) {
                      so.buffer_count, c.buffer_mb.at(0));
   out << fmt::format(
       "# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
-      "streamer, {} counted refits after {} warm-up; host diff threads: {}\n",
+      "streamer, {} counted refits after {} warm-up; host diff and apply threads: {}\n",
       c.delta_update, c.iters, c.warmup, delta::pool_threads(c.delta_threads));
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "row", "step", "changed",
                      "blk256", "blk4k", "wire", "wire/v", "time", "diff", "/whole");

@@ -44,6 +44,11 @@ struct receiver_options {
   /// contain "{rank}" (replaced by each rank's number). See receiver::endpoints() for how a group's
   /// version commits.
   std::size_t streamers = 1;
+  /// Threads that check and apply a delta's patches into host weights (the serve_one() caller among
+  /// them), made at the first such batch and joined when the receiver is destroyed; 0: min(hardware
+  /// threads, 8); at most 256 (errc::invalid_argument). What is written and the checksum do not
+  /// depend on it. Deltas into GPU weights are applied on the GPU.
+  std::size_t delta_threads = 0;
 };
 
 /// Called with the entries of one batch. Views are valid only during the call. On CUDA

@@ -17,12 +17,22 @@ void host_differ::diff(std::span<const host_span> spans, std::span<span_patch> o
     std::size_t end = k;
     std::uint64_t bytes = 0;
     while (end < spans.size() && (end == k || bytes + spans[end].bytes <= wave_bytes)) bytes += spans[end++].bytes;
-    wave(spans.subspan(k, end - k), out.subspan(k, end - k));
+    const auto wave = spans.subspan(k, end - k);
+    count(wave, out.subspan(k, end - k));
+    // A recycled patch for each span that needs one, handed out here (not by the threads).
+    targets_.clear();
+    for (std::size_t s = 0; s < wave.size(); ++s) {
+      span_patch& o = out[k + s];
+      if (o.changes == 0 || o.as_bytes) continue;
+      o.patch = patch_memory(o.changes * record_bytes(wave[s].item));
+      targets_.push_back(target{s, o.patch.data()});
+    }
+    write(wave, targets_);
     k = end;
   }
 }
 
-void host_differ::wave(std::span<const host_span> spans, std::span<span_patch> out) {
+void host_differ::count(std::span<const host_span> spans, std::span<span_patch> out) {
   chunks_.clear();
   first_chunk_.clear();
   std::uint64_t slot = 0;
@@ -52,35 +62,33 @@ void host_differ::wave(std::span<const host_span> spans, std::span<span_patch> o
     ch.changes = r.changes;
     ch.terms = r.terms;
   });
-  // A recycled patch for each span that needs one, handed out here (not by the threads).
   for (std::size_t s = 0; s < spans.size(); ++s) {
-    out[s] = span_patch{};
-    if (spare_.empty()) continue;
-    std::uint64_t changes = 0;
-    for (std::size_t c = first_chunk_[s]; c < first_chunk_[s + 1]; ++c) changes += chunks_[c].changes;
-    const std::uint64_t bytes = changes * record_bytes(spans[s].item);
-    if (changes == 0 || bytes >= spans[s].bytes) continue;
-    out[s].patch = std::move(spare_.back());
-    spare_.pop_back();
-    spare_bytes_ -= out[s].patch.capacity();
+    span_patch& o = out[s];
+    o.changes = 0;
+    o.terms = 0;
+    o.patch.clear();
+    for (std::size_t c = first_chunk_[s]; c < first_chunk_[s + 1]; ++c) {
+      o.changes += chunks_[c].changes;
+      o.terms += chunks_[c].terms;
+    }
+    o.as_bytes = o.changes * record_bytes(spans[s].item) >= spans[s].bytes;  // records no smaller: the span's bytes
   }
-  pool_.run(spans.size(), [&](std::size_t s) {
-    assemble(spans[s], std::span<const chunk>(chunks_).subspan(first_chunk_[s], first_chunk_[s + 1] - first_chunk_[s]),
-             out[s]);
+}
+
+void host_differ::write(std::span<const host_span> spans, std::span<const target> targets) {
+  pool_.run(targets.size(), [&](std::size_t k) {
+    const std::size_t s = targets[k].span;
+    const auto chunks = std::span<const chunk>(chunks_).subspan(first_chunk_[s], first_chunk_[s + 1] - first_chunk_[s]);
+    std::uint64_t changes = 0;
+    for (const chunk& ch : chunks) changes += ch.changes;
+    assemble(spans[s], chunks, changes, targets[k].to);
   });
 }
 
-void host_differ::assemble(const host_span& s, std::span<const chunk> chunks, span_patch& out) const {
-  for (const chunk& ch : chunks) {
-    out.changes += ch.changes;
-    out.terms += ch.terms;
-  }
-  const std::uint64_t bytes = out.changes * record_bytes(s.item);
-  out.as_bytes = bytes >= s.bytes;  // records no smaller than the span: send the span's bytes
-  if (out.as_bytes || out.changes == 0) return;
-  out.patch.resize(bytes);  // a recycled one has the room, most of the time
-  std::byte* indices = out.patch.data();
-  std::byte* values = indices + 4 * out.changes;
+void host_differ::assemble(const host_span& s, std::span<const chunk> chunks, std::uint64_t changes,
+                           std::byte* to) const {
+  std::byte* indices = to;
+  std::byte* values = indices + 4 * changes;
   for (const chunk& ch : chunks) {
     // diff() numbered the chunk's elements from its first; the patch numbers them from the span's.
     const auto first = static_cast<std::uint32_t>(ch.from / s.item);
@@ -95,9 +103,16 @@ void host_differ::assemble(const host_span& s, std::span<const chunk> chunks, sp
   }
 }
 
-}  // namespace refit::delta
-
-namespace refit::delta {
+std::vector<std::byte> host_differ::patch_memory(std::uint64_t bytes) {
+  std::vector<std::byte> p;
+  if (!spare_.empty()) {
+    p = std::move(spare_.back());
+    spare_.pop_back();
+    spare_bytes_ -= p.capacity();
+  }
+  p.resize(bytes);  // a recycled one has the room, most of the time
+  return p;
+}
 
 void host_differ::recycle(std::vector<std::byte>&& patch) {
   if (patch.capacity() == 0 || spare_bytes_ + patch.capacity() > max_spare_bytes) return;

@@ -54,10 +54,30 @@ class host_differ {
   explicit host_differ(std::size_t threads);
 
   /// Diffs every span (spans at most delta::span_bytes of any buffer: 16 MiB), bringing the base up
-  /// to date, and sets out[k] for spans[k] (out.size() == spans.size()). Throws std::bad_alloc when
-  /// its scratch cannot grow, refit::error when a patch cannot be allocated on a worker (the base
-  /// may then be part updated: drop it, as any failure of a delta does).
+  /// to date, and sets out[k] for spans[k] (out.size() == spans.size()), its patch included: count()
+  /// and write() wave by wave. Throws std::bad_alloc when its scratch or a patch cannot grow (the
+  /// base may then be part updated: drop it, as any failure of a delta does).
   void diff(std::span<const host_span> spans, std::span<span_patch> out);
+
+  /// The first half of diff() for spans of one wave (at most wave_bytes in all, or one span):
+  /// diffs them, bringing the base up to date, and sets out[k]'s changes, terms and as_bytes (its
+  /// patch stays empty). The patches wait in the differ's scratch for write(), until the next
+  /// count(). Throws std::bad_alloc when the scratch cannot grow.
+  void count(std::span<const host_span> spans, std::span<span_patch> out);
+
+  /// Where write() puts the patch of span `span` of the last count(): its changes ×
+  /// delta::record_bytes(item) bytes (the wire::entry_kind::patch format) at `to`.
+  struct target {
+    std::size_t span;
+    std::byte* to;
+  };
+  /// The second half of diff(): writes the patches of the last count()'s `spans` (the same) to
+  /// `targets` (spans that changed, not as_bytes), on the pool's threads. The streamer writes them
+  /// straight into the batch's buffer when it is host memory (host_shm): no patch is copied twice.
+  void write(std::span<const host_span> spans, std::span<const target> targets);
+
+  /// Memory for a patch of `bytes` bytes: a recycled one when there is one.
+  [[nodiscard]] std::vector<std::byte> patch_memory(std::uint64_t bytes);
 
   [[nodiscard]] std::size_t threads() const noexcept { return pool_.size(); }
 
@@ -77,13 +97,13 @@ class host_differ {
     std::uint64_t changes;
     std::uint64_t terms;
   };
-  void wave(std::span<const host_span> spans, std::span<span_patch> out);
-  void assemble(const host_span& s, std::span<const chunk> chunks, span_patch& out) const;
+  void assemble(const host_span& s, std::span<const chunk> chunks, std::uint64_t changes, std::byte* to) const;
 
   worker_pool pool_;
   std::vector<chunk> chunks_;
   std::vector<std::size_t> first_chunk_;       ///< per span of the wave, its first chunk; one more at the end
   std::vector<std::vector<std::byte>> spare_;  ///< recycled patches, empty, with their capacity
+  std::vector<target> targets_;                ///< diff()'s scratch
   std::uint64_t spare_bytes_ = 0;
   // Not std::vector: their pages are never touched where nothing changed.
   std::unique_ptr<std::uint32_t[]> indices_;

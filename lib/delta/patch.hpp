@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -50,14 +51,35 @@ std::uint64_t changed_blocks(const std::byte* a, const std::byte* b, std::uint64
 
 /// Checks a patch of `bytes` bytes against a span of `span` bytes: whole records, indices strictly
 /// increasing and inside the span. Throws refit::error(errc::apply) naming `name`, before anything is
-/// written.
+/// written. The same as check_records(), then first_bad_record() over every record and
+/// refuse_record() for the one it found (pieces of a patch may be checked apart: delta::host_patcher).
 void check_patch(const std::byte* patch, std::uint64_t bytes, std::size_t item, std::uint64_t span,
                  std::string_view name);
+
+/// Throws refit::error(errc::apply) naming `name` unless a patch of `bytes` bytes holds whole records.
+void check_records(std::uint64_t bytes, std::size_t item, std::string_view name);
+
+/// The first of records [from, to) of a patch whose index is outside a span of `span` bytes or not
+/// after the index of the record before it (record from - 1 included), or nullopt.
+[[nodiscard]] std::optional<std::uint64_t> first_bad_record(const std::byte* patch, std::uint64_t from,
+                                                            std::uint64_t to, std::size_t item,
+                                                            std::uint64_t span) noexcept;
+
+/// Throws what check_patch() throws for a patch whose record `k` is bad (first_bad_record).
+[[noreturn]] void refuse_record(const std::byte* patch, std::uint64_t k, std::size_t item, std::uint64_t span,
+                                std::string_view name);
 
 /// Applies a checked patch for the span at tensor byte `off` (of a tensor of `total` bytes) into
 /// each destination of `dests` (each the tensor's byte 0: tied weights have several); returns the
 /// new minus old checksum terms, the old values read from the first destination.
 std::uint64_t apply_patch(const std::byte* patch, std::uint64_t bytes, std::size_t item, std::uint64_t off,
                           std::uint64_t total, std::span<std::byte* const> dests) noexcept;
+
+/// apply_patch() of records [from, to) of a checked patch of `n` records alone: pieces of one patch
+/// write different elements, so they may be applied apart, on several threads, and their terms
+/// added up.
+std::uint64_t apply_records(const std::byte* patch, std::uint64_t n, std::uint64_t from, std::uint64_t to,
+                            std::size_t item, std::uint64_t off, std::uint64_t total,
+                            std::span<std::byte* const> dests) noexcept;
 
 }  // namespace refit::delta

@@ -22,8 +22,9 @@ worker_pool::worker_pool(std::size_t threads) {
     for (std::size_t k = 0; k < n; ++k) workers_.emplace_back([this] { work(); });
   } catch (const std::system_error& e) {
     stop_and_join();  // the ones started
-    throw error(errc::internal, fmt::format("cannot start the delta diff's thread {} of {}: {}; set "
-                                            "delta_options::threads lower",
+    throw error(errc::internal, fmt::format("cannot start the host delta's thread {} of {}: {}; set "
+                                            "delta_options::threads (streamer) or "
+                                            "receiver_options::delta_threads lower",
                                             workers_.size() + 1, n + 1, e.what()));
   }
 }
@@ -107,7 +108,7 @@ void worker_pool::run(std::size_t jobs, const std::function<void(std::size_t)>& 
   std::unique_lock lock(mutex_);
   done_.wait(lock, [&] { return finished_ == jobs_; });  // the jobs other threads still run
   job_ = nullptr;                                        // a worker that wakes late finds nothing to do
-  if (failed_) throw error(static_cast<errc>(failure_code_), fmt::format("in the delta diff: {}", failure_));
+  if (failed_) throw error(static_cast<errc>(failure_code_), fmt::format("in the host delta's threads: {}", failure_));
 }
 
 }  // namespace refit::delta

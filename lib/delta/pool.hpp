@@ -1,4 +1,5 @@
-// refit — a small persistent pool of worker threads for the host diff (lib/delta/host_diff.hpp).
+// refit — a small persistent pool of worker threads for the host diff (lib/delta/host_diff.hpp)
+// and the receiver's host apply (lib/delta/host_apply.hpp).
 //
 // Why a pool of its own: a host diff reads the base and the new version once (2 GB for a 1 GB
 // model), which one core does at a fraction of the memory bandwidth of a many-core host; the
@@ -21,6 +22,10 @@
 #include <vector>
 
 namespace refit::delta {
+
+/// Most threads a pool may be asked for (streamer_options::delta.threads,
+/// receiver_options::delta_threads): a typo would otherwise start thousands of threads.
+inline constexpr std::size_t max_threads = 256;
 
 /// Threads a pool of `asked` threads gets: `asked`, or when 0, min(hardware_concurrency, 8) (at
 /// least 1).

@@ -32,6 +32,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -40,6 +41,7 @@
 #include "config/config.hpp"
 #include "copy/copy.hpp"
 #include "delta/checksum.hpp"
+#include "delta/host_apply.hpp"
 #include "delta/patch.hpp"
 #if REFIT_HAVE_CUDA
 #include "delta/device.hpp"
@@ -311,6 +313,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   bool refit_subset = false;      ///< BEGIN said subset: tensors not sent keep their committed values
   bool refit_delta = false;       ///< BEGIN named a base: patches, and a checksum at END
   std::uint64_t delta_terms = 0;  ///< the version checksum's change by what the delta wrote so far
+  std::unique_ptr<delta::host_patcher> delta_patcher;  ///< made at the first host delta batch
+  std::vector<delta::host_entry> delta_entries;        ///< scratch of host_delta_entries()
+  std::vector<std::byte*> delta_dests;                 ///< scratch of host_delta_entries()
 
   // What the committed version is a base for (subset and delta versions).
   /// sink_generation when a whole version last committed, if one did: a subset needs one committed
@@ -351,6 +356,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     if (options.streamers == 0 || options.streamers > wire::max_group_size)
       throw error(errc::invalid_argument, fmt::format("receiver_options.streamers is {}; it must be in [1, {}]",
                                                       options.streamers, wire::max_group_size));
+    if (options.delta_threads > delta::max_threads)
+      throw error(errc::invalid_argument,
+                  fmt::format("receiver_options.delta_threads is {}: a host delta is applied on at most {} threads "
+                              "(0: min(hardware threads, 8))",
+                              options.delta_threads, delta::max_threads));
     lanes.reserve(options.streamers);
     try {
       for (std::size_t r = 0; r < options.streamers; ++r)
@@ -852,9 +862,13 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       return;
     }
 #endif
-    for (const wire::entry& e : b.entries)
-      if (e.kind == wire::entry_kind::patch)
-        delta::check_patch(base + e.buffer_offset, e.bytes, itemsize(e.type), e.span, e.name);
+    // A host sink has answered the batch already (on_batch: the streamer diffs the next one while
+    // this one is applied), but the answer leaves through ZeroMQ's I/O thread, which the kernel
+    // wakes on this core: where every other core is busy, it waited for the whole apply, and the
+    // streamer with it (a 2-core VM running a build: every BATCH answered after 3-8 ms, the time of
+    // its apply, instead of 0.2 ms; qwen2.5-0.5b delta 191 -> 150 ms). Let it send first.
+    std::this_thread::yield();
+    host_patcher().check(host_delta_entries(b, base));
   }
 
   void apply_delta(const wire::batch& b) {
@@ -862,23 +876,33 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 #if REFIT_HAVE_CUDA
     if (delta_on_device()) return apply_delta_device(b, base);
 #endif
-    std::vector<std::byte*> dests;
+    delta_terms += host_patcher().apply(host_delta_entries(b, base));
+  }
+
+  /// The host patcher (receiver_options::delta_threads), made at the first delta batch applied on
+  /// the host.
+  delta::host_patcher& host_patcher() {
+    if (!delta_patcher) delta_patcher = std::make_unique<delta::host_patcher>(options.delta_threads);
+    return *delta_patcher;
+  }
+
+  /// The entries of delta batch `b` (in buffer `base`) as the host patcher takes them: every
+  /// destination of their tensors, their checksum weights.
+  std::span<const delta::host_entry> host_delta_entries(const wire::batch& b, const std::byte* base) {
+    delta_dests.clear();
+    delta_entries.clear();
+    for (const wire::entry& e : b.entries)
+      for (const slot& sl : *table.find(e.name)) delta_dests.push_back(static_cast<std::byte*>(sl.dest.data));
+    std::size_t d = 0;
     for (const wire::entry& e : b.entries) {
-      if (e.bytes == 0) continue;
-      dests.clear();
-      for (const slot& sl : *table.find(e.name)) dests.push_back(static_cast<std::byte*>(sl.dest.data));
-      const std::uint64_t total = *checked_nbytes(e.type, e.shape);
-      const std::uint64_t weight = delta::name_weight(e.name);
-      const std::byte* from = base + e.buffer_offset;
-      if (e.kind == wire::entry_kind::patch) {
-        delta_terms += weight * delta::apply_patch(from, e.bytes, itemsize(e.type), e.tensor_offset, total, dests);
-        continue;
-      }
-      std::byte* first = dests.front() + e.tensor_offset;
-      delta_terms += weight * (delta::range_terms(from, e.tensor_offset, e.bytes, total) -
-                               delta::range_terms(first, e.tensor_offset, e.bytes, total));
-      for (std::byte* d : dests) std::memcpy(d + e.tensor_offset, from, e.bytes);
+      const std::size_t n = table.find(e.name)->size();
+      delta_entries.push_back(delta::host_entry{base + e.buffer_offset, e.bytes, e.kind == wire::entry_kind::patch,
+                                                e.span, e.tensor_offset, *checked_nbytes(e.type, e.shape),
+                                                itemsize(e.type), delta::name_weight(e.name),
+                                                std::span<std::byte* const>(delta_dests).subspan(d, n), e.name});
+      d += n;
     }
+    return delta_entries;
   }
 
 #if REFIT_HAVE_CUDA

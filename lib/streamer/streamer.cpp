@@ -76,7 +76,7 @@ std::string transport_name_of(const streamer_options& o) {
 }
 
 /// Most threads a host diff may have (delta_options::threads).
-constexpr std::size_t max_delta_threads = 256;
+constexpr std::size_t max_delta_threads = delta::max_threads;
 
 void validate(const streamer_options& o) {
   const auto endpoints = endpoints_of(o);
@@ -941,6 +941,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   struct delta_scratch {
     std::vector<delta::host_span> spans;
     std::vector<delta::span_patch> found;
+    std::vector<delta::host_differ::target> targets;  ///< patches placed, to write before their batch is sent
 #if REFIT_HAVE_CUDA
     std::vector<queued_tensor> group;
     std::vector<delta::cuda::diff_tensor> diffs;
@@ -996,7 +997,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
   /// Patches are small: a batch would hold a large part of the version, and the receiver would
   /// start patching only once the streamer had diffed all of it. A batch is sent once it covers
-  /// delta_batch_covers bytes of tensors, so that the receiver's patching overlaps the next diffs.
+  /// delta_batch_covers bytes of tensors (of a host tensor's spans: inside a large tensor too), so
+  /// that the receiver's patching overlaps the next diffs.
   void close_if_covered(batch_writer& w, planner& pl, std::uint64_t total) const {
     w.covered += total;
     if (w.covered >= delta_batch_covers()) {
@@ -1033,13 +1035,15 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   }
 
   /// Diffs a host tensor against the base span by span (delta::span_bytes), each span cut in chunks
-  /// diffed on the host differ's threads, bringing the base up to date; then places its patches.
+  /// diffed on the host differ's threads, bringing the base up to date, and places its patches.
   /// Tensor by tensor, as they come: a batch full of patches is sent before the next tensor is
   /// asked of the source (whose gathering then overlaps the receiver's patching), and the batches
-  /// are those of a diff on one thread.
+  /// are those of a diff on one thread. A large tensor is diffed a batch at a time: the spans that
+  /// complete the open batch's coverage (close_if_covered) are diffed, placed and sent before the
+  /// next ones are diffed, so that the receiver patches the first part of an embedding (a quarter of
+  /// qwen2.5-0.5b) while the streamer diffs the rest, instead of waiting for all of it.
   void send_host(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, delta::base_store::tensor& b,
                  delta_scratch& sc, std::uint64_t& checksum) {
-    const auto td = clock::now();
     const std::size_t item = itemsize(t.meta.type);
     const std::uint64_t total = b.bytes;
     const std::uint64_t span = delta::span_bytes(plan.buffer_bytes);
@@ -1050,48 +1054,105 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     if (sc.found.size() < sc.spans.size()) sc.found.resize(sc.spans.size());
     if (!host_differ) host_differ = std::make_unique<delta::host_differ>(options.delta.threads);
     const std::span<delta::span_patch> found = std::span<delta::span_patch>(sc.found).first(sc.spans.size());
-    host_differ->diff(sc.spans, found);
-    w.stats.diff_seconds += seconds_since(td);
-    w.stats.pack_seconds += seconds_since(td);
-    place_host(w, pl, index, t, total, found, checksum);
+    const std::uint64_t weight = delta::name_weight(t.meta.name);
+    w.stats.elements += total / item;
+    std::size_t placed = 0;  // spans placed so far; none until the tensor's first change
+    for (std::size_t k = 0; k < sc.spans.size();) {
+      // The spans that complete the open batch's coverage, at most a wave of the differ's scratch.
+      const std::uint64_t room = delta_batch_covers() - std::min(w.covered, delta_batch_covers());
+      std::size_t end = k;
+      for (std::uint64_t bytes = 0;
+           end < sc.spans.size() &&
+           (end == k || (bytes < room && bytes + sc.spans[end].bytes <= delta::host_differ::wave_bytes));)
+        bytes += sc.spans[end++].bytes;
+      const auto td = clock::now();
+      const auto group = std::span<const delta::host_span>(sc.spans).subspan(k, end - k);
+      host_differ->count(group, found.subspan(k, end - k));
+      w.stats.diff_seconds += seconds_since(td);
+      w.stats.pack_seconds += seconds_since(td);
+      std::uint64_t changes = 0;
+      for (std::size_t s = k; s < end; ++s) {
+        checksum += weight * found[s].terms;
+        changes += found[s].changes;
+      }
+      w.stats.changed += changes;
+      // Spans that changed nothing before the tensor's first change wait for it (a tensor that did
+      // not change is not sent); from then on every span is placed, in order.
+      if (changes != 0 || placed != 0) {
+        place_spans(w, pl, index, t, found, placed, end, group, k, sc);
+        placed = end;
+      }
+      k = end;
+    }
+    if (placed != 0) w.stats.tensors += 1;
   }
 
-  /// Places the patches (or bytes) of a diffed host tensor, one span_patch per span. A tensor that
-  /// did not change is not sent.
-  void place_host(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t, std::uint64_t total,
-                  std::span<delta::span_patch> found, std::uint64_t& checksum) {
-    const std::size_t item = itemsize(t.meta.type);
+  /// Places the patches (or bytes) of spans [from, to) of a diffed host tensor (found[k]: span k;
+  /// `group`: the spans of the last count(), from span `first`), writes their patches, and sends the
+  /// batch once it covers delta_batch_covers() bytes. A patch is written straight into the batch's
+  /// buffer when that is host memory (host_shm: the buffer of the open batch is not the receiver's
+  /// until its BATCH is sent), else into host memory copied there when the batch is packed.
+  void place_spans(batch_writer& w, planner& pl, std::size_t index, const tensor_ref& t,
+                   std::span<delta::span_patch> found, std::size_t from, std::size_t to,
+                   std::span<const delta::host_span> group, std::size_t first, delta_scratch& sc) {
+    const std::uint64_t total = t.meta.nbytes();
     const std::uint64_t span = delta::span_bytes(plan.buffer_bytes);
+    const std::size_t item = itemsize(t.meta.type);
     const auto* src = static_cast<const std::byte*>(t.data);
-    const std::uint64_t weight = delta::name_weight(t.meta.name);
-    std::uint64_t changes = 0;
-    for (const delta::span_patch& f : found) {
-      checksum += weight * f.terms;
-      changes += f.changes;
-    }
-    w.stats.elements += total / item;
-    w.stats.changed += changes;
-    if (changes == 0) return;
-    std::uint64_t k = 0;
-    for (std::uint64_t off = 0; off < total; off += span, ++k) {
+    const bool in_buffer = buffers->where().kind == device_kind::cpu;
+    sc.targets.clear();
+    // The patches placed so far, before their batch is sent.
+    const auto write = [&] {
+      const auto td = clock::now();
+      host_differ->write(group, sc.targets);
+      sc.targets.clear();
+      w.stats.diff_seconds += seconds_since(td);
+      w.stats.pack_seconds += seconds_since(td);
+    };
+    std::uint64_t covered = 0;
+    for (std::size_t k = from; k < to; ++k) {
+      const std::uint64_t off = k * span;
       const std::uint64_t n = std::min(span, total - off);
-      std::vector<std::byte>& patch = found[k].patch;
       const bool as_bytes = found[k].as_bytes;
-      for (const placement& p : pl.add(index, as_bytes ? n : patch.size())) {
+      const std::uint64_t bytes = as_bytes ? n : found[k].changes * delta::record_bytes(item);
+      const std::vector<placement> places = pl.add(index, bytes);
+      if (places.size() != 1)  // delta::span_bytes: half a buffer at most, so never split
+        throw error(errc::internal, fmt::format("tensor {}: a delta's span of {} bytes was split in {} batches",
+                                                describe(t.meta), bytes, places.size()));
+      const placement& p = places.front();
+      if (w.first_batch + p.batch > w.seq) {
+        write();
         while (w.first_batch + p.batch > w.seq) w.flush();
-        if (as_bytes) {
-          add_span_bytes(w, t, off, p, src);
-        } else {
-          w.patches.push_back(std::move(patch));
-          w.add_copied(wire::entry{t.meta.name, t.meta.type, t.meta.shape, off, p.entry.bytes, p.entry.buffer_offset,
-                                   wire::entry_kind::patch, n},
-                       w.patches.back().data());
-        }
-        w.stats.bytes += p.entry.bytes;
       }
+      if (as_bytes) {
+        add_span_bytes(w, t, off, p, src);
+      } else {
+        const wire::entry e{t.meta.name,
+                            t.meta.type,
+                            t.meta.shape,
+                            off,
+                            p.entry.bytes,
+                            p.entry.buffer_offset,
+                            wire::entry_kind::patch,
+                            n};
+        std::byte* to_write = nullptr;
+        if (p.entry.bytes == 0) {
+          w.entries.push_back(e);
+        } else if (in_buffer) {
+          to_write = buffers->data(w.seq % buffers->count()) + p.entry.buffer_offset;
+          w.entries.push_back(e);
+        } else {
+          w.patches.push_back(host_differ->patch_memory(p.entry.bytes));
+          to_write = w.patches.back().data();
+          w.add_copied(e, to_write);
+        }
+        if (to_write != nullptr) sc.targets.push_back(delta::host_differ::target{k - first, to_write});
+      }
+      w.stats.bytes += p.entry.bytes;
+      covered += n;
     }
-    close_if_covered(w, pl, total);
-    w.stats.tensors += 1;
+    write();
+    close_if_covered(w, pl, covered);
   }
 
   /// Sends what send_delta() left queued: before the version's last batch.

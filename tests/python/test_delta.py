@@ -7,9 +7,10 @@ import refit
 from conftest import serve_loop, spec_of, state_bytes, streamer, zeros_like_spec
 
 
-def serve_delta_table(chan, spec):
-    """Job: a parameter table from ``spec``; commands ``state``, ``status`` (with ``poisoned``) and
-    ``flip`` (flips one byte of a weight behind refit's back)."""
+def serve_delta_table(chan, spec, threads=0):
+    """Job: a parameter table from ``spec`` (its deltas applied on ``threads`` threads); commands
+    ``state``, ``status`` (with ``poisoned``) and ``flip`` (flips one byte of a weight behind refit's
+    back)."""
     params = zeros_like_spec(spec)
 
     def status():
@@ -20,7 +21,7 @@ def serve_delta_table(chan, spec):
         params[name].view(torch.uint8).view(-1)[0] ^= 0xFF
         return True
 
-    with refit.Receiver() as rx:
+    with refit.Receiver(delta_threads=threads) as rx:
         rx.add_parameters(params)
         chan.send(rx.endpoint)
         return serve_loop(rx, chan, {"state": lambda: state_bytes(params), "status": status, "flip": flip})
@@ -51,8 +52,8 @@ class Trainer:
 
 @pytest.fixture
 def delta_peer(peer):
-    def start(spec):
-        job = peer.run(serve_delta_table, spec)
+    def start(spec, threads=0):
+        job = peer.run(serve_delta_table, spec, threads)
         return job, job.recv()
 
     return start
@@ -61,7 +62,7 @@ def delta_peer(peer):
 @pytest.mark.parametrize("threads", [0, 1, 3], ids=["default-threads", "one-thread", "three-threads"])
 def test_delta_versions_are_bit_exact_after_20_steps_and_send_a_fraction(delta_peer, threads):
     t = Trainer()
-    job, endpoint = delta_peer(spec_of(t.state()))
+    job, endpoint = delta_peer(spec_of(t.state()), threads)
     with streamer(endpoint, delta=True, delta_memory="host", delta_threads=threads) as st:
         first = st.refit(1, t.state())
         assert not first.delta and first.bytes == first.tensor_bytes
@@ -144,3 +145,5 @@ def test_delta_options_are_checked():
         refit.Streamer("ipc:///nowhere", transport="cuda_ipc", delta=True)
     with pytest.raises(refit.RefitError, match="delta.threads is 257: the host diff takes at most 256 threads"):
         refit.Streamer("ipc:///nowhere", transport="host_shm", delta=True, delta_threads=257)
+    with pytest.raises(refit.RefitError, match="delta_threads is 257: a host delta is applied on at most 256 threads"):
+        refit.Receiver(delta_threads=257)

@@ -1,6 +1,7 @@
 // Subset and delta versions over host_shm (issue 16): the receiver is served on a thread of this
 // process until the event a step waits for (joined before anything it wrote is read), the streamer
 // runs on the test's thread, or in a forked child where the test kills it.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 
 #include "channel/channel.hpp"
 #include "delta/checksum.hpp"
+#include "delta/host_apply.hpp"
 #include "delta/host_diff.hpp"
 #include "delta/patch.hpp"
 #include "delta/pool.hpp"
@@ -103,14 +105,16 @@ struct engine {
   std::vector<std::vector<std::uint8_t>> bytes;
   refit::receiver r;
 
-  engine(const std::vector<refit::tensor_meta>& m, const std::string& endpoint) : metas(m), r(options(endpoint)) {
+  engine(const std::vector<refit::tensor_meta>& m, const std::string& endpoint, std::size_t threads = 0)
+      : metas(m), r(options(endpoint, threads)) {
     for (const auto& t : metas) bytes.emplace_back(t.nbytes(), std::uint8_t{0xee});
     for (std::size_t k = 0; k < metas.size(); ++k)
       r.add_parameter(refit::tensor_dest{metas[k], bytes[k].empty() ? nullptr : bytes[k].data(), refit::device::cpu()});
   }
-  static refit::receiver_options options(const std::string& endpoint) {
+  static refit::receiver_options options(const std::string& endpoint, std::size_t threads = 0) {
     refit::receiver_options o;
     o.endpoint = endpoint;
+    o.delta_threads = threads;
     o.idle_timeout = 2000ms;
     return o;
   }
@@ -299,6 +303,33 @@ TEST_CASE("the host diff gives the same patches, checksum terms and base on 1 an
           }
           for (std::size_t k = found.size(); k-- > 0;) d.recycle(std::move(found[k].patch));
         }
+        // count() and write(), as the streamer does for host buffers: the same figures, and the same
+        // patches written where it says (here one buffer, the last span's patch first).
+        base = old_bytes;
+        d.count(spans, found);
+        CHECK(base == next);
+        std::vector<refit::delta::host_differ::target> targets;
+        std::vector<std::uint64_t> at(spans.size());
+        std::uint64_t used = 0;
+        for (std::size_t k = spans.size(); k-- > 0;) {
+          CHECK(found[k].changes == expect[k].changes);
+          CHECK(found[k].terms == expect[k].terms);
+          CHECK(found[k].as_bytes == expect[k].as_bytes);
+          CHECK(found[k].patch.empty());
+          at[k] = used;
+          used += expect[k].patch.size();
+        }
+        std::vector<std::byte> buffer(used + 1, std::byte{0x77});
+        for (std::size_t k = 0; k < spans.size(); ++k)
+          if (!expect[k].patch.empty()) targets.push_back({k, buffer.data() + at[k]});
+        d.write(spans, targets);
+        for (std::size_t k = 0; k < spans.size(); ++k) {
+          INFO("span " << k << " written");
+          const auto from = buffer.begin() + static_cast<std::ptrdiff_t>(at[k]);
+          CHECK(std::vector<std::byte>(from, from + static_cast<std::ptrdiff_t>(expect[k].patch.size())) ==
+                expect[k].patch);
+        }
+        CHECK(buffer.back() == std::byte{0x77});
         // Used again, nothing changed: no patches.
         d.diff(spans, found);
         for (const auto& f : found) CHECK((f.changes == 0 && f.terms == 0 && f.patch.empty() && !f.as_bytes));
@@ -393,6 +424,116 @@ TEST_CASE("a corrupt patch is refused before it writes", "[delta]") {
   CHECK_THROWS_WITH(refit::delta::check_patch(patch.data(), 17, 2, 20, "w"), Catch::Contains("not whole 6-byte"));
 }
 
+TEST_CASE("the host patcher checks and applies a batch as one thread does, on 1 and several threads", "[delta]") {
+  std::mt19937_64 rng(13);
+  // A bf16 patch of several pieces (host_patcher::piece_records), a small u8 one, a span sent as
+  // bytes of several pieces ending in the tensor's tail bytes, and a tied tensor (two destinations).
+  struct tensor {
+    std::size_t item;
+    std::uint64_t total;
+    int dests;
+  };
+  const std::uint64_t records = 2 * refit::delta::host_patcher::piece_records + 123;
+  const tensor tensors[] = {{2, 400 * records, 1},
+                            {1, 5000, 1},
+                            {4, 2 * refit::delta::host_patcher::piece_bytes + 4100, 1},
+                            {2, 64 * records, 2}};
+  std::vector<std::vector<std::byte>> old_w, new_w, buffers;
+  std::vector<refit::delta::host_entry> entries;
+  std::uint64_t expect_terms = 0;
+  for (std::size_t k = 0; k < std::size(tensors); ++k) {
+    const tensor& t = tensors[k];
+    old_w.emplace_back(t.total);
+    for (auto& b : old_w.back()) b = static_cast<std::byte>(rng());
+    new_w.push_back(old_w.back());
+    const std::uint64_t weight = refit::delta::name_weight("t" + std::to_string(k));
+    // The tensor's second half: a patch, except the third tensor, sent as bytes.
+    const std::uint64_t off = t.total / t.item / 2 * t.item;
+    const std::uint64_t span = t.total - off;
+    std::vector<std::byte> next(new_w.back().begin() + static_cast<std::ptrdiff_t>(off), new_w.back().end());
+    for (std::uint64_t e = 0; e < span / t.item; ++e)
+      if (k == 2 || rng() % 50 == 0) next[e * t.item] ^= static_cast<std::byte>(1 + rng() % 255);
+    std::vector<std::byte> base(new_w.back().begin() + static_cast<std::ptrdiff_t>(off), new_w.back().end());
+    std::vector<std::uint32_t> idx(span / t.item + 1);
+    std::vector<std::byte> values(span + 8);
+    const auto r = refit::delta::diff(base.data(), next.data(), off, span, t.item, t.total, idx.data(), values.data());
+    std::copy(next.begin(), next.end(), new_w.back().begin() + static_cast<std::ptrdiff_t>(off));
+    expect_terms += weight * r.terms;
+    if (k == 2) {
+      buffers.push_back(next);
+    } else {
+      std::vector<std::byte> patch(r.changes * refit::delta::record_bytes(t.item));
+      std::memcpy(patch.data(), idx.data(), 4 * r.changes);
+      std::memcpy(patch.data() + 4 * r.changes, values.data(), r.changes * t.item);
+      buffers.push_back(std::move(patch));
+    }
+    refit::delta::host_entry e;
+    e.from = buffers.back().data();
+    e.bytes = buffers.back().size();
+    e.patch = k != 2;
+    e.span = e.patch ? span : 0;
+    e.off = off;
+    e.total = t.total;
+    e.item = t.item;
+    e.weight = weight;
+    e.name = k == 0 ? "t0" : "t";
+    entries.push_back(e);
+  }
+  REQUIRE(entries[0].bytes / 6 > 2 * refit::delta::host_patcher::piece_records);
+  for (const std::size_t threads : {1u, 2u, 5u}) {
+    INFO(threads << " threads");
+    refit::delta::host_patcher p(threads);
+    CHECK(p.threads() == threads);
+    std::vector<std::vector<std::byte>> w = old_w;
+    std::vector<std::byte> tied = old_w[3];
+    std::vector<std::vector<std::byte*>> dests;
+    for (std::size_t k = 0; k < w.size(); ++k) dests.push_back({w[k].data()});
+    dests[3].push_back(tied.data());
+    for (std::size_t k = 0; k < w.size(); ++k) entries[k].dests = dests[k];
+    CHECK_NOTHROW(p.check(entries));
+    CHECK(p.apply(entries) == expect_terms);
+    CHECK(w == new_w);
+    CHECK(tied == new_w[3]);
+
+    // Corrupt indices: the first in the batch's order is refused, with check_patch's message, however
+    // the pieces fell on the threads; nothing is written.
+    std::vector<std::byte> bad0 = buffers[0], bad3 = buffers[3];
+    const std::uint64_t late = 2 * refit::delta::host_patcher::piece_records + 7;  // in entry 0's third piece
+    const std::uint32_t huge = 0xffffffffu;
+    std::memcpy(bad0.data() + 4 * late, &huge, 4);
+    std::memcpy(bad3.data(), &huge, 4);  // entry 3's first record
+    std::vector<refit::delta::host_entry> bad = entries;
+    bad[0].from = bad0.data();
+    bad[3].from = bad3.data();
+    std::string expect;
+    try {
+      refit::delta::check_patch(bad0.data(), bad[0].bytes, 2, bad[0].span, "t0");
+    } catch (const refit::error& e) {
+      expect = e.what();
+    }
+    REQUIRE_THAT(expect, Catch::Contains(fmt::format("change {} names element 4294967295 (out of the span)", late)));
+    const std::vector<std::vector<std::byte>> before = w;
+    CHECK_THROWS_WITH(p.check(bad), expect);
+    // Records not after the one before, in a piece's first record (its neighbour is in the piece
+    // before): refused as one thread would.
+    std::vector<std::byte> dup = buffers[0];
+    const std::uint64_t first_of_second = refit::delta::host_patcher::piece_records;
+    std::memcpy(dup.data() + 4 * first_of_second, dup.data() + 4 * (first_of_second - 1), 4);
+    bad = entries;
+    bad[0].from = dup.data();
+    CHECK_THROWS_WITH(p.check(bad), Catch::Contains(fmt::format("change {} names element", first_of_second)) &&
+                                        Catch::Contains("(not after the one before)"));
+    // An entry of broken records after one with a bad index: the bad index, first in order.
+    bad = entries;
+    bad[0].from = bad0.data();
+    bad[1].bytes -= 1;
+    CHECK_THROWS_WITH(p.check(bad), expect);
+    bad[0].from = buffers[0].data();
+    CHECK_THROWS_WITH(p.check(bad), Catch::Contains("the patch of 't' has") && Catch::Contains("not whole 5-byte"));
+    CHECK(w == before);
+  }
+}
+
 // ================================================================================== subsets
 
 TEST_CASE("subset versions over host_shm are bit-exact after 20 steps and keep the tensors not sent",
@@ -440,10 +581,10 @@ TEST_CASE("subset versions over host_shm are bit-exact after 20 steps and keep t
 
 TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a fraction of the bytes", "[delta]") {
   const std::size_t threads = GENERATE(1u, 3u);
-  INFO(threads << " diff threads");
+  INFO(threads << " diff and apply threads");
   const rt::scoped_endpoint ep;
   trainer t(delta_model());
-  engine e(t.metas, ep.name);
+  engine e(t.metas, ep.name, threads);
   auto so = delta_streamer(ep.name);
   so.delta.threads = threads;
   refit::streamer st(so);
@@ -490,6 +631,64 @@ TEST_CASE("a delta streamer asked for more than 256 diff threads is refused", "[
                        }));
   o.delta.threads = 256;
   CHECK_NOTHROW(refit::streamer(o));  // threads are made at the first host diff only
+}
+
+TEST_CASE("a receiver asked for more than 256 delta threads is refused", "[delta]") {
+  const rt::scoped_endpoint ep;
+  CHECK_THROWS_MATCHES(refit::receiver(engine::options(ep.name, 257)), refit::error,
+                       Catch::Predicate<refit::error>([](const refit::error& e) {
+                         return e.code() == errc::invalid_argument &&
+                                std::string(e.what()).find("delta_threads is 257") != std::string::npos;
+                       }));
+  CHECK_NOTHROW(refit::receiver(engine::options(ep.name, 256)));  // threads are made at the first delta batch
+}
+
+TEST_CASE(
+    "a tensor larger than a delta batch's coverage is sent over several batches, bit-exact, its unchanged "
+    "first spans included",
+    "[delta]") {
+  // 8 MiB buffers: spans of 4 MiB; a batch is sent every 32 MiB of tensor bytes covered (the
+  // streamer's delta_batch_covers), inside a tensor too. "big" is 80 MB of bf16; its patches (0.1 %
+  // changed) would fit one buffer.
+  const rt::scoped_endpoint ep;
+  const std::vector<refit::tensor_meta> metas = {{"small", dtype::bf16, {1000}}, {"big", dtype::bf16, {40000000}}};
+  trainer t(metas);
+  engine e(t.metas, ep.name, 2);
+  auto o = rt::host_shm_streamer(ep.name, 8ull << 20, streamer_timeout);
+  o.delta.enable = true;
+  o.delta.threads = 2;
+  refit::streamer st(o);
+  refit_once(st, e, 1, t.refs());
+  REQUIRE(e.differs_from(t).empty());
+  // Every 1000th element of "big" from `from` on, and element 7 of "small".
+  const auto change = [&](std::uint64_t from, std::uint8_t by) {
+    t.bytes[0][14] = static_cast<std::uint8_t>(t.bytes[0][14] + by);
+    for (std::uint64_t i = from; i < t.bytes[1].size() / 2; i += 1000)
+      t.bytes[1][2 * i] = static_cast<std::uint8_t>(t.bytes[1][2 * i] + by);
+  };
+  change(0, 1);
+  const auto all = refit_once(st, e, 2, t.refs());
+  CHECK(all.delta);
+  CHECK(all.tensors == 2);
+  CHECK(all.changed == 1 + 40000);
+  CHECK(all.bytes < (4ull << 20));
+  CHECK(all.batches >= 3);  // 80 MB of "big" in batches of 32 MiB covered
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(2));
+  REQUIRE(e.differs_from(t).empty());
+  // Only the last quarter of "big" changes: its first spans (no change) are sent as empty patches
+  // once its first change is found, in order, and the tensor counts once.
+  change(30000000, 3);
+  const auto tail = refit_once(st, e, 3, t.refs());
+  CHECK(tail.delta);
+  CHECK(tail.tensors == 2);
+  CHECK(tail.changed == 1 + 10000);
+  CHECK(e.r.committed_version() == std::optional<std::uint64_t>(3));
+  REQUIRE(e.differs_from(t).empty());
+  // Nothing changed: nothing sent.
+  const auto none = refit_once(st, e, 4, t.refs());
+  CHECK(none.tensors == 0);
+  CHECK(none.bytes == 0);
+  CHECK(e.differs_from(t).empty());
 }
 
 TEST_CASE("a version larger than the base's bound is always sent whole", "[delta]") {

@@ -177,6 +177,8 @@ class Receiver(_refit.Receiver):
             A version commits when every rank's END arrived and their shards cover every tensor
             exactly once; rows covered twice or by nobody, or a rank that fails or falls silent,
             fail it on every rank.
+        delta_threads: threads that check and apply a delta's patches into host weights
+            (host_shm deltas); 0: min(hardware threads, 8).
 
     Example::
 
@@ -202,6 +204,7 @@ class Receiver(_refit.Receiver):
         engine: str = "automatic",
         layout: Any = None,
         streamers: int = 1,
+        delta_threads: int = 0,
     ) -> None:
         super().__init__(
             endpoint,
@@ -212,6 +215,7 @@ class Receiver(_refit.Receiver):
             engine=engine,
             layout=_layout_digest(layout),
             streamers=streamers,
+            delta_threads=delta_threads,
         )
         self._begin_fn = None
         self._partials = None  # on_tensor's chunks being reassembled, dropped at every BEGIN
