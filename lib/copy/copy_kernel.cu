@@ -394,12 +394,29 @@ __device__ __forceinline__ void load8(const void* p, float (&out)[8]) {
   }
 }
 
+/// Codes of eight elements `v` times `mul` at `out`, as fused_block128 writes them: one 8-byte
+/// store when all eight land in [col, col_hi), else byte by byte up to n of them.
+__device__ __forceinline__ void store_codes(std::uint8_t* out, const float (&v)[8], float mul, std::uint64_t n,
+                                            std::uint64_t col, std::uint64_t col_hi) {
+  if (n == 8 && col + 8 <= col_hi) {
+    std::uint64_t word = 0;
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) word |= static_cast<std::uint64_t>(e4m3x2(v[e] * mul, v[e + 1] * mul)) << (8 * e);
+    *reinterpret_cast<std::uint64_t*>(out) = word;
+  } else {
+    for (std::uint64_t e = 0; e < n && col + e < col_hi; ++e) out[e] = cvt::f32_to_e4m3(v[e] * mul);
+  }
+}
+
 /// The fused one-pass kernel, vectorised: the same tile, codes and scale as fused_block128 (the
 /// same arithmetic per element, so the same bytes), but each thread takes eight neighbouring
 /// columns of a row with one 16-byte load (two for f32) and stores their eight codes with one
 /// 8-byte store: a row of the tile is 16 threads, the 256 threads cover 16 rows per pass and the
 /// tile in 8 passes. Needs a 16-byte aligned source with cols % 8 == 0, an 8-byte aligned
-/// destination with dst_pitch % 8 == 0 (launch_fused_block128 checks and falls back).
+/// destination with dst_pitch % 8 == 0 (launch_fused_block128 checks and falls back). A 16-bit
+/// source's tile stays in registers as its raw words (zero where the tile has no element: they
+/// count nothing in the amax and are never stored), unpacked again for the stores, as in
+/// fused_block128_tiles; an f32 tile is 64 floats a thread either way.
 template <std::uint8_t From>
 __global__ void __launch_bounds__(convert_threads)
     fused_block128_vec(const void* src, std::uint64_t rows, std::uint64_t cols, std::uint8_t* dst,
@@ -417,21 +434,54 @@ __global__ void __launch_bounds__(convert_threads)
   const std::uint64_t matrix = static_cast<std::uint64_t>(blockIdx.z) * rows;
   const elem* base = static_cast<const elem*>(src);
   constexpr int passes = static_cast<int>(cvt::block) / 16;
-  float v[passes][8];
+  const std::uint64_t col = c0 + cb;
+  const bool stores = cb < nc && col >= col_lo && col < col_hi;
+  const std::uint64_t n = nc - cb < 8 ? nc - cb : 8;
   float m = 0.0f;
-  if (From != cvt::f32 && nr == cvt::block && nc == cvt::block) {
-    // A whole tile (all but the edges): every load issued before any is used, no branch between.
-    const elem* p = base + (matrix + r0 + sub) * cols + c0 + cb;
+  if constexpr (From != cvt::f32) {
     uint4 raw[passes];
+    if (nr == cvt::block && nc == cvt::block) {
+      // A whole tile (all but the edges): every load issued before any is used, no branch between.
+      const elem* p = base + (matrix + r0 + sub) * cols + c0 + cb;
 #pragma unroll
-    for (int k = 0; k < passes; ++k) raw[k] = __ldg(reinterpret_cast<const uint4*>(p + 16u * k * cols));
+      for (int k = 0; k < passes; ++k) raw[k] = __ldg(reinterpret_cast<const uint4*>(p + 16u * k * cols));
+    } else {
+#pragma unroll
+      for (int k = 0; k < passes; ++k) {
+        const std::uint64_t rr = sub + 16u * k;
+        raw[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (rr >= nr || cb >= nc) continue;
+        const elem* p = base + (matrix + r0 + rr) * cols + c0 + cb;
+        if (cb + 8 <= nc) {
+          raw[k] = __ldg(reinterpret_cast<const uint4*>(p));
+        } else {
+          std::uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (static_cast<std::uint64_t>(e) < nc - cb) w[e / 2] |= static_cast<std::uint32_t>(p[e]) << (16 * (e % 2));
+          raw[k] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+    }
 #pragma unroll
     for (int k = 0; k < passes; ++k) {
-      unpack8<From>(raw[k], v[k]);
+      float v[8];
+      unpack8<From>(raw[k], v);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) take(m, v[k][e]);
+      for (int e = 0; e < 8; ++e) take(m, v[e]);
+    }
+    const float mul = tile_multiplier(m, scale, scale_pitch);
+    if (!stores) return;
+#pragma unroll
+    for (int k = 0; k < passes; ++k) {
+      const std::uint64_t rr = sub + 16u * k;
+      if (rr >= nr) continue;
+      float v[8];
+      unpack8<From>(raw[k], v);
+      store_codes(dst + (matrix + r0 + rr) * dst_pitch + (col - col_lo), v, mul, n, col, col_hi);
     }
   } else {
+    float v[passes][8];
 #pragma unroll
     for (int k = 0; k < passes; ++k) {
       const std::uint64_t rr = sub + 16u * k;
@@ -447,34 +497,22 @@ __global__ void __launch_bounds__(convert_threads)
 #pragma unroll
       for (int e = 0; e < 8; ++e) take(m, v[k][e]);
     }
-  }
-  const float mul = tile_multiplier(m, scale, scale_pitch);
-  const std::uint64_t col = c0 + cb;
-  if (cb >= nc || col < col_lo || col >= col_hi) return;
-  const std::uint64_t n = nc - cb < 8 ? nc - cb : 8;
+    const float mul = tile_multiplier(m, scale, scale_pitch);
+    if (!stores) return;
 #pragma unroll
-  for (int k = 0; k < passes; ++k) {
-    const std::uint64_t rr = sub + 16u * k;
-    if (rr >= nr) continue;
-    std::uint8_t* out = dst + (matrix + r0 + rr) * dst_pitch + (col - col_lo);
-    if (n == 8 && col + 8 <= col_hi) {
-      std::uint64_t word = 0;
-#pragma unroll
-      for (int e = 0; e < 8; e += 2)
-        word |= static_cast<std::uint64_t>(e4m3x2(v[k][e] * mul, v[k][e + 1] * mul)) << (8 * e);
-      *reinterpret_cast<std::uint64_t*>(out) = word;
-    } else {
-      for (std::uint64_t e = 0; e < n && col + e < col_hi; ++e) out[e] = cvt::f32_to_e4m3(v[k][e] * mul);
+    for (int k = 0; k < passes; ++k) {
+      const std::uint64_t rr = sub + 16u * k;
+      if (rr >= nr) continue;
+      store_codes(dst + (matrix + r0 + rr) * dst_pitch + (col - col_lo), v[k], mul, n, col, col_hi);
     }
   }
 }
 
 /// fused_block128_vec for a 16-bit source whose launched tiles are all whole (rows and the column
 /// range on 128-element edges): the same loads, codes and scale, but the tile stays in registers as
-/// its raw 16-bit words (32 registers a thread), unpacked again for the stores. fused_block128_vec
-/// keeps 64 floats a thread, which ptxas places on the stack (256 bytes of local memory written and
-/// read back per thread and tile: four times the tile's own bytes); this one needs 80 registers and
-/// no stack, three blocks to an SM.
+/// its raw 16-bit words (32 registers a thread), unpacked again for the stores: 80 registers and no
+/// stack, three blocks to an SM (64 floats a thread went to the stack: 256 bytes of local memory
+/// written and read back per thread and tile). No edge or column-range checks at all.
 template <std::uint8_t From>
 __global__ void __launch_bounds__(convert_threads)
     fused_block128_tiles(const std::uint16_t* src, std::uint64_t rows, std::uint64_t cols, std::uint8_t* dst,
