@@ -248,6 +248,10 @@ std::optional<allocation> cuda_allocation_of(const void* /*p*/, int /*device*/) 
   throw error(errc::invalid_argument, "CUDA memory needs a build with CUDA, and this refit was built without it");
 }
 
+std::uint64_t cuda_allocation_id(const void* /*p*/, int /*device*/) {
+  throw error(errc::invalid_argument, "CUDA memory needs a build with CUDA, and this refit was built without it");
+}
+
 void enable_peer_access(int device, int peer) {
   throw error(
       errc::invalid_argument,

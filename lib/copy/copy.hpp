@@ -170,6 +170,9 @@ struct allocation {
 /// refit::error(invalid_argument) in a build without CUDA, (cuda) when the driver cannot answer
 /// (no such entry point, another error). Thread-safe; any thread may ask.
 std::optional<allocation> cuda_allocation_of(const void* p, int device);
+/// Only the id of the allocation holding `p` (allocation::id; 0 when the driver knows none): one
+/// driver call where cuda_allocation_of makes two. Throws like it.
+std::uint64_t cuda_allocation_id(const void* p, int device);
 
 /// Position-dependent checksum of `bytes` bytes at `p`, identical on every device:
 ///   sum over 8-byte little-endian words w_k (k from 0) of w_k * (2k + 1), plus, for the tail

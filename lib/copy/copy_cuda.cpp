@@ -366,17 +366,32 @@ Fn driver_entry(const char* name) {
   }
   return reinterpret_cast<Fn>(fn);
 }
+
+using get_attribute_fn = int (*)(void*, int, unsigned long long);
+constexpr int buffer_id_attribute = 7;  // CU_POINTER_ATTRIBUTE_BUFFER_ID
+
+get_attribute_fn pointer_attribute() {
+  static const auto get_attribute = driver_entry<get_attribute_fn>("cuPointerGetAttribute");
+  if (get_attribute == nullptr)
+    throw error(errc::cuda, "the CUDA driver has no cuPointerGetAttribute entry point (driver older than CUDA 12?)");
+  return get_attribute;
+}
 }  // namespace
+
+std::uint64_t cuda_allocation_id(const void* p, int device) {
+  const get_attribute_fn get_attribute = pointer_attribute();
+  device_guard guard(device);
+  unsigned long long id = 0;
+  if (get_attribute(&id, buffer_id_attribute, reinterpret_cast<unsigned long long>(p)) != 0) return 0;
+  return id;
+}
 
 std::optional<allocation> cuda_allocation_of(const void* p, int device) {
   using get_range_fn = int (*)(unsigned long long*, std::size_t*, unsigned long long);
-  using get_attribute_fn = int (*)(void*, int, unsigned long long);
   static const auto get_range = driver_entry<get_range_fn>("cuMemGetAddressRange");
-  static const auto get_attribute = driver_entry<get_attribute_fn>("cuPointerGetAttribute");
-  if (get_range == nullptr || get_attribute == nullptr)
-    throw error(errc::cuda,
-                "the CUDA driver has no cuMemGetAddressRange or cuPointerGetAttribute entry point "
-                "(driver older than CUDA 12?)");
+  const get_attribute_fn get_attribute = pointer_attribute();
+  if (get_range == nullptr)
+    throw error(errc::cuda, "the CUDA driver has no cuMemGetAddressRange entry point (driver older than CUDA 12?)");
   // A driver call needs a current context: a serving thread of a Python engine has none until
   // the runtime makes the device's primary context current.
   device_guard guard(device);
@@ -389,9 +404,8 @@ std::optional<allocation> cuda_allocation_of(const void* p, int device) {
   if (status != 0)
     throw error(errc::cuda,
                 fmt::format("cuMemGetAddressRange({}) on cuda:{} failed with CUresult {}", p, device, status));
-  constexpr int buffer_id = 7;  // CU_POINTER_ATTRIBUTE_BUFFER_ID
   unsigned long long id = 0;
-  if (get_attribute(&id, buffer_id, reinterpret_cast<unsigned long long>(p)) != 0) id = 0;  // not known
+  if (get_attribute(&id, buffer_id_attribute, reinterpret_cast<unsigned long long>(p)) != 0) id = 0;  // not known
   return allocation{static_cast<std::uintptr_t>(base), static_cast<std::uint64_t>(size), id};
 }
 

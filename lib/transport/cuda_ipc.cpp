@@ -299,6 +299,15 @@ class cuda_ipc_source final : public source {
     check_cuda(cudaStreamSynchronize(stream_.handle()), "cudaStreamSynchronize(cuda_ipc pack stream)");
   }
 
+  /// An allocation exported once: its range, the driver's id for it and its record (handle,
+  /// bytes, id), empty when the driver would not export it.
+  struct exported {
+    std::uintptr_t base = 0;
+    std::uint64_t bytes = 0;
+    std::uint64_t id = 0;
+    std::string record;
+  };
+
   std::optional<shared> share(const void* p, std::uint64_t bytes, std::vector<std::string>& announce) override {
     if (direct_) return std::nullopt;
     const auto at = reinterpret_cast<std::uintptr_t>(p);
@@ -310,18 +319,32 @@ class cuda_ipc_source final : public source {
       last_ = &it->second;
       return shared{last_->source, at - last_->base};
     }
-    std::optional<copy::allocation> a;
+    const exported* e = known(p, at, bytes);
+    if (e == nullptr || e->record.empty()) return std::nullopt;
+    announce.push_back(e->record);
+    const auto source = static_cast<std::uint32_t>(numbered_.size() + 1);
+    last_ = &numbered_.insert_or_assign(e->base, numbered{e->base, e->bytes, source}).first->second;
+    return shared{source, at - e->base};
+  }
+
+  /// An allocation exported before, or now: the one holding [p, p + bytes), or nullptr when the
+  /// driver knows none or does not give its identity (a receiver could not tell it from a freed
+  /// one at the same address that it still maps). One seen in an earlier refit is the same when
+  /// the driver gives it the same id: one driver call instead of two.
+  const exported* known(const void* p, std::uintptr_t at, std::uint64_t bytes) {
     try {
-      a = copy::cuda_allocation_of(p, device_);
-    } catch (const error&) {
-    }
-    // An allocation whose identity the driver does not give is not shared: a receiver could not
-    // tell it from a freed one at the same address that it still maps.
-    if (!a || a->id == 0 || at - a->base + bytes > a->bytes) return std::nullopt;
-    auto found = exports_.find(a->id);
-    if (found == exports_.end()) {
+      if (auto it = exports_.upper_bound(at); it != exports_.begin()) {
+        const exported& e = std::prev(it)->second;
+        if (at - e.base + bytes <= e.bytes && copy::cuda_allocation_id(p, device_) == e.id) return &e;
+      }
+      const std::optional<copy::allocation> a = copy::cuda_allocation_of(p, device_);
+      if (!a || a->id == 0 || at - a->base + bytes > a->bytes) return nullptr;
+      // What it replaced (freed allocations overlapping it) is forgotten.
+      auto lo = exports_.lower_bound(a->base);
+      if (lo != exports_.begin() && std::prev(lo)->second.base + std::prev(lo)->second.bytes > a->base) --lo;
+      exports_.erase(lo, exports_.lower_bound(a->base + a->bytes));
       if (exports_.size() >= max_exports) exports_.clear();
-      std::string record;
+      exported e{a->base, a->bytes, a->id, {}};
       device_guard guard(device_);
       cudaIpcMemHandle_t handle{};
       const cudaError_t status = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(a->base));
@@ -330,15 +353,12 @@ class cuda_ipc_source final : public source {
         REFIT_DEBUG("cuda_ipc: the allocation at {:#x} ({} bytes) cannot be shared ({}): its tensors are packed",
                     a->base, a->bytes, cudaGetErrorName(status));
       } else {
-        record = raw_bytes(handle) + raw_bytes(a->bytes) + raw_bytes(a->id);
+        e.record = raw_bytes(handle) + raw_bytes(a->bytes) + raw_bytes(a->id);
       }
-      found = exports_.emplace(a->id, std::move(record)).first;
+      return &exports_.insert_or_assign(a->base, std::move(e)).first->second;
+    } catch (const error&) {
+      return nullptr;  // the driver could not say: packed
     }
-    if (found->second.empty()) return std::nullopt;
-    announce.push_back(found->second);
-    const auto source = static_cast<std::uint32_t>(numbered_.size() + 1);
-    last_ = &numbered_.insert_or_assign(a->base, numbered{a->base, a->bytes, source}).first->second;
-    return shared{source, at - a->base};
   }
 
   void forget_shared() noexcept override {
@@ -363,9 +383,8 @@ class cuda_ipc_source final : public source {
   };
   std::map<std::uintptr_t, numbered> numbered_;  ///< by base
   const numbered* last_ = nullptr;               ///< the last one a tensor was found in
-  /// Exported allocations by the driver's id: their record (handle, bytes, id), empty when the
-  /// driver would not export it. Bounded: forgotten wholesale past max_exports.
-  std::unordered_map<std::uint64_t, std::string> exports_;
+  /// By base. Bounded: forgotten wholesale past max_exports.
+  std::map<std::uintptr_t, exported> exports_;
   static constexpr std::size_t max_exports = 1u << 16;
 
   /// Events that order the pack stream after producer streams, round robin per device. Waiting
