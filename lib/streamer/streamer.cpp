@@ -309,9 +309,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// The source of one refit, read ahead while BEGIN's replies are on their way (a round trip is
   /// a tenth of a millisecond or more, and a Python source converts a tensor in a microsecond or
   /// two), at most what the buffers hold: the tensors read ahead are handed out first, then the
-  /// rest. Tensors stay valid until
-  /// refit() returns, so nothing read ahead is lost when BEGIN must be said again (HELLO anew, a
-  /// delta refused and sent whole). An exception of the source while reading ahead is rethrown
+  /// rest. Tensors stay valid until refit() returns, so nothing read ahead is lost when BEGIN must
+  /// be said again (HELLO anew, a delta refused and sent whole). An exception of the source while reading ahead is rethrown
   /// where it would have been, once BEGIN is through (so the receivers hear ABORT).
   class read_ahead final : public tensor_source {
    public:
