@@ -160,7 +160,9 @@ struct refit_stats {
 /// Yields the tensors of one refit one at a time, so that the caller can gather tensor k+1 while
 /// the receiver applies earlier batches. Return nullopt after the last one. A tensor returned by
 /// next() must stay valid until refit() returns (or throws). next() may throw: refit() then tells
-/// the receivers (ABORT) and rethrows the exception unchanged.
+/// the receivers (ABORT) and rethrows the exception unchanged. The first calls may come while the
+/// receivers are still answering BEGIN (up to buffer_count × buffer_bytes of tensors are read
+/// ahead meanwhile); if BEGIN is refused, refit() throws and the source is not read further.
 class REFIT_API tensor_source {
  public:
   virtual ~tensor_source() = default;
