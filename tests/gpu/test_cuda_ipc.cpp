@@ -562,6 +562,49 @@ TEST_CASE("three refits of mixed dtypes over cuda_ipc on one GPU land bit-exact 
                 [&] { streamer_of(ep, metas, 0, versions, path::direct); });
 }
 
+TEST_CASE("a direct cuda_ipc refit commits only once the streamer's writes have landed, though END overlaps them",
+          "[cuda_ipc]") {
+  // Four tensors of 1 GiB: END leaves the streamer as soon as the last copies are enqueued, while
+  // they still run for milliseconds. The receiver's drain at END waits for them (the streamer's
+  // packed[0]), so what it holds at the commit is the whole version: its checksum, taken at once
+  // on its own stream, must be that of a buffer filled with the version's byte.
+  constexpr std::uint64_t gib = 1ull << 30;
+  const std::vector<refit::tensor_meta> metas = {{"a", refit::dtype::u8, {std::int64_t(gib)}},
+                                                 {"b", refit::dtype::u8, {std::int64_t(gib)}},
+                                                 {"c", refit::dtype::u8, {std::int64_t(gib)}},
+                                                 {"d", refit::dtype::u8, {std::int64_t(gib)}}};
+  const std::vector<std::uint64_t> versions = {1, 2, 3};
+  const auto ep = rt::temp_endpoint();
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        device_tensors weights(metas, 0);
+        refit::cuda::device_buffer reference(weights.total());
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        weights.register_with(r);
+        ready.send("ready");
+        std::size_t commits = 0;
+        serve_until_bye(r, [&](std::uint64_t v) {
+          const std::uint64_t got = refit::copy::checksum(weights.data(0), weights.total(), refit::device::cuda(0));
+          refit::check_cuda(cudaMemset(reference.handle(), static_cast<int>(v), weights.total()), "cudaMemset");
+          const std::uint64_t want = refit::copy::checksum(reference.handle(), weights.total(), refit::device::cuda(0));
+          expect(got == want, "version " + std::to_string(v) + " committed before the streamer's writes landed");
+          ++commits;
+        });
+        expect(commits == versions.size(), std::to_string(commits) + " commits");
+      },
+      [&] {
+        device_tensors weights(metas, 0);
+        refit::streamer s(stream_options(ep, 0, relaxed));
+        for (const std::uint64_t v : versions) {
+          refit::check_cuda(cudaMemset(weights.data(0), static_cast<int>(v), weights.total()), "cudaMemset");
+          refit::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+          const auto stats = s.refit(v, weights.refs());
+          expect(stats.direct, "version " + std::to_string(v) + " was not written directly");
+        }
+        s.close();
+      });
+}
+
 TEST_CASE("with direct writes turned off, cuda_ipc stages through the buffers into the parameter table bit-exact",
           "[cuda_ipc]") {
   const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
