@@ -1455,10 +1455,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     if (how == sending::delta && device_delta) (void)device_delta->take_terms(buffers->stream());  // a failed refit's
 #endif
     std::unordered_set<std::string> names;
-    // The last refit's copies are complete when its END was answered (the receivers waited for
-    // them); after a failure they may not be: its scratch is reused only once they are.
-    buffers->drain();
-    copier->reset_scratch();
+    copier->reset_scratch();  // the last refit's copies are complete (END drained them)
     for (;;) {
       auto ts = clock::now();
       std::optional<tensor_ref> t = source.next();
@@ -1520,12 +1517,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     if (how == sending::delta && device_delta) *checksum += device_delta->take_terms(buffers->stream());
 #endif
 
-    // Direct writes must be complete before the receivers commit.
+    // Direct writes must be complete before the receiver commits: it never waits on them itself.
     if (w.direct) {
       const auto tp = clock::now();
-      // The receivers wait for the writes themselves before they commit, where the transport can
-      // make them (END's message then overlaps the last copies); else this side waits first.
-      if (!buffers->hand_over_direct()) buffers->drain();
+      buffers->drain();
       stats.pack_seconds += seconds_since(tp);
     }
   }

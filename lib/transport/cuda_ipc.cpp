@@ -263,12 +263,6 @@ class cuda_ipc_source final : public source {
 
   void disable_direct() noexcept override { want_direct_ = false; }
 
-  bool hand_over_direct() override {
-    if (!direct_ || packed_.empty()) return false;
-    end_pack(0);  // every receiver's drain() waits for it (cuda_ipc_sink::drain)
-    return true;
-  }
-
   void begin_pack(std::size_t i) override {
     check_index(i, buffers_.size(), "begin_pack");
     device_guard guard(device_);
@@ -582,7 +576,6 @@ class cuda_ipc_sink final : public sink {
     for (auto& t : tensors) records.push_back(std::move(t));
     reply.handles = std::move(records);
     reply.mode = wire::session_mode::in_place;
-    direct_ = true;
     REFIT_INFO("cuda_ipc: offering {} destinations in {} allocations for direct writes by {}", table.size(),
                allocations.size(), h.peer);
     return true;
@@ -615,7 +608,6 @@ class cuda_ipc_sink final : public sink {
     applied_.clear();
     stream_ = cuda::stream();
     attached_ = false;
-    direct_ = false;
   }
 
   [[nodiscard]] bool attached() const noexcept override { return attached_; }
@@ -711,11 +703,6 @@ class cuda_ipc_sink final : public sink {
   void drain() override {
     if (!stream_) return;
     device_guard guard(device_);
-    // A direct session: the streamer's writes of the refit, which it recorded packed[0] after
-    // before it sent END (cuda_ipc_source::hand_over_direct).
-    if (direct_ && !packed_.empty())
-      check_cuda(cudaStreamWaitEvent(stream_.handle(), packed_[0].handle(), 0),
-                 "cudaStreamWaitEvent(apply stream, the streamer's direct writes)");
     const cudaError_t status = wait_for_stream();
     if (status == cudaErrorNotReady)
       throw error(errc::timeout, fmt::format("the cuda_ipc apply stream did not finish within {} ms: it waits on the "
@@ -788,7 +775,6 @@ class cuda_ipc_sink final : public sink {
   int device_;
   milliseconds timeout_;
   bool attached_ = false;
-  bool direct_ = false;  ///< this session writes straight into the table (offer_direct granted it)
   std::vector<ipc_mapping> maps_;
   std::vector<std::uint64_t> sizes_;
   std::vector<ipc_event> packed_;

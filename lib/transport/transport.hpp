@@ -131,11 +131,6 @@ class source {
   }
   /// Stops asking for direct sessions (after the receiver's offer could not be mapped).
   virtual void disable_direct() noexcept {}
-  /// A direct session's writes of this refit are all enqueued: makes them what every receiver
-  /// waits for before it commits (sink::drain() at END), so that END need not wait for them here.
-  /// True when the transport does that (cuda_ipc: packed[0], recorded after them); false, the
-  /// default, when the streamer must drain() them itself before END.
-  virtual bool hand_over_direct() { return false; }
   /// True when every receiver of this session receives every entry in place (nccl: each one
   /// granted session_mode::in_place in its reply to HELLO, see sink::offer_in_place). No buffer holds a batch then,
   /// so batches are planned with direct_batch_bytes, and every tensor must be where() the
@@ -244,8 +239,7 @@ class sink {
   virtual void begin_read(std::size_t i) = 0;
   /// After the reads of buffer i are enqueued: lets the streamer reuse it.
   virtual void end_read(std::size_t i) = 0;
-  /// Waits until every read and copy enqueued so far is complete (END, before committing); in a
-  /// direct session also the streamer's writes it handed over (source::hand_over_direct).
+  /// Waits until every read and copy enqueued so far is complete (END, before committing).
   virtual void drain() = 0;
 
   /// True when this sink can read the streamer's memory where it is (source::share): it maps what

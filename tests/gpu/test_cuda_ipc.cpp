@@ -562,12 +562,13 @@ TEST_CASE("three refits of mixed dtypes over cuda_ipc on one GPU land bit-exact 
                 [&] { streamer_of(ep, metas, 0, versions, path::direct); });
 }
 
-TEST_CASE("a direct cuda_ipc refit commits only once the streamer's writes have landed, though END overlaps them",
+TEST_CASE("a direct cuda_ipc refit commits only once the streamer's writes have landed",
           "[cuda_ipc]") {
-  // Four tensors of 1 GiB: END leaves the streamer as soon as the last copies are enqueued, while
-  // they still run for milliseconds. The receiver's drain at END waits for them (the streamer's
-  // packed[0]), so what it holds at the commit is the whole version: its checksum, taken at once
-  // on its own stream, must be that of a buffer filled with the version's byte.
+  // Four tensors of 1 GiB, whose last copies run for milliseconds after they are enqueued: what
+  // the receiver holds at the commit must be the whole version (its checksum, taken at once on its
+  // own stream, that of a buffer filled with the version's byte), however END is ordered after
+  // them (measured: the receiver waiting for the streamer's event at END was slower than the
+  // streamer draining before END, 1.53 against 1.28 ms for qwen2.5-0.5b on the H100).
   constexpr std::uint64_t gib = 1ull << 30;
   const std::vector<refit::tensor_meta> metas = {{"a", refit::dtype::u8, {std::int64_t(gib)}},
                                                  {"b", refit::dtype::u8, {std::int64_t(gib)}},
