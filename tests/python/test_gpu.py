@@ -121,6 +121,32 @@ def test_cuda_ipc_through_on_tensor_arrives_bit_exact(peer, one_gpu, direct, sha
     job.stop()
 
 
+def test_cuda_ipc_tensors_in_expandable_segments_are_packed_bit_exact(peer, one_gpu):
+    """torch's expandable segments are virtual memory the CUDA IPC handles of ``share_tensors``
+    cannot export: such tensors go through the buffers, and the refit is still bit-exact."""
+    settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if settings is None:
+        pytest.skip("this torch cannot switch to expandable segments at run time")
+    job = peer.run(gpu_on_tensor, 0, False)
+    endpoint = job.recv()
+    settings("expandable_segments:True")
+    torch.cuda.empty_cache()  # so that the large tensor takes a new (expandable) segment
+    try:
+        with gpu_streamer(endpoint, "cuda_ipc", direct=False, buffer_bytes=1 << 20) as st:
+            for version in (1, 2):
+                state = mixed_state(version, device="cuda:0")
+                big = torch.arange(16 << 20, dtype=torch.int32, device="cuda:0") * version
+                state["big"] = big
+                stats = st.refit(version, state)
+                assert job.request("take") == state_bytes(state), f"version {version}"
+                # Whatever else was shared, the large tensor went through the buffers.
+                assert stats.shared_bytes <= stats.bytes - big.numel() * big.element_size()
+    finally:
+        settings("expandable_segments:False")
+        torch.cuda.empty_cache()
+    job.stop()
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["in-place", "buffered"])
 def test_nccl_state_dict_arrives_bit_exact_on_another_gpu(peer, two_gpus, direct):
     job = peer.run(gpu_table, spec_of(mixed_state(1)), 1, True)
