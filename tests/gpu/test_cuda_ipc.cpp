@@ -562,8 +562,7 @@ TEST_CASE("three refits of mixed dtypes over cuda_ipc on one GPU land bit-exact 
                 [&] { streamer_of(ep, metas, 0, versions, path::direct); });
 }
 
-TEST_CASE("a direct cuda_ipc refit commits only once the streamer's writes have landed",
-          "[cuda_ipc]") {
+TEST_CASE("a direct cuda_ipc refit commits only once the streamer's writes have landed", "[cuda_ipc]") {
   // Four tensors of 1 GiB, whose last copies run for milliseconds after they are enqueued: what
   // the receiver holds at the commit must be the whole version (its checksum, taken at once on its
   // own stream, that of a buffer filled with the version's byte), however END is ordered after

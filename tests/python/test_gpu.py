@@ -124,7 +124,9 @@ def test_cuda_ipc_through_on_tensor_arrives_bit_exact(peer, one_gpu, direct, sha
 def test_cuda_ipc_tensors_in_expandable_segments_are_packed_bit_exact(peer, one_gpu):
     """torch's expandable segments are virtual memory the CUDA IPC handles of ``share_tensors``
     cannot export: such tensors go through the buffers, and the refit is still bit-exact."""
-    settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None
+    )
     if settings is None:
         pytest.skip("this torch cannot switch to expandable segments at run time")
     job = peer.run(gpu_on_tensor, 0, False)
