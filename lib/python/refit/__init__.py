@@ -288,8 +288,10 @@ class Receiver(_refit.Receiver):
     def on_batch(self, fn: Callable[[List[View]], None]) -> Callable[[List[View]], None]:
         """Applies through ``fn(views)``, called once per batch with its entries (each a
         :class:`View`: ``.name``, ``.offset``, ``.tensor``, ``.whole``, ``.last``) instead of a
-        parameter table. Views alias the receiver's buffer and are valid only during the call;
-        on CUDA the call runs on the stream they are ready on (torch's current stream). An
+        parameter table. Views alias the receiver's buffer, or over cuda_ipc the trainer's own
+        tensor (``Streamer(share_tensors=True)``): read them, never write into them, and only
+        during the call; on CUDA the call runs on the stream they are ready on (torch's current
+        stream). An
         exception aborts the refit; the streamer sees ``Errc.apply`` with its type and message.
         Returns ``fn`` (usable as a decorator)."""
         device = self.device
@@ -304,7 +306,8 @@ class Receiver(_refit.Receiver):
     def on_tensor(self, fn: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
         """Applies through ``fn(name, tensor)``, once per whole tensor — the shape of an
         engine's ``load_weights``. Tensors split into chunks on the way are reassembled first
-        (in a tensor of their own); others alias the receiver's buffer and are valid only
+        (in a tensor of their own); others alias the receiver's buffer, or over cuda_ipc the
+        trainer's own tensor: read them (``param.copy_(tensor)``), never write into them, and only
         during the call. Returns ``fn``."""
         # name -> [buffer, bytes covered]. Chunks of a tensor arrive in order from one streamer, in
         # any order from a group (each rank's shard); a tensor is whole when its chunks cover it.
