@@ -394,15 +394,34 @@ __device__ __forceinline__ void load8(const void* p, float (&out)[8]) {
   }
 }
 
+/// The amax of a tile a thread holds as raw 16-bit words (`passes` words of eight elements).
+template <std::uint8_t From, int passes>
+__device__ __forceinline__ float raw_amax(const uint4 (&raw)[passes]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int k = 0; k < passes; ++k) {
+    float v[8];
+    unpack8<From>(raw[k], v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) take(m, v[e]);
+  }
+  return m;
+}
+
+/// The codes of eight elements `v` times `mul` as one little-endian 8-byte word.
+__device__ __forceinline__ std::uint64_t codes8(const float (&v)[8], float mul) {
+  std::uint64_t word = 0;
+#pragma unroll
+  for (int e = 0; e < 8; e += 2) word |= static_cast<std::uint64_t>(e4m3x2(v[e] * mul, v[e + 1] * mul)) << (8 * e);
+  return word;
+}
+
 /// Codes of eight elements `v` times `mul` at `out`, as fused_block128 writes them: one 8-byte
 /// store when all eight land in [col, col_hi), else byte by byte up to n of them.
 __device__ __forceinline__ void store_codes(std::uint8_t* out, const float (&v)[8], float mul, std::uint64_t n,
                                             std::uint64_t col, std::uint64_t col_hi) {
   if (n == 8 && col + 8 <= col_hi) {
-    std::uint64_t word = 0;
-#pragma unroll
-    for (int e = 0; e < 8; e += 2) word |= static_cast<std::uint64_t>(e4m3x2(v[e] * mul, v[e + 1] * mul)) << (8 * e);
-    *reinterpret_cast<std::uint64_t*>(out) = word;
+    *reinterpret_cast<std::uint64_t*>(out) = codes8(v, mul);
   } else {
     for (std::uint64_t e = 0; e < n && col + e < col_hi; ++e) out[e] = cvt::f32_to_e4m3(v[e] * mul);
   }
@@ -437,7 +456,6 @@ __global__ void __launch_bounds__(convert_threads)
   const std::uint64_t col = c0 + cb;
   const bool stores = cb < nc && col >= col_lo && col < col_hi;
   const std::uint64_t n = nc - cb < 8 ? nc - cb : 8;
-  float m = 0.0f;
   if constexpr (From != cvt::f32) {
     uint4 raw[passes];
     if (nr == cvt::block && nc == cvt::block) {
@@ -463,14 +481,7 @@ __global__ void __launch_bounds__(convert_threads)
         }
       }
     }
-#pragma unroll
-    for (int k = 0; k < passes; ++k) {
-      float v[8];
-      unpack8<From>(raw[k], v);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) take(m, v[e]);
-    }
-    const float mul = tile_multiplier(m, scale, scale_pitch);
+    const float mul = tile_multiplier(raw_amax<From>(raw), scale, scale_pitch);
     if (!stores) return;
 #pragma unroll
     for (int k = 0; k < passes; ++k) {
@@ -481,6 +492,7 @@ __global__ void __launch_bounds__(convert_threads)
       store_codes(dst + (matrix + r0 + rr) * dst_pitch + (col - col_lo), v, mul, n, col, col_hi);
     }
   } else {
+    float m = 0.0f;
     float v[passes][8];
 #pragma unroll
     for (int k = 0; k < passes; ++k) {
@@ -527,24 +539,13 @@ __global__ void __launch_bounds__(convert_threads)
   uint4 raw[passes];
 #pragma unroll
   for (int k = 0; k < passes; ++k) raw[k] = __ldg(reinterpret_cast<const uint4*>(p + 16u * k * cols));
-  float m = 0.0f;
-#pragma unroll
-  for (int k = 0; k < passes; ++k) {
-    float v[8];
-    unpack8<From>(raw[k], v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) take(m, v[e]);
-  }
-  const float mul = tile_multiplier(m, scale, scale_pitch);
+  const float mul = tile_multiplier(raw_amax<From>(raw), scale, scale_pitch);
   std::uint8_t* out = dst + (matrix + r0 + sub) * dst_pitch + (c0 - col_lo) + group * 8u;
 #pragma unroll
   for (int k = 0; k < passes; ++k) {
     float v[8];
     unpack8<From>(raw[k], v);
-    std::uint64_t word = 0;
-#pragma unroll
-    for (int e = 0; e < 8; e += 2) word |= static_cast<std::uint64_t>(e4m3x2(v[e] * mul, v[e + 1] * mul)) << (8 * e);
-    *reinterpret_cast<std::uint64_t*>(out + 16u * k * dst_pitch) = word;
+    *reinterpret_cast<std::uint64_t*>(out + 16u * k * dst_pitch) = codes8(v, mul);
   }
 }
 
