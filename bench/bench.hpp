@@ -373,6 +373,7 @@ struct config {
   bool spread_receivers = false;
   bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
   bool share = true;       ///< streamer_options::share_tensors (--share-tensors)
+  bool lane = true;        ///< streamer_options::control_lane (--control-lane)
   /// GPU copy engines to compare (one row each); host_shm always copies with memcpy.
   std::vector<copy_engine> engines{copy_engine::automatic};
   /// The receiver's engine for each entry of `engines` ("--engine pack/apply"; same when not given).

@@ -125,6 +125,10 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
                  "CUDA IPC; engine +shared, floor one copy: streamer_options::share_tensors); 0: every tensor is "
                  "packed into the buffers (two copies)")
       ->capture_default_str();
+  app.add_option("--control-lane", c.lane,
+                 "1: requests to a receiver of this host go through the shared-memory control lane it offers "
+                 "(streamer_options::control_lane); 0: through ZeroMQ (engine +zmq)")
+      ->capture_default_str();
   app.add_option("--engine", t.engines,
                  "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
                  "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "

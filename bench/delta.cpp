@@ -248,6 +248,7 @@ int run_delta(const config& c, std::ostream& out) {
   so.endpoint = endpoint;
   so.transport = gpu ? transport_kind::cuda_ipc : transport_kind::host_shm;
   so.direct = false;  // cuda_ipc: staged, the path deltas take (and the whole rows too)
+  so.control_lane = c.lane;
   so.device = c.device;
   so.buffer_bytes = static_cast<std::uint64_t>(c.buffer_mb.at(0) * (1 << 20));
   so.buffer_count = c.buffer_counts.at(0);

@@ -305,6 +305,7 @@ int run_group(const config& c, std::ostream& out) {
       so.receivers.push_back(endpoint_of(fmt::format("{}-{}-{{rank}}", base, j), r));
     so.endpoint = so.receivers.front();
     so.direct = direct;
+    so.control_lane = c.lane;
     so.device = std::max(place(r), 0);
     so.buffer_bytes = static_cast<std::uint64_t>(c.buffer_mb.at(0) * (1 << 20));
     so.buffer_count = c.buffer_counts.at(0);

@@ -517,6 +517,7 @@ class group_runner {
     so.alignment = c_.alignment;
     so.keep_whole = c_.keep_whole;
     so.share_tensors = c_.share;
+    so.control_lane = c_.lane;
     so.device = c_.device;
     so.timeout = milliseconds(c_.timeout_ms);
     so.engine = g_.engine;
@@ -549,6 +550,7 @@ class group_runner {
     row r = row_head(so);
     row_samples samples;
     bool went_direct = false;
+    bool lane = true;
     std::uint64_t shared = 0;
     const int total = c_.warmup + c_.iters;
     for (int it = 0; it < total; ++it) {
@@ -569,6 +571,7 @@ class group_runner {
                                wrong_now ? fmt::format(", {} WRONG", wrong_now) : ""));
       went_direct = st.direct;
       shared = st.shared_bytes;
+      lane = st.control_lane;
       if (!counted) continue;
       samples.times.push_back(ms);
       samples.source.push_back(st.source_seconds * 1e3);
@@ -578,6 +581,9 @@ class group_runner {
     }
     s.close();
     finish_row(r, samples, went_direct, shared);
+    // Requests through ZeroMQ (--control-lane 0, or no lane offered): labelled, since a small
+    // refit's fixed cost differs.
+    if (!lane) r.engine += "+zmq";
     return r;
   }
 

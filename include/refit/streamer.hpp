@@ -109,6 +109,14 @@ struct streamer_options {
   /// or the session does (close()): memory this process frees meanwhile returns to the driver only
   /// then. false: every tensor goes through the buffers.
   bool share_tensors = true;
+  /// When the receiver runs on this host (any transport), send the requests of a session (BEGIN,
+  /// the batches, END, ABORT, BYE; not HELLO) through a shared-memory lane the receiver offers,
+  /// instead of ZeroMQ: a round trip then costs a few microseconds instead of ~100 (ZeroMQ's I/O
+  /// threads), which is most of a small refit's fixed cost. Everything else is as through ZeroMQ:
+  /// the same messages, checks and timeouts. Falls back to ZeroMQ, by itself, when the receiver
+  /// offers no lane (another host, receiver_options::control_lane false, no room in /dev/shm) or
+  /// this process cannot open it (another mount namespace). false: always ZeroMQ.
+  bool control_lane = true;
   /// Longest wait for any reply of the receiver; past it the refit fails with errc::timeout and
   /// the next refit starts a new session.
   milliseconds timeout{30000};
@@ -145,6 +153,7 @@ struct refit_stats {
   double wait_seconds = 0;         ///< waiting for the receiver's replies
   bool direct = false;             ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
   std::uint64_t shared_bytes = 0;  ///< of `bytes`, read by the receiver where they are (share_tensors)
+  bool control_lane = false;       ///< the requests went through each receiver's control lane (not ZeroMQ)
   // Subset and delta versions. `bytes` is what moved through the buffers (on the wire).
   bool subset = false;               ///< sent as a subset (refit_scope::subset, or a delta)
   bool delta = false;                ///< sent as patches against version `base`

@@ -12,12 +12,14 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <utility>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "channel/lane.hpp"
 #include "model/log.hpp"
 
 namespace refit::channel {
@@ -44,8 +46,6 @@ int remaining_ms(clock::time_point deadline) {
 /// tens of microseconds per message on a server CPU, a round trip four such wakes.
 constexpr std::chrono::microseconds spin_before_blocking{500};
 
-/// Polls `socket` for `events` until `deadline`; retries on EINTR. True when ready. With `spin`,
-/// asks without blocking (yielding between asks) for that long first.
 /// Polls `items` (their `events`) until `deadline`; retries on EINTR. The index of the first ready
 /// one, or nullopt. With `spin`, asks without blocking (yielding between asks) for that long first.
 std::optional<std::size_t> poll_any(std::span<zmq::pollitem_t> items, clock::time_point deadline,
@@ -348,7 +348,11 @@ rep_channel::rep_channel(rep_channel&& other) noexcept
     : zap_(std::move(other.zap_)),
       socket_(std::move(other.socket_)),
       endpoint_(std::move(other.endpoint_)),
-      owns_endpoint_(other.owns_endpoint_) {
+      owns_endpoint_(other.owns_endpoint_),
+      lane_(std::move(other.lane_)),
+      answer_lane_(std::move(other.answer_lane_)),
+      from_lane_(other.from_lane_),
+      lane_heard_(other.lane_heard_) {
   other.endpoint_.clear();
   other.owns_endpoint_ = false;
 }
@@ -361,6 +365,10 @@ rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
     zap_ = std::move(other.zap_);
     endpoint_ = std::move(other.endpoint_);
     owns_endpoint_ = other.owns_endpoint_;
+    lane_ = std::move(other.lane_);
+    answer_lane_ = std::move(other.answer_lane_);
+    from_lane_ = std::exchange(other.from_lane_, false);
+    lane_heard_ = other.lane_heard_;
     other.endpoint_.clear();
     other.owns_endpoint_ = false;
   }
@@ -369,13 +377,40 @@ rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
 
 std::optional<std::string> rep_channel::receive(std::chrono::milliseconds wait, bool soon) {
   if (!socket_) throw error(errc::internal, "receive() on a moved-from rep_channel");
-  try {
-    const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
-    if (!poll_until(*socket_, ZMQ_POLLIN, deadline, soon ? spin_before_blocking : std::chrono::microseconds{0}))
+  rep_channel* self = this;
+  const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
+  if (!wait_ready({&self, 1}, deadline, soon ? spin_before_blocking : std::chrono::microseconds{0}))
+    return std::nullopt;
+  return take();
+}
+
+std::optional<std::string> rep_channel::take() {
+  if (lane_ && lane_->ready()) {
+    std::optional<std::string> msg;
+    try {
+      msg = lane_->receive(clock::now(), std::chrono::microseconds{0});
+    } catch (const error& e) {
+      // The streamer broke off (or broke) the lane: drop it; the streamer's next session says
+      // HELLO through ZeroMQ and gets a new one.
+      REFIT_WARN("the control lane on {} failed and was closed: {}", endpoint_, e.what());
+      lane_.reset();
       return std::nullopt;
+    }
+    if (!msg) return std::nullopt;
+    if (!lane_heard_) {
+      lane_->remove_files();  // the streamer has it open: nobody else needs the files
+      lane_heard_ = true;
+    }
+    answer_lane_ = lane_;
+    from_lane_ = true;
+    return msg;
+  }
+  try {
     zmq::message_t msg;
     const auto got = socket_->recv(msg, zmq::recv_flags::dontwait);
     if (!got) return std::nullopt;
+    from_lane_ = false;
+    answer_lane_.reset();
     return msg.to_string();
   } catch (const zmq::error_t& e) {
     throw error(errc::io, fmt::format("receiving a request on {} failed: {}", endpoint_, zmq_reason(e)));
@@ -384,24 +419,91 @@ std::optional<std::string> rep_channel::receive(std::chrono::milliseconds wait, 
 
 std::optional<std::size_t> rep_channel::wait_any(std::span<rep_channel* const> channels, std::chrono::milliseconds wait,
                                                  bool soon) {
-  std::vector<zmq::pollitem_t> items;
-  items.reserve(channels.size());
-  for (rep_channel* c : channels) {
+  for (rep_channel* c : channels)
     if (!c->socket_) throw error(errc::internal, "wait_any() on a moved-from rep_channel");
-    items.push_back(zmq::pollitem_t{c->socket_->handle(), 0, ZMQ_POLLIN, 0});
+  if (channels.empty()) return std::nullopt;
+  const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
+  return wait_ready(channels, deadline, soon ? spin_before_blocking : std::chrono::microseconds{0});
+}
+
+std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const> channels, clock::time_point deadline,
+                                                   std::chrono::microseconds spin) {
+  // The sockets first, then the doorbells of the channels that have a lane.
+  std::vector<zmq::pollitem_t> items;
+  items.reserve(2 * channels.size());
+  for (rep_channel* c : channels) items.push_back(zmq::pollitem_t{c->socket_->handle(), 0, ZMQ_POLLIN, 0});
+  std::vector<lane*> lanes;
+  for (rep_channel* c : channels) {
+    if (!c->lane_) continue;
+    lanes.push_back(c->lane_.get());
+    items.push_back(zmq::pollitem_t{nullptr, c->lane_->doorbell(), ZMQ_POLLIN, 0});
   }
-  if (items.empty()) return std::nullopt;
-  try {
-    const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
-    return poll_any(items, deadline, soon ? spin_before_blocking : std::chrono::microseconds{0});
-  } catch (const zmq::error_t& e) {
-    throw error(errc::io,
-                fmt::format("waiting for a request on {} endpoints failed: {}", channels.size(), zmq_reason(e)));
+  const std::size_t sockets = channels.size();
+  const auto lane_ready = [&]() -> std::optional<std::size_t> {
+    for (std::size_t k = 0; k < channels.size(); ++k)
+      if (channels[k]->lane_ && channels[k]->lane_->ready()) return k;
+    return std::nullopt;
+  };
+  const auto socket_ready = [&]() -> std::optional<std::size_t> {
+    for (std::size_t k = 0; k < sockets; ++k)
+      if ((items[k].revents & ZMQ_POLLIN) != 0) return k;
+    return std::nullopt;
+  };
+  const auto poll = [&](std::size_t count, clock::time_point until) {
+    try {
+      return zmq::poll(items.data(), count, std::chrono::milliseconds(remaining_ms(until))) > 0;
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR)
+        throw error(errc::io, fmt::format("waiting for a request on {} failed: {}",
+                                          channels.size() == 1 ? channels.front()->endpoint_
+                                                               : fmt::format("{} endpoints", channels.size()),
+                                          zmq_reason(e)));
+      return false;
+    }
+  };
+  if (spin.count() > 0) {
+    // A lane is asked at every turn (a load), the sockets at every eighth when there is one (a
+    // system call).
+    const auto spin_until = std::min(deadline, clock::now() + spin);
+    std::uint32_t turn = 0;
+    do {
+      if (const auto k = lane_ready()) return k;
+      if ((lanes.empty() || turn++ % 8 == 0) && poll(sockets, clock::now())) {
+        if (const auto k = socket_ready()) return k;
+      }
+      std::this_thread::yield();
+    } while (clock::now() < spin_until);
+  }
+  for (;;) {
+    for (lane* l : lanes) l->arm();
+    if (const auto k = lane_ready()) {
+      for (lane* l : lanes) l->disarm();
+      return k;
+    }
+    const bool any = poll(items.size(), deadline);
+    for (lane* l : lanes) l->disarm();
+    if (const auto k = lane_ready()) return k;
+    if (any) {
+      if (const auto k = socket_ready()) return k;
+    }
+    if (clock::now() >= deadline) return std::nullopt;
   }
 }
 
 void rep_channel::reply(std::string_view bytes) {
   if (!socket_) throw error(errc::internal, "reply() on a moved-from rep_channel");
+  if (from_lane_) {
+    from_lane_ = false;
+    const std::shared_ptr<lane> through = std::move(answer_lane_);
+    answer_lane_.reset();
+    if (through && through->send(bytes, clock::now() + std::chrono::milliseconds(reply_send_timeout_ms),
+                                 std::chrono::microseconds{0}))
+      return;
+    REFIT_WARN("reply on {} not taken through the control lane within {} ms (the streamer is gone?); dropped",
+               endpoint_, reply_send_timeout_ms);
+    if (through == lane_) lane_.reset();  // a message left half-way: the lane cannot be used again
+    return;
+  }
   try {
     const auto sent = socket_->send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::none);
     if (!sent)
@@ -411,6 +513,12 @@ void rep_channel::reply(std::string_view bytes) {
     // A vanished peer is not an error of the receiver: the streamer times out and starts over.
     REFIT_WARN("reply on {} dropped: {}", endpoint_, zmq_reason(e));
   }
+}
+
+void rep_channel::attach_lane(std::unique_ptr<lane> l) {
+  if (lane_) lane_->close();  // its streamer hears it at its next request, and says HELLO again
+  lane_ = std::move(l);
+  lane_heard_ = false;
 }
 
 // ------------------------------------------------------------------------------------ req_channel
@@ -443,6 +551,7 @@ void req_channel::connect() {
 }
 
 void req_channel::reset() {
+  lane_.reset();
   socket_.reset();
   ++resets_;
   connect();
@@ -472,10 +581,36 @@ std::string timeout_message(std::string_view doing, const std::string& endpoint,
 
 }  // namespace
 
+void req_channel::attach_lane(std::unique_ptr<lane> l) { lane_ = std::move(l); }
+
 void req_channel::send(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what) {
   if (!socket_) connect();
   const auto start = clock::now();
   const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
+  if (lane_) {
+    // The slot is free unless a long message is still being taken, chunk by chunk.
+    bool sent = false;
+    try {
+      sent = lane_->send(bytes, deadline, spin_before_blocking);
+    } catch (const error& e) {
+      if (e.code() != errc::peer)
+        throw request_failure(*this, e.code(),
+                              fmt::format("sending {} to the receiver at {} through the control lane failed: {}", what,
+                                          endpoint_, e.what()));
+      // The lane's receiver closed it (a new session) or ended: nothing was delivered, and the
+      // request goes through ZeroMQ as it would without a lane, to whoever serves the endpoint
+      // now (a restarted receiver answers that it has no session, and the streamer says HELLO).
+      REFIT_DEBUG("{} goes through ZeroMQ: {}", what, e.what());
+      lane_.reset();
+    }
+    if (lane_) {
+      if (!sent)
+        throw request_failure(
+            *this, errc::timeout,
+            timeout_message("could not send through the control lane to", endpoint_, what, timeout, start));
+      return;
+    }
+  }
   try {
     socket_->set(zmq::sockopt::sndtimeo, std::max(remaining_ms(deadline), 1));
     if (!socket_->send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::none))
@@ -493,6 +628,20 @@ std::string req_channel::receive(std::chrono::milliseconds timeout, std::string_
   if (!socket_) throw error(errc::internal, "req_channel::receive() without a send()");
   const auto start = clock::now();
   const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
+  if (lane_) {
+    std::optional<std::string> reply;
+    try {
+      reply = lane_->receive(deadline, spin_before_blocking);
+    } catch (const error& e) {
+      throw request_failure(*this, e.code(),
+                            fmt::format("receiving the reply to {} from the receiver at {} through the control lane "
+                                        "failed: {}; the session was reset",
+                                        what, endpoint_, e.what()));
+    }
+    if (!reply)
+      throw request_failure(*this, errc::timeout, timeout_message("no reply from", endpoint_, what, timeout, start));
+    return std::move(*reply);
+  }
   try {
     zmq::message_t msg;
     if (!poll_until(*socket_, ZMQ_POLLIN, deadline, spin_before_blocking) ||
@@ -508,6 +657,7 @@ std::string req_channel::receive(std::chrono::milliseconds timeout, std::string_
 }
 
 bool req_channel::reply_ready() noexcept {
+  if (lane_) return lane_->ready();
   if (!socket_) return false;
   try {
     return (socket_->get(zmq::sockopt::events) & ZMQ_POLLIN) != 0;

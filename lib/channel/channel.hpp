@@ -20,6 +20,8 @@ class socket_t;
 
 namespace refit::channel {
 
+class lane;
+
 /// The process-wide ZeroMQ context (created on first use, never destroyed before exit).
 zmq::context_t& context();
 
@@ -58,9 +60,15 @@ class rep_channel {
   /// `soon`: a request is expected shortly (a refit is in progress): the wait asks without
   /// sleeping for a moment before it blocks, sparing the wake-up latency.
   std::optional<std::string> receive(std::chrono::milliseconds wait, bool soon = false);
-  /// Replies to the last request. Never blocks for long (the peer may be gone: the reply is
-  /// dropped after the send timeout, and that is not an error).
+  /// Replies to the last request, the way it came (ZeroMQ, or the lane). Never blocks for long
+  /// (the peer may be gone: the reply is dropped after the send timeout, and that is not an error).
   void reply(std::string_view bytes);
+
+  /// Listens to `l` too from now on (see lane.hpp), in place of any lane before; null: none.
+  /// A request that came through the lane replaced is still answered through it.
+  void attach_lane(std::unique_ptr<lane> l);
+  /// True when the last request came through the lane.
+  [[nodiscard]] bool last_from_lane() const noexcept { return from_lane_; }
 
   [[nodiscard]] zmq::socket_t& handle() noexcept { return *socket_; }
 
@@ -70,10 +78,24 @@ class rep_channel {
                                              bool soon = false);
 
  private:
+  /// The request waiting (ready) on this channel, taken off the lane or the socket; nullopt when
+  /// neither has one.
+  std::optional<std::string> take();
+  /// wait_any() to a deadline, spinning for `spin` first.
+  static std::optional<std::size_t> wait_ready(std::span<rep_channel* const> channels,
+                                               std::chrono::steady_clock::time_point deadline,
+                                               std::chrono::microseconds spin);
+
   std::shared_ptr<const void> zap_;  ///< this socket's ZAP domain (allowed client keys), if any
   std::unique_ptr<zmq::socket_t> socket_;
   std::string endpoint_;
   bool owns_endpoint_ = false;  ///< made by bind_endpoint(""): removed with the channel
+  std::shared_ptr<lane> lane_;
+  /// The lane the last request came through, while it waits for its reply (it may have been
+  /// replaced by attach_lane meanwhile).
+  std::shared_ptr<lane> answer_lane_;
+  bool from_lane_ = false;
+  bool lane_heard_ = false;  ///< a message came through lane_ (its files are removed then)
 };
 
 /// Streamer side. Connects on construction (ZeroMQ connects in the background; the peer need
@@ -97,8 +119,13 @@ class req_channel {
   void send(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what);
   std::string receive(std::chrono::milliseconds timeout, std::string_view what);
 
-  /// Closes and reconnects the socket (drops anything in flight).
+  /// Closes and reconnects the socket (drops anything in flight), and drops the lane.
   void reset();
+
+  /// Sends the requests through `l` (opened from the receiver's offer, see lane.hpp) from now on,
+  /// in place of ZeroMQ; null: through ZeroMQ again.
+  void attach_lane(std::unique_ptr<lane> l);
+  [[nodiscard]] bool has_lane() const noexcept { return static_cast<bool>(lane_); }
 
   /// After send(): true when the reply has arrived (receive() will not wait). Never waits itself;
   /// false on any error (receive() then reports it).
@@ -113,6 +140,7 @@ class req_channel {
   std::string endpoint_;
   curve_keys curve_;
   std::unique_ptr<zmq::socket_t> socket_;
+  std::unique_ptr<lane> lane_;
   std::size_t resets_ = 0;
 };
 

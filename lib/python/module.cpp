@@ -137,8 +137,9 @@ class py_receiver {
  public:
   py_receiver(std::optional<std::string> endpoint, int device, double idle_timeout, std::optional<std::string> token,
               const py::object& curve, const std::string& engine, const std::string& layout, std::size_t streamers,
-              std::size_t delta_threads) {
+              std::size_t delta_threads, bool control_lane) {
     receiver_options o;
+    o.control_lane = control_lane;
     o.layout = layout;
     o.streamers = streamers;
     o.delta_threads = delta_threads;
@@ -600,9 +601,10 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::uint64_t alignment, bool keep_whole, const std::string& engine,
                                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::size_t group_rank,
-                                       std::size_t group_size, bool share_tensors) {
+                                       std::size_t group_size, bool share_tensors, bool control_lane) {
   streamer_options o;
   o.share_tensors = share_tensors;
+  o.control_lane = control_lane;
   o.group_rank = group_rank;
   o.group_size = group_size;
   o.delta.enable = delta;
@@ -684,6 +686,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_readonly("direct", &refit_stats::direct, "written straight into the receiver's weights")
       .def_readonly("shared_bytes", &refit_stats::shared_bytes,
                     "bytes the receiver read where they are in the streamer's memory (share_tensors)")
+      .def_readonly("control_lane", &refit_stats::control_lane,
+                    "the requests went through each receiver's shared-memory control lane, not ZeroMQ")
       .def_readonly("subset", &refit_stats::subset, "sent as a subset (subset=True, or a delta)")
       .def_readonly("delta", &refit_stats::delta, "sent as patches against version `base`")
       .def_readonly("base", &refit_stats::base, "the delta's base version")
@@ -726,10 +730,11 @@ PYBIND11_MODULE(_refit, m) {
 
   py::class_<py_receiver>(m, "Receiver")
       .def(py::init<std::optional<std::string>, int, double, std::optional<std::string>, py::object, std::string,
-                    std::string, std::size_t, std::size_t>(),
+                    std::string, std::size_t, std::size_t, bool>(),
            py::arg("endpoint") = py::none(), py::kw_only(), py::arg("device") = 0, py::arg("idle_timeout") = 60.0,
            py::arg("token") = py::none(), py::arg("curve") = py::none(), py::arg("engine") = "automatic",
-           py::arg("layout") = "", py::arg("streamers") = 1, py::arg("delta_threads") = 0)
+           py::arg("layout") = "", py::arg("streamers") = 1, py::arg("delta_threads") = 0,
+           py::arg("control_lane") = true)
       .def_property_readonly("endpoint", &py_receiver::endpoint)
       .def_property_readonly("endpoints", &py_receiver::endpoints)
       .def_property_readonly("device", &py_receiver::device)
@@ -757,11 +762,11 @@ PYBIND11_MODULE(_refit, m) {
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::size_t group_rank,
-                       std::size_t group_size, bool share_tensors) {
+                       std::size_t group_size, bool share_tensors, bool control_lane) {
              return std::make_unique<py_streamer>(streamer_options_from(
                  std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
                  std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
-                 delta_max_bytes, delta_threads, group_rank, group_size, share_tensors));
+                 delta_max_bytes, delta_threads, group_rank, group_size, share_tensors, control_lane));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
@@ -770,7 +775,7 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("engine") = "automatic", py::arg("layout") = "", py::arg("delta") = false,
            py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30,
            py::arg("delta_threads") = 0, py::arg("group_rank") = 0, py::arg("group_size") = 1,
-           py::arg("share_tensors") = true)
+           py::arg("share_tensors") = true, py::arg("control_lane") = true)
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("close", &py_streamer::close);

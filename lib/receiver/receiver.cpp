@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "channel/channel.hpp"
+#include "channel/lane.hpp"
 #include "config/config.hpp"
 #include "copy/copy.hpp"
 #include "delta/checksum.hpp"
@@ -508,8 +509,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
   void reply_ok(std::vector<std::string> handles = {}, wire::session_mode mode = wire::session_mode::buffers,
-                std::vector<wire::conversion> convert = {}) {
+                std::vector<wire::conversion> convert = {}, std::string lane = {}) {
     wire::ok ok;
+    ok.lane = std::move(lane);
     ok.convert = std::move(convert);
     ok.committed = committed_version();
     ok.dirty = is_dirty.load();
@@ -617,7 +619,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       ln->session_generation = sink_generation;
       REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", who(*ln), ln->sink->count(),
                  ln->sink->buffer_bytes(0) >> 20, h.transport, ln->direct || ln->in_place ? ", written in place" : "");
-      reply_ok(std::move(reply.handles), reply.mode, std::move(reply.convert));
+      // The session's requests may come through a lane of shared memory from here on (the old
+      // session's lane, if any, is replaced: this HELLO's reply still goes the way it came).
+      std::unique_ptr<channel::lane> lane = offer_lane(h);
+      reply_ok(std::move(reply.handles), reply.mode, std::move(reply.convert), lane ? lane->offer() : std::string());
+      ln->channel.attach_lane(std::move(lane));
       return receiver_event::hello;
     } catch (const error& e) {
       if (ln->sink) ln->sink->detach();
@@ -625,6 +631,19 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       REFIT_WARN("refused HELLO from {}: {}", h.peer, e.what());
       reply_error(e.code(), e.what());
       return receiver_event::refused;
+    }
+  }
+
+  /// A control lane for the session HELLO `h` starts, when its streamer asked for one, runs on this
+  /// host and the options allow it; null otherwise (or when none can be made: the session then
+  /// goes through ZeroMQ alone).
+  std::unique_ptr<channel::lane> offer_lane(const wire::hello& h) {
+    if (!h.lane || !options.control_lane || h.host_id != transport::host_identity()) return nullptr;
+    try {
+      return channel::lane::create();
+    } catch (const error& e) {
+      REFIT_INFO("no control lane for {} (its requests go through ZeroMQ): {}", who(*ln), e.what());
+      return nullptr;
     }
   }
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "channel/channel.hpp"
+#include "channel/lane.hpp"
 #include "config/config.hpp"
 #include "copy/copy.hpp"
 #include "delta/base.hpp"
@@ -362,7 +363,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     h.group_rank = options.group_rank;
     h.group_size = options.group_size;
     h.reply_timeout_ms = static_cast<std::uint64_t>(options.timeout.count());
+    h.lane = options.control_lane;
     buffers->open_session(h);
+    if (h.host_id.empty()) h.host_id = transport::host_identity();  // a transport that does not say
+    // HELLO starts a session afresh, through ZeroMQ: the receiver makes a new lane for it.
+    for (channel::req_channel& c : channels) c.attach_lane(nullptr);
     try {
       const auto hello_to = [&](std::size_t k) {
         wire::hello mine = h;
@@ -384,6 +389,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         ensure_session();
         return;
       }
+      open_lanes(oks);
     } catch (...) {
       drop_session();
       throw;
@@ -392,6 +398,20 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     REFIT_INFO("session with {} receiver(s) at {}: {} × {} MiB {} buffers", endpoints.size(),
                fmt::join(endpoints, ", "), options.buffer_count, options.buffer_bytes >> 20,
                to_string(options.transport));
+  }
+
+  /// Sends the session's requests to each receiver through the control lane it offered, when it
+  /// offered one and it opens here (otherwise through ZeroMQ, as before).
+  void open_lanes(const std::vector<wire::ok>& oks) {
+    if (!options.control_lane) return;
+    for (std::size_t k = 0; k < oks.size() && k < channels.size(); ++k) {
+      if (oks[k].lane.empty()) continue;
+      try {
+        channels[k].attach_lane(channel::lane::open(oks[k].lane));
+      } catch (const error& e) {
+        REFIT_INFO("cannot open the control lane of {} (requests go through ZeroMQ): {}", who(k), e.what());
+      }
+    }
   }
 
   /// The conversions every receiver asked for, one per name. Two receivers asking one name as
@@ -700,6 +720,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
           by_entry(!direct && s.buffers->moves_entries()),
           in_place(by_entry && s.buffers->in_place()) {
       stats.direct = direct || in_place;
+      stats.control_lane =
+          std::all_of(s.channels.begin(), s.channels.end(), [](const channel::req_channel& c) { return c.has_lane(); });
     }
 
     /// The planner's options for this session: direct and in-place batches are not buffer-sized.

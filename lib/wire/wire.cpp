@@ -79,8 +79,15 @@ void head(packer& p, msg_type t, std::uint32_t fields) {
   pack_uint(p, protocol_version);
 }
 
+void pack_bool(packer& p, bool v) {
+  if (v)
+    p.pack_true();
+  else
+    p.pack_false();
+}
+
 void encode_body(packer& p, const hello& m) {
-  head(p, msg_type::hello, 13);
+  head(p, msg_type::hello, 14);
   pack_str(p, m.token);
   pack_str(p, m.transport);
   pack_str(p, m.peer);
@@ -101,6 +108,7 @@ void encode_body(packer& p, const hello& m) {
   pack_uint(p, m.group_rank);
   pack_uint(p, m.group_size);
   pack_uint(p, m.reply_timeout_ms);
+  pack_bool(p, m.lane);
 }
 
 void pack_optional(packer& p, const std::optional<std::uint64_t>& v) {
@@ -108,13 +116,6 @@ void pack_optional(packer& p, const std::optional<std::uint64_t>& v) {
     pack_uint(p, *v);
   else
     p.pack_nil();
-}
-
-void pack_bool(packer& p, bool v) {
-  if (v)
-    p.pack_true();
-  else
-    p.pack_false();
 }
 
 void encode_body(packer& p, const begin& m) {
@@ -160,7 +161,7 @@ void encode_body(packer& p, const end& m) {
 void encode_body(packer& p, const bye&) { head(p, msg_type::bye, 0); }
 
 void encode_body(packer& p, const ok& m) {
-  head(p, msg_type::ok, 5);
+  head(p, msg_type::ok, 6);
   pack_optional(p, m.committed);
   pack_bool(p, m.dirty);
   p.pack_array(static_cast<std::uint32_t>(m.handles.size()));
@@ -173,6 +174,7 @@ void encode_body(packer& p, const ok& m) {
     pack_uint(p, static_cast<std::uint64_t>(c.type));
     pack_uint(p, static_cast<std::uint64_t>(c.q));
   }
+  pack_bin(p, m.lane);
 }
 
 void encode_body(packer& p, const error& m) {
@@ -334,12 +336,12 @@ class reader {
 // Fields of each message, after [type, protocol version].
 constexpr std::size_t field_count(msg_type t) noexcept {
   switch (t) {
-    case msg_type::hello: return 13;
+    case msg_type::hello: return 14;
     case msg_type::begin: return 3;
     case msg_type::batch: return 6;
     case msg_type::end: return 5;
     case msg_type::bye: return 0;
-    case msg_type::ok: return 5;
+    case msg_type::ok: return 6;
     case msg_type::error: return 2;
     case msg_type::abort: return 3;
   }
@@ -386,6 +388,7 @@ hello decode_hello(reader& r, std::span<const object> f) {
   if (m.group_rank >= m.group_size)
     r.fail("group_rank", fmt::format("{} is not below the group's size {}", m.group_rank, m.group_size));
   m.reply_timeout_ms = r.u64(f[12], "reply_timeout_ms");
+  m.lane = r.boolean(f[13], "lane");
   return m;
 }
 
@@ -552,6 +555,7 @@ ok decode_ok(reader& r, std::span<const object> f) {
     m.handles.push_back(r.bin(handles[i], fmt::format("handles[{}]", i), max_handle_bytes));
   m.mode = decode_mode(r, f[3]);
   m.convert = decode_conversions(r, f[4]);
+  m.lane = r.bin(f[5], "lane", max_handle_bytes);
   return m;
 }
 

@@ -29,7 +29,7 @@ namespace refit::wire {
 /// Bumped on every incompatible change of the format below. A new message type is not one: a
 /// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
 /// ERROR and aborts the refit all the same), and a streamer never receives a request.
-inline constexpr std::uint32_t protocol_version = 5;
+inline constexpr std::uint32_t protocol_version = 6;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
 inline constexpr std::size_t max_message_bytes = 64u << 20;
@@ -95,6 +95,10 @@ struct hello {
   /// say: a group's receiver ends a version within it while this streamer's END waits for the
   /// others', so that the streamer hears how it ended before it gives up.
   std::uint64_t reply_timeout_ms = 0;
+  /// The streamer would take its requests through a shared-memory control lane when it is on the
+  /// receiver's host (streamer_options::control_lane; see channel::lane): the receiver offers one
+  /// in its OK.
+  bool lane = false;
   friend bool operator==(const hello&, const hello&) = default;
 };
 
@@ -212,6 +216,9 @@ struct ok {
   std::vector<std::string> handles;
   session_mode mode = session_mode::buffers;
   std::vector<conversion> convert;
+  /// HELLO's reply only: the shared-memory control lane the receiver made for this session
+  /// (channel::lane::offer(), opaque here), "" for none. At most max_handle_bytes.
+  std::string lane;
   friend bool operator==(const ok&, const ok&) = default;
 };
 

@@ -388,7 +388,7 @@ def serve_loop(rx, chan: Channel, handlers: Optional[Dict[str, Callable[..., Any
     raise TimeoutError(f"served {SERVE_LIMIT} s without being told to stop")
 
 
-def serve_table(chan: Channel, spec, endpoint: Optional[str] = None, token: Optional[str] = None, fill: Optional[float] = None) -> List[str]:
+def serve_table(chan: Channel, spec, endpoint: Optional[str] = None, token: Optional[str] = None, fill: Optional[float] = None, control_lane: bool = True) -> List[str]:
     """Job: a Receiver with a parameter table allocated from ``spec`` (zeros, or ``fill``);
     sends its endpoint, then serves. Commands: ``state`` (the table as tensor_bytes),
     ``status``, ``events``."""
@@ -399,6 +399,8 @@ def serve_table(chan: Channel, spec, endpoint: Optional[str] = None, token: Opti
         for t in params.values():
             t.fill_(fill)
     kwargs = {} if token is None else {"token": token}
+    if not control_lane:
+        kwargs["control_lane"] = False
     with refit.Receiver(endpoint, **kwargs) as rx:
         rx.add_parameters(params)
         chan.send(rx.endpoint)

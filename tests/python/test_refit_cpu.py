@@ -25,6 +25,19 @@ def test_a_state_dict_of_mixed_dtypes_arrives_bit_exact_after_three_versions(tab
     assert events[-1] == "bye"  # the streamer's close() ended the session
 
 
+@pytest.mark.parametrize("streamer_lane,receiver_lane", [(True, True), (False, True), (True, False)])
+def test_requests_go_through_the_control_lane_unless_either_side_says_no(table_peer, streamer_lane, receiver_lane):
+    spec = spec_of(mixed_state(1))
+    job, endpoint = table_peer(spec, control_lane=receiver_lane)
+    with streamer(endpoint, control_lane=streamer_lane) as st:
+        for version in (1, 2):
+            state = mixed_state(version)
+            stats = st.refit(version, state)
+            assert stats.control_lane is (streamer_lane and receiver_lane)
+            assert job.request("state") == state_bytes(state), f"version {version}"
+    job.stop()
+
+
 def test_a_generator_source_is_streamed_lazily_and_arrives_bit_exact(table_peer):
     spec = spec_of(mixed_state(1))
     job, endpoint = table_peer(spec)

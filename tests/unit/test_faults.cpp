@@ -354,22 +354,30 @@ TEST_CASE("a streamer whose receiver is not there yet fails with errc::timeout i
 TEST_CASE("a receiver restarted between two refits takes the next refit of the same streamer", "[faults]") {
   // The new process has no session: the streamer must notice at BEGIN and say HELLO again, not
   // fail every refit from then on.
+  // With a control lane, the streamer sees that the lane's receiver ended, and sends that BEGIN
+  // through ZeroMQ all the same.
+  const bool lane = GENERATE(true, false);
+  INFO("control_lane " << lane);
   const auto metas = rt::mixed_model(30, 0);
   const scoped_endpoint endpoint;
   const std::string& ep = endpoint.name;
-  refit::streamer s(stream_options(ep, 256 * kib));
+  auto o = stream_options(ep, 256 * kib);
+  o.control_lane = lane;
+  refit::streamer s(o);
   {
     receiver_child first(ep, metas);
     REQUIRE(first.next_report() == "ready");
     const host_tensors v1(metas, 1);
-    CHECK(s.refit(1, v1.refs).version == 1);
+    CHECK(s.refit(1, v1.refs).control_lane == lane);
     CHECK(first.next_report() == "committed 1 ok");
     CHECK(first.stop() == 0);
   }
   receiver_child second(ep, metas);
   REQUIRE(second.next_report() == "ready");
   const host_tensors v2(metas, 2);
-  CHECK(s.refit(2, v2.refs).version == 2);
+  const auto stats = s.refit(2, v2.refs);
+  CHECK(stats.version == 2);
+  CHECK(stats.control_lane == lane);
   CHECK(second.next_report() == "refused none");  // the BEGIN without a session
   CHECK(second.next_report() == "committed 2 ok");
   s.close();

@@ -65,7 +65,8 @@ struct receiver_spec {
   std::vector<refit::tensor_meta> tensors;
   sink_kind sink = sink_kind::table;
   refit::milliseconds idle_timeout{3000};
-  std::string layout;  ///< receiver_options::layout
+  std::string layout;        ///< receiver_options::layout
+  bool control_lane = true;  ///< receiver_options::control_lane
   // Callback sink only ------------------------------------------------------------------------
   /// The streamer's buffer size: tensors larger than it must arrive in chunks; with keep_whole,
   /// tensors that fit must arrive whole. 0: not checked.
@@ -134,6 +135,7 @@ void receiver_child::run() {
   ro.endpoint = spec_.endpoint;
   ro.idle_timeout = spec_.idle_timeout;
   ro.layout = spec_.layout;
+  ro.control_lane = spec_.control_lane;
   refit::receiver r(ro);
 
   std::vector<std::vector<std::uint8_t>> data(tensors.size());
@@ -314,6 +316,29 @@ TEST_CASE("a refit of 300 mixed-dtype tensors and one 5x the buffer arrives bit-
   CHECK(stats.batches >= (total + mib - 1) / mib);
   CHECK(rx.next_report() == outcome("committed", 1, false));
 
+  s.close();
+  CHECK(rx.stop() == 0);
+}
+
+TEST_CASE("requests go through the control lane unless the streamer or the receiver says no; each way is bit-exact",
+          "[refit]") {
+  const auto [streamer_lane, receiver_lane] = GENERATE(table<bool, bool>({{true, true}, {false, true}, {true, false}}));
+  INFO("streamer control_lane " << streamer_lane << ", receiver control_lane " << receiver_lane);
+  const auto metas = rt::mixed_model(3000, 2 * mib + 5);
+  const scoped_endpoint endpoint;
+  const std::string& ep = endpoint.name;
+  receiver_spec spec(ep, metas);
+  spec.control_lane = receiver_lane;
+  receiver_child rx(spec);
+  auto o = stream_options(ep, 2, 4 * mib);
+  o.control_lane = streamer_lane;
+  refit::streamer s(o);
+  for (std::uint64_t v = 1; v <= 2; ++v) {
+    const host_tensors data(metas, v);
+    const auto stats = s.refit(v, data.refs);
+    CHECK(stats.control_lane == (streamer_lane && receiver_lane));
+    CHECK(rx.next_report() == outcome("committed", v, false));
+  }
   s.close();
   CHECK(rx.stop() == 0);
 }

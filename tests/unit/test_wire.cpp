@@ -124,7 +124,8 @@ std::vector<field> hello_fields() {
           S(""),
           U(0),
           U(1),
-          U(30000)};
+          U(30000),
+          T(true)};
 }
 
 // An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset, kind, span].
@@ -203,6 +204,7 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     h.group_rank = 2;
     h.group_size = 4;
     h.reply_timeout_ms = 30000;
+    h.lane = true;
     CHECK(std::get<wire::hello>(roundtrip(h)) == h);
   }
   SECTION("HELLO with every optional field empty") {
@@ -245,9 +247,14 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     CHECK(wire::type_of(wire::bye{}) == wire::msg_type::bye);
   }
   SECTION("OK with and without a committed version") {
-    wire::ok none{std::nullopt, false, {}, wire::session_mode::buffers, {}};
+    wire::ok none{std::nullopt, false, {}, wire::session_mode::buffers, {}, {}};
     CHECK(std::get<wire::ok>(roundtrip(none)) == none);
-    wire::ok some{0, true, {std::string("\x00\xff", 2), "", std::string(4096, 'h')}, wire::session_mode::buffers, {}};
+    wire::ok some{0,
+                  true,
+                  {std::string("\x00\xff", 2), "", std::string(4096, 'h')},
+                  wire::session_mode::buffers,
+                  {},
+                  "/dev/shm/refit-lane-abc\n0123"};
     CHECK(std::get<wire::ok>(roundtrip(some)) == some);
   }
   SECTION("ERROR with every code") {
@@ -290,7 +297,7 @@ TEST_CASE("message type names are upper case", "[wire]") {
 TEST_CASE("the hand-built good messages of these tests decode", "[wire]") {
   CHECK_NOTHROW(wire::decode(message(HELLO, hello_fields())));
   CHECK_NOTHROW(wire::decode(message(BATCH, batch_fields({good_entry()}))));
-  CHECK_NOTHROW(wire::decode(message(OK, {NIL(), T(false), ARR({}), U(0), ARR({})})));
+  CHECK_NOTHROW(wire::decode(message(OK, {NIL(), T(false), ARR({}), U(0), ARR({}), B("")})));
   CHECK(std::get<wire::abort>(wire::decode(message(ABORT, {U(7), U(1), S("dup")}))) ==
         wire::abort{7, errc::invalid_argument, "dup"});
 }
@@ -361,11 +368,12 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
   check_mismatch(message(BEGIN, {U(1)}, 2), 2);  // the release before conversions and session data
   check_mismatch(message(BEGIN, {U(1)}, 3), 3);  // the release before groups of streamers
   check_mismatch(message(BEGIN, {U(1)}, 4), 4);  // the release before tensors read in place
-  check_mismatch(message(BEGIN, {U(1)}, 6), 6);
+  check_mismatch(message(BEGIN, {U(1)}, 5), 5);  // the release before control lanes
+  check_mismatch(message(BEGIN, {U(1)}, 7), 7);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
   check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 9), 9);
-  check_mismatch(message(99, {}, 6), 6);
+  check_mismatch(message(99, {}, 7), 7);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
@@ -380,7 +388,7 @@ TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(BYE, {NIL()})), errc::protocol, "BYE message: 1 fields, expected 0");
   auto h = hello_fields();
   h.pop_back();
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 12 fields, expected 13");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 13 fields, expected 14");
   CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), U(3)})), errc::protocol, "END message: 3 fields");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true)})), errc::protocol, "OK message: 2 fields");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2)})), errc::protocol, "ERROR message: 1 fields");
@@ -429,6 +437,8 @@ TEST_CASE("decode rejects HELLO fields of the wrong type", "[wire]") {
                     "group_size must be an unsigned integer, got str");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 12, NIL()))), errc::protocol,
                     "reply_timeout_ms must be an unsigned integer, got nil");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 13, U(1)))), errc::protocol,
+                    "HELLO message: lane must be a bool, got unsigned int");
 }
 
 TEST_CASE("decode rejects a HELLO whose group makes no sense", "[wire]") {
@@ -528,7 +538,7 @@ TEST_CASE("decode checks the memory a batch reads in place", "[wire]") {
 
 TEST_CASE("decode rejects every bad conversion an OK asks for", "[wire]") {
   const auto ok_with = [](std::vector<field> list) {
-    return message(OK, {NIL(), T(false), ARR({}), U(0), ARR(std::move(list))});
+    return message(OK, {NIL(), T(false), ARR({}), U(0), ARR(std::move(list)), B("")});
   };
   const auto conv = [](std::string name, std::uint64_t type, std::uint64_t q) {
     return ARR({S(std::move(name)), U(type), U(q)});
@@ -536,7 +546,7 @@ TEST_CASE("decode rejects every bad conversion an OK asks for", "[wire]") {
   constexpr auto f8 = static_cast<std::uint64_t>(dtype::f8_e4m3);
   constexpr auto bf16 = static_cast<std::uint64_t>(dtype::bf16);
   CHECK_NOTHROW(wire::decode(ok_with({conv("w", f8, 2), conv("b", bf16, 0)})));
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({}), U(0), U(1)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({}), U(0), U(1), B("")})), errc::protocol,
                     "OK message: convert must be an array, got unsigned int");
   CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f8)})})), errc::protocol,
                     "OK message: convert[0]: descriptor must have 3 elements, got 2");
@@ -560,24 +570,28 @@ TEST_CASE("decode rejects every bad conversion an OK asks for", "[wire]") {
 }
 
 TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {S("3"), T(false), ARR({}), U(0), ARR({})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {S("3"), T(false), ARR({}), U(0), ARR({}), B("")})), errc::protocol,
                     "OK message: committed must be nil or an unsigned integer, got str");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({}), U(0), ARR({})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {I(-3), T(false), ARR({}), U(0), ARR({}), B("")})), errc::protocol,
                     "committed must be nil");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), U(0), ARR({}), U(0), ARR({})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), U(0), ARR({}), U(0), ARR({}), B("")})), errc::protocol,
                     "OK message: dirty must be a bool, got unsigned int");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL(), U(0), ARR({})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), NIL(), U(0), ARR({}), B("")})), errc::protocol,
                     "handles must be an array");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(7), ARR({})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(7), ARR({}), B("")})), errc::protocol,
                     "OK message: mode has unknown value 7");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), S("in place"), ARR({})})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), S("in place"), ARR({}), B("")})), errc::protocol,
                     "mode must be an unsigned integer");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({B("a"), S("b")}), U(0), ARR({})})), errc::protocol,
-                    "handles[1] must be a bin, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({B("a"), S("b")}), U(0), ARR({}), B("")})),
+                    errc::protocol, "handles[1] must be a bin, got str");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {S("protocol"), S("x")})), errc::protocol,
                     "ERROR message: code must be an unsigned integer, got str");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(0)})), errc::protocol,
-                    "OK message: 4 fields, expected 5");
+                    "OK message: 4 fields, expected 6");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(0), ARR({}), S("/dev/shm/x")})),
+                    errc::protocol, "OK message: lane must be a bin, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true), ARR({}), U(0), ARR({}), B(std::string(5000, 'x'))})),
+                    errc::protocol, "OK message: lane is 5000 bytes long, more than the limit");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2), B("x")})), errc::protocol,
                     "ERROR message: message must be a str");
 }
@@ -639,8 +653,8 @@ TEST_CASE("decode rejects handles longer than the limit", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 7, B(long_handle)))), errc::protocol, "session is 4097 bytes");
   CHECK_REFIT_ERROR(wire::decode(message(HELLO, with(h, 6, ARR({ARR({U(1), B(long_handle), B(""), B("")})})))),
                     errc::protocol, "buffer 0: handle is 4097 bytes");
-  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({B(long_handle)}), U(0), ARR({})})), errc::protocol,
-                    "handles[0] is 4097 bytes");
+  CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(false), ARR({B(long_handle)}), U(0), ARR({}), B("")})),
+                    errc::protocol, "handles[0] is 4097 bytes");
 }
 
 TEST_CASE("decode rejects more entries than the limit", "[wire]") {

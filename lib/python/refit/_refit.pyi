@@ -15,6 +15,7 @@ class RefitStats:
     wait_seconds: float
     direct: bool
     shared_bytes: int
+    control_lane: bool
     subset: bool
     delta: bool
     base: int
@@ -57,7 +58,8 @@ class View:
 class Receiver:
     def __init__(self, endpoint: Optional[str] = None, *, device: int = 0, idle_timeout: float = 60.0,
                  token: Optional[str] = None, curve: Any = None, engine: str = "automatic",
-                 layout: str = "", streamers: int = 1, delta_threads: int = 0) -> None: ...
+                 layout: str = "", streamers: int = 1, delta_threads: int = 0,
+                 control_lane: bool = True) -> None: ...
     @property
     def endpoint(self) -> str: ...
     @property
@@ -92,7 +94,8 @@ class Streamer:
                  token: Optional[str] = None, device: int = 0, curve: Any = None, alignment: int = 256,
                  keep_whole: bool = True, engine: str = "automatic", layout: str = "", delta: bool = False,
                  delta_memory: str = "host", delta_max_bytes: int = ..., delta_threads: int = 0,
-                 group_rank: int = 0, group_size: int = 1, share_tensors: bool = True) -> None: ...
+                 group_rank: int = 0, group_size: int = 1, share_tensors: bool = True,
+                 control_lane: bool = True) -> None: ...
     def refit(self, version: int, tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], *,
               stream: Any = None, subset: bool = False) -> RefitStats: ...
     def close(self) -> None: ...

@@ -1,0 +1,369 @@
+// refit — the same-host control lane. See lane.hpp.
+#include "channel/lane.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "refit/error.hpp"
+
+namespace refit::channel {
+namespace {
+
+constexpr std::uint64_t magic = 0x6e616c2d74696665ull;  // "efit-lan"
+constexpr std::uint64_t layout_version = 1;
+/// wire::max_message_bytes; not included to keep the channel below the wire layer.
+constexpr std::uint64_t max_message_bytes = std::uint64_t{64} << 20;
+/// How long the rest of a message may take once its first chunk arrived.
+constexpr std::chrono::seconds rest_of_message{5};
+constexpr std::size_t nonce_bytes = 16;
+
+std::string errno_text(int e) { return fmt::format("{} (errno {})", std::strerror(e), e); }
+
+template <class T>
+T load(T& v, std::memory_order o = std::memory_order_seq_cst) noexcept {
+  return std::atomic_ref<T>(v).load(o);
+}
+template <class T>
+void store(T& v, T x, std::memory_order o = std::memory_order_seq_cst) noexcept {
+  std::atomic_ref<T>(v).store(x, o);
+}
+
+/// Closes a descriptor on scope exit unless released.
+struct fd_guard {
+  int fd = -1;
+  ~fd_guard() {
+    if (fd >= 0) ::close(fd);
+  }
+  int release() noexcept { return std::exchange(fd, -1); }
+};
+
+int open_bell(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) throw error(errc::io, fmt::format("cannot open the control lane's doorbell {}: {}", path, errno_text(errno)));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISFIFO(st.st_mode) || st.st_uid != ::geteuid()) {
+    ::close(fd);
+    throw error(errc::protocol, fmt::format("{} is not a control lane's doorbell (a FIFO of this user)", path));
+  }
+  return fd;
+}
+
+std::string hex(std::span<const std::uint8_t> bytes) {
+  std::string out;
+  for (const std::uint8_t b : bytes) out += fmt::format("{:02x}", b);
+  return out;
+}
+
+}  // namespace
+
+/// The shared segment: a header, then the two slots (data[k] holds what goes to side k).
+struct lane::segment {
+  struct alignas(64) flag {
+    std::uint32_t value;
+  };
+  struct alignas(64) counter {
+    std::uint64_t value;
+  };
+  struct direction {
+    counter posted;  ///< chunks the writer has put in the slot
+    counter taken;   ///< chunks the reader has copied out
+    struct alignas(64) chunk {
+      std::uint64_t total;   ///< bytes of the whole message
+      std::uint64_t offset;  ///< of this chunk in it
+      std::uint64_t bytes;   ///< of this chunk
+    } head;
+  };
+  std::uint64_t magic;
+  std::uint64_t layout;
+  std::uint64_t slot;
+  std::array<std::uint8_t, nonce_bytes> nonce;
+  flag sleeping[2];  ///< by side: that end waits on its doorbell
+  flag closed;       ///< the receiver closed the lane (its session was replaced, or it ended)
+  direction to[2];   ///< by side: messages to that end
+
+  static constexpr std::size_t data_offset = 4096;
+  static constexpr std::size_t total_bytes = data_offset + 2 * slot_bytes;
+  std::byte* data(side s) noexcept {
+    return reinterpret_cast<std::byte*>(this) + data_offset + static_cast<std::size_t>(s) * slot_bytes;
+  }
+};
+
+
+std::unique_ptr<lane> lane::create() {
+  static_assert(sizeof(segment) <= segment::data_offset);
+  std::vector<std::string> bases;
+  struct stat st {};
+  if (::stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode)) bases.emplace_back("/dev/shm");
+  if (const char* x = std::getenv("XDG_RUNTIME_DIR"); x != nullptr && *x == '/') bases.emplace_back(x);
+  bases.emplace_back("/tmp");
+  std::string failures;
+  for (const std::string& base : bases) {
+    std::string dir = base + "/refit-lane-XXXXXX";
+    if (::mkdtemp(dir.data()) == nullptr) {
+      failures += fmt::format("; {}: {}", base, errno_text(errno));
+      continue;
+    }
+    std::unique_ptr<lane> l(new lane());
+    l->me_ = side::receiver;
+    l->dir_ = dir;  // removed by the destructor from here on
+    const std::string seg_path = dir + "/segment";
+    fd_guard fd{::open(seg_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600)};
+    if (fd.fd < 0) {
+      failures += fmt::format("; {}: {}", seg_path, errno_text(errno));
+      continue;
+    }
+    // Reserve the pages now: on a full tmpfs a later first touch would be SIGBUS, not an error.
+    const int e = ::posix_fallocate(fd.fd, 0, static_cast<off_t>(segment::total_bytes));
+    if (e != 0 && (e == ENOSPC || ::ftruncate(fd.fd, static_cast<off_t>(segment::total_bytes)) != 0)) {
+      failures += fmt::format("; {}: {}", seg_path, errno_text(e != 0 ? e : errno));
+      continue;
+    }
+    void* p = ::mmap(nullptr, segment::total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0);
+    if (p == MAP_FAILED) {
+      failures += fmt::format("; mmap({}): {}", seg_path, errno_text(errno));
+      continue;
+    }
+    l->seg_ = static_cast<segment*>(p);
+    l->mapped_ = segment::total_bytes;
+    std::memset(p, 0, segment::data_offset);
+    std::array<std::uint8_t, nonce_bytes> nonce{};
+    if (::getrandom(nonce.data(), nonce.size(), 0) != static_cast<ssize_t>(nonce.size()))
+      throw error(errc::io, fmt::format("getrandom for a control lane's nonce: {}", errno_text(errno)));
+    l->seg_->nonce = nonce;
+    l->seg_->slot = slot_bytes;
+    l->seg_->layout = layout_version;
+    store(l->seg_->magic, magic);  // last: the header is whole once the magic is there
+    const std::string mine = dir + "/to-receiver", theirs = dir + "/to-streamer", life = dir + "/life";
+    if (::mkfifo(mine.c_str(), 0600) != 0 || ::mkfifo(theirs.c_str(), 0600) != 0 ||
+        ::mkfifo(life.c_str(), 0600) != 0) {
+      failures += fmt::format("; mkfifo in {}: {}", dir, errno_text(errno));
+      continue;
+    }
+    l->my_bell_ = open_bell(mine);
+    l->peer_bell_ = open_bell(theirs);
+    // The read end of `life`, held for as long as this process lives (see lane::life_).
+    l->life_ = ::open(life.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
+    if (l->life_ < 0) throw error(errc::io, fmt::format("cannot open {}: {}", life, errno_text(errno)));
+    l->offer_ = dir + "\n" + hex(nonce);
+    return l;
+  }
+  throw error(errc::io, fmt::format("cannot make a control lane{}", failures));
+}
+
+std::unique_ptr<lane> lane::open(std::string_view offer) {
+  const auto cut = offer.rfind('\n');
+  if (cut == std::string_view::npos || offer.size() - cut - 1 != 2 * nonce_bytes || offer.front() != '/' ||
+      offer.find('\0') != std::string_view::npos)
+    throw error(errc::protocol, "the receiver's control lane offer is malformed (expected a directory and a nonce)");
+  const std::string dir(offer.substr(0, cut));
+  const std::string nonce_text(offer.substr(cut + 1));
+  std::unique_ptr<lane> l(new lane());
+  l->me_ = side::streamer;
+  const std::string seg_path = dir + "/segment";
+  fd_guard fd{::open(seg_path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW)};
+  if (fd.fd < 0)
+    throw error(errc::io, fmt::format("cannot open the control lane {}: {}", seg_path, errno_text(errno)));
+  struct stat st {};
+  if (::fstat(fd.fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
+      static_cast<std::uint64_t>(st.st_size) != segment::total_bytes)
+    throw error(errc::protocol, fmt::format("{} is not a control lane of this user ({} bytes expected)", seg_path,
+                                            segment::total_bytes));
+  void* p = ::mmap(nullptr, segment::total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0);
+  if (p == MAP_FAILED) throw error(errc::io, fmt::format("mmap({}): {}", seg_path, errno_text(errno)));
+  l->seg_ = static_cast<segment*>(p);
+  l->mapped_ = segment::total_bytes;
+  if (load(l->seg_->magic) != magic || l->seg_->layout != layout_version || l->seg_->slot != slot_bytes ||
+      hex(l->seg_->nonce) != nonce_text)
+    throw error(errc::protocol,
+                fmt::format("{} is not the control lane the receiver offered (another build of refit, or another "
+                            "receiver's lane at the same path)",
+                            seg_path));
+  l->my_bell_ = open_bell(dir + "/to-streamer");
+  l->peer_bell_ = open_bell(dir + "/to-receiver");
+  // The write end of `life`: it opens only while the receiver holds the read end, and polls
+  // POLLERR once no process does (the receiver's ended).
+  const std::string life = dir + "/life";
+  l->life_ = ::open(life.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
+  if (l->life_ < 0)
+    throw error(errc::io, fmt::format("cannot open the control lane's {}: {}{}", life, errno_text(errno),
+                                      errno == ENXIO ? " (the receiver is gone)" : ""));
+  l->offer_ = std::string(offer);
+  return l;
+}
+
+lane::~lane() {
+  if (me_ == side::receiver) close();
+  if (seg_ != nullptr) ::munmap(seg_, mapped_);
+  if (my_bell_ >= 0) ::close(my_bell_);
+  if (peer_bell_ >= 0) ::close(peer_bell_);
+  if (life_ >= 0) ::close(life_);
+  remove_files();
+}
+
+void lane::remove_files() noexcept {
+  if (dir_.empty()) return;
+  for (const char* f : {"/segment", "/to-receiver", "/to-streamer", "/life"}) (void)::unlink((dir_ + f).c_str());
+  (void)::rmdir(dir_.c_str());
+  dir_.clear();
+}
+
+void lane::close() noexcept {
+  if (seg_ == nullptr || me_ != side::receiver) return;
+  store(seg_->closed.value, 1u);
+  ring_peer();
+}
+
+void lane::refuse_if_closed() {
+  if (me_ != side::streamer) return;
+  if (load(seg_->closed.value) != 0)
+    throw error(errc::peer,
+                "the receiver closed the control lane of this session (a new session replaced it: another "
+                "streamer's HELLO); the streamer must say HELLO again");
+  if (receiver_gone(0))
+    throw error(errc::peer,
+                "the receiver's process ended since the session began (nothing was sent to it); the streamer "
+                "must say HELLO again, to the process serving the endpoint now");
+}
+
+bool lane::receiver_gone(int wait_ms) {
+  if (gone_) return true;
+  if (life_ < 0 || me_ != side::streamer) return false;
+  pollfd item{life_, 0, 0};  // no events asked: POLLERR (no reader left) is reported all the same
+  if (::poll(&item, 1, wait_ms) > 0 && (item.revents & (POLLERR | POLLHUP)) != 0) gone_ = true;
+  return gone_;
+}
+
+bool lane::ready() const noexcept {
+  auto& d = seg_->to[static_cast<int>(me_)];
+  return load(d.posted.value) != load(d.taken.value, std::memory_order_relaxed);
+}
+
+void lane::arm() noexcept { store(seg_->sleeping[static_cast<int>(me_)].value, 1u); }
+
+void lane::disarm() noexcept {
+  store(seg_->sleeping[static_cast<int>(me_)].value, 0u);
+  std::array<char, 64> sink{};
+  while (::read(my_bell_, sink.data(), sink.size()) > 0) {
+  }
+}
+
+void lane::ring_peer() noexcept {
+  const side peer = me_ == side::receiver ? side::streamer : side::receiver;
+  if (load(seg_->sleeping[static_cast<int>(peer)].value) == 0) return;
+  const char one = 1;
+  (void)!::write(peer_bell_, &one, 1);  // a full FIFO (EAGAIN) has rung already
+}
+
+template <class Pred>
+bool lane::wait_until(Pred done, clock::time_point deadline, std::chrono::microseconds spin) {
+  if (done()) return true;
+  if (spin.count() > 0) {
+    const auto spin_until = std::min(deadline, clock::now() + spin);
+    do {
+      std::this_thread::yield();
+      if (done()) return true;
+    } while (clock::now() < spin_until);
+  }
+  for (;;) {
+    arm();
+    if (done()) {
+      disarm();
+      return true;
+    }
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - clock::now()).count();
+    if (left <= 0) {
+      disarm();
+      return done();
+    }
+    // The streamer also watches the receiver's life (see life_): a receiver that died never answers.
+    std::array<pollfd, 2> items{pollfd{my_bell_, POLLIN, 0}, pollfd{life_, 0, 0}};
+    const nfds_t count = me_ == side::streamer && life_ >= 0 ? 2 : 1;
+    (void)::poll(items.data(), count, static_cast<int>(std::min<std::int64_t>(left, 0x7fffffff)));  // EINTR: again
+    if (count == 2 && (items[1].revents & (POLLERR | POLLHUP)) != 0) gone_ = true;
+    disarm();
+    if (done()) return true;
+  }
+}
+
+bool lane::send(std::string_view bytes, clock::time_point deadline, std::chrono::microseconds spin) {
+  const side peer = me_ == side::receiver ? side::streamer : side::receiver;
+  auto& d = seg_->to[static_cast<int>(peer)];
+  std::byte* slot = seg_->data(peer);
+  std::uint64_t offset = 0;
+  do {
+    refuse_if_closed();
+    const std::uint64_t posted = load(d.posted.value, std::memory_order_relaxed);  // ours alone
+    if (!wait_until([&] { return load(d.taken.value) == posted || closed(); }, deadline, spin)) return false;
+    refuse_if_closed();
+    const std::uint64_t n = std::min<std::uint64_t>(slot_bytes, bytes.size() - offset);
+    store(d.head.total, static_cast<std::uint64_t>(bytes.size()), std::memory_order_relaxed);
+    store(d.head.offset, offset, std::memory_order_relaxed);
+    store(d.head.bytes, n, std::memory_order_relaxed);
+    if (n != 0) std::memcpy(slot, bytes.data() + offset, n);
+    store(d.posted.value, posted + 1);
+    ring_peer();
+    offset += n;
+  } while (offset < bytes.size());
+  return true;
+}
+
+bool lane::closed() const noexcept { return me_ == side::streamer && (gone_ || load(seg_->closed.value) != 0); }
+
+std::optional<std::string> lane::receive(clock::time_point deadline, std::chrono::microseconds spin) {
+  if (!wait_until([&] { return ready() || closed(); }, deadline, spin)) return std::nullopt;
+  if (!ready() && load(seg_->closed.value) == 0 && gone_)
+    throw error(errc::timeout, "the receiver's process ended before it answered");
+  if (!ready()) refuse_if_closed();
+  auto& d = seg_->to[static_cast<int>(me_)];
+  const std::byte* slot = seg_->data(me_);
+  std::string out;
+  std::uint64_t total = 0;
+  for (bool first = true;; first = false) {
+    const std::uint64_t taken = load(d.taken.value, std::memory_order_relaxed);  // ours alone
+    const std::uint64_t posted = load(d.posted.value, std::memory_order_acquire);
+    if (posted != taken + 1)
+      throw error(errc::protocol, fmt::format("control lane: {} chunks posted while {} were taken (one at a time "
+                                              "expected); the peer is broken",
+                                              posted, taken));
+    const std::uint64_t t = load(d.head.total, std::memory_order_relaxed);
+    const std::uint64_t off = load(d.head.offset, std::memory_order_relaxed);
+    const std::uint64_t n = load(d.head.bytes, std::memory_order_relaxed);
+    if (first) {
+      if (t > max_message_bytes)
+        throw error(errc::protocol, fmt::format("control lane: a message of {} bytes, more than the limit of {}", t,
+                                                max_message_bytes));
+      total = t;
+      out.reserve(total);
+    }
+    if (t != total || off != out.size() || n > slot_bytes || n > total - off || (n == 0 && total != 0))
+      throw error(errc::protocol,
+                  fmt::format("control lane: a chunk of {} bytes at {} of a {}-byte message, after {} of {} bytes; "
+                              "the peer is broken",
+                              n, off, t, out.size(), total));
+    out.append(reinterpret_cast<const char*>(slot), n);
+    store(d.taken.value, taken + 1);
+    ring_peer();
+    if (out.size() == total) return out;
+    if (!wait_until([&] { return ready() || closed(); }, clock::now() + rest_of_message, spin) || !ready())
+      throw error(errc::timeout, fmt::format("control lane: a message stopped after {} of its {} bytes", out.size(),
+                                             total));
+  }
+}
+
+}  // namespace refit::channel

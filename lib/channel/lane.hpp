@@ -1,0 +1,120 @@
+// refit — the same-host control lane: a streamer's requests and its receiver's replies through
+// shared memory instead of ZeroMQ, when both run on one host.
+//
+// Why: a ZeroMQ round trip passes four threads (each side's I/O thread, twice) and costs 80–150 µs
+// on a server VM even when both ends spin, which is most of a small refit's time (BEGIN, the batch
+// manifests, END). Through the lane, a message is a copy into a shared segment and a store; a
+// waiting end sees it while it spins, and one that sleeps is woken by one byte through a FIFO (a
+// single wake-up, where ZeroMQ has two on each way).
+//
+// What it is: a private directory (mode 0700, on /dev/shm when it can be, else $XDG_RUNTIME_DIR or
+// /tmp) made by the receiver, holding the segment (mode 0600) and two FIFOs, the doorbells of the
+// two ends. The receiver offers it in its OK to HELLO (wire::ok::lane) to a streamer of its host
+// that asked for one (wire::hello::lane); the streamer opens it, checks the segment's random nonce
+// against the offer, and from then on sends its requests there. Either end may use ZeroMQ instead
+// at any time (the receiver listens to both and answers each request the way it came), so a lane
+// that cannot be opened costs nothing but itself. The receiver removes the directory as soon as the
+// first message arrives through the lane (both ends keep what they opened), and in any case when
+// the lane is replaced (the next HELLO) or closed.
+//
+// Each direction is one slot of slot_bytes with a posted and a taken counter: the writer waits
+// until the slot is free, writes a chunk (a message longer than the slot is sent in order, chunk
+// by chunk), then counts it posted; the reader copies it and counts it taken. The request/reply
+// discipline of the channel stays as it is: one request, then its reply. Every field read from the
+// segment is checked, since the other process writes it.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace refit::channel {
+
+class lane {
+ public:
+  using clock = std::chrono::steady_clock;
+  /// Bytes of each direction's slot; longer messages go in chunks.
+  static constexpr std::uint64_t slot_bytes = std::uint64_t{1} << 20;
+
+  /// Receiver: makes a lane. Throws refit::error(errc::io) naming what failed (no room in /dev/shm,
+  /// no writable directory), in which case the receiver offers none.
+  static std::unique_ptr<lane> create();
+  /// Streamer: opens the lane of `offer` (what the receiver's offer() said). Throws
+  /// refit::error(errc::io) when it cannot (another host or mount namespace, a lane already
+  /// removed) and errc::protocol when the offer or the segment is not a lane's.
+  static std::unique_ptr<lane> open(std::string_view offer);
+
+  ~lane();
+  lane(const lane&) = delete;
+  lane& operator=(const lane&) = delete;
+
+  /// What the streamer needs to open it: the directory and the nonce.
+  [[nodiscard]] const std::string& offer() const noexcept { return offer_; }
+
+  /// True when a message for this end (its first chunk) is waiting.
+  [[nodiscard]] bool ready() const noexcept;
+
+  /// Sends a whole message (chunk by chunk when longer than the slot), waiting for the slot to be
+  /// free at most until `deadline` (spinning for `spin` first). False when the peer did not take a
+  /// chunk in time (the message is then incomplete: the lane must not be used again); throws
+  /// errc::peer when the receiver closed the lane (see close()) or its process ended: nothing was
+  /// delivered, and a new session (HELLO through ZeroMQ) reaches whoever serves the endpoint now.
+  bool send(std::string_view bytes, clock::time_point deadline, std::chrono::microseconds spin);
+
+  /// Receives a whole message: nullopt when none began to arrive by `deadline` (spinning for
+  /// `spin` first). Once its first chunk is here, the rest is awaited up to a few seconds more.
+  /// Throws refit::error(errc::protocol) for a chunk that breaks the rules, errc::timeout when
+  /// a message stops half-way or (streamer) the receiver's process ended before answering (at
+  /// once, not at the deadline), and errc::peer when the receiver closed the lane (see close()).
+  std::optional<std::string> receive(clock::time_point deadline, std::chrono::microseconds spin);
+
+  /// Waiting beside other things (the receiver's ZeroMQ sockets): poll doorbell() for POLLIN after
+  /// arm(), which asks the peer to ring it for its next chunk; after the wait, disarm() (which
+  /// empties the doorbell), then look at ready() again.
+  [[nodiscard]] int doorbell() const noexcept { return my_bell_; }
+  void arm() noexcept;
+  void disarm() noexcept;
+
+  /// Receiver: removes the directory (what is open stays usable). Never throws.
+  void remove_files() noexcept;
+  /// Receiver: closes the lane (also done by the destructor): the streamer's next send() throws
+  /// refit::error(errc::peer) without sending (req_channel then sends through ZeroMQ), and a
+  /// receive() waiting for a reply that never came throws errc::peer too (say HELLO again).
+  void close() noexcept;
+
+ private:
+  struct segment;
+  enum class side : std::uint8_t { receiver = 0, streamer = 1 };
+  lane() = default;
+
+  /// Waits until `done()` (spinning for `spin`, then sleeping on the doorbell); false at `deadline`.
+  template <class Pred>
+  bool wait_until(Pred done, clock::time_point deadline, std::chrono::microseconds spin);
+  void ring_peer() noexcept;
+  /// Streamer: the receiver closed the lane, or its process ended.
+  [[nodiscard]] bool closed() const noexcept;
+  /// Streamer: throws errc::peer when the receiver closed the lane or its process ended.
+  void refuse_if_closed();
+  /// Streamer: true once the receiver's process has ended (polled for up to `wait_ms`).
+  bool receiver_gone(int wait_ms);
+
+  side me_ = side::receiver;
+  segment* seg_ = nullptr;
+  std::size_t mapped_ = 0;
+  int my_bell_ = -1;
+  int peer_bell_ = -1;
+  /// A FIFO whose read end only the receiver holds (opened at create()) and whose write end the
+  /// streamer holds: when the receiver's process ends, the kernel closes the read end and the
+  /// streamer's end polls POLLERR, so a request to a dead receiver fails at once instead of at its
+  /// deadline. (A child the receiver forks inherits the read end; the deadline then applies.)
+  int life_ = -1;
+  bool gone_ = false;  ///< streamer: the receiver's process has ended
+  std::string dir_;  ///< receiver: the directory, until removed
+  std::string offer_;
+};
+
+}  // namespace refit::channel

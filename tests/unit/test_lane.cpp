@@ -1,0 +1,270 @@
+// The same-host control lane (channel/lane.hpp): messages both ways, chunked when long, deadlines,
+// what open() refuses, and the channels that listen to a lane beside their ZeroMQ socket.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "channel/channel.hpp"
+#include "channel/lane.hpp"
+#include "support/support.hpp"
+
+using namespace std::chrono_literals;
+using refit::errc;
+using refit::channel::lane;
+using refit::channel::rep_channel;
+using refit::channel::req_channel;
+
+namespace {
+
+std::string random_bytes(std::size_t n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(gen() & 0xff);
+  return s;
+}
+
+std::string dir_of(const lane& l) { return l.offer().substr(0, l.offer().rfind('\n')); }
+
+lane::clock::time_point in(std::chrono::milliseconds d) { return lane::clock::now() + d; }
+
+/// Checks that `expr` throws refit::error with `code` and a message containing `fragment`.
+#define CHECK_REFIT_ERROR(expr, want, fragment)                                   \
+  do {                                                                            \
+    const auto f = refit::test::failure_of([&] { (void)(expr); });                \
+    REQUIRE(f);                                                                   \
+    CHECK(f->code == refit::test::code_name(want));                               \
+    CHECK_THAT(f->message, Catch::Contains(std::string(fragment)));               \
+  } while (false)
+
+}  // namespace
+
+TEST_CASE("a lane carries messages both ways, shorter and longer than its slot", "[lane]") {
+  auto rx = lane::create();
+  auto tx = lane::open(rx->offer());
+  const std::size_t slot = lane::slot_bytes;
+  for (const std::size_t n : {std::size_t{0}, std::size_t{1}, slot - 1, slot, slot + 1, 3 * slot + 5}) {
+    INFO("message of " << n << " bytes");
+    const std::string request = random_bytes(n, static_cast<unsigned>(n));
+    const std::string reply = random_bytes(n / 2 + 3, static_cast<unsigned>(n + 1));
+    // The receiving end runs on its own thread: a message longer than the slot is taken chunk by
+    // chunk while it is sent. The receiver waits without spinning, on its doorbell.
+    std::optional<std::string> got;
+    std::thread server([&] {
+      got = rx->receive(in(20s), 0us);
+      if (got) CHECK(rx->send(reply, in(20s), 0us));
+    });
+    CHECK(tx->send(request, in(20s), 100us));
+    const auto answer = tx->receive(in(20s), 100us);
+    server.join();
+    REQUIRE(got);
+    CHECK(*got == request);
+    REQUIRE(answer);
+    CHECK(*answer == reply);
+    CHECK_FALSE(rx->ready());
+    CHECK_FALSE(tx->ready());
+  }
+}
+
+TEST_CASE("a lane's waits end at their deadline", "[lane]") {
+  auto rx = lane::create();
+  auto tx = lane::open(rx->offer());
+  const auto t0 = lane::clock::now();
+  CHECK_FALSE(rx->receive(in(50ms), 10us));
+  CHECK(lane::clock::now() - t0 >= 50ms);
+  // The first chunk fits the free slot; the second waits for a reader that never comes.
+  CHECK_FALSE(tx->send(std::string(lane::slot_bytes + 1, 'x'), in(50ms), 0us));
+  CHECK(rx->ready());
+}
+
+TEST_CASE("a message that stops half-way is an error, not a wait without end", "[lane]") {
+  auto rx = lane::create();
+  auto tx = lane::open(rx->offer());
+  CHECK_FALSE(tx->send(std::string(2 * lane::slot_bytes, 'y'), in(10ms), 0us));  // one chunk posted
+  CHECK_REFIT_ERROR(rx->receive(in(1s), 0us), errc::timeout, "control lane: a message stopped after 1048576 of its "
+                                                             "2097152 bytes");
+}
+
+TEST_CASE("a lane lives in a private directory that remove_files removes, and still works after", "[lane]") {
+  auto rx = lane::create();
+  const std::string dir = dir_of(*rx);
+  struct stat st {};
+  REQUIRE(::stat(dir.c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0700);
+  REQUIRE(::stat((dir + "/segment").c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+  CHECK(static_cast<std::uint64_t>(st.st_size) > 2 * lane::slot_bytes);
+  auto tx = lane::open(rx->offer());
+  rx->remove_files();
+  CHECK_FALSE(std::filesystem::exists(dir));
+  CHECK(tx->send("after", in(5s), 0us));
+  CHECK(rx->receive(in(5s), 0us) == std::optional<std::string>("after"));
+  // Nobody else can open it any more.
+  CHECK_REFIT_ERROR(lane::open(rx->offer()), errc::io, "cannot open the control lane " + dir + "/segment");
+}
+
+TEST_CASE("a receiver's lane is removed with it", "[lane]") {
+  std::string dir;
+  {
+    auto rx = lane::create();
+    dir = dir_of(*rx);
+    CHECK(std::filesystem::exists(dir));
+  }
+  CHECK_FALSE(std::filesystem::exists(dir));
+}
+
+TEST_CASE("open refuses an offer that is not the receiver's lane", "[lane]") {
+  auto rx = lane::create();
+  const std::string dir = dir_of(*rx);
+  CHECK_REFIT_ERROR(lane::open("no nonce"), errc::protocol, "the receiver's control lane offer is malformed");
+  CHECK_REFIT_ERROR(lane::open(dir + "\nabc"), errc::protocol, "malformed");
+  CHECK_REFIT_ERROR(lane::open("relative\n" + std::string(32, '0')), errc::protocol, "malformed");
+  // The right directory with another nonce: another receiver's lane, or a stale offer.
+  CHECK_REFIT_ERROR(lane::open(dir + "\n" + std::string(32, '0')), errc::protocol,
+                    "is not the control lane the receiver offered");
+  CHECK_REFIT_ERROR(lane::open("/nonexistent/refit-lane-x\n" + std::string(32, '0')), errc::io,
+                    "cannot open the control lane /nonexistent/refit-lane-x/segment");
+  CHECK_NOTHROW(lane::open(rx->offer()));
+}
+
+TEST_CASE("a channel with a lane answers each request the way it came", "[lane][channel]") {
+  const auto ep = refit::test::temp_endpoint();
+  {
+    rep_channel rep(ep);
+    auto rx = lane::create();
+    req_channel fast(rep.endpoint());
+    fast.attach_lane(lane::open(rx->offer()));
+    CHECK(fast.has_lane());
+    rep.attach_lane(std::move(rx));
+    req_channel slow(rep.endpoint());  // another streamer, through ZeroMQ
+    std::vector<bool> through_lane;
+    std::thread server([&] {
+      for (int i = 0; i < 4; ++i) {
+        const auto got = rep.receive(20s, i % 2 == 0);
+        if (!got) return;
+        through_lane.push_back(rep.last_from_lane());
+        rep.reply("re:" + *got);
+      }
+    });
+    CHECK(fast.request("a", 20s, "A") == "re:a");
+    CHECK(slow.request("b", 20s, "B") == "re:b");
+    CHECK(fast.request(std::string(lane::slot_bytes + 7, 'c'), 20s, "C") == "re:" + std::string(lane::slot_bytes + 7, 'c'));
+    CHECK(slow.request("d", 20s, "D") == "re:d");
+    server.join();
+    CHECK(through_lane == std::vector<bool>{true, false, true, false});
+    // reset() drops the lane: the next request goes through ZeroMQ.
+    fast.reset();
+    CHECK_FALSE(fast.has_lane());
+  }
+  refit::channel::remove_private_endpoint(ep);
+}
+
+TEST_CASE("a streamer whose receiver stopped answering on the lane times out and resets", "[lane][channel]") {
+  const auto ep = refit::test::temp_endpoint();
+  {
+    rep_channel rep(ep);
+    auto rx = lane::create();
+    req_channel req(rep.endpoint());
+    req.attach_lane(lane::open(rx->offer()));
+    rep.attach_lane(std::move(rx));
+    CHECK_REFIT_ERROR(req.request("x", 100ms, "BEGIN of version 3"), errc::timeout,
+                      "no reply from the receiver at " + rep.endpoint() + " to BEGIN of version 3 within 100 ms");
+    CHECK_FALSE(req.has_lane());
+    CHECK(req.resets() == 1);
+  }
+  refit::channel::remove_private_endpoint(ep);
+}
+
+TEST_CASE("wait_any sees a request on a lane among several channels", "[lane][channel]") {
+  const auto ep1 = refit::test::temp_endpoint();
+  const auto ep2 = refit::test::temp_endpoint();
+  {
+    rep_channel a(ep1), b(ep2);
+    auto rx = lane::create();
+    req_channel to_b(b.endpoint());
+    to_b.attach_lane(lane::open(rx->offer()));
+    b.attach_lane(std::move(rx));
+    rep_channel* both[] = {&a, &b};
+    CHECK_FALSE(rep_channel::wait_any(both, 20ms));
+    to_b.send("hi", 5s, "HI");
+    CHECK(rep_channel::wait_any(both, 5s) == std::optional<std::size_t>(1));
+    CHECK(b.receive(0ms) == std::optional<std::string>("hi"));
+    CHECK(b.last_from_lane());
+    b.reply("ok");
+    CHECK(to_b.receive(5s, "HI") == "ok");
+  }
+  refit::channel::remove_private_endpoint(ep1);
+  refit::channel::remove_private_endpoint(ep2);
+}
+
+TEST_CASE("a streamer whose lane the receiver closed sends its next request through ZeroMQ", "[lane][channel]") {
+  const auto ep = refit::test::temp_endpoint();
+  {
+    rep_channel rep(ep);
+    auto rx = lane::create();
+    req_channel req(rep.endpoint());
+    req.attach_lane(lane::open(rx->offer()));
+    rep.attach_lane(std::move(rx));
+    // Another streamer's HELLO gives the channel a new lane: the old one is closed.
+    rep.attach_lane(lane::create());
+    bool through_lane = true;
+    std::thread server([&] {
+      const auto got = rep.receive(20s);
+      if (!got) return;
+      through_lane = rep.last_from_lane();
+      rep.reply("re:" + *got);
+    });
+    CHECK(req.request("BEGIN", 20s, "BEGIN of version 2") == "re:BEGIN");
+    server.join();
+    CHECK_FALSE(through_lane);
+    CHECK_FALSE(req.has_lane());
+    CHECK(req.resets() == 0);
+  }
+  refit::channel::remove_private_endpoint(ep);
+}
+
+TEST_CASE("a streamer waiting for a reply hears that the receiver closed its lane", "[lane]") {
+  auto rx = lane::create();
+  auto tx = lane::open(rx->offer());
+  CHECK(tx->send("END", in(5s), 0us));
+  std::thread closer([&] {
+    CHECK(rx->receive(in(5s), 0us) == std::optional<std::string>("END"));
+    rx->close();  // no reply: the session was replaced meanwhile
+  });
+  CHECK_REFIT_ERROR(tx->receive(in(20s), 0us), errc::peer, "the receiver closed the control lane");
+  closer.join();
+}
+
+TEST_CASE("a streamer sees at once that the lane's receiver process died", "[lane]") {
+  namespace rt = refit::test;
+  rt::signal_pipe from_child;
+  rt::signal_pipe to_child;
+  rt::child receiver([&] {
+    auto rx = lane::create();
+    std::string offer = rx->offer();
+    offer[offer.rfind('\n')] = '|';  // a line of the pipe
+    from_child.send(offer);
+    // Answers one request, then waits to be killed with the lane open (no close()).
+    const auto got = rx->receive(in(20s), 0us);
+    if (got) (void)rx->send("re:" + *got, in(20s), 0us);
+    (void)to_child.receive(60s);
+  });
+  std::string offer = from_child.receive(20s);
+  offer[offer.rfind('|')] = '\n';
+  auto tx = lane::open(offer);
+  CHECK(tx->send("BEGIN", in(20s), 0us));
+  CHECK(tx->receive(in(20s), 0us) == std::optional<std::string>("re:BEGIN"));
+  // Killed while the streamer waits for a reply: the reply never comes, and the wait says so at once.
+  CHECK(tx->send("BATCH", in(20s), 0us));
+  receiver.kill();
+  const auto t0 = lane::clock::now();
+  CHECK_REFIT_ERROR(tx->receive(in(20s), 0us), errc::timeout, "the receiver's process ended before it answered");
+  CHECK(lane::clock::now() - t0 < 10s);
+  // The next request is not sent at all: errc::peer, so that the streamer says HELLO again.
+  CHECK_REFIT_ERROR(tx->send("END", in(20s), 0us), errc::peer, "the receiver's process ended");
+}
