@@ -55,7 +55,8 @@ struct fd_guard {
 
 int open_bell(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) throw error(errc::io, fmt::format("cannot open the control lane's doorbell {}: {}", path, errno_text(errno)));
+  if (fd < 0)
+    throw error(errc::io, fmt::format("cannot open the control lane's doorbell {}: {}", path, errno_text(errno)));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISFIFO(st.st_mode) || st.st_uid != ::geteuid()) {
     ::close(fd);
@@ -104,7 +105,6 @@ struct lane::segment {
   }
 };
 
-
 std::unique_ptr<lane> lane::create() {
   static_assert(sizeof(segment) <= segment::data_offset);
   std::vector<std::string> bases;
@@ -150,8 +150,7 @@ std::unique_ptr<lane> lane::create() {
     l->seg_->layout = layout_version;
     store(l->seg_->magic, magic);  // last: the header is whole once the magic is there
     const std::string mine = dir + "/to-receiver", theirs = dir + "/to-streamer", life = dir + "/life";
-    if (::mkfifo(mine.c_str(), 0600) != 0 || ::mkfifo(theirs.c_str(), 0600) != 0 ||
-        ::mkfifo(life.c_str(), 0600) != 0) {
+    if (::mkfifo(mine.c_str(), 0600) != 0 || ::mkfifo(theirs.c_str(), 0600) != 0 || ::mkfifo(life.c_str(), 0600) != 0) {
       failures += fmt::format("; mkfifo in {}: {}", dir, errno_text(errno));
       continue;
     }
@@ -177,8 +176,7 @@ std::unique_ptr<lane> lane::open(std::string_view offer) {
   l->me_ = side::streamer;
   const std::string seg_path = dir + "/segment";
   fd_guard fd{::open(seg_path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW)};
-  if (fd.fd < 0)
-    throw error(errc::io, fmt::format("cannot open the control lane {}: {}", seg_path, errno_text(errno)));
+  if (fd.fd < 0) throw error(errc::io, fmt::format("cannot open the control lane {}: {}", seg_path, errno_text(errno)));
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
       static_cast<std::uint64_t>(st.st_size) != segment::total_bytes)
@@ -361,8 +359,8 @@ std::optional<std::string> lane::receive(clock::time_point deadline, std::chrono
     ring_peer();
     if (out.size() == total) return out;
     if (!wait_until([&] { return ready() || closed(); }, clock::now() + rest_of_message, spin) || !ready())
-      throw error(errc::timeout, fmt::format("control lane: a message stopped after {} of its {} bytes", out.size(),
-                                             total));
+      throw error(errc::timeout,
+                  fmt::format("control lane: a message stopped after {} of its {} bytes", out.size(), total));
   }
 }
 

@@ -113,7 +113,7 @@ class lane {
   /// deadline. (A child the receiver forks inherits the read end; the deadline then applies.)
   int life_ = -1;
   bool gone_ = false;  ///< streamer: the receiver's process has ended
-  std::string dir_;  ///< receiver: the directory, until removed
+  std::string dir_;    ///< receiver: the directory, until removed
   std::string offer_;
 };
 

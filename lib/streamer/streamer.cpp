@@ -225,6 +225,22 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     return fmt::format("receiver {} of {} ({})", k + 1, endpoints.size(), endpoints[k]);
   }
 
+  /// A request sent to every receiver whose replies are not collected yet (post(), collect()).
+  struct failure {
+    std::size_t receiver;
+    errc code;
+    std::string message;
+  };
+  struct in_flight {
+    std::string what;
+    clock::time_point started;
+    clock::time_point deadline;
+    std::vector<bool> sent;
+    std::vector<failure> failures;
+    bool session_lost = false;
+  };
+  std::optional<in_flight> flight;
+
   /// Sends a message to every receiver (made per receiver by `make`), runs `between` (the
   /// transport's join at HELLO), then collects every reply, and returns the OKs. When any receiver
   /// refuses or stays silent, throws refit::error naming each one that did (with the first
@@ -233,41 +249,64 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// communicator cannot be trusted after one.
   std::vector<wire::ok> request(const std::function<wire::message(std::size_t)>& make, const std::string& what,
                                 const std::function<void()>& between = {}) {
-    const auto started = clock::now();
-    const auto deadline = started + options.timeout;
-    const auto left = [&] {
-      return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(deadline - clock::now()));
-    };
-    struct failure {
-      std::size_t receiver;
-      errc code;
-      std::string message;
-    };
-    std::vector<failure> failures;
-    std::vector<bool> sent(channels.size(), false);
-    bool session_lost = false;
-    for (std::size_t k = 0; k < channels.size(); ++k) {
-      try {
-        channels[k].send(wire::encode(make(k)), left(), what);
-        sent[k] = true;
-      } catch (const error& e) {
-        failures.push_back({k, e.code(), e.what()});
-        session_lost = true;
-      }
-    }
-    if (between && failures.empty()) {
+    post(make, what);
+    if (between && flight->failures.empty()) {
       try {
         between();
       } catch (const error& e) {
-        failures.push_back({channels.size(), e.code(), e.what()});
-        session_lost = true;
+        flight->failures.push_back({channels.size(), e.code(), e.what()});
+        flight->session_lost = true;
       }
     }
+    return collect();
+  }
+
+  /// The first half of request(): sends to every receiver and returns; collect() hears the
+  /// replies. Nothing else may be sent meanwhile (one request at a time per channel).
+  void post(const std::function<wire::message(std::size_t)>& make, const std::string& what) {
+    if (flight) throw error(errc::internal, fmt::format("{} while {} waits for its replies", what, flight->what));
+    in_flight& f = flight.emplace();
+    f.what = what;
+    f.started = clock::now();
+    f.deadline = f.started + options.timeout;
+    f.sent.assign(channels.size(), false);
+    for (std::size_t k = 0; k < channels.size(); ++k) {
+      try {
+        channels[k].send(wire::encode(make(k)), left_of(f), what);
+        f.sent[k] = true;
+      } catch (const error& e) {
+        f.failures.push_back({k, e.code(), e.what()});
+        f.session_lost = true;
+      }
+    }
+  }
+
+  static milliseconds left_of(const in_flight& f) {
+    return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(f.deadline - clock::now()));
+  }
+
+  /// True when every reply of the request posted has arrived (collect() would not wait).
+  [[nodiscard]] bool replies_ready() {
+    if (!flight) return true;
+    for (std::size_t k = 0; k < channels.size(); ++k)
+      if (flight->sent[k] && !channels[k].reply_ready()) return false;
+    return true;
+  }
+
+  /// The second half of request(): the replies to the request posted, as request() returns them
+  /// or throws.
+  std::vector<wire::ok> collect() {
+    if (!flight) throw error(errc::internal, "collect() without a request posted");
+    in_flight f = std::move(*flight);
+    flight.reset();
+    const std::string& what = f.what;
+    std::vector<failure>& failures = f.failures;
+    bool session_lost = f.session_lost;
     std::vector<wire::ok> oks(channels.size());
     for (std::size_t k = 0; k < channels.size(); ++k) {
-      if (!sent[k]) continue;
+      if (!f.sent[k]) continue;
       try {
-        const wire::message reply = wire::decode(channels[k].receive(left(), what));
+        const wire::message reply = wire::decode(channels[k].receive(left_of(f), what));
         if (const auto* ok = std::get_if<wire::ok>(&reply)) {
           oks[k] = *ok;
         } else if (const auto* err = std::get_if<wire::error>(&reply)) {
@@ -290,15 +329,27 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       }
     }
     if (failures.empty()) {
-      REFIT_DEBUG("{}: answered by {} receiver(s) in {:.0f} us", what, channels.size(), seconds_since(started) * 1e6);
+      REFIT_DEBUG("{}: answered by {} receiver(s) in {:.0f} us", what, channels.size(), seconds_since(f.started) * 1e6);
       return oks;
     }
     receivers_failed = true;
     if (session_lost || can.session_dies_on_error) drop_session();
     if (failures.size() == 1) throw error(failures.front().code, failures.front().message);
     std::string message = fmt::format("{} of {} receivers failed {}:", failures.size(), channels.size(), what);
-    for (const auto& f : failures) message += fmt::format("\n  - {}", f.message);
+    for (const auto& fl : failures) message += fmt::format("\n  - {}", fl.message);
     throw error(failures.front().code, message);
+  }
+
+  /// Hears out a request still posted (a refit that failed on this side with a batch in flight),
+  /// so that the channels can be used again; what the receivers said is only logged.
+  void settle() noexcept {
+    if (!flight) return;
+    try {
+      (void)collect();
+    } catch (const std::exception& e) {
+      REFIT_DEBUG("a request posted before the failure: {}", e.what());
+    }
+    flight.reset();
   }
 
   /// The same message to every receiver.
@@ -620,6 +671,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// timeout. A silent one ends the session; so does nccl, whose receivers drop their
   /// communicator when they abort.
   void abort_everywhere(std::uint64_t version, errc code, const std::string& reason) noexcept {
+    settle();
+    if (receivers_failed) return;  // a receiver refused the batch in flight: it knows
     try {
       REFIT_INFO("version {} failed on the streamer's side: {}; telling {} receiver(s)", version, reason,
                  channels.size());
@@ -657,6 +710,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
   /// Direct writes planned between two questions whether the device is idle (see send_tensors).
   static constexpr std::uint64_t direct_check_bytes = 16ull << 20;
+  /// Entries of a direct session's manifest before a piece of it may be sent (see send_tensors):
+  /// a receiver checks an entry in about a microsecond, cold, and a piece costs a round trip.
+  static constexpr std::size_t direct_manifest_entries = 32;
   /// Bytes of tensors a batch the receiver reads in place covers at most (unless a buffer is
   /// larger): large enough that a batch's round trip is small beside its copies, small enough that
   /// the receiver's work on one batch overlaps the streamer's on the next (H100: llama3-8b 13.2 ms
@@ -758,8 +814,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       stats.pack_seconds += seconds_since(tp);
     }
 
-    /// Packs (or launches) the open batch, sends its BATCH and waits for the replies.
-    void flush() {
+    /// Packs (or launches) the open batch, sends its BATCH and waits for the replies. `launch`
+    /// false: a direct session's piece of manifest, sent without launching the copies planned
+    /// (they go when the device idles, as ever: see note_direct).
+    void flush(bool launch = true) {
       const std::size_t buffer = seq % st.buffers->count();
       auto tp = clock::now();
       // A batch the receiver reads only where the tensors are writes nothing into the buffer, so it
@@ -769,7 +827,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                                    return e.bytes != 0 && e.source == 0;
                                  });
       if (!direct && !packs_nothing) st.buffers->begin_pack(buffer);
-      run_ops();
+      if (launch || !direct) run_ops();
 #if REFIT_HAVE_CUDA
       // A delta's patches written on the device (send_device_group) are queued until here.
       if (st.device_delta) delta::cuda::launch_writes(*st.device_delta);
@@ -790,7 +848,14 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       b.sources = std::move(sources);
       b.ready = ready;
       tp = clock::now();
-      st.request(b, fmt::format("BATCH {} of version {}", seq, version));
+      if (st.flight) (void)st.collect();  // the batch before, posted (direct)
+      if (direct) {
+        // Its reply is heard at the next batch or before END: meanwhile the receiver checks this
+        // manifest while this side plans and launches the next tensors.
+        st.post([&](std::size_t) { return wire::message(b); }, fmt::format("BATCH {} of version {}", seq, version));
+      } else {
+        st.request(b, fmt::format("BATCH {} of version {}", seq, version));
+      }
       stats.wait_seconds += seconds_since(tp);
       ++stats.batches;
       seq += 1;
@@ -1532,6 +1597,14 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       stats.tensors += 1;
       stats.bytes += bytes;
       if (keep) keep = keep_in_base(*t, bytes, *checksum, stats);
+      // A direct session's manifest goes in pieces, each sent once the receiver has answered the
+      // one before: its checks of one piece overlap this side's work on the next, and only the
+      // last piece's are left when the source ends.
+      if (w.direct && w.entries.size() >= direct_manifest_entries && replies_ready()) {
+        w.flush(false);
+        pl = planner(pl.options());  // the planner's open batch went with it
+        w.first_batch = w.seq;
+      }
     }
     if (how == sending::delta) finish_delta(w, pl, scratch);
     if (!w.entries.empty()) w.flush();
@@ -1544,6 +1617,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       const auto tp = clock::now();
       buffers->drain();
       stats.pack_seconds += seconds_since(tp);
+    }
+    if (flight) {
+      const auto tw = clock::now();
+      (void)collect();  // the last batch, posted (direct)
+      stats.wait_seconds += seconds_since(tw);
     }
   }
 };

@@ -605,6 +605,62 @@ TEST_CASE("a direct cuda_ipc refit commits only once the streamer's writes have 
       });
 }
 
+TEST_CASE(
+    "a direct cuda_ipc source that fails after pieces of the manifest went out aborts the refit; the next one "
+    "commits bit-exact",
+    "[cuda_ipc]") {
+  // A direct session's manifest goes in pieces, each sent while the next tensors are planned: a
+  // failure with a piece in flight must hear its reply before ABORT (one request at a time).
+  const auto metas = rt::mixed_model(400, 0);
+  const auto ep = rt::temp_endpoint();
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        device_tensors weights(metas, 0);
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        weights.register_with(r);
+        ready.send("ready");
+        int aborts = 0, commits = 0;
+        serve_until_bye(
+            r,
+            [&](std::uint64_t v) {
+              ++commits;
+              expect(v == 2, "committed version " + std::to_string(v));
+              const auto m = weights.mismatch(2);
+              expect(m.empty(), "version 2: " + m);
+            },
+            {},
+            [&] {
+              ++aborts;
+              expect(r.last_error().find("the source gave up at tensor 300") != std::string::npos,
+                     "last_error: " + r.last_error());
+            });
+        expect(aborts == 1 && commits == 1,
+               std::to_string(aborts) + " aborts, " + std::to_string(commits) + " commits");
+      },
+      [&] {
+        device_tensors source(metas, 0);
+        refit::streamer s(stream_options(ep, 0, relaxed));
+        source.upload(1);
+        const auto refs = source.refs();
+        std::size_t i = 0;
+        try {
+          s.refit(1, [&]() -> std::optional<refit::tensor_ref> {
+            if (i == 300) throw refit::error(refit::errc::invalid_argument, "the source gave up at tensor 300");
+            return refs[i++];
+          });
+          expect(false, "a refit whose source threw succeeded");
+        } catch (const refit::error& e) {
+          expect(std::string(e.what()).find("the source gave up at tensor 300") != std::string::npos,
+                 std::string("message: ") + e.what());
+        }
+        source.upload(2);
+        const auto stats = s.refit(2, source.refs());
+        expect(stats.direct, "version 2 was not written directly");
+        expect(stats.tensors == metas.size(), std::to_string(stats.tensors) + " tensors");
+        s.close();
+      });
+}
+
 TEST_CASE("with direct writes turned off, cuda_ipc stages through the buffers into the parameter table bit-exact",
           "[cuda_ipc]") {
   const auto metas = rt::mixed_model(300, 3 * buffer_bytes);

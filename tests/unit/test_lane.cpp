@@ -34,12 +34,12 @@ std::string dir_of(const lane& l) { return l.offer().substr(0, l.offer().rfind('
 lane::clock::time_point in(std::chrono::milliseconds d) { return lane::clock::now() + d; }
 
 /// Checks that `expr` throws refit::error with `code` and a message containing `fragment`.
-#define CHECK_REFIT_ERROR(expr, want, fragment)                                   \
-  do {                                                                            \
-    const auto f = refit::test::failure_of([&] { (void)(expr); });                \
-    REQUIRE(f);                                                                   \
-    CHECK(f->code == refit::test::code_name(want));                               \
-    CHECK_THAT(f->message, Catch::Contains(std::string(fragment)));               \
+#define CHECK_REFIT_ERROR(expr, want, fragment)                     \
+  do {                                                              \
+    const auto f = refit::test::failure_of([&] { (void)(expr); });  \
+    REQUIRE(f);                                                     \
+    CHECK(f->code == refit::test::code_name(want));                 \
+    CHECK_THAT(f->message, Catch::Contains(std::string(fragment))); \
   } while (false)
 
 }  // namespace
@@ -86,8 +86,9 @@ TEST_CASE("a message that stops half-way is an error, not a wait without end", "
   auto rx = lane::create();
   auto tx = lane::open(rx->offer());
   CHECK_FALSE(tx->send(std::string(2 * lane::slot_bytes, 'y'), in(10ms), 0us));  // one chunk posted
-  CHECK_REFIT_ERROR(rx->receive(in(1s), 0us), errc::timeout, "control lane: a message stopped after 1048576 of its "
-                                                             "2097152 bytes");
+  CHECK_REFIT_ERROR(rx->receive(in(1s), 0us), errc::timeout,
+                    "control lane: a message stopped after 1048576 of its "
+                    "2097152 bytes");
 }
 
 TEST_CASE("a lane lives in a private directory that remove_files removes, and still works after", "[lane]") {
@@ -153,7 +154,8 @@ TEST_CASE("a channel with a lane answers each request the way it came", "[lane][
     });
     CHECK(fast.request("a", 20s, "A") == "re:a");
     CHECK(slow.request("b", 20s, "B") == "re:b");
-    CHECK(fast.request(std::string(lane::slot_bytes + 7, 'c'), 20s, "C") == "re:" + std::string(lane::slot_bytes + 7, 'c'));
+    CHECK(fast.request(std::string(lane::slot_bytes + 7, 'c'), 20s, "C") ==
+          "re:" + std::string(lane::slot_bytes + 7, 'c'));
     CHECK(slow.request("d", 20s, "D") == "re:d");
     server.join();
     CHECK(through_lane == std::vector<bool>{true, false, true, false});
