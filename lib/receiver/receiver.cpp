@@ -1211,7 +1211,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       const auto arrived = [&](const std::string& name) {
         return grouped() ? shards.contains(name) : ln->tracker->completed().contains(name);
       };
-      if (!callback && !refit_subset) {
+      // Every entry's name was found in the table as its batch was checked (table_ops), so a
+      // streamer alone delivered every registered tensor exactly when it completed as many names
+      // as the table has: the names are looked up one by one only to say which are missing.
+      const bool all_there = !grouped() && ln->tracker->completed().size() == table.names();
+      if (!callback && !refit_subset && !all_there) {
         std::size_t missing = 0;
         std::string first;
         for (const auto& [name, slots] : table) {
@@ -1259,15 +1263,19 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                grouped() ? fmt::format("{} streamers", lanes.size()) : who(*ln), figures.tensors,
                static_cast<double>(figures.bytes) / 1e9);
     endings.push_back(ending{version, true, {}});
+    // The streamers hear it first; what is only tidying up follows (the next request waits for
+    // it all the same, but a streamer's refit() returns meanwhile).
     lane* const current = ln;
     for (lane& l : lanes) {
-      l.tracker->reset();
-      if (l.sink) l.sink->end_sources();  // drained: what this version did not read is unmapped
       l.held.reset();
       ln = &l;
       reply_ok();
     }
     ln = current;
+    for (lane& l : lanes) {
+      l.tracker->reset();
+      if (l.sink) l.sink->end_sources();  // drained: what this version did not read is unmapped
+    }
     return receiver_event::committed;
   }
 

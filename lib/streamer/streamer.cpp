@@ -1607,7 +1607,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       }
     }
     if (how == sending::delta) finish_delta(w, pl, scratch);
-    if (!w.entries.empty()) w.flush();
+    if (!w.entries.empty())
+      w.flush();
+    else if (w.direct)
+      w.launch_direct();  // the last piece of the manifest went without launching its copies
 #if REFIT_HAVE_CUDA
     if (how == sending::delta && device_delta) *checksum += device_delta->take_terms(buffers->stream());
 #endif

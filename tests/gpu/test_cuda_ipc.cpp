@@ -1264,8 +1264,10 @@ TEST_CASE("a receiver killed mid-refit fails the streamer with a timeout, and a 
   const auto line = outcome.receive(60s);
   INFO("the streamer's first refit: " << line);
   REQUIRE(line.rfind("timeout ", 0) == 0);
+  // Through ZeroMQ a dead receiver is a reply that never comes: the streamer's timeout. Through
+  // the control lane (the default on one host), a reply the streamer waits for fails at once,
+  // since the receiver's process ended (and a request not sent yet goes through ZeroMQ: timeout).
   const auto ms = std::stoll(line.substr(8));
-  CHECK(ms >= fault_timeout.count() * 9 / 10);
   CHECK(ms < 3 * fault_timeout.count());
 
   rt::signal_pipe second_ready;
