@@ -130,6 +130,9 @@ class copier {
   /// True when every copy this copier enqueued has finished (the device would idle without more
   /// work), asked without waiting. Engines that cannot tell say false.
   [[nodiscard]] virtual bool idle() noexcept { return false; }
+  /// True when at most one launch of this copier's is unfinished (the device has the last one, at
+  /// most, left to run), asked without waiting. Engines that cannot tell say idle().
+  [[nodiscard]] virtual bool queue_short() noexcept { return idle(); }
 };
 
 /// Appends the copies that move source bytes [from, from + bytes) along `runs` (plan::route of

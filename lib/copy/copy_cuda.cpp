@@ -193,14 +193,8 @@ class kernel_copier final : public cuda_copier {
 
   [[nodiscard]] engine kind() const noexcept override { return engine::kernel; }
 
-  bool idle() noexcept override {
-    // The slot used last holds the event recorded after the last kernel.
-    const slot& last = slots_[(next_ + slots_.size() - 1) % slots_.size()];
-    const cudaError_t status = cudaEventQuery(last.consumed.handle());  // any device may ask
-    if (status == cudaErrorNotReady) return false;
-    (void)cudaGetLastError();  // an error here is reported by the next real call, not by a query
-    return status == cudaSuccess;
-  }
+  bool idle() noexcept override { return done(1); }
+  bool queue_short() noexcept override { return done(2); }
 
  private:
   static constexpr std::size_t initial_capacity = 1024;  // ops; 64 KiB per array
@@ -227,6 +221,16 @@ class kernel_copier final : public cuda_copier {
     cuda::event uploaded;  ///< recorded after the op list's upload: the host array is free
     cuda::event consumed;  ///< recorded after the kernel: the device array is free
   };
+
+  /// True when the kernel launched `back` launches ago (1: the last) has finished: its slot holds
+  /// the event recorded after it (never recorded: finished).
+  bool done(std::size_t back) noexcept {
+    const slot& sl = slots_[(next_ + slots_.size() - back) % slots_.size()];
+    const cudaError_t status = cudaEventQuery(sl.consumed.handle());  // any device may ask
+    if (status == cudaErrorNotReady) return false;
+    (void)cudaGetLastError();  // an error here is reported by the next real call, not by a query
+    return status == cudaSuccess;
+  }
 
   static void grow(slot& s, std::size_t capacity) {
     const std::uint64_t bytes = capacity * sizeof(kernel::device_op);
