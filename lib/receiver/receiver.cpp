@@ -1436,6 +1436,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
           } else if constexpr (std::is_same_v<T, wire::bye>) {
             end_session();
             reply_ok();
+            ln->channel.attach_lane(nullptr);  // the session's lane goes with it (answered first)
             return receiver_event::bye;
           } else if constexpr (std::is_same_v<T, wire::abort>) {
             return on_abort(msg);

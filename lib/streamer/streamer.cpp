@@ -1666,6 +1666,7 @@ void streamer::close() noexcept {
     } catch (const std::exception& e) {
       REFIT_DEBUG("BYE to {} not answered: {}", impl_->endpoints[k], e.what());
     }
+    impl_->channels[k].attach_lane(nullptr);  // the session's control lane, unmapped
   }
   impl_->drop_session();
 }
