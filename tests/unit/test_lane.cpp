@@ -54,14 +54,17 @@ TEST_CASE("a lane carries messages both ways, shorter and longer than its slot",
     const std::string reply = random_bytes(n / 2 + 3, static_cast<unsigned>(n + 1));
     // The receiving end runs on its own thread: a message longer than the slot is taken chunk by
     // chunk while it is sent. The receiver waits without spinning, on its doorbell.
+    // Catch's assertions are not thread-safe: the thread only records what happened.
     std::optional<std::string> got;
+    bool replied = false;
     std::thread server([&] {
       got = rx->receive(in(20s), 0us);
-      if (got) CHECK(rx->send(reply, in(20s), 0us));
+      if (got) replied = rx->send(reply, in(20s), 0us);
     });
     CHECK(tx->send(request, in(20s), 100us));
     const auto answer = tx->receive(in(20s), 100us);
     server.join();
+    CHECK(replied);
     REQUIRE(got);
     CHECK(*got == request);
     REQUIRE(answer);
@@ -234,12 +237,14 @@ TEST_CASE("a streamer waiting for a reply hears that the receiver closed its lan
   auto rx = lane::create();
   auto tx = lane::open(rx->offer());
   CHECK(tx->send("END", in(5s), 0us));
+  std::optional<std::string> got;  // recorded by the thread, checked after it (Catch is not thread-safe)
   std::thread closer([&] {
-    CHECK(rx->receive(in(5s), 0us) == std::optional<std::string>("END"));
+    got = rx->receive(in(5s), 0us);
     rx->close();  // no reply: the session was replaced meanwhile
   });
   CHECK_REFIT_ERROR(tx->receive(in(20s), 0us), errc::peer, "the receiver closed the control lane");
   closer.join();
+  CHECK(got == std::optional<std::string>("END"));
 }
 
 TEST_CASE("a streamer sees at once that the lane's receiver process died", "[lane]") {
