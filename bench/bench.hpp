@@ -374,6 +374,9 @@ struct config {
   bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
   bool share = true;       ///< streamer_options::share_tensors (--share-tensors)
   bool lane = true;        ///< streamer_options::control_lane (--control-lane)
+  /// --split: after each row's refits, as many of one tensor alone (subset versions, same session):
+  /// the refit's fixed cost, and what the rest of the row's time moves its bytes at.
+  bool split = false;
   /// GPU copy engines to compare (one row each); host_shm always copies with memcpy.
   std::vector<copy_engine> engines{copy_engine::automatic};
   /// The receiver's engine for each entry of `engines` ("--engine pack/apply"; same when not given).
@@ -486,6 +489,14 @@ struct row {
   double ratio = 0;         ///< floor / median
   double source_ms = 0, pack_ms = 0, wait_ms = 0, apply_ms = -1;  ///< medians; apply -1: unknown
   std::int64_t wrong = 0;  ///< tensors with a wrong checksum over every refit; -1: not verified
+  /// --split: median of the row's refits of its smallest tensor alone (a subset version in the
+  /// same session), the fixed cost of a refit; -1: not measured.
+  double fixed_ms = -1;
+  /// floor / (median - fixed): the part of the refit beyond its fixed cost against the floor; 0
+  /// when not measured (or the fixed cost is the whole refit).
+  [[nodiscard]] double rest_ratio() const noexcept {
+    return fixed_ms < 0 || median_ms <= fixed_ms ? 0.0 : floor_ms / (median_ms - fixed_ms);
+  }
 
   [[nodiscard]] std::uint64_t buffer_memory() const noexcept { return buffer_bytes * buffers; }
 };

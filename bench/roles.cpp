@@ -579,12 +579,41 @@ class group_runner {
       samples.wait.push_back(st.wait_seconds * 1e3);
       if (apply_ms >= 0) samples.apply.push_back(apply_ms);
     }
+    if (c_.split) r.fixed_ms = fixed_cost(s, mb, nbuf, r);
     s.close();
     finish_row(r, samples, went_direct, shared);
     // Requests through ZeroMQ (--control-lane 0, or no lane offered): labelled, since a small
     // refit's fixed cost differs.
     if (!lane) r.engine += "+zmq";
     return r;
+  }
+
+  /// --split: the median of warm-up + iters refits of the smallest tensor with bytes alone, each a
+  /// subset version in the row's session (verified like the others: the source is unchanged, so
+  /// every receiver still holds what it expects); -1 when the model has no such tensor.
+  double fixed_cost(streamer& s, double mb, std::size_t nbuf, row& r) {
+    std::size_t smallest = n_;
+    for (std::size_t i = 0; i < n_; ++i)
+      if (sizes_[i] != 0 && (smallest == n_ || sizes_[i] < sizes_[smallest])) smallest = i;
+    if (smallest == n_) return -1;
+    std::vector<double> times;
+    for (int it = 0; it < c_.warmup + c_.iters; ++it) {
+      const std::uint64_t v = g_.version++;
+      const auto t0 = clock::now();
+      try {
+        (void)s.refit(v, std::span<const tensor_ref>(&refs_[smallest], 1), refit_scope::subset);
+      } catch (const error& e) {
+        throw error(e.code(), fmt::format("refit-bench: {} {} {} MiB x{}: --split refit of version {} ({} alone) "
+                                          "failed: {}",
+                                          tname_, g_.m.name, mb, nbuf, v, refs_[smallest].meta.name, e.what()));
+      }
+      const double ms = ms_since(t0);
+      double apply_ms = -1;
+      const std::int64_t wrong_now = check_receivers(v, apply_ms);
+      if (verify_) r.wrong += wrong_now;
+      if (it >= c_.warmup) times.push_back(ms);
+    }
+    return median(times);
   }
 
   /// Fresh data for every refit: one byte per tensor changes, expected sums follow in O(1).

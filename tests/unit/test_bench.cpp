@@ -610,6 +610,37 @@ TEST_CASE("a short host_shm run prints a row per buffer size and verifies every 
   CHECK(fs::file_size(c.plot_file) > 1000);
 }
 
+TEST_CASE("--split times each row's smallest tensor alone as subset versions, verified, under the row",
+          "[bench][e2e]") {
+  scratch s;
+  config c = short_run("tiny");
+  c.split = true;
+  c.buffer_mb = {1};
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  INFO(out.str());
+  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK"));
+  CHECK_THAT(out.str(), Catch::Contains("#   split: fixed ") &&
+                            Catch::Contains(" ms a refit (its smallest tensor alone, a subset version, same session)"));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 1);
+  const json& r = j["rows"][0];
+  CHECK(r["wrong"] == 0);
+  CHECK(r["fixed_ms"].get<double>() > 0);
+  CHECK(r["rest_ratio"].get<double>() >= 0);
+  // Without --split the row says nothing of it.
+  config plain = short_run("tiny");
+  plain.buffer_mb = {1};
+  plain.json_file = s.file("plain.json");
+  std::ostringstream out2;
+  CHECK(run(plain, out2) == 0);
+  CHECK_THAT(out2.str(), !Catch::Contains("split:"));
+  std::ifstream f2(plain.json_file);
+  CHECK(json::parse(f2)["rows"][0]["fixed_ms"].is_null());
+}
+
 TEST_CASE("a tensor larger than the buffer and odd sizes from a JSON manifest arrive intact", "[bench][e2e]") {
   scratch s;
   write_file(s.file("odd.json"),
