@@ -470,10 +470,8 @@ void copy_engine_body(refit::copy::engine engine) {
   auto copier = refit::copy::make_copier(engine, 0);
   expect(copier->kind() == engine, "make_copier made another engine");
   // Uneven calls, without waiting in between: more calls than the kernel's ring has slots, one
-  // call larger than a slot's first capacity, an empty call and one of zero-byte ops only; the
-  // kernel's calls of up to 256 ops pass them as the launch's parameter, longer ones through the
-  // ring, interleaved (256 and 257 on either side of the bound).
-  const std::size_t cuts[] = {1, 7, 1500, 0, 3, 256, 257, 300, 2, 1, 40, 9};
+  // call larger than a slot's first capacity, an empty call and one of zero-byte ops only.
+  const std::size_t cuts[] = {1, 7, 1500, 0, 3, 300, 2, 1, 40, 9};
   std::size_t at = 0;
   for (const auto n : cuts) {
     const auto take = std::min(n, ops.size() - at);
