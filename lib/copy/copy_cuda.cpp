@@ -9,7 +9,6 @@
 #include <array>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -36,10 +35,8 @@ std::size_t non_empty(std::span<const op> ops) noexcept {
       std::count_if(ops.begin(), ops.end(), [](const op& o) { return o.bytes != 0 && o.rows != 0; }));
 }
 
-/// One launch of the copy kernel per run(). Up to kernel::inline_ops ops travel as the launch's
-/// own parameter (no upload, nothing to wait for: a small refit's launches). A longer op list
-/// reaches the device through a ring of slots, each a page-locked host array and a device array:
-/// run() fills a slot's host array,
+/// One launch of the copy kernel per run(). The op list reaches the device through a ring of
+/// slots, each a page-locked host array and a device array: run() fills a slot's host array,
 /// copies it to the slot's device array on the caller's stream and launches the kernel after it.
 /// A slot comes round again after `ring` calls; by then its host array's upload has normally
 /// finished (otherwise run() waits for that one copy), and the stream waits (on the device, not
@@ -160,26 +157,6 @@ class kernel_copier final : public cuda_copier {
     slot& sl = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
 
-    if (count <= kernel::inline_ops) {
-      // Few enough to pass as the launch's parameter: no upload, nothing to wait for.
-      std::uint64_t tiles = 0;
-      std::uint32_t n = 0;
-      for (const op& o : ops) {
-        const kernel::tiling cut = kernel::tiles_of(o.bytes, o.rows);
-        if (cut.tiles == 0) continue;
-        inline_->ops[n++] = kernel::device_op{
-            o.src, o.dst, o.bytes, tiles, o.rows, o.src_pitch, o.dst_pitch, cut.tiles_per_row, cut.rows_per_tile};
-        tiles += cut.tiles;
-      }
-      const auto blocks = static_cast<int>(std::min<std::uint64_t>(tiles, static_cast<std::uint64_t>(max_blocks_)));
-      check_cuda(kernel::launch_copy_inline(*inline_, n, tiles, blocks, s), [&] {
-        return fmt::format("copy kernel launch ({} copies inline, {} tiles, {} blocks, device {})", n, tiles, blocks,
-                           device_);
-      });
-      check_cuda(cudaEventRecord(sl.consumed.handle(), s), "cudaEventRecord(copy kernel)");
-      return;
-    }
-
     // The host array is overwritten below: its last upload must be complete.
     wait(sl.uploaded.handle(), "the upload of a copy op list");
     if (count > sl.capacity) {
@@ -268,8 +245,6 @@ class kernel_copier final : public cuda_copier {
 
   milliseconds timeout_;
   int max_blocks_ = 1;
-  /// The parameter of an inline launch (16 KiB: not on the stack), copied by the launch itself.
-  std::unique_ptr<kernel::op_list> inline_ = std::make_unique<kernel::op_list>();
   std::array<slot, 4> slots_;
   std::size_t next_ = 0;
 };

@@ -89,11 +89,8 @@ __device__ __forceinline__ void copy_short_rows(const unsigned char* s, unsigned
     copy_range(s + r * src_pitch, d + r * dst_pitch, static_cast<std::uint32_t>(bytes));
 }
 
-/// The copy of every tile of `count` ops, `global`: ops in device memory (read through the
-/// read-only cache), else a kernel parameter (copy_tiles_inline).
-template <bool global>
-__device__ __forceinline__ void copy_tiles_of(const device_op* __restrict__ ops, std::uint32_t count,
-                                              std::uint64_t total_tiles) {
+__global__ void __launch_bounds__(copy_threads)
+    copy_tiles(const device_op* __restrict__ ops, std::uint32_t count, std::uint64_t total_tiles) {
   // Tiles of one block only increase, so the op index only increases: search from the last one.
   std::uint32_t op = 0;
   for (std::uint64_t t = blockIdx.x; t < total_tiles; t += gridDim.x) {
@@ -101,12 +98,7 @@ __device__ __forceinline__ void copy_tiles_of(const device_op* __restrict__ ops,
     std::uint32_t hi = count;
     while (hi - lo > 1) {
       const std::uint32_t mid = lo + (hi - lo) / 2;
-      std::uint64_t first = 0;
-      if constexpr (global)
-        first = __ldg(&ops[mid].first_tile);
-      else
-        first = ops[mid].first_tile;
-      if (first <= t)
+      if (__ldg(&ops[mid].first_tile) <= t)
         lo = mid;
       else
         hi = mid;
@@ -129,16 +121,6 @@ __device__ __forceinline__ void copy_tiles_of(const device_op* __restrict__ ops,
                       rest < o.rows_per_tile ? rest : o.rows_per_tile);
     }
   }
-}
-
-__global__ void __launch_bounds__(copy_threads)
-    copy_tiles(const device_op* __restrict__ ops, std::uint32_t count, std::uint64_t total_tiles) {
-  copy_tiles_of<true>(ops, count, total_tiles);
-}
-
-__global__ void __launch_bounds__(copy_threads)
-    copy_tiles_inline(const __grid_constant__ op_list list, std::uint32_t count, std::uint64_t total_tiles) {
-  copy_tiles_of<false>(list.ops, count, total_tiles);
 }
 
 __global__ void __launch_bounds__(checksum_threads)
@@ -642,13 +624,6 @@ cudaError_t launch_copy(const device_op* ops, std::uint32_t count, std::uint64_t
                         cudaStream_t stream) noexcept {
   (void)cudaGetLastError();  // a stale error of an earlier, unrelated call is not this launch's
   copy_tiles<<<blocks, copy_threads, 0, stream>>>(ops, count, total_tiles);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_copy_inline(const op_list& list, std::uint32_t count, std::uint64_t total_tiles, int blocks,
-                               cudaStream_t stream) noexcept {
-  (void)cudaGetLastError();  // a stale error of an earlier, unrelated call is not this launch's
-  copy_tiles_inline<<<blocks, copy_threads, 0, stream>>>(list, count, total_tiles);
   return cudaGetLastError();
 }
 

@@ -62,19 +62,6 @@ constexpr tiling tiles_of(std::uint64_t bytes, std::uint64_t rows = 1) noexcept 
 cudaError_t launch_copy(const device_op* ops, std::uint32_t count, std::uint64_t total_tiles, int blocks,
                         cudaStream_t stream) noexcept;
 
-/// Ops a launch takes as its own parameter (copy_tiles_inline) instead of a device array: no
-/// upload, no event and no wait before the launch, which a small refit's launches are made of
-/// (each a system call or more on a virtual machine). 256 ops are 16 KiB of parameters (the limit
-/// is 32 KiB on sm_70 and later since CUDA 12.1).
-inline constexpr std::uint32_t inline_ops = 256;
-struct op_list {
-  device_op ops[inline_ops];
-};
-
-/// launch_copy() with the ops passed by value: `count` <= inline_ops of `list`.
-cudaError_t launch_copy_inline(const op_list& list, std::uint32_t count, std::uint64_t total_tiles, int blocks,
-                               cudaStream_t stream) noexcept;
-
 /// Enqueues the checksum reduction of copy::checksum() over `bytes` bytes at `p` into `*result`
 /// (device memory, must be zero before), with `blocks` blocks, on `stream`. Every term but the
 /// `+ bytes` is computed on the device. Returns cudaGetLastError() after the launch.
