@@ -37,7 +37,8 @@ std::size_t non_empty(std::span<const op> ops) noexcept {
 
 /// One launch of the copy kernel per run(). The op list reaches the device through a ring of
 /// slots, each a page-locked host array and a device array: run() fills a slot's host array,
-/// copies it to the slot's device array on a stream of its own (so that the upload overlaps the kernel before) and launches the kernel after it.
+/// copies it to the slot's device array on a stream of its own (so that the upload overlaps the
+/// kernel before) and launches the kernel after it.
 /// A slot comes round again after `ring` calls; by then its host array's upload has normally
 /// finished (otherwise run() waits for that one copy), and the stream waits (on the device, not
 /// the host) for the kernel that last read its device array, in case that ran on another stream.
