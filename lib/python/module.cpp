@@ -571,9 +571,11 @@ class py_streamer {
     python_tensors source(stream, device_);
     // Containers (a state_dict, a list of pairs) are read 64 pairs per visit under the GIL, while
     // the streamer moves the bytes of the ones before: the conversion overlaps the transfer.
-    const bool container =
-        py::hasattr(tensors, "items") || py::isinstance<py::list>(tensors) || py::isinstance<py::tuple>(tensors);
-    const py::object pairs = py::hasattr(tensors, "items") ? tensors.attr("items")() : tensors;
+    // "items" is asked once, by an interned name (a list of pairs makes no AttributeError).
+    static const auto* items = new py::str("items");  // never destroyed: see world()
+    const bool mapping = has_attr(tensors, *items);
+    const bool container = mapping || PyList_Check(tensors.ptr()) || PyTuple_Check(tensors.ptr());
+    const py::object pairs = mapping ? tensors.attr(*items)() : tensors;
     source.pull_from(py::iter(pairs), container ? 64 : 1);
     try {
       refit_stats stats;

@@ -153,6 +153,14 @@ tensor_world::tensor_world() : torch_(py::none()) {
   }
   from_dlpack_ = py::module_::import("torch.utils.dlpack").attr("from_dlpack");
   uint8_ = torch_.attr("uint8");
+  cuda_ = torch_.attr("cuda");
+  // torch.cuda.current_stream(i).cuda_stream builds a torch.cuda.Stream, entering and leaving the
+  // device's context, to read one integer: microseconds of every refit of CUDA tensors. A torch
+  // built with CUDA also has the raw query (the same integer); current_stream() uses it once torch
+  // has initialised CUDA in this process (torch.cuda._initialized, cleared in a forked child).
+  const py::object c = torch_.attr("_C");
+  if (py::hasattr(c, "_cuda_getCurrentRawStream") && py::hasattr(cuda_, "_initialized"))
+    raw_stream_ = c.attr("_cuda_getCurrentRawStream");
   // Every torch dtype refit carries; newer ones (fp8, unsigned) only where this torch has them.
   static constexpr std::pair<const char*, dtype> names[] = {
       {"bool", dtype::bool_},
@@ -380,7 +388,11 @@ py::object tensor_world::alias(const tensor_meta& meta, const void* data, std::u
 
 void* tensor_world::current_stream(int index) {
   if (!has_torch()) return nullptr;
-  const auto handle = torch_.attr("cuda").attr("current_stream")(index).attr("cuda_stream").cast<std::uintptr_t>();
+  // Until torch initialised CUDA, current_stream() does it (or raises what torch raises).
+  static const auto* initialized = new py::str("_initialized");  // never destroyed: see names()
+  const bool raw = raw_stream_ && truth(get(cuda_, *initialized));
+  const auto handle =
+      (raw ? raw_stream_(index) : cuda_.attr("current_stream")(index).attr("cuda_stream")).cast<std::uintptr_t>();
   // torch's default stream is the legacy default stream (handle 0); refit reads a null stream as
   // "nothing to wait for", so name it explicitly (cudaStreamLegacy).
   return handle == 0 ? reinterpret_cast<void*>(std::uintptr_t{1}) : reinterpret_cast<void*>(handle);

@@ -87,6 +87,8 @@ class tensor_world {
   py::object parameter_type_;  // torch.nn.Parameter
   py::object from_dlpack_;     // torch.utils.dlpack.from_dlpack
   py::object uint8_;           // torch.uint8
+  py::object cuda_;            // torch.cuda
+  py::object raw_stream_;      // torch._C._cuda_getCurrentRawStream, where this torch has it
   py::object numpy_;           // numpy, looked up lazily
   /// torch dtype object -> refit dtype: a dozen entries, scanned (faster than hashing here).
   std::vector<std::pair<PyObject*, dtype>> by_torch_dtype_;
