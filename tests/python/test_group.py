@@ -99,10 +99,12 @@ def test_ranks_of_shard0_rows_commit_bit_exact_versions_into_a_parameter_table(w
             for name, t in state.items():
                 assert torch.equal(weights[name], t), name
             assert sum(st.bytes for st in stats) == sum(t.numel() * t.element_size() for t in state.values())
-        assert refit.Event.ended in s.events
-        assert s.events.count(refit.Event.committed) == 2
         for st in streamers:
             st.close()
+    # The serving thread has stopped: every event serve_one() returned is in the list (a streamer's
+    # refit() returns once the last END is answered, which serve_one() reports a moment later).
+    assert refit.Event.ended in s.events
+    assert s.events.count(refit.Event.committed) == 2
     rx.close()
 
 
