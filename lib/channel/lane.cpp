@@ -343,6 +343,19 @@ bool lane::send(std::string_view bytes, clock::time_point deadline, std::chrono:
 
 bool lane::closed() const noexcept { return me_ == side::streamer && (gone_ || load(seg_->closed.value) != 0); }
 
+void lane::post_unchecked(std::uint64_t total, std::uint64_t offset, std::uint64_t bytes, std::string_view data,
+                          std::uint64_t posts) noexcept {
+  const side peer = me_ == side::receiver ? side::streamer : side::receiver;
+  auto& d = seg_->to[static_cast<int>(peer)];
+  std::memcpy(seg_->data(peer), data.data(), std::min<std::size_t>(data.size(), slot_bytes));
+  store(d.head.total, total, std::memory_order_relaxed);
+  store(d.head.offset, offset, std::memory_order_relaxed);
+  store(d.head.bytes, bytes, std::memory_order_relaxed);
+  published();
+  store(d.posted.value, load(d.posted.value, std::memory_order_relaxed) + posts);
+  ring_peer();
+}
+
 std::optional<std::string> lane::receive(clock::time_point deadline, std::chrono::microseconds spin) {
   if (!wait_until([&] { return ready() || closed(); }, deadline, spin)) return std::nullopt;
   if (!ready() && load(seg_->closed.value) == 0 && gone_)

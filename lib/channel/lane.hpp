@@ -79,6 +79,12 @@ class lane {
   void arm() noexcept;
   void disarm() noexcept;
 
+  /// Tests only: posts one chunk to the peer as a broken peer would, with these header fields and
+  /// `data` in the slot (at most slot_bytes of it), counting it `posts` times posted. No check, no
+  /// wait.
+  void post_unchecked(std::uint64_t total, std::uint64_t offset, std::uint64_t bytes, std::string_view data,
+                      std::uint64_t posts = 1) noexcept;
+
   /// Receiver: removes the directory (what is open stays usable). Never throws.
   void remove_files() noexcept;
   /// Receiver: closes the lane (also done by the destructor): the streamer's next send() throws

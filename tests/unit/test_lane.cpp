@@ -275,3 +275,51 @@ TEST_CASE("a streamer sees at once that the lane's receiver process died", "[lan
   // The next request is not sent at all: errc::peer, so that the streamer says HELLO again.
   CHECK_REFIT_ERROR(tx->send("END", in(20s), 0us), errc::peer, "the receiver's process ended");
 }
+
+TEST_CASE("a chunk that breaks the lane's rules is refused with what is wrong, never read past the slot", "[lane]") {
+  const auto refused = [](auto post, const std::string& why) {
+    auto rx = lane::create();
+    auto tx = lane::open(rx->offer());
+    post(*tx);
+    CHECK_REFIT_ERROR(rx->receive(in(1s), 0us), errc::protocol, why);
+  };
+  const std::uint64_t slot = lane::slot_bytes;
+  refused([](lane& l) { l.post_unchecked(std::uint64_t{64} << 20 | 1, 0, 1, "x"); },
+          "control lane: a message of 67108865 bytes, more than the limit of 67108864");
+  refused([&](lane& l) { l.post_unchecked(3 * slot, 0, slot + 1, "x"); },
+          "control lane: a chunk of 1048577 bytes at 0 of a 3145728-byte message, after 0 of 3145728 bytes; the "
+          "peer is broken");
+  refused([](lane& l) { l.post_unchecked(10, 4, 6, "abcdef"); },
+          "control lane: a chunk of 6 bytes at 4 of a 10-byte message, after 0 of 10 bytes");
+  refused([](lane& l) { l.post_unchecked(10, 0, 11, "abcdef"); },
+          "control lane: a chunk of 11 bytes at 0 of a 10-byte message");
+  refused([](lane& l) { l.post_unchecked(10, 0, 0, ""); },
+          "control lane: a chunk of 0 bytes at 0 of a 10-byte message");
+  refused([](lane& l) { l.post_unchecked(1, 0, 1, "a", 2); },
+          "control lane: 2 chunks posted while 0 were taken (one at a time expected); the peer is broken");
+}
+
+TEST_CASE("a receiver drops a lane that breaks the rules and goes on through ZeroMQ", "[lane][channel]") {
+  const auto ep = refit::test::temp_endpoint();
+  {
+    rep_channel rep(ep);
+    auto rx = lane::create();
+    auto broken = lane::open(rx->offer());
+    rep.attach_lane(std::move(rx));
+    broken->post_unchecked(10, 4, 6, "abcdef");
+    CHECK_FALSE(rep.receive(2s));     // the lane is closed, nothing is returned
+    req_channel req(rep.endpoint());  // a streamer that says HELLO anew, through ZeroMQ
+    std::optional<std::string> got;
+    std::thread server([&] {
+      got = rep.receive(20s);
+      if (got) rep.reply("re:" + *got);
+    });
+    CHECK(req.request("HELLO", 20s, "HELLO") == "re:HELLO");
+    server.join();
+    CHECK(got == std::optional<std::string>("HELLO"));
+    CHECK_FALSE(rep.last_from_lane());
+    // The broken streamer's lane was closed: its next request would go through ZeroMQ.
+    CHECK_REFIT_ERROR(broken->send("BEGIN", in(1s), 0us), errc::peer, "the receiver closed the control lane");
+  }
+  refit::channel::remove_private_endpoint(ep);
+}
