@@ -848,10 +848,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       b.sources = std::move(sources);
       b.ready = ready;
       tp = clock::now();
-      if (st.flight) (void)st.collect();  // the batch before, posted
-      if (direct || st.can.batches_overlap) {
+      if (st.flight) (void)st.collect();  // the batch before, posted (direct)
+      if (direct) {
         // Its reply is heard at the next batch or before END: meanwhile the receiver checks this
-        // manifest (and enqueues its reads) while this side reads, plans and packs the next tensors.
+        // manifest while this side plans and launches the next tensors.
         st.post([&](std::size_t) { return wire::message(b); }, fmt::format("BATCH {} of version {}", seq, version));
       } else {
         st.request(b, fmt::format("BATCH {} of version {}", seq, version));
@@ -1622,7 +1622,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
     if (flight) {
       const auto tw = clock::now();
-      (void)collect();  // the last batch, posted
+      (void)collect();  // the last batch, posted (direct)
       stats.wait_seconds += seconds_since(tw);
     }
   }

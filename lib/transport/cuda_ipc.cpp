@@ -796,5 +796,5 @@ std::unique_ptr<sink> make_cuda_ipc_sink(int device, milliseconds timeout) {
 
 // The registration. Several receivers on one host when each is written directly; writes in place when offered.
 REFIT_TRANSPORT(cuda_ipc,
-                {refit::transport::transport_name, refit::transport::capabilities{1u << 16, true, false, true, true},
+                {refit::transport::transport_name, refit::transport::capabilities{1u << 16, true, false, true},
                  refit::transport::make_cuda_ipc_source, refit::transport::make_cuda_ipc_sink});

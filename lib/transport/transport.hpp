@@ -62,11 +62,6 @@ struct capabilities {
   /// Can write in place, without buffers, when the receivers grant session_mode::in_place
   /// (streamer_options::direct asks for it): cuda_ipc direct, nccl in place.
   bool writes_in_place = false;
-  /// A batch's reply may be heard after the next batch is packed and sent: the source waits for
-  /// the sink's reads of a buffer by the transport's own means (cuda_ipc's events), never by the
-  /// reply, so the streamer keeps one BATCH in flight while it packs the next (its reply is
-  /// collected before the next is sent). False: every BATCH is answered before the next is packed.
-  bool batches_overlap = false;
 };
 /// The capabilities of the transport registered under `name` (see registry.hpp); defaults (one
 /// receiver, buffers only) for a name nothing registered.
