@@ -641,6 +641,31 @@ TEST_CASE("--split times each row's smallest tensor alone as subset versions, ve
   CHECK(json::parse(f2)["rows"][0]["fixed_ms"].is_null());
 }
 
+TEST_CASE("--control-lane 0 sends the requests through ZeroMQ and labels the row +zmq", "[bench][e2e]") {
+  scratch s;
+  config c = short_run("tiny");
+  c.lane = false;
+  c.buffer_mb = {1};
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  INFO(out.str());
+  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK"));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 1);
+  CHECK(j["rows"][0]["engine"] == "memcpy+zmq");
+  CHECK(j["rows"][0]["wrong"] == 0);
+  // Through the lane (the default) the label says nothing of it.
+  config lane = short_run("tiny");
+  lane.buffer_mb = {1};
+  lane.json_file = s.file("lane.json");
+  std::ostringstream out2;
+  CHECK(run(lane, out2) == 0);
+  std::ifstream f2(lane.json_file);
+  CHECK(json::parse(f2)["rows"][0]["engine"] == "memcpy");
+}
+
 TEST_CASE("a tensor larger than the buffer and odd sizes from a JSON manifest arrive intact", "[bench][e2e]") {
   scratch s;
   write_file(s.file("odd.json"),
