@@ -51,8 +51,9 @@ struct receiver_options {
   std::size_t delta_threads = 0;
   /// Offer a streamer of this host a shared-memory control lane for its requests (see
   /// streamer_options::control_lane): a private directory of mode 0700 holding a 2 MiB segment and
-  /// two FIFOs, on /dev/shm when it has room (else $XDG_RUNTIME_DIR or /tmp), made at each HELLO
-  /// that asks for one and removed once the streamer has opened it. The receiver still listens on
+  /// three FIFOs (two doorbells, and one by which a streamer sees the receiver die), on /dev/shm
+  /// when it has room (else $XDG_RUNTIME_DIR or /tmp), made at each HELLO that asks for one and
+  /// removed once the streamer has opened it. The receiver still listens on
   /// its endpoint for everything else (HELLO, other streamers). false: ZeroMQ only.
   bool control_lane = true;
 };

@@ -8,9 +8,10 @@
 // single wake-up, where ZeroMQ has two on each way).
 //
 // What it is: a private directory (mode 0700, on /dev/shm when it can be, else $XDG_RUNTIME_DIR or
-// /tmp) made by the receiver, holding the segment (mode 0600) and two FIFOs, the doorbells of the
-// two ends. The receiver offers it in its OK to HELLO (wire::ok::lane) to a streamer of its host
-// that asked for one (wire::hello::lane); the streamer opens it, checks the segment's random nonce
+// /tmp) made by the receiver, holding the segment (mode 0600) and three FIFOs: the doorbells of
+// the two ends, and one only the receiver reads, whose end shows the streamer that it died. The
+// receiver offers it in its OK to HELLO (wire::ok::lane) to a streamer of its host that asked for
+// one (wire::hello::lane); the streamer opens it, checks the segment's random nonce
 // against the offer, and from then on sends its requests there. Either end may use ZeroMQ instead
 // at any time (the receiver listens to both and answers each request the way it came), so a lane
 // that cannot be opened costs nothing but itself. The receiver removes the directory as soon as the

@@ -180,7 +180,7 @@ class Receiver(_refit.Receiver):
         delta_threads: threads that check and apply a delta's patches into host weights
             (host_shm deltas); 0: min(hardware threads, 8).
         control_lane: offer a streamer on this host a shared-memory lane for its requests
-            (``Streamer(control_lane=True)``): a private 2 MiB segment and two FIFOs, removed once
+            (``Streamer(control_lane=True)``): a private 2 MiB segment and three FIFOs, removed once
             the streamer opened them. False: ZeroMQ only.
 
     Example::
