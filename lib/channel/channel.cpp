@@ -351,7 +351,6 @@ rep_channel::rep_channel(rep_channel&& other) noexcept
       owns_endpoint_(other.owns_endpoint_),
       lane_(std::move(other.lane_)),
       answer_lane_(std::move(other.answer_lane_)),
-      from_lane_(other.from_lane_),
       lane_heard_(other.lane_heard_) {
   other.endpoint_.clear();
   other.owns_endpoint_ = false;
@@ -367,7 +366,6 @@ rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
     owns_endpoint_ = other.owns_endpoint_;
     lane_ = std::move(other.lane_);
     answer_lane_ = std::move(other.answer_lane_);
-    from_lane_ = std::exchange(other.from_lane_, false);
     lane_heard_ = other.lane_heard_;
     other.endpoint_.clear();
     other.owns_endpoint_ = false;
@@ -402,14 +400,12 @@ std::optional<std::string> rep_channel::take() {
       lane_heard_ = true;
     }
     answer_lane_ = lane_;
-    from_lane_ = true;
     return msg;
   }
   try {
     zmq::message_t msg;
     const auto got = socket_->recv(msg, zmq::recv_flags::dontwait);
     if (!got) return std::nullopt;
-    from_lane_ = false;
     answer_lane_.reset();
     return msg.to_string();
   } catch (const zmq::error_t& e) {
@@ -492,12 +488,10 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
 
 void rep_channel::reply(std::string_view bytes) {
   if (!socket_) throw error(errc::internal, "reply() on a moved-from rep_channel");
-  if (from_lane_) {
-    from_lane_ = false;
-    const std::shared_ptr<lane> through = std::move(answer_lane_);
-    answer_lane_.reset();
-    if (through && through->send(bytes, clock::now() + std::chrono::milliseconds(reply_send_timeout_ms),
-                                 std::chrono::microseconds{0}))
+  if (answer_lane_) {
+    const std::shared_ptr<lane> through = std::exchange(answer_lane_, nullptr);
+    if (through->send(bytes, clock::now() + std::chrono::milliseconds(reply_send_timeout_ms),
+                      std::chrono::microseconds{0}))
       return;
     REFIT_WARN("reply on {} not taken through the control lane within {} ms (the streamer is gone?); dropped",
                endpoint_, reply_send_timeout_ms);

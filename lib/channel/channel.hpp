@@ -67,8 +67,8 @@ class rep_channel {
   /// Listens to `l` too from now on (see lane.hpp), in place of any lane before; null: none.
   /// A request that came through the lane replaced is still answered through it.
   void attach_lane(std::unique_ptr<lane> l);
-  /// True when the last request came through the lane.
-  [[nodiscard]] bool last_from_lane() const noexcept { return from_lane_; }
+  /// True when the last request came through a lane and waits for its reply.
+  [[nodiscard]] bool last_from_lane() const noexcept { return static_cast<bool>(answer_lane_); }
 
   [[nodiscard]] zmq::socket_t& handle() noexcept { return *socket_; }
 
@@ -92,9 +92,8 @@ class rep_channel {
   bool owns_endpoint_ = false;  ///< made by bind_endpoint(""): removed with the channel
   std::shared_ptr<lane> lane_;
   /// The lane the last request came through, while it waits for its reply (it may have been
-  /// replaced by attach_lane meanwhile).
+  /// replaced by attach_lane meanwhile); null when it came through the socket.
   std::shared_ptr<lane> answer_lane_;
-  bool from_lane_ = false;
   bool lane_heard_ = false;  ///< a message came through lane_ (its files are removed then)
 };
 

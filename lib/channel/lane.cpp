@@ -17,7 +17,6 @@
 #include <cstring>
 #include <span>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #include "refit/error.hpp"
@@ -62,13 +61,12 @@ void store(T& v, T x, std::memory_order o = std::memory_order_seq_cst) noexcept 
   std::atomic_ref<T>(v).store(x, o);
 }
 
-/// Closes a descriptor on scope exit unless released.
+/// Closes a descriptor on scope exit.
 struct fd_guard {
   int fd = -1;
   ~fd_guard() {
     if (fd >= 0) ::close(fd);
   }
-  int release() noexcept { return std::exchange(fd, -1); }
 };
 
 int open_bell(const std::string& path) {
@@ -251,17 +249,17 @@ void lane::refuse_if_closed() {
     throw error(errc::peer,
                 "the receiver closed the control lane of this session (a new session replaced it: another "
                 "streamer's HELLO); the streamer must say HELLO again");
-  if (receiver_gone(0))
+  if (receiver_gone())
     throw error(errc::peer,
                 "the receiver's process ended since the session began (nothing was sent to it); the streamer "
                 "must say HELLO again, to the process serving the endpoint now");
 }
 
-bool lane::receiver_gone(int wait_ms) {
+bool lane::receiver_gone() {
   if (gone_) return true;
   if (life_ < 0 || me_ != side::streamer) return false;
   pollfd item{life_, 0, 0};  // no events asked: POLLERR (no reader left) is reported all the same
-  if (::poll(&item, 1, wait_ms) > 0 && (item.revents & (POLLERR | POLLHUP)) != 0) gone_ = true;
+  if (::poll(&item, 1, 0) > 0 && (item.revents & (POLLERR | POLLHUP)) != 0) gone_ = true;
   return gone_;
 }
 
@@ -280,8 +278,7 @@ void lane::disarm() noexcept {
 }
 
 void lane::ring_peer() noexcept {
-  const side peer = me_ == side::receiver ? side::streamer : side::receiver;
-  if (load(seg_->sleeping[static_cast<int>(peer)].value) == 0) return;
+  if (load(seg_->sleeping[static_cast<int>(peer())].value) == 0) return;
   const char one = 1;
   (void)!::write(peer_bell_, &one, 1);  // a full FIFO (EAGAIN) has rung already
 }
@@ -318,9 +315,7 @@ bool lane::wait_until(Pred done, clock::time_point deadline, std::chrono::micros
 }
 
 bool lane::send(std::string_view bytes, clock::time_point deadline, std::chrono::microseconds spin) {
-  const side peer = me_ == side::receiver ? side::streamer : side::receiver;
-  auto& d = seg_->to[static_cast<int>(peer)];
-  std::byte* slot = seg_->data(peer);
+  auto& d = seg_->to[static_cast<int>(peer())];
   std::uint64_t offset = 0;
   do {
     refuse_if_closed();
@@ -329,13 +324,7 @@ bool lane::send(std::string_view bytes, clock::time_point deadline, std::chrono:
     refuse_if_closed();
     observed();
     const std::uint64_t n = std::min<std::uint64_t>(slot_bytes, bytes.size() - offset);
-    store(d.head.total, static_cast<std::uint64_t>(bytes.size()), std::memory_order_relaxed);
-    store(d.head.offset, offset, std::memory_order_relaxed);
-    store(d.head.bytes, n, std::memory_order_relaxed);
-    if (n != 0) std::memcpy(slot, bytes.data() + offset, n);
-    published();
-    store(d.posted.value, posted + 1);
-    ring_peer();
+    post_unchecked(bytes.size(), offset, n, bytes.substr(offset, n));
     offset += n;
   } while (offset < bytes.size());
   return true;
@@ -345,9 +334,8 @@ bool lane::closed() const noexcept { return me_ == side::streamer && (gone_ || l
 
 void lane::post_unchecked(std::uint64_t total, std::uint64_t offset, std::uint64_t bytes, std::string_view data,
                           std::uint64_t posts) noexcept {
-  const side peer = me_ == side::receiver ? side::streamer : side::receiver;
-  auto& d = seg_->to[static_cast<int>(peer)];
-  std::memcpy(seg_->data(peer), data.data(), std::min<std::size_t>(data.size(), slot_bytes));
+  auto& d = seg_->to[static_cast<int>(peer())];
+  if (!data.empty()) std::memcpy(seg_->data(peer()), data.data(), std::min<std::size_t>(data.size(), slot_bytes));
   store(d.head.total, total, std::memory_order_relaxed);
   store(d.head.offset, offset, std::memory_order_relaxed);
   store(d.head.bytes, bytes, std::memory_order_relaxed);

@@ -80,9 +80,9 @@ class lane {
   void arm() noexcept;
   void disarm() noexcept;
 
-  /// Tests only: posts one chunk to the peer as a broken peer would, with these header fields and
-  /// `data` in the slot (at most slot_bytes of it), counting it `posts` times posted. No check, no
-  /// wait.
+  /// Posts one chunk to the peer with these header fields and `data` in the slot (at most
+  /// slot_bytes of it), counting it `posts` times posted; no check, no wait. send() posts each
+  /// chunk through it once the slot is free; tests post what a broken peer would.
   void post_unchecked(std::uint64_t total, std::uint64_t offset, std::uint64_t bytes, std::string_view data,
                       std::uint64_t posts = 1) noexcept;
 
@@ -106,8 +106,9 @@ class lane {
   [[nodiscard]] bool closed() const noexcept;
   /// Streamer: throws errc::peer when the receiver closed the lane or its process ended.
   void refuse_if_closed();
-  /// Streamer: true once the receiver's process has ended (polled for up to `wait_ms`).
-  bool receiver_gone(int wait_ms);
+  /// Streamer: true once the receiver's process has ended (asked without waiting).
+  bool receiver_gone();
+  [[nodiscard]] side peer() const noexcept { return me_ == side::receiver ? side::streamer : side::receiver; }
 
   side me_ = side::receiver;
   segment* seg_ = nullptr;

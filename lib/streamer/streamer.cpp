@@ -345,11 +345,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void settle() noexcept {
     if (!flight) return;
     try {
-      (void)collect();
+      (void)collect();  // takes the flight whatever it hears
     } catch (const std::exception& e) {
       REFIT_DEBUG("a request posted before the failure: {}", e.what());
     }
-    flight.reset();
   }
 
   /// The same message to every receiver.
@@ -763,8 +762,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     // state_dict's conversion, a generator's all-gather), copying the first tensors overlaps
     // gathering the next ones. They are launched when the device has finished what was launched
     // before but the last (asked every direct_check_bytes, without waiting), so a fast source
-    // still makes a few large launches (each ends in a partly idle wave of the copy kernel: 64 MiB launches
-    // throughout cost llama3-8b 14% on an H100).
+    // still makes a few large launches (each ends in a partly idle wave of the copy kernel: 64 MiB
+    // launches throughout cost llama3-8b 14% on an H100).
     std::uint64_t direct_pending = 0;
     std::uint64_t direct_checked = 0;
 
