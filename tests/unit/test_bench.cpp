@@ -610,60 +610,55 @@ TEST_CASE("a short host_shm run prints a row per buffer size and verifies every 
   CHECK(fs::file_size(c.plot_file) > 1000);
 }
 
+namespace {
+
+/// Runs `c` (the tiny model, one 1 MiB row) with its JSON in `s`; checks that it verified, and
+/// returns the row; `text` gets the table.
+json one_tiny_row(config c, scratch& s, const std::string& name, std::string& text) {
+  c.buffer_mb = {1};
+  c.json_file = s.file(name);
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  text = out.str();
+  CHECK_THAT(text, Catch::Contains("# Wrong values          : 0 OK"));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 1);
+  return j["rows"][0];
+}
+
+}  // namespace
+
 TEST_CASE("--split times each row's smallest tensor alone as subset versions, verified, under the row",
           "[bench][e2e]") {
   scratch s;
   config c = short_run("tiny");
   c.split = true;
-  c.buffer_mb = {1};
-  c.json_file = s.file("out.json");
-  std::ostringstream out;
-  CHECK(run(c, out) == 0);
-  INFO(out.str());
-  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK"));
-  CHECK_THAT(out.str(), Catch::Contains("#   split: fixed ") &&
-                            Catch::Contains(" ms a refit (its smallest tensor alone, a subset version, same session)"));
-  std::ifstream f(c.json_file);
-  const json j = json::parse(f);
-  REQUIRE(j["rows"].size() == 1);
-  const json& r = j["rows"][0];
+  std::string text;
+  const json r = one_tiny_row(c, s, "out.json", text);
+  INFO(text);
+  CHECK_THAT(text, Catch::Contains("#   split: fixed ") &&
+                       Catch::Contains(" ms a refit (its smallest tensor alone, a subset version, same session)"));
   CHECK(r["wrong"] == 0);
   CHECK(r["fixed_ms"].get<double>() > 0);
   CHECK(r["rest_ratio"].get<double>() >= 0);
   // Without --split the row says nothing of it.
-  config plain = short_run("tiny");
-  plain.buffer_mb = {1};
-  plain.json_file = s.file("plain.json");
-  std::ostringstream out2;
-  CHECK(run(plain, out2) == 0);
-  CHECK_THAT(out2.str(), !Catch::Contains("split:"));
-  std::ifstream f2(plain.json_file);
-  CHECK(json::parse(f2)["rows"][0]["fixed_ms"].is_null());
+  const json plain = one_tiny_row(short_run("tiny"), s, "plain.json", text);
+  CHECK_THAT(text, !Catch::Contains("split:"));
+  CHECK(plain["fixed_ms"].is_null());
 }
 
 TEST_CASE("--control-lane 0 sends the requests through ZeroMQ and labels the row +zmq", "[bench][e2e]") {
   scratch s;
   config c = short_run("tiny");
   c.lane = false;
-  c.buffer_mb = {1};
-  c.json_file = s.file("out.json");
-  std::ostringstream out;
-  CHECK(run(c, out) == 0);
-  INFO(out.str());
-  CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK"));
-  std::ifstream f(c.json_file);
-  const json j = json::parse(f);
-  REQUIRE(j["rows"].size() == 1);
-  CHECK(j["rows"][0]["engine"] == "memcpy+zmq");
-  CHECK(j["rows"][0]["wrong"] == 0);
+  std::string text;
+  const json r = one_tiny_row(c, s, "out.json", text);
+  INFO(text);
+  CHECK(r["engine"] == "memcpy+zmq");
+  CHECK(r["wrong"] == 0);
   // Through the lane (the default) the label says nothing of it.
-  config lane = short_run("tiny");
-  lane.buffer_mb = {1};
-  lane.json_file = s.file("lane.json");
-  std::ostringstream out2;
-  CHECK(run(lane, out2) == 0);
-  std::ifstream f2(lane.json_file);
-  CHECK(json::parse(f2)["rows"][0]["engine"] == "memcpy");
+  CHECK(one_tiny_row(short_run("tiny"), s, "lane.json", text)["engine"] == "memcpy");
 }
 
 TEST_CASE("a tensor larger than the buffer and odd sizes from a JSON manifest arrive intact", "[bench][e2e]") {

@@ -33,6 +33,13 @@ std::string dir_of(const lane& l) { return l.offer().substr(0, l.offer().rfind('
 
 lane::clock::time_point in(std::chrono::milliseconds d) { return lane::clock::now() + d; }
 
+/// Joins `req` to `rep` by a fresh lane, as a session's HELLO and its OK do.
+void join_by_lane(rep_channel& rep, req_channel& req) {
+  auto rx = lane::create();
+  req.attach_lane(lane::open(rx->offer()));
+  rep.attach_lane(std::move(rx));
+}
+
 /// Checks that `expr` throws refit::error with `code` and a message containing `fragment`.
 #define CHECK_REFIT_ERROR(expr, want, fragment)                     \
   do {                                                              \
@@ -140,11 +147,9 @@ TEST_CASE("a channel with a lane answers each request the way it came", "[lane][
   const auto ep = refit::test::temp_endpoint();
   {
     rep_channel rep(ep);
-    auto rx = lane::create();
     req_channel fast(rep.endpoint());
-    fast.attach_lane(lane::open(rx->offer()));
+    join_by_lane(rep, fast);
     CHECK(fast.has_lane());
-    rep.attach_lane(std::move(rx));
     req_channel slow(rep.endpoint());  // another streamer, through ZeroMQ
     std::vector<bool> through_lane;
     std::thread server([&] {
@@ -173,10 +178,8 @@ TEST_CASE("a streamer whose receiver stopped answering on the lane times out and
   const auto ep = refit::test::temp_endpoint();
   {
     rep_channel rep(ep);
-    auto rx = lane::create();
     req_channel req(rep.endpoint());
-    req.attach_lane(lane::open(rx->offer()));
-    rep.attach_lane(std::move(rx));
+    join_by_lane(rep, req);
     CHECK_REFIT_ERROR(req.request("x", 100ms, "BEGIN of version 3"), errc::timeout,
                       "no reply from the receiver at " + rep.endpoint() + " to BEGIN of version 3 within 100 ms");
     CHECK_FALSE(req.has_lane());
@@ -190,10 +193,8 @@ TEST_CASE("wait_any sees a request on a lane among several channels", "[lane][ch
   const auto ep2 = refit::test::temp_endpoint();
   {
     rep_channel a(ep1), b(ep2);
-    auto rx = lane::create();
     req_channel to_b(b.endpoint());
-    to_b.attach_lane(lane::open(rx->offer()));
-    b.attach_lane(std::move(rx));
+    join_by_lane(b, to_b);
     rep_channel* both[] = {&a, &b};
     CHECK_FALSE(rep_channel::wait_any(both, 20ms));
     to_b.send("hi", 5s, "HI");
@@ -211,10 +212,8 @@ TEST_CASE("a streamer whose lane the receiver closed sends its next request thro
   const auto ep = refit::test::temp_endpoint();
   {
     rep_channel rep(ep);
-    auto rx = lane::create();
     req_channel req(rep.endpoint());
-    req.attach_lane(lane::open(rx->offer()));
-    rep.attach_lane(std::move(rx));
+    join_by_lane(rep, req);
     // Another streamer's HELLO gives the channel a new lane: the old one is closed.
     rep.attach_lane(lane::create());
     bool through_lane = true;
