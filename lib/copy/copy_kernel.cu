@@ -7,7 +7,7 @@
 // the tile with the widest access both pointers allow: 16-byte vectors when source and
 // destination are equally misaligned modulo 16 (the usual case: the plan aligns buffer offsets
 // to 256 and allocators align tensors), after a short head of single bytes and before a short
-// tail; 8-, 4- and 1-byte elements otherwise. Four independent loads per thread are in flight
+// tail; 8-, 4- and 1-byte elements otherwise. Eight independent loads per thread are in flight
 // before the first store.
 #include <cstdint>
 #include <type_traits>
@@ -19,7 +19,7 @@
 namespace refit::copy::kernel {
 namespace {
 
-constexpr int unroll = 4;
+constexpr int unroll = 8;
 
 /// Copies `n` elements of type V from s to d with the block's threads, `unroll` loads in flight.
 template <typename V>

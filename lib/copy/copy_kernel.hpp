@@ -16,10 +16,14 @@ namespace refit::copy::kernel {
 /// search per tile is noise, small enough that a batch of a few big tensors still spreads over
 /// every SM (a 16 MiB tensor is 256 tiles).
 inline constexpr std::uint64_t tile_bytes = 64u << 10;
-/// Threads per block of the copy kernel (8 blocks of 256 fill an SM's 2048 threads).
+/// Threads per block of the copy kernel.
 inline constexpr int copy_threads = 256;
-/// Blocks per SM the copy grid is sized to, at most.
-inline constexpr int blocks_per_sm = 8;
+/// Blocks per SM the copy grid is sized to, at most. Two blocks with eight 16-byte loads in flight
+/// per thread keep HBM busy, and fewer blocks touch fewer pages at once: on an H100, copying
+/// llama3-8b's tensors into another process's memory (a cudaIpc mapping) ran at 0.92-0.93 of a
+/// local cudaMemcpyAsync with 2 blocks per SM against 0.90-0.91 with 8, and local copies at
+/// 0.95 with either (.anchors/copyprobe.cu, session 7).
+inline constexpr int blocks_per_sm = 2;
 
 /// Threads per block of the checksum reduction.
 inline constexpr int checksum_threads = 256;
