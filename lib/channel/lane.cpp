@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "model/log.hpp"
 #include "refit/error.hpp"
 
 #if defined(__SANITIZE_THREAD__)
@@ -175,6 +176,12 @@ std::unique_ptr<lane> lane::create() {
     // The read end of `life`, held for as long as this process lives (see lane::life_).
     l->life_ = ::open(life.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
     if (l->life_ < 0) throw error(errc::io, fmt::format("cannot open {}: {}", life, errno_text(errno)));
+    // Without it the lane works all the same; only descriptors cannot pass.
+    try {
+      l->fds_ = fd_link::listen(dir + "/fds");
+    } catch (const error& e) {
+      REFIT_DEBUG("control lane {}: no descriptor link: {}", dir, e.what());
+    }
     l->offer_ = dir + "\n" + hex(nonce);
     return l;
   }
@@ -217,6 +224,11 @@ std::unique_ptr<lane> lane::open(std::string_view offer) {
   if (l->life_ < 0)
     throw error(errc::io, fmt::format("cannot open the control lane's {}: {}{}", life, errno_text(errno),
                                       errno == ENXIO ? " (the receiver is gone)" : ""));
+  try {
+    l->fds_ = fd_link::connect(dir + "/fds");
+  } catch (const error& e) {
+    REFIT_DEBUG("control lane {}: no descriptor link: {}", dir, e.what());
+  }
   l->offer_ = std::string(offer);
   return l;
 }
@@ -232,7 +244,8 @@ lane::~lane() {
 
 void lane::remove_files() noexcept {
   if (dir_.empty()) return;
-  for (const char* f : {"/segment", "/to-receiver", "/to-streamer", "/life"}) (void)::unlink((dir_ + f).c_str());
+  for (const char* f : {"/segment", "/to-receiver", "/to-streamer", "/life", "/fds"})
+    (void)::unlink((dir_ + f).c_str());
   (void)::rmdir(dir_.c_str());
   dir_.clear();
 }

@@ -8,8 +8,9 @@
 // single wake-up, where ZeroMQ has two on each way).
 //
 // What it is: a private directory (mode 0700, on /dev/shm when it can be, else $XDG_RUNTIME_DIR or
-// /tmp) made by the receiver, holding the segment (mode 0600) and three FIFOs: the doorbells of
-// the two ends, and one only the receiver reads, whose end shows the streamer that it died. The
+// /tmp) made by the receiver, holding the segment (mode 0600), three FIFOs (the doorbells of
+// the two ends, and one only the receiver reads, whose end shows the streamer that it died) and
+// the socket `fds` of the descriptor link (fd_link.hpp), which the streamer connects to. The
 // receiver offers it in its OK to HELLO (wire::ok::lane) to a streamer of its host that asked for
 // one (wire::hello::lane); the streamer opens it, checks the segment's random nonce
 // against the offer, and from then on sends its requests there. Either end may use ZeroMQ instead
@@ -33,6 +34,8 @@
 #include <string>
 #include <string_view>
 
+#include "channel/fd_link.hpp"
+
 namespace refit::channel {
 
 class lane {
@@ -55,6 +58,10 @@ class lane {
 
   /// What the streamer needs to open it: the directory and the nonce.
   [[nodiscard]] const std::string& offer() const noexcept { return offer_; }
+
+  /// The descriptor link to the other end (null when none could be made); it outlives the lane in
+  /// whoever holds it.
+  [[nodiscard]] const std::shared_ptr<fd_link>& fds() const noexcept { return fds_; }
 
   /// True when a message for this end (its first chunk) is waiting.
   [[nodiscard]] bool ready() const noexcept;
@@ -120,8 +127,9 @@ class lane {
   /// streamer's end polls POLLERR, so a request to a dead receiver fails at once instead of at its
   /// deadline. (A child the receiver forks inherits the read end; the deadline then applies.)
   int life_ = -1;
-  bool gone_ = false;  ///< streamer: the receiver's process has ended
-  std::string dir_;    ///< receiver: the directory, until removed
+  bool gone_ = false;             ///< streamer: the receiver's process has ended
+  std::shared_ptr<fd_link> fds_;  ///< shared: whoever takes the link keeps it past the lane
+  std::string dir_;               ///< receiver: the directory, until removed
   std::string offer_;
 };
 
