@@ -234,7 +234,7 @@ class transport_path {
 
 std::unique_ptr<transport_path> make_host_shm_path();
 /// Throws refit::error(invalid_argument) in a build without CUDA.
-std::unique_ptr<transport_path> make_cuda_ipc_path(int device);
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources = false);
 /// --convert: the receiver registers converted destinations (issue 13): "bf16:fp8-block128",
 /// "bf16:fp8-tensor", "f32:bf16".
 struct conversion_spec {
@@ -374,6 +374,9 @@ struct config {
   bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
   bool share = true;       ///< streamer_options::share_tensors (--share-tensors)
   bool lane = true;        ///< streamer_options::control_lane (--control-lane)
+  /// cuda_ipc: the streamer's tensors in 20 MiB VMM chunks exportable as descriptors, as torch's
+  /// expandable segments hold them (--source-memory vmm), instead of one cudaMalloc.
+  bool vmm_sources = false;
   /// --split: after each row's refits, as many of one tensor alone (subset versions, same session):
   /// the refit's fixed cost, and what the rest of the row's time moves its bytes at.
   bool split = false;

@@ -132,6 +132,11 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
                  "1: requests to a receiver of this host go through the shared-memory control lane it offers "
                  "(streamer_options::control_lane); 0: through ZeroMQ (engine +zmq)")
       ->capture_default_str();
+  app.add_option("--source-memory", c.vmm_sources,
+                 "cuda_ipc: where the streamer's tensors live: 0 (cudamalloc) one cudaMalloc; 1 (vmm) 20 MiB VMM "
+                 "chunks exportable as descriptors, as torch's expandable segments hold them (engine +vmm)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"cudamalloc", false}, {"vmm", true}}))
+      ->capture_default_str();
   app.add_option("--engine", t.engines,
                  "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
                  "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "

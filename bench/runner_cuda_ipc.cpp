@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "bench/bench.hpp"
@@ -15,6 +16,7 @@
 
 #include "copy/cuda_handles.hpp"
 #include "copy/unique_handle.hpp"
+#include "copy/vmm.hpp"
 #endif
 
 namespace refit::bench {
@@ -34,9 +36,14 @@ std::uint64_t align_up(std::uint64_t n, std::uint64_t a) { return (n + a - 1) / 
 /// cudaMalloc'd memory the bench allocated with its own messages, released by the library's owner.
 using device_block = unique_handle<void*, cuda::detail::free_device>;
 
+/// Chunks of VMM memory as torch's expandable segments make them.
+constexpr std::uint64_t vmm_chunk_bytes = 20ull << 20;
+
 class device_memory final : public tensor_memory {
  public:
-  device_memory(const manifest& m, int dev, const char* what) : dev_(dev) {
+  /// `vmm`: in VMM chunks of vmm_chunk_bytes exportable as descriptors (copy/vmm.hpp), not one
+  /// cudaMalloc.
+  device_memory(const manifest& m, int dev, const char* what, bool vmm = false) : dev_(dev) {
     check(cudaSetDevice(dev_), fmt::format("cudaSetDevice({})", dev_));
     std::uint64_t total = 0;
     std::vector<std::uint64_t> offsets;
@@ -48,13 +55,25 @@ class device_memory final : public tensor_memory {
     std::size_t free_b = 0, total_b = 0;
     check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
     void* arena = nullptr;
-    if (cudaMalloc(&arena, std::max<std::uint64_t>(total, 1)) != cudaSuccess) {
+    const auto no_room = [&] {
+      return error(errc::cuda, fmt::format("the {} of {} need {:.2f} GB of device memory on GPU {} and "
+                                           "{:.2f} GB are free: pick a smaller model or a larger GPU",
+                                           what, m.name, total / 1e9, dev_, free_b / 1e9));
+    };
+    if (vmm) {
+      try {
+        chunks_.emplace((std::max<std::uint64_t>(total, 1) + vmm_chunk_bytes - 1) / vmm_chunk_bytes, vmm_chunk_bytes,
+                        dev_);
+      } catch (const error&) {
+        throw no_room();
+      }
+      arena = chunks_->data();
+    } else if (cudaMalloc(&arena, std::max<std::uint64_t>(total, 1)) != cudaSuccess) {
       (void)cudaGetLastError();
-      throw error(errc::cuda, fmt::format("the {} of {} need {:.2f} GB of device memory on GPU {} and "
-                                          "{:.2f} GB are free: pick a smaller model or a larger GPU",
-                                          what, m.name, total / 1e9, dev_, free_b / 1e9));
+      throw no_room();
+    } else {
+      arena_.reset(arena);
     }
-    arena_.reset(arena);
     check(cudaMemset(arena, 0, std::max<std::uint64_t>(total, 1)), "cudaMemset");
     for (const auto off : offsets) ptrs_.push_back(static_cast<std::byte*>(arena) + off);
   }
@@ -100,6 +119,7 @@ class device_memory final : public tensor_memory {
  private:
   int dev_;
   device_block arena_;
+  std::optional<copy::vmm::local_chunks> chunks_;
   std::vector<std::uint64_t> sizes_;
   std::vector<std::byte*> ptrs_;
 };
@@ -117,7 +137,7 @@ struct pinned {
 
 class cuda_ipc_path final : public transport_path {
  public:
-  explicit cuda_ipc_path(int dev) : dev_(dev) {
+  cuda_ipc_path(int dev, bool vmm_sources) : dev_(dev), vmm_sources_(vmm_sources) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       (void)cudaGetLastError();
@@ -142,7 +162,7 @@ class cuda_ipc_path final : public transport_path {
   }
   std::unique_ptr<tensor_memory> sources(const manifest& m, std::uint64_t seed,
                                          const std::vector<mapped_file>* files) override {
-    auto mem = std::make_unique<device_memory>(m, dev_, "source tensors");
+    auto mem = std::make_unique<device_memory>(m, dev_, "source tensors", vmm_sources_);
     if (files && !files->empty()) {
       for (std::size_t i = 0; i < m.entries.size(); ++i) {
         const auto& e = m.entries[i];
@@ -176,15 +196,18 @@ class cuda_ipc_path final : public transport_path {
 
  private:
   int dev_;
+  bool vmm_sources_;
 };
 
 }  // namespace
 
-std::unique_ptr<transport_path> make_cuda_ipc_path(int device) { return std::make_unique<cuda_ipc_path>(device); }
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources) {
+  return std::make_unique<cuda_ipc_path>(device, vmm_sources);
+}
 
 #else
 
-std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/) {
+std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/, bool /*vmm_sources*/) {
   throw error(errc::invalid_argument,
               "refit-bench: the cuda_ipc transport is not built into this bench (refit was built "
               "without CUDA); rebuild with -Dcuda=enabled or use --transport host_shm");

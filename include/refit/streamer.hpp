@@ -103,11 +103,14 @@ struct streamer_options {
   /// the receiver reads each tensor that is in this device's memory where it is (the allocation
   /// holding it, mapped through CUDA IPC) instead of this process packing it into a buffer: one
   /// copy instead of two, done by the receiver's GPU work alone, with no per-batch hand-off
-  /// between the two processes' GPU work. Converted tensors, delta versions, tensors on other
-  /// devices and memory the driver will not export (pools, VMM) are packed as before. The
-  /// receiver keeps each allocation a refit read mapped until a refit that does not read it ends,
-  /// or the session does (close()): memory this process frees meanwhile returns to the driver only
-  /// then. false: every tensor goes through the buffers.
+  /// between the two processes' GPU work. VMM memory (torch's expandable segments, cuMemCreate
+  /// chunks made with POSIX descriptor handles) is shared chunk by chunk, the descriptors passed
+  /// through the control lane (so it needs control_lane on both sides). Converted tensors, delta
+  /// versions, tensors on other devices and memory the driver will not export (pools, VMM
+  /// without descriptor handles or without a lane) are packed as before. The receiver keeps each
+  /// allocation a refit read mapped until a refit that does not read it ends, or the session does
+  /// (close()): memory this process frees meanwhile returns to the driver only then. false: every
+  /// tensor goes through the buffers.
   bool share_tensors = true;
   /// When the receiver runs on this host (any transport), send the requests of a session (BEGIN,
   /// the batches, END, ABORT, BYE; not HELLO) through a shared-memory lane the receiver offers,

@@ -577,6 +577,8 @@ std::string timeout_message(std::string_view doing, const std::string& endpoint,
 
 void req_channel::attach_lane(std::unique_ptr<lane> l) { lane_ = std::move(l); }
 
+std::shared_ptr<fd_link> req_channel::fds() const { return lane_ ? lane_->fds() : nullptr; }
+
 void req_channel::send(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what) {
   if (!socket_) connect();
   const auto start = clock::now();

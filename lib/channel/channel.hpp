@@ -21,6 +21,7 @@ class socket_t;
 namespace refit::channel {
 
 class lane;
+class fd_link;
 
 /// The process-wide ZeroMQ context (created on first use, never destroyed before exit).
 zmq::context_t& context();
@@ -125,6 +126,8 @@ class req_channel {
   /// in place of ZeroMQ; null: through ZeroMQ again.
   void attach_lane(std::unique_ptr<lane> l);
   [[nodiscard]] bool has_lane() const noexcept { return static_cast<bool>(lane_); }
+  /// The descriptor link of the lane (see fd_link.hpp); null without a lane or link.
+  [[nodiscard]] std::shared_ptr<fd_link> fds() const;
 
   /// After send(): true when the reply has arrived (receive() will not wait). Never waits itself;
   /// false on any error (receive() then reports it).

@@ -17,6 +17,7 @@
 #include "copy/copy_kernel.hpp"
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
+#include "copy/driver.hpp"
 #include "copy/wait.hpp"
 #include "refit/error.hpp"
 
@@ -357,20 +358,6 @@ std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device) {
 }
 
 namespace {
-/// A driver function through the runtime's entry point (refit links no libcuda); nullptr when the
-/// driver has none.
-template <typename Fn>
-Fn driver_entry(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<Fn>(fn);
-}
-
 using get_attribute_fn = int (*)(void*, int, unsigned long long);
 constexpr int buffer_id_attribute = 7;  // CU_POINTER_ATTRIBUTE_BUFFER_ID
 

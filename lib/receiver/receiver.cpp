@@ -622,6 +622,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       // The session's requests may come through a lane of shared memory from here on (the old
       // session's lane, if any, is replaced: this HELLO's reply still goes the way it came).
       std::unique_ptr<channel::lane> lane = offer_lane(h);
+      ln->sink->link(lane ? lane->fds() : nullptr);
       reply_ok(std::move(reply.handles), reply.mode, std::move(reply.convert), lane ? lane->offer() : std::string());
       ln->channel.attach_lane(std::move(lane));
       return receiver_event::hello;

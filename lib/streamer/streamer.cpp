@@ -440,6 +440,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         return;
       }
       open_lanes(oks);
+      // Memory shared as descriptors (VMM) needs the lane's descriptor link; one receiver at most
+      // reads the streamer's memory (several are written directly).
+      buffers->link(channels.size() == 1 ? channels.front().fds() : nullptr);
     } catch (...) {
       drop_session();
       throw;
@@ -653,6 +656,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     if (keep) e.checksum = checksum;
     const auto tw = clock::now();
     request(e, fmt::format("END of version {}", version));
+    buffers->refit_committed();
     stats.wait_seconds += seconds_since(tw);
     const auto td = clock::now();
     buffers->drain();

@@ -12,12 +12,14 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <set>
 #include <optional>
 #include <span>
 #include <unordered_map>
@@ -30,6 +32,7 @@
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
 #include "copy/unique_handle.hpp"
+#include "copy/vmm.hpp"
 #include "copy/wait.hpp"
 #include "model/log.hpp"
 #include "refit/error.hpp"
@@ -142,6 +145,82 @@ void check_index(std::size_t i, std::size_t count, std::string_view call) {
     throw error(errc::internal, fmt::format("cuda_ipc {}: buffer {} out of range ({} buffers)", call, i, count));
 }
 
+/// Owns a file descriptor (-1: none).
+class owned_fd {
+ public:
+  explicit owned_fd(int fd) noexcept : fd_(fd) {}
+  ~owned_fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  owned_fd(owned_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  owned_fd& operator=(owned_fd&&) = delete;
+  owned_fd(const owned_fd&) = delete;
+  owned_fd& operator=(const owned_fd&) = delete;
+  [[nodiscard]] int get() const noexcept { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// A source record of VMM memory (copy/vmm.hpp), where a cudaIpc record is a handle, a size and
+// an id: "VMM1", one byte that is 1 when the chunks' descriptors follow through the session's
+// descriptor link (in chunk order, each tagged with its chunk's id) and 0 when the receiver holds
+// the span already, the chunk count (u32), then each chunk's id and size (u64 each). A receiver
+// maps the chunks one after the other; the entries' offsets count from the first chunk's start.
+constexpr std::string_view vmm_magic = "VMM1";
+constexpr std::size_t vmm_head_bytes = 4 + 1 + 4;
+constexpr std::size_t vmm_flag_at = 4;
+/// Chunks of one span, at most: 64 GiB of torch's 20 MiB chunks.
+constexpr std::uint32_t max_vmm_chunks = 3276;
+/// How long a streamer waits for room in the descriptor link before packing instead.
+constexpr std::chrono::seconds fd_send_timeout{10};
+
+std::string vmm_record(std::span<const copy::vmm::chunk> chunks, bool fds_follow) {
+  std::string r(vmm_magic);
+  r += static_cast<char>(fds_follow ? 1 : 0);
+  r += raw_bytes(static_cast<std::uint32_t>(chunks.size()));
+  for (const copy::vmm::chunk& c : chunks) r += raw_bytes(c.id) + raw_bytes(c.bytes);
+  return r;
+}
+
+bool is_vmm_record(std::string_view r) { return r.substr(0, vmm_magic.size()) == vmm_magic; }
+
+/// A VMM record, read and checked.
+struct vmm_span {
+  bool fds_follow = false;
+  std::vector<std::uint64_t> ids;
+  std::vector<std::uint64_t> sizes;
+  std::uint64_t bytes = 0;
+  std::string key;  ///< the record with its flag cleared: the same span whether or not descriptors follow
+};
+
+/// Throws refit::error(errc::protocol) naming source `index` for a record that breaks the format.
+vmm_span read_vmm_record(const std::string& r, std::size_t index) {
+  const auto bad = [&](std::string_view why) {
+    return error(errc::protocol,
+                 fmt::format("cuda_ipc: source {} is a malformed VMM record ({} bytes): {}", index, r.size(), why));
+  };
+  if (r.size() < vmm_head_bytes) throw bad("shorter than its header");
+  const auto flag = static_cast<unsigned char>(r[vmm_flag_at]);
+  if (flag > 1) throw bad("its descriptor flag is neither 0 nor 1");
+  const auto count = from_raw_bytes<std::uint32_t>(r.substr(vmm_flag_at + 1, 4));
+  if (count == 0 || count > max_vmm_chunks)
+    throw bad(fmt::format("{} chunks (1 to {} allowed)", count, max_vmm_chunks));
+  if (r.size() != vmm_head_bytes + std::size_t{count} * 16) throw bad(fmt::format("{} chunks do not fill it", count));
+  vmm_span s;
+  s.fds_follow = flag == 1;
+  for (std::uint32_t k = 0; k < count; ++k) {
+    const std::size_t at = vmm_head_bytes + std::size_t{k} * 16;
+    s.ids.push_back(from_raw_bytes<std::uint64_t>(r.substr(at, 8)));
+    s.sizes.push_back(from_raw_bytes<std::uint64_t>(r.substr(at + 8, 8)));
+    if (s.sizes.back() == 0 || __builtin_add_overflow(s.bytes, s.sizes.back(), &s.bytes))
+      throw bad(fmt::format("chunk {} has no size, or the chunks overflow", k));
+  }
+  s.key = r;
+  s.key[vmm_flag_at] = 0;
+  return s;
+}
+
 class cuda_ipc_source final : public source {
  public:
   explicit cuda_ipc_source(const source_options& options)
@@ -234,6 +313,10 @@ class cuda_ipc_source final : public source {
   void close_session() noexcept override {
     direct_ = false;
     receivers_.clear();  // cudaIpcCloseMemHandle: nothing of a receiver stays mapped
+    link_.reset();
+    vmm_held_.clear();
+    vmm_announced_.clear();
+    vmm_committed_ = false;
   }
 
   [[nodiscard]] bool direct() const noexcept override { return direct_; }
@@ -320,9 +403,9 @@ class cuda_ipc_source final : public source {
       return shared{last_->source, at - last_->base};
     }
     const exported* e = known(p, at, bytes);
-    if (e == nullptr || e->record.empty()) return std::nullopt;
+    if (e == nullptr || e->record.empty()) return share_vmm(p, at, bytes, announce);
     announce.push_back(e->record);
-    const auto source = static_cast<std::uint32_t>(numbered_.size() + 1);
+    const std::uint32_t source = ++announced_;
     last_ = &numbered_.insert_or_assign(e->base, numbered{e->base, e->bytes, source}).first->second;
     return shared{source, at - e->base};
   }
@@ -363,8 +446,23 @@ class cuda_ipc_source final : public source {
 
   void forget_shared() noexcept override {
     numbered_.clear();
+    announced_ = 0;
     last_ = nullptr;
+    // The receiver keeps mapped exactly what the last refit read (see the sink's end_sources());
+    // after a refit that failed, this side cannot tell what that was, so it sends every
+    // descriptor again (a receiver that holds a span already just closes them).
+    if (!vmm_committed_) vmm_held_.clear();
+    vmm_committed_ = false;
+    vmm_announced_.clear();
   }
+
+  void refit_committed() noexcept override {
+    vmm_held_ = std::move(vmm_announced_);
+    vmm_announced_.clear();
+    vmm_committed_ = true;
+  }
+
+  void link(std::shared_ptr<channel::fd_link> fds) override { link_ = std::move(fds); }
 
   [[nodiscard]] bool idle() override {
     device_guard guard(device_);
@@ -375,14 +473,55 @@ class cuda_ipc_source final : public source {
   }
 
  private:
+  /// share() for memory cudaIpc cannot export: VMM chunks (torch's expandable segments), when the
+  /// session has a descriptor link. The span is the chunks covering the tensor; their descriptors
+  /// go through the link unless the receiver holds the span from the last refit.
+  std::optional<shared> share_vmm(const void* p, std::uintptr_t at, std::uint64_t bytes,
+                                  std::vector<std::string>& announce) {
+    if (!link_) return std::nullopt;
+    const std::optional<std::vector<copy::vmm::chunk>> chunks = copy::vmm::chunks_of(p, bytes, device_);
+    if (!chunks || chunks->size() > max_vmm_chunks) return std::nullopt;
+    std::string key = vmm_record(*chunks, false);
+    const bool held = vmm_held_.contains(key);
+    if (!held) {
+      const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
+      for (const copy::vmm::chunk& c : *chunks) {
+        const owned_fd fd(copy::vmm::export_fd(c.base, device_));
+        if (fd.get() < 0 || !link_->send(c.id, fd.get(), deadline)) {
+          // What was sent of this span is skipped by the receiver (another tag comes first).
+          REFIT_DEBUG("cuda_ipc: the VMM chunk at {:#x} ({} bytes) cannot be {}: its tensors are packed", c.base,
+                      c.bytes, fd.get() < 0 ? "exported" : "sent to the receiver");
+          return std::nullopt;
+        }
+      }
+    }
+    announce.push_back(held ? key : vmm_record(*chunks, true));
+    vmm_announced_.insert(std::move(key));
+    const std::uintptr_t base = chunks->front().base;
+    std::uint64_t total = 0;
+    for (const copy::vmm::chunk& c : *chunks) total += c.bytes;
+    const std::uint32_t source = ++announced_;
+    last_ = &numbered_.insert_or_assign(base, numbered{base, total, source}).first->second;
+    return shared{source, at - base};
+  }
+
+  /// The session's descriptor link (null: none, VMM memory is packed).
+  std::shared_ptr<channel::fd_link> link_;
+  /// VMM spans (their records' keys) the receiver holds: those the last committed refit read.
+  std::set<std::string> vmm_held_;
+  std::set<std::string> vmm_announced_;  ///< by the refit in progress
+  bool vmm_committed_ = false;           ///< the last refit was committed (refit_committed())
+
   /// An allocation shared in this refit: its range and its number (wire::entry::source).
   struct numbered {
     std::uintptr_t base = 0;
     std::uint64_t bytes = 0;
     std::uint32_t source = 0;
   };
-  std::map<std::uintptr_t, numbered> numbered_;  ///< by base
-  const numbered* last_ = nullptr;               ///< the last one a tensor was found in
+  /// By base (a later span from the same chunk replaces an earlier one: entries keep its number).
+  std::map<std::uintptr_t, numbered> numbered_;
+  std::uint32_t announced_ = 0;     ///< sources announced in this refit (the last one's number)
+  const numbered* last_ = nullptr;  ///< the last one a tensor was found in
   /// By base. Bounded: forgotten wholesale past max_exports.
   std::map<std::uintptr_t, exported> exports_;
   static constexpr std::size_t max_exports = 1u << 16;
@@ -600,6 +739,7 @@ class cuda_ipc_sink final : public sink {
                    cudaGetErrorString(status));
       }
     }
+    link_.reset();
     numbered_.clear();
     sources_.clear();
     maps_.clear();
@@ -639,10 +779,16 @@ class cuda_ipc_sink final : public sink {
 
   [[nodiscard]] bool maps_sources() const noexcept override { return true; }
 
+  void link(std::shared_ptr<channel::fd_link> fds) override { link_ = std::move(fds); }
+
   void map_sources(std::span<const std::string> records) override {
     constexpr std::size_t record_bytes = sizeof(cudaIpcMemHandle_t) + 2 * sizeof(std::uint64_t);
     for (const std::string& record : records) {
       const std::size_t index = numbered_.size() + 1;
+      if (record.size() != record_bytes && is_vmm_record(record)) {
+        map_vmm(record, index);
+        continue;
+      }
       if (record.size() != record_bytes)
         throw error(errc::protocol, fmt::format("cuda_ipc: source {} is a record of {} bytes, expected {}", index,
                                                 record.size(), record_bytes));
@@ -666,7 +812,7 @@ class cuda_ipc_sink final : public sink {
           throw error(errc::transport, fmt::format("cuda_ipc: source {} maps {} bytes where the streamer announced "
                                                    "{}",
                                                    index, a ? a->bytes : 0, claimed));
-        it = sources_.emplace(record, mapped_source{std::move(map), claimed, false}).first;
+        it = sources_.emplace(record, mapped_source{std::move(map), {}, claimed, false}).first;
       }
       it->second.read = true;
       numbered_.push_back(&it->second);
@@ -683,7 +829,7 @@ class cuda_ipc_sink final : public sink {
     if (__builtin_add_overflow(offset, bytes, &last) || last > m.bytes)
       throw error(errc::protocol, fmt::format("cuda_ipc: an entry reads bytes [{}, {} + {}) of source {}, which has {}",
                                               offset, offset, bytes, index, m.bytes));
-    return static_cast<const std::byte*>(m.map.handle()) + offset;
+    return m.data() + offset;
   }
 
   void end_sources() noexcept override {
@@ -745,12 +891,58 @@ class cuda_ipc_sink final : public sink {
     return status;
   }
 
-  /// An allocation of the streamer that entries read in place, mapped here.
+  /// An allocation of the streamer that entries read in place, mapped here: a cudaIpc mapping, or
+  /// VMM chunks mapped one after the other.
   struct mapped_source {
     ipc_mapping map;
+    copy::vmm::mapping vmm;
     std::uint64_t bytes = 0;
     bool read = false;  ///< by the refit in progress (or the last one)
+    [[nodiscard]] const std::byte* data() const noexcept {
+      return map ? static_cast<const std::byte*>(map.handle()) : vmm.data();
+    }
   };
+
+  /// map_sources() of a VMM record: the span is mapped from the descriptors that follow through the
+  /// link, or found among those the last refit read (the streamer keeps the same account).
+  void map_vmm(const std::string& record, std::size_t index) {
+    const vmm_span span = read_vmm_record(record, index);
+    auto it = sources_.find(span.key);
+    if (span.fds_follow) {
+      if (!link_)
+        throw error(errc::protocol, fmt::format("cuda_ipc: source {} is VMM memory whose descriptors come through the "
+                                                "control lane, but this session has no descriptor link",
+                                                index));
+      const auto deadline = std::chrono::steady_clock::now() + timeout_;
+      std::vector<owned_fd> fds;
+      std::vector<int> raw;
+      for (std::size_t k = 0; k < span.ids.size(); ++k) {
+        fds.emplace_back(link_->receive(span.ids[k], deadline));
+        if (fds.back().get() < 0)
+          throw error(errc::transport,
+                      fmt::format("cuda_ipc: the descriptor of chunk {} of {} of source {} (VMM memory "
+                                  "of the streamer) did not come within {} ms: is the streamer alive?",
+                                  k, span.ids.size(), index, timeout_.count()));
+        raw.push_back(fds.back().get());
+      }
+      if (it == sources_.end()) {  // else: held already; the descriptors are closed unused
+        if (sources_.size() >= max_sources)
+          throw error(errc::protocol, fmt::format("cuda_ipc: the streamer announces more than {} allocations to "
+                                                  "read in place",
+                                                  max_sources));
+        device_guard guard(device_);
+        copy::vmm::mapping m(raw, span.sizes, device_);
+        it = sources_.emplace(span.key, mapped_source{{}, std::move(m), span.bytes, false}).first;
+      }
+    } else if (it == sources_.end()) {
+      throw error(errc::protocol, fmt::format("cuda_ipc: source {} is VMM memory of the streamer ({} chunks) that this "
+                                              "receiver does not hold, and no descriptors follow (the streamer's "
+                                              "next refit sends them)",
+                                              index, span.ids.size()));
+    }
+    it->second.read = true;
+    numbered_.push_back(&it->second);
+  }
 
   /// What a session whose GPU work never finished left behind (see detach()).
   struct abandoned {
@@ -771,6 +963,8 @@ class cuda_ipc_sink final : public sink {
   std::map<std::string, mapped_source> sources_;
   std::vector<mapped_source*> numbered_;  ///< this refit's, from source 1
   static constexpr std::size_t max_sources = 1u << 16;
+  /// The session's descriptor link (null: none; a VMM record with descriptors is then refused).
+  std::shared_ptr<channel::fd_link> link_;
 
   int device_;
   milliseconds timeout_;

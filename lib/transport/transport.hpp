@@ -18,6 +18,7 @@
 #include <string_view>
 #include <vector>
 
+#include "channel/fd_link.hpp"
 #include "copy/copy.hpp"
 #include "plan/route.hpp"
 #include "refit/error.hpp"
@@ -177,6 +178,13 @@ class source {
   }
   /// A new refit starts: what share() announced is numbered from 1 again.
   virtual void forget_shared() noexcept {}
+  /// The refit in progress was committed by every receiver (END answered): what share() announced
+  /// in it is what they hold from now on. Nothing by default.
+  virtual void refit_committed() noexcept {}
+  /// The link that carries file descriptors to the receiver in this session (its control lane's,
+  /// see channel/fd_link.hpp), or null when there is none: memory shared as descriptors (VMM)
+  /// needs it, and is packed without it. Ignored by default.
+  virtual void link(std::shared_ptr<channel::fd_link> fds) { (void)fds; }
   /// True when the work enqueued on stream() so far is complete (packs, and the producer streams
   /// after() ordered it after): a batch that packed nothing is then wire::batch::ready.
   [[nodiscard]] virtual bool idle() { return true; }
@@ -262,6 +270,9 @@ class sink {
     throw error(errc::protocol, "an entry reads source " + std::to_string(index) +
                                     " of the streamer in place, which this transport cannot map");
   }
+  /// The link that carries file descriptors from the streamer in this session (the control lane's),
+  /// or null when there is none. Ignored by default.
+  virtual void link(std::shared_ptr<channel::fd_link> fds) { (void)fds; }
   /// The refit ended (committed, failed or aborted; nothing of it is in flight): the next one numbers
   /// its sources from 1 again. Memory no refit since the previous call read may be unmapped.
   virtual void end_sources() noexcept {}

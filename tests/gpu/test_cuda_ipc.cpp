@@ -39,6 +39,7 @@ TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cu
 #include "copy/copy.hpp"
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
+#include "copy/vmm.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
 #include "refit/version.hpp"
@@ -68,7 +69,9 @@ std::uint64_t round_up(std::uint64_t n, std::uint64_t a) { return (n + a - 1) / 
 /// byte, so that every tensor has a real pointer), zero between the tensors. Lives in a child only.
 class device_tensors {
  public:
-  device_tensors(const std::vector<refit::tensor_meta>& metas, int device) : metas_(metas), device_(device) {
+  /// In an allocation of their own, or at `place` (memory of `device` of at least bytes_for(metas)).
+  device_tensors(const std::vector<refit::tensor_meta>& metas, int device, std::byte* place = nullptr)
+      : metas_(metas), device_(device) {
     refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
     std::uint64_t cursor = 0;
     for (const auto& m : metas_) {
@@ -76,14 +79,21 @@ class device_tensors {
       cursor += round_up(std::max<std::uint64_t>(m.nbytes(), 1), 256);
     }
     total_ = std::max<std::uint64_t>(cursor, 256);
-    arena_ = refit::cuda::device_buffer(total_);
-    refit::check_cuda(cudaMemset(arena_.handle(), 0, total_), "cudaMemset(test tensors)");
+    if (place == nullptr) arena_ = refit::cuda::device_buffer(total_);
+    base_ = place != nullptr ? place : static_cast<std::byte*>(arena_.handle());
+    refit::check_cuda(cudaMemset(base_, 0, total_), "cudaMemset(test tensors)");
+  }
+  /// Bytes the tensors of `metas` take together.
+  static std::uint64_t bytes_for(const std::vector<refit::tensor_meta>& metas) {
+    std::uint64_t n = 0;
+    for (const auto& m : metas) n += round_up(std::max<std::uint64_t>(m.nbytes(), 1), 256);
+    return std::max<std::uint64_t>(n, 256);
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return metas_.size(); }
   [[nodiscard]] std::uint64_t total() const noexcept { return total_; }  ///< bytes of the allocation
   [[nodiscard]] const refit::tensor_meta& meta(std::size_t i) const { return metas_[i]; }
-  [[nodiscard]] std::byte* data(std::size_t i) const { return static_cast<std::byte*>(arena_.handle()) + offsets_[i]; }
+  [[nodiscard]] std::byte* data(std::size_t i) const { return base_ + offsets_[i]; }
 
   /// The whole allocation as it must be when every tensor holds `version`'s pattern.
   [[nodiscard]] std::vector<std::uint8_t> image(std::uint64_t version) const {
@@ -96,7 +106,7 @@ class device_tensors {
   /// Every tensor takes `version`'s pattern (synchronously).
   void upload(std::uint64_t version) {
     const auto host = image(version);
-    refit::check_cuda(cudaMemcpy(arena_.handle(), host.data(), total_, cudaMemcpyHostToDevice), "upload");
+    refit::check_cuda(cudaMemcpy(base_, host.data(), total_, cudaMemcpyHostToDevice), "upload");
   }
 
   /// Empty when every byte (tensors and the gaps between them) is what `version` makes it; else
@@ -104,7 +114,7 @@ class device_tensors {
   [[nodiscard]] std::string mismatch(std::uint64_t version) const {
     std::vector<std::uint8_t> got(total_);
     refit::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize before checking");
-    refit::check_cuda(cudaMemcpy(got.data(), arena_.handle(), total_, cudaMemcpyDeviceToHost), "download");
+    refit::check_cuda(cudaMemcpy(got.data(), base_, total_, cudaMemcpyDeviceToHost), "download");
     const auto want = image(version);
     const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
     if (w == want.end()) return {};
@@ -137,6 +147,7 @@ class device_tensors {
   std::vector<std::uint64_t> offsets_;
   std::uint64_t total_ = 0;
   refit::cuda::device_buffer arena_;
+  std::byte* base_ = nullptr;
 };
 
 std::size_t index_of(const std::vector<refit::tensor_meta>& metas, const std::string& name) {
@@ -711,6 +722,65 @@ TEST_CASE("a staged cuda_ipc receiver reads a streamer's reallocated tensors afr
                   }
                   s.close();
                 });
+}
+
+/// A staged streamer whose tensors lie in VMM chunks exportable as descriptors (what torch's
+/// expandable segments are), several tensors straddling chunk boundaries. From version `replace_from`
+/// on, every chunk is replaced by a new physical allocation at the same addresses before the
+/// version is written (an allocator that freed its chunks and grew again): the receiver must read
+/// the new chunks, never the old ones through what it kept mapped, and let the old ones go.
+void vmm_streamer(const std::string& endpoint, const std::vector<refit::tensor_meta>& metas,
+                  const std::vector<std::uint64_t>& versions, bool lane, std::uint64_t replace_from) {
+  const std::uint64_t chunk = refit::copy::vmm::granularity(0);
+  const std::uint64_t need = device_tensors::bytes_for(metas);
+  refit::copy::vmm::local_chunks memory((need + chunk - 1) / chunk, chunk, 0);
+  expect(memory.bytes() / chunk >= 3, "the model spans fewer than three chunks");
+  device_tensors weights(metas, 0, memory.data());
+  auto o = stream_options(endpoint, 0, relaxed);
+  o.direct = false;
+  o.control_lane = lane;
+  refit::streamer s(o);
+  std::size_t free_before = 0;
+  for (const std::uint64_t v : versions) {
+    if (v >= replace_from)
+      for (std::size_t k = 0; k < memory.bytes() / chunk; ++k) memory.replace(k);
+    weights.upload(v);
+    const auto stats = s.refit(v, weights.refs());
+    const std::uint64_t shared = lane ? stats.bytes : 0;
+    expect(stats.shared_bytes == shared && stats.bytes > 0,
+           "version " + std::to_string(v) + ": " + std::to_string(stats.shared_bytes) + " of " +
+               std::to_string(stats.bytes) + " bytes read in place, expected " + std::to_string(shared));
+    std::size_t free_bytes = 0, total = 0;
+    refit::check_cuda(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+    if (v == replace_from) free_before = free_bytes;
+    // Each replacement frees memory.bytes(); the receiver may hold the last refit's chunks only.
+    if (v > replace_from)
+      expect(free_bytes + memory.bytes() + memory.bytes() / 2 >= free_before,
+             "version " + std::to_string(v) + ": " + std::to_string((free_before - free_bytes) >> 20) +
+                 " MiB less free device memory than at version " + std::to_string(replace_from) +
+                 ": the receiver keeps replaced VMM chunks mapped");
+  }
+  s.close();
+}
+
+TEST_CASE("a staged cuda_ipc receiver reads a streamer's VMM tensors in place across chunks, and their replacements",
+          "[cuda_ipc][vmm]") {
+  // Tensors of up to 64 KiB and one of 5 MiB over 2 MiB chunks: several straddle a boundary.
+  const auto metas = rt::mixed_model(60, 5 * mib, 23);
+  std::vector<std::uint64_t> versions;
+  for (std::uint64_t v = 1; v <= 9; ++v) versions.push_back(v);
+  const auto ep = rt::temp_endpoint();
+  two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 0, versions, ready); },
+                [&] { vmm_streamer(ep, metas, versions, true, 4); });
+}
+
+TEST_CASE("without a control lane a streamer's VMM tensors go through the cuda_ipc buffers, bit-exact",
+          "[cuda_ipc][vmm]") {
+  const auto metas = rt::mixed_model(30, 3 * mib, 29);
+  const std::vector<std::uint64_t> versions = {1, 2, 3};
+  const auto ep = rt::temp_endpoint();
+  two_processes([&](rt::signal_pipe& ready) { callback_receiver(ep, metas, 0, versions, ready); },
+                [&] { vmm_streamer(ep, metas, versions, false, 2); });
 }
 
 // ------------------------------------------------------------------------ engine layouts

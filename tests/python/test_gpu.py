@@ -121,9 +121,12 @@ def test_cuda_ipc_through_on_tensor_arrives_bit_exact(peer, one_gpu, direct, sha
     job.stop()
 
 
-def test_cuda_ipc_tensors_in_expandable_segments_are_packed_bit_exact(peer, one_gpu):
-    """torch's expandable segments are virtual memory the CUDA IPC handles of ``share_tensors``
-    cannot export: such tensors go through the buffers, and the refit is still bit-exact."""
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "no-lane"])
+def test_cuda_ipc_tensors_in_expandable_segments_arrive_bit_exact(peer, one_gpu, lane):
+    """torch's expandable segments are VMM chunks that cudaIpc handles cannot export. Through the
+    control lane's descriptor link the receiver maps the chunks and reads every tensor where it
+    is, a tensor spanning chunks included; without a lane they go through the buffers. A tensor
+    made anew for each version (often in reused or new chunks) arrives bit-exact either way."""
     settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
         torch.cuda.memory, "_set_allocator_settings", None
     )
@@ -134,15 +137,18 @@ def test_cuda_ipc_tensors_in_expandable_segments_are_packed_bit_exact(peer, one_
     settings("expandable_segments:True")
     torch.cuda.empty_cache()  # so that the large tensor takes a new (expandable) segment
     try:
-        with gpu_streamer(endpoint, "cuda_ipc", direct=False, buffer_bytes=1 << 20) as st:
-            for version in (1, 2):
+        with gpu_streamer(endpoint, "cuda_ipc", direct=False, buffer_bytes=1 << 20, control_lane=lane) as st:
+            for version in (1, 2, 3):
                 state = mixed_state(version, device="cuda:0")
-                big = torch.arange(16 << 20, dtype=torch.int32, device="cuda:0") * version
+                big = torch.arange(16 << 20, dtype=torch.int32, device="cuda:0") * version  # 64 MiB: 4 chunks
                 state["big"] = big
                 stats = st.refit(version, state)
                 assert job.request("take") == state_bytes(state), f"version {version}"
-                # Whatever else was shared, the large tensor went through the buffers.
-                assert stats.shared_bytes <= stats.bytes - big.numel() * big.element_size()
+                if lane:
+                    assert stats.shared_bytes == stats.bytes, f"version {version}"
+                else:
+                    assert stats.shared_bytes <= stats.bytes - big.numel() * big.element_size()
+                del big, state
     finally:
         settings("expandable_segments:False")
         torch.cuda.empty_cache()

@@ -411,6 +411,15 @@ TEST_CASE("the command line defaults to host_shm, qwen2.5-0.5b and 2 x 64 MiB, a
   const char* one_buffer[] = {"refit-bench", "--buffers", "1"};
   CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(one_buffer)), one_buffer, code),
                     Catch::Contains("at least 2"));
+  CHECK_FALSE(d->vmm_sources);
+  const char* vmm[] = {"refit-bench", "--source-memory", "vmm"};
+  const auto v = parse_args(static_cast<int>(std::size(vmm)), vmm, code);
+  REQUIRE(v);
+  CHECK(v->vmm_sources);
+  const char* bad_memory[] = {"refit-bench", "--source-memory", "pinned"};
+  code = 0;
+  CHECK_FALSE(parse_args(static_cast<int>(std::size(bad_memory)), bad_memory, code));  // CLI11 says why
+  CHECK(code != 0);
   const char* nccl[] = {"refit-bench", "--transport", "nccl"};
   const auto n = parse_args(static_cast<int>(std::size(nccl)), nccl, code);
   REQUIRE(n);
