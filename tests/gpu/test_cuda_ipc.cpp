@@ -776,7 +776,7 @@ TEST_CASE("a staged cuda_ipc receiver reads a streamer's VMM tensors in place ac
 
 TEST_CASE("without a control lane a streamer's VMM tensors go through the cuda_ipc buffers, bit-exact",
           "[cuda_ipc][vmm]") {
-  const auto metas = rt::mixed_model(30, 3 * mib, 29);
+  const auto metas = rt::mixed_model(30, 5 * mib, 29);
   const std::vector<std::uint64_t> versions = {1, 2, 3};
   const auto ep = rt::temp_endpoint();
   two_processes([&](rt::signal_pipe& ready) { callback_receiver(ep, metas, 0, versions, ready); },

@@ -209,13 +209,15 @@ class raw_streamer {
     src_->open_session(h);
     h.peer = "raw-streamer";
     if (const char* token = std::getenv("REFIT_TOKEN")) h.token = token;
-    const auto reply = request(h);
+    // The receiver child may still be starting (a forked process under TSan on a 2-core machine
+    // took over 5 s once): its first answer gets the receivers' long deadline.
+    const auto reply = request(h, long_idle);
     REQUIRE(std::holds_alternative<wire::ok>(reply));
     src_->session_accepted(std::array{std::get<wire::ok>(reply)});
   }
 
-  wire::message request(const wire::message& m) {
-    return wire::decode(channel_.request(wire::encode(m), streamer_timeout, wire::to_string(wire::type_of(m))));
+  wire::message request(const wire::message& m, refit::milliseconds timeout = streamer_timeout) {
+    return wire::decode(channel_.request(wire::encode(m), timeout, wire::to_string(wire::type_of(m))));
   }
   /// Sends BATCH `seq` of `version` in buffer `seq % 2` holding `tensors` whole, each filled with
   /// its pattern for `version`.
