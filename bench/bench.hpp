@@ -234,7 +234,7 @@ class transport_path {
 
 std::unique_ptr<transport_path> make_host_shm_path();
 /// Throws refit::error(invalid_argument) in a build without CUDA.
-std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources = false);
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources = false, bool vmm_dests = false);
 /// --convert: the receiver registers converted destinations (issue 13): "bf16:fp8-block128",
 /// "bf16:fp8-tensor", "f32:bf16".
 struct conversion_spec {
@@ -377,6 +377,9 @@ struct config {
   /// cuda_ipc: the streamer's tensors in 20 MiB VMM chunks exportable as descriptors, as torch's
   /// expandable segments hold them (--source-memory vmm), instead of one cudaMalloc.
   bool vmm_sources = false;
+  /// cuda_ipc: the receiver's weights in such chunks (--dest-memory vmm): an engine under
+  /// expandable segments, written directly through descriptors.
+  bool vmm_dests = false;
   /// --split: after each row's refits, as many of one tensor alone (subset versions, same session):
   /// the refit's fixed cost, and what the rest of the row's time moves its bytes at.
   bool split = false;

@@ -134,7 +134,12 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
       ->capture_default_str();
   app.add_option("--source-memory", c.vmm_sources,
                  "cuda_ipc: where the streamer's tensors live: 0 (cudamalloc) one cudaMalloc; 1 (vmm) 20 MiB VMM "
-                 "chunks exportable as descriptors, as torch's expandable segments hold them (engine +vmm)")
+                 "chunks exportable as descriptors, as torch's expandable segments hold them (engine +vmm-src)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"cudamalloc", false}, {"vmm", true}}))
+      ->capture_default_str();
+  app.add_option("--dest-memory", c.vmm_dests,
+                 "cuda_ipc: where the receiver's weights live: cudamalloc or vmm (an engine under expandable "
+                 "segments; engine +vmm-dst)")
       ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"cudamalloc", false}, {"vmm", true}}))
       ->capture_default_str();
   app.add_option("--engine", t.engines,
@@ -437,6 +442,7 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
   if (c.layout.tp > 1) a.insert(a.end(), {"--rank", std::to_string(rank.value_or(c.rank))});
   if (c.corrupt_tensor) a.insert(a.end(), {"--corrupt-byte", std::to_string(*c.corrupt_tensor)});
   if (c.convert) a.insert(a.end(), {"--convert", c.convert->name});
+  if (c.vmm_dests) a.insert(a.end(), {"--dest-memory", "vmm"});  // the weights are the receiver's to allocate
   if (c.quiet) a.emplace_back("--quiet");
   return a;
 }

@@ -585,7 +585,8 @@ class group_runner {
     // Requests through ZeroMQ (--control-lane 0, or no lane offered): labelled, since a small
     // refit's fixed cost differs.
     if (!lane) r.engine += "+zmq";
-    if (c_.vmm_sources && !nccl_) r.engine += "+vmm";
+    if (c_.vmm_sources && !nccl_) r.engine += "+vmm-src";
+    if (c_.vmm_dests && !nccl_) r.engine += "+vmm-dst";
     return r;
   }
 
@@ -789,7 +790,7 @@ std::vector<transport_kind> built_transports() {
 std::unique_ptr<transport_path> make_path(transport_kind kind, const config& c) {
   switch (kind) {
     case transport_kind::host_shm: return make_host_shm_path();
-    case transport_kind::cuda_ipc: return make_cuda_ipc_path(c.device, c.vmm_sources);
+    case transport_kind::cuda_ipc: return make_cuda_ipc_path(c.device, c.vmm_sources, c.vmm_dests);
     case transport_kind::nccl: return make_nccl_path(c);
   }
   throw error(errc::invalid_argument, "refit-bench: unknown transport");

@@ -137,7 +137,8 @@ struct pinned {
 
 class cuda_ipc_path final : public transport_path {
  public:
-  cuda_ipc_path(int dev, bool vmm_sources) : dev_(dev), vmm_sources_(vmm_sources) {
+  cuda_ipc_path(int dev, bool vmm_sources, bool vmm_dests)
+      : dev_(dev), vmm_sources_(vmm_sources), vmm_dests_(vmm_dests) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       (void)cudaGetLastError();
@@ -186,7 +187,7 @@ class cuda_ipc_path final : public transport_path {
     return mem;
   }
   std::unique_ptr<tensor_memory> destinations(const manifest& m) override {
-    return std::make_unique<device_memory>(m, dev_, "destination tensors");
+    return std::make_unique<device_memory>(m, dev_, "destination tensors", vmm_dests_);
   }
   double measure_ceiling() override { return device_copy_bandwidth(dev_, ceiling_bytes); }
   [[nodiscard]] std::string ceiling_method() const override {
@@ -197,17 +198,18 @@ class cuda_ipc_path final : public transport_path {
  private:
   int dev_;
   bool vmm_sources_;
+  bool vmm_dests_;
 };
 
 }  // namespace
 
-std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources) {
-  return std::make_unique<cuda_ipc_path>(device, vmm_sources);
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources, bool vmm_dests) {
+  return std::make_unique<cuda_ipc_path>(device, vmm_sources, vmm_dests);
 }
 
 #else
 
-std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/, bool /*vmm_sources*/) {
+std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/, bool /*vmm_sources*/, bool /*vmm_dests*/) {
   throw error(errc::invalid_argument,
               "refit-bench: the cuda_ipc transport is not built into this bench (refit was built "
               "without CUDA); rebuild with -Dcuda=enabled or use --transport host_shm");

@@ -62,8 +62,8 @@ class mapping {
  private:
   void release() noexcept;
   unsigned long long base_ = 0;
-  std::uint64_t bytes_ = 0;    ///< reserved
-  std::uint64_t mapped_ = 0;   ///< of which mapped (from base_)
+  std::uint64_t bytes_ = 0;   ///< reserved
+  std::uint64_t mapped_ = 0;  ///< of which mapped (from base_)
   int device_ = 0;
 };
 

@@ -17,8 +17,7 @@ namespace {
 /// The driver functions this file calls, looked up once (any of them null: no VMM here).
 struct driver {
   decltype(&::cuPointerGetAttribute) get_attribute = driver_entry<decltype(get_attribute)>("cuPointerGetAttribute");
-  decltype(&::cuMemRetainAllocationHandle) retain =
-      driver_entry<decltype(retain)>("cuMemRetainAllocationHandle");
+  decltype(&::cuMemRetainAllocationHandle) retain = driver_entry<decltype(retain)>("cuMemRetainAllocationHandle");
   decltype(&::cuMemExportToShareableHandle) export_handle =
       driver_entry<decltype(export_handle)>("cuMemExportToShareableHandle");
   decltype(&::cuMemImportFromShareableHandle) import_handle =
@@ -34,8 +33,8 @@ struct driver {
       driver_entry<decltype(get_granularity)>("cuMemGetAllocationGranularity");
 
   [[nodiscard]] bool complete() const noexcept {
-    return get_attribute && retain && export_handle && import_handle && release && create && reserve &&
-           address_free && map && unmap && set_access && get_granularity;
+    return get_attribute && retain && export_handle && import_handle && release && create && reserve && address_free &&
+           map && unmap && set_access && get_granularity;
   }
 };
 
@@ -48,8 +47,9 @@ const driver& api() {
 const driver& need_api() {
   const driver& d = api();
   if (!d.complete())
-    throw error(errc::transport, "the CUDA driver lacks the virtual memory API (cuMemMap and friends): cannot map "
-                                 "the peer's VMM memory");
+    throw error(errc::transport,
+                "the CUDA driver lacks the virtual memory API (cuMemMap and friends): cannot map "
+                "the peer's VMM memory");
   return d;
 }
 

@@ -596,6 +596,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         ln->sink = transport::make_sink(h.transport, options.device, options.idle_timeout);
       wire::ok reply;
       ln->sink->attach(h, reply);
+      // The session's requests may come through a lane of shared memory from here on (the old
+      // session's lane, if any, is replaced: this HELLO's reply still goes the way it came). Its
+      // descriptor link serves the transport too (VMM memory), from the offer on.
+      std::unique_ptr<channel::lane> lane = offer_lane(h);
+      ln->sink->link(lane ? lane->fds() : nullptr);
       if (!callback) reply.convert = conversions();
       ln->asked = reply.convert;
       std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place
@@ -619,12 +624,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       ln->session_generation = sink_generation;
       REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", who(*ln), ln->sink->count(),
                  ln->sink->buffer_bytes(0) >> 20, h.transport, ln->direct || ln->in_place ? ", written in place" : "");
-      // The session's requests may come through a lane of shared memory from here on (the old
-      // session's lane, if any, is replaced: this HELLO's reply still goes the way it came).
-      std::unique_ptr<channel::lane> lane = offer_lane(h);
-      ln->sink->link(lane ? lane->fds() : nullptr);
       reply_ok(std::move(reply.handles), reply.mode, std::move(reply.convert), lane ? lane->offer() : std::string());
       ln->channel.attach_lane(std::move(lane));
+      ln->sink->after_reply();
       return receiver_event::hello;
     } catch (const error& e) {
       if (ln->sink) ln->sink->detach();

@@ -426,6 +426,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       };
       const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
       conversions = merge_conversions(oks);
+      // The lanes first: memory shared as descriptors (VMM weights offered for direct writes, and
+      // this side's VMM tensors later) needs the lane's descriptor link; one receiver at most
+      // reads the streamer's memory (several are written directly).
+      open_lanes(oks);
+      buffers->link(channels.size() == 1 ? channels.front().fds() : nullptr);
       try {
         buffers->session_accepted(oks);
       } catch (const error& e) {
@@ -439,10 +444,6 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         ensure_session();
         return;
       }
-      open_lanes(oks);
-      // Memory shared as descriptors (VMM) needs the lane's descriptor link; one receiver at most
-      // reads the streamer's memory (several are written directly).
-      buffers->link(channels.size() == 1 ? channels.front().fds() : nullptr);
     } catch (...) {
       drop_session();
       throw;

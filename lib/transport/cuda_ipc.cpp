@@ -286,7 +286,11 @@ class cuda_ipc_source final : public source {
   }
 
   void session_accepted(std::span<const wire::ok> replies) override {
-    close_session();
+    direct_ = false;
+    receivers_.clear();
+    vmm_held_.clear();
+    vmm_announced_.clear();
+    vmm_committed_ = false;
     if (replies.empty()) return;
     const auto offered = [](const wire::ok& r) { return r.mode == wire::session_mode::in_place; };
     if (replies.size() > 1) {
@@ -556,8 +560,16 @@ class cuda_ipc_source final : public source {
     plan::destination dest;
     plan::route_cache routes;
   };
+  /// One allocation of a receiver's weights, mapped here: a cudaIpc mapping, or VMM chunks mapped
+  /// one after the other (their descriptors came through the lane's link).
+  struct weights_mapping {
+    ipc_mapping ipc;
+    copy::vmm::mapping vmm;
+    std::uint64_t bytes = 0;  ///< what the mapping holds: every destination must lie inside
+    [[nodiscard]] std::byte* data() const noexcept { return ipc ? static_cast<std::byte*>(ipc.handle()) : vmm.data(); }
+  };
   struct receiver_targets {
-    std::vector<ipc_mapping> mapped;
+    std::vector<weights_mapping> mapped;
     std::unordered_map<std::string, std::vector<target>> targets;
   };
   std::vector<receiver_targets> receivers_;  ///< direct sessions: one per receiver, in order
@@ -569,8 +581,25 @@ class cuda_ipc_source final : public source {
     for (std::size_t k = 0; k < reply.handles.size(); ++k) {
       const std::string& rec = reply.handles[k];
       if (rec.size() == 1 + sizeof(cudaIpcMemHandle_t) && rec[0] == 'A') {
-        out.mapped.emplace_back(from_raw_bytes<cudaIpcMemHandle_t>(rec.substr(1)),
-                                fmt::format("allocation {} of the receiver's weights", out.mapped.size()));
+        weights_mapping m;
+        m.ipc = ipc_mapping(from_raw_bytes<cudaIpcMemHandle_t>(rec.substr(1)),
+                            fmt::format("allocation {} of the receiver's weights", out.mapped.size()));
+        // The mapping's own size bounds every destination, whatever the records claim.
+        std::optional<copy::allocation> a;
+        try {
+          a = copy::cuda_allocation_of(m.ipc.handle(), device_);
+        } catch (const error&) {
+        }
+        if (!a || a->base != reinterpret_cast<std::uintptr_t>(m.ipc.handle()))
+          throw error(errc::transport, fmt::format("direct offer: the driver cannot say how large allocation {} of "
+                                                   "the receiver's weights is",
+                                                   out.mapped.size()));
+        m.bytes = a->bytes;
+        out.mapped.push_back(std::move(m));
+        continue;
+      }
+      if (!rec.empty() && rec[0] == 'V') {
+        out.mapped.push_back(map_vmm_weights(std::string(rec.substr(1)), out.mapped.size()));
         continue;
       }
       if (rec.empty() || rec[0] != 'T')
@@ -590,7 +619,19 @@ class cuda_ipc_source final : public source {
         if (r.allocation >= out.mapped.size())
           throw error(errc::protocol, fmt::format("direct offer: tensor record {} names allocation {} of {}", k,
                                                   r.allocation, out.mapped.size()));
-        d.data = static_cast<std::byte*>(out.mapped[r.allocation].handle()) + r.offset;
+        const weights_mapping& m = out.mapped[r.allocation];
+        std::uint64_t extent = 0;
+        try {
+          extent = plan::check_view(d).bytes;
+        } catch (const error& e) {
+          throw error(errc::protocol, fmt::format("direct offer: record {}: {}", k, e.what()));
+        }
+        std::uint64_t last = 0;
+        if (__builtin_add_overflow(r.offset, extent, &last) || last > m.bytes)
+          throw error(errc::protocol, fmt::format("direct offer: '{}' spans bytes [{}, {}) of allocation {}, which has "
+                                                  "{}",
+                                                  r.name, r.offset, r.offset + extent, r.allocation, m.bytes));
+        d.data = m.data() + r.offset;
       }
       out.targets[d.meta.name].push_back(target{std::move(d), {}});
       ++count;
@@ -598,6 +639,33 @@ class cuda_ipc_source final : public source {
     REFIT_INFO("cuda_ipc: direct session: {} destinations of {} tensors in {} allocations of a receiver's weights",
                count, out.targets.size(), out.mapped.size());
     return out;
+  }
+
+  /// A "V" record of a direct offer: VMM weights of the receiver, whose chunks' descriptors follow
+  /// the offer through the lane's link. Throws refit::error (protocol for a malformed record,
+  /// transport when there is no link, a descriptor does not come or the chunks cannot be mapped:
+  /// the streamer then stages instead).
+  weights_mapping map_vmm_weights(const std::string& record, std::size_t index) const {
+    const vmm_span span = read_vmm_record(record, index);
+    if (!link_)
+      throw error(errc::transport, fmt::format("allocation {} of the receiver's weights is VMM memory, whose "
+                                               "descriptors come through the control lane, and this session has none",
+                                               index));
+    const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
+    std::vector<owned_fd> fds;
+    std::vector<int> raw;
+    for (std::size_t k = 0; k < span.ids.size(); ++k) {
+      fds.emplace_back(link_->receive(span.ids[k], deadline));
+      if (fds.back().get() < 0)
+        throw error(errc::transport, fmt::format("the descriptor of chunk {} of {} of allocation {} of the receiver's "
+                                                 "weights (VMM memory) did not come",
+                                                 k, span.ids.size(), index));
+      raw.push_back(fds.back().get());
+    }
+    weights_mapping m;
+    m.vmm = copy::vmm::mapping(raw, span.sizes, device_);
+    m.bytes = span.bytes;
+    return m;
   }
   std::string uuid_;
   std::vector<cuda::device_buffer> buffers_;
@@ -678,46 +746,79 @@ class cuda_ipc_sink final : public sink {
 
   bool offer_direct(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) override {
     if (h.mode != wire::session_mode::in_place || table.empty()) return false;
+    pending_fds_.clear();
     std::vector<std::string> records;
     std::map<void*, std::uint64_t> allocations;  // base → index
-    std::vector<std::string> tensors;
-    tensors.reserve(table.size());
-    for (const plan::destination& d : table) {
+    // Where each destination lies: its allocation's index and its offset there; VMM destinations
+    // are placed once every span is known (spans of adjacent chunks merge into one).
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> place(table.size(), {wire::dest_record::no_allocation, 0});
+    std::vector<std::size_t> in_vmm;
+    std::map<std::uintptr_t, copy::vmm::chunk> chunks;  // of every VMM destination, by base
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      const plan::destination& d = table[i];
       const std::uint64_t bytes = d.meta.nbytes();
       if (d.dev.kind != device_kind::cuda ||
           d.meta.name.size() + 64 + 20 * d.meta.shape.size() > wire::max_handle_bytes)
         return decline(fmt::format("'{}' is not in CUDA memory, or its name is too long", d.meta.name));
-      std::uint64_t alloc = wire::dest_record::no_allocation;
-      std::uint64_t offset = 0;
-      if (bytes != 0) {
-        device_guard on(d.dev.index);
-        void* base = allocation_base(d.data, d.dev.index);
-        if (base == nullptr)
-          return decline(fmt::format("the allocation of '{}' is unknown to the driver", d.meta.name));
-        auto [it, fresh] = allocations.emplace(base, allocations.size());
-        if (fresh) {
-          cudaIpcMemHandle_t handle{};
-          const cudaError_t status = cudaIpcGetMemHandle(&handle, base);
-          if (status != cudaSuccess) {
-            (void)cudaGetLastError();
-            return decline(fmt::format("cudaIpcGetMemHandle on the allocation of '{}': {}", d.meta.name,
-                                       cudaGetErrorName(status)));
+      if (bytes == 0) continue;
+      device_guard on(d.dev.index);
+      void* base = allocation_base(d.data, d.dev.index);
+      if (base == nullptr) return decline(fmt::format("the allocation of '{}' is unknown to the driver", d.meta.name));
+      auto it = allocations.find(base);
+      if (it == allocations.end()) {
+        cudaIpcMemHandle_t handle{};
+        const cudaError_t status = cudaIpcGetMemHandle(&handle, base);
+        if (status != cudaSuccess) {
+          (void)cudaGetLastError();
+          // VMM memory (an engine under torch's expandable segments): its chunks go as descriptors.
+          const auto mine = link_ ? copy::vmm::chunks_of(d.data, plan::check_view(d).bytes, d.dev.index) : std::nullopt;
+          if (!mine)
+            return decline(fmt::format("cudaIpcGetMemHandle on the allocation of '{}': {}{}", d.meta.name,
+                                       cudaGetErrorName(status),
+                                       link_ ? "" : " (VMM memory is offered only through a control lane)"));
+          for (const copy::vmm::chunk& c : *mine) {
+            const auto [at, fresh] = chunks.emplace(c.base, c);
+            if (!fresh && (at->second.id != c.id || at->second.bytes != c.bytes))
+              return decline(fmt::format("the VMM chunks of '{}' changed while they were looked up", d.meta.name));
           }
-          records.push_back("A" + raw_bytes(handle));
+          in_vmm.push_back(i);
+          continue;
         }
-        alloc = it->second;
-        offset =
-            static_cast<std::uint64_t>(static_cast<const std::byte*>(d.data) - static_cast<const std::byte*>(base));
+        it = allocations.emplace(base, allocations.size()).first;
+        records.push_back("A" + raw_bytes(handle));
       }
-      tensors.push_back("T" + wire::encode_dest(wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides,
-                                                                  d.slice, alloc, offset}));
+      place[i] = {it->second, static_cast<std::uint64_t>(static_cast<const std::byte*>(d.data) -
+                                                         static_cast<const std::byte*>(base))};
     }
-    for (auto& t : tensors) records.push_back(std::move(t));
+    if (!in_vmm.empty() && !offer_vmm_spans(table, in_vmm, chunks, allocations.size(), place, records)) return false;
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      const plan::destination& d = table[i];
+      records.push_back("T" + wire::encode_dest(wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides,
+                                                                  d.slice, place[i].first, place[i].second}));
+    }
     reply.handles = std::move(records);
     reply.mode = wire::session_mode::in_place;
-    REFIT_INFO("cuda_ipc: offering {} destinations in {} allocations for direct writes by {}", table.size(),
-               allocations.size(), h.peer);
+    REFIT_INFO("cuda_ipc: offering {} destinations in {} allocations ({} VMM chunks) for direct writes by {}",
+               table.size(), allocations.size(), chunks.size(), h.peer);
     return true;
+  }
+
+  void after_reply() noexcept override {
+    if (pending_fds_.empty()) return;
+    // The streamer connects to the link as soon as it has the OK, and maps the weights before
+    // anything else: a streamer that does not come within this bound stages instead.
+    const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
+    std::size_t sent = 0;
+    for (const auto& [id, fd] : pending_fds_) {
+      if (!link_ || !link_->send(id, fd.get(), deadline)) break;
+      ++sent;
+    }
+    if (sent != pending_fds_.size())
+      REFIT_WARN(
+          "cuda_ipc: sent {} of the {} descriptors of VMM weights (the streamer did not take them): it will "
+          "stage through the buffers",
+          sent, pending_fds_.size());
+    pending_fds_.clear();
   }
 
   void detach() noexcept override {
@@ -740,6 +841,7 @@ class cuda_ipc_sink final : public sink {
       }
     }
     link_.reset();
+    pending_fds_.clear();
     numbered_.clear();
     sources_.clear();
     maps_.clear();
@@ -952,6 +1054,43 @@ class cuda_ipc_sink final : public sink {
     std::vector<ipc_event> applied;
     cuda::stream stream;
   };
+
+  /// offer_direct() for the destinations in VMM memory (`in_vmm`, their chunks `chunks`): one "V"
+  /// record per run of adjacent chunks, numbered from `first`, each destination placed in its run,
+  /// and every chunk exported for after_reply(). False (having declined) when one cannot be.
+  bool offer_vmm_spans(std::span<const plan::destination> table, std::span<const std::size_t> in_vmm,
+                       const std::map<std::uintptr_t, copy::vmm::chunk>& chunks, std::uint64_t first,
+                       std::vector<std::pair<std::uint64_t, std::uint64_t>>& place, std::vector<std::string>& records) {
+    std::vector<std::vector<copy::vmm::chunk>> runs;
+    std::map<std::uintptr_t, std::size_t> run_of;  // chunk base → run
+    for (const auto& [base, c] : chunks) {
+      if (runs.empty() || runs.back().back().base + runs.back().back().bytes != base) runs.emplace_back();
+      runs.back().push_back(c);
+      run_of.emplace(base, runs.size() - 1);
+    }
+    for (const std::size_t i : in_vmm) {
+      const auto at = reinterpret_cast<std::uintptr_t>(table[i].data);
+      const auto it = std::prev(chunks.upper_bound(at));  // the chunk holding its first byte
+      const std::size_t r = run_of.at(it->first);
+      place[i] = {first + r, at - runs[r].front().base};
+    }
+    for (const auto& run : runs) {
+      for (const copy::vmm::chunk& c : run) {
+        owned_fd fd(copy::vmm::export_fd(c.base, device_));
+        if (fd.get() < 0) {
+          pending_fds_.clear();
+          return decline(
+              fmt::format("the VMM chunk at {:#x} of the weights cannot be exported as a descriptor", c.base));
+        }
+        pending_fds_.emplace_back(c.id, std::move(fd));
+      }
+      records.push_back("V" + vmm_record(run, true));
+    }
+    return true;
+  }
+
+  /// Descriptors of the VMM weights offered, sent by after_reply() (tag: the chunk's id).
+  std::vector<std::pair<std::uint64_t, owned_fd>> pending_fds_;
 
   static bool decline(const std::string& why) {
     REFIT_INFO("cuda_ipc: staging through the buffers, not writing directly: {}", why);

@@ -212,6 +212,9 @@ class sink {
     (void)h, (void)table, (void)reply;
     return false;
   }
+  /// The reply to HELLO went out: sends what must follow it to the streamer (cuda_ipc: the
+  /// descriptors of VMM weights offered for direct writes, through the link). Never throws.
+  virtual void after_reply() noexcept {}
   /// Called once per session after attach() (and offer_direct() when that declined; `table` is
   /// empty for a callback sink). For a transport that moves entries one by one (nccl): when `h`
   /// asks for session_mode::in_place and every destination of `table` can be received into in

@@ -224,8 +224,15 @@ void serve_until_bye(refit::receiver& r, const std::function<void(std::uint64_t)
 /// Receiver child with a parameter table on `device`: checks every committed version against
 /// `versions` in order and every byte of its weights, then returns at BYE.
 void table_receiver(const std::string& endpoint, const std::vector<refit::tensor_meta>& metas, int device,
-                    const std::vector<std::uint64_t>& versions, rt::signal_pipe& ready) {
-  device_tensors weights(metas, device);
+                    const std::vector<std::uint64_t>& versions, rt::signal_pipe& ready, bool vmm = false) {
+  // `vmm`: the weights in VMM chunks exportable as descriptors (an engine under expandable segments).
+  std::optional<refit::copy::vmm::local_chunks> chunks;
+  if (vmm) {
+    refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    const std::uint64_t chunk = refit::copy::vmm::granularity(device);
+    chunks.emplace((device_tensors::bytes_for(metas) + chunk - 1) / chunk, chunk, device);
+  }
+  device_tensors weights(metas, device, chunks ? chunks->data() : nullptr);
   refit::receiver r(receive_options(endpoint, device, relaxed));
   weights.register_with(r);
   ready.send("ready");
@@ -781,6 +788,32 @@ TEST_CASE("without a control lane a streamer's VMM tensors go through the cuda_i
   const auto ep = rt::temp_endpoint();
   two_processes([&](rt::signal_pipe& ready) { callback_receiver(ep, metas, 0, versions, ready); },
                 [&] { vmm_streamer(ep, metas, versions, false, 2); });
+}
+
+TEST_CASE(
+    "a direct cuda_ipc streamer writes a receiver's VMM weights through descriptors, bit-exact, or stages "
+    "without a lane",
+    "[cuda_ipc][vmm]") {
+  const auto metas = rt::mixed_model(60, 5 * mib, 31);
+  const std::vector<std::uint64_t> versions = {1, 2, 3};
+  for (const bool lane : {true, false}) {
+    INFO("streamer control lane: " << lane);
+    const auto ep = rt::temp_endpoint();
+    two_processes([&](rt::signal_pipe& ready) { table_receiver(ep, metas, 0, versions, ready, true); },
+                  [&] {
+                    device_tensors weights(metas, 0);
+                    auto o = stream_options(ep, 0, relaxed);
+                    o.control_lane = lane;
+                    refit::streamer s(o);
+                    for (const auto v : versions) {
+                      weights.upload(v);
+                      const auto stats = s.refit(v, weights.refs());
+                      expect(stats.direct == lane,
+                             "version " + std::to_string(v) + " went " + (stats.direct ? "direct" : "staged"));
+                    }
+                    s.close();
+                  });
+  }
 }
 
 // ------------------------------------------------------------------------ engine layouts

@@ -64,6 +64,35 @@ def gpu_table(chan, spec, device: int, nccl: bool):
         return serve_loop(rx, chan, {"state": lambda: state_bytes(params)})
 
 
+def allocator_settings():
+    """torch's run-time switch of the caching allocator's settings, or None where it has none."""
+    return getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None
+    )
+
+
+def gpu_table_expandable(chan, spec, device: int):
+    """Job: gpu_table with the parameters in torch's expandable segments (VMM memory), as an
+    engine run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True holds them. Sends None
+    (and ends) where torch cannot switch at run time."""
+    settings = allocator_settings()
+    if settings is None:
+        chan.send(None)
+        return []
+    use_device(device, False)
+    settings("expandable_segments:True")
+    torch.cuda.empty_cache()
+    try:
+        params = zeros_like_spec(spec, device=f"cuda:{device}")
+        with refit.Receiver(device=device) as rx:
+            rx.add_parameters(params)
+            chan.send(rx.endpoint)
+            return serve_loop(rx, chan, {"state": lambda: state_bytes(params)})
+    finally:
+        settings("expandable_segments:False")
+        torch.cuda.empty_cache()
+
+
 def gpu_on_tensor(chan, device: int, nccl: bool):
     """Job: an on_tensor sink on ``device`` keeping a copy of each tensor. Commands: ``take``."""
     use_device(device, nccl)
@@ -127,9 +156,7 @@ def test_cuda_ipc_tensors_in_expandable_segments_arrive_bit_exact(peer, one_gpu,
     control lane's descriptor link the receiver maps the chunks and reads every tensor where it
     is, a tensor spanning chunks included; without a lane they go through the buffers. A tensor
     made anew for each version (often in reused or new chunks) arrives bit-exact either way."""
-    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
-        torch.cuda.memory, "_set_allocator_settings", None
-    )
+    settings = allocator_settings()
     if settings is None:
         pytest.skip("this torch cannot switch to expandable segments at run time")
     job = peer.run(gpu_on_tensor, 0, False)
@@ -152,6 +179,22 @@ def test_cuda_ipc_tensors_in_expandable_segments_arrive_bit_exact(peer, one_gpu,
     finally:
         settings("expandable_segments:False")
         torch.cuda.empty_cache()
+    job.stop()
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "no-lane"])
+def test_cuda_ipc_writes_an_engines_expandable_segments_weights_directly(peer, one_gpu, lane):
+    """An engine whose weights are in torch's expandable segments offers them for direct writes
+    through the control lane's descriptor link: the streamer maps the chunks and writes the
+    weights where they are. Without a lane the refit stages through the buffers. Bit-exact."""
+    job = peer.run(gpu_table_expandable, spec_of(mixed_state(1)), 0)
+    endpoint = job.recv()
+    if endpoint is None:
+        job.stop()
+        pytest.skip("this torch cannot switch to expandable segments at run time")
+    with gpu_streamer(endpoint, "cuda_ipc", direct=True, control_lane=lane) as st:
+        stats = refit_three_versions(job, st, "state")
+    assert stats.direct is lane
     job.stop()
 
 

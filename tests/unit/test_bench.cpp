@@ -412,10 +412,12 @@ TEST_CASE("the command line defaults to host_shm, qwen2.5-0.5b and 2 x 64 MiB, a
   CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(one_buffer)), one_buffer, code),
                     Catch::Contains("at least 2"));
   CHECK_FALSE(d->vmm_sources);
-  const char* vmm[] = {"refit-bench", "--source-memory", "vmm"};
+  CHECK_FALSE(d->vmm_dests);
+  const char* vmm[] = {"refit-bench", "--source-memory", "vmm", "--dest-memory", "vmm"};
   const auto v = parse_args(static_cast<int>(std::size(vmm)), vmm, code);
   REQUIRE(v);
   CHECK(v->vmm_sources);
+  CHECK(v->vmm_dests);
   const char* bad_memory[] = {"refit-bench", "--source-memory", "pinned"};
   code = 0;
   CHECK_FALSE(parse_args(static_cast<int>(std::size(bad_memory)), bad_memory, code));  // CLI11 says why
