@@ -170,8 +170,10 @@ class owned_fd {
 constexpr std::string_view vmm_magic = "VMM1";
 constexpr std::size_t vmm_head_bytes = 4 + 1 + 4;
 constexpr std::size_t vmm_flag_at = 4;
-/// Chunks of one span, at most: 64 GiB of torch's 20 MiB chunks.
-constexpr std::uint32_t max_vmm_chunks = 3276;
+/// Chunks of one record, at most: what fits a wire handle (wire::max_handle_bytes) with an offer's
+/// "V" before it; 5 GiB of torch's 20 MiB chunks. A larger tensor in VMM memory is packed, and an
+/// offer's run of adjacent chunks is cut into records of this many where no destination straddles.
+constexpr std::uint32_t max_vmm_chunks = (wire::max_handle_bytes - 1 - vmm_head_bytes) / 16;
 /// How long a streamer waits for room in the descriptor link before packing instead.
 constexpr std::chrono::seconds fd_send_timeout{10};
 
@@ -753,6 +755,7 @@ class cuda_ipc_sink final : public sink {
     // are placed once every span is known (spans of adjacent chunks merge into one).
     std::vector<std::pair<std::uint64_t, std::uint64_t>> place(table.size(), {wire::dest_record::no_allocation, 0});
     std::vector<std::size_t> in_vmm;
+    std::vector<std::uint64_t> extents;                 // of in_vmm's views
     std::map<std::uintptr_t, copy::vmm::chunk> chunks;  // of every VMM destination, by base
     for (std::size_t i = 0; i < table.size(); ++i) {
       const plan::destination& d = table[i];
@@ -782,6 +785,7 @@ class cuda_ipc_sink final : public sink {
               return decline(fmt::format("the VMM chunks of '{}' changed while they were looked up", d.meta.name));
           }
           in_vmm.push_back(i);
+          extents.push_back(plan::check_view(d).bytes);
           continue;
         }
         it = allocations.emplace(base, allocations.size()).first;
@@ -790,7 +794,8 @@ class cuda_ipc_sink final : public sink {
       place[i] = {it->second, static_cast<std::uint64_t>(static_cast<const std::byte*>(d.data) -
                                                          static_cast<const std::byte*>(base))};
     }
-    if (!in_vmm.empty() && !offer_vmm_spans(table, in_vmm, chunks, allocations.size(), place, records)) return false;
+    if (!in_vmm.empty() && !offer_vmm_spans(table, in_vmm, extents, chunks, allocations.size(), place, records))
+      return false;
     for (std::size_t i = 0; i < table.size(); ++i) {
       const plan::destination& d = table[i];
       records.push_back("T" + wire::encode_dest(wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides,
@@ -1055,27 +1060,54 @@ class cuda_ipc_sink final : public sink {
     cuda::stream stream;
   };
 
-  /// offer_direct() for the destinations in VMM memory (`in_vmm`, their chunks `chunks`): one "V"
-  /// record per run of adjacent chunks, numbered from `first`, each destination placed in its run,
-  /// and every chunk exported for after_reply(). False (having declined) when one cannot be.
+  /// offer_direct() for the destinations in VMM memory (`in_vmm`, their views' extents `extents`,
+  /// their chunks `chunks`): one "V" record per run of adjacent chunks (cut where no destination
+  /// straddles, to fit a record), numbered from `first`, each destination placed in its record, and
+  /// every chunk exported for after_reply(). False (having declined) when one cannot be.
   bool offer_vmm_spans(std::span<const plan::destination> table, std::span<const std::size_t> in_vmm,
-                       const std::map<std::uintptr_t, copy::vmm::chunk>& chunks, std::uint64_t first,
-                       std::vector<std::pair<std::uint64_t, std::uint64_t>>& place, std::vector<std::string>& records) {
-    std::vector<std::vector<copy::vmm::chunk>> runs;
-    std::map<std::uintptr_t, std::size_t> run_of;  // chunk base → run
-    for (const auto& [base, c] : chunks) {
-      if (runs.empty() || runs.back().back().base + runs.back().back().bytes != base) runs.emplace_back();
-      runs.back().push_back(c);
-      run_of.emplace(base, runs.size() - 1);
+                       std::span<const std::uint64_t> extents, const std::map<std::uintptr_t, copy::vmm::chunk>& chunks,
+                       std::uint64_t first, std::vector<std::pair<std::uint64_t, std::uint64_t>>& place,
+                       std::vector<std::string>& records) {
+    // Chunk starts that some destination straddles: no record may end there.
+    std::set<std::uintptr_t> joined;
+    for (std::size_t k = 0; k < in_vmm.size(); ++k) {
+      const auto at = reinterpret_cast<std::uintptr_t>(table[in_vmm[k]].data);
+      for (auto it = chunks.upper_bound(at); it != chunks.end() && it->first < at + extents[k]; ++it)
+        joined.insert(it->first);
     }
+    // Runs of adjacent chunks, cut into records of at most max_vmm_chunks where nothing straddles.
+    std::vector<std::vector<copy::vmm::chunk>> spans;
+    std::map<std::uintptr_t, std::size_t> span_of;  // chunk base → span
+    const auto close_span = [&](std::vector<copy::vmm::chunk>& open) {
+      std::size_t s = 0;
+      while (s < open.size()) {
+        std::size_t e = std::min<std::size_t>(open.size(), s + max_vmm_chunks);
+        while (e < open.size() && e > s && joined.contains(open[e].base)) --e;
+        if (e == s) return false;  // one destination spans more chunks than a record holds
+        spans.emplace_back(open.begin() + static_cast<std::ptrdiff_t>(s),
+                           open.begin() + static_cast<std::ptrdiff_t>(e));
+        for (std::size_t c = s; c < e; ++c) span_of.emplace(open[c].base, spans.size() - 1);
+        s = e;
+      }
+      open.clear();
+      return true;
+    };
+    std::vector<copy::vmm::chunk> open;
+    for (const auto& [base, c] : chunks) {
+      if (!open.empty() && open.back().base + open.back().bytes != base && !close_span(open)) break;
+      open.push_back(c);
+    }
+    if (!open.empty() && !close_span(open))
+      return decline(
+          fmt::format("a destination spans more than {} VMM chunks, more than a record describes", max_vmm_chunks));
     for (const std::size_t i : in_vmm) {
       const auto at = reinterpret_cast<std::uintptr_t>(table[i].data);
       const auto it = std::prev(chunks.upper_bound(at));  // the chunk holding its first byte
-      const std::size_t r = run_of.at(it->first);
-      place[i] = {first + r, at - runs[r].front().base};
+      const std::size_t r = span_of.at(it->first);
+      place[i] = {first + r, at - spans[r].front().base};
     }
-    for (const auto& run : runs) {
-      for (const copy::vmm::chunk& c : run) {
+    for (const auto& span : spans) {
+      for (const copy::vmm::chunk& c : span) {
         owned_fd fd(copy::vmm::export_fd(c.base, device_));
         if (fd.get() < 0) {
           pending_fds_.clear();
@@ -1084,7 +1116,7 @@ class cuda_ipc_sink final : public sink {
         }
         pending_fds_.emplace_back(c.id, std::move(fd));
       }
-      records.push_back("V" + vmm_record(run, true));
+      records.push_back("V" + vmm_record(span, true));
     }
     return true;
   }
