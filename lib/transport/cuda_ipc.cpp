@@ -748,7 +748,7 @@ class cuda_ipc_sink final : public sink {
 
   bool offer_direct(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) override {
     if (h.mode != wire::session_mode::in_place || table.empty()) return false;
-    pending_fds_.clear();
+    pending_chunks_.clear();
     std::vector<std::string> records;
     std::map<void*, std::uint64_t> allocations;  // base → index
     // Where each destination lies: its allocation's index and its offset there; VMM destinations
@@ -809,21 +809,22 @@ class cuda_ipc_sink final : public sink {
   }
 
   void after_reply() noexcept override {
-    if (pending_fds_.empty()) return;
+    if (pending_chunks_.empty()) return;
     // The streamer connects to the link as soon as it has the OK, and maps the weights before
     // anything else: a streamer that does not come within this bound stages instead.
     const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
     std::size_t sent = 0;
-    for (const auto& [id, fd] : pending_fds_) {
-      if (!link_ || !link_->send(id, fd.get(), deadline)) break;
+    for (const copy::vmm::chunk& c : pending_chunks_) {
+      const owned_fd fd(copy::vmm::export_fd(c.base, device_));
+      if (!link_ || fd.get() < 0 || !link_->send(c.id, fd.get(), deadline)) break;
       ++sent;
     }
-    if (sent != pending_fds_.size())
+    if (sent != pending_chunks_.size())
       REFIT_WARN(
-          "cuda_ipc: sent {} of the {} descriptors of VMM weights (the streamer did not take them): it will "
-          "stage through the buffers",
-          sent, pending_fds_.size());
-    pending_fds_.clear();
+          "cuda_ipc: sent {} of the {} descriptors of VMM weights (one could not be exported, or the streamer "
+          "did not take them): it will stage through the buffers",
+          sent, pending_chunks_.size());
+    pending_chunks_.clear();
   }
 
   void detach() noexcept override {
@@ -846,7 +847,7 @@ class cuda_ipc_sink final : public sink {
       }
     }
     link_.reset();
-    pending_fds_.clear();
+    pending_chunks_.clear();
     numbered_.clear();
     sources_.clear();
     maps_.clear();
@@ -1106,23 +1107,17 @@ class cuda_ipc_sink final : public sink {
       const std::size_t r = span_of.at(it->first);
       place[i] = {first + r, at - spans[r].front().base};
     }
+    // Exported one at a time as they are sent (after_reply()): hundreds held open at once could
+    // pass the process's descriptor limit. chunks_of() saw that each one allows it.
     for (const auto& span : spans) {
-      for (const copy::vmm::chunk& c : span) {
-        owned_fd fd(copy::vmm::export_fd(c.base, device_));
-        if (fd.get() < 0) {
-          pending_fds_.clear();
-          return decline(
-              fmt::format("the VMM chunk at {:#x} of the weights cannot be exported as a descriptor", c.base));
-        }
-        pending_fds_.emplace_back(c.id, std::move(fd));
-      }
+      pending_chunks_.insert(pending_chunks_.end(), span.begin(), span.end());
       records.push_back("V" + vmm_record(span, true));
     }
     return true;
   }
 
-  /// Descriptors of the VMM weights offered, sent by after_reply() (tag: the chunk's id).
-  std::vector<std::pair<std::uint64_t, owned_fd>> pending_fds_;
+  /// Chunks of the VMM weights offered, whose descriptors after_reply() sends (tag: the chunk's id).
+  std::vector<copy::vmm::chunk> pending_chunks_;
 
   static bool decline(const std::string& why) {
     REFIT_INFO("cuda_ipc: staging through the buffers, not writing directly: {}", why);
