@@ -1069,47 +1069,44 @@ class cuda_ipc_sink final : public sink {
                        std::span<const std::uint64_t> extents, const std::map<std::uintptr_t, copy::vmm::chunk>& chunks,
                        std::uint64_t first, std::vector<std::pair<std::uint64_t, std::uint64_t>>& place,
                        std::vector<std::string>& records) {
-    // Chunk starts that some destination straddles: no record may end there.
-    std::set<std::uintptr_t> joined;
-    for (std::size_t k = 0; k < in_vmm.size(); ++k) {
-      const auto at = reinterpret_cast<std::uintptr_t>(table[in_vmm[k]].data);
-      for (auto it = chunks.upper_bound(at); it != chunks.end() && it->first < at + extents[k]; ++it)
-        joined.insert(it->first);
-    }
-    // Runs of adjacent chunks, cut into records of at most max_vmm_chunks where nothing straddles.
-    std::vector<std::vector<copy::vmm::chunk>> spans;
-    std::map<std::uintptr_t, std::size_t> span_of;  // chunk base → span
-    const auto close_span = [&](std::vector<copy::vmm::chunk>& open) {
-      std::size_t s = 0;
-      while (s < open.size()) {
-        std::size_t e = std::min<std::size_t>(open.size(), s + max_vmm_chunks);
-        while (e < open.size() && e > s && joined.contains(open[e].base)) --e;
-        if (e == s) return false;  // one destination spans more chunks than a record holds
-        spans.emplace_back(open.begin() + static_cast<std::ptrdiff_t>(s),
-                           open.begin() + static_cast<std::ptrdiff_t>(e));
-        for (std::size_t c = s; c < e; ++c) span_of.emplace(open[c].base, spans.size() - 1);
-        s = e;
-      }
-      open.clear();
-      return true;
-    };
-    std::vector<copy::vmm::chunk> open;
+    // Runs of adjacent chunks; where each chunk is in its run.
+    std::vector<std::vector<copy::vmm::chunk>> runs;
+    std::map<std::uintptr_t, std::pair<std::size_t, std::size_t>> where;  // base → (run, index)
     for (const auto& [base, c] : chunks) {
-      if (!open.empty() && open.back().base + open.back().bytes != base && !close_span(open)) break;
-      open.push_back(c);
+      if (runs.empty() || runs.back().back().base + runs.back().back().bytes != base) runs.emplace_back();
+      runs.back().push_back(c);
+      where.emplace(base, std::pair{runs.size() - 1, runs.back().size() - 1});
     }
-    if (!open.empty() && !close_span(open))
-      return decline(
-          fmt::format("a destination spans more than {} VMM chunks, more than a record describes", max_vmm_chunks));
-    for (const std::size_t i : in_vmm) {
-      const auto at = reinterpret_cast<std::uintptr_t>(table[i].data);
-      const auto it = std::prev(chunks.upper_bound(at));  // the chunk holding its first byte
-      const std::size_t r = span_of.at(it->first);
-      place[i] = {first + r, at - spans[r].front().base};
+    const auto chunk_at = [&](std::uintptr_t a) { return where.at(std::prev(chunks.upper_bound(a))->first); };
+    // Destinations in address order, each in the open window of its run when it fits there, else
+    // in a new one from its first chunk: a record holds at most max_vmm_chunks, and densely packed
+    // weights straddle nearly every chunk boundary, so windows may share chunks (mapped twice).
+    std::vector<std::size_t> order(in_vmm.size());
+    for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+      return std::less<>{}(table[in_vmm[x]].data, table[in_vmm[y]].data);
+    });
+    struct window {
+      std::size_t run, lo, hi;  // chunks [lo, hi) of the run
+    };
+    std::vector<window> windows;
+    for (const std::size_t k : order) {
+      const auto at = reinterpret_cast<std::uintptr_t>(table[in_vmm[k]].data);
+      const auto [run, lo] = chunk_at(at);
+      const auto [last_run, hi] = chunk_at(at + extents[k] - 1);
+      if (last_run != run || hi - lo + 1 > max_vmm_chunks)
+        return decline(fmt::format("'{}' spans more than {} VMM chunks, more than a record describes",
+                                   table[in_vmm[k]].meta.name, max_vmm_chunks));
+      if (windows.empty() || windows.back().run != run || hi >= windows.back().lo + max_vmm_chunks)
+        windows.push_back(window{run, lo, hi + 1});
+      window& w = windows.back();
+      w.hi = std::max(w.hi, hi + 1);
+      place[in_vmm[k]] = {first + windows.size() - 1, at - runs[run][w.lo].base};
     }
     // Exported one at a time as they are sent (after_reply()): hundreds held open at once could
     // pass the process's descriptor limit. chunks_of() saw that each one allows it.
-    for (const auto& span : spans) {
+    for (const window& w : windows) {
+      const std::span<const copy::vmm::chunk> span(runs[w.run].data() + w.lo, w.hi - w.lo);
       pending_chunks_.insert(pending_chunks_.end(), span.begin(), span.end());
       records.push_back("V" + vmm_record(span, true));
     }
