@@ -9,6 +9,7 @@
 // session) maps the same ones again.
 #include "transport/registry.hpp"
 #include "transport/transport.hpp"
+#include "transport/vmm_record.hpp"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -162,66 +163,9 @@ class owned_fd {
   int fd_;
 };
 
-// A source record of VMM memory (copy/vmm.hpp), where a cudaIpc record is a handle, a size and
-// an id: "VMM1", one byte that is 1 when the chunks' descriptors follow through the session's
-// descriptor link (in chunk order, each tagged with its chunk's id) and 0 when the receiver holds
-// the span already, the chunk count (u32), then each chunk's id and size (u64 each). A receiver
-// maps the chunks one after the other; the entries' offsets count from the first chunk's start.
-constexpr std::string_view vmm_magic = "VMM1";
-constexpr std::size_t vmm_head_bytes = 4 + 1 + 4;
-constexpr std::size_t vmm_flag_at = 4;
-/// Chunks of one record, at most: what fits a wire handle (wire::max_handle_bytes) with an offer's
-/// "V" before it; 5 GiB of torch's 20 MiB chunks. A larger tensor in VMM memory is packed, and an
-/// offer's run of adjacent chunks is cut into records of this many where no destination straddles.
-constexpr std::uint32_t max_vmm_chunks = (wire::max_handle_bytes - 1 - vmm_head_bytes) / 16;
-/// How long a streamer waits for room in the descriptor link before packing instead.
+/// How long a streamer waits for room in the descriptor link before packing instead, and either
+/// side for the descriptors of VMM memory announced to it.
 constexpr std::chrono::seconds fd_send_timeout{10};
-
-std::string vmm_record(std::span<const copy::vmm::chunk> chunks, bool fds_follow) {
-  std::string r(vmm_magic);
-  r += static_cast<char>(fds_follow ? 1 : 0);
-  r += raw_bytes(static_cast<std::uint32_t>(chunks.size()));
-  for (const copy::vmm::chunk& c : chunks) r += raw_bytes(c.id) + raw_bytes(c.bytes);
-  return r;
-}
-
-bool is_vmm_record(std::string_view r) { return r.substr(0, vmm_magic.size()) == vmm_magic; }
-
-/// A VMM record, read and checked.
-struct vmm_span {
-  bool fds_follow = false;
-  std::vector<std::uint64_t> ids;
-  std::vector<std::uint64_t> sizes;
-  std::uint64_t bytes = 0;
-  std::string key;  ///< the record with its flag cleared: the same span whether or not descriptors follow
-};
-
-/// Throws refit::error(errc::protocol) naming source `index` for a record that breaks the format.
-vmm_span read_vmm_record(const std::string& r, std::size_t index) {
-  const auto bad = [&](std::string_view why) {
-    return error(errc::protocol,
-                 fmt::format("cuda_ipc: source {} is a malformed VMM record ({} bytes): {}", index, r.size(), why));
-  };
-  if (r.size() < vmm_head_bytes) throw bad("shorter than its header");
-  const auto flag = static_cast<unsigned char>(r[vmm_flag_at]);
-  if (flag > 1) throw bad("its descriptor flag is neither 0 nor 1");
-  const auto count = from_raw_bytes<std::uint32_t>(r.substr(vmm_flag_at + 1, 4));
-  if (count == 0 || count > max_vmm_chunks)
-    throw bad(fmt::format("{} chunks (1 to {} allowed)", count, max_vmm_chunks));
-  if (r.size() != vmm_head_bytes + std::size_t{count} * 16) throw bad(fmt::format("{} chunks do not fill it", count));
-  vmm_span s;
-  s.fds_follow = flag == 1;
-  for (std::uint32_t k = 0; k < count; ++k) {
-    const std::size_t at = vmm_head_bytes + std::size_t{k} * 16;
-    s.ids.push_back(from_raw_bytes<std::uint64_t>(r.substr(at, 8)));
-    s.sizes.push_back(from_raw_bytes<std::uint64_t>(r.substr(at + 8, 8)));
-    if (s.sizes.back() == 0 || __builtin_add_overflow(s.bytes, s.sizes.back(), &s.bytes))
-      throw bad(fmt::format("chunk {} has no size, or the chunks overflow", k));
-  }
-  s.key = r;
-  s.key[vmm_flag_at] = 0;
-  return s;
-}
 
 class cuda_ipc_source final : public source {
  public:
@@ -487,7 +431,7 @@ class cuda_ipc_source final : public source {
     if (!link_) return std::nullopt;
     const std::optional<std::vector<copy::vmm::chunk>> chunks = copy::vmm::chunks_of(p, bytes, device_);
     if (!chunks || chunks->size() > max_vmm_chunks) return std::nullopt;
-    std::string key = vmm_record(*chunks, false);
+    std::string key = encode_vmm_record(*chunks, false);
     const bool held = vmm_held_.contains(key);
     if (!held) {
       const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
@@ -501,7 +445,7 @@ class cuda_ipc_source final : public source {
         }
       }
     }
-    announce.push_back(held ? key : vmm_record(*chunks, true));
+    announce.push_back(held ? key : encode_vmm_record(*chunks, true));
     vmm_announced_.insert(std::move(key));
     const std::uintptr_t base = chunks->front().base;
     std::uint64_t total = 0;
@@ -648,7 +592,7 @@ class cuda_ipc_source final : public source {
   /// transport when there is no link, a descriptor does not come or the chunks cannot be mapped:
   /// the streamer then stages instead).
   weights_mapping map_vmm_weights(const std::string& record, std::size_t index) const {
-    const vmm_span span = read_vmm_record(record, index);
+    const vmm_span span = decode_vmm_record(record, fmt::format("allocation {} of the receiver's weights", index));
     if (!link_)
       throw error(errc::transport, fmt::format("allocation {} of the receiver's weights is VMM memory, whose "
                                                "descriptors come through the control lane, and this session has none",
@@ -1014,7 +958,7 @@ class cuda_ipc_sink final : public sink {
   /// map_sources() of a VMM record: the span is mapped from the descriptors that follow through the
   /// link, or found among those the last refit read (the streamer keeps the same account).
   void map_vmm(const std::string& record, std::size_t index) {
-    const vmm_span span = read_vmm_record(record, index);
+    const vmm_span span = decode_vmm_record(record, fmt::format("source {}", index));
     auto it = sources_.find(span.key);
     if (span.fds_follow) {
       if (!link_)
@@ -1062,53 +1006,27 @@ class cuda_ipc_sink final : public sink {
   };
 
   /// offer_direct() for the destinations in VMM memory (`in_vmm`, their views' extents `extents`,
-  /// their chunks `chunks`): one "V" record per run of adjacent chunks (cut where no destination
-  /// straddles, to fit a record), numbered from `first`, each destination placed in its record, and
-  /// every chunk exported for after_reply(). False (having declined) when one cannot be.
+  /// their chunks `chunks`): one "V" record per window of adjacent chunks (plan_vmm_windows),
+  /// numbered from `first`, each destination placed in its record, and every chunk queued for
+  /// after_reply(). False (having declined) when one cannot be described.
   bool offer_vmm_spans(std::span<const plan::destination> table, std::span<const std::size_t> in_vmm,
                        std::span<const std::uint64_t> extents, const std::map<std::uintptr_t, copy::vmm::chunk>& chunks,
                        std::uint64_t first, std::vector<std::pair<std::uint64_t, std::uint64_t>>& place,
                        std::vector<std::string>& records) {
-    // Runs of adjacent chunks; where each chunk is in its run.
-    std::vector<std::vector<copy::vmm::chunk>> runs;
-    std::map<std::uintptr_t, std::pair<std::size_t, std::size_t>> where;  // base → (run, index)
-    for (const auto& [base, c] : chunks) {
-      if (runs.empty() || runs.back().back().base + runs.back().back().bytes != base) runs.emplace_back();
-      runs.back().push_back(c);
-      where.emplace(base, std::pair{runs.size() - 1, runs.back().size() - 1});
-    }
-    const auto chunk_at = [&](std::uintptr_t a) { return where.at(std::prev(chunks.upper_bound(a))->first); };
-    // Destinations in address order, each in the open window of its run when it fits there, else
-    // in a new one from its first chunk: a record holds at most max_vmm_chunks, and densely packed
-    // weights straddle nearly every chunk boundary, so windows may share chunks (mapped twice).
-    std::vector<std::size_t> order(in_vmm.size());
-    for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
-    std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
-      return std::less<>{}(table[in_vmm[x]].data, table[in_vmm[y]].data);
-    });
-    struct window {
-      std::size_t run, lo, hi;  // chunks [lo, hi) of the run
-    };
-    std::vector<window> windows;
-    for (const std::size_t k : order) {
-      const auto at = reinterpret_cast<std::uintptr_t>(table[in_vmm[k]].data);
-      const auto [run, lo] = chunk_at(at);
-      const auto [last_run, hi] = chunk_at(at + extents[k] - 1);
-      if (last_run != run || hi - lo + 1 > max_vmm_chunks)
-        return decline(fmt::format("'{}' spans more than {} VMM chunks, more than a record describes",
-                                   table[in_vmm[k]].meta.name, max_vmm_chunks));
-      if (windows.empty() || windows.back().run != run || hi >= windows.back().lo + max_vmm_chunks)
-        windows.push_back(window{run, lo, hi + 1});
-      window& w = windows.back();
-      w.hi = std::max(w.hi, hi + 1);
-      place[in_vmm[k]] = {first + windows.size() - 1, at - runs[run][w.lo].base};
-    }
+    std::vector<vmm_region> regions;
+    for (std::size_t k = 0; k < in_vmm.size(); ++k)
+      regions.push_back(vmm_region{reinterpret_cast<std::uintptr_t>(table[in_vmm[k]].data), extents[k]});
+    const vmm_windows plan = plan_vmm_windows(regions, chunks);
+    if (plan.too_large)
+      return decline(fmt::format("'{}' spans more than {} VMM chunks, more than a record describes",
+                                 table[in_vmm[*plan.too_large]].meta.name, max_vmm_chunks));
+    for (std::size_t k = 0; k < in_vmm.size(); ++k)
+      place[in_vmm[k]] = {first + plan.place[k].record, plan.place[k].offset};
     // Exported one at a time as they are sent (after_reply()): hundreds held open at once could
     // pass the process's descriptor limit. chunks_of() saw that each one allows it.
-    for (const window& w : windows) {
-      const std::span<const copy::vmm::chunk> span(runs[w.run].data() + w.lo, w.hi - w.lo);
-      pending_chunks_.insert(pending_chunks_.end(), span.begin(), span.end());
-      records.push_back("V" + vmm_record(span, true));
+    for (const auto& record : plan.records) {
+      pending_chunks_.insert(pending_chunks_.end(), record.begin(), record.end());
+      records.push_back("V" + encode_vmm_record(record, true));
     }
     return true;
   }
