@@ -427,10 +427,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
       conversions = merge_conversions(oks);
       // The lanes first: memory shared as descriptors (VMM weights offered for direct writes, and
-      // this side's VMM tensors later) needs the lane's descriptor link; one receiver at most
-      // reads the streamer's memory (several are written directly).
+      // this side's VMM tensors later) needs each lane's descriptor link.
       open_lanes(oks);
-      buffers->link(channels.size() == 1 ? channels.front().fds() : nullptr);
+      std::vector<std::shared_ptr<channel::fd_link>> links;
+      for (const channel::req_channel& c : channels) links.push_back(c.fds());
+      buffers->link(std::move(links));
       try {
         buffers->session_accepted(oks);
       } catch (const error& e) {

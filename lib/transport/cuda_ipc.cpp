@@ -255,7 +255,7 @@ class cuda_ipc_source final : public source {
     // Each receiver offered its weights: map each allocation once for the session.
     device_guard guard(device_);
     std::vector<receiver_targets> receivers;
-    for (const wire::ok& reply : replies) receivers.push_back(map_offer(reply));
+    for (std::size_t k = 0; k < replies.size(); ++k) receivers.push_back(map_offer(replies[k], k));
     receivers_ = std::move(receivers);
     direct_ = true;
   }
@@ -263,7 +263,7 @@ class cuda_ipc_source final : public source {
   void close_session() noexcept override {
     direct_ = false;
     receivers_.clear();  // cudaIpcCloseMemHandle: nothing of a receiver stays mapped
-    link_.reset();
+    links_.clear();
     vmm_held_.clear();
     vmm_announced_.clear();
     vmm_committed_ = false;
@@ -412,7 +412,7 @@ class cuda_ipc_source final : public source {
     vmm_committed_ = true;
   }
 
-  void link(std::shared_ptr<channel::fd_link> fds) override { link_ = std::move(fds); }
+  void link(std::vector<std::shared_ptr<channel::fd_link>> fds) override { links_ = std::move(fds); }
 
   [[nodiscard]] bool idle() override {
     device_guard guard(device_);
@@ -428,7 +428,9 @@ class cuda_ipc_source final : public source {
   /// go through the link unless the receiver holds the span from the last refit.
   std::optional<shared> share_vmm(const void* p, std::uintptr_t at, std::uint64_t bytes,
                                   std::vector<std::string>& announce) {
-    if (!link_) return std::nullopt;
+    // A buffers session has one receiver (several are written directly).
+    const std::shared_ptr<channel::fd_link> link = links_.size() == 1 ? links_.front() : nullptr;
+    if (!link) return std::nullopt;
     const std::optional<std::vector<copy::vmm::chunk>> chunks = copy::vmm::chunks_of(p, bytes, device_);
     if (!chunks || chunks->size() > max_vmm_chunks) return std::nullopt;
     std::string key = encode_vmm_record(*chunks, false);
@@ -437,7 +439,7 @@ class cuda_ipc_source final : public source {
       const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
       for (const copy::vmm::chunk& c : *chunks) {
         const owned_fd fd(copy::vmm::export_fd(c.base, device_));
-        if (fd.get() < 0 || !link_->send(c.id, fd.get(), deadline)) {
+        if (fd.get() < 0 || !link->send(c.id, fd.get(), deadline)) {
           // What was sent of this span is skipped by the receiver (another tag comes first).
           REFIT_DEBUG("cuda_ipc: the VMM chunk at {:#x} ({} bytes) cannot be {}: its tensors are packed", c.base,
                       c.bytes, fd.get() < 0 ? "exported" : "sent to the receiver");
@@ -455,8 +457,9 @@ class cuda_ipc_source final : public source {
     return shared{source, at - base};
   }
 
-  /// The session's descriptor link (null: none, VMM memory is packed).
-  std::shared_ptr<channel::fd_link> link_;
+  /// The session's descriptor links, one per receiver (null: none; VMM memory is packed, VMM
+  /// weights offered are staged into).
+  std::vector<std::shared_ptr<channel::fd_link>> links_;
   /// VMM spans (their records' keys) the receiver holds: those the last committed refit read.
   std::set<std::string> vmm_held_;
   std::set<std::string> vmm_announced_;  ///< by the refit in progress
@@ -521,7 +524,7 @@ class cuda_ipc_source final : public source {
   std::vector<receiver_targets> receivers_;  ///< direct sessions: one per receiver, in order
 
   /// Maps what one receiver's direct offer describes (must be under a device_guard).
-  receiver_targets map_offer(const wire::ok& reply) const {
+  receiver_targets map_offer(const wire::ok& reply, std::size_t receiver) const {
     receiver_targets out;
     std::size_t count = 0;
     for (std::size_t k = 0; k < reply.handles.size(); ++k) {
@@ -545,7 +548,8 @@ class cuda_ipc_source final : public source {
         continue;
       }
       if (!rec.empty() && rec[0] == 'V') {
-        out.mapped.push_back(map_vmm_weights(std::string(rec.substr(1)), out.mapped.size()));
+        out.mapped.push_back(map_vmm_weights(std::string(rec.substr(1)), out.mapped.size(),
+                                             receiver < links_.size() ? links_[receiver].get() : nullptr));
         continue;
       }
       if (rec.empty() || rec[0] != 'T')
@@ -591,9 +595,9 @@ class cuda_ipc_source final : public source {
   /// the offer through the lane's link. Throws refit::error (protocol for a malformed record,
   /// transport when there is no link, a descriptor does not come or the chunks cannot be mapped:
   /// the streamer then stages instead).
-  weights_mapping map_vmm_weights(const std::string& record, std::size_t index) const {
+  weights_mapping map_vmm_weights(const std::string& record, std::size_t index, channel::fd_link* link) const {
     const vmm_span span = decode_vmm_record(record, fmt::format("allocation {} of the receiver's weights", index));
-    if (!link_)
+    if (link == nullptr)
       throw error(errc::transport, fmt::format("allocation {} of the receiver's weights is VMM memory, whose "
                                                "descriptors come through the control lane, and this session has none",
                                                index));
@@ -601,7 +605,7 @@ class cuda_ipc_source final : public source {
     std::vector<owned_fd> fds;
     std::vector<int> raw;
     for (std::size_t k = 0; k < span.ids.size(); ++k) {
-      fds.emplace_back(link_->receive(span.ids[k], deadline));
+      fds.emplace_back(link->receive(span.ids[k], deadline));
       if (fds.back().get() < 0)
         throw error(errc::transport, fmt::format("the descriptor of chunk {} of {} of allocation {} of the receiver's "
                                                  "weights (VMM memory) did not come",

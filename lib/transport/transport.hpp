@@ -181,10 +181,11 @@ class source {
   /// The refit in progress was committed by every receiver (END answered): what share() announced
   /// in it is what they hold from now on. Nothing by default.
   virtual void refit_committed() noexcept {}
-  /// The link that carries file descriptors to the receiver in this session (its control lane's,
-  /// see channel/fd_link.hpp), or null when there is none: memory shared as descriptors (VMM)
-  /// needs it, and is packed without it. Ignored by default.
-  virtual void link(std::shared_ptr<channel::fd_link> fds) { (void)fds; }
+  /// The links that carry file descriptors to the receivers of this session, one per receiver in
+  /// order (their control lanes', see channel/fd_link.hpp; null where there is none): memory shared
+  /// as descriptors (VMM) needs them, and is packed (or, offered for direct writes, staged)
+  /// without. Ignored by default.
+  virtual void link(std::vector<std::shared_ptr<channel::fd_link>> fds) { (void)fds; }
   /// True when the work enqueued on stream() so far is complete (packs, and the producer streams
   /// after() ordered it after): a batch that packed nothing is then wire::batch::ready.
   [[nodiscard]] virtual bool idle() { return true; }

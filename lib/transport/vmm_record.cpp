@@ -41,13 +41,15 @@ bool is_vmm_record(std::string_view r) noexcept { return r.substr(0, vmm_magic.s
 
 vmm_span decode_vmm_record(const std::string& r, std::string_view what) {
   const auto bad = [&](std::string_view why) {
-    return error(errc::protocol, fmt::format("cuda_ipc: {} is a malformed VMM record ({} bytes): {}", what, r.size(), why));
+    return error(errc::protocol,
+                 fmt::format("cuda_ipc: {} is a malformed VMM record ({} bytes): {}", what, r.size(), why));
   };
   if (r.size() < vmm_head_bytes || !is_vmm_record(r)) throw bad("shorter than its header, or not one");
   const auto flag = static_cast<unsigned char>(r[vmm_flag_at]);
   if (flag > 1) throw bad("its descriptor flag is neither 0 nor 1");
   const auto count = get<std::uint32_t>(r, vmm_flag_at + 1);
-  if (count == 0 || count > max_vmm_chunks) throw bad(fmt::format("{} chunks (1 to {} allowed)", count, max_vmm_chunks));
+  if (count == 0 || count > max_vmm_chunks)
+    throw bad(fmt::format("{} chunks (1 to {} allowed)", count, max_vmm_chunks));
   if (r.size() != vmm_head_bytes + std::size_t{count} * 16) throw bad(fmt::format("{} chunks do not fill it", count));
   vmm_span s;
   s.fds_follow = flag == 1;
@@ -63,8 +65,8 @@ vmm_span decode_vmm_record(const std::string& r, std::string_view what) {
   return s;
 }
 
-vmm_windows plan_vmm_windows(std::span<const vmm_region> regions, const std::map<std::uintptr_t, copy::vmm::chunk>& chunks,
-                             std::uint32_t max_chunks) {
+vmm_windows plan_vmm_windows(std::span<const vmm_region> regions,
+                             const std::map<std::uintptr_t, copy::vmm::chunk>& chunks, std::uint32_t max_chunks) {
   vmm_windows out;
   out.place.resize(regions.size());
   // Runs of adjacent chunks; where each chunk is in its run.
@@ -85,7 +87,8 @@ vmm_windows plan_vmm_windows(std::span<const vmm_region> regions, const std::map
   };
   std::vector<std::size_t> order(regions.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
-  std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return regions[x].start < regions[y].start; });
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t x, std::size_t y) { return regions[x].start < regions[y].start; });
   struct window {
     std::size_t run, lo, hi;  // chunks [lo, hi) of the run
   };

@@ -67,7 +67,8 @@ struct vmm_windows {
 /// there, else in a new one from its first chunk. Densely packed weights straddle nearly every
 /// chunk boundary, so records may share chunks (the reader maps those twice) rather than cut
 /// through a region. `chunks` (by base) must cover every region.
-vmm_windows plan_vmm_windows(std::span<const vmm_region> regions, const std::map<std::uintptr_t, copy::vmm::chunk>& chunks,
+vmm_windows plan_vmm_windows(std::span<const vmm_region> regions,
+                             const std::map<std::uintptr_t, copy::vmm::chunk>& chunks,
                              std::uint32_t max_chunks = max_vmm_chunks);
 
 }  // namespace refit::transport

@@ -995,22 +995,30 @@ struct tp_layout {
   }
 };
 
-void tp_refits(int second_device) {
+/// `vmm`: each rank's engine memory is a VMM chunk exportable as a descriptor (an engine under
+/// expandable segments), written through the descriptors its lane passes.
+void tp_refits(int second_device, bool vmm = false) {
   const tp_layout layout;
   const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
   const std::vector<std::uint64_t> versions = {1, 2, 3};
   const auto rank_body = [&](int rank, int device, rt::signal_pipe& ready) {
     refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
     const std::uint64_t bytes = tp_layout::total * 2;
-    refit::cuda::device_buffer engine(bytes);
-    refit::check_cuda(cudaMemset(engine.handle(), 0, bytes), "cudaMemset(engine)");
+    refit::cuda::device_buffer plain;
+    std::optional<refit::copy::vmm::local_chunks> chunks;
+    if (vmm)
+      chunks.emplace(1, refit::copy::vmm::granularity(device), device);
+    else
+      plain = refit::cuda::device_buffer(bytes);
+    void* const engine = vmm ? static_cast<void*>(chunks->data()) : plain.handle();
+    refit::check_cuda(cudaMemset(engine, 0, bytes), "cudaMemset(engine)");
     refit::receiver r(receive_options(eps[static_cast<std::size_t>(rank)], device, relaxed));
-    layout.register_with(r, rank, static_cast<std::uint16_t*>(engine.handle()), bytes, device);
+    layout.register_with(r, rank, static_cast<std::uint16_t*>(engine), bytes, device);
     ready.send("ready");
     std::size_t commits = 0;
     serve_until_bye(r, [&](std::uint64_t v) {
       std::vector<std::uint16_t> got(tp_layout::total);
-      refit::check_cuda(cudaMemcpy(got.data(), engine.handle(), bytes, cudaMemcpyDeviceToHost), "download");
+      refit::check_cuda(cudaMemcpy(got.data(), engine, bytes, cudaMemcpyDeviceToHost), "download");
       const auto want = layout.image(rank, v);
       const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
       expect(w == want.end(), "rank " + std::to_string(rank) + " version " + std::to_string(v) + ": element " +
@@ -1044,6 +1052,11 @@ void tp_refits(int second_device) {
 TEST_CASE("one cuda_ipc streamer writes two TP ranks on one GPU directly, each only its shards, bit-exact",
           "[cuda_ipc][layout][tp]") {
   tp_refits(0);
+}
+
+TEST_CASE("one cuda_ipc streamer writes two TP ranks' VMM engine memory on one GPU directly, through each lane",
+          "[cuda_ipc][layout][tp][vmm]") {
+  tp_refits(0, true);
 }
 
 TEST_CASE("one cuda_ipc streamer on cuda:0 writes TP rank 1 on cuda:1 directly over peer access, bit-exact",

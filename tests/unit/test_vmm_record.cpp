@@ -113,13 +113,12 @@ TEST_CASE("an offer cuts densely packed weights into records that hold every reg
   }
 }
 
-TEST_CASE("an offer gives each run of adjacent chunks its own records and refuses a region no record holds",
-          "[vmm]") {
+TEST_CASE("an offer gives each run of adjacent chunks its own records and refuses a region no record holds", "[vmm]") {
   auto chunks = run_of(0x100000000, 3, 2 * mib, 1);
   const auto other = run_of(0x200000000, 2, 2 * mib, 10);
   chunks.insert(other.begin(), other.end());
-  const std::vector<vmm_region> regions = {{0x200000000 + 1024, 3 * mib}, {0x100000000 + 2 * mib, 2 * mib},
-                                           {0x100000000, 16}};
+  const std::vector<vmm_region> regions = {
+      {0x200000000 + 1024, 3 * mib}, {0x100000000 + 2 * mib, 2 * mib}, {0x100000000, 16}};
   const vmm_windows w = plan_vmm_windows(regions, chunks);
   REQUIRE_FALSE(w.too_large);
   REQUIRE(w.records.size() == 2);
