@@ -1,6 +1,7 @@
 // libFuzzer target: wire::decode on arbitrary bytes, and on the same bytes the decoders of what
 // transports carry opaquely inside messages: wire::decode_dest (a direct offer's destination
-// record) and transport::decode_nccl_session (HELLO's session data of an nccl session).
+// record), transport::decode_nccl_session (HELLO's session data of an nccl session) and
+// transport::decode_vmm_record (cuda_ipc's records of VMM memory, in BATCH sources and offers).
 //
 // Properties: decode() either returns a message or throws refit::error (any other exception,
 // crash or sanitizer report is a bug); and every message it accepts survives a round trip —
@@ -13,9 +14,11 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "refit/error.hpp"
 #include "transport/nccl_session.hpp"
+#include "transport/vmm_record.hpp"
 #include "wire/wire.hpp"
 
 namespace wire = refit::wire;
@@ -58,9 +61,27 @@ static void check_nccl_session(const std::uint8_t* data, std::size_t size) {
   if (refit::transport::encode_nccl_session(s) != bytes) property_failed("encode(decode_nccl_session(b)) != b", "");
 }
 
+/// The same for a VMM record: accepted bytes re-encode to themselves, and the key clears the flag.
+static void check_vmm_record(const std::uint8_t* data, std::size_t size) {
+  const std::string bytes(reinterpret_cast<const char*>(data), size);
+  refit::transport::vmm_span s;
+  try {
+    s = refit::transport::decode_vmm_record(bytes, "fuzz input");
+  } catch (const refit::error&) {
+    return;
+  }
+  std::vector<refit::copy::vmm::chunk> chunks;
+  for (std::size_t k = 0; k < s.ids.size(); ++k) chunks.push_back({0, s.sizes[k], s.ids[k]});
+  if (refit::transport::encode_vmm_record(chunks, s.fds_follow) != bytes)
+    property_failed("encode(decode_vmm_record(b)) != b", "");
+  if (refit::transport::encode_vmm_record(chunks, false) != s.key)
+    property_failed("a VMM record's key is not it unflagged", "");
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   check_dest(data, size);
   check_nccl_session(data, size);
+  check_vmm_record(data, size);
   wire::message m;
   try {
     m = wire::decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data), size));

@@ -16,6 +16,7 @@
 
 #include "refit/model.hpp"
 #include "transport/nccl_session.hpp"
+#include "transport/vmm_record.hpp"
 #include "wire/wire.hpp"
 
 namespace fs = std::filesystem;
@@ -151,6 +152,10 @@ int main(int argc, char** argv) {
         wire::encode_dest(wire::dest_record{
             "layers.0.o_proj.weight", refit::dtype::bf16, {64, 32}, {64, 1}, refit::source_slice{1, 32, 32}, 0, 4096}));
     write(w, "session_nccl", refit::transport::encode_nccl_session({std::string(128, '\x2a'), 2, 4}));
+    // decode_vmm_record too: a span of two chunks, its descriptors following.
+    write(w, "vmm_span",
+          refit::transport::encode_vmm_record(std::vector<refit::copy::vmm::chunk>{{0, 20u << 20, 7}, {0, 2u << 20, 9}},
+                                              true));
     write(w, "dest_dense",
           wire::encode_dest(wire::dest_record{"q", refit::dtype::f32, {8, 4}, {}, std::nullopt, 1, 0}));
     write(w, "begin", wire::encode(wire::begin{7, false, {}}));

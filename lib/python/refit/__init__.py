@@ -180,8 +180,11 @@ class Receiver(_refit.Receiver):
         delta_threads: threads that check and apply a delta's patches into host weights
             (host_shm deltas); 0: min(hardware threads, 8).
         control_lane: offer a streamer on this host a shared-memory lane for its requests
-            (``Streamer(control_lane=True)``): a private 2 MiB segment and three FIFOs, removed once
-            the streamer opened them. False: ZeroMQ only.
+            (``Streamer(control_lane=True)``): a private 2 MiB segment, three FIFOs and a Unix
+            socket, removed once the streamer opened them. The socket passes descriptors of
+            memory in torch's expandable segments, so that weights held there are written
+            directly and a trainer's tensors there are read in place. False: ZeroMQ only (such
+            weights are then staged into, such tensors packed).
 
     Example::
 
@@ -455,10 +458,13 @@ class Streamer(_refit.Streamer):
             whose weights cannot be written directly): the receiver reads every tensor in this
             device's memory where it is (its allocation mapped through CUDA IPC) instead of the
             streamer packing it into a buffer: one copy instead of two, and no per-batch hand-off
-            between the two processes' GPU work (``RefitStats.shared_bytes``). The receiver keeps
-            an allocation mapped until a refit that does not read it ends, or :meth:`close`:
-            memory the trainer frees meanwhile (``torch.cuda.empty_cache()``) returns to the
-            driver only then. False: every tensor goes through the buffers.
+            between the two processes' GPU work (``RefitStats.shared_bytes``). Tensors in torch's
+            expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) are shared
+            too, chunk by chunk, their descriptors passed through the control lane (so it needs
+            ``control_lane``). The receiver keeps an allocation mapped until a refit that does not
+            read it ends, or :meth:`close`: memory the trainer frees meanwhile
+            (``torch.cuda.empty_cache()``) returns to the driver only then. False: every tensor
+            goes through the buffers.
         control_lane: when the receiver runs on this host (any transport), send BEGIN, the
             batches, END and BYE through a shared-memory lane it offers instead of ZeroMQ: a round
             trip costs microseconds instead of ~0.1 ms, most of a small refit's fixed cost
