@@ -1296,7 +1296,10 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     for (const lane& l : lanes)
       for (const auto& [name, r] : l.tracker->ranges()) by_name[name].push_back(piece{r.first, r.next, l.rank, &r});
     std::set<std::string, std::less<>> arrived;
-    for (auto& [name, pieces] : by_name) {
+    for (auto& entry : by_name) {
+      // Not a structured binding: the lambdas below use both, which clang before 16 cannot capture.
+      const std::string_view name = entry.first;
+      std::vector<piece>& pieces = entry.second;
       std::sort(pieces.begin(), pieces.end(), [](const piece& x, const piece& y) {
         return x.first != y.first ? x.first < y.first : x.next < y.next;
       });

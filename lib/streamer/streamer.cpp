@@ -265,7 +265,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// replies. Nothing else may be sent meanwhile (one request at a time per channel).
   void post(const std::function<wire::message(std::size_t)>& make, const std::string& what) {
     if (flight) throw error(errc::internal, fmt::format("{} while {} waits for its replies", what, flight->what));
-    in_flight& f = flight.emplace();
+    // Assigned, not emplace()d: clang (before 16) cannot tell a nested struct with member
+    // initializers default-constructible inside its enclosing class.
+    flight = in_flight{};
+    in_flight& f = *flight;
     f.what = what;
     f.started = clock::now();
     f.deadline = f.started + options.timeout;
