@@ -14,6 +14,7 @@
 #include <cstring>
 #include <utility>
 
+#include "channel/unique_fd.hpp"
 #include "refit/error.hpp"
 
 namespace refit::channel {
@@ -26,35 +27,6 @@ using clock = fd_link::clock;
 constexpr std::size_t max_carried = 4;
 
 std::string errno_text(int e) { return fmt::format("{} (errno {})", std::strerror(e), e); }
-
-/// One descriptor, closed when it goes (the cppzmq shape: move leaves the source empty).
-class unique_fd {
- public:
-  unique_fd() noexcept = default;
-  explicit unique_fd(int fd) noexcept : fd_(fd) {}
-  ~unique_fd() { reset(); }
-  unique_fd(unique_fd&& o) noexcept : fd_(o.release()) {}
-  unique_fd& operator=(unique_fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = o.release();
-    }
-    return *this;
-  }
-  unique_fd(const unique_fd&) = delete;
-  unique_fd& operator=(const unique_fd&) = delete;
-
-  [[nodiscard]] int get() const noexcept { return fd_; }
-  explicit operator bool() const noexcept { return fd_ >= 0; }
-  int release() noexcept { return std::exchange(fd_, -1); }
-  void reset() noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 unique_fd new_socket() { return unique_fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0)); }
 

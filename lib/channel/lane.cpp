@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "model/log.hpp"
+#include "channel/unique_fd.hpp"
 #include "refit/error.hpp"
 
 #if defined(__SANITIZE_THREAD__)
@@ -61,14 +62,6 @@ template <class T>
 void store(T& v, T x, std::memory_order o = std::memory_order_seq_cst) noexcept {
   std::atomic_ref<T>(v).store(x, o);
 }
-
-/// Closes a descriptor on scope exit.
-struct fd_guard {
-  int fd = -1;
-  ~fd_guard() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 int open_bell(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
@@ -140,18 +133,18 @@ std::unique_ptr<lane> lane::create() {
     l->me_ = side::receiver;
     l->dir_ = dir;  // removed by the destructor from here on
     const std::string seg_path = dir + "/segment";
-    fd_guard fd{::open(seg_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600)};
-    if (fd.fd < 0) {
+    unique_fd fd{::open(seg_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600)};
+    if (fd.get() < 0) {
       failures += fmt::format("; {}: {}", seg_path, errno_text(errno));
       continue;
     }
     // Reserve the pages now: on a full tmpfs a later first touch would be SIGBUS, not an error.
-    const int e = ::posix_fallocate(fd.fd, 0, static_cast<off_t>(segment::total_bytes));
-    if (e != 0 && (e == ENOSPC || ::ftruncate(fd.fd, static_cast<off_t>(segment::total_bytes)) != 0)) {
+    const int e = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(segment::total_bytes));
+    if (e != 0 && (e == ENOSPC || ::ftruncate(fd.get(), static_cast<off_t>(segment::total_bytes)) != 0)) {
       failures += fmt::format("; {}: {}", seg_path, errno_text(e != 0 ? e : errno));
       continue;
     }
-    void* p = ::mmap(nullptr, segment::total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0);
+    void* p = ::mmap(nullptr, segment::total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (p == MAP_FAILED) {
       failures += fmt::format("; mmap({}): {}", seg_path, errno_text(errno));
       continue;
@@ -198,14 +191,15 @@ std::unique_ptr<lane> lane::open(std::string_view offer) {
   std::unique_ptr<lane> l(new lane());
   l->me_ = side::streamer;
   const std::string seg_path = dir + "/segment";
-  fd_guard fd{::open(seg_path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW)};
-  if (fd.fd < 0) throw error(errc::io, fmt::format("cannot open the control lane {}: {}", seg_path, errno_text(errno)));
+  unique_fd fd{::open(seg_path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW)};
+  if (fd.get() < 0)
+    throw error(errc::io, fmt::format("cannot open the control lane {}: {}", seg_path, errno_text(errno)));
   struct stat st {};
-  if (::fstat(fd.fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
       static_cast<std::uint64_t>(st.st_size) != segment::total_bytes)
     throw error(errc::protocol, fmt::format("{} is not a control lane of this user ({} bytes expected)", seg_path,
                                             segment::total_bytes));
-  void* p = ::mmap(nullptr, segment::total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.fd, 0);
+  void* p = ::mmap(nullptr, segment::total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) throw error(errc::io, fmt::format("mmap({}): {}", seg_path, errno_text(errno)));
   l->seg_ = static_cast<segment*>(p);
   l->mapped_ = segment::total_bytes;

@@ -13,7 +13,6 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <array>
 #include <chrono>
@@ -30,6 +29,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "channel/unique_fd.hpp"
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
 #include "copy/unique_handle.hpp"
@@ -145,23 +145,6 @@ void check_index(std::size_t i, std::size_t count, std::string_view call) {
   if (i >= count)
     throw error(errc::internal, fmt::format("cuda_ipc {}: buffer {} out of range ({} buffers)", call, i, count));
 }
-
-/// Owns a file descriptor (-1: none).
-class owned_fd {
- public:
-  explicit owned_fd(int fd) noexcept : fd_(fd) {}
-  ~owned_fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  owned_fd(owned_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  owned_fd& operator=(owned_fd&&) = delete;
-  owned_fd(const owned_fd&) = delete;
-  owned_fd& operator=(const owned_fd&) = delete;
-  [[nodiscard]] int get() const noexcept { return fd_; }
-
- private:
-  int fd_;
-};
 
 /// How long a streamer waits for room in the descriptor link before packing instead, and either
 /// side for the descriptors of VMM memory announced to it.
@@ -438,7 +421,7 @@ class cuda_ipc_source final : public source {
     if (!held) {
       const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
       for (const copy::vmm::chunk& c : *chunks) {
-        const owned_fd fd(copy::vmm::export_fd(c.base, device_));
+        const channel::unique_fd fd(copy::vmm::export_fd(c.base, device_));
         if (fd.get() < 0 || !link->send(c.id, fd.get(), deadline)) {
           // What was sent of this span is skipped by the receiver (another tag comes first).
           REFIT_DEBUG("cuda_ipc: the VMM chunk at {:#x} ({} bytes) cannot be {}: its tensors are packed", c.base,
@@ -602,7 +585,7 @@ class cuda_ipc_source final : public source {
                                                "descriptors come through the control lane, and this session has none",
                                                index));
     const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
-    std::vector<owned_fd> fds;
+    std::vector<channel::unique_fd> fds;
     std::vector<int> raw;
     for (std::size_t k = 0; k < span.ids.size(); ++k) {
       fds.emplace_back(link->receive(span.ids[k], deadline));
@@ -763,7 +746,7 @@ class cuda_ipc_sink final : public sink {
     const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
     std::size_t sent = 0;
     for (const copy::vmm::chunk& c : pending_chunks_) {
-      const owned_fd fd(copy::vmm::export_fd(c.base, device_));
+      const channel::unique_fd fd(copy::vmm::export_fd(c.base, device_));
       if (!link_ || fd.get() < 0 || !link_->send(c.id, fd.get(), deadline)) break;
       ++sent;
     }
@@ -970,7 +953,7 @@ class cuda_ipc_sink final : public sink {
                                                 "control lane, but this session has no descriptor link",
                                                 index));
       const auto deadline = std::chrono::steady_clock::now() + timeout_;
-      std::vector<owned_fd> fds;
+      std::vector<channel::unique_fd> fds;
       std::vector<int> raw;
       for (std::size_t k = 0; k < span.ids.size(); ++k) {
         fds.emplace_back(link_->receive(span.ids[k], deadline));
