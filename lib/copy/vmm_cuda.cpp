@@ -3,7 +3,6 @@
 
 #include <cuda.h>  // types and enums only: the functions come through driver_entry
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <utility>
 

@@ -150,6 +150,41 @@ void check_index(std::size_t i, std::size_t count, std::string_view call) {
 /// side for the descriptors of VMM memory announced to it.
 constexpr std::chrono::seconds fd_send_timeout{10};
 
+/// Memory of the other process mapped here: a cudaIpc mapping, or VMM chunks mapped one after the
+/// other (their descriptors came through the lane's link). `bytes` bounds every access to it.
+struct peer_memory {
+  ipc_mapping ipc;
+  copy::vmm::mapping vmm;
+  std::uint64_t bytes = 0;
+  [[nodiscard]] std::byte* data() const noexcept { return ipc ? static_cast<std::byte*>(ipc.handle()) : vmm.data(); }
+};
+
+/// The descriptors of `span`'s chunks, in chunk order, through `link` by `deadline`. Throws
+/// refit::error(errc::transport) naming the chunk of `what` whose descriptor did not come.
+std::vector<channel::unique_fd> receive_chunks(channel::fd_link& link, const vmm_span& span,
+                                               std::chrono::steady_clock::time_point deadline, std::string_view what) {
+  std::vector<channel::unique_fd> fds;
+  for (std::size_t k = 0; k < span.ids.size(); ++k) {
+    fds.emplace_back(link.receive(span.ids[k], deadline));
+    if (!fds.back())
+      throw error(errc::transport, fmt::format("cuda_ipc: the descriptor of chunk {} of {} of {} (VMM memory) did not "
+                                               "come in time: is the other process alive?",
+                                               k, span.ids.size(), what));
+  }
+  return fds;
+}
+
+/// `span`'s chunks mapped for `device` from their descriptors (receive_chunks()). Throws like
+/// copy::vmm::mapping.
+peer_memory map_chunks(const std::vector<channel::unique_fd>& fds, const vmm_span& span, int device) {
+  std::vector<int> raw;
+  for (const channel::unique_fd& fd : fds) raw.push_back(fd.get());
+  peer_memory m;
+  m.vmm = copy::vmm::mapping(raw, span.sizes, device);
+  m.bytes = span.bytes;
+  return m;
+}
+
 class cuda_ipc_source final : public source {
  public:
   explicit cuda_ipc_source(const source_options& options)
@@ -492,16 +527,8 @@ class cuda_ipc_source final : public source {
     plan::destination dest;
     plan::route_cache routes;
   };
-  /// One allocation of a receiver's weights, mapped here: a cudaIpc mapping, or VMM chunks mapped
-  /// one after the other (their descriptors came through the lane's link).
-  struct weights_mapping {
-    ipc_mapping ipc;
-    copy::vmm::mapping vmm;
-    std::uint64_t bytes = 0;  ///< what the mapping holds: every destination must lie inside
-    [[nodiscard]] std::byte* data() const noexcept { return ipc ? static_cast<std::byte*>(ipc.handle()) : vmm.data(); }
-  };
   struct receiver_targets {
-    std::vector<weights_mapping> mapped;
+    std::vector<peer_memory> mapped;  ///< the allocations of its weights: every destination lies inside one
     std::unordered_map<std::string, std::vector<target>> targets;
   };
   std::vector<receiver_targets> receivers_;  ///< direct sessions: one per receiver, in order
@@ -513,7 +540,7 @@ class cuda_ipc_source final : public source {
     for (std::size_t k = 0; k < reply.handles.size(); ++k) {
       const std::string& rec = reply.handles[k];
       if (rec.size() == 1 + sizeof(cudaIpcMemHandle_t) && rec[0] == 'A') {
-        weights_mapping m;
+        peer_memory m;
         m.ipc = ipc_mapping(from_raw_bytes<cudaIpcMemHandle_t>(rec.substr(1)),
                             fmt::format("allocation {} of the receiver's weights", out.mapped.size()));
         // The mapping's own size bounds every destination, whatever the records claim.
@@ -552,7 +579,7 @@ class cuda_ipc_source final : public source {
         if (r.allocation >= out.mapped.size())
           throw error(errc::protocol, fmt::format("direct offer: tensor record {} names allocation {} of {}", k,
                                                   r.allocation, out.mapped.size()));
-        const weights_mapping& m = out.mapped[r.allocation];
+        const peer_memory& m = out.mapped[r.allocation];
         std::uint64_t extent = 0;
         try {
           extent = plan::check_view(d).bytes;
@@ -578,27 +605,15 @@ class cuda_ipc_source final : public source {
   /// the offer through the lane's link. Throws refit::error (protocol for a malformed record,
   /// transport when there is no link, a descriptor does not come or the chunks cannot be mapped:
   /// the streamer then stages instead).
-  weights_mapping map_vmm_weights(const std::string& record, std::size_t index, channel::fd_link* link) const {
-    const vmm_span span = decode_vmm_record(record, fmt::format("allocation {} of the receiver's weights", index));
+  peer_memory map_vmm_weights(const std::string& record, std::size_t index, channel::fd_link* link) const {
+    const std::string what = fmt::format("allocation {} of the receiver's weights", index);
+    const vmm_span span = decode_vmm_record(record, what);
     if (link == nullptr)
-      throw error(errc::transport, fmt::format("allocation {} of the receiver's weights is VMM memory, whose "
-                                               "descriptors come through the control lane, and this session has none",
-                                               index));
-    const auto deadline = std::chrono::steady_clock::now() + fd_send_timeout;
-    std::vector<channel::unique_fd> fds;
-    std::vector<int> raw;
-    for (std::size_t k = 0; k < span.ids.size(); ++k) {
-      fds.emplace_back(link->receive(span.ids[k], deadline));
-      if (fds.back().get() < 0)
-        throw error(errc::transport, fmt::format("the descriptor of chunk {} of {} of allocation {} of the receiver's "
-                                                 "weights (VMM memory) did not come",
-                                                 k, span.ids.size(), index));
-      raw.push_back(fds.back().get());
-    }
-    weights_mapping m;
-    m.vmm = copy::vmm::mapping(raw, span.sizes, device_);
-    m.bytes = span.bytes;
-    return m;
+      throw error(errc::transport, fmt::format("{} is VMM memory, whose descriptors come through the control lane, and "
+                                               "this session has none",
+                                               what));
+    return map_chunks(receive_chunks(*link, span, std::chrono::steady_clock::now() + fd_send_timeout, what), span,
+                      device_);
   }
   std::string uuid_;
   std::vector<cuda::device_buffer> buffers_;
@@ -705,7 +720,8 @@ class cuda_ipc_sink final : public sink {
         if (status != cudaSuccess) {
           (void)cudaGetLastError();
           // VMM memory (an engine under torch's expandable segments): its chunks go as descriptors.
-          const auto mine = link_ ? copy::vmm::chunks_of(d.data, plan::check_view(d).bytes, d.dev.index) : std::nullopt;
+          const std::uint64_t extent = plan::check_view(d).bytes;
+          const auto mine = link_ ? copy::vmm::chunks_of(d.data, extent, d.dev.index) : std::nullopt;
           if (!mine)
             return decline(fmt::format("cudaIpcGetMemHandle on the allocation of '{}': {}{}", d.meta.name,
                                        cudaGetErrorName(status),
@@ -716,7 +732,7 @@ class cuda_ipc_sink final : public sink {
               return decline(fmt::format("the VMM chunks of '{}' changed while they were looked up", d.meta.name));
           }
           in_vmm.push_back(i);
-          extents.push_back(plan::check_view(d).bytes);
+          extents.push_back(extent);
           continue;
         }
         it = allocations.emplace(base, allocations.size()).first;
@@ -851,7 +867,7 @@ class cuda_ipc_sink final : public sink {
           throw error(errc::transport, fmt::format("cuda_ipc: source {} maps {} bytes where the streamer announced "
                                                    "{}",
                                                    index, a ? a->bytes : 0, claimed));
-        it = sources_.emplace(record, mapped_source{std::move(map), {}, claimed, false}).first;
+        it = sources_.emplace(record, mapped_source{peer_memory{std::move(map), {}, claimed}, false}).first;
       }
       it->second.read = true;
       numbered_.push_back(&it->second);
@@ -863,7 +879,7 @@ class cuda_ipc_sink final : public sink {
     if (index == 0 || index > numbered_.size())
       throw error(errc::protocol,
                   fmt::format("cuda_ipc: an entry reads source {}, but {} were announced", index, numbered_.size()));
-    const mapped_source& m = *numbered_[index - 1];
+    const peer_memory& m = numbered_[index - 1]->mem;
     std::uint64_t last = 0;
     if (__builtin_add_overflow(offset, bytes, &last) || last > m.bytes)
       throw error(errc::protocol, fmt::format("cuda_ipc: an entry reads bytes [{}, {} + {}) of source {}, which has {}",
@@ -930,48 +946,32 @@ class cuda_ipc_sink final : public sink {
     return status;
   }
 
-  /// An allocation of the streamer that entries read in place, mapped here: a cudaIpc mapping, or
-  /// VMM chunks mapped one after the other.
+  /// An allocation of the streamer that entries read in place, mapped here.
   struct mapped_source {
-    ipc_mapping map;
-    copy::vmm::mapping vmm;
-    std::uint64_t bytes = 0;
+    peer_memory mem;
     bool read = false;  ///< by the refit in progress (or the last one)
-    [[nodiscard]] const std::byte* data() const noexcept {
-      return map ? static_cast<const std::byte*>(map.handle()) : vmm.data();
-    }
   };
 
   /// map_sources() of a VMM record: the span is mapped from the descriptors that follow through the
   /// link, or found among those the last refit read (the streamer keeps the same account).
   void map_vmm(const std::string& record, std::size_t index) {
-    const vmm_span span = decode_vmm_record(record, fmt::format("source {}", index));
+    const std::string what = fmt::format("source {}", index);
+    const vmm_span span = decode_vmm_record(record, what);
     auto it = sources_.find(span.key);
     if (span.fds_follow) {
       if (!link_)
         throw error(errc::protocol, fmt::format("cuda_ipc: source {} is VMM memory whose descriptors come through the "
                                                 "control lane, but this session has no descriptor link",
                                                 index));
-      const auto deadline = std::chrono::steady_clock::now() + timeout_;
-      std::vector<channel::unique_fd> fds;
-      std::vector<int> raw;
-      for (std::size_t k = 0; k < span.ids.size(); ++k) {
-        fds.emplace_back(link_->receive(span.ids[k], deadline));
-        if (fds.back().get() < 0)
-          throw error(errc::transport,
-                      fmt::format("cuda_ipc: the descriptor of chunk {} of {} of source {} (VMM memory "
-                                  "of the streamer) did not come within {} ms: is the streamer alive?",
-                                  k, span.ids.size(), index, timeout_.count()));
-        raw.push_back(fds.back().get());
-      }
+      const std::vector<channel::unique_fd> fds =
+          receive_chunks(*link_, span, std::chrono::steady_clock::now() + timeout_, what);
       if (it == sources_.end()) {  // else: held already; the descriptors are closed unused
         if (sources_.size() >= max_sources)
           throw error(errc::protocol, fmt::format("cuda_ipc: the streamer announces more than {} allocations to "
                                                   "read in place",
                                                   max_sources));
         device_guard guard(device_);
-        copy::vmm::mapping m(raw, span.sizes, device_);
-        it = sources_.emplace(span.key, mapped_source{{}, std::move(m), span.bytes, false}).first;
+        it = sources_.emplace(span.key, mapped_source{map_chunks(fds, span, device_), false}).first;
       }
     } else if (it == sources_.end()) {
       throw error(errc::protocol, fmt::format("cuda_ipc: source {} is VMM memory of the streamer ({} chunks) that this "
