@@ -134,3 +134,13 @@ std::optional<failure> failure_of(F&& f) {
 }
 
 }  // namespace refit::test
+
+/// In a Catch test: checks that `expr` throws refit::error with `want` (an errc) and a message
+/// containing `fragment`.
+#define CHECK_REFIT_ERROR(expr, want, fragment)                     \
+  do {                                                              \
+    const auto f = refit::test::failure_of([&] { (void)(expr); });  \
+    REQUIRE(f);                                                     \
+    CHECK(f->code == refit::test::code_name(want));                 \
+    CHECK_THAT(f->message, Catch::Contains(std::string(fragment))); \
+  } while (false)

@@ -31,15 +31,6 @@ using refit::channel::lane;
 
 namespace {
 
-/// Checks that `expr` throws refit::error with `code` and a message containing `fragment`.
-#define CHECK_REFIT_ERROR(expr, want, fragment)                     \
-  do {                                                              \
-    const auto f = refit::test::failure_of([&] { (void)(expr); });  \
-    REQUIRE(f);                                                     \
-    CHECK(f->code == refit::test::code_name(want));                 \
-    CHECK_THAT(f->message, Catch::Contains(std::string(fragment))); \
-  } while (false)
-
 fd_link::clock::time_point in(std::chrono::milliseconds d) { return fd_link::clock::now() + d; }
 
 /// A descriptor the test owns, closed at the end of the scope.

@@ -40,15 +40,6 @@ void join_by_lane(rep_channel& rep, req_channel& req) {
   rep.attach_lane(std::move(rx));
 }
 
-/// Checks that `expr` throws refit::error with `code` and a message containing `fragment`.
-#define CHECK_REFIT_ERROR(expr, want, fragment)                     \
-  do {                                                              \
-    const auto f = refit::test::failure_of([&] { (void)(expr); });  \
-    REQUIRE(f);                                                     \
-    CHECK(f->code == refit::test::code_name(want));                 \
-    CHECK_THAT(f->message, Catch::Contains(std::string(fragment))); \
-  } while (false)
-
 }  // namespace
 
 TEST_CASE("a lane carries messages both ways, shorter and longer than its slot", "[lane]") {
