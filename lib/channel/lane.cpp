@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "model/log.hpp"
 #include "channel/unique_fd.hpp"
+#include "model/log.hpp"
 #include "refit/error.hpp"
 
 #if defined(__SANITIZE_THREAD__)

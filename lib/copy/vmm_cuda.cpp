@@ -61,6 +61,15 @@ CUmemAllocationProp device_prop(int device) {
   return prop;
 }
 
+/// Read and write access for `device` (cuMemSetAccess).
+CUmemAccessDesc read_write(int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return access;
+}
+
 /// Reads a pointer attribute of `p` into an integer; false when the driver cannot say.
 template <typename T>
 bool attribute(const driver& d, CUpointer_attribute what, const void* p, T& out) noexcept {
@@ -160,10 +169,7 @@ mapping::mapping(std::span<const int> fds, std::span<const std::uint64_t> bytes,
     }
     mapped_ += bytes[i];
   }
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUmemAccessDesc access = read_write(device);
   if (const CUresult r = d.set_access(base_, total, &access, 1); r != CUDA_SUCCESS) {
     release();
     throw error(errc::transport,
@@ -240,10 +246,7 @@ void local_chunks::replace(std::size_t k) {
   handles_[k] = h;
   if (const CUresult r = d.map(at, chunk_, 0, h, 0); r != CUDA_SUCCESS)
     throw error(errc::cuda, fmt::format("cuMemMap: {}", driver_error(r)));
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUmemAccessDesc access = read_write(device_);
   if (const CUresult r = d.set_access(at, chunk_, &access, 1); r != CUDA_SUCCESS)
     throw error(errc::cuda, fmt::format("cuMemSetAccess: {}", driver_error(r)));
 }
