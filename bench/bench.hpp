@@ -371,6 +371,9 @@ struct config {
   /// cuda_ipc receivers (tpN: one per rank) all on the streamer's GPU (false), or rank k on GPU
   /// (device + k) % visible (true: --receiver-devices spread).
   bool spread_receivers = false;
+  /// nccl: ranks may share GPUs (--nccl-share-gpus): every bench process claims a host of its own
+  /// (NCCL_HOSTID), so NCCL connects ranks on one GPU through its network transport over loopback.
+  bool nccl_share_gpus = false;
   bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
   bool share = true;       ///< streamer_options::share_tensors (--share-tensors)
   bool lane = true;        ///< streamer_options::control_lane (--control-lane)

@@ -171,6 +171,11 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
          "(device + k) % visible); nccl receivers are always on GPUs of their own (--receivers)")
       ->check(CLI::IsMember({"same", "spread"}))
       ->capture_default_str();
+  app.add_flag("--nccl-share-gpus", c.nccl_share_gpus,
+               "nccl: let ranks share GPUs (receiver k on GPU (device + 1 + k) % visible, even the streamer's): "
+               "every bench process claims an NCCL host of its own (NCCL_HOSTID), so NCCL connects them through "
+               "its network transport over loopback; its figures (and its ceiling) are that transport's, not "
+               "NVLink's. For nccl on a one-GPU machine");
   app.add_option("--path", t.paths,
                  "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
                  "staged (through the ping-pong buffers, two copies); nccl: direct (in place: 1 GiB "
@@ -447,6 +452,15 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
   return a;
 }
 
+/// --nccl-share-gpus: NCCL refuses two ranks of one communicator on one GPU of one host, and takes
+/// the host's identity from NCCL_HOSTID. This process and every one it spawns (which inherit
+/// REFIT_BENCH_NCCL_OWN_HOST) each claim a host of their own.
+void claim_nccl_host(bool share) {
+  if (share) ::setenv("REFIT_BENCH_NCCL_OWN_HOST", "1", 1);
+  if (std::getenv("REFIT_BENCH_NCCL_OWN_HOST") == nullptr) return;
+  ::setenv("NCCL_HOSTID", fmt::format("refit-bench-{}", ::getpid()).c_str(), 1);
+}
+
 int bench_main(int argc, const char* const* argv) {
   // NVLink SHARP (NVLS) stays off unless the caller says otherwise: the GPU machines require it,
   // and the spawned receivers inherit the environment.
@@ -455,6 +469,7 @@ int bench_main(int argc, const char* const* argv) {
     int code = 0;
     const auto c = parse_args(argc, argv, code);
     if (!c) return code;
+    claim_nccl_host(c->nccl_share_gpus);
     return run(*c, std::cout);
   } catch (const error& e) {
     std::cout.flush();

@@ -1065,7 +1065,7 @@ std::vector<std::unique_ptr<transport_path>> resolve_paths(const config& c, std:
     if (t == transport_kind::nccl && c.nccl_optional) {
       // From "--transport all": nccl needs a GPU for the streamer and one per receiver.
       const int visible = visible_gpus();
-      if (visible < 2) {
+      if (visible < (c.nccl_share_gpus ? 1 : 2)) {
         notes.push_back(fmt::format("nccl skipped: it needs at least 2 visible GPUs and {} visible", visible));
         std::cerr << "refit-bench: " << notes.back() << std::endl;
         continue;
@@ -1088,8 +1088,12 @@ std::vector<std::unique_ptr<transport_path>> resolve_paths(const config& c, std:
     if (t == transport_kind::nccl) {
       const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
       const std::size_t receivers = receiver_processes(c, t);
-      notes.push_back(fmt::format("nccl: {} receiver process{} ({}), one GPU each; NCCL_NVLS_ENABLE={}", receivers,
+      notes.push_back(fmt::format("nccl: {} receiver process{} ({}), {}; NCCL_NVLS_ENABLE={}", receivers,
                                   receivers == 1 ? "" : "es", c.layout.tp > 1 ? "one per rank" : "--receivers",
+                                  c.nccl_share_gpus ? "sharing GPUs (--nccl-share-gpus): each process its own "
+                                                      "NCCL_HOSTID, so every byte goes through NCCL's network "
+                                                      "transport over loopback, ceiling included (not NVLink figures)"
+                                                    : "one GPU each",
                                   nvls ? nvls : "(unset)"));
     }
   }

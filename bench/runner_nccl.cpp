@@ -249,19 +249,24 @@ class nccl_path final : public transport_path {
         config_(c) {
     if (c.side != role::receiver) {
       visible_ = visible_gpus();
-      if (visible_ < 2)
+      const bool share = c.nccl_share_gpus;
+      if (visible_ < (share ? 1 : 2))
         throw error(errc::invalid_argument,
-                    fmt::format("refit-bench: --transport nccl needs at least 2 visible GPUs (the streamer and each "
-                                "receiver on a GPU of its own) and {} visible; check CUDA_VISIBLE_DEVICES, or use "
-                                "--transport cuda_ipc on one GPU",
+                    fmt::format("refit-bench: --transport nccl needs at least {} visible GPU{} and {} visible; check "
+                                "CUDA_VISIBLE_DEVICES, or use --transport cuda_ipc on one GPU",
+                                share ? 1 : 2,
+                                share ? ""
+                                      : "s (the streamer and each receiver on a GPU of its own; "
+                                        "--nccl-share-gpus lets them share)",
                                 visible_ == 0 ? std::string("none is") : fmt::format("{} is", visible_)));
       if (device_ < 0 || device_ >= visible_)
         throw error(errc::invalid_argument,
                     fmt::format("refit-bench: --device {} but {} CUDA devices are visible", device_, visible_));
-      if (receivers_ < 1 || receivers_ > static_cast<std::size_t>(visible_ - 1))
+      if (receivers_ < 1 || (!share && receivers_ > static_cast<std::size_t>(visible_ - 1)))
         throw error(errc::invalid_argument,
                     fmt::format("refit-bench: --receivers {}: with {} visible GPUs at most {} receivers fit (one GPU "
-                                "each, besides the streamer's GPU {}); NCCL allows one rank per GPU",
+                                "each, besides the streamer's GPU {}); NCCL allows one rank per GPU of a host "
+                                "(--nccl-share-gpus: ranks share GPUs over NCCL's network transport)",
                                 receivers_, visible_, visible_ - 1, device_));
       for (std::size_t k = 0; k < receivers_; ++k) devices_.push_back(receiver_device(device_, k, visible_));
     }

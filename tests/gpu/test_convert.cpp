@@ -358,16 +358,15 @@ TEST_CASE("a direct cuda_ipc refit converts (fused block128 for dense and shard 
 TEST_CASE("nccl in place converts into staging buffers, and buffered nccl into its send buffers, bit-exact on cuda:1",
           "[convert][nccl]") {
 #if REFIT_HAVE_NCCL
-  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
-  if (rt::cuda_device_count() < 2) {
-    WARN("this test needs 2 GPUs: skipped");
+  if (!rt::nccl_ranks(2)) {
+    WARN("no GPU: skipped");
     return;
   }
   for (const bool direct : {true, false}) {
     INFO((direct ? "in place" : "buffered"));
     const auto ep = rt::temp_endpoint();
     rt::signal_pipe ready;
-    rt::child rx([&] { receiver_body(ep, ready, 1, false); });
+    rt::child rx([&] { receiver_body(ep, ready, rt::gpu_of(1), false); });
     REQUIRE(ready.receive(60s) == "ready");
     rt::child tx([&] { streamer_body(ep, direct, true, false); });
     CHECK(tx.wait(180s) == 0);

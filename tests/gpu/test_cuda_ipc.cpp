@@ -877,7 +877,7 @@ struct engine_layout {
 void engine_layout_refits(bool direct, refit::transport_kind transport = refit::transport_kind::cuda_ipc,
                           bool share = true) {
   const bool nccl = transport == refit::transport_kind::nccl;
-  const int rx_device = nccl ? 1 : 0;
+  const int rx_device = nccl ? rt::gpu_of(1) : 0;
   const engine_layout layout;
   const auto ep = rt::temp_endpoint();
   const std::vector<std::uint64_t> versions = {1, 2, 3};
@@ -939,8 +939,8 @@ TEST_CASE("the same engine layout staged through 4 KiB cuda_ipc buffers (rows sp
 
 TEST_CASE("the same engine layout over nccl to a receiver on cuda:1, in-place asked and not, lands bit-exact",
           "[nccl][layout]") {
-  if (rt::cuda_device_count() < 2 || !refit::has_transport(refit::transport_kind::nccl)) {
-    WARN("one CUDA device or no nccl: the nccl engine-layout test did not run");
+  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(2)) {
+    WARN("no nccl or no GPU: the nccl engine-layout test did not run");
     return;
   }
   engine_layout_refits(true, refit::transport_kind::nccl);

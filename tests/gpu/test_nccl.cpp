@@ -49,19 +49,14 @@ constexpr refit::milliseconds relaxed{30000};
 /// Deadlines of the fault test: the streamer's timeout and the receivers' idle_timeout.
 constexpr refit::milliseconds fault_timeout{3000};
 
-void nccl_environment() {
-  // NVLink SHARP multicast is off on the test machines (and broadcast does not use it anyway).
-  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
-}
-
-/// Sets up the environment of an nccl test and returns true when at least `needed` GPUs are
-/// visible (a streamer and needed - 1 receivers); otherwise says why the test is skipped.
-bool nccl_gpus(int needed) {
-  nccl_environment();
-  const int devices = rt::cuda_device_count();
-  if (devices >= needed) return true;
-  WARN("this test needs " << needed << " GPUs (a streamer and " << needed - 1 << " receiver" << (needed == 2 ? "" : "s")
-                          << "); " << devices << " visible: skipped");
+/// Sets up the environment of an nccl test of `ranks` processes (a streamer and ranks - 1
+/// receivers); false when it cannot run here (see rt::nccl_ranks: ranks share a GPU where there
+/// are fewer, unless `distinct`).
+bool nccl_gpus(int ranks, bool distinct = false) {
+  if (rt::nccl_ranks(ranks, distinct)) return true;
+  WARN("this test needs " << (distinct ? ranks : 1) << " GPU" << (distinct ? "s" : "")
+                          << (distinct ? " (one per rank)" : "") << "; " << rt::cuda_device_count()
+                          << " visible: skipped");
   return false;
 }
 
@@ -405,7 +400,7 @@ TEST_CASE("nccl: one receiver on a second GPU gets three versions of a mixed-dty
   // 200 small tensors of every dtype (zero-size ones among them) and one three buffers large.
   const auto metas = rt::mixed_model(200, 3 * buffer_bytes);
   const auto ep = rt::temp_endpoint();
-  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas});
+  receiver_child rx({.endpoint = ep, .device = rt::gpu_of(1), .tensors = metas});
   REQUIRE(rx.next_report() == "ready");
   streamer_child tx({ep}, metas, relaxed);
 
@@ -425,9 +420,9 @@ TEST_CASE("nccl: three receivers on four GPUs, tables and a callback, all commit
   if (!nccl_gpus(4)) return;
   const auto metas = rt::mixed_model(200, 3 * buffer_bytes + 77, 7);
   const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint(), rt::temp_endpoint()};
-  receiver_child rx1({.endpoint = eps[0], .device = 1, .tensors = metas});
-  receiver_child rx2({.endpoint = eps[1], .device = 2, .tensors = metas});
-  receiver_child rx3({.endpoint = eps[2], .device = 3, .tensors = metas, .sink = sink_kind::callback});
+  receiver_child rx1({.endpoint = eps[0], .device = rt::gpu_of(1), .tensors = metas});
+  receiver_child rx2({.endpoint = eps[1], .device = rt::gpu_of(2), .tensors = metas});
+  receiver_child rx3({.endpoint = eps[2], .device = rt::gpu_of(3), .tensors = metas, .sink = sink_kind::callback});
   for (auto* rx : {&rx1, &rx2, &rx3}) REQUIRE(rx->next_report() == "ready");
   streamer_child tx(eps, metas, relaxed);
 
@@ -448,7 +443,7 @@ TEST_CASE("nccl: with direct = false the same model goes through the buffers in 
   if (!nccl_gpus(2)) return;
   const auto metas = rt::mixed_model(200, 3 * buffer_bytes, 5);
   const auto ep = rt::temp_endpoint();
-  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas});
+  receiver_child rx({.endpoint = ep, .device = rt::gpu_of(1), .tensors = metas});
   REQUIRE(rx.next_report() == "ready");
   streamer_child tx({ep}, metas, relaxed, /*direct=*/false);
   for (std::uint64_t v : {1u, 2u}) {
@@ -465,13 +460,13 @@ TEST_CASE(
     "nccl: tensors and weights on other GPUs than the streamer's and the receiver's are packed and staged, "
     "bit-exact",
     "[nccl]") {
-  if (!nccl_gpus(2)) return;
+  if (!nccl_gpus(2, /*distinct=*/true)) return;
   // The streamer runs on cuda:0 with its tensors on cuda:1 (packed into its buffers across GPUs);
   // the receiver runs on cuda:1 with its table on cuda:0 (staged, then copied across GPUs). Both
   // copies are refit's kernel, which needs peer access between the two GPUs.
   const auto metas = rt::mixed_model(150, 3 * buffer_bytes, 9);
   const auto ep = rt::temp_endpoint();
-  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas, .table_device = 0});
+  receiver_child rx({.endpoint = ep, .device = rt::gpu_of(1), .tensors = metas, .table_device = 0});
   REQUIRE(rx.next_report() == "ready");
   streamer_child tx({ep}, metas, relaxed, /*direct=*/false, /*tensor_device=*/1);
   for (std::uint64_t v : {1u, 2u}) {
@@ -490,7 +485,7 @@ TEST_CASE("nccl: an in-place session holds no ping-pong buffers on either side; 
   constexpr std::uint64_t big = 64 * mib;
   const auto metas = rt::mixed_model(100, 3 * buffer_bytes, 12);
   const auto ep = rt::temp_endpoint();
-  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas, .report_free = true});
+  receiver_child rx({.endpoint = ep, .device = rt::gpu_of(1), .tensors = metas, .report_free = true});
   REQUIRE(rx.next_report() == "ready");
   const auto free_after = [&](bool direct, std::uint64_t version) {
     streamer_child tx({ep}, metas, relaxed, direct, 0, big);
@@ -515,14 +510,14 @@ TEST_CASE("nccl: an in-place session holds no ping-pong buffers on either side; 
 
 TEST_CASE("nccl: in an in-place session a tensor on another GPU than the streamer's is refused before it is sent",
           "[nccl]") {
-  if (!nccl_gpus(2)) return;
+  if (!nccl_gpus(2, /*distinct=*/true)) return;
   // The streamer runs on cuda:0 but its tensors live on cuda:1: nothing can be sent in place.
   const auto metas = rt::mixed_model(40, 0, 8);
   const auto first =
       std::find_if(metas.begin(), metas.end(), [](const refit::tensor_meta& m) { return m.nbytes() > 0; });
   REQUIRE(first != metas.end());
   const auto ep = rt::temp_endpoint();
-  receiver_child rx({.endpoint = ep, .device = 1, .tensors = metas, .prefill = 4});
+  receiver_child rx({.endpoint = ep, .device = rt::gpu_of(1), .tensors = metas, .prefill = 4});
   REQUIRE(rx.next_report() == "ready");
   streamer_child tx({ep}, metas, relaxed, /*direct=*/true, /*tensor_device=*/1);
   const std::string report = tx.refit(5);
@@ -562,7 +557,7 @@ TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte o
   REQUIRE(table[odd].nbytes() == metas[odd].nbytes());
 
   const auto ep = rt::temp_endpoint();
-  receiver_child rx({.endpoint = ep, .device = 1, .tensors = table, .prefill = 9});
+  receiver_child rx({.endpoint = ep, .device = rt::gpu_of(1), .tensors = table, .prefill = 9});
   REQUIRE(rx.next_report() == "ready");
   streamer_child tx({ep}, metas, relaxed);
 
@@ -585,11 +580,11 @@ TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte o
 
 TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees the others, and a new set commits",
           "[nccl]") {
-  if (!nccl_gpus(2)) return;
+  // Up to 3 receivers (3 when ranks share GPUs); the last one dies. With 2 GPUs there is no
+  // survivor to check, but the streamer's failure and the fresh session still are.
   const int devices = rt::cuda_device_count();
-  // Up to 3 receivers; the last one dies. With 2 GPUs there is no survivor to check, but the
-  // streamer's failure and the fresh session still are.
-  const int receivers = std::min(devices - 1, 3);
+  const int receivers = devices >= 4 || devices == 1 ? 3 : std::max(devices - 1, 1);
+  if (!nccl_gpus(receivers + 1)) return;
   if (receivers < 2) WARN("only " << devices << " GPUs: no surviving receiver to check (needs 3 GPUs)");
   const auto metas = rt::mixed_model(120, 3 * buffer_bytes, 11);
   std::vector<std::string> eps;
@@ -599,7 +594,7 @@ TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees t
   std::vector<std::unique_ptr<receiver_child>> rx;
   for (int k = 0; k < receivers; ++k) {
     receiver_spec spec{.endpoint = eps[static_cast<std::size_t>(k)],
-                       .device = k + 1,
+                       .device = rt::gpu_of(k + 1),
                        .tensors = metas,
                        .sink = k == victim || k == 1 ? sink_kind::callback : sink_kind::table,
                        .idle_timeout = fault_timeout};
@@ -640,8 +635,8 @@ TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees t
 
   // A fresh receiver set: a new process on the dead one's endpoint and GPU, the survivors as they
   // are. The next refit makes a new communicator and commits everywhere.
-  rx[static_cast<std::size_t>(victim)] = std::make_unique<receiver_child>(
-      receiver_spec{.endpoint = victim_ep, .device = victim + 1, .tensors = metas, .idle_timeout = fault_timeout});
+  rx[static_cast<std::size_t>(victim)] = std::make_unique<receiver_child>(receiver_spec{
+      .endpoint = victim_ep, .device = rt::gpu_of(victim + 1), .tensors = metas, .idle_timeout = fault_timeout});
   REQUIRE(rx[static_cast<std::size_t>(victim)]->next_report() == "ready");
   // In place again only where every receiver now has a table (no callback survivor).
   CHECK(without_batches(tx.refit(3)) == ok_line(3, metas, receivers == 1));

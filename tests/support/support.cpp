@@ -89,6 +89,32 @@ bool read_line(int fd, clock::time_point deadline, std::string& line) {
 
 }  // namespace
 
+namespace {
+bool g_nccl_shared = false;
+}
+
+bool nccl_ranks(int ranks, bool distinct) {
+  // NVLink SHARP multicast is off on the test machines (and broadcast does not use it anyway).
+  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
+  const int devices = cuda_device_count();
+  g_nccl_shared = false;
+  if (devices >= ranks) return true;
+  if (devices == 0 || distinct) {
+    std::fprintf(stderr, "this nccl test needs %d GPUs%s; %d visible: skipped\n", ranks,
+                 distinct ? " (one per rank: it crosses GPUs)" : "", devices);
+    return false;
+  }
+  g_nccl_shared = true;
+  return true;
+}
+
+int gpu_of(int k) {
+  const int devices = cuda_device_count();
+  return devices > 0 ? k % devices : 0;
+}
+
+bool nccl_shares_gpus() { return g_nccl_shared; }
+
 int cuda_device_count() {
 #if REFIT_HAVE_CUDA
   // Asked in a short-lived child so that this process never initialises the CUDA runtime: tests
@@ -128,6 +154,7 @@ child::child(const std::function<void()>& body) {
   if (pid < 0) throw std::runtime_error(std::string("fork failed: ") + std::strerror(errno));
   if (pid == 0) {
     int code = 0;
+    if (nccl_shares_gpus()) ::setenv("NCCL_HOSTID", ("refit-test-" + std::to_string(::getpid())).c_str(), 1);
     try {
       body();
     } catch (const std::exception& e) {

@@ -21,6 +21,22 @@ namespace refit::test {
 /// when the build has CUDA; call it in the parent before forking only in the gpu suite).
 int cuda_device_count();
 
+/// NCCL ranks for a test of `ranks` processes (a streamer and receivers), one GPU each where there
+/// are enough. Where there are fewer GPUs than ranks, the ranks share them (gpu_of()) and every
+/// child this process forks from now on claims a host of its own (NCCL_HOSTID: refit-test-<pid>),
+/// since NCCL refuses two ranks of one communicator on one GPU of one host ("Duplicate GPU
+/// detected"); it then connects them through its network transport over loopback: slow, but the
+/// same protocol, so the nccl tests run on a one-GPU machine. Returns false (after saying why)
+/// only when there is no GPU, or when `distinct` asks for a GPU per rank (a test of crossing GPUs).
+bool nccl_ranks(int ranks, bool distinct = false);
+
+/// The GPU of rank `k` (0: the streamer) after nccl_ranks(): k where there are enough GPUs, else
+/// k modulo the GPUs visible.
+int gpu_of(int k);
+
+/// nccl_ranks() put ranks on shared GPUs (each child its own NCCL host).
+bool nccl_shares_gpus();
+
 /// A fresh private ipc endpoint for one test (unique per call).
 std::string temp_endpoint();
 
