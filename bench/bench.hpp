@@ -265,6 +265,9 @@ std::unique_ptr<transport_path> make_path(transport_kind kind, const config& c);
 std::vector<transport_kind> built_transports();
 /// CUDA devices visible to this process; 0 without CUDA or without a device.
 int visible_gpus() noexcept;
+/// --nccl-share-gpus (`share`), or a process spawned or forked by one: claims an NCCL host of this
+/// process's own (NCCL_HOSTID), so that ranks on one GPU may join one communicator.
+void claim_nccl_host(bool share);
 /// The GPU of nccl receiver k (0-based): the next GPUs after the streamer's, wrapping around.
 int receiver_device(int streamer_device, std::size_t k, int visible) noexcept;
 /// Receiver processes the streamer spawns for transport t: one per rank of --layout tpN over

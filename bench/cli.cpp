@@ -452,9 +452,9 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
   return a;
 }
 
-/// --nccl-share-gpus: NCCL refuses two ranks of one communicator on one GPU of one host, and takes
-/// the host's identity from NCCL_HOSTID. This process and every one it spawns (which inherit
-/// REFIT_BENCH_NCCL_OWN_HOST) each claim a host of their own.
+// --nccl-share-gpus: NCCL refuses two ranks of one communicator on one GPU of one host, and takes
+// the host's identity from NCCL_HOSTID. This process and every one it spawns or forks (which inherit
+// REFIT_BENCH_NCCL_OWN_HOST) each claim a host of their own.
 void claim_nccl_host(bool share) {
   if (share) ::setenv("REFIT_BENCH_NCCL_OWN_HOST", "1", 1);
   if (std::getenv("REFIT_BENCH_NCCL_OWN_HOST") == nullptr) return;

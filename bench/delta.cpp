@@ -1,4 +1,5 @@
-// refit-bench --delta STEPS: delta versions against whole ones, host_shm (issue 16, item 4).
+// refit-bench --delta STEPS: delta versions against whole ones, host_shm, cuda_ipc staged or nccl
+// buffered (issue 16, item 4).
 //
 // The trainer keeps fp32 master weights and sends their bf16 rounding. Each step adds an fp32
 // update of relative size --delta-update (uniform in [-u, u] times the weight's magnitude) and
@@ -7,8 +8,10 @@
 // which is why patches are (index, value) records: lib/delta/patch.hpp). The same run first times
 // whole refits of the model by a plain streamer (the "whole" rows), then a delta streamer's first
 // (whole) refit and STEPS deltas, each after one update (not timed). The receiver is a child
-// process with a parameter table of host tensors; after the last version it sends the version
-// checksum of its weights, compared with the trainer's (the "wrong" column).
+// process with a parameter table of host tensors (device tensors over cuda_ipc and nccl); after the
+// last version it sends the version checksum of its weights, compared with the trainer's (the
+// "wrong" column). Over nccl the whole rows are in place (the fastest whole refit there), the
+// deltas buffered (patches travel in the buffers, and only they cross the link).
 #include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +32,7 @@
 #include "delta/pool.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
+#include "refit/version.hpp"
 #if REFIT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -143,12 +147,29 @@ struct trainer {
   }
 };
 
+/// The GPU of the nccl receiver: the next after the streamer's (--nccl-share-gpus: modulo the GPUs
+/// visible, so possibly the streamer's). Throws errc::invalid_argument when there is none.
+int nccl_receiver_gpu(const config& c) {
+  const int visible = visible_gpus();
+  if (visible < (c.nccl_share_gpus ? 1 : 2))
+    throw error(errc::invalid_argument,
+                fmt::format("--delta over nccl: {} GPU(s) visible; the receiver needs a GPU of its own besides the "
+                            "streamer's (or --nccl-share-gpus)",
+                            visible));
+  return receiver_device(c.device, 0, visible);
+}
+
 /// The receiver child: a parameter table of the model; serves until told to stop on `in`, then writes
-/// the version checksum of its weights and its committed version to `out`.
-[[noreturn]] void receiver_child(const manifest& m, const std::string& endpoint, int in, int out, int gpu,
-                                 std::size_t threads) {
+/// the version checksum of its weights and its committed version to `out`. `gpu` -2: the nccl
+/// receiver's (nccl_receiver_gpu), asked here, since the parent must not use CUDA before forking.
+[[noreturn]] void receiver_child(const config& c, const manifest& m, const std::string& endpoint, int in, int out,
+                                 int gpu, std::size_t threads) {
   int code = 0;
   try {
+    if (gpu == -2) {
+      claim_nccl_host(false);  // a host of its own when ranks share GPUs
+      gpu = nccl_receiver_gpu(c);
+    }
     receiver_options o;
     o.endpoint = endpoint;
     o.idle_timeout = milliseconds{120000};
@@ -214,10 +235,12 @@ void write_delta_row(std::ostream& out, const delta_row& r, double whole_ms) {
 }  // namespace
 
 int run_delta(const config& c, std::ostream& out) {
-  const bool gpu = c.transports.size() == 1 && c.transports[0] == transport_kind::cuda_ipc;
-  if (c.transports.size() != 1 || (c.transports[0] != transport_kind::host_shm && !gpu) || (gpu && !REFIT_HAVE_CUDA))
+  const bool nccl = c.transports.size() == 1 && c.transports[0] == transport_kind::nccl;
+  const bool gpu = c.transports.size() == 1 && (c.transports[0] == transport_kind::cuda_ipc || nccl);
+  if (c.transports.size() != 1 || (c.transports[0] != transport_kind::host_shm && !gpu) || (gpu && !REFIT_HAVE_CUDA) ||
+      (nccl && !has_transport(transport_kind::nccl)))
     throw error(errc::invalid_argument,
-                "--delta: --transport host_shm, or cuda_ipc (staged buffers, in a build with CUDA)");
+                "--delta: --transport host_shm, or cuda_ipc or nccl (buffers, in a build with CUDA, and NCCL)");
   if (c.models.size() != 1 || !c.manifest_file.empty())
     throw error(errc::invalid_argument, "--delta: exactly one built-in --model");
   const manifest m = preset(c.models[0], dtype::bf16);
@@ -231,7 +254,7 @@ int run_delta(const config& c, std::ostream& out) {
   if (pid == 0) {
     ::close(to_child[1]);
     ::close(from_child[0]);
-    receiver_child(m, endpoint, to_child[0], from_child[1], gpu ? c.device : -1, c.delta_threads);
+    receiver_child(c, m, endpoint, to_child[0], from_child[1], nccl ? -2 : gpu ? c.device : -1, c.delta_threads);
   }
   ::close(to_child[0]);
   ::close(from_child[1]);  // so that reading its report ends when the child exits
@@ -244,20 +267,30 @@ int run_delta(const config& c, std::ostream& out) {
 #if REFIT_HAVE_CUDA
   if (gpu) t.to_device(c.device);
 #endif
+  const int rx_gpu = nccl ? nccl_receiver_gpu(c) : c.device;
   streamer_options so;
-  so.endpoint = endpoint;
-  so.transport = gpu ? transport_kind::cuda_ipc : transport_kind::host_shm;
-  so.direct = false;  // cuda_ipc: staged, the path deltas take (and the whole rows too)
+  if (nccl)
+    so.receivers = {endpoint};
+  else
+    so.endpoint = endpoint;
+  so.transport = c.transports[0];
+  // cuda_ipc: staged, the path deltas take (and the whole rows too); nccl: the whole rows in place.
+  so.direct = nccl;
   so.control_lane = c.lane;
   so.device = c.device;
   so.buffer_bytes = static_cast<std::uint64_t>(c.buffer_mb.at(0) * (1 << 20));
   so.buffer_count = c.buffer_counts.at(0);
   so.timeout = milliseconds{static_cast<std::int64_t>(c.timeout_ms)};
 
+  const std::string where =
+      nccl  ? fmt::format("nccl from cuda:{} to cuda:{}{}: whole rows in place, deltas buffered, base in device memory",
+                          c.device, rx_gpu,
+                         c.nccl_share_gpus ? " (--nccl-share-gpus: NCCL's network transport over loopback)" : "")
+      : gpu ? fmt::format("cuda_ipc staged on cuda:{}, base in device memory", c.device)
+            : std::string("host_shm");
   out << fmt::format("# refit-bench --delta {}: {} ({} tensors, {:.3f} GB bf16), {}, {} x {} MiB buffers\n",
-                     c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9,
-                     gpu ? fmt::format("cuda_ipc staged on cuda:{}, base in device memory", c.device) : "host_shm",
-                     so.buffer_count, c.buffer_mb.at(0));
+                     c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9, where, so.buffer_count,
+                     c.buffer_mb.at(0));
   out << fmt::format(
       "# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
       "streamer, {} counted refits after {} warm-up; host diff and apply threads: {}\n",
@@ -287,6 +320,7 @@ int run_delta(const config& c, std::ostream& out) {
                      whole);
 
   so.delta.enable = true;
+  so.direct = false;  // patches travel in the buffers
   so.delta.memory = gpu ? delta_memory::device : delta_memory::host;
   so.delta.threads = c.delta_threads;
   streamer ds(so);

@@ -1071,6 +1071,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       if (callback)  // the callback reads every entry from the buffer
         for (const wire::entry& e : b.entries)
           if (e.bytes != 0) segments.push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
+      // A delta's entries are patched from the buffer: its used part, as the streamer sends it.
+      if (refit_delta) segments = transport::buffer_prefix(b.entries);
       ln->sink->entries(b.buffer, segments);
     }
     // A ready batch reads only memory the streamer's GPU work had finished with (wire::batch::ready).

@@ -113,13 +113,13 @@ void validate(const streamer_options& o) {
   if (o.timeout.count() <= 0) throw error(errc::invalid_argument, "streamer_options.timeout must be positive");
   channel::validate_curve(o.curve, false);
   refit::validate(plan_from(o));
-  if (o.delta.enable && o.transport != transport_kind::host_shm &&
-      !(o.transport == transport_kind::cuda_ipc && !o.direct && REFIT_HAVE_CUDA))
-    throw error(
-        errc::invalid_argument,
-        fmt::format("streamer_options.delta needs the host_shm transport, or cuda_ipc with direct = false (staged "
-                    "buffers) in a build with CUDA, not {}{}",
-                    to_string(o.transport), o.transport == transport_kind::cuda_ipc ? " with direct = true" : ""));
+  const bool buffered_gpu =
+      (o.transport == transport_kind::cuda_ipc || o.transport == transport_kind::nccl) && REFIT_HAVE_CUDA;
+  if (o.delta.enable && o.transport != transport_kind::host_shm && !(buffered_gpu && !o.direct))
+    throw error(errc::invalid_argument,
+                fmt::format("streamer_options.delta needs the host_shm transport, or cuda_ipc or nccl with direct = "
+                            "false (patches travel in the buffers) in a build with CUDA, not {}{}",
+                            to_string(o.transport), buffered_gpu ? " with direct = true" : ""));
   if (o.group_size == 0 || o.group_size > wire::max_group_size || o.group_rank >= o.group_size)
     throw error(errc::invalid_argument,
                 fmt::format("streamer_options: group_rank {} of group_size {}: the size must be in [1, {}] and the "
@@ -842,6 +842,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 #endif
       bool ready = false;
       if (!direct) {
+        // A delta's entries (patches, and spans as bytes) all lie in the buffer, packed from its
+        // start: one broadcast of the buffer's used part instead of one per entry. The receiver
+        // asks for the same (apply()).
+        if (by_entry && stats.delta) segments = transport::buffer_prefix(entries);
         if (by_entry) st.buffers->entries(buffer, segments);
         ready = packs_nothing && st.buffers->idle();
         if (!ready) st.buffers->end_pack(buffer);

@@ -96,4 +96,12 @@ std::unique_ptr<sink> make_sink(std::string_view transport, int device, millisec
   return r->make_sink(device, timeout);
 }
 
+std::vector<segment> buffer_prefix(std::span<const wire::entry> entries) {
+  std::uint64_t end = 0;
+  for (const wire::entry& e : entries)
+    if (e.bytes != 0) end = std::max(end, e.buffer_offset + e.bytes);
+  if (end == 0) return {};
+  return {segment{nullptr, 0, end}};
+}
+
 }  // namespace refit::transport

@@ -44,6 +44,11 @@ struct segment {
   std::uint64_t bytes = 0;
 };
 
+/// The segments of a batch whose entries all lie in its buffer (a delta's): one, from the buffer's
+/// start to the end of its last entry, or none when no entry has bytes. Both ends of a transport
+/// that moves entries derive it from the batch's manifest, so they agree.
+std::vector<segment> buffer_prefix(std::span<const wire::entry> entries);
+
 /// A destination of a direct session: its first byte (in the streamer's mapping of the receiver's
 /// weights) and the runs that move a source into it (kept by the source: see source::routes()).
 struct routed {

@@ -15,6 +15,8 @@ TEST_CASE("the delta kernels are not built: their GPU tests are skipped", "[delt
 #else
 
 #include <cuda_runtime_api.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -32,6 +34,7 @@ TEST_CASE("the delta kernels are not built: their GPU tests are skipped", "[delt
 #include "delta/device.hpp"
 #include "delta/patch.hpp"
 #include "refit/error.hpp"
+#include "refit/version.hpp"
 #include "support/support.hpp"
 
 using namespace std::chrono_literals;
@@ -358,19 +361,22 @@ namespace {
 /// Both children's view of the trainer: host bytes of every tensor, stepped deterministically
 /// (a seed), so that the receiver knows what each version must be.
 struct model_bytes {
-  std::vector<refit::tensor_meta> metas{{"embed", refit::dtype::bf16, {300000}},
-                                        {"layers.0.q", refit::dtype::bf16, {64, 65}},
-                                        {"layers.0.odd", refit::dtype::bf16, {4097}},
-                                        {"layers.0.norm", refit::dtype::f32, {1000}},
-                                        {"frozen", refit::dtype::bf16, {1000}}};
-  std::vector<std::vector<std::byte>> bytes;
-  std::mt19937_64 rng{99};
-  model_bytes() {
+  /// `embed` elements of the first tensor: past 16 Mi, its patches close a batch of their own
+  /// (a delta's batch covers 32 MiB of tensors).
+  explicit model_bytes(std::int64_t embed = 300000)
+      : metas{{"embed", refit::dtype::bf16, {embed}},
+              {"layers.0.q", refit::dtype::bf16, {64, 65}},
+              {"layers.0.odd", refit::dtype::bf16, {4097}},
+              {"layers.0.norm", refit::dtype::f32, {1000}},
+              {"frozen", refit::dtype::bf16, {1000}}} {
     for (const auto& m : metas) {
       bytes.emplace_back(m.nbytes());
       for (auto& b : bytes.back()) b = static_cast<std::byte>(rng());
     }
   }
+  std::vector<refit::tensor_meta> metas;
+  std::vector<std::vector<std::byte>> bytes;
+  std::mt19937_64 rng{99};
   /// ~2 % of the bf16 elements change, every f32 element, "frozen" never.
   void step() {
     for (std::size_t k = 0; k < metas.size(); ++k) {
@@ -401,55 +407,73 @@ struct device_model {
   }
 };
 
-}  // namespace
+/// The options of a delta streamer on cuda:0 over `transport` (buffers: patches travel in them).
+refit::streamer_options delta_options(const std::string& endpoint, refit::transport_kind transport) {
+  refit::streamer_options o;
+  if (transport == refit::transport_kind::nccl)
+    o.receivers = {endpoint};
+  else
+    o.endpoint = endpoint;
+  o.transport = transport;
+  o.device = 0;
+  o.direct = false;
+  o.buffer_bytes = 256 << 10;
+  o.timeout = refit::milliseconds{30000};
+  o.delta.enable = true;
+  o.delta.memory = refit::delta_memory::device;
+  return o;
+}
 
-TEST_CASE("delta versions over cuda_ipc staged buffers are bit-exact after 20 steps and send a fraction of the bytes",
-          "[delta][cuda_ipc]") {
+/// The GPU of the receiver: its own over nccl (shared where there is one: rt::nccl_ranks).
+int receiver_gpu(refit::transport_kind transport) {
+  return transport == refit::transport_kind::nccl ? rt::gpu_of(1) : 0;
+}
+
+/// A receiver of `model_bytes` on its GPU that checks every version it commits against the model
+/// stepped as many times, until `last` is committed; reports "ready".
+void checking_receiver(const std::string& endpoint, refit::transport_kind transport, std::uint64_t last,
+                       rt::signal_pipe& to_parent) {
+  const int gpu = receiver_gpu(transport);
+  refit::check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
+  model_bytes expect_model;
+  device_model weights(expect_model);
+  refit::receiver_options o;
+  o.endpoint = endpoint;
+  o.device = gpu;
+  o.idle_timeout = refit::milliseconds{30000};
+  refit::receiver r(o);
+  for (std::size_t k = 0; k < expect_model.metas.size(); ++k)
+    r.add_parameter(refit::tensor_dest{expect_model.metas[k], weights.buffers[k].handle(), refit::device::cuda(gpu)});
+  to_parent.send("ready");
+  std::uint64_t seen = 0;
+  const auto start = std::chrono::steady_clock::now();
+  while (seen < last) {
+    require(std::chrono::steady_clock::now() - start < 120s,
+            "receiver: version " + std::to_string(last) + " did not come");
+    const auto e = r.serve_one(refit::milliseconds{50});
+    require(e != refit::receiver_event::aborted, "receiver: aborted: " + r.last_error());
+    if (e != refit::receiver_event::committed) continue;
+    ++seen;
+    if (seen > 1) expect_model.step();
+    require(r.committed_version() == std::optional<std::uint64_t>(seen), "receiver: unexpected version");
+    require(weights.equals(expect_model), "receiver: version " + std::to_string(seen) + " is not bit-exact");
+  }
+  for (auto e = r.serve_one(refit::milliseconds{50}); e != refit::receiver_event::bye;
+       e = r.serve_one(refit::milliseconds{50}))
+    require(std::chrono::steady_clock::now() - start < 150s, "receiver: no BYE");
+}
+
+void delta_steps(refit::transport_kind transport) {
   const rt::scoped_endpoint ep;
   const std::string endpoint = ep.name;
   constexpr std::uint64_t last = 21;
   rt::signal_pipe from_rx;
-  rt::child rx([&] {
-    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
-    model_bytes expect_model;
-    device_model weights(expect_model);
-    refit::receiver_options o;
-    o.endpoint = endpoint;
-    o.idle_timeout = refit::milliseconds{30000};
-    refit::receiver r(o);
-    for (std::size_t k = 0; k < expect_model.metas.size(); ++k)
-      r.add_parameter(refit::tensor_dest{expect_model.metas[k], weights.buffers[k].handle(), refit::device::cuda(0)});
-    from_rx.send("ready");
-    std::uint64_t seen = 0;
-    const auto start = std::chrono::steady_clock::now();
-    while (seen < last) {
-      require(std::chrono::steady_clock::now() - start < 120s,
-              "receiver: version " + std::to_string(last) + " did not come");
-      const auto e = r.serve_one(refit::milliseconds{50});
-      require(e != refit::receiver_event::aborted, "receiver: aborted: " + r.last_error());
-      if (e != refit::receiver_event::committed) continue;
-      ++seen;
-      if (seen > 1) expect_model.step();
-      require(r.committed_version() == std::optional<std::uint64_t>(seen), "receiver: unexpected version");
-      require(weights.equals(expect_model), "receiver: version " + std::to_string(seen) + " is not bit-exact");
-    }
-    for (auto e = r.serve_one(refit::milliseconds{50}); e != refit::receiver_event::bye;
-         e = r.serve_one(refit::milliseconds{50}))
-      require(std::chrono::steady_clock::now() - start < 150s, "receiver: no BYE");
-  });
+  rt::child rx([&] { checking_receiver(endpoint, transport, last, from_rx); });
   rt::child st([&] {
     refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
     model_bytes m;
     device_model tensors(m);
-    refit::streamer_options o;
-    o.endpoint = endpoint;
-    o.transport = refit::transport_kind::cuda_ipc;
-    o.direct = false;
-    o.buffer_bytes = 256 << 10;
-    o.timeout = refit::milliseconds{30000};
-    o.delta.enable = true;
-    o.delta.memory = refit::delta_memory::device;
-    refit::streamer s(o);
+    refit::streamer s(delta_options(endpoint, transport));
     std::vector<refit::tensor_ref> refs;
     for (std::size_t k = 0; k < m.metas.size(); ++k)
       refs.push_back(refit::tensor_ref{m.metas[k], tensors.buffers[k].handle(), refit::device::cuda(0), nullptr});
@@ -468,6 +492,164 @@ TEST_CASE("delta versions over cuda_ipc staged buffers are bit-exact after 20 st
   CHECK(from_rx.receive(60s) == "ready");
   CHECK(st.wait(180s) == 0);
   CHECK(rx.wait(180s) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("delta versions over cuda_ipc staged buffers are bit-exact after 20 steps and send a fraction of the bytes",
+          "[delta][cuda_ipc]") {
+  delta_steps(refit::transport_kind::cuda_ipc);
+}
+
+TEST_CASE("delta versions over nccl buffers are bit-exact after 20 steps and send a fraction of the bytes",
+          "[delta][nccl]") {
+  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(2)) {
+    WARN("no nccl or no GPU: skipped");
+    return;
+  }
+  delta_steps(refit::transport_kind::nccl);
+}
+
+TEST_CASE(
+    "over nccl, a receiver that restarted gets the next version whole within the same refit, then deltas; a "
+    "streamer killed mid-delta leaves it poisoned until a whole version commits",
+    "[delta][nccl]") {
+  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(2)) {
+    WARN("no nccl or no GPU: skipped");
+    return;
+  }
+  const rt::scoped_endpoint ep;
+  const std::string endpoint = ep.name;
+  // The receiver: a child that reports every event but idle and batch, with its committed version,
+  // whether its weights are the model's at that version, and on an abort whether it is poisoned.
+  rt::signal_pipe to_rx, from_rx;
+  constexpr std::int64_t embed = 17'000'000;
+  const auto receiver = [&] {
+    const int gpu = receiver_gpu(refit::transport_kind::nccl);
+    refit::check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
+    model_bytes expect(embed);
+    device_model weights(expect);
+    refit::receiver_options o;
+    o.endpoint = endpoint;
+    o.device = gpu;
+    o.idle_timeout = refit::milliseconds{3000};
+    refit::receiver r(o);
+    for (std::size_t k = 0; k < expect.metas.size(); ++k)
+      r.add_parameter(refit::tensor_dest{expect.metas[k], weights.buffers[k].handle(), refit::device::cuda(gpu)});
+    from_rx.send("ready");
+    std::uint64_t at = 1;  // the model's version `expect` holds
+    for (;;) {
+      if (to_rx.try_receive(0ms)) return;
+      const auto e = r.serve_one(refit::milliseconds{20});
+      // Refusals (a BEGIN without a session, a delta without a base) are the streamer's to report.
+      if (e != refit::receiver_event::committed && e != refit::receiver_event::aborted) continue;
+      std::string line = std::string(refit::to_string(e));
+      if (e == refit::receiver_event::committed) {
+        for (; at < *r.committed_version(); ++at) expect.step();
+        line += " " + std::to_string(*r.committed_version()) + (weights.equals(expect) ? " exact" : " WRONG");
+      } else if (e == refit::receiver_event::aborted) {
+        line += std::string(r.poisoned() ? " poisoned" : " clean") + (r.dirty() ? " dirty | " : " | ") + r.last_error();
+      }
+      from_rx.send(line);
+    }
+  };
+  // The streamer: refits the versions it is told ("v N"), reporting "delta|whole[ refused] bytes";
+  // "block N" makes version N's source stop after its first tensor (and report "blocked").
+  rt::signal_pipe to_st, from_st;
+  const auto streamer = [&] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+    model_bytes m(embed);
+    device_model tensors(m);
+    refit::streamer s(delta_options(endpoint, refit::transport_kind::nccl));
+    std::vector<refit::tensor_ref> refs;
+    for (std::size_t k = 0; k < m.metas.size(); ++k)
+      refs.push_back(refit::tensor_ref{m.metas[k], tensors.buffers[k].handle(), refit::device::cuda(0), nullptr});
+    std::uint64_t at = 1;
+    for (;;) {
+      const std::string cmd = to_st.receive(120s);
+      if (cmd == "stop") {
+        s.close();
+        return;
+      }
+      const bool block = cmd.starts_with("block ");
+      const std::uint64_t v = std::stoull(cmd.substr(cmd.find(' ') + 1));
+      for (; at < v; ++at) m.step();
+      tensors.upload_from(m);
+      if (block) {
+        // The big first tensor's patches are a batch of their own (it covers 32 MiB), sent
+        // before the source is asked for the next tensor.
+        struct one_then_block final : refit::tensor_source {
+          const std::vector<refit::tensor_ref>& refs;
+          rt::signal_pipe& to_parent;
+          std::size_t i = 0;
+          one_then_block(const std::vector<refit::tensor_ref>& r, rt::signal_pipe& p) : refs(r), to_parent(p) {}
+          std::optional<refit::tensor_ref> next() override {
+            if (i == 1) {
+              to_parent.send("blocked");
+              for (;;) ::pause();
+            }
+            return refs[i++];
+          }
+        } source(refs, from_st);
+        s.refit(v, source);
+      }
+      const auto stats = s.refit(v, refs);
+      from_st.send(std::string(stats.delta ? "delta" : "whole") + (stats.whole_after_refusal ? " refused" : "") + " " +
+                   std::to_string(stats.bytes));
+    }
+  };
+
+  std::uint64_t model_total = 0;
+  for (const auto& m : model_bytes(embed).metas) model_total += m.nbytes();
+  const auto bytes_of = [](const std::string& line) { return std::stoull(line.substr(line.rfind(' ') + 1)); };
+
+  auto rx = std::make_unique<rt::child>(receiver);
+  REQUIRE(from_rx.receive(60s) == "ready");
+  auto st = std::make_unique<rt::child>(streamer);
+  to_st.send("v 1");
+  CHECK(from_st.receive(60s) == "whole " + std::to_string(model_total));
+  CHECK(from_rx.receive(60s) == "committed 1 exact");
+  to_st.send("v 2");
+  std::string line = from_st.receive(60s);
+  CHECK(line.starts_with("delta "));
+  CHECK(bytes_of(line) < model_total / 4);
+  CHECK(from_rx.receive(60s) == "committed 2 exact");
+
+  // A receiver restarted: it holds no base, so version 3's delta is refused before anything is
+  // sent, and the same refit() sends it whole over a new communicator.
+  to_rx.send("stop");
+  CHECK(rx->wait(60s) == 0);
+  rx = std::make_unique<rt::child>(receiver);
+  REQUIRE(from_rx.receive(60s) == "ready");
+  to_st.send("v 3");
+  CHECK(from_st.receive(60s) == "whole refused " + std::to_string(model_total));
+  CHECK(from_rx.receive(60s) == "committed 3 exact");
+  to_st.send("v 4");
+  CHECK(from_st.receive(60s).starts_with("delta "));
+  CHECK(from_rx.receive(60s) == "committed 4 exact");
+
+  // The streamer dies mid-delta, after a batch of patches was applied: the receiver gives the
+  // version up at its idle timeout, poisoned and dirty, with version 4 still its committed one.
+  to_st.send("block 5");
+  CHECK(from_st.receive(60s) == "blocked");
+  line = from_rx.receive(30s);
+  INFO("receiver: " << line);
+  CHECK(line.starts_with("aborted poisoned dirty | poisoned: delta version 5 failed after patching"));
+  st->kill();
+  CHECK(st->wait(10s) == -SIGKILL);
+
+  // A new streamer holds no base: its version 5 is whole, and cures the receiver.
+  st = std::make_unique<rt::child>(streamer);
+  to_st.send("v 5");
+  CHECK(from_st.receive(60s) == "whole " + std::to_string(model_total));
+  CHECK(from_rx.receive(60s) == "committed 5 exact");
+  to_st.send("v 6");
+  CHECK(from_st.receive(60s).starts_with("delta "));
+  CHECK(from_rx.receive(60s) == "committed 6 exact");
+  to_st.send("stop");
+  CHECK(st->wait(60s) == 0);
+  to_rx.send("stop");
+  CHECK(rx->wait(60s) == 0);
 }
 
 #endif

@@ -436,6 +436,55 @@ def need_gpus(n: int = 1) -> None:
         pytest.skip(f"needs {n} CUDA device(s), found {found}")
 
 
+@pytest.fixture
+def nccl_ranks(monkeypatch):
+    """``shared = nccl_ranks(ranks, distinct=False)``: a test of ``ranks`` NCCL ranks (a streamer
+    and receivers), one GPU each where there are enough (rank k on ``rank_gpu(k)``). With fewer
+    GPUs the ranks share them, and the call returns True: then every peer that joins the
+    communicator must claim a host of its own (:func:`claim_nccl_host`) before its first NCCL
+    call, since NCCL refuses two ranks of one communicator on one GPU of one host ("Duplicate GPU
+    detected") and takes the host from NCCL_HOSTID; it then connects them through its network
+    transport over loopback: slow, but the same protocol, so the nccl tests run on one GPU. The
+    test process keeps its real host: every other rank has one of its own.
+
+    Skips the test when there is no GPU, or when ``distinct`` asks for a GPU per rank (a test of
+    crossing GPUs)."""
+
+    def need(ranks: int, distinct: bool = False) -> bool:
+        found = cuda_devices()
+        if distinct and found < ranks:
+            pytest.skip(f"needs {ranks} CUDA device(s), one per nccl rank (it crosses GPUs), found {found}")
+        if found == 0:
+            pytest.skip(f"needs a CUDA device (its {ranks} nccl ranks share the GPUs there are), found 0")
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+        return found < ranks
+
+    return need
+
+
+def rank_gpu(k: int) -> int:
+    """The GPU of NCCL rank ``k`` (0: the streamer) after :func:`nccl_ranks`: k where there are
+    enough GPUs, else k modulo the GPUs visible."""
+    found = cuda_devices()
+    return k % found if found else 0
+
+
+#: NCCL_HOSTID as this process started with it (a peer: as its test process had it then).
+_STARTING_HOSTID = os.environ.get("NCCL_HOSTID")
+
+
+def claim_nccl_host(shared: bool) -> None:
+    """In a peer's job, before its first NCCL call: with ranks sharing a GPU (what
+    :func:`nccl_ranks` returned), an NCCL host of this process's own; otherwise the host the
+    process started with, so that a job never inherits the claim of an earlier one."""
+    if shared:
+        os.environ["NCCL_HOSTID"] = f"refit-test-{os.getpid()}"
+    elif _STARTING_HOSTID is None:
+        os.environ.pop("NCCL_HOSTID", None)
+    else:
+        os.environ["NCCL_HOSTID"] = _STARTING_HOSTID
+
+
 @pytest.fixture(scope="module")
 def _rank_peers():
     peers: List[Peer] = []

@@ -1,8 +1,9 @@
 """Conversion on the fly on the GPU (issue 13; skipped without CUDA or without torch.float8_e4m3fn):
 bf16/f32 sources into float8_e4m3fn destinations (block128, a TP column shard, per tensor) and a
 bf16 destination of an f32 source, over cuda_ipc (direct: the fused kernel; staged) and nccl
-(buffered, 2 GPUs), compared bit for bit with torch's own conversion after the same scaling:
-``(x.float() * (448 / amax)).to(torch.float8_e4m3fn)``, ``scale_inv = amax / 448``.
+(buffered and in place; the receiver on a second GPU, or on the streamer's where it is the only
+one: see conftest.nccl_ranks), compared bit for bit with torch's own conversion after the same
+scaling: ``(x.float() * (448 / amax)).to(torch.float8_e4m3fn)``, ``scale_inv = amax / 448``.
 
 The reference divides tensor by tensor (true float32 division), as refit::quant defines it: torch
 evaluates ``448.0 / amax`` (a Python number over a tensor) as ``amax.reciprocal() * 448``, which
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import refit
-from conftest import need_gpus, serve_loop, streamer
+from conftest import claim_nccl_host, need_gpus, rank_gpu, serve_loop, streamer
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without float8_e4m3fn")
 
@@ -55,11 +56,12 @@ def sources(device):
     }
 
 
-def serve_fp8(chan, device: int, nccl: bool, names=None):
+def serve_fp8(chan, device: int, nccl: bool, shared: bool = False, names=None):
     """Job: float8 destinations on ``device`` (those of ``names``, default all); ``state``
-    answers their bytes."""
+    answers their bytes. ``shared``: what nccl_ranks() returned (a host of this peer's own)."""
     if nccl:
         os.environ["NCCL_NVLS_ENABLE"] = "0"
+    claim_nccl_host(nccl and shared)
     torch.cuda.set_device(device)
     d = f"cuda:{device}"
     f8 = torch.float8_e4m3fn
@@ -132,11 +134,10 @@ def test_cuda_ipc_converts_like_torch(peer, direct):
     job.stop()
 
 
-def test_nccl_buffered_sends_converted_bytes_like_torch(peer, monkeypatch):
-    need_gpus(2)
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+def test_nccl_buffered_sends_converted_bytes_like_torch(peer, nccl_ranks):
+    shared = nccl_ranks(2)
     torch.cuda.set_device(0)
-    job = peer.run(serve_fp8, 1, True)
+    job = peer.run(serve_fp8, rank_gpu(1), True, shared)
     endpoint = job.recv()
     src = sources("cuda:0")
     with streamer(None, transport="nccl", receivers=[endpoint], device=0, direct=False, buffer_bytes=1 << 20) as st:
@@ -148,12 +149,11 @@ def test_nccl_buffered_sends_converted_bytes_like_torch(peer, monkeypatch):
     job.stop()
 
 
-def test_nccl_in_place_converts_into_staging_buffers_and_receives_in_place(peer, monkeypatch):
-    need_gpus(2)
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+def test_nccl_in_place_converts_into_staging_buffers_and_receives_in_place(peer, nccl_ranks):
+    shared = nccl_ranks(2)
     torch.cuda.set_device(0)
     names = ["w_block", "w_tensor", "w_cast", "w_big"]  # plain destinations: received in place
-    job = peer.run(serve_fp8, 1, True, names)
+    job = peer.run(serve_fp8, rank_gpu(1), True, shared, names)
     endpoint = job.recv()
     src = {k: v for k, v in sources("cuda:0").items() if k in names}
     with streamer(None, transport="nccl", receivers=[endpoint], device=0, direct=True) as st:
@@ -164,11 +164,10 @@ def test_nccl_in_place_converts_into_staging_buffers_and_receives_in_place(peer,
     job.stop()
 
 
-def test_nccl_with_a_shard_destination_stages_and_converts(peer, monkeypatch):
-    need_gpus(2)
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+def test_nccl_with_a_shard_destination_stages_and_converts(peer, nccl_ranks):
+    shared = nccl_ranks(2)
     torch.cuda.set_device(0)
-    job = peer.run(serve_fp8, 1, True)  # w_shard is a slice: the receiver does not receive in place
+    job = peer.run(serve_fp8, rank_gpu(1), True, shared)  # w_shard is a slice: not received in place
     endpoint = job.recv()
     src = sources("cuda:0")
     with streamer(None, transport="nccl", receivers=[endpoint], device=0, direct=True) as st:

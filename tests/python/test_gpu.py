@@ -1,5 +1,6 @@
-"""GPU refits (skipped without CUDA): cuda_ipc (direct, staged, on_tensor) and nccl (2 GPUs),
-and a transformers Llama trained here and refit after every step, logits equal there.
+"""GPU refits (skipped without CUDA): cuda_ipc (direct, staged, on_tensor) and nccl (the receiver
+on a second GPU, or on the streamer's where it is the only one: see conftest.nccl_ranks), and a
+transformers Llama trained here and refit after every step, logits equal there.
 
 The receiver runs in the shared peer process (spawned: it never inherits a CUDA context); each
 job sets its device before it makes a CUDA tensor.
@@ -13,8 +14,10 @@ import torch
 import refit
 from conftest import (
     Stopped,
+    claim_nccl_host,
     mixed_state,
     need_gpus,
+    rank_gpu,
     serve_loop,
     spec_of,
     state_bytes,
@@ -31,10 +34,11 @@ def one_gpu():
 
 
 @pytest.fixture
-def two_gpus(monkeypatch):
-    need_gpus(2)
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+def nccl_pair(nccl_ranks):
+    """A streamer here on cuda:0 and a receiver on rank_gpu(1); True when they share the GPU."""
+    shared = nccl_ranks(2)
     torch.cuda.set_device(0)
+    return shared
 
 
 def gpu_streamer(endpoint, transport, **options):
@@ -44,19 +48,21 @@ def gpu_streamer(endpoint, transport, **options):
     return streamer(endpoint, transport=transport, device=0, **options)
 
 
-def use_device(device: int, nccl: bool) -> None:
-    """In a job: NCCL's environment, then the device, before any CUDA tensor exists."""
+def use_device(device: int, nccl: bool, shared: bool = False) -> None:
+    """In a job: NCCL's environment (with ``shared``, what nccl_ranks() returned, a host of this
+    peer's own), then the device, before any CUDA tensor exists."""
     if nccl:
         os.environ["NCCL_NVLS_ENABLE"] = "0"
+    claim_nccl_host(nccl and shared)
     torch.cuda.set_device(device)
 
 
 # ------------------------------------------------------------------------- peer jobs
 
 
-def gpu_table(chan, spec, device: int, nccl: bool):
+def gpu_table(chan, spec, device: int, nccl: bool, shared: bool = False):
     """Job: a parameter table of CUDA tensors on ``device``. Commands: ``state``."""
-    use_device(device, nccl)
+    use_device(device, nccl, shared)
     params = zeros_like_spec(spec, device=f"cuda:{device}")
     with refit.Receiver(device=device) as rx:
         rx.add_parameters(params)
@@ -93,9 +99,9 @@ def gpu_table_expandable(chan, spec, device: int):
         torch.cuda.empty_cache()
 
 
-def gpu_on_tensor(chan, device: int, nccl: bool):
+def gpu_on_tensor(chan, device: int, nccl: bool, shared: bool = False):
     """Job: an on_tensor sink on ``device`` keeping a copy of each tensor. Commands: ``take``."""
-    use_device(device, nccl)
+    use_device(device, nccl, shared)
     got = {}
     with refit.Receiver(device=device) as rx:
 
@@ -199,16 +205,16 @@ def test_cuda_ipc_writes_an_engines_expandable_segments_weights_directly(peer, o
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["in-place", "buffered"])
-def test_nccl_state_dict_arrives_bit_exact_on_another_gpu(peer, two_gpus, direct):
-    job = peer.run(gpu_table, spec_of(mixed_state(1)), 1, True)
+def test_nccl_state_dict_arrives_bit_exact_at_another_rank(peer, nccl_pair, direct):
+    job = peer.run(gpu_table, spec_of(mixed_state(1)), rank_gpu(1), True, nccl_pair)
     endpoint = job.recv()
     with gpu_streamer(endpoint, "nccl", direct=direct, buffer_bytes=64 << 10) as st:
         refit_three_versions(job, st, "state")
     job.stop()
 
 
-def test_nccl_through_on_tensor_arrives_bit_exact_on_another_gpu(peer, two_gpus):
-    job = peer.run(gpu_on_tensor, 1, True)
+def test_nccl_through_on_tensor_arrives_bit_exact_at_another_rank(peer, nccl_pair):
+    job = peer.run(gpu_on_tensor, rank_gpu(1), True, nccl_pair)
     endpoint = job.recv()
     with gpu_streamer(endpoint, "nccl", buffer_bytes=64 << 10) as st:
         refit_three_versions(job, st, "take")
@@ -251,10 +257,10 @@ def logits(model, device: int):
     return out
 
 
-def llama_worker(chan, device: int, nccl: bool):
+def llama_worker(chan, device: int, nccl: bool, shared: bool = False):
     """Job: the generation side: the same Llama (other initial weights), its parameters and
     persistent buffers registered. Commands: ``logits``."""
-    use_device(device, nccl)
+    use_device(device, nccl, shared)
     torch.manual_seed(1)
     model = llama(device)
     params = dict(model.named_parameters())
@@ -334,16 +340,18 @@ def test_a_llama_engine_in_a_fused_layout_gives_the_same_logits_after_every_refi
 
 
 @pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
-def test_a_llama_trained_here_gives_the_same_logits_there_after_every_refit(peer, monkeypatch, transport):
-    need_gpus(2 if transport == "nccl" else 1)
+def test_a_llama_trained_here_gives_the_same_logits_there_after_every_refit(peer, nccl_ranks, transport):
+    nccl = transport == "nccl"
+    if nccl:
+        shared = nccl_ranks(2)
+    else:
+        need_gpus(1)
+        shared = False
     pytest.importorskip("transformers")
-    if transport == "nccl":
-        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(0)
     torch.manual_seed(0)
     model = llama(0)
-    remote_device = 1 if transport == "nccl" else 0
-    job = peer.run(llama_worker, remote_device, transport == "nccl")
+    job = peer.run(llama_worker, rank_gpu(1) if nccl else 0, nccl, shared)
     train_and_refit(job, model, transport)
 
 

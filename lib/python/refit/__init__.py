@@ -443,7 +443,8 @@ class Streamer(_refit.Streamer):
             patches that receivers apply in place, and a checksum of the whole version that they
             check. The first version, and any version a receiver holds no base for, is sent whole
             by the same call (``RefitStats.whole_after_refusal``). host_shm (CPU tensors), or
-            cuda_ipc with ``direct=False`` (the diff and the patching on the GPUs).
+            cuda_ipc or nccl with ``direct=False`` (the diff and the patching on the GPUs; over nccl
+            only the patches cross the link).
         delta_memory: where the base lives: ``"host"`` (page-locked with CUDA) or ``"device"``.
         delta_max_bytes: bound on the base's memory; a larger version is always sent whole.
         delta_threads: threads of the host diff (host_shm deltas); 0: min(hardware threads, 8).

@@ -47,10 +47,26 @@ def manifests(refit_bench: str, models: List[str], dtype: str) -> List[Dict[str,
     return json.loads(out)
 
 
-def make_tensors(torch, manifest, device):
+def make_tensors(torch, manifest, device, arena: bool = False):
+    """The manifest's tensors, each its own torch allocation (as a model's parameters are), or with
+    `arena` all views of one allocation, 256-byte aligned (as refit-bench lays them out)."""
     tensors = {}
+    if not arena:
+        for name, dtype, shape in manifest["tensors"]:
+            tensors[name] = torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=device)
+        return tensors
+    metas, total = [], 0
     for name, dtype, shape in manifest["tensors"]:
-        tensors[name] = torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=device)
+        dt = getattr(torch, TORCH_DTYPES[dtype])
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty(0, dtype=dt).element_size()
+        metas.append((name, dt, shape, total, nbytes))
+        total += (nbytes + 255) // 256 * 256
+    block = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    for name, dt, shape, off, nbytes in metas:
+        tensors[name] = block[off:off + nbytes].view(dt).view(shape)
     return tensors
 
 
@@ -95,15 +111,35 @@ def checksums(torch, tensors) -> List[int]:
     return [int(s) for s in torch.stack(sums).cpu()]
 
 
-def receiver_main(manifest, device_kind, device, conn) -> None:
+def nccl_shares_gpus(args) -> bool:
+    """Whether the nccl ranks (the streamer and --receivers) outnumber the GPUs, so that some share
+    one: each process then claims an NCCL host of its own (claim_nccl_host)."""
+    if args.transport != "nccl":
+        return False
+    import torch
+
+    return 0 < torch.cuda.device_count() < args.receivers + 1
+
+
+def claim_nccl_host() -> None:
+    """Before this process's first NCCL call, where ranks share a GPU: NCCL refuses two ranks of one
+    communicator on one GPU of one host ("Duplicate GPU detected") and takes the host from
+    NCCL_HOSTID; with a host of each process's own it connects them through its network transport
+    over loopback instead."""
+    os.environ["NCCL_HOSTID"] = f"refit-bench-{os.getpid()}"
+
+
+def receiver_main(manifest, device_kind, device, conn, shared: bool = False) -> None:
     """A receiver process: the manifest's tensors as its parameter table; answers 'sums' and
-    'stop' on `conn` between refits."""
+    'stop' on `conn` between refits. `shared`: nccl ranks share GPUs (a host of its own)."""
     import threading
 
     import torch
 
     import refit
 
+    if shared:
+        claim_nccl_host()
     dev = "cpu"
     if device_kind == "cuda":
         torch.cuda.set_device(device)
@@ -134,11 +170,14 @@ def run_row(torch, refit, manifest, args, path: str, buffer_mb: float) -> Dict[s
     ctx = mp.get_context("spawn")
     nrecv = args.receivers if transport == "nccl" else 1
     ngpu = torch.cuda.device_count() if cuda else 0
+    shared = nccl_shares_gpus(args)
+    host_before = os.environ.get("NCCL_HOSTID")
     procs, conns = [], []
     for k in range(nrecv):
         rdev = (args.device + 1 + k) % ngpu if transport == "nccl" else args.device
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=receiver_main, args=(manifest, "cuda" if cuda else "cpu", rdev, theirs), daemon=True)
+        p = ctx.Process(target=receiver_main, args=(manifest, "cuda" if cuda else "cpu", rdev, theirs, shared),
+                        daemon=True)
         p.start()
         procs.append(p)
         conns.append(mine)
@@ -151,7 +190,9 @@ def run_row(torch, refit, manifest, args, path: str, buffer_mb: float) -> Dict[s
         dev = f"cuda:{args.device}" if cuda else "cpu"
         if cuda:
             torch.cuda.set_device(args.device)
-        tensors = make_tensors(torch, manifest, dev)
+        tensors = make_tensors(torch, manifest, dev, arena=getattr(args, "arena", False))
+        if shared:
+            claim_nccl_host()  # until the row ends: refit-bench (--compare) claims its own
         st = refit.Streamer(endpoints[0], transport=transport, receivers=endpoints if transport == "nccl" else None,
                             buffer_bytes=int(buffer_mb * (1 << 20)), direct=(path == "direct"),
                             timeout=args.timeout, device=args.device if cuda else None)
@@ -186,7 +227,7 @@ def run_row(torch, refit, manifest, args, path: str, buffer_mb: float) -> Dict[s
         return {
             "transport": transport, "model": manifest["name"], "path": path, "api": "python",
             "buffer_mb": buffer_mb, "receivers": nrecv, "tensors": stats[0].tensors, "bytes": nbytes,
-            "iters": args.iters, "direct": stats[0].direct,
+            "iters": args.iters, "direct": stats[0].direct, "arena": bool(getattr(args, "arena", False)),
             "time_ms": {"median": statistics.median(times) * 1e3, "min": min(times) * 1e3, "max": max(times) * 1e3},
             "gbps": nbytes / statistics.median(times) / 1e9,
             "source_ms": statistics.median(s.source_seconds for s in stats) * 1e3,
@@ -206,6 +247,10 @@ def run_row(torch, refit, manifest, args, path: str, buffer_mb: float) -> Dict[s
             p.join(60)
             if p.is_alive():
                 p.kill()
+        if host_before is None:
+            os.environ.pop("NCCL_HOSTID", None)
+        else:
+            os.environ["NCCL_HOSTID"] = host_before
 
 
 def cpp_row(args, model: str, path: str, buffer_mb: float) -> Optional[Dict[str, Any]]:
@@ -216,6 +261,8 @@ def cpp_row(args, model: str, path: str, buffer_mb: float) -> Optional[Dict[str,
                "--buffer-mb", str(buffer_mb), "--path", path, "--iters", str(args.iters), "--warmup",
                str(args.warmup), "--device", str(args.device), "--receivers", str(args.receivers),
                "--seed", str(args.seed), "--json", out, "-q"]
+        if nccl_shares_gpus(args):
+            cmd.append("--nccl-share-gpus")  # refit-bench shares GPUs only when told
         log("C++ row: " + " ".join(cmd))
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 or not os.path.exists(out):
@@ -261,8 +308,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", type=int, default=0)
-    ap.add_argument("--receivers", type=int, default=1, help="nccl: receiver processes, one GPU each")
+    ap.add_argument("--receivers", type=int, default=1,
+                    help="nccl: receiver processes, receiver k on GPU (device + 1 + k) %% visible: one GPU each where "
+                         "there are enough, else ranks share GPUs through NCCL's network transport over loopback")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--arena", action="store_true",
+                    help="the streamer's tensors as views of one allocation (as refit-bench's), not one each")
     ap.add_argument("--compare", action="store_true", help="run refit-bench (C++) on the same rows in this call")
     ap.add_argument("--json", help="write the rows and the preamble to FILE")
     args = ap.parse_args(argv)
@@ -283,6 +334,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "every refit verified by checksums",
         "vs C++ = C++ median / Python median (same row, same call); ovh = Python median - C++ median",
     ]
+    if nccl_shares_gpus(args):
+        pre.append(f"nccl      : {args.receivers + 1} ranks on {torch.cuda.device_count()} GPU(s): the ranks "
+                   "share a GPU, each process with an NCCL host of its own (NCCL_HOSTID), so every byte goes "
+                   "through NCCL's network transport over loopback: these are not NVLink figures")
     rows = []
     for man in mans:
         for path in [p for p in args.path.split(",") if p]:
