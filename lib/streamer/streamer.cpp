@@ -622,6 +622,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       base->invalidate();
       how = sending::whole;
       stats.whole_after_refusal = true;
+      // A transport whose session dies on any refusal (nccl: the communicator is aborted, and
+      // receivers that took the delta's BEGIN drop theirs at the next HELLO) needs a new one.
+      ensure_session();
       say_begin(version, how, ahead, stats);
     }
     stats.wait_seconds += seconds_since(tw) - (stats.source_seconds - reading);
