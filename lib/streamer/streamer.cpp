@@ -129,10 +129,6 @@ void validate(const streamer_options& o) {
     throw error(errc::invalid_argument,
                 "streamer_options.delta with group_size > 1: a group of streamers sends whole versions (each rank's "
                 "shards); turn delta off");
-  if (o.group_size > 1 && o.transport_name.empty() && o.transport == transport_kind::nccl)
-    throw error(errc::invalid_argument,
-                "streamer_options.group_size > 1 over nccl: a group of streamers sends over cuda_ipc (one host) or "
-                "host_shm for now");
   if (o.delta.enable && o.delta.memory == delta_memory::device && o.transport == transport_kind::host_shm)
     throw error(errc::invalid_argument,
                 "streamer_options.delta.memory is device, but the host_shm transport sends host tensors: keep the "

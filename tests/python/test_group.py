@@ -192,11 +192,13 @@ def test_a_receiver_of_a_group_needs_an_endpoint_per_rank():
 # ------------------------------------------------------------------------------------- GPU
 
 
-def group_table(chan, spec, device: int, streamers: int):
+def group_table(chan, spec, device: int, streamers: int, shared_nccl: bool = False):
     """Job (peer process): a parameter table of CUDA tensors on ``device`` served for a group of
-    ``streamers``; sends its endpoints. Commands: ``state``."""
-    from conftest import serve_loop, state_bytes, zeros_like_spec
+    ``streamers``; sends its endpoints. ``shared_nccl``: nccl ranks share a GPU (conftest.nccl_ranks).
+    Commands: ``state``."""
+    from conftest import claim_nccl_host, serve_loop, state_bytes, zeros_like_spec
 
+    claim_nccl_host(shared_nccl)
     torch.cuda.set_device(device)
     params = zeros_like_spec(spec, device=f"cuda:{device}")
     with refit.Receiver(device=device, streamers=streamers) as rx:
@@ -248,6 +250,41 @@ def test_two_ranks_on_cuda_commit_their_shards_bit_exact_over_cuda_ipc(peer, dir
         assert job.request("state") == state_bytes(state), f"version {version}"
         assert job.request("status")["committed_version"] == version
         assert all(s.direct is direct for s in stats)
+    for st in streamers:
+        st.close()
+    job.stop()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["in-place", "buffered"])
+def test_two_ranks_commit_their_shards_bit_exact_over_nccl(peer, nccl_ranks, direct):
+    """Each rank has a communicator of its own with the receiver and broadcasts only its rows."""
+    from conftest import mixed_state, rank_gpu, spec_of, state_bytes
+
+    world = 2
+    shared = nccl_ranks(world + 1)
+    receiver_gpu = rank_gpu(world)
+    job = peer.run(group_table, spec_of(mixed_state(1)), receiver_gpu, world, shared)
+    endpoints = job.recv()
+    gpu_of = [rank_gpu(r) for r in range(world)]
+    streamers = [
+        refit.Streamer(None, transport="nccl", receivers=[endpoints[r]], device=gpu_of[r], direct=direct,
+                       buffer_bytes=64 << 10, timeout=30.0, group_rank=r, group_size=world)
+        for r in range(world)
+    ]
+    for version in (1, 2, 3):
+        state = mixed_state(version)
+        per_rank = [{k: v.to(f"cuda:{gpu_of[r]}") for k, v in state.items()} for r in range(world)]
+        stats = [None] * world
+
+        def send(r):
+            torch.cuda.set_device(gpu_of[r])
+            stats[r] = streamers[r].refit(version, mixed_shards(per_rank[r], r, world))
+
+        assert each_rank(world, send) == [None, None]
+        assert job.request("state") == state_bytes(state), f"version {version}"
+        assert job.request("status")["committed_version"] == version
+        # A rank sends its rows, not the tensors: together they cover each tensor once.
+        assert sum(s.bytes for s in stats) == sum(t.numel() * t.element_size() for t in state.values())
     for st in streamers:
         st.close()
     job.stop()

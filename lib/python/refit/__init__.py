@@ -454,7 +454,9 @@ class Streamer(_refit.Streamer):
             every tensor, to receivers made with ``streamers=group_size``; rank k connects to each
             receiver's ``endpoints[k]``. Every rank refits the same versions; ``refit()`` returns
             when the version has ended on every receiver (so ``timeout`` must cover the slowest
-            rank). cuda_ipc or host_shm; no ``delta``.
+            rank). Any transport: over nccl each rank has a communicator of its own with the
+            receivers, and broadcasts only its rows (in place where the receivers' tables allow);
+            no ``delta``.
         share_tensors: cuda_ipc sessions through the buffers (a receiver with a callback, or one
             whose weights cannot be written directly): the receiver reads every tensor in this
             device's memory where it is (its allocation mapped through CUDA IPC) instead of the
