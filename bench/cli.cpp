@@ -465,6 +465,9 @@ int bench_main(int argc, const char* const* argv) {
   // NVLink SHARP (NVLS) stays off unless the caller says otherwise: the GPU machines require it,
   // and the spawned receivers inherit the environment.
   ::setenv("NCCL_NVLS_ENABLE", "0", 0);
+  // Spawned ranks answer on their stdout, so NCCL's own log (NCCL_DEBUG, to stdout unless told
+  // otherwise) goes to stderr, where the caller sees it.
+  if (std::getenv("NCCL_DEBUG") != nullptr) ::setenv("NCCL_DEBUG_FILE", "/dev/stderr", 0);
   try {
     int code = 0;
     const auto c = parse_args(argc, argv, code);

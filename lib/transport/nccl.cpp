@@ -86,8 +86,14 @@ error nccl_error(ncclResult_t status, std::string_view what, ncclComm_t comm,
                  std::source_location where = std::source_location::current()) {
   const char* last = ncclGetLastError(comm);
   const std::string detail = last != nullptr && *last != '\0' ? fmt::format(" ({})", last) : std::string();
-  return error(errc::nccl, fmt::format("{}: {}{} ({}:{}); set NCCL_DEBUG=WARN for NCCL's own report", what,
-                                       ncclGetErrorString(status), detail, where.file_name(), where.line()));
+  // NCCL refuses two ranks of one communicator on one GPU of one host; say what to do instead.
+  const std::string_view hint =
+      detail.find("Duplicate GPU") != std::string::npos
+          ? "; a receiver on the streamer's GPU takes cuda_ipc (one copy, no NCCL), or, for tests, give each "
+            "process its own NCCL_HOSTID (NCCL then goes through its network transport over loopback)"
+          : "";
+  return error(errc::nccl, fmt::format("{}: {}{}{} ({}:{}); set NCCL_DEBUG=WARN for NCCL's own report", what,
+                                       ncclGetErrorString(status), detail, hint, where.file_name(), where.line()));
 }
 
 /// Throws refit::error(errc::nccl) unless `status` is ncclSuccess. `comm` may be null.

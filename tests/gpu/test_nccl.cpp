@@ -576,6 +576,26 @@ TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte o
   CHECK(rx.stop() == 0);
 }
 
+TEST_CASE("nccl: two ranks on one GPU of one host are refused saying what to do instead", "[nccl]") {
+  // Ranks on GPUs of their own (or, with one GPU, none claiming a host of its own): NCCL's
+  // "Duplicate GPU detected" reaches the caller with the way out.
+  if (!nccl_gpus(1)) return;
+  const auto metas = rt::mixed_model(10, 0, 2);
+  const auto ep = rt::temp_endpoint();
+  receiver_child rx({.endpoint = ep, .device = 0, .tensors = metas, .idle_timeout = fault_timeout});
+  REQUIRE(rx.next_report() == "ready");
+  streamer_child tx({ep}, metas, fault_timeout);
+  const std::string report = tx.refit(1);
+  const auto failure = parse_failure(report);
+  INFO("streamer report: " << report);
+  REQUIRE(failure);
+  CHECK(failure->code == "nccl");
+  CHECK(failure->message.find("Duplicate GPU") != std::string::npos);
+  CHECK(failure->message.find("a receiver on the streamer's GPU takes cuda_ipc") != std::string::npos);
+  CHECK(tx.stop() == 0);
+  CHECK(rx.stop() == 0);
+}
+
 // ---------------------------------------------------------------------------------- faults
 
 TEST_CASE("nccl: a receiver killed mid-refit fails the streamer in time, frees the others, and a new set commits",
