@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import refit
-from conftest import Peer, serve_loop, state_bytes, streamer
+from conftest import Peer, claim_nccl_host, serve_loop, state_bytes, streamer
 from engine_like import LLAMA3_8B, Config, LlamaForCausalLM, Parallel, hf_spec, hf_state
 
 BROKEN = "model.norm.weight"
@@ -45,10 +45,13 @@ def make_loader(engine: LlamaForCausalLM, broken: Optional[str]):
 # ------------------------------------------------------------------------------ the peer's job
 
 
-def serve_recorded(chan, cfg: Config, par: Parallel, broken: Optional[str] = None) -> List[str]:
+def serve_recorded(chan, cfg: Config, par: Parallel, broken: Optional[str] = None,
+                   own_nccl_host: bool = False) -> List[str]:
     """Job: records the engine's loader, registers the table (with the fallback when something is
     unrecorded), sends (endpoint, needed names, unrecorded), serves. ``state``: the parameters;
-    ``moved``: names of parameters whose data_ptr changed since before recording."""
+    ``moved``: names of parameters whose data_ptr changed since before recording.
+    ``own_nccl_host``: an NCCL rank on its streamer's GPU (conftest.claim_nccl_host)."""
+    claim_nccl_host(own_nccl_host)
     engine = LlamaForCausalLM(cfg, par)
     params = dict(engine.named_parameters())
     ptrs = {n: p.data_ptr() for n, p in params.items()}
@@ -77,11 +80,14 @@ def refit_ranks(peers: List[Peer], cfg: Config, pars: List[Parallel], versions=(
                 transport: str = "host_shm"):
     """Refits recorded engines, one per rank of ``pars``, each from a streamer of its own over
     ``transport`` (cuda_ipc: the engines' parameters and the trainer's tensors on the GPU, written
-    directly); compares every rank with what its own load_weights makes of the same tensors."""
-    jobs = [p.run(serve_recorded, cfg, par, broken) for p, par in zip(peers, pars)]
+    directly; nccl: the same GPU, each engine a rank with an NCCL host of its own, its views applied
+    from the buffers); compares every rank with what its own load_weights makes of the same tensors."""
+    nccl = transport == "nccl"
+    jobs = [p.run(serve_recorded, cfg, par, broken, nccl) for p, par in zip(peers, pars)]
     hellos = [job.recv() for job in jobs]
     # The trainer's side knows the table's digest (shipped with the table, as JSON): HELLO compares it.
-    streamers = [streamer(endpoint, layout=job.request("digest"), transport=transport)
+    streamers = [streamer(None if nccl else endpoint, receivers=[endpoint] if nccl else None,
+                          layout=job.request("digest"), transport=transport)
                  for job, (endpoint, _, _) in zip(jobs, hellos)]
     pars = [par._replace(device="cpu") for par in pars]  # the references are made on the CPU
     try:
@@ -134,6 +140,22 @@ def test_recorded_tp_ranks_refit_bit_exact_over_cuda_ipc(ranks, tp, cfg):
     """The same over cuda_ipc: engines on the GPU, every recorded view written directly."""
     pars = [Parallel(tp_rank=r, tp_size=tp, device="cuda") for r in range(tp)]
     hellos = refit_ranks(ranks(tp), cfg, pars, transport="cuda_ipc")
+    for _, needed, unrecorded in hellos:
+        assert unrecorded == {}
+        assert set(needed) == set(hf_spec(cfg))
+
+
+@needs_cuda
+@pytest.mark.parametrize("tp, cfg", [
+    (1, Config()),
+    (2, Config(tie=True, qkv_bias=True)),
+], ids=["tp1", "tp2-tied-bias"])
+def test_recorded_tp_ranks_refit_bit_exact_over_nccl(ranks, nccl_ranks, tp, cfg):
+    """The same over nccl, each engine rank served by a streamer of its own. The engines are on the
+    streamer's GPU (cuda:0) whatever the GPUs, so each claims an NCCL host of its own."""
+    nccl_ranks(2)
+    pars = [Parallel(tp_rank=r, tp_size=tp, device="cuda") for r in range(tp)]
+    hellos = refit_ranks(ranks(tp), cfg, pars, transport="nccl")
     for _, needed, unrecorded in hellos:
         assert unrecorded == {}
         assert set(needed) == set(hf_spec(cfg))
