@@ -50,48 +50,83 @@ std::uint16_t to_bf16(float f) noexcept {  // round to nearest even, as torch do
   return static_cast<std::uint16_t>(u >> 16);
 }
 
-/// The trainer: fp32 masters and their bf16 copies, one of each per tensor.
+/// The trainer: fp32 masters and their bf16 copies, one of each per tensor, made and stepped on a
+/// pool of threads (a llama3-8b step is 8 G elements: minutes on one). Every chunk of
+/// `chunk_elements` of a tensor draws from a random stream of its own, seeded by the step, the
+/// tensor and the chunk, so the versions do not depend on the threads.
 struct trainer {
+  /// Elements of a chunk: whole 4 KiB blocks of bf16 (the block statistics stay exact).
+  static constexpr std::uint64_t chunk_elements = 1u << 20;
+
   std::vector<tensor_meta> metas;
   std::vector<std::vector<float>> master;
   std::vector<std::vector<std::uint16_t>> weights;
-  std::uint64_t state = 0x9e3779b97f4a7c15ull;
+  delta::worker_pool pool;
 
-  float uniform() noexcept {  // in [-1, 1)
-    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
-    return static_cast<float>(static_cast<std::int64_t>(state) >> 11) * (1.0f / 4503599627370496.0f);
+  /// xorshift64 from a seed of (step, tensor, chunk), through splitmix64 so that near seeds differ.
+  struct stream {
+    std::uint64_t state;
+    stream(std::uint64_t step, std::uint64_t tensor, std::uint64_t chunk) noexcept {
+      std::uint64_t z = step * 0x9e3779b97f4a7c15ull ^ (tensor << 32) ^ chunk;
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      state = (z ^ (z >> 31)) | 1;
+    }
+    float uniform() noexcept {  // in [-1, 1)
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      return static_cast<float>(static_cast<std::int64_t>(state) >> 11) * (1.0f / 4503599627370496.0f);
+    }
+  };
+
+  /// Runs body(tensor, first element, end element) over every chunk of every tensor on the pool.
+  template <class Body>
+  void each_chunk(Body&& body) {
+    std::vector<std::pair<std::size_t, std::uint64_t>> chunks;
+    for (std::size_t k = 0; k < master.size(); ++k)
+      for (std::uint64_t b = 0; b < master[k].size(); b += chunk_elements) chunks.emplace_back(k, b);
+    pool.run(chunks.size(), [&](std::size_t j) {
+      const auto [k, b] = chunks[j];
+      body(j, k, b, std::min<std::uint64_t>(master[k].size(), b + chunk_elements));
+    });
   }
 
-  explicit trainer(const manifest& m) {
+  trainer(const manifest& m, std::size_t threads) : pool(delta::pool_threads(threads)) {
     for (const auto& e : m.entries) {
       metas.push_back(e.meta);
-      const std::uint64_t n = e.meta.numel();
-      master.emplace_back(n);
-      weights.emplace_back(n);
-      for (std::uint64_t i = 0; i < n; ++i) {
-        master.back()[i] = 0.02f * uniform();
-        weights.back()[i] = to_bf16(master.back()[i]);
-      }
+      master.emplace_back(e.meta.numel());
+      weights.emplace_back(e.meta.numel());
     }
+    each_chunk([&](std::size_t, std::size_t k, std::uint64_t b, std::uint64_t end) {
+      stream r(0, k, b / chunk_elements);
+      for (std::uint64_t i = b; i < end; ++i) {
+        master[k][i] = 0.02f * r.uniform();
+        weights[k][i] = to_bf16(master[k][i]);
+      }
+    });
   }
 
   struct changes {
     std::uint64_t elements = 0, changed = 0, blocks256 = 0, touched256 = 0, blocks4k = 0, touched4k = 0;
   };
 
-  /// One optimizer step: w += u · |w| · U[-1, 1), then bf16 again.
-  changes step(double u) {
-    changes c;
+  /// Optimizer step `step` (from 1): w += u · |w| · U[-1, 1), then bf16 again.
+  changes step(std::uint64_t step, double u) {
+    std::vector<changes> parts;
+    std::uint64_t n = 0;
+    for (const auto& m : master) n += (m.size() + chunk_elements - 1) / chunk_elements;
+    parts.resize(n);
     const float s = static_cast<float>(u);
-    for (std::size_t k = 0; k < master.size(); ++k) {
+    each_chunk([&](std::size_t j, std::size_t k, std::uint64_t first, std::uint64_t last) {
+      changes& c = parts[j];
+      stream r(step, k, first / chunk_elements);
       std::vector<float>& m = master[k];
       std::vector<std::uint16_t>& w = weights[k];
       bool touched4k = false;
-      for (std::uint64_t b = 0; b < m.size(); b += 128) {  // 128 bf16 = 256 bytes
+      for (std::uint64_t b = first; b < last; b += 128) {  // 128 bf16 = 256 bytes
         bool touched = false;
-        const std::uint64_t end = std::min<std::uint64_t>(m.size(), b + 128);
+        const std::uint64_t end = std::min<std::uint64_t>(last, b + 128);
         for (std::uint64_t i = b; i < end; ++i) {
-          m[i] += s * std::fabs(m[i]) * uniform();
+          m[i] += s * std::fabs(m[i]) * r.uniform();
           const std::uint16_t v = to_bf16(m[i]);
           if (v != w[i]) {
             w[i] = v;
@@ -102,15 +137,20 @@ struct trainer {
         ++c.blocks256;
         c.touched256 += touched ? 1 : 0;
         touched4k = touched4k || touched;
-        if ((b / 128) % 16 == 15 || end == m.size()) {
+        if ((b / 128) % 16 == 15 || end == last) {
           ++c.blocks4k;
           c.touched4k += touched4k ? 1 : 0;
           touched4k = false;
         }
       }
-      c.elements += m.size();
+      c.elements += last - first;
+    });
+    changes total;
+    for (const changes& c : parts) {
+      total.elements += c.elements, total.changed += c.changed, total.blocks256 += c.blocks256;
+      total.touched256 += c.touched256, total.blocks4k += c.blocks4k, total.touched4k += c.touched4k;
     }
-    return c;
+    return total;
   }
 
   [[nodiscard]] std::vector<tensor_ref> refs() {
@@ -263,7 +303,7 @@ int run_delta(const config& c, std::ostream& out) {
     if (!c.quiet) std::fprintf(stderr, "refit-bench: %s\n", s.c_str());
   };
   progress(fmt::format("--delta: making {} ({:.2f} GB bf16, fp32 masters)", m.name, m.bytes() / 1e9));
-  trainer t(m);
+  trainer t(m, c.delta_threads);
 #if REFIT_HAVE_CUDA
   if (gpu) t.to_device(c.device);
 #endif
@@ -335,7 +375,7 @@ int run_delta(const config& c, std::ostream& out) {
   std::vector<double> delta_ms;
   std::vector<double> wire_fraction;
   for (int step = 1; step <= c.delta_steps; ++step) {
-    const auto ch = t.step(c.delta_update);
+    const auto ch = t.step(static_cast<std::uint64_t>(step), c.delta_update);
     const auto refs = t.refs();
     const refit_stats s = ds.refit(++version, refs);
     delta_row r{s.delta ? "delta" : "delta(whole)",

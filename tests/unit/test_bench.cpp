@@ -774,6 +774,43 @@ TEST_CASE("the bench binary with a good run exits 0 and prints the table on stdo
                               Catch::Contains("# Wrong values          : 0 OK"));
 }
 
+TEST_CASE("--delta refits whole versions, then deltas of a fraction of the bytes, and checks the receiver's sum",
+          "[bench][e2e]") {
+  std::string out;
+  const int code = run_binary({"--delta", "3", "--model", "tiny", "--buffer-mb", "1", "--iters", "2", "--warmup", "0",
+                               "--delta-threads", "2", "--quiet"},
+                              out);
+  INFO(out);
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::Contains("# refit-bench --delta 3: tiny") && Catch::Contains("host_shm"));
+  CHECK_THAT(out, Catch::Contains("(receiver's version checksum after version 6 matches)"));
+  CHECK_THAT(out, Catch::Contains("# out of bounds/wrong values: 0"));
+  // Three delta rows, each changing about 2 % of the elements and sending well under the version.
+  std::istringstream lines(out);
+  int deltas = 0;
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream row(line);
+    std::string kind, step;
+    double changed = 0, blk256 = 0, blk4k = 0, wire = 0, fraction = 0;
+    if (!(row >> kind >> step >> changed >> blk256 >> blk4k >> wire >> fraction) || kind != "delta") continue;
+    ++deltas;
+    CHECK(changed > 0.5);
+    CHECK(changed < 5);
+    CHECK(fraction < 0.2);
+  }
+  CHECK(deltas == 3);
+}
+
+TEST_CASE("--delta is refused for more than one model, naming what it takes", "[bench]") {
+  scratch s;
+  const std::string err = s.file("err.txt");
+  std::string out;
+  CHECK(run_binary({"--delta", "2", "--model", "tiny,qwen2.5-0.5b", "--quiet"}, out, err) == 2);
+  std::ifstream f(err);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, Catch::Contains("refit-bench: error (invalid_argument): --delta: exactly one built-in --model"));
+}
+
 // ---------------------------------------------------------------- by hand: --role receiver / streamer
 
 TEST_CASE("the default report endpoint sits next to an ipc endpoint and on a free port of a tcp one's host",
