@@ -256,11 +256,11 @@ def test_two_ranks_on_cuda_commit_their_shards_bit_exact_over_cuda_ipc(peer, dir
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["in-place", "buffered"])
-def test_two_ranks_commit_their_shards_bit_exact_over_nccl(peer, nccl_ranks, direct):
+@pytest.mark.parametrize("world", [2, 4], ids=["two-ranks", "four-ranks"])
+def test_ranks_commit_their_shards_bit_exact_over_nccl(peer, nccl_ranks, world, direct):
     """Each rank has a communicator of its own with the receiver and broadcasts only its rows."""
     from conftest import mixed_state, rank_gpu, spec_of, state_bytes
 
-    world = 2
     shared = nccl_ranks(world + 1)
     receiver_gpu = rank_gpu(world)
     job = peer.run(group_table, spec_of(mixed_state(1)), receiver_gpu, world, shared)
@@ -280,7 +280,7 @@ def test_two_ranks_commit_their_shards_bit_exact_over_nccl(peer, nccl_ranks, dir
             torch.cuda.set_device(gpu_of[r])
             stats[r] = streamers[r].refit(version, mixed_shards(per_rank[r], r, world))
 
-        assert each_rank(world, send) == [None, None]
+        assert each_rank(world, send) == [None] * world
         assert job.request("state") == state_bytes(state), f"version {version}"
         assert job.request("status")["committed_version"] == version
         # A rank sends its rows, not the tensors: together they cover each tensor once.
@@ -288,3 +288,69 @@ def test_two_ranks_commit_their_shards_bit_exact_over_nccl(peer, nccl_ranks, dir
     for st in streamers:
         st.close()
     job.stop()
+
+
+def group_tp_rank(chan, device: int, streamers: int, tp_rank: int, shared_nccl: bool):
+    """Job: TP rank ``tp_rank`` of 2 served for a group of ``streamers``: half of "col"'s rows
+    (column-parallel), half of "row"'s columns (row-parallel: a strided slice of the source) and all
+    of "norm", on ``device``. Commands: ``state``."""
+    from conftest import claim_nccl_host, serve_loop, state_bytes
+
+    claim_nccl_host(shared_nccl)
+    torch.cuda.set_device(device)
+    held = {
+        "col": torch.zeros(6, 16, dtype=torch.bfloat16, device=f"cuda:{device}"),
+        "row": torch.zeros(10, 4, dtype=torch.float32, device=f"cuda:{device}"),
+        "norm": torch.zeros(9, dtype=torch.float32, device=f"cuda:{device}"),
+    }
+    with refit.Receiver(device=device, streamers=streamers) as rx:
+        rx.add_parameter("col", held["col"], source_slice=(0, 6 * tp_rank, 6))
+        rx.add_parameter("row", held["row"], source_slice=(1, 4 * tp_rank, 4))
+        rx.add_parameter("norm", held["norm"])
+        chan.send(rx.endpoints)
+        return serve_loop(rx, chan, {"state": lambda: state_bytes(held)})
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["in-place-asked", "buffered"])
+def test_two_ranks_fill_a_tp2_pair_over_nccl(ranks, nccl_ranks, direct):
+    """Each trainer rank holds Shard(0) rows of every tensor; each engine rank takes a slice, of
+    "row" a column slice that needs rows of both trainer ranks. One communicator per trainer rank
+    with both engine ranks; slices are applied from the buffers."""
+    from conftest import rank_gpu, state_bytes
+
+    world = 2
+    shared = nccl_ranks(world + 2)
+    jobs = [p.run(group_tp_rank, rank_gpu(world + j), world, j, shared) for j, p in enumerate(ranks(2))]
+    endpoints = [job.recv() for job in jobs]
+    gpu_of = [rank_gpu(r) for r in range(world)]
+    streamers = [
+        refit.Streamer(None, transport="nccl", receivers=[endpoints[0][r], endpoints[1][r]], device=gpu_of[r],
+                       direct=direct, buffer_bytes=64 << 10, timeout=30.0, group_rank=r, group_size=world)
+        for r in range(world)
+    ]
+    for version in (3, 4):
+        g = torch.Generator().manual_seed(version)
+        whole = {
+            "col": torch.randn(12, 16, generator=g).to(torch.bfloat16),
+            "row": torch.randn(10, 8, generator=g),
+            "norm": torch.randn(9, generator=g),
+        }
+
+        def send(r):
+            torch.cuda.set_device(gpu_of[r])
+            shards = {}
+            for name, t in whole.items():
+                rows = (t.shape[0] + world - 1) // world
+                start = r * rows
+                shards[name] = refit.Shard(t[start:start + rows].to(f"cuda:{gpu_of[r]}"), t.shape, 0, start)
+            streamers[r].refit(version, shards)
+
+        assert each_rank(world, send) == [None] * world
+        for j, job in enumerate(jobs):
+            expect = {"col": whole["col"][6 * j:6 * j + 6], "row": whole["row"][:, 4 * j:4 * j + 4].contiguous(),
+                      "norm": whole["norm"]}
+            assert job.request("state") == state_bytes(expect), f"TP rank {j}, version {version}"
+    for st in streamers:
+        st.close()
+    for job in jobs:
+        job.stop()

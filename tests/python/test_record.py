@@ -149,7 +149,8 @@ def test_recorded_tp_ranks_refit_bit_exact_over_cuda_ipc(ranks, tp, cfg):
 @pytest.mark.parametrize("tp, cfg", [
     (1, Config()),
     (2, Config(tie=True, qkv_bias=True)),
-], ids=["tp1", "tp2-tied-bias"])
+    (4, Config()),
+], ids=["tp1", "tp2-tied-bias", "tp4"])
 def test_recorded_tp_ranks_refit_bit_exact_over_nccl(ranks, nccl_ranks, tp, cfg):
     """The same over nccl, each engine rank served by a streamer of its own. The engines are on the
     streamer's GPU (cuda:0) whatever the GPUs, so each claims an NCCL host of its own."""
@@ -159,6 +160,17 @@ def test_recorded_tp_ranks_refit_bit_exact_over_nccl(ranks, nccl_ranks, tp, cfg)
     for _, needed, unrecorded in hellos:
         assert unrecorded == {}
         assert set(needed) == set(hf_spec(cfg))
+
+
+@needs_cuda
+def test_recorded_ep_ranks_get_only_their_experts_over_nccl(ranks, nccl_ranks):
+    nccl_ranks(2)
+    cfg = Config(experts=4)
+    pars = [Parallel(ep_rank=r, ep_size=2, device="cuda") for r in range(2)]
+    hellos = refit_ranks(ranks(2), cfg, pars, versions=(1, 2), only_needed=True, transport="nccl")
+    for rank, (_, needed, _) in enumerate(hellos):
+        experts = {n.split(".experts.")[1].split(".")[0] for n in needed if ".experts." in n}
+        assert experts == {str(2 * rank), str(2 * rank + 1)}, needed
 
 
 @needs_cuda
