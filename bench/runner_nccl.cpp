@@ -211,6 +211,11 @@ double nccl_ceiling_rank(const std::string& id_hex, int rank, int nranks, int de
         "ncclBroadcast (ceiling)", until, watch);
     if (rank == 0 && timed >= 0) check_cuda(cudaEventRecord(stop[timed].handle(), s.handle()), "cudaEventRecord");
   }
+  // A closing barrier: over NCCL's network transport the root's broadcast completes once its bytes
+  // are handed to the socket, and a root that then ended its communicator cut the last receive short
+  // (run68: "Connection closed by remote peer" on rank 1). Past this, every rank has received all.
+  comm.enqueued(ncclAllReduce(flag.handle(), flag.handle(), 1, ncclFloat, ncclSum, comm.handle(), s.handle()),
+                "ncclAllReduce (ceiling end)", until, watch);
   wait_for(
       [&] {
         const cudaError_t q = cudaStreamQuery(s.handle());
