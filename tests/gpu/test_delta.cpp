@@ -510,14 +510,12 @@ TEST_CASE("delta versions over nccl buffers are bit-exact after 20 steps and sen
   delta_steps(refit::transport_kind::nccl);
 }
 
-TEST_CASE(
-    "over nccl, a receiver that restarted gets the next version whole within the same refit, then deltas; a "
-    "streamer killed mid-delta leaves it poisoned until a whole version commits",
-    "[delta][nccl]") {
-  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(2)) {
-    WARN("no nccl or no GPU: skipped");
-    return;
-  }
+namespace {
+
+/// A receiver that restarted gets the next version whole within the same refit, then deltas; a
+/// streamer killed mid-delta leaves it poisoned until a whole version commits; weights changed
+/// behind its back fail the next delta's checksum and poison it, and the whole version after cures it.
+void delta_faults(refit::transport_kind transport) {
   const rt::scoped_endpoint ep;
   const std::string endpoint = ep.name;
   // The receiver: a child that reports every event but idle and batch, with its committed version,
@@ -525,7 +523,7 @@ TEST_CASE(
   rt::signal_pipe to_rx, from_rx;
   constexpr std::int64_t embed = 17'000'000;
   const auto receiver = [&] {
-    const int gpu = receiver_gpu(refit::transport_kind::nccl);
+    const int gpu = receiver_gpu(transport);
     refit::check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
     model_bytes expect(embed);
     device_model weights(expect);
@@ -539,7 +537,16 @@ TEST_CASE(
     from_rx.send("ready");
     std::uint64_t at = 1;  // the model's version `expect` holds
     for (;;) {
-      if (to_rx.try_receive(0ms)) return;
+      if (const auto cmd = to_rx.try_receive(0ms)) {
+        if (*cmd != "flip") return;
+        // Weights changed behind the receiver's back: the first byte of "layers.0.norm", whose
+        // every element each step changes, so the next delta's patch overwrites it.
+        std::vector<std::byte> norm = download(weights.buffers[3].handle(), expect.bytes[3].size());
+        norm[0] ^= std::byte{0x01};
+        upload(weights.buffers[3].handle(), norm);
+        from_rx.send("flipped");
+        continue;
+      }
       const auto e = r.serve_one(refit::milliseconds{20});
       // Refusals (a BEGIN without a session, a delta without a base) are the streamer's to report.
       if (e != refit::receiver_event::committed && e != refit::receiver_event::aborted) continue;
@@ -560,7 +567,7 @@ TEST_CASE(
     refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
     model_bytes m(embed);
     device_model tensors(m);
-    refit::streamer s(delta_options(endpoint, refit::transport_kind::nccl));
+    refit::streamer s(delta_options(endpoint, transport));
     std::vector<refit::tensor_ref> refs;
     for (std::size_t k = 0; k < m.metas.size(); ++k)
       refs.push_back(refit::tensor_ref{m.metas[k], tensors.buffers[k].handle(), refit::device::cuda(0), nullptr});
@@ -593,9 +600,13 @@ TEST_CASE(
         } source(refs, from_st);
         s.refit(v, source);
       }
-      const auto stats = s.refit(v, refs);
-      from_st.send(std::string(stats.delta ? "delta" : "whole") + (stats.whole_after_refusal ? " refused" : "") + " " +
-                   std::to_string(stats.bytes));
+      try {
+        const auto stats = s.refit(v, refs);
+        from_st.send(std::string(stats.delta ? "delta" : "whole") + (stats.whole_after_refusal ? " refused" : "") +
+                     " " + std::to_string(stats.bytes));
+      } catch (const refit::error& e) {
+        from_st.send(std::string("failed ") + std::string(refit::to_string(e.code())) + " | " + e.what());
+      }
     }
   };
 
@@ -646,10 +657,46 @@ TEST_CASE(
   to_st.send("v 6");
   CHECK(from_st.receive(60s).starts_with("delta "));
   CHECK(from_rx.receive(60s) == "committed 6 exact");
+
+  // Weights changed behind the receiver's back: the delta's checksum of the whole version does not
+  // check out; the receiver is poisoned, the streamer drops its base, and its next refit is whole.
+  to_rx.send("flip");
+  CHECK(from_rx.receive(60s) == "flipped");
+  to_st.send("v 7");
+  line = from_st.receive(60s);
+  INFO("streamer: " << line);
+  CHECK(line.starts_with("failed apply | "));
+  CHECK(line.find("delta version 7 does not check out") != std::string::npos);
+  line = from_rx.receive(60s);
+  INFO("receiver: " << line);
+  CHECK(line.starts_with("aborted poisoned dirty | poisoned: delta version 7 failed"));
+  to_st.send("v 8");
+  CHECK(from_st.receive(60s) == "whole " + std::to_string(model_total));
+  CHECK(from_rx.receive(60s) == "committed 8 exact");
   to_st.send("stop");
   CHECK(st->wait(60s) == 0);
   to_rx.send("stop");
   CHECK(rx->wait(60s) == 0);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "over cuda_ipc, a restarted receiver gets the next version whole, a streamer killed mid-delta or weights "
+    "changed behind the receiver's back poison it, and a whole version cures it",
+    "[delta][cuda_ipc]") {
+  delta_faults(refit::transport_kind::cuda_ipc);
+}
+
+TEST_CASE(
+    "over nccl, a restarted receiver gets the next version whole, a streamer killed mid-delta or weights "
+    "changed behind the receiver's back poison it, and a whole version cures it",
+    "[delta][nccl]") {
+  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(2)) {
+    WARN("no nccl or no GPU: skipped");
+    return;
+  }
+  delta_faults(refit::transport_kind::nccl);
 }
 
 #endif
