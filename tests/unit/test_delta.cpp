@@ -23,6 +23,7 @@
 #include "delta/host_diff.hpp"
 #include "delta/patch.hpp"
 #include "delta/pool.hpp"
+#include "refit/version.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
 #include "support/support.hpp"
@@ -631,6 +632,25 @@ TEST_CASE("a delta streamer asked for more than 256 diff threads is refused", "[
                        }));
   o.delta.threads = 256;
   CHECK_NOTHROW(refit::streamer(o));  // threads are made at the first host diff only
+}
+
+TEST_CASE("a delta streamer over cuda_ipc or nccl writing directly is refused, saying the patches need buffers",
+          "[delta]") {
+  for (const auto t : {refit::transport_kind::cuda_ipc, refit::transport_kind::nccl}) {
+    if (!refit::has_transport(t)) continue;  // a build without it refuses the transport first
+    refit::streamer_options o;
+    o.endpoint = "ipc:///nowhere";
+    o.transport = t;
+    o.direct = true;
+    o.delta.enable = true;
+    INFO(refit::to_string(t));
+    const auto f = rt::failure_of([&] { refit::streamer s(o); });
+    REQUIRE(f);
+    CHECK(f->code == "invalid_argument");
+    CHECK(f->message == fmt::format("streamer_options.delta needs the host_shm transport, or cuda_ipc or nccl with "
+                                    "direct = false (patches travel in the buffers) in a build with CUDA, not {}{}",
+                                    refit::to_string(t), " with direct = true"));
+  }
 }
 
 TEST_CASE("a receiver asked for more than 256 delta threads is refused", "[delta]") {
