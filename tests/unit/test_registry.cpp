@@ -7,6 +7,7 @@
 #include "support/support.hpp"
 #include "transport/nccl_session.hpp"
 #include "transport/registry.hpp"
+#include "transport/transport.hpp"
 
 namespace tr = refit::transport;
 using refit::test::failure_of;
@@ -85,4 +86,26 @@ TEST_CASE("nccl session data round-trips and every malformed one is refused with
   CHECK(refused(with(1, 1)) == "nccl: HELLO gives this receiver rank 1 of 1: a receiver's rank is 1..nranks-1");
   CHECK_THAT(refused(with(1, 0x80000000u)), Catch::Contains("rank 1 of 2147483648"));
   CHECK_NOTHROW(tr::decode_nccl_session(with(1, 2)));
+}
+
+TEST_CASE("a delta batch's segment is its buffer's used prefix, whatever its entries' order and gaps", "[registry]") {
+  using refit::transport::buffer_prefix;
+  const auto entry = [](std::uint64_t offset, std::uint64_t bytes) {
+    refit::wire::entry e;
+    e.name = "t";
+    e.buffer_offset = offset;
+    e.bytes = bytes;
+    return e;
+  };
+  // None when nothing has bytes (a batch of empty patches), whatever the offsets say.
+  CHECK(buffer_prefix({}).empty());
+  const std::vector<refit::wire::entry> empty = {entry(0, 0), entry(4096, 0)};
+  CHECK(buffer_prefix(empty).empty());
+  // From the buffer's start to the furthest end, aligned gaps included, empty entries ignored.
+  const std::vector<refit::wire::entry> batch = {entry(512, 100), entry(0, 300), entry(9000, 0), entry(768, 4)};
+  const auto s = buffer_prefix(batch);
+  REQUIRE(s.size() == 1);
+  CHECK(s[0].data == nullptr);
+  CHECK(s[0].offset == 0);
+  CHECK(s[0].bytes == 772);
 }
