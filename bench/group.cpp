@@ -243,6 +243,12 @@ int run_group(const config& c, std::ostream& out) {
     throw error(errc::invalid_argument, "--streamers: --transport host_shm, or cuda_ipc (in a build with CUDA)");
   if (c.models.size() != 1 || !c.manifest_file.empty())
     throw error(errc::invalid_argument, "--streamers: exactly one built-in --model");
+  if (c.layout != layout_kind::plain)
+    throw error(errc::invalid_argument,
+                fmt::format("--streamers with --layout {}: the receivers of a group are full replicas (plain) for "
+                            "now; the library takes a group into engine layouts (tests/unit/test_group.cpp), the bench "
+                            "does not",
+                            layout_name(c.layout)));
   if (!gpu && c.receivers != 1)
     throw error(errc::invalid_argument, "--streamers with host_shm: one receiver (--receivers 1)");
   const manifest m = preset(c.models[0], c.type);

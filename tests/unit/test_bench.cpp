@@ -1918,4 +1918,12 @@ TEST_CASE(
   CHECK_THAT(out, Catch::Contains("# out of bounds/wrong values: 0"));
   std::string refused;
   CHECK(run_binary({"--streamers", "2", "--transport", "host_shm", "--receivers", "2", "-q"}, refused) != 0);
+  // An engine layout is refused, not ignored: the group's receivers are full replicas.
+  scratch s;
+  const std::string err = s.file("err.txt");
+  CHECK(run_binary({"--streamers", "2", "--transport", "host_shm", "--model", "tiny", "--layout", "tp2", "-q"}, refused,
+                   err) == 2);
+  std::ifstream f(err);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, Catch::Contains("--streamers with --layout tp2: the receivers of a group are full replicas"));
 }
