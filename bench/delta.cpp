@@ -61,6 +61,8 @@ struct trainer {
   std::vector<tensor_meta> metas;
   std::vector<std::vector<float>> master;
   std::vector<std::vector<std::uint16_t>> weights;
+  /// Every chunk: its tensor and first element (made once: the tensors keep their sizes).
+  std::vector<std::pair<std::size_t, std::uint64_t>> chunks;
   delta::worker_pool pool;
 
   /// xorshift64 from a seed of (step, tensor, chunk), through splitmix64 so that near seeds differ.
@@ -78,12 +80,9 @@ struct trainer {
     }
   };
 
-  /// Runs body(tensor, first element, end element) over every chunk of every tensor on the pool.
+  /// Runs body(chunk, tensor, first element, end element) over every chunk on the pool.
   template <class Body>
   void each_chunk(Body&& body) {
-    std::vector<std::pair<std::size_t, std::uint64_t>> chunks;
-    for (std::size_t k = 0; k < master.size(); ++k)
-      for (std::uint64_t b = 0; b < master[k].size(); b += chunk_elements) chunks.emplace_back(k, b);
     pool.run(chunks.size(), [&](std::size_t j) {
       const auto [k, b] = chunks[j];
       body(j, k, b, std::min<std::uint64_t>(master[k].size(), b + chunk_elements));
@@ -96,6 +95,8 @@ struct trainer {
       master.emplace_back(e.meta.numel());
       weights.emplace_back(e.meta.numel());
     }
+    for (std::size_t k = 0; k < master.size(); ++k)
+      for (std::uint64_t b = 0; b < master[k].size(); b += chunk_elements) chunks.emplace_back(k, b);
     each_chunk([&](std::size_t, std::size_t k, std::uint64_t b, std::uint64_t end) {
       stream r(0, k, b / chunk_elements);
       for (std::uint64_t i = b; i < end; ++i) {
@@ -111,10 +112,7 @@ struct trainer {
 
   /// Optimizer step `step` (from 1): w += u · |w| · U[-1, 1), then bf16 again.
   changes step(std::uint64_t step, double u) {
-    std::vector<changes> parts;
-    std::uint64_t n = 0;
-    for (const auto& m : master) n += (m.size() + chunk_elements - 1) / chunk_elements;
-    parts.resize(n);
+    std::vector<changes> parts(chunks.size());
     const float s = static_cast<float>(u);
     each_chunk([&](std::size_t j, std::size_t k, std::uint64_t first, std::uint64_t last) {
       changes& c = parts[j];
