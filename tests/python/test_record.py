@@ -130,54 +130,38 @@ def test_recorded_tp_ranks_refit_bit_exact_like_their_own_load_weights(ranks, tp
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def on_gpu(transport: str, nccl_ranks) -> None:
+    """Before a GPU refit over ``transport``: over nccl the engines are on the streamer's GPU
+    (cuda:0) whatever the GPUs, so each claims an NCCL host of its own (refit_ranks)."""
+    if transport == "nccl":
+        nccl_ranks(2)
+
+
 @needs_cuda
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
 @pytest.mark.parametrize("tp, cfg", [
     (1, Config()),
     (2, Config(tie=True, qkv_bias=True)),
     (4, Config()),
 ], ids=["tp1", "tp2-tied-bias", "tp4"])
-def test_recorded_tp_ranks_refit_bit_exact_over_cuda_ipc(ranks, tp, cfg):
-    """The same over cuda_ipc: engines on the GPU, every recorded view written directly."""
+def test_recorded_tp_ranks_refit_bit_exact_on_the_gpu(ranks, nccl_ranks, tp, cfg, transport):
+    """The same with the engines on the GPU: over cuda_ipc every recorded view written directly;
+    over nccl each engine rank served by a streamer of its own, its views applied from the buffers."""
+    on_gpu(transport, nccl_ranks)
     pars = [Parallel(tp_rank=r, tp_size=tp, device="cuda") for r in range(tp)]
-    hellos = refit_ranks(ranks(tp), cfg, pars, transport="cuda_ipc")
+    hellos = refit_ranks(ranks(tp), cfg, pars, transport=transport)
     for _, needed, unrecorded in hellos:
         assert unrecorded == {}
         assert set(needed) == set(hf_spec(cfg))
 
 
 @needs_cuda
-@pytest.mark.parametrize("tp, cfg", [
-    (1, Config()),
-    (2, Config(tie=True, qkv_bias=True)),
-    (4, Config()),
-], ids=["tp1", "tp2-tied-bias", "tp4"])
-def test_recorded_tp_ranks_refit_bit_exact_over_nccl(ranks, nccl_ranks, tp, cfg):
-    """The same over nccl, each engine rank served by a streamer of its own. The engines are on the
-    streamer's GPU (cuda:0) whatever the GPUs, so each claims an NCCL host of its own."""
-    nccl_ranks(2)
-    pars = [Parallel(tp_rank=r, tp_size=tp, device="cuda") for r in range(tp)]
-    hellos = refit_ranks(ranks(tp), cfg, pars, transport="nccl")
-    for _, needed, unrecorded in hellos:
-        assert unrecorded == {}
-        assert set(needed) == set(hf_spec(cfg))
-
-
-@needs_cuda
-def test_recorded_ep_ranks_get_only_their_experts_over_nccl(ranks, nccl_ranks):
-    nccl_ranks(2)
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
+def test_recorded_ep_ranks_get_only_their_experts_on_the_gpu(ranks, nccl_ranks, transport):
+    on_gpu(transport, nccl_ranks)
     cfg = Config(experts=4)
     pars = [Parallel(ep_rank=r, ep_size=2, device="cuda") for r in range(2)]
-    hellos = refit_ranks(ranks(2), cfg, pars, versions=(1, 2), only_needed=True, transport="nccl")
-    for rank, (_, needed, _) in enumerate(hellos):
-        experts = {n.split(".experts.")[1].split(".")[0] for n in needed if ".experts." in n}
-        assert experts == {str(2 * rank), str(2 * rank + 1)}, needed
-
-
-@needs_cuda
-def test_recorded_ep_ranks_get_only_their_experts_over_cuda_ipc(ranks):
-    cfg = Config(experts=4)
-    pars = [Parallel(ep_rank=r, ep_size=2, device="cuda") for r in range(2)]
-    hellos = refit_ranks(ranks(2), cfg, pars, versions=(1, 2), only_needed=True, transport="cuda_ipc")
+    hellos = refit_ranks(ranks(2), cfg, pars, versions=(1, 2), only_needed=True, transport=transport)
     for rank, (_, needed, _) in enumerate(hellos):
         experts = {n.split(".experts.")[1].split(".")[0] for n in needed if ".experts." in n}
         assert experts == {str(2 * rank), str(2 * rank + 1)}, needed
