@@ -613,18 +613,23 @@ void delta_faults(refit::transport_kind transport) {
   std::uint64_t model_total = 0;
   for (const auto& m : model_bytes(embed).metas) model_total += m.nbytes();
   const auto bytes_of = [](const std::string& line) { return std::stoull(line.substr(line.rfind(' ') + 1)); };
+  const std::string whole = "whole " + std::to_string(model_total);
+  // Version v from the streamer: what it says of it.
+  const auto refit_to = [&](std::uint64_t v) {
+    to_st.send("v " + std::to_string(v));
+    return from_st.receive(60s);
+  };
+  const auto committed = [](std::uint64_t v) { return "committed " + std::to_string(v) + " exact"; };
 
   auto rx = std::make_unique<rt::child>(receiver);
   REQUIRE(from_rx.receive(60s) == "ready");
   auto st = std::make_unique<rt::child>(streamer);
-  to_st.send("v 1");
-  CHECK(from_st.receive(60s) == "whole " + std::to_string(model_total));
-  CHECK(from_rx.receive(60s) == "committed 1 exact");
-  to_st.send("v 2");
-  std::string line = from_st.receive(60s);
+  CHECK(refit_to(1) == whole);
+  CHECK(from_rx.receive(60s) == committed(1));
+  std::string line = refit_to(2);
   CHECK(line.starts_with("delta "));
   CHECK(bytes_of(line) < model_total / 4);
-  CHECK(from_rx.receive(60s) == "committed 2 exact");
+  CHECK(from_rx.receive(60s) == committed(2));
 
   // A receiver restarted: it holds no base, so version 3's delta is refused before anything is
   // sent, and the same refit() sends it whole over a new communicator.
@@ -632,12 +637,10 @@ void delta_faults(refit::transport_kind transport) {
   CHECK(rx->wait(60s) == 0);
   rx = std::make_unique<rt::child>(receiver);
   REQUIRE(from_rx.receive(60s) == "ready");
-  to_st.send("v 3");
-  CHECK(from_st.receive(60s) == "whole refused " + std::to_string(model_total));
-  CHECK(from_rx.receive(60s) == "committed 3 exact");
-  to_st.send("v 4");
-  CHECK(from_st.receive(60s).starts_with("delta "));
-  CHECK(from_rx.receive(60s) == "committed 4 exact");
+  CHECK(refit_to(3) == "whole refused " + std::to_string(model_total));
+  CHECK(from_rx.receive(60s) == committed(3));
+  CHECK(refit_to(4).starts_with("delta "));
+  CHECK(from_rx.receive(60s) == committed(4));
 
   // The streamer dies mid-delta, after a batch of patches was applied: the receiver gives the
   // version up at its idle timeout, poisoned and dirty, with version 4 still its committed one.
@@ -651,28 +654,24 @@ void delta_faults(refit::transport_kind transport) {
 
   // A new streamer holds no base: its version 5 is whole, and cures the receiver.
   st = std::make_unique<rt::child>(streamer);
-  to_st.send("v 5");
-  CHECK(from_st.receive(60s) == "whole " + std::to_string(model_total));
-  CHECK(from_rx.receive(60s) == "committed 5 exact");
-  to_st.send("v 6");
-  CHECK(from_st.receive(60s).starts_with("delta "));
-  CHECK(from_rx.receive(60s) == "committed 6 exact");
+  CHECK(refit_to(5) == whole);
+  CHECK(from_rx.receive(60s) == committed(5));
+  CHECK(refit_to(6).starts_with("delta "));
+  CHECK(from_rx.receive(60s) == committed(6));
 
   // Weights changed behind the receiver's back: the delta's checksum of the whole version does not
   // check out; the receiver is poisoned, the streamer drops its base, and its next refit is whole.
   to_rx.send("flip");
   CHECK(from_rx.receive(60s) == "flipped");
-  to_st.send("v 7");
-  line = from_st.receive(60s);
+  line = refit_to(7);
   INFO("streamer: " << line);
   CHECK(line.starts_with("failed apply | "));
   CHECK(line.find("delta version 7 does not check out") != std::string::npos);
   line = from_rx.receive(60s);
   INFO("receiver: " << line);
   CHECK(line.starts_with("aborted poisoned dirty | poisoned: delta version 7 failed"));
-  to_st.send("v 8");
-  CHECK(from_st.receive(60s) == "whole " + std::to_string(model_total));
-  CHECK(from_rx.receive(60s) == "committed 8 exact");
+  CHECK(refit_to(8) == whole);
+  CHECK(from_rx.receive(60s) == committed(8));
   to_st.send("stop");
   CHECK(st->wait(60s) == 0);
   to_rx.send("stop");
