@@ -87,11 +87,10 @@ bool read_line(int fd, clock::time_point deadline, std::string& line) {
   }
 }
 
-}  // namespace
-
-namespace {
+/// nccl_ranks() found fewer GPUs than ranks (see nccl_shares_gpus()).
 bool g_nccl_shared = false;
-}
+
+}  // namespace
 
 bool nccl_ranks(int ranks, bool distinct) {
   // NVLink SHARP multicast is off on the test machines (and broadcast does not use it anyway).
