@@ -371,7 +371,7 @@ get_attribute_fn pointer_attribute() {
 
 std::uint64_t cuda_allocation_id(const void* p, int device) {
   const get_attribute_fn get_attribute = pointer_attribute();
-  device_guard guard(device);
+  on_device guard(device);  // a driver call
   unsigned long long id = 0;
   if (get_attribute(&id, buffer_id_attribute, reinterpret_cast<unsigned long long>(p)) != 0) return 0;
   return id;
@@ -383,9 +383,7 @@ std::optional<allocation> cuda_allocation_of(const void* p, int device) {
   const get_attribute_fn get_attribute = pointer_attribute();
   if (get_range == nullptr)
     throw error(errc::cuda, "the CUDA driver has no cuMemGetAddressRange entry point (driver older than CUDA 12?)");
-  // A driver call needs a current context: a serving thread of a Python engine has none until
-  // the runtime makes the device's primary context current.
-  device_guard guard(device);
+  on_device guard(device);  // a driver call
   unsigned long long base = 0;
   std::size_t size = 0;
   const int status = get_range(&base, &size, reinterpret_cast<unsigned long long>(p));

@@ -51,4 +51,16 @@ class device_guard {
   int previous_ = 0;
 };
 
+/// A device_guard that also makes the device's primary context current on this thread, for
+/// driver API calls: a thread that made no runtime call yet (a Python engine's serving thread)
+/// has none, and there cudaGetDevice() already says 0, so device_guard(0) switches nothing and a
+/// driver call fails with CUDA_ERROR_INVALID_CONTEXT.
+class on_device {
+ public:
+  explicit on_device(int device) : guard_(device) { (void)cudaFree(nullptr); }
+
+ private:
+  device_guard guard_;
+};
+
 }  // namespace refit

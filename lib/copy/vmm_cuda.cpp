@@ -79,16 +79,6 @@ bool attribute(const driver& d, CUpointer_attribute what, const void* p, T& out)
   return true;
 }
 
-/// Makes `device` current on this thread with its primary context live: a driver call needs one,
-/// and a thread that made no runtime call yet (a Python engine's serving thread) has none.
-class on_device {
- public:
-  explicit on_device(int device) : guard_(device) { (void)cudaFree(nullptr); }
-
- private:
-  device_guard guard_;
-};
-
 std::string driver_error(CUresult r) { return fmt::format("CUresult {}", static_cast<int>(r)); }
 
 }  // namespace

@@ -32,6 +32,8 @@ TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cu
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -1113,6 +1115,41 @@ TEST_CASE("a cuda_ipc streamer with two receivers refuses to stage: one with a c
   stop1.send("stop");
   CHECK(rx0.wait(60s) == 0);
   CHECK(rx1.wait(60s) == 0);
+}
+
+TEST_CASE(
+    "the allocation check works on a thread that made no CUDA call (a Python engine's serving thread): it finds "
+    "the allocation and its id, and nothing once it is freed",
+    "[cuda_ipc][layout]") {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+  auto buffer = std::make_unique<refit::cuda::device_buffer>(1 << 20);
+  auto* inside = static_cast<std::byte*>(buffer->handle()) + 4096;
+  const auto ask = [&] {
+    std::optional<refit::copy::allocation> found;
+    std::uint64_t id = 0;
+    std::string failed;
+    std::thread fresh([&] {  // no runtime call before: cudaGetDevice() says 0, and no context is current
+      try {
+        found = refit::copy::cuda_allocation_of(inside, 0);
+        id = refit::copy::cuda_allocation_id(inside, 0);
+      } catch (const std::exception& e) {
+        failed = e.what();
+      }
+    });
+    fresh.join();
+    return std::tuple{found, id, failed};
+  };
+  const auto [found, id, failed] = ask();
+  REQUIRE(failed.empty());
+  REQUIRE(found.has_value());
+  CHECK(found->base == reinterpret_cast<std::uintptr_t>(buffer->handle()));
+  CHECK(found->bytes >= (1u << 20));
+  CHECK(id != 0);
+  CHECK(found->id == id);
+  buffer.reset();
+  const auto [gone, gone_id, gone_failed] = ask();
+  CHECK(gone_failed.empty());
+  CHECK(!gone.has_value());
 }
 
 TEST_CASE(

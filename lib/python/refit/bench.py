@@ -18,6 +18,7 @@ per (transport, model, path, buffer size), a wrong-values footer. Progress goes 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -260,7 +261,7 @@ def cpp_row(args, model: str, path: str, buffer_mb: float) -> Optional[Dict[str,
         cmd = [args.refit_bench, "--transport", args.transport, "--model", model, "--dtype", args.dtype,
                "--buffer-mb", str(buffer_mb), "--path", path, "--iters", str(args.iters), "--warmup",
                str(args.warmup), "--device", str(args.device), "--receivers", str(args.receivers),
-               "--seed", str(args.seed), "--json", out, "-q"]
+               "--seed", str(args.seed), "--timeout-ms", str(int(args.timeout * 1000)), "--json", out, "-q"]
         if nccl_shares_gpus(args):
             cmd.append("--nccl-share-gpus")  # refit-bench shares GPUs only when told
         log("C++ row: " + " ".join(cmd))
@@ -345,6 +346,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 log(f"{args.transport} {man['name']} {path} {mb:g} MiB")
                 r = run_row(torch, refit, man, args, path, mb)
                 rows.append(r)
+                if args.transport != "host_shm":
+                    # the row's tensors are gone; their memory goes back to the GPU for the next row
+                    # (refit-bench's, which needs the same again: qwen3-30b-a3b on one GPU)
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 if args.compare:
                     c = cpp_row(args, man["name"], path, mb)
                     if c is not None:
