@@ -156,7 +156,11 @@ struct refit_stats {
   double wait_seconds = 0;         ///< waiting for the receiver's replies
   bool direct = false;             ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
   std::uint64_t shared_bytes = 0;  ///< of `bytes`, read by the receiver where they are (share_tensors)
-  bool control_lane = false;       ///< the requests went through each receiver's control lane (not ZeroMQ)
+  /// nccl in place with receivers of views (a parts session): the bytes sent, every receiver's
+  /// parts together (a receiver of a TP shard takes only its slice; a tensor two destinations take
+  /// is sent twice). 0 in other sessions.
+  std::uint64_t parts_bytes = 0;
+  bool control_lane = false;  ///< the requests went through each receiver's control lane (not ZeroMQ)
   // Subset and delta versions. `bytes` is what moved through the buffers (on the wire).
   bool subset = false;               ///< sent as a subset (refit_scope::subset, or a delta)
   bool delta = false;                ///< sent as patches against version `base`

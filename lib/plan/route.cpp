@@ -310,4 +310,19 @@ std::uint64_t bytes_of(std::span<const run> runs) noexcept {
   return n;
 }
 
+std::optional<std::uint64_t> contiguous(std::span<const run> runs, bool source) noexcept {
+  std::optional<std::uint64_t> first;
+  std::uint64_t next = 0;
+  for (const run& r : runs) {
+    if (r.width == 0 || r.rows == 0) continue;
+    const std::uint64_t at = source ? r.src : r.dst;
+    const std::uint64_t pitch = source ? r.src_pitch : r.dst_pitch;
+    if (r.rows > 1 && pitch != r.width) return std::nullopt;
+    if (first && at != next) return std::nullopt;
+    if (!first) first = at;
+    next = at + r.width * r.rows;
+  }
+  return first;
+}
+
 }  // namespace refit::plan

@@ -126,4 +126,9 @@ void clip(const run& r, std::uint64_t from, std::uint64_t to, std::vector<run>& 
 /// Source bytes the runs read, in total.
 std::uint64_t bytes_of(std::span<const run> runs) noexcept;
 
+/// Where the bytes the runs read (`source` true) or write (false) lie, when they form one range
+/// taken in order: its first byte (a source or destination offset, as the runs count them); nullopt
+/// when they are scattered (a column slice's rows, read from a row-major source), or for no bytes.
+std::optional<std::uint64_t> contiguous(std::span<const run> runs, bool source) noexcept;
+
 }  // namespace refit::plan

@@ -688,6 +688,9 @@ PYBIND11_MODULE(_refit, m) {
       .def_readonly("direct", &refit_stats::direct, "written straight into the receiver's weights")
       .def_readonly("shared_bytes", &refit_stats::shared_bytes,
                     "bytes the receiver read where they are in the streamer's memory (share_tensors)")
+      .def_readonly("parts_bytes", &refit_stats::parts_bytes,
+                    "nccl in place to receivers of views (TP shards, fused tensors): the bytes sent, every "
+                    "receiver's parts together; 0 otherwise")
       .def_readonly("control_lane", &refit_stats::control_lane,
                     "the requests went through each receiver's shared-memory control lane, not ZeroMQ")
       .def_readonly("subset", &refit_stats::subset, "sent as a subset (subset=True, or a delta)")

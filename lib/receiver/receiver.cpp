@@ -232,6 +232,7 @@ struct lane {
   std::string peer;
   bool direct = false;                   ///< the streamer writes straight into the table (cuda_ipc direct)
   bool in_place = false;                 ///< every entry is received straight into the table (nccl)
+  bool parts = false;                    ///< in place, each destination's own bytes only (sink::parts)
   bool laid_out = false;                 ///< the session's HELLO asked for a layout from the table (direct, in place)
   std::vector<wire::conversion> asked;   ///< the conversions the session's OK asked for
   std::uint64_t session_generation = 0;  ///< sink_generation when the session was set up
@@ -505,6 +506,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     ln->peer.clear();
     ln->direct = false;
     ln->in_place = false;
+    ln->parts = false;
     ln->laid_out = false;
   }
 
@@ -611,6 +613,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         ln->direct = ln->sink->offer_direct(h, dests, reply);
       }
       ln->in_place = !ln->direct && ln->sink->offer_in_place(h, dests, reply);
+      ln->parts = ln->in_place && ln->sink->parts();
       std::vector<std::uint64_t> sizes;
       for (std::size_t i = 0; i < ln->sink->count(); ++i)
         sizes.push_back(ln->direct || ln->in_place ? transport::direct_batch_bytes : ln->sink->buffer_bytes(i));
@@ -1017,6 +1020,23 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
                                   where == device_kind::cuda ? "CUDA" : "host"));
       }
       if (e.bytes == 0 || check_only) continue;
+      if (segments != nullptr && ln->parts) {
+        // Each destination's bytes of the entry, received straight into it (a dense range: the
+        // sink offered parts only for such tables), in table order; none where it takes nothing.
+        for (const slot& sl : *slots) {
+          pieces.clear();
+          for (const plan::run& r : sl.runs()) plan::clip(r, e.tensor_offset, e.tensor_offset + e.bytes, pieces);
+          if (pieces.empty()) continue;
+          const auto at = plan::contiguous(pieces, false);
+          if (!at)
+            throw error(errc::internal, fmt::format("tensor '{}': its part of BATCH {} entry {} is not one range of "
+                                                    "its destination",
+                                                    e.name, b.seq, k));
+          segments->push_back(
+              transport::segment{static_cast<std::byte*>(sl.dest.data) + *at, 0, plan::bytes_of(pieces)});
+        }
+        continue;
+      }
       const slot& only = slots->front();
       if (segments != nullptr && slots->size() == 1 && plan::is_plain(only.dest) &&
           only.dest.dev == ln->sink->where()) {

@@ -741,6 +741,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     // no buffer holds a batch, and every tensor must be sent from where it is.
     bool by_entry;
     bool in_place;
+    /// In place, and each receiver takes only its parts of every entry (transport::source::parts).
+    bool parts;
     /// The receiver reads tensors of the buffers' device where they are (transport::source::share);
     /// set by send_tensors for versions that are not deltas.
     bool shares = false;
@@ -781,7 +783,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
           stats(r),
           direct(s.buffers->direct()),
           by_entry(!direct && s.buffers->moves_entries()),
-          in_place(by_entry && s.buffers->in_place()) {
+          in_place(by_entry && s.buffers->in_place()),
+          parts(in_place && s.buffers->parts()) {
       stats.direct = direct || in_place;
       stats.control_lane =
           std::all_of(s.channels.begin(), s.channels.end(), [](const channel::req_channel& c) { return c.has_lane(); });
@@ -834,6 +837,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                                    return e.bytes != 0 && e.source == 0;
                                  });
       if (!direct && !packs_nothing) st.buffers->begin_pack(buffer);
+      if (parts) split_parts(buffer);  // its gathers run with the batch's copies
       if (launch || !direct) run_ops();
 #if REFIT_HAVE_CUDA
       // A delta's patches written on the device (send_device_group) are queued until here.
@@ -879,6 +883,56 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         for (std::vector<std::byte>& p : patches) st.host_differ->recycle(std::move(p));
       patches.clear();
       covered = 0;
+    }
+
+    /// A parts session: replaces the segment of each entry (the whole entry, in place or in the
+    /// staging buffer) with one segment per receiver destination it reaches, holding that
+    /// destination's bytes of it: sent from where they lie when they are one range of the tensor
+    /// (rows: a column-parallel shard, a fused narrow(0)), else gathered first into the
+    /// transport's gather memory (a column slice's rows), by copies that run with the batch's.
+    /// Receivers compute the same segments from the manifest and their tables, in the same order.
+    void split_parts(std::size_t buffer) {
+      std::vector<transport::segment> whole = std::move(segments);
+      segments.clear();
+      const auto each_part = [&](auto&& take) {
+        std::size_t next = 0;
+        for (const wire::entry& e : entries) {
+          if (e.bytes == 0) continue;
+          if (next == whole.size())
+            throw error(errc::internal, fmt::format("version {}: a batch of {} entries has {} segments", version,
+                                                    entries.size(), whole.size()));
+          const transport::segment& seg = whole[next++];
+          const std::byte* base =
+              seg.data != nullptr ? seg.data : st.buffers->staging(buffer) + seg.offset;  // converted: in staging
+          for (const transport::routed& target : st.buffers->routes(tensor_meta{e.name, e.type, e.shape})) {
+            pieces.clear();
+            for (const plan::run& r : target.runs) plan::clip(r, e.tensor_offset, e.tensor_offset + e.bytes, pieces);
+            if (!pieces.empty()) take(e, base, target.receiver);
+          }
+        }
+      };
+      std::uint64_t strided = 0;  // bytes to gather
+      each_part([&](const wire::entry&, const std::byte*, std::size_t) {
+        if (!plan::contiguous(pieces, true)) strided += plan::bytes_of(pieces);
+      });
+      std::byte* gathered = strided != 0 ? st.buffers->gather(buffer, strided) : nullptr;
+      if (strided != 0 && gathered == nullptr) throw error(errc::internal, "a parts session without gather memory");
+      std::uint64_t cursor = 0;
+      each_part([&](const wire::entry& e, const std::byte* base, std::size_t receiver) {
+        const std::uint64_t n = plan::bytes_of(pieces);
+        const auto peer = static_cast<std::uint32_t>(receiver + 1);
+        stats.parts_bytes += n;
+        if (const auto lo = plan::contiguous(pieces, true)) {
+          segments.push_back(transport::segment{const_cast<std::byte*>(base + (*lo - e.tensor_offset)), 0, n, peer});
+          return;
+        }
+        std::byte* to = gathered + cursor;
+        for (const plan::run& r : pieces) {
+          ops.emplace_back(base + (r.src - e.tensor_offset), gathered + cursor, r.width, r.rows, r.src_pitch, r.width);
+          cursor += r.width * r.rows;
+        }
+        segments.push_back(transport::segment{to, 0, n, peer});
+      });
     }
 
     /// Adds tensor `t` (its bytes [shift, shift + bytes)) whole to the open batch as an entry the

@@ -37,6 +37,15 @@
 // drain() logs one line per refit: link busy, link idle and where, applies. Otherwise no timing
 // event is recorded.
 //
+// Parts sessions. When some receiver's table has views or slices (a TP shard, a fused tensor) and
+// each is one dense range of its GPU, that receiver describes its destinations in its OK and the
+// session stays in place: the streamer sends each receiver only the bytes its destinations take
+// (ncclSend/ncclRecv, one per destination an entry reaches, in an order both sides compute from
+// the manifest and the receiver's table), gathering a part first when it is not one range of its
+// tensor (a column slice). NCCL connects point-to-point channels lazily, at their first use by both
+// ranks, and a group of sends would wait for receivers that have not yet seen the batch's manifest;
+// so set-up also sends each receiver one byte, while every rank is there.
+//
 // Ending. A communicator is always ended with ncclCommAbort, also after a clean session:
 // ncclCommFinalize waits for every rank, and the ranks leave at different times; aborting a
 // quiescent communicator is local and quick.
@@ -58,6 +67,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -210,14 +220,20 @@ void broadcast(const communicator& comm, void* p, std::uint64_t bytes, cudaStrea
   wait_ready(comm.handle(), deadline::after(budget), call, late);
 }
 
-/// Enqueues the broadcast of a batch on `s`: one ncclBroadcast per entry, rank 0's bytes into
-/// every other rank's, in place, the batch's as one NCCL group (one launch). Every rank passes the
-/// same entries in the same order (both sides take them from the batch's manifest); where the
-/// bytes are is each rank's own business. An entry with data == nullptr is in `buffer` at its
-/// offset. In non-blocking mode ncclGroupEnd may answer ncclInProgress: the group is then
-/// finished before returning (within `budget`), so that what follows on `s` is ordered after it.
-void broadcast_entries(const communicator& comm, std::span<const segment> batch, std::byte* buffer, cudaStream_t s,
-                       milliseconds budget, std::string_view late) {
+/// How a batch's segments move: one broadcast each (every receiver takes every entry), or, in a
+/// parts session, a send from rank 0 to the segment's peer and a receive on that peer.
+enum class moves : std::uint8_t { broadcast, send, receive };
+
+/// Enqueues the transfer of a batch on `s`, the batch's as one NCCL group (one launch). Broadcast:
+/// one ncclBroadcast per entry, rank 0's bytes into every other rank's, in place; every rank passes
+/// the same entries in the same order (both sides take them from the batch's manifest). Parts:
+/// rank 0 one ncclSend per segment to its peer, each receiver one ncclRecv per segment of its own,
+/// in the order both compute from the manifest and the receiver's table. Where the bytes are is each
+/// rank's own business: a segment with data == nullptr is in `buffer` at its offset. In
+/// non-blocking mode ncclGroupEnd may answer ncclInProgress: the group is then finished before
+/// returning (within `budget`), so that what follows on `s` is ordered after it.
+void transfer_entries(const communicator& comm, moves how, std::span<const segment> batch, std::byte* buffer,
+                      cudaStream_t s, milliseconds budget, std::string_view late) {
   check_nccl(ncclGroupStart(), "ncclGroupStart", comm.handle());
   ncclResult_t failed = ncclSuccess;
   std::size_t k = 0;
@@ -225,13 +241,25 @@ void broadcast_entries(const communicator& comm, std::span<const segment> batch,
     const segment& e = batch[k];
     if (e.bytes == 0) continue;
     std::byte* p = e.data != nullptr ? e.data : buffer + e.offset;
-    failed = ncclBroadcast(p, p, static_cast<std::size_t>(e.bytes), ncclUint8, 0, comm.handle(), s);
+    const auto n = static_cast<std::size_t>(e.bytes);
+    if (how == moves::broadcast)
+      failed = ncclBroadcast(p, p, n, ncclUint8, 0, comm.handle(), s);
+    else if (how == moves::send)
+      failed = ncclSend(p, n, ncclUint8, static_cast<int>(e.peer), comm.handle(), s);
+    else
+      failed = ncclRecv(p, n, ncclUint8, 0, comm.handle(), s);
     if (failed != ncclSuccess && failed != ncclInProgress) break;
   }
   const ncclResult_t ended = ncclGroupEnd();  // always: the group must be closed
   if (failed != ncclSuccess && failed != ncclInProgress)
-    throw nccl_error(failed, fmt::format("ncclBroadcast of entry {} of a batch of {}", k, batch.size()), comm.handle());
-  const std::string what = "ncclGroupEnd (the broadcasts of a batch)";
+    throw nccl_error(failed,
+                     fmt::format("{} of segment {} of a batch of {}",
+                                 how == moves::broadcast ? "ncclBroadcast"
+                                 : how == moves::send    ? "ncclSend"
+                                                         : "ncclRecv",
+                                 k, batch.size()),
+                     comm.handle());
+  const std::string what = "ncclGroupEnd (the transfers of a batch)";
   if (ended == ncclInProgress)
     wait_ready(comm.handle(), deadline::after(budget), what, late);
   else if (ended != ncclSuccess)
@@ -398,13 +426,13 @@ class pending_batch {
     }
   }
 
-  /// Enqueues the batch's broadcasts on `s` (nothing for a batch of empty entries: both sides
-  /// see the same entries), bracketed in `tl`, and forgets the batch.
-  void broadcast(const communicator& comm, std::byte* buffer, cudaStream_t s, milliseconds budget,
-                 std::string_view late, timeline& tl) {
+  /// Enqueues the batch's transfers on `s` (nothing for a batch of empty entries: both sides see
+  /// the same entries), bracketed in `tl`, and forgets the batch.
+  void transfer(const communicator& comm, moves how, std::byte* buffer, cudaStream_t s, milliseconds budget,
+                std::string_view late, timeline& tl) {
     if (total_ != 0) {
       tl.begin(0, s);
-      broadcast_entries(comm, entries_, buffer, s, budget, late);
+      transfer_entries(comm, how, entries_, buffer, s, budget, late);
       tl.end(0, s, total_);
     }
     entries_.clear();
@@ -477,7 +505,7 @@ class nccl_source final : public source {
     if (!id_) throw error(errc::internal, "nccl: hello_for() without open_session()");
     h.session = encode_nccl_session(nccl_session{std::string(id_->internal, sizeof id_->internal),
                                                  static_cast<std::uint32_t>(k + 1),
-                                                 static_cast<std::uint32_t>(receivers_ + 1)});
+                                                 static_cast<std::uint32_t>(receivers_ + 1), true});
   }
 
   void join(milliseconds timeout) override {
@@ -498,6 +526,13 @@ class nccl_source final : public source {
       broadcast(comm_, scratch_.handle(), warm_up_bytes(bytes_), comm_stream_.handle(), until.remaining(),
                 "the warm-up broadcast (ncclBroadcast)", late);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up broadcast", late);
+      // And a byte to each receiver, which connects the point-to-point channels a parts session
+      // sends on (see the top of this file).
+      std::vector<segment> bytes;
+      for (std::size_t k = 1; k <= receivers_; ++k)
+        bytes.push_back(segment{static_cast<std::byte*>(scratch_.handle()), 0, 1, static_cast<std::uint32_t>(k)});
+      transfer_entries(comm_, moves::send, bytes, nullptr, comm_stream_.handle(), until.remaining(), late);
+      wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up sends", late);
     } catch (const error& e) {
       end_comm();
       throw error(e.code(), fmt::format("nccl: the streamer (rank 0 of {} on cuda:{}) could not set up the session: {}",
@@ -518,6 +553,11 @@ class nccl_source final : public source {
     in_place_ = want_in_place_ && !replies.empty() &&
                 std::all_of(replies.begin(), replies.end(),
                             [](const wire::ok& r) { return r.mode == wire::session_mode::in_place; });
+    tables_.assign(replies.size(), {});
+    described_.assign(replies.size(), false);
+    parts_ = false;
+    if (in_place_)
+      for (std::size_t k = 0; k < replies.size(); ++k) read_table(replies[k], k);
     if (in_place_) {
       send_.clear();  // nothing is packed in this session (unless converted: staging()): the memory goes back
       send_bytes_ = 0;
@@ -535,16 +575,75 @@ class nccl_source final : public source {
                                             count_, bytes_, device_, e.what()));
       }
     }
-    REFIT_INFO("nccl: {} session with {} receiver(s){}", in_place_ ? "in-place" : "buffered", replies.size(),
-               in_place_ ? "" : fmt::format(", {} × {} MiB send buffers", count_, bytes_ >> 20));
+    REFIT_INFO("nccl: {} session with {} receiver(s){}",
+               parts_      ? "in-place parts"
+               : in_place_ ? "in-place"
+                           : "buffered",
+               replies.size(), in_place_ ? "" : fmt::format(", {} × {} MiB send buffers", count_, bytes_ >> 20));
   }
 
   [[nodiscard]] bool in_place() const noexcept override { return in_place_; }
+  [[nodiscard]] bool parts() const noexcept override { return parts_; }
+
+  std::vector<routed> routes(const tensor_meta& meta) override {
+    if (!parts_) throw error(errc::internal, "nccl: routes() outside a parts session");
+    std::vector<routed> out;
+    for (std::size_t k = 0; k < tables_.size(); ++k) {
+      if (!described_[k]) {
+        // A receiver of a plain table takes every tensor whole, into its own destination.
+        plan::run& whole = whole_[meta.name];
+        whole = plan::run{0, 0, 0, 0, meta.nbytes(), 1};
+        out.push_back(routed{nullptr, std::span<const plan::run>(&whole, 1), k});
+        continue;
+      }
+      const auto it = tables_[k].find(meta.name);
+      if (it == tables_[k].end())
+        throw error(errc::apply, fmt::format("tensor '{}' is not in receiver {}'s parameter table (nccl parts "
+                                             "session: nothing of it was sent)",
+                                             meta.name, k));
+      for (target& d : it->second) {
+        try {
+          out.push_back(routed{nullptr, d.routes.get(d.dest, meta.type, meta.shape), k});
+        } catch (const error& e) {
+          throw error(e.code(), fmt::format("{} (receiver {}'s destination; nccl parts session: nothing of it was "
+                                            "sent)",
+                                            e.what(), k));
+        }
+      }
+    }
+    return out;
+  }
+
+  std::byte* gather(std::size_t i, std::uint64_t bytes) override {
+    if (!parts_ || i >= count_) return nullptr;
+    if (gather_.size() < count_) gather_.resize(count_);
+    if (gather_[i].bytes() < bytes) {
+      // Grown, never shrunk within the session; the old one may still be read by a send in flight
+      // and is kept until the session closes.
+      device_guard guard(device_);
+      if (gather_[i].bytes() != 0) retired_.push_back(std::move(gather_[i]));
+      try {
+        gather_[i] = cuda::device_buffer(bytes);
+      } catch (const error& e) {
+        throw error(errc::cuda, fmt::format("nccl: cannot allocate {} bytes on cuda:{} to gather the strided parts "
+                                            "(column slices) of a batch for their receivers: {}; set direct = false "
+                                            "to broadcast whole tensors through buffer_bytes buffers",
+                                            bytes, device_, e.what()));
+      }
+    }
+    return static_cast<std::byte*>(gather_[i].handle());
+  }
 
   void close_session() noexcept override {
     end_comm();
     id_.reset();
     in_place_ = false;
+    parts_ = false;
+    tables_.clear();
+    described_.clear();
+    whole_.clear();
+    gather_.clear();
+    retired_.clear();
   }
 
   void begin_pack(std::size_t i) override {
@@ -597,7 +696,8 @@ class nccl_source final : public source {
       device_guard guard(device_);
       check_cuda(cudaEventRecord(packed_[i].handle(), pack_.handle()), "cudaEventRecord(packed)");
       check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), packed_[i].handle(), 0), "cudaStreamWaitEvent(packed)");
-      batch_.broadcast(comm_, data(i), comm_stream_.handle(), timeout_, late_, timeline_);
+      batch_.transfer(comm_, parts_ ? moves::send : moves::broadcast, data(i), comm_stream_.handle(), timeout_, late_,
+                      timeline_);
       check_cuda(cudaEventRecord(sent_[i].handle(), comm_stream_.handle()), "cudaEventRecord(sent)");
       ahead_->record(comm_stream_.handle());
     });
@@ -636,12 +736,54 @@ class nccl_source final : public source {
 
   void end_comm() noexcept { comm_.abort(); }
 
+  /// Reads the destinations receiver k described in its OK (sink::parts()): a parts session when
+  /// any receiver did. Throws errc::protocol for a malformed record.
+  void read_table(const wire::ok& reply, std::size_t k) {
+    if (reply.handles.empty()) return;
+    auto& table = tables_[k];
+    for (std::size_t r = 0; r < reply.handles.size(); ++r) {
+      const std::string& rec = reply.handles[r];
+      if (rec.empty() || rec[0] != 'T')
+        throw error(
+            errc::protocol,
+            fmt::format("nccl: record {} of receiver {}'s reply is not a destination ({} bytes)", r, k, rec.size()));
+      wire::dest_record d;
+      try {
+        d = wire::decode_dest(std::string_view(rec).substr(1));
+      } catch (const error& e) {
+        throw error(errc::protocol, fmt::format("nccl: receiver {}'s destination record {}: {}", k, r, e.what()));
+      }
+      plan::destination dest;
+      dest.meta = tensor_meta{d.name, d.type, d.shape};
+      dest.strides = std::move(d.strides);
+      dest.slice = d.slice;
+      dest.dev = device::cuda(device_);
+      table[dest.meta.name].push_back(target{std::move(dest), {}});
+    }
+    described_[k] = true;
+    parts_ = true;
+  }
+
+  /// A destination a receiver described, and its runs for the source it was last asked for.
+  struct target {
+    plan::destination dest;
+    plan::route_cache routes;
+  };
+
   int device_;
   std::uint64_t bytes_;
   std::size_t count_;
   std::size_t receivers_;
   bool want_in_place_;     ///< streamer_options::direct: ask the receivers to receive in place
   bool in_place_ = false;  ///< this session: every receiver does (batches of direct_batch_bytes)
+  bool parts_ = false;     ///< this in-place session sends each receiver only its parts (see parts())
+  /// Per receiver: its destinations by name, as its OK described them (parts sessions; empty for a
+  /// receiver of a plain table, which takes every tensor whole: described_ false).
+  std::vector<std::unordered_map<std::string, std::vector<target>>> tables_;
+  std::vector<bool> described_;
+  std::unordered_map<std::string, plan::run> whole_;  ///< routes() of plain receivers
+  std::vector<cuda::device_buffer> gather_;           ///< per buffer slot: gathered parts (gather())
+  std::vector<cuda::device_buffer> retired_;          ///< gather areas outgrown in this session
   std::string uuid_;
   milliseconds timeout_{30000};  ///< from join(): every later wait of the session
   std::string late_;             ///< what a timeout of the session means, for messages
@@ -703,6 +845,12 @@ class nccl_sink final : public sink {
       broadcast(comm_, scratch_.handle(), warm_up_bytes(sizes_[0]), comm_stream_.handle(), until.remaining(),
                 "the warm-up broadcast (ncclBroadcast)", late);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up broadcast", late);
+      if (session.parts) {  // that streamer also sends each receiver a byte (see join())
+        const segment one{static_cast<std::byte*>(scratch_.handle()), 0, 1, 0};
+        transfer_entries(comm_, moves::receive, std::span<const segment>(&one, 1), nullptr, comm_stream_.handle(),
+                         until.remaining(), late);
+        wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up receive", late);
+      }
     } catch (const error& e) {
       abort();
       throw error(e.code(), fmt::format("nccl: this receiver (rank {} of {} on cuda:{}) could not join the session "
@@ -711,6 +859,8 @@ class nccl_sink final : public sink {
     }
     peer_ = h.peer;
     rank_ = rank;
+    streamer_parts_ = session.parts;
+    parts_ = false;
     ahead_->reset();
     timeline_.reset();
     late_ = fmt::format(
@@ -737,20 +887,37 @@ class nccl_sink final : public sink {
   }
 
   bool offer_in_place(const wire::hello& h, std::span<const plan::destination> table, wire::ok& reply) override {
+    parts_ = false;
     bool offer = attached_ && h.mode == wire::session_mode::in_place && !table.empty();
+    bool plain = true;  // every destination whole and dense, one per name: a broadcast lands in each
     std::unordered_set<std::string_view> names;
-    for (const plan::destination& d : table)
-      if (offer && ((d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) || !plan::is_plain(d) ||
-                    !names.insert(d.meta.name).second))
-        offer = false;  // a view or a slice is staged: a broadcast lands whole and dense
+    for (const plan::destination& d : table) {
+      if (d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) offer = false;
+      if (!plan::is_plain(d) || !names.insert(d.meta.name).second) plain = false;
+    }
+    // Parts land straight in their destinations: each must be one dense range (a view of rows, such
+    // as a fused tensor's narrow(0) or a TP shard; not a narrow(1), whose rows lie apart).
+    if (!plain && !std::all_of(table.begin(), table.end(), dense)) offer = false;
+    if (offer && !plain && !streamer_parts_) offer = false;  // that streamer broadcasts whole tensors
     if (offer) {
       recv_.clear();  // nothing is ever staged in this session: the memory goes back
       reply.mode = wire::session_mode::in_place;
+      if (!plain) {
+        // The streamer sends this receiver only what its destinations take: it needs them.
+        reply.handles.clear();
+        for (const plan::destination& d : table)
+          reply.handles.push_back("T" +
+                                  wire::encode_dest(wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides,
+                                                                      d.slice, wire::dest_record::no_allocation, 0}));
+        parts_ = true;
+      }
       return true;
     }
     make_buffers();  // batches will be staged here as they come
     return false;
   }
+
+  [[nodiscard]] bool parts() const noexcept override { return parts_; }
 
   [[nodiscard]] bool attached() const noexcept override { return attached_; }
   [[nodiscard]] std::size_t count() const noexcept override { return sizes_.size(); }
@@ -779,8 +946,9 @@ class nccl_sink final : public sink {
       device_guard guard(device_);
       ahead_->wait(comm_.handle(), timeout_, late_);
       check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), applied_[i].handle(), 0), "cudaStreamWaitEvent(applied)");
-      batch_.broadcast(comm_, i < recv_.size() ? static_cast<std::byte*>(recv_[i].handle()) : nullptr,
-                       comm_stream_.handle(), timeout_, late_, timeline_);
+      batch_.transfer(comm_, parts_ ? moves::receive : moves::broadcast,
+                      i < recv_.size() ? static_cast<std::byte*>(recv_[i].handle()) : nullptr, comm_stream_.handle(),
+                      timeout_, late_, timeline_);
       check_cuda(cudaEventRecord(received_[i].handle(), comm_stream_.handle()), "cudaEventRecord(received)");
       ahead_->record(comm_stream_.handle());
       check_cuda(cudaStreamWaitEvent(apply_.handle(), received_[i].handle(), 0), "cudaStreamWaitEvent(received)");
@@ -866,11 +1034,25 @@ class nccl_sink final : public sink {
     }
   }
 
+  /// True when `d`'s view is one dense range of memory (row-major strides, or none), so that any
+  /// run of its source lands in one range of it.
+  static bool dense(const plan::destination& d) {
+    if (d.strides.empty()) return true;
+    std::int64_t expected = 1;
+    for (std::size_t k = d.meta.shape.size(); k-- > 0;) {
+      if (d.meta.shape[k] != 1 && d.strides[k] != expected) return false;
+      expected *= d.meta.shape[k];
+    }
+    return true;
+  }
+
   int device_;
   milliseconds timeout_;
   std::string peer_;
   std::string late_;  ///< what a timeout of the session means, for messages
   bool attached_ = false;
+  bool streamer_parts_ = false;  ///< this session's streamer sends parts (nccl_session::parts)
+  bool parts_ = false;           ///< this session receives only parts (parts())
   cuda::stream comm_stream_;
   cuda::stream apply_;
   std::vector<std::uint64_t> sizes_;       ///< the buffers the streamer announced

@@ -38,10 +38,15 @@ inline constexpr std::uint64_t direct_batch_bytes = 1ull << 30;
 /// they land. `data` null means "in the batch's buffer at `offset`" (a packed entry on the
 /// streamer, a staged one on a receiver); otherwise the entry's own tensor, sent from or received
 /// into in place.
+///
+/// In a parts session (source::parts(), sink::parts()) a segment is one receiver's part of an
+/// entry: on the streamer `peer` names that receiver (from 1, its rank), on a receiver it is 0
+/// (from the streamer).
 struct segment {
   std::byte* data = nullptr;
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
+  std::uint32_t peer = 0;
 };
 
 /// The segments of a batch whose entries all lie in its buffer (a delta's): one, from the buffer's
@@ -51,9 +56,12 @@ std::vector<segment> buffer_prefix(std::span<const wire::entry> entries);
 
 /// A destination of a direct session: its first byte (in the streamer's mapping of the receiver's
 /// weights) and the runs that move a source into it (kept by the source: see source::routes()).
+/// In a parts session `base` is null (the receiver writes its own memory) and `receiver` says whose
+/// destination it is (from 0).
 struct routed {
   std::byte* base = nullptr;
   std::span<const plan::run> runs;
+  std::size_t receiver = 0;
 };
 
 /// What a transport can do: the streamer and the receiver ask this instead of testing for a kind.
@@ -142,6 +150,20 @@ class source {
   /// so batches are planned with direct_batch_bytes, and every tensor must be where() the
   /// transport sends from.
   [[nodiscard]] virtual bool in_place() const noexcept { return false; }
+  /// True when this in-place session sends each receiver only its part of every entry (nccl: some
+  /// receiver's table has views, slices or several destinations of one tensor, and described them
+  /// in its reply to HELLO, see sink::parts()). Then routes() says which bytes of a tensor each
+  /// receiver takes (`base` null), and each segment passed to entries() is one receiver's part
+  /// (segment::peer), sent from where it is or from gather().
+  [[nodiscard]] virtual bool parts() const noexcept { return false; }
+  /// In a parts session: memory of at least `bytes` bytes on where() for the parts of the batch in
+  /// buffer i that do not lie in one range of their tensor (a column slice), gathered there by
+  /// copies on stream() after begin_pack(i). Valid until the session closes; nullptr where the
+  /// transport has none.
+  virtual std::byte* gather(std::size_t i, std::uint64_t bytes) {
+    (void)i, (void)bytes;
+    return nullptr;
+  }
   /// In an in-place session: buffer i, of direct_batch_bytes, for the entries that must be packed
   /// after all (converted ones: the receivers ask for another dtype than the tensor's), made on
   /// first use and ordered like any buffer (begin_pack / entries / end_pack); nullptr where the
@@ -232,6 +254,12 @@ class sink {
     (void)h, (void)table, (void)reply;
     return false;
   }
+  /// True when the in-place session offer_in_place() granted receives only the bytes this
+  /// receiver's destinations take (nccl: the table has views, slices or several destinations of
+  /// one tensor, each a dense range of the sink's GPU). The receiver then passes entries() one
+  /// segment per destination an entry reaches (in table order, none where it takes nothing of
+  /// the entry), each received straight into that destination.
+  [[nodiscard]] virtual bool parts() const noexcept { return false; }
   [[nodiscard]] virtual bool attached() const noexcept = 0;
   [[nodiscard]] virtual std::size_t count() const noexcept = 0;
   [[nodiscard]] virtual std::uint64_t buffer_bytes(std::size_t i) const noexcept = 0;

@@ -822,9 +822,14 @@ TEST_CASE(
 
 /// An engine's own layout of a small model, in one device allocation: fused qkv (GQA: q 64 rows, k
 /// and v 16), a row-parallel shard (columns 32..63 of o), tied embeddings (emb into two tensors) and
-/// a strided view (w into columns 6..25 of a [12, 40] tensor). u16 stands for bf16.
+/// a strided view (w into columns 6..25 of a [12, 40] tensor; left out with `strided` false: every
+/// other destination is one dense range). u16 stands for bf16.
 struct engine_layout {
   static constexpr std::int64_t h = 32;
+  explicit engine_layout(bool with_strided = true) : strided(with_strided) {
+    if (!strided) sources.pop_back();
+  }
+  bool strided;
   std::vector<refit::tensor_meta> sources{{"q", refit::dtype::u16, {64, h}},   {"k", refit::dtype::u16, {16, h}},
                                           {"v", refit::dtype::u16, {16, h}},   {"o", refit::dtype::u16, {h, 64}},
                                           {"emb", refit::dtype::u16, {40, h}}, {"w", refit::dtype::u16, {12, 20}}};
@@ -847,9 +852,10 @@ struct engine_layout {
     add(refit::tensor_meta{"o", refit::dtype::u16, {h, 32}}, o_local, shard);
     add(sources[4], emb, {});
     add(sources[4], head, {});
-    refit::dest_layout strided;
-    strided.strides = {40, 1};
-    add(sources[5], big + 6, strided);
+    if (!strided) return;
+    refit::dest_layout view;
+    view.strides = {40, 1};
+    add(sources[5], big + 6, view);
   }
 
   /// The engine allocation as it must be after a refit of `version` (zeros where nothing lands).
@@ -860,7 +866,7 @@ struct engine_layout {
       rt::fill_pattern(sources[i].name, version, reinterpret_cast<std::uint8_t*>(v.data()), sources[i].nbytes());
       return v;
     };
-    const auto q = src(0), k = src(1), v = src(2), o = src(3), e = src(4), w = src(5);
+    const auto q = src(0), k = src(1), v = src(2), o = src(3), e = src(4);
     std::copy(q.begin(), q.end(), out.begin() + qkv);
     std::copy(k.begin(), k.end(), out.begin() + qkv + 64 * h);
     std::copy(v.begin(), v.end(), out.begin() + qkv + 80 * h);
@@ -868,19 +874,23 @@ struct engine_layout {
       for (std::int64_t c = 0; c < 32; ++c) out[o_local + r * 32 + c] = o[r * 64 + 32 + c];
     std::copy(e.begin(), e.end(), out.begin() + emb);
     std::copy(e.begin(), e.end(), out.begin() + head);
+    if (!strided) return out;
+    const auto w = src(5);
     for (std::int64_t r = 0; r < 12; ++r)
       for (std::int64_t c = 0; c < 20; ++c) out[big + r * 40 + 6 + c] = w[r * 20 + c];
     return out;
   }
 };
 
-/// `transport` nccl: the receiver on cuda:1 (views and slices are staged there: a broadcast
-/// of each whole tensor, then the receiver's own copies into its views).
+/// `transport` nccl: the receiver on cuda:1. In place with every destination one dense range
+/// (`strided` false), the streamer sends it only its parts of each tensor, into its views (o's
+/// columns gathered first, emb twice); otherwise views and slices are staged there (a broadcast of
+/// each whole tensor, then the receiver's own copies into its views).
 void engine_layout_refits(bool direct, refit::transport_kind transport = refit::transport_kind::cuda_ipc,
-                          bool share = true) {
+                          bool share = true, bool strided = true) {
   const bool nccl = transport == refit::transport_kind::nccl;
   const int rx_device = nccl ? rt::gpu_of(1) : 0;
-  const engine_layout layout;
+  const engine_layout layout(strided);
   const auto ep = rt::temp_endpoint();
   const std::vector<std::uint64_t> versions = {1, 2, 3};
   two_processes(
@@ -916,10 +926,19 @@ void engine_layout_refits(bool direct, refit::transport_kind transport = refit::
         for (const std::uint64_t v : versions) {
           source.upload(v);
           const auto stats = s.refit(v, source.refs());
+          std::uint64_t total = 0;
+          for (const auto& m : layout.sources) total += m.nbytes();
+          const bool parts = nccl && direct && !strided;
           if (!nccl)
             expect(stats.direct == direct, direct ? "the refit was staged, not direct" : "the refit was direct");
           else
-            expect(!stats.direct, "an nccl refit into views was in place");  // views are staged over nccl
+            expect(stats.direct == parts, parts ? "the nccl refit into dense views was not in place"
+                                                : "an nccl refit into a strided view was in place");
+          // In parts: every tensor once but o, whose half the receiver takes (its columns 32..63),
+          // and emb a second time (tied: two destinations).
+          const std::uint64_t want = parts ? total - layout.sources[3].nbytes() / 2 + layout.sources[4].nbytes() : 0;
+          expect(stats.parts_bytes == want,
+                 "parts_bytes " + std::to_string(stats.parts_bytes) + ", not " + std::to_string(want));
         }
         s.close();
       });
@@ -947,6 +966,9 @@ TEST_CASE("the same engine layout over nccl to a receiver on cuda:1, in-place as
   }
   engine_layout_refits(true, refit::transport_kind::nccl);
   engine_layout_refits(false, refit::transport_kind::nccl);
+  // Without the strided view every destination is one dense range: in place, only its parts sent.
+  engine_layout_refits(true, refit::transport_kind::nccl, true, false);
+  engine_layout_refits(false, refit::transport_kind::nccl, true, false);
 }
 
 /// Tensor parallelism of degree 2 on one host: rank r holds half of q's and k's rows (its local
@@ -998,8 +1020,9 @@ struct tp_layout {
 };
 
 /// `vmm`: each rank's engine memory is a VMM chunk exportable as a descriptor (an engine under
-/// expandable segments), written through the descriptors its lane passes.
-void tp_refits(int second_device, bool vmm = false) {
+/// expandable segments), written through the descriptors its lane passes. `nccl`: the streamer
+/// sends each rank only its parts, in place (rank 0 on gpu_of(1), rank 1 on `second_device`).
+void tp_refits(int second_device, bool vmm = false, bool nccl = false) {
   const tp_layout layout;
   const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
   const std::vector<std::uint64_t> versions = {1, 2, 3};
@@ -1030,7 +1053,7 @@ void tp_refits(int second_device, bool vmm = false) {
     expect(commits == versions.size(), "rank " + std::to_string(rank) + ": " + std::to_string(commits) + " commits");
   };
   rt::signal_pipe ready0, ready1;
-  rt::child rx0([&] { rank_body(0, 0, ready0); });
+  rt::child rx0([&] { rank_body(0, nccl ? rt::gpu_of(1) : 0, ready0); });
   REQUIRE(ready0.receive(60s) == "ready");
   rt::child rx1([&] { rank_body(1, second_device, ready1); });
   REQUIRE(ready1.receive(60s) == "ready");
@@ -1038,11 +1061,18 @@ void tp_refits(int second_device, bool vmm = false) {
     device_tensors source(layout.sources, 0);
     auto o = stream_options(eps[0], 0, relaxed);
     o.receivers = eps;
+    if (nccl) o.transport = refit::transport_kind::nccl;
     refit::streamer s(o);
+    std::uint64_t total = 0;
+    for (const auto& m : layout.sources) total += m.nbytes();
     for (const std::uint64_t v : versions) {
       source.upload(v);
       const auto stats = s.refit(v, source.refs());
       expect(stats.direct, "the refit to two ranks was not direct");
+      // Each rank its halves, both the whole norm: every byte once, the norm twice.
+      const std::uint64_t want = nccl ? total + layout.sources[4].nbytes() : 0;
+      expect(stats.parts_bytes == want,
+             "parts_bytes " + std::to_string(stats.parts_bytes) + ", not " + std::to_string(want));
     }
     s.close();
   });
@@ -1054,6 +1084,17 @@ void tp_refits(int second_device, bool vmm = false) {
 TEST_CASE("one cuda_ipc streamer writes two TP ranks on one GPU directly, each only its shards, bit-exact",
           "[cuda_ipc][layout][tp]") {
   tp_refits(0);
+}
+
+TEST_CASE(
+    "one nccl streamer sends two TP ranks only their shards (row, column and vocab slices, a replicated norm), "
+    "received in place, bit-exact",
+    "[nccl][layout][tp]") {
+  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(3)) {
+    WARN("no nccl or no GPU: the nccl TP test did not run");
+    return;
+  }
+  tp_refits(rt::gpu_of(2), false, true);
 }
 
 TEST_CASE("one cuda_ipc streamer writes two TP ranks' VMM engine memory on one GPU directly, through each lane",
@@ -1121,35 +1162,36 @@ TEST_CASE(
     "the allocation check works on a thread that made no CUDA call (a Python engine's serving thread): it finds "
     "the allocation and its id, and nothing once it is freed",
     "[cuda_ipc][layout]") {
-  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
-  auto buffer = std::make_unique<refit::cuda::device_buffer>(1 << 20);
-  auto* inside = static_cast<std::byte*>(buffer->handle()) + 4096;
-  const auto ask = [&] {
-    std::optional<refit::copy::allocation> found;
-    std::uint64_t id = 0;
-    std::string failed;
-    std::thread fresh([&] {  // no runtime call before: cudaGetDevice() says 0, and no context is current
-      try {
-        found = refit::copy::cuda_allocation_of(inside, 0);
-        id = refit::copy::cuda_allocation_id(inside, 0);
-      } catch (const std::exception& e) {
-        failed = e.what();
-      }
-    });
-    fresh.join();
-    return std::tuple{found, id, failed};
-  };
-  const auto [found, id, failed] = ask();
-  REQUIRE(failed.empty());
-  REQUIRE(found.has_value());
-  CHECK(found->base == reinterpret_cast<std::uintptr_t>(buffer->handle()));
-  CHECK(found->bytes >= (1u << 20));
-  CHECK(id != 0);
-  CHECK(found->id == id);
-  buffer.reset();
-  const auto [gone, gone_id, gone_failed] = ask();
-  CHECK(gone_failed.empty());
-  CHECK(!gone.has_value());
+  rt::child check([] {  // the parent never touches CUDA: its children fork from it
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    auto buffer = std::make_unique<refit::cuda::device_buffer>(1 << 20);
+    auto* inside = static_cast<std::byte*>(buffer->handle()) + 4096;
+    const auto ask = [&] {
+      std::optional<refit::copy::allocation> found;
+      std::uint64_t id = 0;
+      std::string failed;
+      std::thread fresh([&] {  // no runtime call before: cudaGetDevice() says 0, and no context is current
+        try {
+          found = refit::copy::cuda_allocation_of(inside, 0);
+          id = refit::copy::cuda_allocation_id(inside, 0);
+        } catch (const std::exception& e) {
+          failed = e.what();
+        }
+      });
+      fresh.join();
+      return std::tuple{found, id, failed};
+    };
+    const auto [found, id, failed] = ask();
+    expect(failed.empty(), "failed: " + failed);
+    expect(found.has_value() && found->base == reinterpret_cast<std::uintptr_t>(buffer->handle()) &&
+               found->bytes >= (1u << 20),
+           "the allocation was not found where it is");
+    expect(id != 0 && found && found->id == id, "no allocation id, or another one");
+    buffer.reset();
+    const auto [gone, gone_id, gone_failed] = ask();
+    expect(gone_failed.empty() && !gone.has_value(), "a freed allocation was found: " + gone_failed);
+  });
+  CHECK(check.wait(60s) == 0);
 }
 
 TEST_CASE(

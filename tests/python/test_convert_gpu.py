@@ -164,14 +164,26 @@ def test_nccl_in_place_converts_into_staging_buffers_and_receives_in_place(peer,
     job.stop()
 
 
-def test_nccl_with_a_shard_destination_stages_and_converts(peer, nccl_ranks):
+@pytest.mark.parametrize("direct", [True, False])
+def test_nccl_with_a_shard_destination_converts_and_sends_only_its_part(peer, nccl_ranks, direct):
     shared = nccl_ranks(2)
     torch.cuda.set_device(0)
-    job = peer.run(serve_fp8, rank_gpu(1), True, shared)  # w_shard is a slice: not received in place
+    job = peer.run(serve_fp8, rank_gpu(1), True, shared)  # w_shard takes columns 128..299 of its source
     endpoint = job.recv()
     src = sources("cuda:0")
-    with streamer(None, transport="nccl", receivers=[endpoint], device=0, direct=True) as st:
-        stats = st.refit(1, src)
-        assert stats.direct is False
-        check(job.request("state"), src)
+    with streamer(None, transport="nccl", receivers=[endpoint], device=0, direct=direct) as st:
+        for version in (1, 2):
+            stats = st.refit(version, src)
+            # In place, every destination one dense range: the receiver is sent only what it takes,
+            # converted (the shard's columns gathered from the converted tensor, its scales' too).
+            # Buffered: whole tensors broadcast, the views applied on the receiver.
+            assert stats.direct is direct
+            if direct:
+                dests = {"w_block": (300 * 260, 3 * 3), "w_shard": (256 * 172, 2 * 2), "w_tensor": (64 * 100, 1),
+                         "w_big": (2048 * 4096, 16 * 32)}
+                want = sum(codes + 4 * scales for codes, scales in dests.values()) + 1000 * 2  # w_cast: bf16
+                assert stats.parts_bytes == want
+            else:
+                assert stats.parts_bytes == 0
+            check(job.request("state"), src)
     job.stop()

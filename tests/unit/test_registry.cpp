@@ -60,13 +60,18 @@ TEST_CASE("the registry holds the built transports and refuses malformed or repe
 }
 
 TEST_CASE("nccl session data round-trips and every malformed one is refused with what is wrong", "[registry]") {
-  const tr::nccl_session s{std::string(128, '\x3c'), 2, 5};
+  const tr::nccl_session s{std::string(128, '\x3c'), 2, 5, true};
   const std::string bytes = tr::encode_nccl_session(s);
-  CHECK(bytes.size() == 136);
+  CHECK(bytes.size() == 140);
   const auto back = tr::decode_nccl_session(bytes);
   CHECK(back.id == s.id);
   CHECK(back.rank == 2);
   CHECK(back.nranks == 5);
+  CHECK(back.parts);
+  // A streamer of before the flags word (136 bytes) does not send parts; nor one whose flags say so.
+  const auto old = tr::decode_nccl_session(bytes.substr(0, 136));
+  CHECK((old.rank == 2 && old.nranks == 5 && !old.parts));
+  CHECK(!tr::decode_nccl_session(tr::encode_nccl_session({std::string(128, 'x'), 1, 2, false})).parts);
 
   const auto refused = [](const std::string& b) {
     const auto f = failure_of([&] { (void)tr::decode_nccl_session(b); });
@@ -75,8 +80,9 @@ TEST_CASE("nccl session data round-trips and every malformed one is refused with
     return f->message;
   };
   CHECK(refused(bytes.substr(0, 135)) ==
-        "nccl: HELLO's session data is 135 bytes, but an nccl session is 136 (a 128-byte ncclUniqueId, rank, nranks): "
-        "the streamer was built against another NCCL");
+        "nccl: HELLO's session data is 135 bytes, but an nccl session is 136 or 140 (a 128-byte ncclUniqueId, rank, "
+        "nranks, and flags): the streamer was built against another NCCL");
+  CHECK(refused(bytes + "x").find("is 141 bytes") != std::string::npos);
   CHECK(refused("").find("is 0 bytes") != std::string::npos);
   const auto with = [&](std::uint32_t rank, std::uint32_t nranks) {
     return tr::encode_nccl_session({std::string(128, 'x'), rank, nranks});

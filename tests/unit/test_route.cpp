@@ -880,3 +880,55 @@ TEST_CASE("route_cache gives route()'s runs, recomputes them for another dtype o
   CHECK(same(cache.get(d, dtype::bf16, shape_t{4, 10}), wider));
   CHECK(same(cache.get(d, dtype::bf16, shape_t{4, 8}), refit::plan::route(d, dtype::bf16, shape_t{4, 8})));
 }
+
+TEST_CASE("contiguous says where the bytes runs read or write lie when they form one range, in order", "[route]") {
+  using refit::plan::contiguous;
+  // Brute force: the offsets the runs touch, in the order they take them.
+  const auto walk = [](const std::vector<run>& runs, bool source) {
+    std::vector<std::uint64_t> at;
+    for (const run& r : runs)
+      for (std::uint64_t i = 0; i < r.rows; ++i)
+        for (std::uint64_t b = 0; b < r.width; ++b)
+          at.push_back((source ? r.src + i * r.src_pitch : r.dst + i * r.dst_pitch) + b);
+    return at;
+  };
+  std::mt19937_64 rng(91);
+  std::size_t ranges = 0;
+  for (int n = 0; n < 5000; ++n) {
+    // A run clipped to a random range (up to three pieces), or two random runs.
+    std::vector<run> runs;
+    const run r = random_run(rng);
+    std::uint64_t from = random_cut(rng, r), to = random_cut(rng, r);
+    if (from > to) std::swap(from, to);
+    if (n % 4 == 0)
+      runs = {r, random_run(rng)};
+    else
+      refit::plan::clip(r, from, to, runs);
+    for (const bool source : {true, false}) {
+      INFO("case " << n << (source ? " (source)" : " (destination)") << ": " << Catch::Detail::stringify(runs));
+      const auto at = walk(runs, source);
+      bool one = !at.empty();
+      for (std::size_t i = 1; one && i < at.size(); ++i) one = at[i] == at[i - 1] + 1;
+      const auto got = contiguous(runs, source);
+      REQUIRE(got.has_value() == one);
+      if (one) {
+        REQUIRE(*got == at.front());
+        ++ranges;
+      }
+    }
+  }
+  CHECK(ranges > 500);  // both outcomes were drawn often
+
+  // A TP rank's column slice of a row-major source: its rows lie apart in the source, and land in
+  // one range of a dense shard; a row slice is one range on both sides.
+  std::vector<std::uint8_t> engine(64);
+  const auto columns = refit::plan::route(make_dest("o", dtype::u16, {4, 4}, engine.data(), {}, source_slice{1, 4, 4}),
+                                          dtype::u16, std::vector<std::int64_t>{4, 8});
+  CHECK(!contiguous(columns, true));
+  CHECK(contiguous(columns, false) == std::optional<std::uint64_t>(0));
+  const auto rows = refit::plan::route(make_dest("q", dtype::u16, {2, 8}, engine.data(), {}, source_slice{0, 2, 2}),
+                                       dtype::u16, std::vector<std::int64_t>{4, 8});
+  CHECK(contiguous(rows, true) == std::optional<std::uint64_t>(32));
+  CHECK(contiguous(rows, false) == std::optional<std::uint64_t>(0));
+  CHECK(!contiguous({}, true));
+}

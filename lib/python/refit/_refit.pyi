@@ -15,6 +15,7 @@ class RefitStats:
     wait_seconds: float
     direct: bool
     shared_bytes: int
+    parts_bytes: int
     control_lane: bool
     subset: bool
     delta: bool
