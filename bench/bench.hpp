@@ -22,6 +22,10 @@
 #include "refit/model.hpp"
 #include "refit/options.hpp"
 
+namespace refit {
+class receiver;
+}  // namespace refit
+
 namespace refit::bench {
 
 // ---------------------------------------------------------------- workloads
@@ -259,6 +263,15 @@ struct config;
 /// them (see runner_nccl.cpp). Throws refit::error(invalid_argument) in a build without NCCL, and
 /// on the streamer side when fewer than 2 GPUs are visible or c.receivers does not fit on them.
 std::unique_ptr<transport_path> make_nccl_path(const config& c);
+/// Registers every source tensor's view(s) of `layout`'s engine tensors, held in `dest`, as
+/// parameters of `r` (dense ones for plain, converted ones for --convert).
+void register_views(receiver& r, const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest);
+/// --corrupt-byte N: deliberate damage after a commit, to prove the verification catches it: flips a
+/// bit of the first byte of the last view of source N (the next one with bytes); nothing without it.
+void corrupt_after_commit(const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest);
+/// What a receiver reports of each source after a commit: the checksum of its bytes as they landed in
+/// its view(s) of `dest` (fold_view_checksums), one per source of m.
+std::vector<std::uint64_t> view_checksums(const manifest& m, const engine_layout& layout, const tensor_memory& dest);
 /// The path of `kind` for the side `c` describes (c.device, c.receivers, ...).
 std::unique_ptr<transport_path> make_path(transport_kind kind, const config& c);
 /// Transports this build of the bench can run (nccl included when built, whatever the GPU count).
@@ -292,6 +305,23 @@ std::string nccl_unique_id_hex();
 /// (bytes/s) of the median broadcast timed with CUDA events, and stores the best in *best; 0 elsewhere.
 double nccl_ceiling_rank(const std::string& id_hex, int rank, int nranks, int device, std::chrono::milliseconds timeout,
                          const std::function<void()>& watch, const std::function<void()>& done, double* best = nullptr);
+/// One communicator a process of the nccl ceiling joins: its id (hex), this process's rank in it, its
+/// size, and the bytes its rank 0 broadcasts.
+struct ceiling_comm {
+  std::string id_hex;
+  int rank = 0;
+  int nranks = 0;
+  std::uint64_t bytes = 0;
+};
+/// One process of the nccl ceiling over several communicators at once (refit-bench --streamers: a
+/// receiver is a rank of every streamer's communicator), on `device`: per repetition, every
+/// communicator's one-element all-reduce, then, once all of them have completed here, every
+/// broadcast, each on a stream of its own. nccl_ceiling_rank() is this with one communicator. Returns
+/// the median of this process's times from its all-reduces' end to its last broadcast's end, in
+/// seconds (CUDA events), after calling `done(median, shortest)` with the communicators still alive;
+/// `watch` and `timeout` as there.
+double nccl_ceiling_ranks(const std::vector<ceiling_comm>& comms, int device, std::chrono::milliseconds timeout,
+                          const std::function<void()>& watch, const std::function<void(double, double)>& done);
 inline constexpr std::uint64_t nccl_ceiling_bytes = 1ull << 30;
 inline constexpr int nccl_ceiling_warmup = 3;
 inline constexpr int nccl_ceiling_reps = 10;
@@ -517,7 +547,13 @@ struct row {
 double median(std::vector<double> v);
 /// refit-bench --delta STEPS (bench/delta.cpp): host_shm, one built-in model.
 int run_delta(const config& c, std::ostream& out);
+/// refit-bench --streamers N (bench/group.cpp): a group of N shard streamers into the receivers.
 int run_group(const config& c, std::ostream& out);
+/// --streamers N over nccl with `receivers` receivers and `visible` GPUs: throws
+/// refit::error(invalid_argument) saying what to do when NCCL is not built, no GPU is visible, --device
+/// is not one of them, or the N + receivers ranks do not each get a GPU of their own without
+/// --nccl-share-gpus.
+void check_group_gpus(const config& c, std::size_t n, std::size_t receivers, int visible);
 
 void write_preamble(std::ostream& out, const preamble& p);
 void write_header(std::ostream& out);

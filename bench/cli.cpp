@@ -194,10 +194,16 @@ void add_run_options(CLI::App& app, config& c, cli_text& t) {
                  "update rounded to bf16, against whole refits of the same run")
       ->check(CLI::PositiveNumber);
   app.add_option("--streamers", c.streamers,
-                 "N streamers (one per trainer rank, in threads of this process), each holding the Shard(0) rows of "
-                 "every tensor, send each version together to --receivers full replicas (cuda_ipc or host_shm, one "
-                 "--model; --receiver-devices spread: rank k and receiver k on GPU (device + k) % visible); timed "
-                 "against the ceiling of the same copies made by the copy engines")
+                 "N streamers (one per trainer rank), each holding the Shard(0) rows of every tensor, send each "
+                 "version together to the receivers (one --model, the first --path): --receivers full replicas, or "
+                 "the model in --layout (fused, ep: each receiver; tpN: one receiver per rank; host_shm: one "
+                 "receiver, the rank --rank names), every tensor verified after every version. host_shm and "
+                 "cuda_ipc run the streamers as threads of this process (cuda_ipc --receiver-devices spread: rank k "
+                 "and receiver k on GPU (device + k) % visible), timed against the same copies made by memcpy or "
+                 "the copy engines; nccl runs each streamer as a process with a communicator of its own (receiver "
+                 "k on GPU (device + 1 + k) % visible, streamer 0 on --device, streamer r on GPU (device + R + r) % "
+                 "visible; --nccl-share-gpus lets ranks share GPUs), timed against raw ncclBroadcasts of the same "
+                 "shards on one communicator per rank, all at once")
       ->check(CLI::PositiveNumber);
   app.add_option("--delta-update", c.delta_update,
                  "--delta: relative size of one step's update (w += u * |w| * "

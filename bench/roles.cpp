@@ -861,28 +861,6 @@ class report_endpoint {
   std::optional<channel::rep_channel> channel_;
 };
 
-/// Registers every source tensor's view(s) of the engine tensors in `dest` as parameters.
-void register_views(receiver& r, const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest) {
-  for (const layout_view& v : layout.views) {
-    const tensor_meta& src = m.entries[v.source].meta;
-    tensor_dest d{tensor_meta{src.name, src.type, v.shape}, dest.data(v.tensor) + v.offset, dest.where()};
-    if (c.convert && c.layout == layout_kind::plain) {
-      // The codes at the start of the source-sized memory, the scales behind them.
-      if (const auto scale_at = converted_scale_offset(*c.convert, src)) {
-        d.meta.type = c.convert->to;
-        d.q = c.convert->q;
-        if (d.q != quant::none) d.scale = d.data == nullptr ? nullptr : static_cast<std::byte*>(d.data) + *scale_at;
-      }
-    }
-    if (c.layout == layout_kind::plain) {
-      r.add_parameter(d);  // dense, one tensor per source: as before layouts existed
-    } else {
-      const tensor_meta& engine = layout.tensors.entries[v.tensor].meta;
-      r.add_parameter(d, dest_layout{v.strides, v.slice, dest.data(v.tensor), engine.nbytes()});
-    }
-  }
-}
-
 void emit(const json& j) {
   std::cout << j.dump() << '\n';
   std::cout.flush();
@@ -929,26 +907,9 @@ void print_banner(const config& c, const manifest& m, const std::string& model, 
 json committed_line(const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest, receiver& r) {
   const receiver_stats st = r.last_stats();
   const std::uint64_t v = r.committed_version().value_or(0);
-  if (c.corrupt_tensor && m.bytes() != 0) {
-    // Deliberate damage after the commit, to prove the verification catches it: the first
-    // byte of the tensor's last view (a tied embedding's engine lm_head).
-    std::size_t i = *c.corrupt_tensor % m.entries.size();
-    while (m.entries[i].meta.nbytes() == 0) i = (i + 1) % m.entries.size();
-    const layout_view& v = layout.views[layout.of_source[i].back()];
-    dest.flip(v.tensor, v.offset, 0x01);
-  }
+  corrupt_after_commit(c, m, layout, dest);
   const auto t1 = clock::now();
-  // Each source's bytes as they landed in its view(s) of the engine tensors.
-  json sums = json::array();
-  std::vector<std::uint64_t> of_views;
-  for (std::size_t i = 0; i < m.entries.size(); ++i) {
-    of_views.clear();
-    for (const std::size_t k : layout.of_source[i]) {
-      const layout_view& v = layout.views[k];
-      of_views.push_back(dest.checksum(v.tensor, v.offset, v.bytes));
-    }
-    sums.push_back(fold_view_checksums(of_views));
-  }
+  json sums = view_checksums(m, layout, dest);
   // apply: copying into the weights, plus the wait at END for the device to finish them.
   json line{{"event", "committed"},
             {"version", v},
@@ -963,6 +924,49 @@ json committed_line(const config& c, const manifest& m, const engine_layout& lay
 }
 
 }  // namespace
+
+void register_views(receiver& r, const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest) {
+  for (const layout_view& v : layout.views) {
+    const tensor_meta& src = m.entries[v.source].meta;
+    tensor_dest d{tensor_meta{src.name, src.type, v.shape}, dest.data(v.tensor) + v.offset, dest.where()};
+    if (c.convert && c.layout == layout_kind::plain) {
+      // The codes at the start of the source-sized memory, the scales behind them.
+      if (const auto scale_at = converted_scale_offset(*c.convert, src)) {
+        d.meta.type = c.convert->to;
+        d.q = c.convert->q;
+        if (d.q != quant::none) d.scale = d.data == nullptr ? nullptr : static_cast<std::byte*>(d.data) + *scale_at;
+      }
+    }
+    if (c.layout == layout_kind::plain) {
+      r.add_parameter(d);  // dense, one tensor per source: as before layouts existed
+    } else {
+      const tensor_meta& engine = layout.tensors.entries[v.tensor].meta;
+      r.add_parameter(d, dest_layout{v.strides, v.slice, dest.data(v.tensor), engine.nbytes()});
+    }
+  }
+}
+
+void corrupt_after_commit(const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest) {
+  if (!c.corrupt_tensor || m.bytes() == 0) return;
+  // The first byte of the tensor's last view (a tied embedding's engine lm_head).
+  std::size_t i = *c.corrupt_tensor % m.entries.size();
+  while (m.entries[i].meta.nbytes() == 0) i = (i + 1) % m.entries.size();
+  const layout_view& v = layout.views[layout.of_source[i].back()];
+  dest.flip(v.tensor, v.offset, 0x01);
+}
+
+std::vector<std::uint64_t> view_checksums(const manifest& m, const engine_layout& layout, const tensor_memory& dest) {
+  std::vector<std::uint64_t> sums, of_views;
+  for (std::size_t i = 0; i < m.entries.size(); ++i) {
+    of_views.clear();
+    for (const std::size_t k : layout.of_source[i]) {
+      const layout_view& v = layout.views[k];
+      of_views.push_back(dest.checksum(v.tensor, v.offset, v.bytes));
+    }
+    sums.push_back(fold_view_checksums(of_views));
+  }
+  return sums;
+}
 
 int run_receiver(const config& c) {
   if (!c.nccl_ceiling_id.empty()) return run_ceiling_rank(c);

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -175,71 +177,130 @@ std::string nccl_unique_id_hex() {
   return to_hex(id.internal, sizeof id.internal);
 }
 
-double nccl_ceiling_rank(const std::string& id_hex, int rank, int nranks, int device, milliseconds timeout,
-                         const std::function<void()>& watch, const std::function<void()>& done, double* best) {
+namespace {
+
+ncclUniqueId unique_id_of(const std::string& id_hex) {
   ncclUniqueId id{};
   const auto raw = from_hex(id_hex);
   if (!raw || raw->size() != sizeof id.internal)
     throw error(errc::invalid_argument, "--nccl-ceiling: not the hex of an ncclUniqueId");
   std::memcpy(id.internal, raw->data(), sizeof id.internal);
-  if (nranks < 2 || rank < 0 || rank >= nranks)
-    throw error(errc::invalid_argument, fmt::format("--nccl-rank {} of --nccl-ranks {}: out of range", rank, nranks));
+  return id;
+}
 
+/// What one communicator of a ceiling process holds: its buffers, its stream, and the events that
+/// tie its stream to the others' (all-reduce done; broadcast done).
+struct ceiling_lane {
+  explicit ceiling_lane(const ceiling_comm& c)
+      : buf(std::max<std::uint64_t>(c.bytes, 256)),
+        flag(256),
+        s(cudaStreamNonBlocking),
+        barrier(cudaEventDisableTiming),
+        sent(cudaEventDisableTiming) {
+    check_cuda(cudaMemset(buf.handle(), c.rank == 0 ? 0x5a : 0, std::max<std::uint64_t>(c.bytes, 256)),
+               "cudaMemset (ceiling buffer)");
+    check_cuda(cudaMemset(flag.handle(), 0, 256), "cudaMemset (ceiling flag)");
+  }
+  cuda::device_buffer buf, flag;
+  cuda::stream s;
+  cuda::event barrier, sent;
+  std::optional<communicator> comm;
+};
+
+}  // namespace
+
+double nccl_ceiling_ranks(const std::vector<ceiling_comm>& comms, int device, milliseconds timeout,
+                          const std::function<void()>& watch, const std::function<void(double, double)>& done) {
+  if (comms.empty()) throw error(errc::invalid_argument, "the nccl ceiling: no communicator to join");
+  std::vector<ncclUniqueId> ids;
+  for (const auto& c : comms) {
+    ids.push_back(unique_id_of(c.id_hex));
+    if (c.nranks < 2 || c.rank < 0 || c.rank >= c.nranks)
+      throw error(errc::invalid_argument,
+                  fmt::format("--nccl-rank {} of --nccl-ranks {}: out of range", c.rank, c.nranks));
+  }
   device_guard guard(device);
-  cuda::device_buffer buf(nccl_ceiling_bytes), flag(256);
-  check_cuda(cudaMemset(buf.handle(), rank == 0 ? 0x5a : 0, nccl_ceiling_bytes), "cudaMemset (ceiling buffer)");
-  check_cuda(cudaMemset(flag.handle(), 0, 256), "cudaMemset (ceiling flag)");
+  std::vector<std::unique_ptr<ceiling_lane>> lanes;
+  for (const auto& c : comms) lanes.push_back(std::make_unique<ceiling_lane>(c));
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // local memsets only
-  cuda::stream s(cudaStreamNonBlocking);
+  cuda::event go(cudaEventDisableTiming);
   std::vector<cuda::event> start, stop;
   for (int i = 0; i < nccl_ceiling_reps; ++i) {
     start.emplace_back(cudaEventDefault);
     stop.emplace_back(cudaEventDefault);
   }
-
-  communicator comm(nranks, id, rank, deadline::after(timeout), watch);
+  // Every process joins its communicators in the order the caller lists them (all processes list
+  // them alike), so that none waits for a rank still joining another one.
+  for (std::size_t k = 0; k < comms.size(); ++k)
+    lanes[k]->comm.emplace(comms[k].nranks, ids[k], comms[k].rank, deadline::after(timeout), watch);
   const deadline until = deadline::after(timeout);
+  const cudaStream_t first = lanes.front()->s.handle();
+  const auto all_reduce = [&](ceiling_lane& l, std::string_view what) {
+    l.comm->enqueued(
+        ncclAllReduce(l.flag.handle(), l.flag.handle(), 1, ncclFloat, ncclSum, l.comm->handle(), l.s.handle()), what,
+        until, watch);
+  };
   for (int i = 0; i < nccl_ceiling_warmup + nccl_ceiling_reps; ++i) {
     const int timed = i - nccl_ceiling_warmup;
-    // A one-element all-reduce first: it completes on the root only once every rank has reached
-    // it, so the timed broadcast does not include a peer arriving late.
-    comm.enqueued(ncclAllReduce(flag.handle(), flag.handle(), 1, ncclFloat, ncclSum, comm.handle(), s.handle()),
-                  "ncclAllReduce (ceiling barrier)", until, watch);
-    if (rank == 0 && timed >= 0) check_cuda(cudaEventRecord(start[timed].handle(), s.handle()), "cudaEventRecord");
-    comm.enqueued(
-        ncclBroadcast(buf.handle(), buf.handle(), nccl_ceiling_bytes, ncclUint8, 0, comm.handle(), s.handle()),
-        "ncclBroadcast (ceiling)", until, watch);
-    if (rank == 0 && timed >= 0) check_cuda(cudaEventRecord(stop[timed].handle(), s.handle()), "cudaEventRecord");
+    // A one-element all-reduce on every communicator first: it completes only once every rank has
+    // reached it, so the timed broadcasts do not include a peer arriving late. The broadcasts start
+    // together, once all of this process's all-reduces are done.
+    for (auto& l : lanes) {
+      all_reduce(*l, "ncclAllReduce (ceiling barrier)");
+      check_cuda(cudaEventRecord(l->barrier.handle(), l->s.handle()), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(first, l->barrier.handle(), 0), "cudaStreamWaitEvent");
+    }
+    if (timed >= 0) check_cuda(cudaEventRecord(start[timed].handle(), first), "cudaEventRecord");
+    check_cuda(cudaEventRecord(go.handle(), first), "cudaEventRecord");
+    for (std::size_t k = 0; k < lanes.size(); ++k) {
+      ceiling_lane& l = *lanes[k];
+      check_cuda(cudaStreamWaitEvent(l.s.handle(), go.handle(), 0), "cudaStreamWaitEvent");
+      l.comm->enqueued(
+          ncclBroadcast(l.buf.handle(), l.buf.handle(), comms[k].bytes, ncclUint8, 0, l.comm->handle(), l.s.handle()),
+          "ncclBroadcast (ceiling)", until, watch);
+      check_cuda(cudaEventRecord(l.sent.handle(), l.s.handle()), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(first, l.sent.handle(), 0), "cudaStreamWaitEvent");
+    }
+    if (timed >= 0) check_cuda(cudaEventRecord(stop[timed].handle(), first), "cudaEventRecord");
   }
   // A closing barrier: over NCCL's network transport the root's broadcast completes once its bytes
   // are handed to the socket, and a root that then ended its communicator cut the last receive short
   // (run68: "Connection closed by remote peer" on rank 1). Past this, every rank has received all.
-  comm.enqueued(ncclAllReduce(flag.handle(), flag.handle(), 1, ncclFloat, ncclSum, comm.handle(), s.handle()),
-                "ncclAllReduce (ceiling end)", until, watch);
-  wait_for(
-      [&] {
-        const cudaError_t q = cudaStreamQuery(s.handle());
-        if (q == cudaErrorNotReady) return false;
-        check_cuda(q, "the ceiling broadcasts");
-        return true;
-      },
-      comm.handle(), until, fmt::format("the ceiling broadcasts of rank {} of {}", rank, nranks), watch);
+  for (auto& l : lanes) all_reduce(*l, "ncclAllReduce (ceiling end)");
+  for (std::size_t k = 0; k < lanes.size(); ++k)
+    wait_for(
+        [&] {
+          const cudaError_t q = cudaStreamQuery(lanes[k]->s.handle());
+          if (q == cudaErrorNotReady) return false;
+          check_cuda(q, "the ceiling broadcasts");
+          return true;
+        },
+        lanes[k]->comm->handle(), until,
+        fmt::format("the ceiling broadcasts of rank {} of {}", comms[k].rank, comms[k].nranks), watch);
 
-  double result = 0;
-  if (rank == 0) {
-    std::vector<double> seconds;
-    for (int i = 0; i < nccl_ceiling_reps; ++i) {
-      float ms = 0;
-      check_cuda(cudaEventElapsedTime(&ms, start[i].handle(), stop[i].handle()), "cudaEventElapsedTime");
-      seconds.push_back(static_cast<double>(ms) * 1e-3);
-    }
-    const double med = median(seconds);
-    result = static_cast<double>(nccl_ceiling_bytes) / med;
-    if (best) *best = static_cast<double>(nccl_ceiling_bytes) / *std::min_element(seconds.begin(), seconds.end());
+  std::vector<double> seconds;
+  for (int i = 0; i < nccl_ceiling_reps; ++i) {
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, start[i].handle(), stop[i].handle()), "cudaEventElapsedTime");
+    seconds.push_back(static_cast<double>(ms) * 1e-3);
   }
-  if (done) done();
-  comm.abort();  // quiescent: local and quick (a finalize would wait for every rank to finalize too)
-  return result;
+  const double med = median(seconds);
+  if (done) done(med, *std::min_element(seconds.begin(), seconds.end()));
+  for (auto& l : lanes) l->comm->abort();  // quiescent: local and quick (a finalize would wait for every rank)
+  return med;
+}
+
+double nccl_ceiling_rank(const std::string& id_hex, int rank, int nranks, int device, milliseconds timeout,
+                         const std::function<void()>& watch, const std::function<void()>& done, double* best) {
+  double shortest = 0;
+  const double med = nccl_ceiling_ranks({ceiling_comm{id_hex, rank, nranks, nccl_ceiling_bytes}}, device, timeout,
+                                        watch, [&](double, double least) {
+                                          shortest = least;
+                                          if (done) done();
+                                        });
+  if (rank != 0) return 0;
+  if (best) *best = static_cast<double>(nccl_ceiling_bytes) / shortest;
+  return static_cast<double>(nccl_ceiling_bytes) / med;
 }
 
 namespace {
@@ -372,6 +433,10 @@ std::unique_ptr<transport_path> make_nccl_path(const config& /*c*/) { not_built(
 std::string nccl_unique_id_hex() { not_built(); }
 double nccl_ceiling_rank(const std::string&, int, int, int, std::chrono::milliseconds, const std::function<void()>&,
                          const std::function<void()>&, double*) {
+  not_built();
+}
+double nccl_ceiling_ranks(const std::vector<ceiling_comm>&, int, std::chrono::milliseconds,
+                          const std::function<void()>&, const std::function<void(double, double)>&) {
   not_built();
 }
 

@@ -1916,14 +1916,89 @@ TEST_CASE(
   CHECK_THAT(out, Catch::Contains("# ceiling: one memcpy"));
   CHECK_THAT(out, Catch::Contains("x the ceiling"));
   CHECK_THAT(out, Catch::Contains("# out of bounds/wrong values: 0"));
-  std::string refused;
-  CHECK(run_binary({"--streamers", "2", "--transport", "host_shm", "--receivers", "2", "-q"}, refused) != 0);
-  // An engine layout is refused, not ignored: the group's receivers are full replicas.
+}
+
+namespace {
+
+/// The bench's stderr for `args`, run to its end; CHECKs that it exits with `code`.
+std::string bench_error(const std::vector<std::string>& args, int code = 2) {
   scratch s;
   const std::string err = s.file("err.txt");
-  CHECK(run_binary({"--streamers", "2", "--transport", "host_shm", "--model", "tiny", "--layout", "tp2", "-q"}, refused,
-                   err) == 2);
-  std::ifstream f(err);
-  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  CHECK_THAT(text, Catch::Contains("--streamers with --layout tp2: the receivers of a group are full replicas"));
+  std::string out;
+  CHECK(run_binary(args, out, err) == code);
+  return read_file(err);
+}
+
+}  // namespace
+
+TEST_CASE("--streamers 2 into engine layouts over host_shm: a tp2 rank and a fused replica, every tensor verified",
+          "[bench][e2e]") {
+  for (const std::vector<std::string>& layout : {std::vector<std::string>{"--layout", "tp2", "--rank", "1"},
+                                                 {"--layout", "tp2", "--rank", "0"},
+                                                 {"--layout", "fused"}}) {
+    std::vector<std::string> args{"--streamers", "2", "--transport", "host_shm", "--model", "tiny",
+                                  "--iters",     "2", "--warmup",    "1",        "-q"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    std::string out;
+    const int code = run_binary(args, out);
+    INFO(out);
+    CHECK(code == 0);
+    CHECK_THAT(out, Catch::Contains(layout[1] == "fused" ? "(each the model in --layout fused)"
+                                                         : "(rank " + layout[3] + " of --layout tp2)"));
+    CHECK_THAT(out, Catch::Contains("# out of bounds/wrong values: 0 "));
+  }
+  // The verification is real: a receiver that damages a tensor after each commit fails the run.
+  std::string out;
+  CHECK(run_binary({"--streamers", "2", "--transport", "host_shm", "--model", "tiny", "--layout", "tp2", "--rank", "1",
+                    "--iters", "2", "--warmup", "0", "--corrupt-byte", "5", "-q"},
+                   out) == 1);
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains("# out of bounds/wrong values: 2 "));
+}
+
+TEST_CASE("--streamers refuses what it cannot run, saying what to do", "[bench]") {
+  CHECK_THAT(bench_error({"--streamers", "2", "--transport", "host_shm", "--model", "tiny", "--receivers", "2", "-q"}),
+             Catch::Contains("error (invalid_argument): --streamers with host_shm: one receiver (--receivers 1)\n"));
+  CHECK_THAT(bench_error({"--streamers", "2", "--transport", "host_shm,cuda_ipc", "--model", "tiny", "-q"}),
+             Catch::Contains("error (invalid_argument): --streamers: one --transport: host_shm, cuda_ipc (in a build "
+                             "with CUDA) or nccl (with NCCL)\n"));
+  CHECK_THAT(bench_error({"--streamers", "2", "--model", "tiny", "--convert", "bf16:fp8-tensor", "-q"}),
+             Catch::Contains("error (invalid_argument): --streamers with --convert bf16:fp8-tensor: a group's "
+                             "receivers hold the model's own dtypes; run --convert without --streamers\n"));
+  CHECK_THAT(bench_error({"--streamers", "2", "--model", "tiny,qwen2.5-0.5b", "-q"}),
+             Catch::Contains("error (invalid_argument): --streamers: exactly one built-in --model\n"));
+  // nccl with no GPU visible (hidden here, whatever the machine has): built without NCCL, or no GPU.
+  ::setenv("CUDA_VISIBLE_DEVICES", "", 1);
+  const std::string nccl = bench_error({"--streamers", "2", "--transport", "nccl", "--model", "tiny", "-q"});
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  CHECK_THAT(nccl, Catch::Contains(REFIT_HAVE_NCCL
+                                       ? "error (invalid_argument): --streamers over nccl needs a visible GPU and none "
+                                         "is visible; check CUDA_VISIBLE_DEVICES, or use --transport host_shm\n"
+                                       : "error (invalid_argument): --streamers over nccl: this bench was built "
+                                         "without NCCL; rebuild with -Dnccl=enabled, or use --transport cuda_ipc or "
+                                         "host_shm\n"));
+}
+
+TEST_CASE("--streamers over nccl gives every rank a GPU of its own unless --nccl-share-gpus", "[bench]") {
+  config c;
+  c.streamers = 2;
+  if (!REFIT_HAVE_NCCL) {
+    CHECK_THROWS_WITH(check_group_gpus(c, 2, 2, 8),
+                      "--streamers over nccl: this bench was built without NCCL; rebuild with -Dnccl=enabled, or use "
+                      "--transport cuda_ipc or host_shm");
+    return;
+  }
+  CHECK_NOTHROW(check_group_gpus(c, 2, 2, 4));
+  CHECK_THROWS_WITH(check_group_gpus(c, 2, 2, 3),
+                    "--streamers 2 over nccl with 2 receiver(s): 4 ranks, each on a GPU of its own (NCCL allows one "
+                    "rank of a communicator per GPU of a host), and 3 GPU(s) visible; --nccl-share-gpus lets ranks "
+                    "share GPUs through NCCL's network transport");
+  CHECK_THROWS_WITH(check_group_gpus(c, 2, 1, 0),
+                    "--streamers over nccl needs a visible GPU and none is visible; check CUDA_VISIBLE_DEVICES, or "
+                    "use --transport host_shm");
+  c.device = 3;
+  CHECK_THROWS_WITH(check_group_gpus(c, 2, 1, 3), "--streamers over nccl: --device 3 but 3 GPU(s) are visible");
+  c.device = 0;
+  c.nccl_share_gpus = true;  // four ranks on one GPU, each process an NCCL host of its own
+  CHECK_NOTHROW(check_group_gpus(c, 2, 2, 1));
 }
