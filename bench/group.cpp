@@ -280,6 +280,8 @@ void serve(const config& c, const manifest& m, const child_plan& p, int rank, in
       write_line(out, line);
     } else if (e == receiver_event::aborted) {
       write_line(out, "aborted " + r.last_error());
+    } else if (p.kind == transport_kind::nccl && (e == receiver_event::hello || e == receiver_event::refused)) {
+      write_line(out, e == receiver_event::hello ? std::string("hello") : "refused " + r.last_error());
     }
     pollfd q{in, POLLIN, 0};
     if (::poll(&q, 1, 0) > 0) break;
@@ -497,9 +499,16 @@ class thread_ranks final : public rank_set {
 };
 
 /// Streamers as forked children (nccl): streamer_child() on the other end of each pipe.
+///
+/// Their first version starts rank by rank, each once every receiver has said "hello" for the one
+/// before: a receiver joins a streamer's communicator while it handles that streamer's HELLO and
+/// serves nothing else meanwhile, so two receivers that took the HELLOs of two ranks in opposite
+/// orders would each wait for the other to join (seen on the H200 with two ranks into a tp2 pair:
+/// both inits ran out of time). The sessions then stay, and later versions start together.
 class process_ranks final : public rank_set {
  public:
-  explicit process_ranks(std::vector<child> ranks) : ranks_(std::move(ranks)) {}
+  process_ranks(std::vector<child> ranks, std::vector<child>& receivers)
+      : ranks_(std::move(ranks)), receivers_(receivers) {}
   ~process_ranks() override {
     for (auto& k : ranks_) (void)reap(k);
   }
@@ -524,7 +533,11 @@ class process_ranks final : public rank_set {
   group_times refit(std::uint64_t v) override {
     group_times t;
     const auto t0 = clock_type::now();
-    for (auto& k : ranks_) write_line(k.to, fmt::format("go {}", v));
+    for (auto& k : ranks_) {
+      write_line(k.to, fmt::format("go {}", v));
+      if (!opened_) await_hellos(&k - ranks_.data());
+    }
+    opened_ = true;
     for (std::size_t r = 0; r < ranks_.size(); ++r) {
       const std::string line = read_line(ranks_[r].from);
       if (!line.starts_with("done ")) rank_failed(r, v, line.empty() ? "it exited" : line.substr(line.find(' ') + 1));
@@ -542,7 +555,19 @@ class process_ranks final : public rank_set {
   std::vector<child>& children() { return ranks_; }
 
  private:
+  /// Every receiver's "hello" for rank r's session.
+  void await_hellos(std::ptrdiff_t r) {
+    for (std::size_t k = 0; k < receivers_.size(); ++k) {
+      const std::string line = read_line(receivers_[k].from);
+      if (line != "hello")
+        throw error(errc::nccl, fmt::format("--streamers: receiver {} did not open rank {}'s session: '{}'", k, r,
+                                            line.empty() ? std::string("it exited") : line.substr(0, 300)));
+    }
+  }
+
   std::vector<child> ranks_;
+  std::vector<child>& receivers_;
+  bool opened_ = false;
 };
 
 // ---------------------------------------------------------------- ceilings
@@ -751,7 +776,8 @@ std::int64_t check_version(const config& c, const group_plan& p, const rank_set&
                            std::uint64_t v) {
   std::int64_t wrong = 0;
   for (std::size_t k = 0; k < receivers.size(); ++k) {
-    const std::string line = read_line(receivers[k].from);
+    std::string line = read_line(receivers[k].from);
+    while (line == "hello") line = read_line(receivers[k].from);  // a session opened again
     std::istringstream in(line);
     std::string word;
     std::uint64_t said = 0;
@@ -823,7 +849,7 @@ int run_group(const config& c, std::ostream& out) {
       children.push_back(fork_child(
           [&, r](int in, int up) { streamer_child(c, p.m, p.h, plan_child(p, r, sgpus[r]), p.direct, in, up); }));
     }
-    auto procs = std::make_unique<process_ranks>(std::move(children));
+    auto procs = std::make_unique<process_ranks>(std::move(children), receivers);
     progress("--streamers: measuring the ceiling (raw ncclBroadcast of every rank's shards, all at once)");
     ceiling = nccl_pattern_seconds(p, receivers, procs->children());
     ceiling_what = fmt::format(
