@@ -139,7 +139,10 @@ struct streamer_options {
   /// receiver (receiver_options::streamers = group_size); every rank calls refit() with the same
   /// versions, and its refit() returns when the version has ended on every receiver (the last rank's
   /// END), so streamer_options::timeout must cover the slowest rank's part. A group sends whole
-  /// versions and subsets: delta is refused (errc::invalid_argument), and so is nccl for now.
+  /// versions and subsets: delta is refused (errc::invalid_argument). Over nccl each rank has a
+  /// communicator of its own with the receivers, which a receiver joins while it answers that
+  /// rank's HELLO; receivers answer a rank's HELLO once the lower ranks have their sessions (at
+  /// most half the reply timeout later), so that every receiver joins them in the same order.
   std::size_t group_rank = 0;
   std::size_t group_size = 1;
 };

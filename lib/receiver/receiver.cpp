@@ -239,6 +239,11 @@ struct lane {
   /// A HELLO, BEGIN or BYE that superseded a refit in progress: received, not yet answered,
   /// handled at the start of the next serve_one().
   std::optional<wire::message> pending;
+  /// A group's HELLO over a transport whose set-up waits for every rank (nccl), received before the
+  /// lanes of lower ranks had their sessions: answered once they have (or after a bound), so that
+  /// every receiver of the group joins the ranks' communicators in the same order.
+  std::optional<wire::hello> waiting;
+  clock::time_point waiting_since{};
   clock::time_point last_message{};
   std::optional<refusal> deferred;  ///< a host-side apply that failed after its reply went out
   /// The END of this lane's part, checked and not answered yet: a group's version commits (and
@@ -391,7 +396,26 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 
   /// A message kept by serve_one() waits for its reply on some lane.
   [[nodiscard]] bool owes() const noexcept {
-    return std::any_of(lanes.begin(), lanes.end(), [](const lane& l) { return l.pending.has_value(); });
+    return std::any_of(lanes.begin(), lanes.end(),
+                       [](const lane& l) { return l.pending.has_value() || l.waiting.has_value(); });
+  }
+
+  /// True when HELLO `h` of a group must wait for the sessions of lower ranks: its transport joins a
+  /// collective at set-up (nccl: a receiver serves nothing else until every rank of that rank's
+  /// communicator is there), and some lower rank has no session of that transport yet. Receivers
+  /// that joined two ranks' communicators in opposite orders would wait for each other.
+  [[nodiscard]] bool must_wait(const wire::hello& h) const {
+    if (!grouped() || !transport::capabilities_of(h.transport).session_dies_on_error) return false;
+    return std::any_of(lanes.begin(), lanes.end(), [&](const lane& l) {
+      return l.rank < h.group_rank && !(l.sink && l.sink->attached() && l.sink->name() == h.transport);
+    });
+  }
+
+  /// How long a waiting HELLO waits at most: then it is answered whatever the lower ranks do (a rank
+  /// that never comes fails the set-up, as before).
+  [[nodiscard]] milliseconds wait_bound(const wire::hello& h) const {
+    const auto asked = milliseconds{static_cast<std::int64_t>(std::min<std::uint64_t>(h.reply_timeout_ms, 1ull << 40))};
+    return asked.count() > 0 ? asked / 2 : options.idle_timeout / 2;
   }
 
   /// The streamer of lane `l`, for messages: its peer name, and its rank in a group.
@@ -1433,6 +1457,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       reply_error(e.code(), e.what());
       return was_active ? receiver_event::aborted : receiver_event::refused;
     }
+    if (const auto* h = std::get_if<wire::hello>(&m); h != nullptr && must_wait(*h)) {
+      REFIT_DEBUG("HELLO of rank {} waits for the sessions of the lower ranks", h->group_rank);
+      ln->waiting = *h;
+      ln->waiting_since = clock::now();
+      return receiver_event::idle;
+    }
     if (const auto why = supersedes(m)) {
       // Reported on its own; the message that ended the refit is answered by the next call.
       answering = ln;
@@ -1498,6 +1528,24 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       l.last_message = clock::now();
       return dispatch(m);
     }
+    for (lane& l : lanes) {
+      if (!l.waiting) continue;
+      if (must_wait(*l.waiting) && clock::now() - l.waiting_since < wait_bound(*l.waiting)) {
+        wait = std::min(wait, milliseconds{10});  // asked again soon: the lower ranks' HELLOs come on other lanes
+        continue;
+      }
+      ln = &l;
+      wire::message m = std::move(*l.waiting);
+      l.waiting.reset();
+      if (const auto why = supersedes(m)) {  // as handle() does
+        answering = ln;
+        abort_refit(*why, grouped() ? errc::incomplete : errc::apply);
+        answering = nullptr;
+        l.pending = std::move(m);
+        return receiver_event::aborted;
+      }
+      return dispatch(m);
+    }
     if (group_version) {
       // A refit in progress must not wait forever on a dead streamer: every lane that has not
       // ended its part must say something within the idle timeout (one that has not begun it yet,
@@ -1557,7 +1605,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     std::vector<lane*> owners;
     for (std::size_t k = 0; k < lanes.size(); ++k) {
       lane& l = lanes[(next_lane + k) % lanes.size()];
-      if (l.held) continue;
+      if (l.held || l.waiting) continue;  // each answers before its next request
       open.push_back(&l.channel);
       owners.push_back(&l);
     }
