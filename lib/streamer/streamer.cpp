@@ -790,10 +790,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
           std::all_of(s.channels.begin(), s.channels.end(), [](const channel::req_channel& c) { return c.has_lane(); });
     }
 
-    /// The planner's options for this session: direct and in-place batches are not buffer-sized.
+    /// The planner's options for this session: direct and in-place batches are not buffer-sized,
+    /// but those of a parts session that gathers are (its gather memory stays within buffer_bytes).
     [[nodiscard]] plan_options plan_for(const plan_options& base) const {
       plan_options p = base;
-      if (direct || in_place) p.buffer_bytes = transport::direct_batch_bytes;
+      if (direct || (in_place && !(parts && st.buffers->gathers()))) p.buffer_bytes = transport::direct_batch_bytes;
       return p;
     }
 

@@ -556,6 +556,7 @@ class nccl_source final : public source {
     tables_.assign(replies.size(), {});
     described_.assign(replies.size(), false);
     parts_ = false;
+    gathers_ = false;
     if (in_place_)
       for (std::size_t k = 0; k < replies.size(); ++k) read_table(replies[k], k);
     if (in_place_) {
@@ -584,6 +585,7 @@ class nccl_source final : public source {
 
   [[nodiscard]] bool in_place() const noexcept override { return in_place_; }
   [[nodiscard]] bool parts() const noexcept override { return parts_; }
+  [[nodiscard]] bool gathers() const noexcept override { return gathers_; }
 
   std::vector<routed> routes(const tensor_meta& meta) override {
     if (!parts_) throw error(errc::internal, "nccl: routes() outside a parts session");
@@ -639,6 +641,7 @@ class nccl_source final : public source {
     id_.reset();
     in_place_ = false;
     parts_ = false;
+    gathers_ = false;
     tables_.clear();
     described_.clear();
     whole_.clear();
@@ -758,6 +761,14 @@ class nccl_source final : public source {
       dest.strides = std::move(d.strides);
       dest.slice = d.slice;
       dest.dev = device::cuda(device_);
+      // A slice along a dimension after the first, with more than one row before it: its rows lie
+      // apart in the source, and are gathered before they are sent.
+      if (dest.slice && dest.slice->dim > 0) {
+        std::int64_t before = 1;
+        for (std::size_t k = 0; k < static_cast<std::size_t>(dest.slice->dim) && k < dest.meta.shape.size(); ++k)
+          before *= dest.meta.shape[k];
+        if (before > 1) gathers_ = true;
+      }
       table[dest.meta.name].push_back(target{std::move(dest), {}});
     }
     described_[k] = true;
@@ -777,6 +788,7 @@ class nccl_source final : public source {
   bool want_in_place_;     ///< streamer_options::direct: ask the receivers to receive in place
   bool in_place_ = false;  ///< this session: every receiver does (batches of direct_batch_bytes)
   bool parts_ = false;     ///< this in-place session sends each receiver only its parts (see parts())
+  bool gathers_ = false;   ///< and some of them are gathered first: buffer-sized batches (gathers())
   /// Per receiver: its destinations by name, as its OK described them (parts sessions; empty for a
   /// receiver of a plain table, which takes every tensor whole: described_ false).
   std::vector<std::unordered_map<std::string, std::vector<target>>> tables_;

@@ -156,6 +156,12 @@ class source {
   /// receiver takes (`base` null), and each segment passed to entries() is one receiver's part
   /// (segment::peer), sent from where it is or from gather().
   [[nodiscard]] virtual bool parts() const noexcept { return false; }
+  /// True when some receiver of this parts session takes parts that do not lie in one range of
+  /// their tensor (a column slice of a row-major tensor: a row-parallel shard), which are gathered
+  /// before they are sent: its batches are then planned buffer-sized, not direct_batch_bytes, so
+  /// that the gather memory of a batch stays within buffer_bytes (more, only where two receivers
+  /// take the same columns).
+  [[nodiscard]] virtual bool gathers() const noexcept { return false; }
   /// In a parts session: memory of at least `bytes` bytes on where() for the parts of the batch in
   /// buffer i that do not lie in one range of their tensor (a column slice), gathered there by
   /// copies on stream() after begin_pack(i). Valid until the session closes; nullptr where the

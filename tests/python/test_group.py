@@ -315,7 +315,9 @@ def group_tp_rank(chan, device: int, streamers: int, tp_rank: int, shared_nccl: 
 def test_two_ranks_fill_a_tp2_pair_over_nccl(ranks, nccl_ranks, direct):
     """Each trainer rank holds Shard(0) rows of every tensor; each engine rank takes a slice, of
     "row" a column slice that needs rows of both trainer ranks. One communicator per trainer rank
-    with both engine ranks; slices are applied from the buffers."""
+    with both engine ranks. In place, every pair moves only its intersection (the rows of the
+    rank's shard the engine rank's views take), straight into the views; buffered, whole shards
+    are broadcast and the slices applied from the buffers."""
     from conftest import rank_gpu, state_bytes
 
     world = 2
@@ -343,9 +345,15 @@ def test_two_ranks_fill_a_tp2_pair_over_nccl(ranks, nccl_ranks, direct):
                 rows = (t.shape[0] + world - 1) // world
                 start = r * rows
                 shards[name] = refit.Shard(t[start:start + rows].to(f"cuda:{gpu_of[r]}"), t.shape, 0, start)
-            streamers[r].refit(version, shards)
+            sent[r] = streamers[r].refit(version, shards).parts_bytes
 
+        sent = [None] * world
         assert each_rank(world, send) == [None] * world
+        # Trainer rank r's rows of each tensor, to each engine rank, only where its slice takes them:
+        # col (bf16 [12, 16], rows 6j..6j+5): rank r's 6 rows reach engine rank r alone, 192 bytes;
+        # row (f32 [10, 8], columns 4j..4j+3): rank r's 5 rows × 4 columns to each, 2 × 80 bytes;
+        # norm (f32 [9], whole): rank 0's 5 elements, rank 1's 4, to each.
+        assert sent == ([192 + 160 + 2 * 20, 192 + 160 + 2 * 16] if direct else [0, 0])
         for j, job in enumerate(jobs):
             expect = {"col": whole["col"][6 * j:6 * j + 6], "row": whole["row"][:, 4 * j:4 * j + 4].contiguous(),
                       "norm": whole["norm"]}
