@@ -427,8 +427,10 @@ class Streamer(_refit.Streamer):
         transport: ``"cuda_ipc"`` (same host GPUs), ``"nccl"`` (other GPUs or hosts, one to many)
             or ``"host_shm"`` (CPU tensors).
         receivers: every receiver's endpoint (``endpoint`` is then ignored): nccl broadcasts to
-            them; cuda_ipc writes each one's parameter table directly (TP ranks of one host, each
-            registering its shards with ``source_slice``).
+            them, or, in place to receivers that registered views (TP ranks' shards with
+            ``source_slice``, fused or stacked tensors), sends each only the bytes its views take,
+            straight into them (``RefitStats.parts_bytes``); cuda_ipc writes each one's parameter
+            table directly (TP ranks of one host).
         buffer_bytes, buffers: the ping-pong staging buffers (capacity of each, how many).
         direct: write straight into the receiver's weights where it can (cuda_ipc direct, nccl in
             place); False always stages.
@@ -455,8 +457,8 @@ class Streamer(_refit.Streamer):
             receiver's ``endpoints[k]``. Every rank refits the same versions; ``refit()`` returns
             when the version has ended on every receiver (so ``timeout`` must cover the slowest
             rank). Any transport: over nccl each rank has a communicator of its own with the
-            receivers, and broadcasts only its rows (in place where the receivers' tables allow);
-            no ``delta``.
+            receivers, and sends only its rows (in place, to each receiver only the rows its views
+            take); no ``delta``.
         share_tensors: cuda_ipc sessions through the buffers (a receiver with a callback, or one
             whose weights cannot be written directly): the receiver reads every tensor in this
             device's memory where it is (its allocation mapped through CUDA IPC) instead of the
