@@ -434,11 +434,12 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       try {
         buffers->session_accepted(oks);
       } catch (const error& e) {
-        // The receiver offered its weights for direct writes, but they cannot be mapped here:
-        // start over with a session that stages through the buffers.
-        if (e.code() != errc::transport || endpoints.size() > 1) throw;  // several receivers: no staging
-        REFIT_WARN("cannot write straight into the weights of {}: {}; staging through the buffers instead", who(0),
-                   e.what());
+        // The receivers offered their weights for direct or in-place writes, but that cannot be done
+        // from here: start over with a session that stages through the buffers (not where several
+        // receivers need direct writes: cuda_ipc).
+        if (e.code() != errc::transport || (endpoints.size() > 1 && can.several_need_direct)) throw;
+        REFIT_WARN("cannot write straight into the weights of {}: {}; staging through the buffers instead",
+                   endpoints.size() > 1 ? std::string("the receivers") : who(0), e.what());
         buffers->disable_direct();
         drop_session();
         ensure_session();

@@ -54,6 +54,7 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -559,6 +560,18 @@ class nccl_source final : public source {
     gathers_ = false;
     if (in_place_)
       for (std::size_t k = 0; k < replies.size(); ++k) read_table(replies[k], k);
+    if (parts_ && !std::all_of(described_.begin(), described_.end(), [](bool d) { return d; })) {
+      // A receiver of a plain table receives by broadcast, one of views by point-to-point: neither
+      // serves both. The streamer starts over buffered (disable_direct()): whole tensors broadcast,
+      // the views applied on their receivers.
+      std::vector<std::size_t> plain;
+      for (std::size_t k = 0; k < described_.size(); ++k)
+        if (!described_[k]) plain.push_back(k);
+      throw error(errc::transport,
+                  fmt::format("nccl: receivers {} hold plain tables (received by broadcast) and the others views "
+                              "(sent their parts point-to-point), which one in-place session cannot serve together",
+                              fmt::join(plain, ", ")));
+    }
     if (in_place_) {
       send_.clear();  // nothing is packed in this session (unless converted: staging()): the memory goes back
       send_bytes_ = 0;
@@ -586,6 +599,9 @@ class nccl_source final : public source {
   [[nodiscard]] bool in_place() const noexcept override { return in_place_; }
   [[nodiscard]] bool parts() const noexcept override { return parts_; }
   [[nodiscard]] bool gathers() const noexcept override { return gathers_; }
+  /// After a session that could not be in place (receivers of plain tables and of views together):
+  /// later sessions are buffered.
+  void disable_direct() noexcept override { want_in_place_ = false; }
 
   std::vector<routed> routes(const tensor_meta& meta) override {
     if (!parts_) throw error(errc::internal, "nccl: routes() outside a parts session");

@@ -1019,6 +1019,36 @@ struct tp_layout {
   }
 };
 
+/// Receiver child: TP rank `rank` of `layout` on `device` (its engine memory a VMM chunk with `vmm`),
+/// checking its engine memory against the layout's image at every commit of `versions`.
+void tp_rank_receiver(const tp_layout& layout, int rank, int device, const std::string& endpoint,
+                      const std::vector<std::uint64_t>& versions, rt::signal_pipe& ready, bool vmm = false) {
+  refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  const std::uint64_t bytes = tp_layout::total * 2;
+  refit::cuda::device_buffer plain;
+  std::optional<refit::copy::vmm::local_chunks> chunks;
+  if (vmm)
+    chunks.emplace(1, refit::copy::vmm::granularity(device), device);
+  else
+    plain = refit::cuda::device_buffer(bytes);
+  void* const engine = vmm ? static_cast<void*>(chunks->data()) : plain.handle();
+  refit::check_cuda(cudaMemset(engine, 0, bytes), "cudaMemset(engine)");
+  refit::receiver r(receive_options(endpoint, device, relaxed));
+  layout.register_with(r, rank, static_cast<std::uint16_t*>(engine), bytes, device);
+  ready.send("ready");
+  std::size_t commits = 0;
+  serve_until_bye(r, [&](std::uint64_t v) {
+    std::vector<std::uint16_t> got(tp_layout::total);
+    refit::check_cuda(cudaMemcpy(got.data(), engine, bytes, cudaMemcpyDeviceToHost), "download");
+    const auto want = layout.image(rank, v);
+    const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
+    expect(w == want.end(), "rank " + std::to_string(rank) + " version " + std::to_string(v) + ": element " +
+                                std::to_string(w - want.begin()) + " differs");
+    ++commits;
+  });
+  expect(commits == versions.size(), "rank " + std::to_string(rank) + ": " + std::to_string(commits) + " commits");
+}
+
 /// `vmm`: each rank's engine memory is a VMM chunk exportable as a descriptor (an engine under
 /// expandable segments), written through the descriptors its lane passes. `nccl`: the streamer
 /// sends each rank only its parts, in place (rank 0 on gpu_of(1), rank 1 on `second_device`).
@@ -1026,36 +1056,10 @@ void tp_refits(int second_device, bool vmm = false, bool nccl = false) {
   const tp_layout layout;
   const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
   const std::vector<std::uint64_t> versions = {1, 2, 3};
-  const auto rank_body = [&](int rank, int device, rt::signal_pipe& ready) {
-    refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    const std::uint64_t bytes = tp_layout::total * 2;
-    refit::cuda::device_buffer plain;
-    std::optional<refit::copy::vmm::local_chunks> chunks;
-    if (vmm)
-      chunks.emplace(1, refit::copy::vmm::granularity(device), device);
-    else
-      plain = refit::cuda::device_buffer(bytes);
-    void* const engine = vmm ? static_cast<void*>(chunks->data()) : plain.handle();
-    refit::check_cuda(cudaMemset(engine, 0, bytes), "cudaMemset(engine)");
-    refit::receiver r(receive_options(eps[static_cast<std::size_t>(rank)], device, relaxed));
-    layout.register_with(r, rank, static_cast<std::uint16_t*>(engine), bytes, device);
-    ready.send("ready");
-    std::size_t commits = 0;
-    serve_until_bye(r, [&](std::uint64_t v) {
-      std::vector<std::uint16_t> got(tp_layout::total);
-      refit::check_cuda(cudaMemcpy(got.data(), engine, bytes, cudaMemcpyDeviceToHost), "download");
-      const auto want = layout.image(rank, v);
-      const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
-      expect(w == want.end(), "rank " + std::to_string(rank) + " version " + std::to_string(v) + ": element " +
-                                  std::to_string(w - want.begin()) + " differs");
-      ++commits;
-    });
-    expect(commits == versions.size(), "rank " + std::to_string(rank) + ": " + std::to_string(commits) + " commits");
-  };
   rt::signal_pipe ready0, ready1;
-  rt::child rx0([&] { rank_body(0, nccl ? rt::gpu_of(1) : 0, ready0); });
+  rt::child rx0([&] { tp_rank_receiver(layout, 0, nccl ? rt::gpu_of(1) : 0, eps[0], versions, ready0, vmm); });
   REQUIRE(ready0.receive(60s) == "ready");
-  rt::child rx1([&] { rank_body(1, second_device, ready1); });
+  rt::child rx1([&] { tp_rank_receiver(layout, 1, second_device, eps[1], versions, ready1, vmm); });
   REQUIRE(ready1.receive(60s) == "ready");
   rt::child tx([&] {
     device_tensors source(layout.sources, 0);
@@ -1095,6 +1099,41 @@ TEST_CASE(
     return;
   }
   tp_refits(rt::gpu_of(2), false, true);
+}
+
+TEST_CASE(
+    "an nccl streamer in place to a receiver of a plain table and one of views starts over buffered, and both "
+    "commit bit-exact",
+    "[nccl][layout][tp]") {
+  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(3)) {
+    WARN("no nccl or no GPU: the nccl mixed-table test did not run");
+    return;
+  }
+  const tp_layout layout;
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  const std::vector<std::uint64_t> versions = {1, 2};
+  rt::signal_pipe ready0, ready1;
+  rt::child whole([&] { table_receiver(eps[0], layout.sources, rt::gpu_of(1), versions, ready0); });
+  REQUIRE(ready0.receive(60s) == "ready");
+  rt::child rank1([&] { tp_rank_receiver(layout, 1, rt::gpu_of(2), eps[1], versions, ready1); });
+  REQUIRE(ready1.receive(60s) == "ready");
+  rt::child tx([&] {
+    device_tensors source(layout.sources, 0);
+    auto o = stream_options(eps[0], 0, relaxed);
+    o.receivers = eps;
+    o.transport = refit::transport_kind::nccl;
+    refit::streamer s(o);  // direct (in place) asked
+    for (const std::uint64_t v : versions) {
+      source.upload(v);
+      const auto stats = s.refit(v, source.refs());
+      // A broadcast serves the plain table, point-to-point sends the views: not both at once.
+      expect(!stats.direct && stats.parts_bytes == 0, "the mixed session was not buffered");
+    }
+    s.close();
+  });
+  CHECK(tx.wait(120s) == 0);
+  CHECK(whole.wait(60s) == 0);
+  CHECK(rank1.wait(60s) == 0);
 }
 
 TEST_CASE("one cuda_ipc streamer writes two TP ranks' VMM engine memory on one GPU directly, through each lane",
