@@ -31,17 +31,17 @@ std::string encode_nccl_session(const nccl_session& s) {
 }
 
 nccl_session decode_nccl_session(std::string_view bytes) {
-  constexpr std::size_t size = nccl_session::id_bytes + 8;
-  if (bytes.size() != size && bytes.size() != size + 4)
+  constexpr std::size_t size = nccl_session::id_bytes + 12;
+  if (bytes.size() != size)
     throw error(errc::protocol,
-                fmt::format("nccl: HELLO's session data is {} bytes, but an nccl session is {} or {} (a 128-byte "
-                            "ncclUniqueId, rank, nranks, and flags): the streamer was built against another NCCL",
-                            bytes.size(), size, size + 4));
+                fmt::format("nccl: HELLO's session data is {} bytes, but an nccl session is {} (a 128-byte "
+                            "ncclUniqueId, rank, nranks, flags): the streamer was built against another NCCL",
+                            bytes.size(), size));
   nccl_session s;
   s.id.assign(bytes.substr(0, nccl_session::id_bytes));
   s.rank = get_u32(bytes.substr(nccl_session::id_bytes));
   s.nranks = get_u32(bytes.substr(nccl_session::id_bytes + 4));
-  s.parts = bytes.size() == size + 4 && (get_u32(bytes.substr(size)) & 1u) != 0;
+  s.parts = (get_u32(bytes.substr(nccl_session::id_bytes + 8)) & 1u) != 0;
   if (s.nranks < 2 || s.rank < 1 || s.rank >= s.nranks || s.nranks > static_cast<std::uint32_t>(INT_MAX))
     throw error(errc::protocol,
                 fmt::format("nccl: HELLO gives this receiver rank {} of {}: a receiver's rank is 1..nranks-1", s.rank,

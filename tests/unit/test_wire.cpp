@@ -171,7 +171,7 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     h.alignment = 512;
     h.buffers = {{1ull << 30, std::string(64, '\0'), std::string("\x01\x00\x02", 3), "applied"},
                  {(1ull << 30) + 7, "h2", "", ""}};
-    h.session = std::string(136, '\x5a');
+    h.session = std::string(140, '\x5a');
     const auto m = roundtrip(h);
     REQUIRE(std::holds_alternative<wire::hello>(m));
     CHECK(std::get<wire::hello>(m) == h);
@@ -369,11 +369,12 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
   check_mismatch(message(BEGIN, {U(1)}, 3), 3);  // the release before groups of streamers
   check_mismatch(message(BEGIN, {U(1)}, 4), 4);  // the release before tensors read in place
   check_mismatch(message(BEGIN, {U(1)}, 5), 5);  // the release before control lanes
-  check_mismatch(message(BEGIN, {U(1)}, 7), 7);
+  check_mismatch(message(BEGIN, {U(1)}, 6), 6);  // the release before nccl parts sessions
+  check_mismatch(message(BEGIN, {U(1)}, 8), 8);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
   check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 9), 9);
-  check_mismatch(message(99, {}, 7), 7);
+  check_mismatch(message(99, {}, 8), 8);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
