@@ -188,8 +188,7 @@ extent check_view(const destination& d) {
   return e;
 }
 
-bool is_plain(const destination& d) noexcept {
-  if (d.slice) return false;
+bool is_dense(const destination& d) noexcept {
   if (d.strides.empty()) return true;
   std::int64_t expected = 1;
   for (std::size_t k = d.meta.shape.size(); k-- > 0;) {
@@ -198,6 +197,8 @@ bool is_plain(const destination& d) noexcept {
   }
   return true;
 }
+
+bool is_plain(const destination& d) noexcept { return !d.slice && is_dense(d); }
 
 std::vector<run> route(const destination& d, dtype type, std::span<const std::int64_t> shape) {
   const std::vector<std::int64_t>& view = d.meta.shape;

@@ -74,7 +74,12 @@ struct extent {
 /// given. Throws refit::error(invalid_argument) naming the destination. Returns its extent.
 extent check_view(const destination& d);
 
-/// True when `d` takes its whole source into a dense row-major view (no slice, contiguous): one
+/// True when `d`'s view is one dense row-major range of memory (no strides, or the strides of its
+/// shape, ignoring dimensions of size 1), whatever part of its source it takes: any run of its
+/// source then lands in one range of it.
+bool is_dense(const destination& d) noexcept;
+
+/// True when `d` takes its whole source into a dense row-major view (no slice, is_dense): one
 /// run, what every transport could move before views existed.
 bool is_plain(const destination& d) noexcept;
 

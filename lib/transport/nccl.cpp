@@ -925,7 +925,7 @@ class nccl_sink final : public sink {
     }
     // Parts land straight in their destinations: each must be one dense range (a view of rows, such
     // as a fused tensor's narrow(0) or a TP shard; not a narrow(1), whose rows lie apart).
-    if (!plain && !std::all_of(table.begin(), table.end(), dense)) offer = false;
+    if (!plain && !std::all_of(table.begin(), table.end(), plan::is_dense)) offer = false;
     if (offer && !plain && !streamer_parts_) offer = false;  // that streamer broadcasts whole tensors
     if (offer) {
       recv_.clear();  // nothing is ever staged in this session: the memory goes back
@@ -1060,18 +1060,6 @@ class nccl_sink final : public sink {
                                           "parameter table on this GPU (then nothing is staged)",
                                           sizes_.size(), sizes_.empty() ? 0 : sizes_[0], device_, e.what()));
     }
-  }
-
-  /// True when `d`'s view is one dense range of memory (row-major strides, or none), so that any
-  /// run of its source lands in one range of it.
-  static bool dense(const plan::destination& d) {
-    if (d.strides.empty()) return true;
-    std::int64_t expected = 1;
-    for (std::size_t k = d.meta.shape.size(); k-- > 0;) {
-      if (d.meta.shape[k] != 1 && d.strides[k] != expected) return false;
-      expected *= d.meta.shape[k];
-    }
-    return true;
   }
 
   int device_;

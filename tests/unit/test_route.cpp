@@ -644,6 +644,12 @@ TEST_CASE("is_plain holds for a dense view taking its whole source and for nothi
   CHECK_FALSE(refit::plan::is_plain(make_dest("w", dtype::f32, {4, 3}, p, {3, 1}, source_slice{1, 0, 3})));
   CHECK_FALSE(refit::plan::is_plain(make_dest("w", dtype::f32, {4, 3}, p, {4, 1})));
   CHECK_FALSE(refit::plan::is_plain(make_dest("w", dtype::f32, {2, 4, 3}, p, {3, 6, 1})));
+  // is_dense: the same views, whatever part of the source they take.
+  CHECK(refit::plan::is_dense(make_dest("w", dtype::f32, {4, 3}, p, {}, source_slice{0, 0, 4})));
+  CHECK(refit::plan::is_dense(make_dest("w", dtype::f32, {4, 3}, p, {3, 1}, source_slice{1, 0, 3})));
+  CHECK(refit::plan::is_dense(make_dest("w", dtype::f32, {1, 4, 1, 3}, p, {999, 3, 0, 1})));
+  CHECK_FALSE(refit::plan::is_dense(make_dest("w", dtype::f32, {4, 3}, p, {4, 1}, source_slice{1, 0, 3})));
+  CHECK_FALSE(refit::plan::is_dense(make_dest("w", dtype::f32, {2, 4, 3}, p, {3, 6, 1})));
 }
 
 // ------------------------------------------------------------------------ footprint(), overlaps()
