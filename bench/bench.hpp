@@ -357,6 +357,18 @@ class child_process {
   std::string buffer_;
 };
 
+/// A child forked without exec (it runs bench code of this process: a receiver, a streamer rank)
+/// and the pipes to it: `to` what it reads, `from` what it writes.
+struct forked_child {
+  int pid = -1;
+  int to = -1, from = -1;
+};
+/// Forks a child that runs `body(in, out)` (its ends of the two pipes) and never returns. `who`
+/// prefixes the errors (errc::io) when the pipes or the fork fail ("--delta: fork() failed").
+forked_child fork_child(std::string_view who, const std::function<void(int in, int out)>& body);
+/// Ends a child: closes its pipes and waits for it; its wait status.
+int reap(forked_child& k);
+
 /// Deterministic random bytes: byte i of a tensor seeded `seed` (not zeros; cheap, parallel).
 void fill_random(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint64_t first = 0);
 /// Seed of tensor i of a run seeded `seed`.

@@ -285,17 +285,9 @@ int run_delta(const config& c, std::ostream& out) {
   const std::string endpoint = fmt::format("ipc:///tmp/refit-bench-delta-{}.sock", ::getpid());
 
   // The receiver is forked before this process opens any socket.
-  int to_child[2], from_child[2];
-  if (::pipe(to_child) != 0 || ::pipe(from_child) != 0) throw error(errc::io, "--delta: pipe() failed");
-  const pid_t pid = ::fork();
-  if (pid < 0) throw error(errc::io, "--delta: fork() failed");
-  if (pid == 0) {
-    ::close(to_child[1]);
-    ::close(from_child[0]);
-    receiver_child(c, m, endpoint, to_child[0], from_child[1], nccl ? -2 : gpu ? c.device : -1, c.delta_threads);
-  }
-  ::close(to_child[0]);
-  ::close(from_child[1]);  // so that reading its report ends when the child exits
+  forked_child rx = fork_child("--delta", [&](int in, int up) {
+    receiver_child(c, m, endpoint, in, up, nccl ? -2 : gpu ? c.device : -1, c.delta_threads);
+  });
 
   const auto progress = [&](const std::string& s) {
     if (!c.quiet) std::fprintf(stderr, "refit-bench: %s\n", s.c_str());
@@ -393,13 +385,12 @@ int run_delta(const config& c, std::ostream& out) {
   ds.close();
 
   // Verification: the receiver's weights against the trainer's last version.
-  if (::write(to_child[1], "x", 1) < 0) throw error(errc::io, "--delta: cannot stop the receiver");
+  if (::write(rx.to, "x", 1) < 0) throw error(errc::io, "--delta: cannot stop the receiver");
   char buf[128] = {};
   std::size_t got = 0;
-  for (ssize_t n; got < sizeof buf - 1 && (n = ::read(from_child[0], buf + got, sizeof buf - 1 - got)) > 0;)
+  for (ssize_t n; got < sizeof buf - 1 && (n = ::read(rx.from, buf + got, sizeof buf - 1 - got)) > 0;)
     got += static_cast<std::size_t>(n);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
+  (void)reap(rx);
   std::uint64_t their_sum = 0, their_version = 0;
   const bool parsed = std::sscanf(buf, "%lu %lu", &their_sum, &their_version) == 2;
   const bool right = parsed && their_sum == t.checksum() && their_version == version;

@@ -371,43 +371,11 @@ streamer_options rank_options(const config& c, const child_plan& p, bool direct)
   std::_Exit(code);
 }
 
-/// A forked child and the pipes to it.
-struct child {
-  pid_t pid = -1;
-  int to = -1, from = -1;
-};
-
-/// Forks a child that runs `body(in, out)` and never returns.
-template <class Body>
-child fork_child(Body body) {
-  int down[2], up[2];
-  if (::pipe(down) != 0 || ::pipe(up) != 0) throw error(errc::io, "--streamers: pipe() failed");
-  const pid_t pid = ::fork();
-  if (pid < 0) throw error(errc::io, "--streamers: fork() failed");
-  if (pid == 0) {
-    ::close(down[1]);
-    ::close(up[0]);
-    body(down[0], up[1]);
-  }
-  ::close(down[0]);
-  ::close(up[1]);
-  return child{pid, down[1], up[0]};
-}
-
-/// Ends a child: closes its pipes and waits for it; its wait status.
-int reap(child& k) {
-  ::close(k.to);
-  ::close(k.from);
-  int status = 0;
-  ::waitpid(k.pid, &status, 0);
-  return status;
-}
-
 /// CUDA devices visible, counted in a child: this process forks its ranks later, and a process
 /// forked after CUDA was initialised cannot use it.
 int count_gpus_apart() {
   if (!REFIT_HAVE_CUDA) return 0;
-  child k = fork_child([](int, int out) {
+  forked_child k = fork_child("--streamers", [](int, int out) {
     try {
       write_line(out, std::to_string(visible_gpus()));
     } catch (...) {
@@ -507,7 +475,7 @@ class thread_ranks final : public rank_set {
 /// both inits ran out of time). The sessions then stay, and later versions start together.
 class process_ranks final : public rank_set {
  public:
-  process_ranks(std::vector<child> ranks, std::vector<child>& receivers)
+  process_ranks(std::vector<forked_child> ranks, std::vector<forked_child>& receivers)
       : ranks_(std::move(ranks)), receivers_(receivers) {}
   ~process_ranks() override {
     for (auto& k : ranks_) (void)reap(k);
@@ -552,7 +520,7 @@ class process_ranks final : public rank_set {
     for (auto& k : ranks_) (void)read_line(k.from);
   }
 
-  std::vector<child>& children() { return ranks_; }
+  std::vector<forked_child>& children() { return ranks_; }
 
  private:
   /// Every receiver's "hello" for rank r's session.
@@ -565,8 +533,8 @@ class process_ranks final : public rank_set {
     }
   }
 
-  std::vector<child> ranks_;
-  std::vector<child>& receivers_;
+  std::vector<forked_child> ranks_;
+  std::vector<forked_child>& receivers_;
   bool opened_ = false;
 };
 
@@ -714,7 +682,8 @@ child_plan plan_child(const group_plan& p, std::size_t index, int gpu) {
 /// The nccl ceiling: one communicator per streamer rank with every receiver (ids made here, after
 /// every child was forked), all broadcasting each rank's shard bytes at once. The slowest receiver's
 /// median, in seconds.
-double nccl_pattern_seconds(const group_plan& p, std::vector<child>& receivers, std::vector<child>& ranks) {
+double nccl_pattern_seconds(const group_plan& p, std::vector<forked_child>& receivers,
+                            std::vector<forked_child>& ranks) {
   std::string to_receivers = "ceiling";
   for (std::size_t r = 0; r < p.n; ++r) {
     std::uint64_t bytes = 0;
@@ -772,8 +741,8 @@ void write_group_preamble(std::ostream& out, const config& c, const group_plan& 
 }
 
 /// After version v: every receiver's checksums against the expected ones; the wrong ones, counted.
-std::int64_t check_version(const config& c, const group_plan& p, const rank_set& ranks, std::vector<child>& receivers,
-                           std::uint64_t v) {
+std::int64_t check_version(const config& c, const group_plan& p, const rank_set& ranks,
+                           std::vector<forked_child>& receivers, std::uint64_t v) {
   std::int64_t wrong = 0;
   for (std::size_t k = 0; k < receivers.size(); ++k) {
     std::string line = read_line(receivers[k].from);
@@ -827,11 +796,11 @@ int run_group(const config& c, std::ostream& out) {
   const group_plan p = plan_group(c);
   const bool nccl = p.kind == transport_kind::nccl;
   // Every child is forked before this process touches CUDA or opens a socket.
-  std::vector<child> receivers;
+  std::vector<forked_child> receivers;
   std::vector<int> rgpus, sgpus;
   for (std::size_t k = 0; k < p.receivers; ++k) {
     const int g = nccl || !p.gpu ? receiver_gpu_of(c, p, k) : -2;  // cuda_ipc: asked in the child
-    receivers.push_back(fork_child([&, k, g](int in, int up) {
+    receivers.push_back(fork_child("--streamers", [&, k, g](int in, int up) {
       receiver_child(c, p.m, plan_child(p, k, g == -2 ? receiver_gpu_of(c, p, k) : g), p.h.rank_of[k], in, up);
     }));
   }
@@ -843,11 +812,12 @@ int run_group(const config& c, std::ostream& out) {
   };
   progress(fmt::format("--streamers {}: filling {} ({:.2f} GB) as {} shards", p.n, p.m.name, p.m.bytes() / 1e9, p.n));
   if (nccl) {
-    std::vector<child> children;
+    std::vector<forked_child> children;
     for (std::size_t r = 0; r < p.n; ++r) {
       sgpus.push_back(streamer_gpu_of(c, p, r));
-      children.push_back(fork_child(
-          [&, r](int in, int up) { streamer_child(c, p.m, p.h, plan_child(p, r, sgpus[r]), p.direct, in, up); }));
+      children.push_back(fork_child("--streamers", [&, r](int in, int up) {
+        streamer_child(c, p.m, p.h, plan_child(p, r, sgpus[r]), p.direct, in, up);
+      }));
     }
     auto procs = std::make_unique<process_ranks>(std::move(children), receivers);
     progress("--streamers: measuring the ceiling (raw ncclBroadcast of every rank's shards, all at once)");

@@ -103,6 +103,29 @@ child_process::child_process(const std::string& exe, const std::vector<std::stri
 
 child_process::~child_process() { finish(std::chrono::seconds(30)); }
 
+forked_child fork_child(std::string_view who, const std::function<void(int in, int out)>& body) {
+  int down[2], up[2];
+  if (::pipe(down) != 0 || ::pipe(up) != 0) throw error(errc::io, fmt::format("{}: pipe() failed", who));
+  const pid_t pid = ::fork();
+  if (pid < 0) throw error(errc::io, fmt::format("{}: fork() failed", who));
+  if (pid == 0) {
+    ::close(down[1]);
+    ::close(up[0]);
+    body(down[0], up[1]);
+  }
+  ::close(down[0]);
+  ::close(up[1]);  // so that reading what the child writes ends when it exits
+  return forked_child{pid, down[1], up[0]};
+}
+
+int reap(forked_child& k) {
+  ::close(k.to);
+  ::close(k.from);
+  int status = 0;
+  ::waitpid(k.pid, &status, 0);
+  return status;
+}
+
 std::string child_process::read_line(std::chrono::milliseconds timeout) {
   const auto deadline = clock::now() + timeout;
   for (;;) {
