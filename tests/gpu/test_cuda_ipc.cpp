@@ -960,7 +960,7 @@ TEST_CASE("the same engine layout staged through 4 KiB cuda_ipc buffers (rows sp
 
 TEST_CASE("the same engine layout over nccl to a receiver on cuda:1, in-place asked and not, lands bit-exact",
           "[nccl][layout]") {
-  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(2)) {
+  if (!rt::nccl_ranks(2)) {
     WARN("no nccl or no GPU: the nccl engine-layout test did not run");
     return;
   }
@@ -1094,7 +1094,7 @@ TEST_CASE(
     "one nccl streamer sends two TP ranks only their shards (row, column and vocab slices, a replicated norm), "
     "received in place, bit-exact",
     "[nccl][layout][tp]") {
-  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(3)) {
+  if (!rt::nccl_ranks(3)) {
     WARN("no nccl or no GPU: the nccl TP test did not run");
     return;
   }
@@ -1105,7 +1105,7 @@ TEST_CASE(
     "an nccl streamer in place to a receiver of a plain table and one of views starts over buffered, and both "
     "commit bit-exact",
     "[nccl][layout][tp]") {
-  if (!refit::has_transport(refit::transport_kind::nccl) || !rt::nccl_ranks(3)) {
+  if (!rt::nccl_ranks(3)) {
     WARN("no nccl or no GPU: the nccl mixed-table test did not run");
     return;
   }

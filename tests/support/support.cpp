@@ -20,6 +20,7 @@
 
 #include "channel/channel.hpp"
 #include "config/config.hpp"
+#include "refit/version.hpp"
 
 #if REFIT_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -93,6 +94,10 @@ bool g_nccl_shared = false;
 }  // namespace
 
 bool nccl_ranks(int ranks, bool distinct) {
+  if (!refit::has_transport(refit::transport_kind::nccl)) {
+    std::fprintf(stderr, "this nccl test needs a refit built with NCCL: skipped\n");
+    return false;
+  }
   // NVLink SHARP multicast is off on the test machines (and broadcast does not use it anyway).
   ::setenv("NCCL_NVLS_ENABLE", "0", 1);
   const int devices = cuda_device_count();

@@ -27,7 +27,8 @@ int cuda_device_count();
 /// since NCCL refuses two ranks of one communicator on one GPU of one host ("Duplicate GPU
 /// detected"); it then connects them through its network transport over loopback: slow, but the
 /// same protocol, so the nccl tests run on a one-GPU machine. Returns false (after saying why)
-/// only when there is no GPU, or when `distinct` asks for a GPU per rank (a test of crossing GPUs).
+/// only when refit was built without nccl, when there is no GPU, or when `distinct` asks for a GPU
+/// per rank (a test of crossing GPUs).
 bool nccl_ranks(int ranks, bool distinct = false);
 
 /// The GPU of rank `k` (0: the streamer) after nccl_ranks(): k where there are enough GPUs, else
