@@ -896,45 +896,51 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     void split_parts(std::size_t buffer) {
       std::vector<transport::segment> whole = std::move(segments);
       segments.clear();
-      const auto each_part = [&](auto&& take) {
-        std::size_t next = 0;
-        for (const wire::entry& e : entries) {
-          if (e.bytes == 0) continue;
-          if (next == whole.size())
-            throw error(errc::internal, fmt::format("version {}: a batch of {} entries has {} segments", version,
-                                                    entries.size(), whole.size()));
-          const transport::segment& seg = whole[next++];
-          const std::byte* base =
-              seg.data != nullptr ? seg.data : st.buffers->staging(buffer) + seg.offset;  // converted: in staging
-          for (const transport::routed& target : st.buffers->routes(tensor_meta{e.name, e.type, e.shape})) {
-            pieces.clear();
-            for (const plan::run& r : target.runs) plan::clip(r, e.tensor_offset, e.tensor_offset + e.bytes, pieces);
-            if (!pieces.empty()) take(e, base, target.receiver);
+      // The gathered parts, in one pass: their segments and copies count from the gather memory,
+      // asked for once their total is known.
+      struct gathered_run {
+        const std::byte* src;
+        std::uint64_t at;
+        plan::run r;
+      };
+      std::vector<gathered_run> runs;
+      std::vector<std::size_t> gathered;  // their segments
+      std::uint64_t cursor = 0;
+      std::size_t next = 0;
+      for (const wire::entry& e : entries) {
+        if (e.bytes == 0) continue;
+        if (next == whole.size())
+          throw error(errc::internal, fmt::format("version {}: a batch of {} entries has {} segments", version,
+                                                  entries.size(), whole.size()));
+        const transport::segment& seg = whole[next++];
+        const std::byte* base =
+            seg.data != nullptr ? seg.data : st.buffers->staging(buffer) + seg.offset;  // converted: in staging
+        for (const transport::routed& target : st.buffers->routes(tensor_meta{e.name, e.type, e.shape})) {
+          pieces.clear();
+          for (const plan::run& r : target.runs) plan::clip(r, e.tensor_offset, e.tensor_offset + e.bytes, pieces);
+          if (pieces.empty()) continue;
+          const std::uint64_t n = plan::bytes_of(pieces);
+          const auto peer = static_cast<std::uint32_t>(target.receiver + 1);
+          stats.parts_bytes += n;
+          if (const auto lo = plan::contiguous(pieces, true)) {
+            segments.push_back(transport::segment{const_cast<std::byte*>(base + (*lo - e.tensor_offset)), 0, n, peer});
+            continue;
+          }
+          gathered.push_back(segments.size());
+          segments.push_back(transport::segment{nullptr, cursor, n, peer});
+          for (const plan::run& r : pieces) {
+            runs.push_back(gathered_run{base + (r.src - e.tensor_offset), cursor, r});
+            cursor += r.width * r.rows;
           }
         }
-      };
-      std::uint64_t strided = 0;  // bytes to gather
-      each_part([&](const wire::entry&, const std::byte*, std::size_t) {
-        if (!plan::contiguous(pieces, true)) strided += plan::bytes_of(pieces);
-      });
-      std::byte* gathered = strided != 0 ? st.buffers->gather(buffer, strided) : nullptr;
-      if (strided != 0 && gathered == nullptr) throw error(errc::internal, "a parts session without gather memory");
-      std::uint64_t cursor = 0;
-      each_part([&](const wire::entry& e, const std::byte* base, std::size_t receiver) {
-        const std::uint64_t n = plan::bytes_of(pieces);
-        const auto peer = static_cast<std::uint32_t>(receiver + 1);
-        stats.parts_bytes += n;
-        if (const auto lo = plan::contiguous(pieces, true)) {
-          segments.push_back(transport::segment{const_cast<std::byte*>(base + (*lo - e.tensor_offset)), 0, n, peer});
-          return;
-        }
-        std::byte* to = gathered + cursor;
-        for (const plan::run& r : pieces) {
-          ops.emplace_back(base + (r.src - e.tensor_offset), gathered + cursor, r.width, r.rows, r.src_pitch, r.width);
-          cursor += r.width * r.rows;
-        }
-        segments.push_back(transport::segment{to, 0, n, peer});
-      });
+      }
+      if (cursor == 0) return;
+      std::byte* memory = st.buffers->gather(buffer, cursor);
+      if (memory == nullptr) throw error(errc::internal, "a parts session without gather memory");
+      for (const std::size_t k : gathered)
+        segments[k] = transport::segment{memory + segments[k].offset, 0, segments[k].bytes, segments[k].peer};
+      for (const gathered_run& g : runs)
+        ops.emplace_back(g.src, memory + g.at, g.r.width, g.r.rows, g.r.src_pitch, g.r.width);
     }
 
     /// Adds tensor `t` (its bytes [shift, shift + bytes)) whole to the open batch as an entry the
