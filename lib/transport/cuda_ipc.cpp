@@ -570,11 +570,7 @@ class cuda_ipc_source final : public source {
       } catch (const error& e) {
         throw error(errc::protocol, fmt::format("direct offer: record {}: {}", k, e.what()));
       }
-      plan::destination d;
-      d.meta = tensor_meta{r.name, r.type, r.shape};
-      d.strides = std::move(r.strides);
-      d.slice = r.slice;
-      d.dev = device::cuda(device_);
+      plan::destination d = destination_of(r, device::cuda(device_));
       if (r.allocation != wire::dest_record::no_allocation) {  // none: nothing to write
         if (r.allocation >= out.mapped.size())
           throw error(errc::protocol, fmt::format("direct offer: tensor record {} names allocation {} of {}", k,
@@ -745,8 +741,7 @@ class cuda_ipc_sink final : public sink {
       return false;
     for (std::size_t i = 0; i < table.size(); ++i) {
       const plan::destination& d = table[i];
-      records.push_back("T" + wire::encode_dest(wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides,
-                                                                  d.slice, place[i].first, place[i].second}));
+      records.push_back(dest_record_of(d, place[i].first, place[i].second));
     }
     reply.handles = std::move(records);
     reply.mode = wire::session_mode::in_place;

@@ -104,4 +104,18 @@ std::vector<segment> buffer_prefix(std::span<const wire::entry> entries) {
   return {segment{nullptr, 0, end}};
 }
 
+std::string dest_record_of(const plan::destination& d, std::uint64_t allocation, std::uint64_t offset) {
+  return "T" + wire::encode_dest(
+                   wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides, d.slice, allocation, offset});
+}
+
+plan::destination destination_of(const wire::dest_record& r, device dev) {
+  plan::destination d;
+  d.meta = tensor_meta{r.name, r.type, r.shape};
+  d.strides = r.strides;
+  d.slice = r.slice;
+  d.dev = dev;
+  return d;
+}
+
 }  // namespace refit::transport

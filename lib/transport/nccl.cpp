@@ -772,17 +772,13 @@ class nccl_source final : public source {
       } catch (const error& e) {
         throw error(errc::protocol, fmt::format("nccl: receiver {}'s destination record {}: {}", k, r, e.what()));
       }
-      plan::destination dest;
-      dest.meta = tensor_meta{d.name, d.type, d.shape};
-      dest.strides = std::move(d.strides);
-      dest.slice = d.slice;
-      dest.dev = device::cuda(device_);
+      plan::destination dest = destination_of(d, device::cuda(device_));
       // A slice along a dimension after the first, with more than one row before it: its rows lie
       // apart in the source, and are gathered before they are sent.
       if (dest.slice && dest.slice->dim > 0) {
         std::int64_t before = 1;
-        for (std::size_t k = 0; k < static_cast<std::size_t>(dest.slice->dim) && k < dest.meta.shape.size(); ++k)
-          before *= dest.meta.shape[k];
+        for (std::size_t a = 0; a < static_cast<std::size_t>(dest.slice->dim) && a < dest.meta.shape.size(); ++a)
+          before *= dest.meta.shape[a];
         if (before > 1) gathers_ = true;
       }
       table[dest.meta.name].push_back(target{std::move(dest), {}});
@@ -933,10 +929,7 @@ class nccl_sink final : public sink {
       if (!plain) {
         // The streamer sends this receiver only what its destinations take: it needs them.
         reply.handles.clear();
-        for (const plan::destination& d : table)
-          reply.handles.push_back("T" +
-                                  wire::encode_dest(wire::dest_record{d.meta.name, d.meta.type, d.meta.shape, d.strides,
-                                                                      d.slice, wire::dest_record::no_allocation, 0}));
+        for (const plan::destination& d : table) reply.handles.push_back(dest_record_of(d));
         parts_ = true;
       }
       return true;

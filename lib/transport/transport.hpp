@@ -54,6 +54,14 @@ struct segment {
 /// that moves entries derive it from the batch's manifest, so they agree.
 std::vector<segment> buffer_prefix(std::span<const wire::entry> entries);
 
+/// Destination `d` as the "T" record a receiver's reply to HELLO describes it by (wire::dest_record):
+/// its view, and where it lies among the memory the reply shares (`allocation`, `offset`;
+/// no_allocation where the transport shares none: nccl's parts sessions).
+std::string dest_record_of(const plan::destination& d, std::uint64_t allocation = wire::dest_record::no_allocation,
+                           std::uint64_t offset = 0);
+/// The destination record `r` describes, on `dev`, without memory (data null: the caller's).
+plan::destination destination_of(const wire::dest_record& r, device dev);
+
 /// A destination of a direct session: its first byte (in the streamer's mapping of the receiver's
 /// weights) and the runs that move a source into it (kept by the source: see source::routes()).
 /// In a parts session `base` is null (the receiver writes its own memory) and `receiver` says whose
