@@ -1463,8 +1463,13 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       ln->waiting_since = clock::now();
       return receiver_event::idle;
     }
+    return supersede_or_dispatch(std::move(m));
+  }
+
+  /// Handles request `m` of lane `ln`; a request that ends the refit in progress (supersedes()) is
+  /// reported on its own, and answered by the next call (lane::pending).
+  receiver_event supersede_or_dispatch(wire::message m) {
     if (const auto why = supersedes(m)) {
-      // Reported on its own; the message that ended the refit is answered by the next call.
       answering = ln;
       abort_refit(*why, grouped() ? errc::incomplete : errc::apply);
       answering = nullptr;
@@ -1537,14 +1542,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       ln = &l;
       wire::message m = std::move(*l.waiting);
       l.waiting.reset();
-      if (const auto why = supersedes(m)) {  // as handle() does
-        answering = ln;
-        abort_refit(*why, grouped() ? errc::incomplete : errc::apply);
-        answering = nullptr;
-        l.pending = std::move(m);
-        return receiver_event::aborted;
-      }
-      return dispatch(m);
+      return supersede_or_dispatch(std::move(m));
     }
     if (group_version) {
       // A refit in progress must not wait forever on a dead streamer: every lane that has not
