@@ -411,10 +411,15 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     });
   }
 
+  /// The reply timeout HELLO `h` says its streamer has (zero when it does not say), bounded.
+  static milliseconds reply_timeout_of(const wire::hello& h) {
+    return milliseconds{static_cast<std::int64_t>(std::min<std::uint64_t>(h.reply_timeout_ms, std::uint64_t{1} << 40))};
+  }
+
   /// How long a waiting HELLO waits at most: then it is answered whatever the lower ranks do (a rank
   /// that never comes fails the set-up, as before).
   [[nodiscard]] milliseconds wait_bound(const wire::hello& h) const {
-    const auto asked = milliseconds{static_cast<std::int64_t>(std::min<std::uint64_t>(h.reply_timeout_ms, 1ull << 40))};
+    const milliseconds asked = reply_timeout_of(h);
     return asked.count() > 0 ? asked / 2 : options.idle_timeout / 2;
   }
 
@@ -645,8 +650,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       ln->copier =
           copy::make_copier(copy::choose(ln->sink->engine(), options.engine), options.device, options.idle_timeout);
       ln->peer = h.peer;
-      ln->reply_timeout =
-          milliseconds{static_cast<std::int64_t>(std::min<std::uint64_t>(h.reply_timeout_ms, std::uint64_t{1} << 40))};
+      ln->reply_timeout = reply_timeout_of(h);
       ln->laid_out = h.mode == wire::session_mode::in_place;
       ln->session_generation = sink_generation;
       REFIT_INFO("session with {}: {} × {} MiB {} buffers{}", who(*ln), ln->sink->count(),
