@@ -1031,6 +1031,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     ops.reserve(b.entries.size());
     const device_kind where = ln->sink->where().kind;
     std::vector<plan::run> pieces;
+    // A parts session's parts that do not land in one range of their destination: their segments,
+    // their bytes in the scatter memory, and the copies that unpack them (index in ops, offset of
+    // their first byte in the scatter memory).
+    std::vector<std::size_t> scattered;
+    std::uint64_t scatter_bytes = 0;
+    std::vector<std::pair<std::size_t, std::uint64_t>> unpack;
     for (std::size_t k = 0; k < b.entries.size(); ++k) {
       const wire::entry& e = b.entries[k];
       std::vector<slot>* slots = table.find(e.name);
@@ -1049,19 +1055,26 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       }
       if (e.bytes == 0 || check_only) continue;
       if (segments != nullptr && ln->parts) {
-        // Each destination's bytes of the entry, received straight into it (a dense range: the
-        // sink offered parts only for such tables), in table order; none where it takes nothing.
+        // Each destination's bytes of the entry, in table order (none where it takes nothing):
+        // received straight into it where they are one range of it, else into the sink's scatter
+        // memory, packed run by run as the streamer sends them, and copied into place.
         for (const slot& sl : *slots) {
           pieces.clear();
           for (const plan::run& r : sl.runs()) plan::clip(r, e.tensor_offset, e.tensor_offset + e.bytes, pieces);
           if (pieces.empty()) continue;
-          const auto at = plan::contiguous(pieces, false);
-          if (!at)
-            throw error(errc::internal, fmt::format("tensor '{}': its part of BATCH {} entry {} is not one range of "
-                                                    "its destination",
-                                                    e.name, b.seq, k));
-          segments->push_back(
-              transport::segment{static_cast<std::byte*>(sl.dest.data) + *at, 0, plan::bytes_of(pieces)});
+          const std::uint64_t n = plan::bytes_of(pieces);
+          if (const auto at = plan::contiguous(pieces, false)) {
+            segments->push_back(transport::segment{static_cast<std::byte*>(sl.dest.data) + *at, 0, n});
+            continue;
+          }
+          scattered.push_back(segments->size());
+          segments->push_back(transport::segment{nullptr, scatter_bytes, n});
+          for (const plan::run& r : pieces) {
+            unpack.emplace_back(ops.size(), scatter_bytes);
+            ops.emplace_back(nullptr, static_cast<std::byte*>(sl.dest.data) + r.dst, r.width, r.rows, r.width,
+                             r.dst_pitch);
+            scatter_bytes += r.width * r.rows;
+          }
         }
         continue;
       }
@@ -1079,6 +1092,16 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
           copy::enable_peer_access(ln->sink->where().index, sl.dest.dev.index);
       }
       if (segments != nullptr) segments->push_back(transport::segment{nullptr, e.buffer_offset, e.bytes});
+    }
+    if (scatter_bytes != 0) {
+      // The parts received apart: their segments, and the copies that unpack them (the only copies
+      // of a parts session), point into the sink's scatter memory, asked for once its size is known.
+      std::byte* memory = ln->sink->scatter(b.buffer, scatter_bytes);
+      if (memory == nullptr)
+        throw error(errc::internal, fmt::format("BATCH {}: a parts session without scatter memory", b.seq));
+      for (const std::size_t s : scattered)
+        (*segments)[s] = transport::segment{memory + (*segments)[s].offset, 0, (*segments)[s].bytes};
+      for (const auto& [op, at] : unpack) ops[op].src = memory + at;
     }
     return ops;
   }

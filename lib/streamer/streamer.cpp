@@ -907,8 +907,12 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       std::vector<std::size_t> gathered;  // their segments
       std::uint64_t cursor = 0;
       std::size_t next = 0;
+      // This entry's gathered parts (their runs, where they start): a part several receivers take
+      // alike (the same TP rank of two replicas) is gathered once and sent from there to each.
+      std::vector<std::pair<std::vector<plan::run>, std::uint64_t>> alike;
       for (const wire::entry& e : entries) {
         if (e.bytes == 0) continue;
+        alike.clear();
         if (next == whole.size())
           throw error(errc::internal, fmt::format("version {}: a batch of {} entries has {} segments", version,
                                                   entries.size(), whole.size()));
@@ -927,6 +931,17 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
             continue;
           }
           gathered.push_back(segments.size());
+          // The bytes gathered depend on the source side of the runs only.
+          const auto same = std::find_if(alike.begin(), alike.end(), [&](const auto& a) {
+            return std::ranges::equal(a.first, pieces, [](const plan::run& x, const plan::run& y) {
+              return x.src == y.src && x.src_pitch == y.src_pitch && x.width == y.width && x.rows == y.rows;
+            });
+          });
+          if (same != alike.end()) {
+            segments.push_back(transport::segment{nullptr, same->second, n, peer});
+            continue;
+          }
+          alike.emplace_back(pieces, cursor);
           segments.push_back(transport::segment{nullptr, cursor, n, peer});
           for (const plan::run& r : pieces) {
             runs.push_back(gathered_run{base + (r.src - e.tensor_offset), cursor, r});

@@ -37,12 +37,14 @@
 // drain() logs one line per refit: link busy, link idle and where, applies. Otherwise no timing
 // event is recorded.
 //
-// Parts sessions. When some receiver's table has views or slices (a TP shard, a fused tensor) and
-// each is one dense range of its GPU, that receiver describes its destinations in its OK and the
-// session stays in place: the streamer sends each receiver only the bytes its destinations take
-// (ncclSend/ncclRecv, one per destination an entry reaches, in an order both sides compute from
-// the manifest and the receiver's table), gathering a part first when it is not one range of its
-// tensor (a column slice). NCCL connects point-to-point channels lazily, at their first use by both
+// Parts sessions. When some receiver's table has views or slices (a TP shard, a fused tensor) on
+// its GPU, that receiver describes its destinations in its OK and the session stays in place: the
+// streamer sends each receiver only the bytes its destinations take (ncclSend/ncclRecv, one per
+// destination an entry reaches, in an order both sides compute from the manifest and the
+// receiver's table), gathering a part first when it is not one range of its tensor (a column
+// slice; once for every receiver that takes it alike). A receiver receives a part that is not one
+// range of its destination (a view whose rows lie apart) into scatter memory and copies it into
+// place. NCCL connects point-to-point channels lazily, at their first use by both
 // ranks, and a group of sends would wait for receivers that have not yet seen the batch's manifest;
 // so set-up also sends each receiver one byte, while every rank is there.
 //
@@ -773,6 +775,9 @@ class nccl_source final : public source {
         throw error(errc::protocol, fmt::format("nccl: receiver {}'s destination record {}: {}", k, r, e.what()));
       }
       plan::destination dest = destination_of(d, device::cuda(device_));
+      // A view whose rows lie apart receives its parts into memory of the receiver's, sized by the
+      // batch, and copies them into place.
+      if (!plan::is_dense(dest)) gathers_ = true;
       // A slice along a dimension after the first, with more than one row before it: its rows lie
       // apart in the source, and are gathered before they are sent.
       if (dest.slice && dest.slice->dim > 0) {
@@ -919,10 +924,12 @@ class nccl_sink final : public sink {
       if (d.meta.nbytes() != 0 && !(d.dev == device::cuda(device_))) offer = false;
       if (!plan::is_plain(d) || !names.insert(d.meta.name).second) plain = false;
     }
-    // Parts land straight in their destinations: each must be one dense range (a view of rows, such
-    // as a fused tensor's narrow(0) or a TP shard; not a narrow(1), whose rows lie apart).
-    if (!plain && !std::all_of(table.begin(), table.end(), plan::is_dense)) offer = false;
+    // Parts land straight in their destinations where they are one range of it (a view of rows,
+    // such as a fused tensor's narrow(0) or a TP shard); a view whose rows lie apart (a narrow(1))
+    // receives its part into scatter() memory and copies it into place.
     if (offer && !plain && !streamer_parts_) offer = false;  // that streamer broadcasts whole tensors
+    scatter_.clear();
+    scattered_.clear();
     if (offer) {
       recv_.clear();  // nothing is ever staged in this session: the memory goes back
       reply.mode = wire::session_mode::in_place;
@@ -939,6 +946,25 @@ class nccl_sink final : public sink {
   }
 
   [[nodiscard]] bool parts() const noexcept override { return parts_; }
+
+  std::byte* scatter(std::size_t i, std::uint64_t bytes) override {
+    if (!parts_ || i >= sizes_.size()) return nullptr;
+    if (scatter_.size() < sizes_.size()) scatter_.resize(sizes_.size());
+    if (scatter_[i].bytes() < bytes) {
+      // Grown, never shrunk within the session; the old one may still be read by a copy in flight
+      // and is kept until the next session.
+      device_guard guard(device_);
+      if (scatter_[i].bytes() != 0) scattered_.push_back(std::move(scatter_[i]));
+      try {
+        scatter_[i] = cuda::device_buffer(bytes);
+      } catch (const error& e) {
+        throw error(errc::cuda, fmt::format("nccl: cannot allocate {} bytes on cuda:{} to receive the parts of a batch "
+                                            "whose destinations' rows lie apart (views such as a narrow(1)): {}",
+                                            bytes, device_, e.what()));
+      }
+    }
+    return static_cast<std::byte*>(scatter_[i].handle());
+  }
 
   [[nodiscard]] bool attached() const noexcept override { return attached_; }
   [[nodiscard]] std::size_t count() const noexcept override { return sizes_.size(); }
@@ -1064,9 +1090,11 @@ class nccl_sink final : public sink {
   bool parts_ = false;           ///< this session receives only parts (parts())
   cuda::stream comm_stream_;
   cuda::stream apply_;
-  std::vector<std::uint64_t> sizes_;       ///< the buffers the streamer announced
-  std::vector<cuda::device_buffer> recv_;  ///< made for sessions that stage (make_buffers)
-  cuda::device_buffer scratch_;            ///< the warm-up broadcast's bytes
+  std::vector<std::uint64_t> sizes_;            ///< the buffers the streamer announced
+  std::vector<cuda::device_buffer> recv_;       ///< made for sessions that stage (make_buffers)
+  std::vector<cuda::device_buffer> scatter_;    ///< per buffer slot: parts received apart (scatter())
+  std::vector<cuda::device_buffer> scattered_;  ///< scatter areas outgrown in this session
+  cuda::device_buffer scratch_;                 ///< the warm-up broadcast's bytes
   std::vector<cuda::event> received_;
   std::vector<cuda::event> applied_;
   pending_batch batch_;  ///< where the entries of the next batch land (entries())

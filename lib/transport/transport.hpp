@@ -166,9 +166,10 @@ class source {
   [[nodiscard]] virtual bool parts() const noexcept { return false; }
   /// True when some receiver of this parts session takes parts that do not lie in one range of
   /// their tensor (a column slice of a row-major tensor: a row-parallel shard), which are gathered
-  /// before they are sent: its batches are then planned buffer-sized, not direct_batch_bytes, so
-  /// that the gather memory of a batch stays within buffer_bytes (more, only where two receivers
-  /// take the same columns).
+  /// before they are sent, or has a view whose rows lie apart (a narrow(1)), which receives its
+  /// parts into memory of its own first: its batches are then planned buffer-sized, not
+  /// direct_batch_bytes, so that the gather (and scatter) memory of a batch stays within
+  /// buffer_bytes (more, only where receivers take different column slices of one tensor).
   [[nodiscard]] virtual bool gathers() const noexcept { return false; }
   /// In a parts session: memory of at least `bytes` bytes on where() for the parts of the batch in
   /// buffer i that do not lie in one range of their tensor (a column slice), gathered there by
@@ -260,7 +261,8 @@ class sink {
   /// Called once per session after attach() (and offer_direct() when that declined; `table` is
   /// empty for a callback sink). For a transport that moves entries one by one (nccl): when `h`
   /// asks for session_mode::in_place and every destination of `table` can be received into in
-  /// place (dense, whole, one per name, on the sink's device), sets `reply.mode` to in_place and
+  /// place (on the sink's device; dense, whole and one per name, or else the streamer sends each
+  /// receiver its parts: see parts()), sets `reply.mode` to in_place and
   /// returns true; batches are then planned with direct_batch_bytes, every entry lands in its
   /// destination, and no buffer exists (data() is null). Otherwise returns false, having made the
   /// buffers batches are staged in. Throws refit::error(cuda) when those cannot be allocated.
@@ -270,10 +272,19 @@ class sink {
   }
   /// True when the in-place session offer_in_place() granted receives only the bytes this
   /// receiver's destinations take (nccl: the table has views, slices or several destinations of
-  /// one tensor, each a dense range of the sink's GPU). The receiver then passes entries() one
-  /// segment per destination an entry reaches (in table order, none where it takes nothing of
-  /// the entry), each received straight into that destination.
+  /// one tensor, on the sink's GPU). The receiver then passes entries() one segment per
+  /// destination an entry reaches (in table order, none where it takes nothing of the entry),
+  /// each received straight into that destination where its part is one range of it, else into
+  /// scatter() memory, from which the receiver copies it into place after begin_read().
   [[nodiscard]] virtual bool parts() const noexcept { return false; }
+  /// In a parts session: memory of at least `bytes` bytes on where() for the parts of the batch in
+  /// buffer i that do not land in one range of their destination (a view whose rows lie apart),
+  /// received there and copied into place on stream() between begin_read(i) and end_read(i).
+  /// Valid until the next session; nullptr where the transport has none.
+  virtual std::byte* scatter(std::size_t i, std::uint64_t bytes) {
+    (void)i, (void)bytes;
+    return nullptr;
+  }
   [[nodiscard]] virtual bool attached() const noexcept = 0;
   [[nodiscard]] virtual std::size_t count() const noexcept = 0;
   [[nodiscard]] virtual std::uint64_t buffer_bytes(std::size_t i) const noexcept = 0;

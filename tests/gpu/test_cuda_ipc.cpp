@@ -822,7 +822,7 @@ TEST_CASE(
 
 /// An engine's own layout of a small model, in one device allocation: fused qkv (GQA: q 64 rows, k
 /// and v 16), a row-parallel shard (columns 32..63 of o), tied embeddings (emb into two tensors) and
-/// a strided view (w into columns 6..25 of a [12, 40] tensor; left out with `strided` false: every
+/// a strided view (w into columns 6..25 of a [64, 40] tensor; left out with `strided` false: every
 /// other destination is one dense range). u16 stands for bf16.
 struct engine_layout {
   static constexpr std::int64_t h = 32;
@@ -832,10 +832,10 @@ struct engine_layout {
   bool strided;
   std::vector<refit::tensor_meta> sources{{"q", refit::dtype::u16, {64, h}},   {"k", refit::dtype::u16, {16, h}},
                                           {"v", refit::dtype::u16, {16, h}},   {"o", refit::dtype::u16, {h, 64}},
-                                          {"emb", refit::dtype::u16, {40, h}}, {"w", refit::dtype::u16, {12, 20}}};
-  // Element offsets in the engine allocation: qkv [96, h], o_local [h, h], emb, head [40, h], big [12, 40].
+                                          {"emb", refit::dtype::u16, {40, h}}, {"w", refit::dtype::u16, {64, 20}}};
+  // Element offsets in the engine allocation: qkv [96, h], o_local [h, h], emb, head [40, h], big [64, 40].
   static constexpr std::int64_t qkv = 0, o_local = 96 * h, emb = o_local + h * h, head = emb + 40 * h,
-                                big = head + 40 * h, total = big + 12 * 40;
+                                big = head + 40 * h, total = big + 64 * 40;
 
   /// Registers every destination of the layout, the engine's memory starting at `base`.
   void register_with(refit::receiver& r, std::uint16_t* base, std::uint64_t bytes, int device = 0) const {
@@ -876,16 +876,17 @@ struct engine_layout {
     std::copy(e.begin(), e.end(), out.begin() + head);
     if (!strided) return out;
     const auto w = src(5);
-    for (std::int64_t r = 0; r < 12; ++r)
+    for (std::int64_t r = 0; r < 64; ++r)
       for (std::int64_t c = 0; c < 20; ++c) out[big + r * 40 + 6 + c] = w[r * 20 + c];
     return out;
   }
 };
 
-/// `transport` nccl: the receiver on cuda:1. In place with every destination one dense range
-/// (`strided` false), the streamer sends it only its parts of each tensor, into its views (o's
-/// columns gathered first, emb twice); otherwise views and slices are staged there (a broadcast of
-/// each whole tensor, then the receiver's own copies into its views).
+/// `transport` nccl: the receiver on cuda:1. In place (`direct`), the streamer sends it only its
+/// parts of each tensor (o's columns gathered first, emb twice): into its views where they are one
+/// range of them, and the strided view's rows into the receiver's scatter memory, copied into place
+/// from there. Buffered, views and slices are staged there (a broadcast of each whole tensor, then
+/// the receiver's own copies into its views).
 void engine_layout_refits(bool direct, refit::transport_kind transport = refit::transport_kind::cuda_ipc,
                           bool share = true, bool strided = true) {
   const bool nccl = transport == refit::transport_kind::nccl;
@@ -928,12 +929,9 @@ void engine_layout_refits(bool direct, refit::transport_kind transport = refit::
           const auto stats = s.refit(v, source.refs());
           std::uint64_t total = 0;
           for (const auto& m : layout.sources) total += m.nbytes();
-          const bool parts = nccl && direct && !strided;
-          if (!nccl)
-            expect(stats.direct == direct, direct ? "the refit was staged, not direct" : "the refit was direct");
-          else
-            expect(stats.direct == parts, parts ? "the nccl refit into dense views was not in place"
-                                                : "an nccl refit into a strided view was in place");
+          const bool parts = nccl && direct;
+          expect(stats.direct == direct,
+                 direct ? "the refit was staged, not direct (in place)" : "the refit was direct");
           // In parts: every tensor once but o, whose half the receiver takes (its columns 32..63),
           // and emb a second time (tied: two destinations).
           const std::uint64_t want = parts ? total - layout.sources[3].nbytes() / 2 + layout.sources[4].nbytes() : 0;
@@ -964,9 +962,10 @@ TEST_CASE("the same engine layout over nccl to a receiver on cuda:1, in-place as
     WARN("no nccl or no GPU: the nccl engine-layout test did not run");
     return;
   }
+  // In place: only its parts sent, the strided view's through the receiver's scatter memory.
   engine_layout_refits(true, refit::transport_kind::nccl);
   engine_layout_refits(false, refit::transport_kind::nccl);
-  // Without the strided view every destination is one dense range: in place, only its parts sent.
+  // Without the strided view every part lands straight in its destination.
   engine_layout_refits(true, refit::transport_kind::nccl, true, false);
   engine_layout_refits(false, refit::transport_kind::nccl, true, false);
 }
@@ -1051,30 +1050,41 @@ void tp_rank_receiver(const tp_layout& layout, int rank, int device, const std::
 
 /// `vmm`: each rank's engine memory is a VMM chunk exportable as a descriptor (an engine under
 /// expandable segments), written through the descriptors its lane passes. `nccl`: the streamer
-/// sends each rank only its parts, in place (rank 0 on gpu_of(1), rank 1 on `second_device`).
-void tp_refits(int second_device, bool vmm = false, bool nccl = false) {
+/// sends each rank only its parts, in place (rank 0 on gpu_of(1), rank 1 on `second_device`, a
+/// third receiver on gpu_of(3)). `replica` (nccl): a third receiver, a second replica of TP rank 0,
+/// takes what the first does: o's columns are gathered once and sent to both.
+void tp_refits(int second_device, bool vmm = false, bool nccl = false, bool replica = false) {
   const tp_layout layout;
-  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  if (replica) eps.push_back(rt::temp_endpoint());
   const std::vector<std::uint64_t> versions = {1, 2, 3};
-  rt::signal_pipe ready0, ready1;
+  rt::signal_pipe ready0, ready1, ready2;
   rt::child rx0([&] { tp_rank_receiver(layout, 0, nccl ? rt::gpu_of(1) : 0, eps[0], versions, ready0, vmm); });
   REQUIRE(ready0.receive(60s) == "ready");
   rt::child rx1([&] { tp_rank_receiver(layout, 1, second_device, eps[1], versions, ready1, vmm); });
   REQUIRE(ready1.receive(60s) == "ready");
+  std::optional<rt::child> rx2;
+  if (replica) {
+    rx2.emplace([&] { tp_rank_receiver(layout, 0, rt::gpu_of(3), eps[2], versions, ready2, vmm); });
+    REQUIRE(ready2.receive(60s) == "ready");
+  }
   rt::child tx([&] {
     device_tensors source(layout.sources, 0);
     auto o = stream_options(eps[0], 0, relaxed);
     o.receivers = eps;
     if (nccl) o.transport = refit::transport_kind::nccl;
     refit::streamer s(o);
-    std::uint64_t total = 0;
+    std::uint64_t total = 0, half = 0;  // half: what rank 0 takes of every sharded tensor
     for (const auto& m : layout.sources) total += m.nbytes();
+    for (std::size_t i = 0; i + 1 < layout.sources.size(); ++i) half += layout.sources[i].nbytes() / 2;
     for (const std::uint64_t v : versions) {
       source.upload(v);
       const auto stats = s.refit(v, source.refs());
-      expect(stats.direct, "the refit to two ranks was not direct");
-      // Each rank its halves, both the whole norm: every byte once, the norm twice.
-      const std::uint64_t want = nccl ? total + layout.sources[4].nbytes() : 0;
+      expect(stats.direct, "the refit to the ranks was not direct");
+      // Each rank its halves, both the whole norm: every byte once, the norm twice; the replica
+      // rank 0's halves and the norm again.
+      const std::uint64_t norm = layout.sources[4].nbytes();
+      const std::uint64_t want = !nccl ? 0 : total + norm + (replica ? half + norm : 0);
       expect(stats.parts_bytes == want,
              "parts_bytes " + std::to_string(stats.parts_bytes) + ", not " + std::to_string(want));
     }
@@ -1083,6 +1093,7 @@ void tp_refits(int second_device, bool vmm = false, bool nccl = false) {
   CHECK(tx.wait(120s) == 0);
   CHECK(rx0.wait(60s) == 0);
   CHECK(rx1.wait(60s) == 0);
+  if (rx2) CHECK(rx2->wait(60s) == 0);
 }
 
 TEST_CASE("one cuda_ipc streamer writes two TP ranks on one GPU directly, each only its shards, bit-exact",
@@ -1099,6 +1110,17 @@ TEST_CASE(
     return;
   }
   tp_refits(rt::gpu_of(2), false, true);
+}
+
+TEST_CASE(
+    "one nccl streamer sends two replicas of TP rank 0 and one of rank 1 their shards in place; a column slice two "
+    "receivers take alike is gathered once and lands bit-exact in both",
+    "[nccl][layout][tp]") {
+  if (!rt::nccl_ranks(4)) {
+    WARN("no nccl or no GPU: the nccl TP replica test did not run");
+    return;
+  }
+  tp_refits(rt::gpu_of(2), false, true, true);
 }
 
 TEST_CASE(

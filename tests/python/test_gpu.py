@@ -70,6 +70,21 @@ def gpu_table(chan, spec, device: int, nccl: bool, shared: bool = False):
         return serve_loop(rx, chan, {"state": lambda: state_bytes(params)})
 
 
+def gpu_stacked_experts(chan, device: int, shared: bool):
+    """Job: an engine's stacked experts ``w13[E, 2I, H]`` and a norm. The trainer's ``gate`` and
+    ``up`` ``[E, I, H]`` land in the views ``w13[:, :I]`` and ``w13[:, I:]``, whose rows lie apart
+    (expert by expert). Commands: ``state`` (w13 and the norm)."""
+    use_device(device, True, shared)
+    w13 = torch.zeros(4, 2 * 96, 64, dtype=torch.bfloat16, device=f"cuda:{device}")
+    norm = torch.zeros(64, dtype=torch.bfloat16, device=f"cuda:{device}")
+    with refit.Receiver(device=device) as rx:
+        rx.add_parameter("experts.gate", w13[:, :96])
+        rx.add_parameter("experts.up", w13[:, 96:])
+        rx.add_parameter("norm", norm)
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {"state": lambda: (tensor_bytes(w13), tensor_bytes(norm))})
+
+
 def allocator_settings():
     """torch's run-time switch of the caching allocator's settings, or None where it has none."""
     return getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
@@ -210,6 +225,29 @@ def test_nccl_state_dict_arrives_bit_exact_at_another_rank(peer, nccl_pair, dire
     endpoint = job.recv()
     with gpu_streamer(endpoint, "nccl", direct=direct, buffer_bytes=64 << 10) as st:
         refit_three_versions(job, st, "state")
+    job.stop()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["in-place", "buffered"])
+def test_nccl_stacked_experts_land_in_views_whose_rows_lie_apart(peer, nccl_pair, direct):
+    """An engine's w13 takes gate and up through views whose rows lie apart. In place, the streamer
+    sends the receiver exactly its parts (every byte once), which it receives into its scatter
+    memory and copies into place; buffered, whole tensors are broadcast and applied. 64 KiB
+    batches split ``up`` across two of them. Bit-exact over three versions."""
+    job = peer.run(gpu_stacked_experts, rank_gpu(1), nccl_pair)
+    endpoint = job.recv()
+    with gpu_streamer(endpoint, "nccl", direct=direct, buffer_bytes=64 << 10) as st:
+        for version in (1, 2, 3):
+            g = torch.Generator().manual_seed(version)
+            state = {
+                name: torch.randn(shape, generator=g).to(torch.bfloat16).to("cuda:0")
+                for name, shape in (("experts.gate", (4, 96, 64)), ("experts.up", (4, 96, 64)), ("norm", (64,)))
+            }
+            stats = st.refit(version, state)
+            want = torch.cat([state["experts.gate"], state["experts.up"]], dim=1)
+            assert job.request("state") == (tensor_bytes(want), tensor_bytes(state["norm"])), f"version {version}"
+            assert stats.direct is direct
+            assert stats.parts_bytes == (sum(t.numel() * t.element_size() for t in state.values()) if direct else 0)
     job.stop()
 
 
