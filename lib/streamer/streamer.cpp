@@ -820,6 +820,18 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       direct_checked = 0;
     }
 
+    /// Before packing into `buffer`: where the transport does not order the packing after the
+    /// receivers' reads of it by itself, the reply to the batch before (still posted) must be in
+    /// first (it comes once the receivers have read the batch before that one, from this buffer).
+    void begin_pack(std::size_t buffer) {
+      if (st.flight && !st.buffers->orders_reuse()) {
+        const auto tw = clock::now();
+        (void)st.collect();
+        stats.wait_seconds += seconds_since(tw);
+      }
+      st.buffers->begin_pack(buffer);
+    }
+
     void launch_direct() {
       const auto tp = clock::now();
       run_ops();
@@ -838,7 +850,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       const bool packs_nothing = shares && std::none_of(entries.begin(), entries.end(), [](const wire::entry& e) {
                                    return e.bytes != 0 && e.source == 0;
                                  });
-      if (!direct && !packs_nothing) st.buffers->begin_pack(buffer);
+      if (!direct && !packs_nothing) begin_pack(buffer);
       if (parts) split_parts(buffer);  // its gathers run with the batch's copies
       if (launch || !direct) run_ops();
 #if REFIT_HAVE_CUDA
@@ -865,14 +877,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       b.sources = std::move(sources);
       b.ready = ready;
       tp = clock::now();
-      if (st.flight) (void)st.collect();  // the batch before, posted (direct)
-      if (direct) {
-        // Its reply is heard at the next batch or before END: meanwhile the receiver checks this
-        // manifest while this side plans and launches the next tensors.
-        st.post([&](std::size_t) { return wire::message(b); }, fmt::format("BATCH {} of version {}", seq, version));
-      } else {
-        st.request(b, fmt::format("BATCH {} of version {}", seq, version));
-      }
+      if (st.flight) (void)st.collect();  // the batch before, posted
+      // Its reply is heard at the next batch or before END: meanwhile the receiver checks this
+      // manifest (and enqueues its reads of the buffer, or its receives) while this side reads,
+      // packs and launches the next batch. One request per receiver at a time, as ever.
+      st.post([&](std::size_t) { return wire::message(b); }, fmt::format("BATCH {} of version {}", seq, version));
       stats.wait_seconds += seconds_since(tp);
       ++stats.batches;
       seq += 1;
@@ -1398,7 +1407,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
           add_span_bytes(w, q.t, off, p, src);
         } else {
           const std::size_t buffer = w.seq % buffers->count();
-          buffers->begin_pack(buffer);
+          w.begin_pack(buffer);
           // A span without changes has nothing to write, nor anything to bring up to date.
           if (changes[k] != 0)
             delta::cuda::write(i, k, buffers->data(buffer) + p.entry.buffer_offset, weight, ws, stream);
@@ -1710,7 +1719,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     }
     if (flight) {
       const auto tw = clock::now();
-      (void)collect();  // the last batch, posted (direct)
+      (void)collect();  // the last batch, posted
       stats.wait_seconds += seconds_since(tw);
     }
   }

@@ -322,6 +322,9 @@ class cuda_ipc_source final : public source {
                [&] { return fmt::format("cudaStreamWaitEvent(pack stream, applied[{}])", i); });
   }
 
+  /// The applied event of buffer i is recorded by the receiver before it replies to the batch.
+  [[nodiscard]] bool orders_reuse() const noexcept override { return true; }
+
   void after(void* producer_stream) override {
     device_guard guard(device_);
     const auto producer = static_cast<cudaStream_t>(producer_stream);

@@ -675,6 +675,9 @@ class nccl_source final : public source {
     });
   }
 
+  /// Buffer i is read only by this process's own sends (stream order: sent_[i]).
+  [[nodiscard]] bool orders_reuse() const noexcept override { return true; }
+
   void after(void* producer_stream) override {
     const auto s = static_cast<cudaStream_t>(producer_stream);
     check_cuda(cudaEventRecord(producer_.handle(), s), "cudaEventRecord(on the tensor's producer stream)");

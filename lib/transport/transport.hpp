@@ -190,6 +190,12 @@ class source {
 
   /// Before packing into buffer i: orders the packing after the receiver's last read of it.
   virtual void begin_pack(std::size_t i) = 0;
+  /// True when begin_pack(i) orders the packing after the receivers' reads of buffer i by itself
+  /// (an event each receiver records after enqueuing its reads of a batch, before replying to it;
+  /// or the streamer's own stream order): the streamer may then pack a batch before it has heard
+  /// the reply to the one before. False (host_shm, whose receivers reply first and then copy):
+  /// the reply to batch k - 1 must be in before buffer (k + 1) mod count is packed.
+  [[nodiscard]] virtual bool orders_reuse() const noexcept { return false; }
   /// Orders the packing after the work enqueued so far on a producer stream (cudaStream_t).
   virtual void after(void* producer_stream) = 0;
   /// After packing buffer i: makes its bytes visible to the receiver.
