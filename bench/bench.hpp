@@ -237,8 +237,11 @@ class transport_path {
 };
 
 std::unique_ptr<transport_path> make_host_shm_path();
-/// Throws refit::error(invalid_argument) in a build without CUDA.
-std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources = false, bool vmm_dests = false);
+/// Tensors on GPU `device`; its ceiling follows `receiver_gpus`, the GPUs of the receivers its
+/// streamer serves (copy_ceiling(); none: one on `device`). Throws refit::error(invalid_argument)
+/// in a build without CUDA, or when `device` is not a visible GPU.
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources = false, bool vmm_dests = false,
+                                                   std::vector<int> receiver_gpus = {});
 /// --convert: the receiver registers converted destinations (issue 13): "bf16:fp8-block128",
 /// "bf16:fp8-tensor", "f32:bf16".
 struct conversion_spec {
@@ -286,9 +289,24 @@ int receiver_device(int streamer_device, std::size_t k, int visible) noexcept;
 /// Receiver processes the streamer spawns for transport t: one per rank of --layout tpN over
 /// cuda_ipc and nccl, --receivers over nccl otherwise, one else.
 std::size_t receiver_processes(const config& c, transport_kind t) noexcept;
-/// The GPU of receiver k for transport t: nccl as receiver_device(); cuda_ipc the streamer's
-/// (--receiver-devices same) or (device + k) % visible (spread); host_shm c.device.
+/// The GPU of receiver k for transport t: nccl as receiver_device(); cuda_ipc --receiver-device's
+/// when given, else the streamer's (--receiver-devices same) or (device + k) % visible (spread);
+/// host_shm c.device.
 int receiver_gpu(const config& c, transport_kind t, std::size_t k, int visible) noexcept;
+/// Where a cuda_ipc refit's bytes go: from the streamer's GPU to each receiver's, one entry per
+/// receiver (none: one receiver on the streamer's GPU). Its ceiling follows it (copy_ceiling()).
+struct gpu_placement {
+  int streamer = 0;
+  std::vector<int> receivers;
+  /// Every receiver on the streamer's GPU.
+  [[nodiscard]] bool local() const noexcept;
+  friend bool operator==(const gpu_placement&, const gpu_placement&) = default;
+};
+/// The cuda_ipc placement of the streamer side of `c` with `visible` GPUs: receiver_gpu() of every
+/// receiver it spawns (receiver_processes()), or of the one receiver started by hand (--role
+/// streamer). Throws refit::error(invalid_argument) when --receiver-device names a GPU that is not
+/// visible ("--receiver-device 1 but 1 CUDA device is visible").
+gpu_placement cuda_ipc_placement(const config& c, int visible);
 /// Lowercase hex of `n` bytes, and back (nullopt for odd length or a non-hex character).
 std::string to_hex(const void* data, std::size_t n);
 std::optional<std::string> from_hex(std::string_view hex);
@@ -384,6 +402,19 @@ std::uint64_t checksum_after_flip(std::uint64_t sum, std::uint64_t bytes, std::u
 double host_memcpy_bandwidth(std::uint64_t bytes, int reps = 5);
 /// Same for cudaMemcpyAsync device to device on `device`, timed with events (needs CUDA).
 double device_copy_bandwidth(int device, std::uint64_t bytes, int reps = 5);
+/// Best payload bandwidth (bytes/s) of `bytes` bytes copied from GPU `from` to the GPUs `to`, all
+/// at once: one equal share (bytes / to.size()) per entry of `to`, each from its own slice of a
+/// buffer on `from` into a buffer on its GPU, on a non-blocking stream of its own:
+/// cudaMemcpyPeerAsync where the GPUs differ (peer access enabled first), cudaMemcpyAsync where
+/// they do not. Timed with CUDA events from one start to the last share's end; one warm-up, then
+/// the best of `reps`. Throws refit::error(cuda) when a call fails (peer access refused included),
+/// errc::invalid_argument for no GPU in `to` or in a build without CUDA.
+double peer_copy_bandwidth(int from, const std::vector<int>& to, std::uint64_t bytes, int reps = 5);
+/// The ceiling of a cuda_ipc refit placed as `p`, copying `bytes` in all: device_copy_bandwidth()
+/// on the streamer's GPU when every receiver is there, else peer_copy_bandwidth() to them all.
+double copy_ceiling(const gpu_placement& p, std::uint64_t bytes, int reps = 5);
+/// What copy_ceiling(p, bytes, reps) measures, for the preamble's "# ceiling" line.
+std::string copy_ceiling_method(const gpu_placement& p, std::uint64_t bytes, int reps = 5);
 
 // ---------------------------------------------------------------- configuration
 
@@ -416,6 +447,9 @@ struct config {
   /// cuda_ipc receivers (tpN: one per rank) all on the streamer's GPU (false), or rank k on GPU
   /// (device + k) % visible (true: --receiver-devices spread).
   bool spread_receivers = false;
+  /// cuda_ipc: the GPU of every receiver the streamer spawns (--receiver-device N; --role streamer:
+  /// the GPU of the receiver started by hand, for the ceiling); -1: as spread_receivers says.
+  int receiver_device = -1;
   /// nccl: ranks may share GPUs (--nccl-share-gpus): every bench process claims a host of its own
   /// (NCCL_HOSTID), so NCCL connects ranks on one GPU through its network transport over loopback.
   bool nccl_share_gpus = false;

@@ -61,6 +61,7 @@ struct cli_text {
   std::vector<std::string> paths{"direct", "staged"};
   CLI::Option* receivers_opt = nullptr;
   CLI::Option* corrupt_opt = nullptr;
+  CLI::Option* receiver_device_opt = nullptr;
 };
 
 // The options, in the order --help lists them.
@@ -165,12 +166,19 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
                  "started by hand "
                  "(and its streamer); cuda_ipc and nccl spawn every rank")
       ->capture_default_str();
-  app.add_option(
-         "--receiver-devices", t.receiver_devices,
-         "cuda_ipc receivers (--layout tpN: one per rank): same (all on --device's GPU) or spread (rank k on GPU "
-         "(device + k) % visible); nccl receivers are always on GPUs of their own (--receivers)")
+  app.add_option("--receiver-devices", t.receiver_devices,
+                 "cuda_ipc receivers (--layout tpN: one per rank): same (all on one GPU: --device's, or "
+                 "--receiver-device's) or spread (rank k on GPU (device + k) % visible; the ceiling is then the "
+                 "copy from --device's GPU to every rank's GPU, all at once); nccl receivers are always on GPUs of "
+                 "their own (--receivers)")
       ->check(CLI::IsMember({"same", "spread"}))
       ->capture_default_str();
+  t.receiver_device_opt = app.add_option(
+      "--receiver-device", c.receiver_device,
+      "--transport cuda_ipc alone: every receiver the bench spawns (the one receiver, every rank of --layout tpN, "
+      "--delta's) on GPU N, and the ceiling the peer copy from --device's GPU to N (cudaMemcpyPeerAsync, same "
+      "run) instead of a copy within one GPU; --role streamer: the GPU of the receiver started by hand, for the "
+      "ceiling. Default: --device's GPU. Not with --receiver-devices spread or --streamers");
   app.add_flag("--nccl-share-gpus", c.nccl_share_gpus,
                "nccl: let ranks share GPUs (receiver k on GPU (device + 1 + k) % visible, even the streamer's): "
                "every bench process claims an NCCL host of its own (NCCL_HOSTID), so NCCL connects them through "
@@ -338,6 +346,31 @@ void parse_layout_options(config& c, const cli_text& t) {
   }
 }
 
+/// --receiver-device N: one GPU for the cuda_ipc receivers the bench spawns (or, by hand, for the
+/// streamer's ceiling); refused where another rule places the receivers.
+void check_receiver_device(const config& c, const cli_text& t) {
+  if (!*t.receiver_device_opt) return;
+  const int n = c.receiver_device;
+  if (n < 0) bad(fmt::format("--receiver-device {}: a GPU index, 0 or more", n));
+  if (c.side == role::receiver)
+    bad(fmt::format("--receiver-device {} with --role receiver: a receiver runs on its --device", n));
+  if (c.transports != std::vector<transport_kind>{transport_kind::cuda_ipc})
+    bad(
+        fmt::format("--receiver-device {} with --transport {}: only with --transport cuda_ipc alone (nccl places "
+                    "its receivers on GPUs of their own, host_shm has no GPU)",
+                    n, fmt::join(t.transports, ",")));
+  if (c.spread_receivers)
+    bad(
+        fmt::format("--receiver-device {} with --receiver-devices spread: every receiver on GPU {}, or rank k on "
+                    "GPU (device + k) % visible; give one of them",
+                    n, n));
+  if (c.streamers > 0)
+    bad(
+        fmt::format("--receiver-device {} with --streamers {}: the group bench places its receivers itself "
+                    "(--receiver-devices spread spreads them); leave --receiver-device out",
+                    n, c.streamers));
+}
+
 dtype dtype_named(const std::string& name) {
   const auto t = parse_dtype(name);
   if (!t) bad(fmt::format("--dtype {}: unknown (bf16, f16, f32, f8_e4m3, ...)", name));
@@ -385,6 +418,7 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   parse_engines(c, t.engines);
   parse_paths(c, t.paths);
   parse_layout_options(c, t);
+  check_receiver_device(c, t);
   if (!t.convert_text.empty()) {
     c.convert = parse_conversion(t.convert_text);
     if (!c.convert)

@@ -197,16 +197,25 @@ int nccl_receiver_gpu(const config& c) {
   return receiver_device(c.device, 0, visible);
 }
 
+/// The GPU of the receiver over a GPU transport: nccl's (nccl_receiver_gpu), or cuda_ipc's
+/// (--receiver-device's, else the streamer's: cuda_ipc_placement, which refuses one not visible).
+/// Both count the visible GPUs, so the parent asks only after forking.
+int delta_receiver_gpu(const config& c) {
+  if (c.transports.front() == transport_kind::nccl) return nccl_receiver_gpu(c);
+  return cuda_ipc_placement(c, visible_gpus()).receivers.front();
+}
+
 /// The receiver child: a parameter table of the model; serves until told to stop on `in`, then writes
-/// the version checksum of its weights and its committed version to `out`. `gpu` -2: the nccl
-/// receiver's (nccl_receiver_gpu), asked here, since the parent must not use CUDA before forking.
+/// the version checksum of its weights and its committed version to `out`. `gpu` -2: the receiver's
+/// GPU (delta_receiver_gpu), asked here, since the parent must not use CUDA before forking.
 [[noreturn]] void receiver_child(const config& c, const manifest& m, const std::string& endpoint, int in, int out,
                                  int gpu, std::size_t threads) {
   int code = 0;
   try {
     if (gpu == -2) {
-      claim_nccl_host(false);  // a host of its own when ranks share GPUs
-      gpu = nccl_receiver_gpu(c);
+      if (c.transports.front() == transport_kind::nccl)
+        claim_nccl_host(false);  // a host of its own when ranks share GPUs
+      gpu = delta_receiver_gpu(c);
     }
     receiver_options o;
     o.endpoint = endpoint;
@@ -285,9 +294,10 @@ int run_delta(const config& c, std::ostream& out) {
   const std::string endpoint = fmt::format("ipc:///tmp/refit-bench-delta-{}.sock", ::getpid());
 
   // The receiver is forked before this process opens any socket.
-  forked_child rx = fork_child("--delta", [&](int in, int up) {
-    receiver_child(c, m, endpoint, in, up, nccl ? -2 : gpu ? c.device : -1, c.delta_threads);
-  });
+  forked_child rx = fork_child(
+      "--delta", [&](int in, int up) { receiver_child(c, m, endpoint, in, up, gpu ? -2 : -1, c.delta_threads); });
+  // Asked at once, so that a receiver GPU that is not there stops the run before the model is made.
+  const int rx_gpu = gpu ? delta_receiver_gpu(c) : -1;
 
   const auto progress = [&](const std::string& s) {
     if (!c.quiet) std::fprintf(stderr, "refit-bench: %s\n", s.c_str());
@@ -297,7 +307,6 @@ int run_delta(const config& c, std::ostream& out) {
 #if REFIT_HAVE_CUDA
   if (gpu) t.to_device(c.device);
 #endif
-  const int rx_gpu = nccl ? nccl_receiver_gpu(c) : c.device;
   streamer_options so;
   if (nccl)
     so.receivers = {endpoint};
@@ -316,7 +325,9 @@ int run_delta(const config& c, std::ostream& out) {
       nccl  ? fmt::format("nccl from cuda:{} to cuda:{}{}: whole rows in place, deltas buffered, base in device memory",
                           c.device, rx_gpu,
                          c.nccl_share_gpus ? " (--nccl-share-gpus: NCCL's network transport over loopback)" : "")
-      : gpu ? fmt::format("cuda_ipc staged on cuda:{}, base in device memory", c.device)
+      : gpu ? (rx_gpu == c.device
+                   ? fmt::format("cuda_ipc staged on cuda:{}, base in device memory", c.device)
+                   : fmt::format("cuda_ipc staged from cuda:{} to cuda:{}, base in device memory", c.device, rx_gpu))
             : std::string("host_shm");
   out << fmt::format("# refit-bench --delta {}: {} ({} tensors, {:.3f} GB bf16), {}, {} x {} MiB buffers\n",
                      c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9, where, so.buffer_count,

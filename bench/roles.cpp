@@ -813,7 +813,11 @@ std::vector<transport_kind> built_transports() {
 std::unique_ptr<transport_path> make_path(transport_kind kind, const config& c) {
   switch (kind) {
     case transport_kind::host_shm: return make_host_shm_path();
-    case transport_kind::cuda_ipc: return make_cuda_ipc_path(c.device, c.vmm_sources, c.vmm_dests);
+    case transport_kind::cuda_ipc:
+      // The streamer's ceiling follows its receivers' GPUs; a receiver's path only allocates.
+      return make_cuda_ipc_path(
+          c.device, c.vmm_sources, c.vmm_dests,
+          c.side == role::receiver ? std::vector<int>{} : cuda_ipc_placement(c, visible_gpus()).receivers);
     case transport_kind::nccl: return make_nccl_path(c);
   }
   throw error(errc::invalid_argument, "refit-bench: unknown transport");

@@ -1,9 +1,12 @@
 // cuda_ipc path: tensors in device memory on both sides (same GPU by default); the ceiling is a
-// device-to-device cudaMemcpyAsync of 1 GiB timed with events.
+// device-to-device cudaMemcpyAsync of 1 GiB timed with events, or, when a receiver sits on another
+// GPU, the same 1 GiB copied to the receivers' GPUs at once (copy_ceiling).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "bench/bench.hpp"
@@ -137,8 +140,8 @@ struct pinned {
 
 class cuda_ipc_path final : public transport_path {
  public:
-  cuda_ipc_path(int dev, bool vmm_sources, bool vmm_dests)
-      : dev_(dev), vmm_sources_(vmm_sources), vmm_dests_(vmm_dests) {
+  cuda_ipc_path(int dev, bool vmm_sources, bool vmm_dests, std::vector<int> receiver_gpus)
+      : dev_(dev), vmm_sources_(vmm_sources), vmm_dests_(vmm_dests), placement_{dev, std::move(receiver_gpus)} {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       (void)cudaGetLastError();
@@ -157,9 +160,17 @@ class cuda_ipc_path final : public transport_path {
     int driver = 0, runtime = 0;
     cudaDriverGetVersion(&driver);
     cudaRuntimeGetVersion(&runtime);
-    return fmt::format("GPU {}: {} ({:.0f} GiB, sm_{}{}, driver {}.{}, runtime {}.{})", dev_, prop.name,
-                       static_cast<double>(prop.totalGlobalMem) / (1ull << 30), prop.major, prop.minor, driver / 1000,
-                       driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+    std::string s = fmt::format("GPU {}: {} ({:.0f} GiB, sm_{}{}, driver {}.{}, runtime {}.{})", dev_, prop.name,
+                                static_cast<double>(prop.totalGlobalMem) / (1ull << 30), prop.major, prop.minor,
+                                driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+    if (placement_.local()) return s;
+    const std::size_t n = placement_.receivers.size();
+    std::vector<std::string> where;
+    for (const int d : placement_.receivers) {
+      const bool ok = cudaGetDeviceProperties(&prop, d) == cudaSuccess;
+      where.push_back(fmt::format("GPU {} ({})", d, ok ? prop.name : "?"));
+    }
+    return fmt::format("{} (streamer); {} receiver{} on {}", s, n, n == 1 ? "" : "s", fmt::join(where, ", "));
   }
   std::unique_ptr<tensor_memory> sources(const manifest& m, std::uint64_t seed,
                                          const std::vector<mapped_file>* files) override {
@@ -189,27 +200,27 @@ class cuda_ipc_path final : public transport_path {
   std::unique_ptr<tensor_memory> destinations(const manifest& m) override {
     return std::make_unique<device_memory>(m, dev_, "destination tensors", vmm_dests_);
   }
-  double measure_ceiling() override { return device_copy_bandwidth(dev_, ceiling_bytes); }
-  [[nodiscard]] std::string ceiling_method() const override {
-    return fmt::format("cudaMemcpyAsync device to device of {} MiB on GPU {}, events, best of 5", ceiling_bytes >> 20,
-                       dev_);
-  }
+  double measure_ceiling() override { return copy_ceiling(placement_, ceiling_bytes); }
+  [[nodiscard]] std::string ceiling_method() const override { return copy_ceiling_method(placement_, ceiling_bytes); }
 
  private:
   int dev_;
   bool vmm_sources_;
   bool vmm_dests_;
+  gpu_placement placement_;  ///< the receivers its ceiling is measured to
 };
 
 }  // namespace
 
-std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources, bool vmm_dests) {
-  return std::make_unique<cuda_ipc_path>(device, vmm_sources, vmm_dests);
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources, bool vmm_dests,
+                                                   std::vector<int> receiver_gpus) {
+  return std::make_unique<cuda_ipc_path>(device, vmm_sources, vmm_dests, std::move(receiver_gpus));
 }
 
 #else
 
-std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/, bool /*vmm_sources*/, bool /*vmm_dests*/) {
+std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/, bool /*vmm_sources*/, bool /*vmm_dests*/,
+                                                   std::vector<int> /*receiver_gpus*/) {
   throw error(errc::invalid_argument,
               "refit-bench: the cuda_ipc transport is not built into this bench (refit was built "
               "without CUDA); rebuild with -Dcuda=enabled or use --transport host_shm");

@@ -48,9 +48,24 @@ std::size_t receiver_processes(const config& c, transport_kind t) noexcept {
 
 int receiver_gpu(const config& c, transport_kind t, std::size_t k, int visible) noexcept {
   if (t == transport_kind::nccl) return receiver_device(c.device, k, visible);
+  if (t == transport_kind::cuda_ipc && c.receiver_device >= 0) return c.receiver_device;
   if (t == transport_kind::cuda_ipc && c.spread_receivers && visible > 0)
     return static_cast<int>((static_cast<std::size_t>(c.device) + k) % static_cast<std::size_t>(visible));
   return c.device;
+}
+
+gpu_placement cuda_ipc_placement(const config& c, int visible) {
+  if (c.receiver_device >= visible)
+    throw error(errc::invalid_argument,
+                fmt::format("refit-bench: --receiver-device {} but {} visible", c.receiver_device,
+                            visible <= 0   ? std::string("no CUDA device is")
+                            : visible == 1 ? std::string("1 CUDA device is")
+                                           : fmt::format("{} CUDA devices are", visible)));
+  // Started by hand, the streamer serves the one receiver it connects to.
+  const std::size_t n = c.side == role::both ? receiver_processes(c, transport_kind::cuda_ipc) : 1;
+  gpu_placement p{c.device, {}};
+  for (std::size_t k = 0; k < n; ++k) p.receivers.push_back(receiver_gpu(c, transport_kind::cuda_ipc, k, visible));
+  return p;
 }
 
 std::string to_hex(const void* data, std::size_t n) {

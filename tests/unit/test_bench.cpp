@@ -1633,6 +1633,137 @@ TEST_CASE("--layout tpN runs one receiver per rank over cuda_ipc and nccl, and -
     CHECK_THAT(refused({"--layout", name}), Catch::Contains(fmt::format("--layout {}: unknown", name)));
 }
 
+TEST_CASE("--receiver-device N puts every spawned cuda_ipc receiver on GPU N, and nothing else", "[bench]") {
+  int code = -1;
+  const auto parsed = [&](std::vector<const char*> argv) {
+    argv.insert(argv.begin(), "refit-bench");
+    const auto c = parse_args(static_cast<int>(argv.size()), argv.data(), code);
+    REQUIRE(c);
+    return *c;
+  };
+  CHECK(parsed({}).receiver_device == -1);
+  const config one = parsed({"--transport", "cuda_ipc", "--receiver-device", "1"});
+  CHECK(one.receiver_device == 1);
+  CHECK(receiver_processes(one, transport_kind::cuda_ipc) == 1);
+  CHECK(receiver_gpu(one, transport_kind::cuda_ipc, 0, 2) == 1);
+  // Every rank of tpN, whatever the GPUs visible (spread is refused beside it).
+  const config tp4 = parsed({"--transport", "cuda_ipc", "--layout", "tp4", "--receiver-device", "2"});
+  REQUIRE(receiver_processes(tp4, transport_kind::cuda_ipc) == 4);
+  for (std::size_t k = 0; k < 4; ++k) {
+    CHECK(receiver_gpu(tp4, transport_kind::cuda_ipc, k, 4) == 2);
+    CHECK(receiver_gpu(tp4, transport_kind::cuda_ipc, k, 0) == 2);
+  }
+  // Only cuda_ipc's receivers: nccl places its own, host_shm stays on --device.
+  config d = tp4;
+  d.device = 1;
+  CHECK(receiver_gpu(d, transport_kind::nccl, 0, 4) == 2);
+  CHECK(receiver_gpu(d, transport_kind::nccl, 1, 4) == 3);
+  CHECK(receiver_gpu(d, transport_kind::host_shm, 0, 4) == 1);
+  // The default changes nothing: the streamer's GPU, or spread.
+  config same = parsed({"--transport", "cuda_ipc", "--layout", "tp2", "--device", "1"});
+  CHECK(receiver_gpu(same, transport_kind::cuda_ipc, 0, 2) == 1);
+  CHECK(receiver_gpu(same, transport_kind::cuda_ipc, 1, 2) == 1);
+  same.spread_receivers = true;
+  CHECK(receiver_gpu(same, transport_kind::cuda_ipc, 0, 2) == 1);
+  CHECK(receiver_gpu(same, transport_kind::cuda_ipc, 1, 2) == 0);
+  // By hand, the streamer tells its ceiling where its one receiver runs.
+  const config by_hand = parsed({"--role", "streamer", "--connect", "ipc:///x", "--no-verify", "--transport",
+                                 "cuda_ipc", "--receiver-device", "3"});
+  CHECK(by_hand.receiver_device == 3);
+
+  const auto refused = [&](std::vector<const char*> argv) {
+    argv.insert(argv.begin(), "refit-bench");
+    try {
+      (void)parse_args(static_cast<int>(argv.size()), argv.data(), code);
+    } catch (const refit::error& e) {
+      CHECK(e.code() == errc::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(refused({"--transport", "cuda_ipc", "--receiver-device", "-1"}) ==
+        "refit-bench: --receiver-device -1: a GPU index, 0 or more");
+  CHECK(refused({"--receiver-device", "1"}) ==
+        "refit-bench: --receiver-device 1 with --transport host_shm: only with --transport cuda_ipc alone (nccl "
+        "places its receivers on GPUs of their own, host_shm has no GPU)");
+  CHECK(refused({"--transport", "cuda_ipc,nccl", "--receiver-device", "1"}) ==
+        "refit-bench: --receiver-device 1 with --transport cuda_ipc,nccl: only with --transport cuda_ipc alone (nccl "
+        "places its receivers on GPUs of their own, host_shm has no GPU)");
+  CHECK(refused({"--transport", "nccl", "--receiver-device", "0"}) ==
+        "refit-bench: --receiver-device 0 with --transport nccl: only with --transport cuda_ipc alone (nccl places "
+        "its receivers on GPUs of their own, host_shm has no GPU)");
+  CHECK(refused(
+            {"--transport", "cuda_ipc", "--layout", "tp2", "--receiver-devices", "spread", "--receiver-device", "1"}) ==
+        "refit-bench: --receiver-device 1 with --receiver-devices spread: every receiver on GPU 1, or rank k on GPU "
+        "(device + k) % visible; give one of them");
+  CHECK(refused({"--transport", "cuda_ipc", "--streamers", "2", "--receiver-device", "1"}) ==
+        "refit-bench: --receiver-device 1 with --streamers 2: the group bench places its receivers itself "
+        "(--receiver-devices spread spreads them); leave --receiver-device out");
+  CHECK(refused({"--role", "receiver", "--transport", "cuda_ipc", "--receiver-device", "1"}) ==
+        "refit-bench: --receiver-device 1 with --role receiver: a receiver runs on its --device");
+}
+
+TEST_CASE(
+    "a cuda_ipc ceiling is a device copy while every receiver shares the streamer's GPU, else a peer copy to "
+    "them all",
+    "[bench]") {
+  config c;
+  c.transports = {transport_kind::cuda_ipc};
+  // Default: one receiver on the streamer's GPU, today's device copy and its words.
+  CHECK(cuda_ipc_placement(c, 2) == gpu_placement{0, {0}});
+  CHECK(cuda_ipc_placement(c, 2).local());
+  CHECK(gpu_placement{3, {}}.local());
+  CHECK(copy_ceiling_method(cuda_ipc_placement(c, 2), 1ull << 30) ==
+        "cudaMemcpyAsync device to device of 1024 MiB on GPU 0, events, best of 5");
+  // One receiver on GPU 1: the plain peer copy.
+  c.receiver_device = 1;
+  const gpu_placement peer = cuda_ipc_placement(c, 2);
+  CHECK(peer == gpu_placement{0, {1}});
+  CHECK_FALSE(peer.local());
+  CHECK(copy_ceiling_method(peer, 1ull << 30) == "cudaMemcpyPeerAsync GPU 0 → GPU 1 of 1024 MiB, events, best of 5");
+  // tp2 spread: rank 0 stays on the streamer's GPU, rank 1 crosses; both shares at once.
+  c.receiver_device = -1;
+  c.layout = layout_spec{layout_kind::fused, 2};
+  c.spread_receivers = true;
+  const gpu_placement spread = cuda_ipc_placement(c, 2);
+  CHECK(spread == gpu_placement{0, {0, 1}});
+  CHECK(copy_ceiling_method(spread, 1ull << 30) ==
+        "cudaMemcpyPeerAsync from GPU 0 to GPUs 0, 1 at once, 512 MiB each (one stream each; cudaMemcpyAsync "
+        "within GPU 0), events, best of 5");
+  // tp2 all on the streamer's GPU 1: still the device copy there.
+  c.spread_receivers = false;
+  c.device = 1;
+  CHECK(cuda_ipc_placement(c, 2) == gpu_placement{1, {1, 1}});
+  CHECK(copy_ceiling_method(cuda_ipc_placement(c, 2), 1ull << 30) ==
+        "cudaMemcpyAsync device to device of 1024 MiB on GPU 1, events, best of 5");
+  // tp4 all on another GPU: four shares to it at once.
+  c.layout = layout_spec{layout_kind::fused, 4};
+  c.device = 0;
+  c.receiver_device = 2;
+  CHECK(copy_ceiling_method(cuda_ipc_placement(c, 4), 1ull << 30) ==
+        "cudaMemcpyPeerAsync from GPU 0 to GPUs 2, 2, 2, 2 at once, 256 MiB each (one stream each), events, best of "
+        "5");
+  // A streamer started by hand serves one receiver, whatever the layout.
+  c.side = role::streamer;
+  CHECK(cuda_ipc_placement(c, 4) == gpu_placement{0, {2}});
+  // A GPU that is not visible is refused before anything is spawned.
+  const auto refused = [](const config& k, int visible) {
+    try {
+      (void)cuda_ipc_placement(k, visible);
+    } catch (const refit::error& e) {
+      CHECK(e.code() == errc::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  c.receiver_device = 1;
+  CHECK(refused(c, 1) == "refit-bench: --receiver-device 1 but 1 CUDA device is visible");
+  c.receiver_device = 4;
+  CHECK(refused(c, 4) == "refit-bench: --receiver-device 4 but 4 CUDA devices are visible");
+  CHECK(refused(c, 0) == "refit-bench: --receiver-device 4 but no CUDA device is visible");
+  CHECK(refused(c, 5).empty());
+}
+
 TEST_CASE("a host_shm run with --layout tp2 verifies rank 1's slices as they landed, and counts the bytes it needs",
           "[bench][e2e]") {
   scratch s;
