@@ -1626,9 +1626,12 @@ TEST_CASE("--layout tpN runs one receiver per rank over cuda_ipc and nccl, and -
   staged.transports = {transport_kind::cuda_ipc};
   staged.direct = {false};
   std::ostringstream out;
+  // A build without CUDA has no cuda_ipc transport to refuse it with.
   CHECK_THROWS_WITH(run(staged, out),
-                    "refit-bench: --path staged with --layout tp2 over cuda_ipc: one streamer serves "
-                    "its 2 receivers only by writing into each one's weights; use --path direct");
+                    REFIT_HAVE_CUDA ? "refit-bench: --path staged with --layout tp2 over cuda_ipc: one streamer serves "
+                                      "its 2 receivers only by writing into each one's weights; use --path direct"
+                                    : "refit-bench: the cuda_ipc transport is not built into this bench (refit was "
+                                      "built without CUDA); rebuild with -Dcuda=enabled or use --transport host_shm");
   for (const char* name : {"tp1", "tp0", "tp02", "tp65", "tpx", "tp"})
     CHECK_THAT(refused({"--layout", name}), Catch::Contains(fmt::format("--layout {}: unknown", name)));
 }
