@@ -413,6 +413,39 @@ class timeline {
   std::uint64_t bytes_ = 0;
 };
 
+/// Device memory per buffer slot for the parts of a batch that do not lie in one range (gathered
+/// on the streamer, received apart on a receiver): grown to what a batch needs, never shrunk
+/// within a session. An outgrown area may still be read by work in flight and is kept until
+/// clear() (the next session).
+class slot_areas {
+ public:
+  /// At least `bytes` bytes on `device` for slot i of `count`; a failed allocation throws
+  /// errc::cuda saying what the memory was `for_what` and, after its cause, `advice`.
+  std::byte* at_least(std::size_t i, std::size_t count, std::uint64_t bytes, int device, std::string_view for_what,
+                      std::string_view advice = {}) {
+    if (areas_.size() < count) areas_.resize(count);
+    if (areas_[i].bytes() < bytes) {
+      device_guard guard(device);
+      if (areas_[i].bytes() != 0) outgrown_.push_back(std::move(areas_[i]));
+      try {
+        areas_[i] = cuda::device_buffer(bytes);
+      } catch (const error& e) {
+        throw error(errc::cuda, fmt::format("nccl: cannot allocate {} bytes on cuda:{} {}: {}{}", bytes, device,
+                                            for_what, e.what(), advice));
+      }
+    }
+    return static_cast<std::byte*>(areas_[i].handle());
+  }
+  void clear() noexcept {
+    areas_.clear();
+    outgrown_.clear();
+  }
+
+ private:
+  std::vector<cuda::device_buffer> areas_;
+  std::vector<cuda::device_buffer> outgrown_;
+};
+
 /// The entries of the next batch (see transport::segment), from entries() to the broadcast of
 /// the batch in end_pack() / begin_read().
 class pending_batch {
@@ -636,22 +669,12 @@ class nccl_source final : public source {
 
   std::byte* gather(std::size_t i, std::uint64_t bytes) override {
     if (!parts_ || i >= count_) return nullptr;
-    if (gather_.size() < count_) gather_.resize(count_);
-    if (gather_[i].bytes() < bytes) {
-      // Grown, never shrunk within the session; the old one may still be read by a send in flight
-      // and is kept until the session closes.
-      device_guard guard(device_);
-      if (gather_[i].bytes() != 0) retired_.push_back(std::move(gather_[i]));
-      try {
-        gather_[i] = cuda::device_buffer(bytes);
-      } catch (const error& e) {
-        throw error(errc::cuda, fmt::format("nccl: cannot allocate {} bytes on cuda:{} to gather the strided parts "
-                                            "(column slices) of a batch for their receivers: {}; set direct = false "
-                                            "to broadcast whole tensors through buffer_bytes buffers",
-                                            bytes, device_, e.what()));
-      }
-    }
-    return static_cast<std::byte*>(gather_[i].handle());
+    // The old area may still be read by a send in flight.
+    return gather_.at_least(i, count_, bytes, device_,
+                            "to gather the strided parts (column slices) of a batch for "
+                            "their receivers",
+                            "; set direct = false to broadcast whole tensors through buffer_bytes "
+                            "buffers");
   }
 
   void close_session() noexcept override {
@@ -664,7 +687,6 @@ class nccl_source final : public source {
     described_.clear();
     whole_.clear();
     gather_.clear();
-    retired_.clear();
   }
 
   void begin_pack(std::size_t i) override {
@@ -814,8 +836,7 @@ class nccl_source final : public source {
   std::vector<std::unordered_map<std::string, std::vector<target>>> tables_;
   std::vector<bool> described_;
   std::unordered_map<std::string, plan::run> whole_;  ///< routes() of plain receivers
-  std::vector<cuda::device_buffer> gather_;           ///< per buffer slot: gathered parts (gather())
-  std::vector<cuda::device_buffer> retired_;          ///< gather areas outgrown in this session
+  slot_areas gather_;                                 ///< per buffer slot: gathered parts (gather())
   std::string uuid_;
   milliseconds timeout_{30000};  ///< from join(): every later wait of the session
   std::string late_;             ///< what a timeout of the session means, for messages
@@ -932,7 +953,6 @@ class nccl_sink final : public sink {
     // receives its part into scatter() memory and copies it into place.
     if (offer && !plain && !streamer_parts_) offer = false;  // that streamer broadcasts whole tensors
     scatter_.clear();
-    scattered_.clear();
     if (offer) {
       recv_.clear();  // nothing is ever staged in this session: the memory goes back
       reply.mode = wire::session_mode::in_place;
@@ -952,21 +972,10 @@ class nccl_sink final : public sink {
 
   std::byte* scatter(std::size_t i, std::uint64_t bytes) override {
     if (!parts_ || i >= sizes_.size()) return nullptr;
-    if (scatter_.size() < sizes_.size()) scatter_.resize(sizes_.size());
-    if (scatter_[i].bytes() < bytes) {
-      // Grown, never shrunk within the session; the old one may still be read by a copy in flight
-      // and is kept until the next session.
-      device_guard guard(device_);
-      if (scatter_[i].bytes() != 0) scattered_.push_back(std::move(scatter_[i]));
-      try {
-        scatter_[i] = cuda::device_buffer(bytes);
-      } catch (const error& e) {
-        throw error(errc::cuda, fmt::format("nccl: cannot allocate {} bytes on cuda:{} to receive the parts of a batch "
-                                            "whose destinations' rows lie apart (views such as a narrow(1)): {}",
-                                            bytes, device_, e.what()));
-      }
-    }
-    return static_cast<std::byte*>(scatter_[i].handle());
+    // The old area may still be read by a copy in flight.
+    return scatter_.at_least(i, sizes_.size(), bytes, device_,
+                             "to receive the parts of a batch whose destinations' "
+                             "rows lie apart (views such as a narrow(1))");
   }
 
   [[nodiscard]] bool attached() const noexcept override { return attached_; }
@@ -1093,11 +1102,10 @@ class nccl_sink final : public sink {
   bool parts_ = false;           ///< this session receives only parts (parts())
   cuda::stream comm_stream_;
   cuda::stream apply_;
-  std::vector<std::uint64_t> sizes_;            ///< the buffers the streamer announced
-  std::vector<cuda::device_buffer> recv_;       ///< made for sessions that stage (make_buffers)
-  std::vector<cuda::device_buffer> scatter_;    ///< per buffer slot: parts received apart (scatter())
-  std::vector<cuda::device_buffer> scattered_;  ///< scatter areas outgrown in this session
-  cuda::device_buffer scratch_;                 ///< the warm-up broadcast's bytes
+  std::vector<std::uint64_t> sizes_;       ///< the buffers the streamer announced
+  std::vector<cuda::device_buffer> recv_;  ///< made for sessions that stage (make_buffers)
+  slot_areas scatter_;                     ///< per buffer slot: parts received apart (scatter())
+  cuda::device_buffer scratch_;            ///< the warm-up broadcast's bytes
   std::vector<cuda::event> received_;
   std::vector<cuda::event> applied_;
   pending_batch batch_;  ///< where the entries of the next batch land (entries())
