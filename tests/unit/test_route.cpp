@@ -483,6 +483,71 @@ TEST_CASE("clipping a route to consecutive random chunks of its source writes ev
   }
 }
 
+TEST_CASE(
+    "a part sent as an nccl parts session sends it (its source range, or gathered run by run) lands where the "
+    "reference walk puts it, received in one range or unpacked run by run",
+    "[route]") {
+  using refit::plan::contiguous;
+  std::mt19937_64 rng(777);
+  std::size_t gathered = 0, scattered = 0, straight = 0;
+  for (int n = 0; n < 3000; ++n) {
+    const view_case c = random_view(rng);
+    std::vector<std::uint8_t> engine(c.engine_bytes, 0x3C);
+    const std::vector<run> runs = refit::plan::route(c.dest(engine.data(), false), c.type, c.source);
+    const std::uint64_t total = c.source_bytes();
+    const std::vector<std::uint8_t> source = source_bytes(total);
+    // Batch entries: consecutive random ranges of the source.
+    std::vector<std::uint64_t> cuts{0};
+    while (cuts.back() < total)
+      cuts.push_back(
+          std::min(total, cuts.back() + static_cast<std::uint64_t>(uniform(
+                                            rng, 1, std::max<std::int64_t>(1, static_cast<std::int64_t>(total / 3))))));
+    INFO("case " << n << ": " << c.describe() << "; runs " << Catch::Detail::stringify(runs));
+    std::vector<run> pieces;
+    for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
+      pieces.clear();
+      for (const run& r : runs) refit::plan::clip(r, cuts[i], cuts[i + 1], pieces);
+      if (pieces.empty()) continue;
+      const std::uint64_t n_bytes = refit::plan::bytes_of(pieces);
+      // The streamer's side (split_parts): one range of the source, sent from there; else each
+      // run's rows gathered in order.
+      std::vector<std::uint8_t> wire;
+      if (const auto lo = contiguous(pieces, true)) {
+        wire.assign(source.begin() + static_cast<std::ptrdiff_t>(*lo),
+                    source.begin() + static_cast<std::ptrdiff_t>(*lo + n_bytes));
+      } else {
+        ++gathered;
+        for (const run& r : pieces)
+          for (std::uint64_t row = 0; row < r.rows; ++row) {
+            const auto at = static_cast<std::ptrdiff_t>(r.src + row * r.src_pitch);
+            wire.insert(wire.end(), source.begin() + at, source.begin() + at + static_cast<std::ptrdiff_t>(r.width));
+          }
+      }
+      REQUIRE(wire.size() == n_bytes);
+      // The receiver's side (table_ops): one range of its destination, received there; else into
+      // scatter memory and unpacked run by run.
+      std::uint8_t* view = engine.data() + c.offset;
+      if (const auto at = contiguous(pieces, false)) {
+        ++straight;
+        std::memcpy(view + *at, wire.data(), wire.size());
+      } else {
+        ++scattered;
+        std::uint64_t cursor = 0;
+        for (const run& r : pieces)
+          for (std::uint64_t row = 0; row < r.rows; ++row) {
+            std::memcpy(view + r.dst + row * r.dst_pitch, wire.data() + cursor, r.width);
+            cursor += r.width;
+          }
+      }
+    }
+    REQUIRE(engine == reference_bytes(reference_map(c), source, 0x3C));
+  }
+  // Every kind was drawn often.
+  CHECK(gathered > 300);
+  CHECK(scattered > 300);
+  CHECK(straight > 300);
+}
+
 // --------------------------------------------------------------------------------- check_view()
 
 TEST_CASE("check_view refuses a view that cannot be written and names the tensor", "[route]") {
