@@ -476,7 +476,10 @@ _STARTING_HOSTID = os.environ.get("NCCL_HOSTID")
 def claim_nccl_host(shared: bool) -> None:
     """In a peer's job, before its first NCCL call: with ranks sharing a GPU (what
     :func:`nccl_ranks` returned), an NCCL host of this process's own; otherwise the host the
-    process started with, so that a job never inherits the claim of an earlier one."""
+    process started with, so that a job never inherits the claim of an earlier one. NCCL reads
+    the host once, at a process's first communicator: a peer that joined NCCL under one host
+    keeps it, so a test places its ranks so that whether they share (nccl_ranks(n), n the ranks of
+    one communicator) comes out the same for every nccl test on a machine."""
     if shared:
         os.environ["NCCL_HOSTID"] = f"refit-test-{os.getpid()}"
     elif _STARTING_HOSTID is None:

@@ -258,14 +258,19 @@ def test_two_ranks_on_cuda_commit_their_shards_bit_exact_over_cuda_ipc(peer, dir
 @pytest.mark.parametrize("direct", [True, False], ids=["in-place", "buffered"])
 @pytest.mark.parametrize("world", [2, 4], ids=["two-ranks", "four-ranks"])
 def test_ranks_commit_their_shards_bit_exact_over_nccl(peer, nccl_ranks, world, direct):
-    """Each rank has a communicator of its own with the receiver and broadcasts only its rows."""
+    """Each rank has a communicator of its own with the receiver and broadcasts only its rows.
+    A communicator is two NCCL ranks (a trainer rank and the receiver), so the ranks share no GPU
+    once there are two: every trainer rank on rank_gpu(0), the receiver on rank_gpu(1). (With the
+    world's ranks spread over every GPU, four trainer ranks and the receiver on four GPUs shared
+    one, and the session's peer, which had joined NCCL under its real host, cannot take another:
+    NCCL keeps a process's host from its first communicator.)"""
     from conftest import mixed_state, rank_gpu, spec_of, state_bytes
 
-    shared = nccl_ranks(world + 1)
-    receiver_gpu = rank_gpu(world)
+    shared = nccl_ranks(2)
+    receiver_gpu = rank_gpu(1)
     job = peer.run(group_table, spec_of(mixed_state(1)), receiver_gpu, world, shared)
     endpoints = job.recv()
-    gpu_of = [rank_gpu(r) for r in range(world)]
+    gpu_of = [rank_gpu(0)] * world
     streamers = [
         refit.Streamer(None, transport="nccl", receivers=[endpoints[r]], device=gpu_of[r], direct=direct,
                        buffer_bytes=64 << 10, timeout=30.0, group_rank=r, group_size=world)
@@ -321,10 +326,10 @@ def test_two_ranks_fill_a_tp2_pair_over_nccl(ranks, nccl_ranks, direct):
     from conftest import rank_gpu, state_bytes
 
     world = 2
-    shared = nccl_ranks(world + 2)
-    jobs = [p.run(group_tp_rank, rank_gpu(world + j), world, j, shared) for j, p in enumerate(ranks(2))]
+    shared = nccl_ranks(3)  # a communicator: one trainer rank (on rank_gpu(0)) and both engine ranks
+    jobs = [p.run(group_tp_rank, rank_gpu(1 + j), world, j, shared) for j, p in enumerate(ranks(2))]
     endpoints = [job.recv() for job in jobs]
-    gpu_of = [rank_gpu(r) for r in range(world)]
+    gpu_of = [rank_gpu(0)] * world
     streamers = [
         refit.Streamer(None, transport="nccl", receivers=[endpoints[0][r], endpoints[1][r]], device=gpu_of[r],
                        direct=direct, buffer_bytes=64 << 10, timeout=30.0, group_rank=r, group_size=world)
