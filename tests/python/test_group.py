@@ -255,22 +255,34 @@ def test_two_ranks_on_cuda_commit_their_shards_bit_exact_over_cuda_ipc(peer, dir
     job.stop()
 
 
+def group_gpus(nccl_ranks, world: int, receivers: int):
+    """GPUs of an nccl group test: (shared, the trainer ranks' GPUs, the receivers' GPUs). Each
+    trainer rank has a communicator of its own with every receiver (1 + receivers NCCL ranks), so
+    no two ranks of one communicator share a GPU where there are enough: the receivers on the last
+    GPUs, the trainer ranks spread over the others. With fewer GPUs the ranks share them (each peer
+    an NCCL host of its own, conftest.nccl_ranks). Sharing is decided per communicator, not for the
+    world's ranks: the session's peer keeps the NCCL host it first joined with (NCCL reads it
+    once), so every nccl test on a machine must come out the same (on 4 GPUs, four trainer ranks
+    and a receiver once shared a GPU here, and the peer, which had joined as itself, could not)."""
+    from conftest import cuda_devices, rank_gpu
+
+    shared = nccl_ranks(1 + receivers)
+    if shared:
+        return True, [rank_gpu(0)] * world, [rank_gpu(1 + j) for j in range(receivers)]
+    found = cuda_devices()
+    trainers = found - receivers
+    return False, [r % trainers for r in range(world)], [trainers + j for j in range(receivers)]
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["in-place", "buffered"])
 @pytest.mark.parametrize("world", [2, 4], ids=["two-ranks", "four-ranks"])
 def test_ranks_commit_their_shards_bit_exact_over_nccl(peer, nccl_ranks, world, direct):
-    """Each rank has a communicator of its own with the receiver and broadcasts only its rows.
-    A communicator is two NCCL ranks (a trainer rank and the receiver), so the ranks share no GPU
-    once there are two: every trainer rank on rank_gpu(0), the receiver on rank_gpu(1). (With the
-    world's ranks spread over every GPU, four trainer ranks and the receiver on four GPUs shared
-    one, and the session's peer, which had joined NCCL under its real host, cannot take another:
-    NCCL keeps a process's host from its first communicator.)"""
-    from conftest import mixed_state, rank_gpu, spec_of, state_bytes
+    """Each rank has a communicator of its own with the receiver and broadcasts only its rows."""
+    from conftest import mixed_state, spec_of, state_bytes
 
-    shared = nccl_ranks(2)
-    receiver_gpu = rank_gpu(1)
+    shared, gpu_of, (receiver_gpu,) = group_gpus(nccl_ranks, world, 1)
     job = peer.run(group_table, spec_of(mixed_state(1)), receiver_gpu, world, shared)
     endpoints = job.recv()
-    gpu_of = [rank_gpu(0)] * world
     streamers = [
         refit.Streamer(None, transport="nccl", receivers=[endpoints[r]], device=gpu_of[r], direct=direct,
                        buffer_bytes=64 << 10, timeout=30.0, group_rank=r, group_size=world)
@@ -323,13 +335,12 @@ def test_two_ranks_fill_a_tp2_pair_over_nccl(ranks, nccl_ranks, direct):
     with both engine ranks. In place, every pair moves only its intersection (the rows of the
     rank's shard the engine rank's views take), straight into the views; buffered, whole shards
     are broadcast and the slices applied from the buffers."""
-    from conftest import rank_gpu, state_bytes
+    from conftest import state_bytes
 
     world = 2
-    shared = nccl_ranks(3)  # a communicator: one trainer rank (on rank_gpu(0)) and both engine ranks
-    jobs = [p.run(group_tp_rank, rank_gpu(1 + j), world, j, shared) for j, p in enumerate(ranks(2))]
+    shared, gpu_of, engine_gpus = group_gpus(nccl_ranks, world, 2)
+    jobs = [p.run(group_tp_rank, engine_gpus[j], world, j, shared) for j, p in enumerate(ranks(2))]
     endpoints = [job.recv() for job in jobs]
-    gpu_of = [rank_gpu(0)] * world
     streamers = [
         refit.Streamer(None, transport="nccl", receivers=[endpoints[0][r], endpoints[1][r]], device=gpu_of[r],
                        direct=direct, buffer_bytes=64 << 10, timeout=30.0, group_rank=r, group_size=world)
