@@ -495,6 +495,7 @@ struct config {
   int delta_steps = 0;
   double delta_update = 2.2e-4;   ///< --delta-update: relative size of one step's fp32 update
   std::size_t delta_threads = 0;  ///< --delta-threads: delta_options::threads (host diff), 0: its default
+  double delta_batch_mb = 0;      ///< --delta-batch-mb: delta_options::batch_bytes in MiB, 0: its default
   /// --streamers N: a group of N streamers, each holding the Shard(0) rows of every tensor, into
   /// --receivers full replicas (bench/group.cpp); 0: the usual rows.
   std::size_t streamers = 0;

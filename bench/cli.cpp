@@ -217,6 +217,11 @@ void add_run_options(CLI::App& app, config& c, cli_text& t) {
                  "--delta: relative size of one step's update (w += u * |w| * "
                  "U[-1, 1)); about 2 % of bf16 elements change at the default")
       ->capture_default_str();
+  app.add_option("--delta-batch-mb", c.delta_batch_mb,
+                 "--delta: MiB of tensors one delta batch covers (delta_options::batch_bytes); 0: max(32 MiB, "
+                 "--buffer-mb)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--delta-threads", c.delta_threads,
                  "--delta: threads of the streamer's host diff and of the receiver's apply (delta_options::threads, "
                  "receiver_options::delta_threads); 0: min(hardware threads, 8)")

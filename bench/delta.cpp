@@ -23,6 +23,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/bench.hpp"
@@ -303,7 +304,9 @@ int run_delta(const config& c, std::ostream& out) {
     if (!c.quiet) std::fprintf(stderr, "refit-bench: %s\n", s.c_str());
   };
   progress(fmt::format("--delta: making {} ({:.2f} GB bf16, fp32 masters)", m.name, m.bytes() / 1e9));
-  trainer t(m, c.delta_threads);
+  // The trainer's step is not timed: it takes every hardware thread (a llama3-8b step took ~7 s on 8 of a
+  // 64-core node, most of a 20-step run), not --delta-threads, which sizes the streamer's diff.
+  trainer t(m, std::min<std::size_t>(delta::max_threads, std::max(1u, std::thread::hardware_concurrency())));
 #if REFIT_HAVE_CUDA
   if (gpu) t.to_device(c.device);
 #endif
@@ -334,8 +337,10 @@ int run_delta(const config& c, std::ostream& out) {
                      c.buffer_mb.at(0));
   out << fmt::format(
       "# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
-      "streamer, {} counted refits after {} warm-up; host diff and apply threads: {}\n",
-      c.delta_update, c.iters, c.warmup, delta::pool_threads(c.delta_threads));
+      "streamer, {} counted refits after {} warm-up; host diff and apply threads: {}; a delta batch covers {}\n",
+      c.delta_update, c.iters, c.warmup, delta::pool_threads(c.delta_threads),
+      c.delta_batch_mb > 0 ? fmt::format("{:g} MiB of tensors", c.delta_batch_mb)
+                           : fmt::format("{} MiB of tensors (the default)", std::max(32.0, c.buffer_mb.at(0))));
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "row", "step", "changed",
                      "blk256", "blk4k", "wire", "wire/v", "time", "diff", "/whole");
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "", "", "(%)", "(%)", "(%)",
@@ -364,6 +369,7 @@ int run_delta(const config& c, std::ostream& out) {
   so.direct = false;  // patches travel in the buffers
   so.delta.memory = gpu ? delta_memory::device : delta_memory::host;
   so.delta.threads = c.delta_threads;
+  so.delta.batch_bytes = static_cast<std::uint64_t>(c.delta_batch_mb * (1 << 20));
   streamer ds(so);
   {
     const auto refs = t.refs();

@@ -47,6 +47,12 @@ struct delta_options {
   /// most 256 (errc::invalid_argument). The patches and checksums do not depend on it. Device
   /// tensors are diffed on the GPU.
   std::size_t threads = 0;
+  /// Bytes of tensors one delta batch covers before it is sent (its patches, a round trip, and on
+  /// the GPU one wait of the diff and one of the receivers' patch check); 0: max(32 MiB,
+  /// buffer_bytes). A batch is also sent when its patches fill a buffer. Larger batches amortise
+  /// the per-batch round trips where the patches are small against the link (NVLink); smaller ones
+  /// start sending sooner where the link is slow. The patches and checksums do not depend on it.
+  std::uint64_t batch_bytes = 0;
 };
 
 /// What a refit carries.

@@ -602,8 +602,9 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        std::optional<std::string> token, int device, const py::object& curve,
                                        std::uint64_t alignment, bool keep_whole, const std::string& engine,
                                        const std::string& layout, bool delta, const std::string& delta_memory_name,
-                                       std::uint64_t delta_max_bytes, std::size_t delta_threads, std::size_t group_rank,
-                                       std::size_t group_size, bool share_tensors, bool control_lane) {
+                                       std::uint64_t delta_max_bytes, std::size_t delta_threads,
+                                       std::uint64_t delta_batch_bytes, std::size_t group_rank, std::size_t group_size,
+                                       bool share_tensors, bool control_lane) {
   streamer_options o;
   o.share_tensors = share_tensors;
   o.control_lane = control_lane;
@@ -618,6 +619,7 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
     throw py::value_error("delta_memory must be 'host' or 'device'; got '" + delta_memory_name + "'");
   o.delta.max_bytes = delta_max_bytes;
   o.delta.threads = delta_threads;
+  o.delta.batch_bytes = delta_batch_bytes;
   o.layout = layout;
   o.endpoint = std::move(endpoint);
   const auto t = parse_transport(transport);
@@ -766,12 +768,13 @@ PYBIND11_MODULE(_refit, m) {
                        std::size_t buffers, bool direct, double timeout, std::optional<std::string> token, int device,
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
-                       std::uint64_t delta_max_bytes, std::size_t delta_threads, std::size_t group_rank,
-                       std::size_t group_size, bool share_tensors, bool control_lane) {
-             return std::make_unique<py_streamer>(streamer_options_from(
-                 std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
-                 std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
-                 delta_max_bytes, delta_threads, group_rank, group_size, share_tensors, control_lane));
+                       std::uint64_t delta_max_bytes, std::size_t delta_threads, std::uint64_t delta_batch_bytes,
+                       std::size_t group_rank, std::size_t group_size, bool share_tensors, bool control_lane) {
+             return std::make_unique<py_streamer>(
+                 streamer_options_from(std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers,
+                                       direct, timeout, std::move(token), device, curve, alignment, keep_whole, engine,
+                                       layout, delta, delta_memory_name, delta_max_bytes, delta_threads,
+                                       delta_batch_bytes, group_rank, group_size, share_tensors, control_lane));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
@@ -779,8 +782,8 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
            py::arg("engine") = "automatic", py::arg("layout") = "", py::arg("delta") = false,
            py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30,
-           py::arg("delta_threads") = 0, py::arg("group_rank") = 0, py::arg("group_size") = 1,
-           py::arg("share_tensors") = true, py::arg("control_lane") = true)
+           py::arg("delta_threads") = 0, py::arg("delta_batch_bytes") = 0, py::arg("group_rank") = 0,
+           py::arg("group_size") = 1, py::arg("share_tensors") = true, py::arg("control_lane") = true)
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("close", &py_streamer::close);

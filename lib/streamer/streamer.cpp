@@ -1321,7 +1321,12 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         if (p.entry.bytes == 0) {
           w.entries.push_back(e);
         } else if (in_buffer) {
-          to_write = buffers->data(w.seq % buffers->count()) + p.entry.buffer_offset;
+          // The batch before this buffer's last one is still posted: its reply says the receiver
+          // is done reading this buffer (host_shm replies first and copies after), so it is heard
+          // before a patch goes in, as before any packing (begin_pack).
+          const std::size_t buffer = w.seq % buffers->count();
+          w.begin_pack(buffer);
+          to_write = buffers->data(buffer) + p.entry.buffer_offset;
           w.entries.push_back(e);
         } else {
           w.patches.push_back(host_differ->patch_memory(p.entry.bytes));
@@ -1424,11 +1429,13 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   }
 #endif
 
-  /// Tensor bytes after which a delta's batch is sent (see send_delta): what a whole version's batch
-  /// covers (a buffer), at least 32 MiB. Fewer, larger batches: each costs a round trip and, on the
-  /// GPU, one wait of the streamer's diff and one of the receiver's patch check (measured on an
-  /// H100, qwen2.5-0.5b: 31 batches of 32 MiB spent 13 of a delta's 18 ms outside the diff).
+  /// Tensor bytes after which a delta's batch is sent (see send_delta): delta_options::batch_bytes,
+  /// by default what a whole version's batch covers (a buffer), at least 32 MiB. Fewer, larger
+  /// batches: each costs a round trip and, on the GPU, one wait of the streamer's diff and one of
+  /// the receiver's patch check (measured on an H100, qwen2.5-0.5b: 31 batches of 32 MiB spent 13 of
+  /// a delta's 18 ms outside the diff).
   [[nodiscard]] std::uint64_t delta_batch_covers() const noexcept {
+    if (options.delta.batch_bytes != 0) return options.delta.batch_bytes;
     return std::max<std::uint64_t>(32ull << 20, options.buffer_bytes);
   }
 

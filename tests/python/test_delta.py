@@ -80,6 +80,29 @@ def test_delta_versions_are_bit_exact_after_20_steps_and_send_a_fraction(delta_p
     job.stop()
 
 
+def test_delta_batch_bytes_cuts_a_delta_into_more_batches_with_the_same_patches(delta_peer):
+    """delta_batch_bytes: the tensor bytes a delta batch covers (default max(32 MiB, buffer_bytes):
+    this model in one batch). 64 KiB, with 128 KiB buffers (64 KiB spans): each of "embed"'s eight
+    spans closes a batch; the patches and the result are the same."""
+    t = Trainer()
+    job, endpoint = delta_peer(spec_of(t.state()))
+    sent = {}
+    for batch_bytes, versions in ((0, (1, 2, 3)), (64 << 10, (4, 5, 6))):
+        with streamer(endpoint, delta=True, delta_batch_bytes=batch_bytes, buffer_bytes=128 << 10) as st:
+            for version in versions:
+                t.step()
+                state = t.state()
+                stats = st.refit(version, state)
+                assert stats.delta == (version not in (1, 4))  # a new streamer holds no base: whole
+                assert job.request("state") == state_bytes(state), f"version {version}"
+                if stats.delta:
+                    sent[version] = stats
+    assert all(sent[v].batches == 1 for v in (2, 3))
+    assert all(sent[v].batches >= 8 for v in (5, 6))
+    assert job.request("status")["committed"] == 6
+    job.stop()
+
+
 def test_subset_versions_keep_the_tensors_not_sent_and_need_a_whole_version_first(delta_peer):
     t = Trainer()
     job, endpoint = delta_peer(spec_of(t.state()))

@@ -801,6 +801,29 @@ TEST_CASE("--delta refits whole versions, then deltas of a fraction of the bytes
   CHECK(deltas == 3);
 }
 
+TEST_CASE("--delta-batch-mb sets the tensor bytes a delta batch covers; the receiver's sum still matches",
+          "[bench][e2e]") {
+  std::string out;
+  const int code = run_binary({"--delta", "2", "--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0",
+                               "--delta-batch-mb", "0.0625", "--quiet"},
+                              out);
+  INFO(out);
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::Contains("; a delta batch covers 0.0625 MiB of tensors"));
+  CHECK_THAT(out, Catch::Contains("(receiver's version checksum after version 4 matches)"));
+  std::string defaulted;
+  CHECK(run_binary({"--delta", "1", "--model", "tiny", "--buffer-mb", "1", "--iters", "1", "--warmup", "0", "--quiet"},
+                   defaulted) == 0);
+  CHECK_THAT(defaulted, Catch::Contains("; a delta batch covers 32 MiB of tensors (the default)"));
+  scratch s;
+  const std::string err = s.file("err.txt");
+  std::string refused;
+  CHECK(run_binary({"--delta", "1", "--model", "tiny", "--delta-batch-mb", "-1", "--quiet"}, refused, err) != 0);
+  std::ifstream f(err);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, Catch::Contains("--delta-batch-mb") && Catch::Contains("-1"));  // CLI11 says why
+}
+
 TEST_CASE("--delta is refused for more than one model, naming what it takes", "[bench]") {
   scratch s;
   const std::string err = s.file("err.txt");

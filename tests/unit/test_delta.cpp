@@ -622,6 +622,35 @@ TEST_CASE("delta versions over host_shm are bit-exact after 20 steps and send a 
   CHECK(e.differs_from(t).empty());
 }
 
+TEST_CASE("a delta batch covers delta_options::batch_bytes of tensors: more, smaller batches, the same patches",
+          "[delta]") {
+  // Two receivers fed the same versions: one by a streamer whose delta batches cover 64 KiB of
+  // tensors, one by the default (max(32 MiB, the buffer): the whole model in one batch).
+  const rt::scoped_endpoint ep_small, ep_default;
+  trainer t(delta_model());
+  engine small(t.metas, ep_small.name), whole(t.metas, ep_default.name);
+  auto so = delta_streamer(ep_small.name);
+  so.delta.batch_bytes = 64 * kib;
+  refit::streamer st_small(so), st_default(delta_streamer(ep_default.name));
+  refit_once(st_small, small, 1, t.refs());
+  refit_once(st_default, whole, 1, t.refs());
+  for (std::uint64_t v = 2; v <= 6; ++v) {
+    t.step();
+    const auto a = refit_once(st_small, small, v, t.refs());
+    const auto b = refit_once(st_default, whole, v, t.refs());
+    INFO("version " << v);
+    CHECK(a.delta);
+    CHECK(b.delta);
+    CHECK(a.bytes == b.bytes);  // the same patches, cut into other batches
+    CHECK(a.changed == b.changed);
+    CHECK(b.batches == 1);
+    // "embed" alone is 600,000 bytes: its five 128 KiB spans close a 64 KiB batch each.
+    CHECK(a.batches >= 5);
+    REQUIRE(small.differs_from(t) == "");
+    REQUIRE(whole.differs_from(t) == "");
+  }
+}
+
 TEST_CASE("a delta streamer asked for more than 256 diff threads is refused", "[delta]") {
   const rt::scoped_endpoint ep;
   auto o = delta_streamer(ep.name);

@@ -451,6 +451,10 @@ class Streamer(_refit.Streamer):
         delta_max_bytes: bound on the base's memory; a larger version is always sent whole.
         delta_threads: threads of the host diff (host_shm deltas); 0: min(hardware threads, 8).
             The patches are the same bytes whatever the number.
+        delta_batch_bytes: bytes of tensors one delta batch covers before it is sent (each batch
+            costs a round trip, and on the GPU a wait of the diff and of the receivers' check);
+            0: max(32 MiB, ``buffer_bytes``). A batch also goes when its patches fill a buffer. The
+            patches and the result do not depend on it.
         group_rank, group_size: this streamer is rank ``group_rank`` of ``group_size`` streamers
             (one per trainer rank) that send each version together, each its :class:`Shard` of
             every tensor, to receivers made with ``streamers=group_size``; rank k connects to each
@@ -510,6 +514,7 @@ class Streamer(_refit.Streamer):
         delta_memory: str = "host",
         delta_max_bytes: int = 64 << 30,
         delta_threads: int = 0,
+        delta_batch_bytes: int = 0,
         group_rank: int = 0,
         group_size: int = 1,
         share_tensors: bool = True,
@@ -538,6 +543,7 @@ class Streamer(_refit.Streamer):
             delta_memory=delta_memory,
             delta_max_bytes=delta_max_bytes,
             delta_threads=delta_threads,
+            delta_batch_bytes=delta_batch_bytes,
             group_rank=group_rank,
             group_size=group_size,
             share_tensors=share_tensors,

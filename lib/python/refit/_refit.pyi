@@ -95,7 +95,7 @@ class Streamer:
                  token: Optional[str] = None, device: int = 0, curve: Any = None, alignment: int = 256,
                  keep_whole: bool = True, engine: str = "automatic", layout: str = "", delta: bool = False,
                  delta_memory: str = "host", delta_max_bytes: int = ..., delta_threads: int = 0,
-                 group_rank: int = 0, group_size: int = 1, share_tensors: bool = True,
+                 delta_batch_bytes: int = 0, group_rank: int = 0, group_size: int = 1, share_tensors: bool = True,
                  control_lane: bool = True) -> None: ...
     def refit(self, version: int, tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], *,
               stream: Any = None, subset: bool = False) -> RefitStats: ...
