@@ -38,6 +38,9 @@ struct workspace::impl {
   /// Writes queued by write(), not launched yet, and their stream.
   kernel::write_list pending;
   cudaStream_t pending_stream = nullptr;
+  /// Applies queued by apply(), not launched yet, and their stream.
+  kernel::apply_list applies;
+  cudaStream_t applies_stream = nullptr;
 };
 
 workspace::workspace(int device) : device_(device) {
@@ -60,6 +63,7 @@ unsigned long long* workspace::terms() noexcept { return static_cast<unsigned lo
 std::uint64_t workspace::take_terms(void* stream) {
   device_guard guard(device_);
   launch_writes(*this);
+  launch_applies(*this);
   unsigned long long t = 0;
   check_cuda(cudaMemcpyAsync(&t, terms(), sizeof t, cudaMemcpyDeviceToHost, as_stream(stream)), "delta: reading terms");
   check_cuda(cudaMemsetAsync(terms(), 0, sizeof t, as_stream(stream)), "delta: zeroing terms");
@@ -70,6 +74,8 @@ std::uint64_t workspace::take_terms(void* stream) {
 void workspace::discard_writes() noexcept {
   impl_->pending.n = 0;
   impl_->pending.first_block[0] = 0;
+  impl_->applies.n = 0;
+  impl_->applies.first_tile[0] = 0;
 }
 
 void* workspace::scratch(int slot, std::uint64_t bytes) {
@@ -218,15 +224,26 @@ void check(std::span<const patch_ref> patches, workspace& ws, void* stream) {
   device_guard guard(ws.device());
   auto* bad = static_cast<unsigned int*>(ws.scratch(3, patches.size() * sizeof(unsigned int)));
   check_cuda(cudaMemsetAsync(bad, 0, patches.size() * sizeof(unsigned int), as_stream(stream)), "delta: cudaMemset");
+  // Up to kernel::max_checks patches a launch (a batch's are usually one launch).
+  kernel::check_list list;
+  std::size_t from = 0;
+  const auto launch = [&] {
+    check_cuda(kernel::launch_check(list, bad + from, as_stream(stream)), "delta check kernel launch");
+    from += list.n;
+    list.n = 0;
+  };
   for (std::size_t k = 0; k < patches.size(); ++k) {
     const patch_ref& p = patches[k];
     if (p.bytes % record_bytes(p.item) != 0)
       throw error(errc::apply, fmt::format("the patch of '{}' has {} bytes, not whole {}-byte records", p.name, p.bytes,
                                            record_bytes(p.item)));
-    check_cuda(kernel::launch_check(reinterpret_cast<const std::uint32_t*>(p.data), p.bytes / record_bytes(p.item),
-                                    p.span / p.item, bad + k, as_stream(stream)),
-               "delta check kernel launch");
+    if (list.n == kernel::max_checks) launch();
+    const std::uint64_t records = p.bytes / record_bytes(p.item);
+    list.c[list.n] = kernel::check_desc{reinterpret_cast<const std::uint32_t*>(p.data), records, p.span / p.item};
+    list.first_tile[list.n + 1] = list.first_tile[list.n] + kernel::check_tiles(records);
+    list.n += 1;
   }
+  launch();
   std::vector<unsigned int> host(patches.size());
   check_cuda(
       cudaMemcpyAsync(host.data(), bad, host.size() * sizeof(unsigned int), cudaMemcpyDeviceToHost, as_stream(stream)),
@@ -243,11 +260,32 @@ void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::
            workspace& ws, void* stream) {
   const std::uint64_t n = patch.bytes / record_bytes(patch.item);
   if (n == 0) return;
+  workspace::impl& st = ws.state();
+  kernel::apply_list& l = st.applies;
+  if (l.n == kernel::max_applies || (l.n != 0 && st.applies_stream != as_stream(stream))) launch_applies(ws);
+  l.p[l.n] = kernel::apply_desc{reinterpret_cast<const std::uint32_t*>(patch.data),
+                                patch.data + 4 * n,
+                                n,
+                                dest,
+                                off,
+                                total,
+                                weight,
+                                static_cast<std::uint32_t>(patch.item),
+                                0};
+  l.first_tile[l.n + 1] = l.first_tile[l.n] + kernel::check_tiles(n);
+  l.n += 1;
+  st.applies_stream = as_stream(stream);
+}
+
+void launch_applies(workspace& ws) {
+  workspace::impl& st = ws.state();
+  kernel::apply_list& l = st.applies;
+  if (l.n == 0) return;
   device_guard guard(ws.device());
-  check_cuda(
-      kernel::launch_apply(reinterpret_cast<const std::uint32_t*>(patch.data), patch.data + 4 * n, n,
-                           static_cast<int>(patch.item), dest, off, total, weight, ws.terms(), as_stream(stream)),
-      "delta apply kernel launch");
+  const cudaError_t status = kernel::launch_apply(l, ws.terms(), st.applies_stream);
+  l.n = 0;
+  l.first_tile[0] = 0;
+  check_cuda(status, "delta apply kernel launch");
 }
 
 void add_range_terms(const std::byte* p, std::uint64_t off, std::uint64_t n, std::uint64_t total, std::uint64_t weight,

@@ -28,8 +28,8 @@ class workspace {
   /// Launches the writes still queued (write()), waits for `stream` and returns the terms summed
   /// since the last take (then zero).
   std::uint64_t take_terms(void* stream);
-  /// Drops the writes queued and not launched (a failed refit's: their buffer may be another
-  /// batch's by now).
+  /// Drops the writes and applies queued and not launched (a failed refit's: their buffer may be
+  /// another batch's by now).
   void discard_writes() noexcept;
   /// The accumulator, device memory.
   [[nodiscard]] unsigned long long* terms() noexcept;
@@ -90,9 +90,14 @@ void check(std::span<const patch_ref> patches, workspace& ws, void* stream);
 
 /// Applies a checked patch for the span at tensor byte `off` of a tensor of `total` bytes into
 /// `dest` (the tensor's byte 0, device memory) and adds `weight` times its terms to the
-/// accumulator. Enqueued on `stream`.
+/// accumulator, on `stream`. Queued in the workspace and launched with the others (up to
+/// kernel::max_applies patches a launch) by launch_applies() or take_terms(): whoever hands the
+/// patches' memory or the destinations on must call launch_applies() first.
 void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::byte* dest, std::uint64_t weight,
            workspace& ws, void* stream);
+
+/// Enqueues the applies queued by apply() on their stream. Throws refit::error(cuda).
+void launch_applies(workspace& ws);
 
 /// Adds (or with `negate` subtracts) `weight` times delta::range_terms of n bytes at p (the
 /// tensor's byte `off`) to the accumulator. Enqueued on `stream`.

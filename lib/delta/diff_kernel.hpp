@@ -9,10 +9,10 @@
 
 namespace refit::delta::kernel {
 
-/// Threads per block, and elements each thread looks at: one block diffs chunk_elements elements.
+/// Threads per block. A chunk of chunk_elements elements is the unit of the diff's counts and slots,
+/// diffed by one warp (a block's 8 warps take 8 chunks at a time, striding over the launch's).
 inline constexpr int threads = 256;
-inline constexpr int per_thread = 8;
-inline constexpr std::uint64_t chunk_elements = threads * per_thread;
+inline constexpr std::uint64_t chunk_elements = 2048;
 
 /// One span of a group diffed together (see launch_count): where its elements are, and where its
 /// chunks sit in the group's per-chunk arrays.
@@ -30,7 +30,7 @@ struct span_desc {
 
 /// Pass 1 of a diff over a group of `n` spans (`spans`: device memory, ordered by first_chunk, the
 /// first at chunk 0, `chunks` chunks in all): counts[b] = elements of the group's chunk b where base
-/// and next differ (one block per chunk, each finding its span); then, per span, firsts[b] = the
+/// and next differ (a warp per chunk, each finding its span); then, per span, firsts[b] = the
 /// exclusive prefix sum of counts over the span's chunks (each chunk's first slot in the span's
 /// patch) and totals[s] = the span's changed elements (one block per span). Two launches.
 cudaError_t launch_count(const span_desc* spans, std::uint64_t n, std::uint64_t chunks, std::uint32_t* counts,
@@ -59,7 +59,7 @@ struct write_desc {
 inline constexpr int max_writes = 32;
 
 /// The spans of one launch of pass 2, and the prefix sum of their chunks (first_block[k]: the
-/// launch's block of span k's chunk 0; first_block[n]: the blocks in all).
+/// launch's chunk of span k's chunk 0; first_block[n]: the chunks in all).
 struct write_list {
   std::uint64_t n = 0;
   std::uint64_t first_block[max_writes + 1] = {};
@@ -68,19 +68,65 @@ struct write_list {
 
 static_assert(sizeof(write_list) <= 4096, "a write_list must fit a kernel's parameters");
 
-/// Pass 2 of the spans of `list`, one block per chunk, adding the terms to *terms.
+/// Pass 2 of the spans of `list`, a warp per chunk, adding the terms to *terms.
 cudaError_t launch_writes(const write_list& list, unsigned long long* terms, cudaStream_t stream);
 
-/// Checks a patch of `n` records: indices strictly increasing and below `elements`; sets *bad to 1
-/// otherwise.
-cudaError_t launch_check(const std::uint32_t* indices, std::uint64_t n, std::uint64_t elements, unsigned int* bad,
-                         cudaStream_t stream);
+/// One patch to check: `n` records whose indices start at `indices`, into a span of `elements`.
+struct check_desc {
+  const std::uint32_t* indices = nullptr;
+  std::uint64_t n = 0;
+  std::uint64_t elements = 0;
+};
 
-/// Applies a checked patch of `n` records into `dest` (the tensor's byte 0), adding the new minus
-/// old checksum terms to *terms.
-cudaError_t launch_apply(const std::uint32_t* indices, const void* values, std::uint64_t n, int item, void* dest,
-                         std::uint64_t off, std::uint64_t total, std::uint64_t weight, unsigned long long* terms,
-                         cudaStream_t stream);
+/// Patches one launch checks at most (the list is a kernel parameter, as write_list).
+inline constexpr int max_checks = 64;
+
+/// The patches of one check launch, and the prefix sum of their tiles (check_tiles).
+struct check_list {
+  std::uint64_t n = 0;
+  std::uint64_t first_tile[max_checks + 1] = {};
+  check_desc c[max_checks];
+};
+
+static_assert(sizeof(check_list) <= 4096, "a check_list must fit a kernel's parameters");
+
+/// Blocks of the check kernel a patch of `records` records takes.
+std::uint64_t check_tiles(std::uint64_t records);
+
+/// Checks the patches of `list` (one block per tile of records): indices strictly increasing and
+/// below their span's elements; sets bad[k] to 1 for patch k otherwise.
+cudaError_t launch_check(const check_list& list, unsigned int* bad, cudaStream_t stream);
+
+/// One checked patch to apply: `n` records (indices at `indices`, values at `values`) into the span
+/// at tensor byte `off` of `dest` (the tensor's byte 0), a tensor of `total` bytes; its terms count
+/// `weight` times.
+struct apply_desc {
+  const std::uint32_t* indices = nullptr;
+  const void* values = nullptr;
+  std::uint64_t n = 0;
+  void* dest = nullptr;
+  std::uint64_t off = 0;
+  std::uint64_t total = 0;
+  std::uint64_t weight = 1;
+  std::uint32_t item = 1;
+  std::uint32_t reserved = 0;
+};
+
+/// Patches one apply launch takes at most (a kernel parameter, as write_list).
+inline constexpr int max_applies = 48;
+
+/// The patches of one apply launch, and the prefix sum of their tiles (check_tiles).
+struct apply_list {
+  std::uint64_t n = 0;
+  std::uint64_t first_tile[max_applies + 1] = {};
+  apply_desc p[max_applies];
+};
+
+static_assert(sizeof(apply_list) <= 4096, "an apply_list must fit a kernel's parameters");
+
+/// Applies the checked patches of `list` (one block per tile of records), adding the new minus old
+/// checksum terms to *terms.
+cudaError_t launch_apply(const apply_list& list, unsigned long long* terms, cudaStream_t stream);
 
 /// Adds weight · delta::range_terms(p, off, n, total) (p: the tensor's byte `off`) to *terms, or
 /// subtracts it with `negate`.

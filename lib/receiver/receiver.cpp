@@ -799,7 +799,10 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     refit_delta = b.base.has_value();
     delta_terms = 0;
 #if REFIT_HAVE_CUDA
-    if (delta_on_device()) (void)device_workspace().take_terms(ln->sink->stream());  // what a failed refit left
+    if (delta_on_device()) {  // what a failed refit left: its applies not launched are dropped, not run
+      device_workspace().discard_writes();
+      (void)device_workspace().take_terms(ln->sink->stream());
+    }
 #endif
     refit_generation = sink_generation;
     if (const auto refused = run_begin_hook(b.version)) {
@@ -959,8 +962,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   }
 
 #if REFIT_HAVE_CUDA
-  /// apply_delta() on the GPU, enqueued on the apply stream: patches by the apply kernel, spans sent
-  /// as bytes by the copier, the checksum terms summed on the device (read at END).
+  /// apply_delta() on the GPU, enqueued on the apply stream: patches by the apply kernel (the batch's
+  /// in a few launches), spans sent as bytes by the copier, the checksum terms summed on the device
+  /// (read at END).
   void apply_delta_device(const wire::batch& b, const std::byte* base) {
     delta::cuda::workspace& ws = device_workspace();
     void* stream = ln->sink->stream();
@@ -989,6 +993,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
         ops.emplace_back(from, static_cast<std::byte*>(sl.dest.data) + e.tensor_offset, e.bytes);
       ln->copier->run(ops, stream);
     }
+    delta::cuda::launch_applies(ws);  // before end_read() hands the buffer back
   }
 #endif
 
