@@ -176,6 +176,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   std::unique_ptr<transport::source> buffers;
   transport::capabilities can;  ///< of the transport, asked once
   std::unique_ptr<copy::copier> copier;
+  std::unique_ptr<copy::copier>
+      engines;  ///< copy engines for direct writes to other GPUs (peer_copier), made when first needed
   std::vector<std::string> endpoints;
   std::vector<channel::req_channel> channels;  ///< one per receiver; made on the first HELLO
   bool in_session = false;
@@ -207,6 +209,17 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       base = std::make_unique<delta::base_store>(
           options.delta.memory == delta_memory::device ? delta::memory::device : delta::memory::host,
           options.delta.max_bytes, options.device);
+  }
+
+  /// Whether this session's direct writes go by the copy engines: the engine is automatic and every
+  /// destination lies on another GPU (transport::source::peers_elsewhere).
+  [[nodiscard]] bool peer_engine() const noexcept {
+    return options.engine == copy_engine::automatic && copier->kind() == copy::engine::kernel &&
+           buffers->peers_elsewhere();
+  }
+  copy::copier& peer_copier() {
+    if (!engines) engines = copy::make_copier(copy::engine::memcpy_batch, options.device, options.timeout);
+    return *engines;
   }
 
   /// Forgets the session: the next refit says HELLO again.
@@ -756,6 +769,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::uint64_t covered = 0;
     std::vector<wire::entry> entries;
     std::vector<copy::op> ops;
+    std::vector<copy::op> peer_ops;      ///< of ops, those the copy engines take (impl::peer_engine)
     std::vector<copy::convert_op> cops;  ///< converting copies (destinations that asked another dtype)
     std::vector<copy::scale_job> jobs;   ///< scale passes of quantised tensors, before their copies
     std::vector<copy::fused_job> fused;  ///< one-pass block128 direct writes
@@ -810,11 +824,23 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (!jobs.empty()) st.copier->scales(jobs, st.buffers->stream());
       if (!cops.empty()) st.copier->convert(cops, st.buffers->stream());
       if (!fused.empty()) st.copier->fused(fused, st.buffers->stream());
+      if (direct && !ops.empty() && st.peer_engine()) {
+        // Every destination on another GPU: the contiguous copies go by the copy engines (one
+        // batched call), strided runs by the kernel, in stream order.
+        peer_ops.clear();
+        std::erase_if(ops, [&](const copy::op& o) {
+          if (o.rows != 1) return false;
+          peer_ops.push_back(o);
+          return true;
+        });
+        st.peer_copier().run(peer_ops, st.buffers->stream());
+      }
       st.copier->run(ops, st.buffers->stream());
       fused.clear();
       jobs.clear();
       cops.clear();
       ops.clear();
+      peer_ops.clear();
       streams.clear();
       direct_pending = 0;
       direct_checked = 0;
@@ -1071,7 +1097,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       direct_pending += bytes;
       if (direct_pending - direct_checked >= direct_check_bytes) {
         direct_checked = direct_pending;
-        if (st.copier->queue_short()) launch_direct();
+        // Copy engines (peer_engine) say nothing of their queue: their copies go with each piece of
+        // the manifest, as with engine memcpy_batch.
+        if (!st.peer_engine() && st.copier->queue_short()) launch_direct();
       }
     }
 
@@ -1363,13 +1391,14 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     if (w.covered + sc.group_bytes >= delta_batch_covers()) send_device_group(w, pl, sc);
   }
 
-  /// send_delta() for the queued tensors in device memory (cuda_ipc staged buffers): the diff runs
-  /// on the pack stream (lib/delta/diff_kernel.cu). The changes of every span of the group are
-  /// counted on the device and read back with one wait (the host places the patches), then each
-  /// patch is written straight into the staging buffer, after the buffer is free (begin_pack): the
-  /// writes are queued in the workspace and launched up to kernel::max_writes spans at a time, at
+  /// send_delta() for the queued tensors in device memory (cuda_ipc staged buffers, nccl buffers):
+  /// the diff runs on the pack stream (lib/delta/diff_kernel.cu). The changes of every span of the
+  /// group are counted on the device and read back with one wait (the host places the patches), then
+  /// each patch is written straight into the staging buffer, after the buffer is free (begin_pack):
+  /// the writes are queued in the workspace and launched up to kernel::max_writes spans at a time, at
   /// the latest when the batch is flushed. The checksum terms add up on the device: send_tensors()
-  /// reads them before END. The batches are those the tensors would make one by one.
+  /// reads them before END. The batches are those the tensors would make one by one, each sent
+  /// before the source is asked for the next tensor.
   void send_device_group(batch_writer& w, planner& pl, delta_scratch& sc) {
     if (sc.group.empty()) return;
     const auto td = clock::now();

@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
@@ -275,11 +276,18 @@ class cuda_ipc_source final : public source {
     std::vector<receiver_targets> receivers;
     for (std::size_t k = 0; k < replies.size(); ++k) receivers.push_back(map_offer(replies[k], k));
     receivers_ = std::move(receivers);
+    elsewhere_ = std::all_of(receivers_.begin(), receivers_.end(), [&](const receiver_targets& r) {
+      return !r.gpus.empty() && std::find(r.gpus.begin(), r.gpus.end(), uuid_) == r.gpus.end();
+    });
+    if (elsewhere_) REFIT_INFO("cuda_ipc: direct session: every destination is on another GPU than cuda:{}", device_);
     direct_ = true;
   }
 
+  [[nodiscard]] bool peers_elsewhere() const noexcept override { return direct_ && elsewhere_; }
+
   void close_session() noexcept override {
     direct_ = false;
+    elsewhere_ = false;
     receivers_.clear();  // cudaIpcCloseMemHandle: nothing of a receiver stays mapped
     links_.clear();
     vmm_held_.clear();
@@ -531,10 +539,12 @@ class cuda_ipc_source final : public source {
     plan::route_cache routes;
   };
   struct receiver_targets {
+    std::vector<std::string> gpus;    ///< the UUIDs of the GPUs its weights are on (its offer's 'G' record)
     std::vector<peer_memory> mapped;  ///< the allocations of its weights: every destination lies inside one
     std::unordered_map<std::string, std::vector<target>> targets;
   };
   std::vector<receiver_targets> receivers_;  ///< direct sessions: one per receiver, in order
+  bool elsewhere_ = false;                   ///< peers_elsewhere(), set when the session's offers are mapped
 
   /// Maps what one receiver's direct offer describes (must be under a device_guard).
   receiver_targets map_offer(const wire::ok& reply, std::size_t receiver) const {
@@ -558,6 +568,12 @@ class cuda_ipc_source final : public source {
                                                    out.mapped.size()));
         m.bytes = a->bytes;
         out.mapped.push_back(std::move(m));
+        continue;
+      }
+      if (!rec.empty() && rec[0] == 'G') {  // the UUIDs of the GPUs the weights are on
+        if ((rec.size() - 1) % 16 != 0)
+          throw error(errc::protocol, fmt::format("direct offer: GPU record {} of {} bytes is malformed", k, rec.size()));
+        for (std::size_t at = 1; at < rec.size(); at += 16) out.gpus.push_back(rec.substr(at, 16));
         continue;
       }
       if (!rec.empty() && rec[0] == 'V') {
@@ -746,6 +762,13 @@ class cuda_ipc_sink final : public sink {
       const plan::destination& d = table[i];
       records.push_back(dest_record_of(d, place[i].first, place[i].second));
     }
+    // The GPUs the weights are on (their UUIDs): the streamer's engine choice for writing them.
+    std::set<int> gpus;
+    for (const plan::destination& d : table)
+      if (d.meta.nbytes() != 0) gpus.insert(d.dev.index);
+    std::string where = "G";
+    for (const int g : gpus) where += device_uuid(g);
+    records.push_back(std::move(where));
     reply.handles = std::move(records);
     reply.mode = wire::session_mode::in_place;
     REFIT_INFO("cuda_ipc: offering {} destinations in {} allocations ({} VMM chunks) for direct writes by {}",
