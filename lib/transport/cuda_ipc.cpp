@@ -572,7 +572,8 @@ class cuda_ipc_source final : public source {
       }
       if (!rec.empty() && rec[0] == 'G') {  // the UUIDs of the GPUs the weights are on
         if ((rec.size() - 1) % 16 != 0)
-          throw error(errc::protocol, fmt::format("direct offer: GPU record {} of {} bytes is malformed", k, rec.size()));
+          throw error(errc::protocol,
+                      fmt::format("direct offer: GPU record {} of {} bytes is malformed", k, rec.size()));
         for (std::size_t at = 1; at < rec.size(); at += 16) out.gpus.push_back(rec.substr(at, 16));
         continue;
       }
