@@ -271,13 +271,16 @@ struct delta_row {
   double changed = 0, touched256 = 0, touched4k = 0;  // fractions
   std::uint64_t wire = 0, version_bytes = 0;
   double ms = 0, diff_ms = 0;
+  std::uint64_t batches = 0;
+  double wait_ms = 0;  ///< the streamer waiting for the receiver's replies
 };
 
 void write_delta_row(std::ostream& out, const delta_row& r, double whole_ms) {
-  out << fmt::format("{:>14} {:>6} {:>8.3f} {:>8.2f} {:>8.2f} {:>12} {:>7.3f} {:>9.2f} {:>9.2f} {:>7.3f}\n", r.kind,
-                     r.step, 100 * r.changed, 100 * r.touched256, 100 * r.touched4k, r.wire,
-                     r.version_bytes != 0 ? static_cast<double>(r.wire) / static_cast<double>(r.version_bytes) : 0.0,
-                     r.ms, r.diff_ms, whole_ms > 0 ? r.ms / whole_ms : 0.0);
+  out << fmt::format(
+      "{:>14} {:>6} {:>8.3f} {:>8.2f} {:>8.2f} {:>12} {:>7.3f} {:>9.2f} {:>9.2f} {:>7.3f} {:>7} {:>9.2f}\n", r.kind,
+      r.step, 100 * r.changed, 100 * r.touched256, 100 * r.touched4k, r.wire,
+      r.version_bytes != 0 ? static_cast<double>(r.wire) / static_cast<double>(r.version_bytes) : 0.0, r.ms, r.diff_ms,
+      whole_ms > 0 ? r.ms / whole_ms : 0.0, r.batches, r.wait_ms);
 }
 
 }  // namespace
@@ -339,12 +342,15 @@ int run_delta(const config& c, std::ostream& out) {
       "# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
       "streamer, {} counted refits after {} warm-up; host diff and apply threads: {}; a delta batch covers {}\n",
       c.delta_update, c.iters, c.warmup, delta::pool_threads(c.delta_threads),
-      c.delta_batch_mb > 0 ? fmt::format("{:g} MiB of tensors", c.delta_batch_mb)
-                           : fmt::format("{} MiB of tensors (the default)", std::max(32.0, c.buffer_mb.at(0))));
-  out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "row", "step", "changed",
-                     "blk256", "blk4k", "wire", "wire/v", "time", "diff", "/whole");
-  out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7}\n", "", "", "(%)", "(%)", "(%)",
-                     "(B)", "", "(ms)", "(ms)", "");
+      c.delta_batch_mb > 0
+          ? fmt::format("{:g} MiB of tensors", c.delta_batch_mb)
+          : fmt::format("{} MiB of tensors (the default)", std::max(32.0, (gpu ? 4 : 1) * c.buffer_mb.at(0))));
+  // diff: the streamer comparing with its base (on a GPU: the diff kernels and the waits for them);
+  // wait: the streamer waiting for the receiver's replies; batches: BATCH round trips.
+  out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7} {:>7} {:>9}\n", "row", "step",
+                     "changed", "blk256", "blk4k", "wire", "wire/v", "time", "diff", "/whole", "batches", "wait");
+  out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7} {:>7} {:>9}\n", "", "", "(%)",
+                     "(%)", "(%)", "(B)", "", "(ms)", "(ms)", "", "", "(ms)");
 
   std::uint64_t version = 0;
   std::vector<double> whole_ms;
@@ -355,9 +361,10 @@ int run_delta(const config& c, std::ostream& out) {
       const refit_stats s = plain.refit(++version, refs);
       if (i < c.warmup) continue;
       whole_ms.push_back(s.seconds * 1e3);
-      write_delta_row(
-          out, delta_row{"whole", std::to_string(i - c.warmup), 0, 0, 0, s.bytes, s.tensor_bytes, s.seconds * 1e3, 0},
-          0);
+      write_delta_row(out,
+                      delta_row{"whole", std::to_string(i - c.warmup), 0, 0, 0, s.bytes, s.tensor_bytes,
+                                s.seconds * 1e3, 0, s.batches, s.wait_seconds * 1e3},
+                      0);
     }
     plain.close();
   }
@@ -374,9 +381,10 @@ int run_delta(const config& c, std::ostream& out) {
   {
     const auto refs = t.refs();
     const refit_stats s = ds.refit(++version, refs);
-    write_delta_row(
-        out, delta_row{"delta-first", "0", 1, 1, 1, s.bytes, s.tensor_bytes, s.seconds * 1e3, s.diff_seconds * 1e3},
-        whole);
+    write_delta_row(out,
+                    delta_row{"delta-first", "0", 1, 1, 1, s.bytes, s.tensor_bytes, s.seconds * 1e3,
+                              s.diff_seconds * 1e3, s.batches, s.wait_seconds * 1e3},
+                    whole);
     out.flush();
   }
   std::vector<double> delta_ms;
@@ -393,7 +401,9 @@ int run_delta(const config& c, std::ostream& out) {
                 s.bytes,
                 s.tensor_bytes,
                 s.seconds * 1e3,
-                s.diff_seconds * 1e3};
+                s.diff_seconds * 1e3,
+                s.batches,
+                s.wait_seconds * 1e3};
     delta_ms.push_back(r.ms);
     wire_fraction.push_back(static_cast<double>(s.bytes) / static_cast<double>(s.tensor_bytes));
     write_delta_row(out, r, whole);

@@ -49,7 +49,8 @@ struct delta_options {
   std::size_t threads = 0;
   /// Bytes of tensors one delta batch covers before it is sent (its patches, a round trip, and on
   /// the GPU one wait of the diff and one of the receivers' patch check); 0: max(32 MiB,
-  /// buffer_bytes). A batch is also sent when its patches fill a buffer. Larger batches amortise
+  /// buffer_bytes) over host_shm, max(32 MiB, 4 × buffer_bytes) over cuda_ipc and nccl. A batch is
+  /// also sent when its patches fill a buffer. Larger batches amortise
   /// the per-batch round trips where the patches are small against the link (NVLink); smaller ones
   /// start sending sooner where the link is slow. The patches and checksums do not depend on it.
   std::uint64_t batch_bytes = 0;

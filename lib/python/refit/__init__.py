@@ -453,7 +453,8 @@ class Streamer(_refit.Streamer):
             The patches are the same bytes whatever the number.
         delta_batch_bytes: bytes of tensors one delta batch covers before it is sent (each batch
             costs a round trip, and on the GPU a wait of the diff and of the receivers' check);
-            0: max(32 MiB, ``buffer_bytes``). A batch also goes when its patches fill a buffer. The
+            0: max(32 MiB, ``buffer_bytes``) over host_shm, max(32 MiB, four times ``buffer_bytes``) over
+            cuda_ipc and nccl. A batch also goes when its patches fill a buffer. The
             patches and the result do not depend on it.
         group_rank, group_size: this streamer is rank ``group_rank`` of ``group_size`` streamers
             (one per trainer rank) that send each version together, each its :class:`Shard` of
