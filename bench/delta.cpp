@@ -21,9 +21,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "bench/bench.hpp"
@@ -51,6 +53,30 @@ std::uint16_t to_bf16(float f) noexcept {  // round to nearest even, as torch do
   return static_cast<std::uint16_t>(u >> 16);
 }
 
+/// Leaves the elements of a vector(n) uninitialised (trivial types): the trainer's arrays are first
+/// written by its pool, in parallel, instead of zeroed on one thread first (183 GB for
+/// qwen3-30b-a3b's masters and weights: minutes).
+template <class T>
+struct uninit_allocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = uninit_allocator<U>;
+  };
+  uninit_allocator() noexcept = default;
+  template <class U>
+  uninit_allocator(const uninit_allocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+template <class T>
+using raw_vector = std::vector<T, uninit_allocator<T>>;
+
 /// The trainer: fp32 masters and their bf16 copies, one of each per tensor, made and stepped on a
 /// pool of threads (a llama3-8b step is 8 G elements: minutes on one). Every chunk of
 /// `chunk_elements` of a tensor draws from a random stream of its own, seeded by the step, the
@@ -60,8 +86,8 @@ struct trainer {
   static constexpr std::uint64_t chunk_elements = 1u << 20;
 
   std::vector<tensor_meta> metas;
-  std::vector<std::vector<float>> master;
-  std::vector<std::vector<std::uint16_t>> weights;
+  std::vector<raw_vector<float>> master;
+  std::vector<raw_vector<std::uint16_t>> weights;
   /// Every chunk: its tensor and first element (made once: the tensors keep their sizes).
   std::vector<std::pair<std::size_t, std::uint64_t>> chunks;
   delta::worker_pool pool;
@@ -118,8 +144,8 @@ struct trainer {
     each_chunk([&](std::size_t j, std::size_t k, std::uint64_t first, std::uint64_t last) {
       changes& c = parts[j];
       stream r(step, k, first / chunk_elements);
-      std::vector<float>& m = master[k];
-      std::vector<std::uint16_t>& w = weights[k];
+      raw_vector<float>& m = master[k];
+      raw_vector<std::uint16_t>& w = weights[k];
       bool touched4k = false;
       for (std::uint64_t b = first; b < last; b += 128) {  // 128 bf16 = 256 bytes
         bool touched = false;
@@ -230,7 +256,8 @@ int delta_receiver_gpu(const config& c) {
     if (gpu >= 0) check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
 #endif
     for (const auto& e : m.entries) {
-      weights.emplace_back(e.meta.numel());
+      // Host weights only for a host table (a GPU receiver of qwen3-30b-a3b would zero 61 GB for nothing).
+      weights.emplace_back(gpu >= 0 ? 0 : e.meta.numel());
 #if REFIT_HAVE_CUDA
       if (gpu >= 0) {
         on_device.emplace_back(std::max<std::uint64_t>(e.meta.nbytes(), 2));
@@ -250,7 +277,7 @@ int delta_receiver_gpu(const config& c) {
 #if REFIT_HAVE_CUDA
       if (gpu >= 0) {
         sum += delta::name_weight(m.entries[k].meta.name) *
-               copy::checksum(on_device[k].handle(), weights[k].size() * 2, device::cuda(gpu));
+               copy::checksum(on_device[k].handle(), m.entries[k].meta.nbytes(), device::cuda(gpu));
         continue;
       }
 #endif
