@@ -77,6 +77,26 @@ struct uninit_allocator : std::allocator<T> {
 template <class T>
 using raw_vector = std::vector<T, uninit_allocator<T>>;
 
+#if REFIT_HAVE_CUDA
+/// Tensors of `sizes` bytes in one device allocation, each at a multiple of 256 bytes: thousands of
+/// small ones (qwen3-30b-a3b's 3 MiB experts) would each round up to whole 2 MiB pages, and its
+/// weights and the streamer's base would not fit one H200 beside each other.
+struct device_arena {
+  cuda::device_buffer memory;
+  std::vector<void*> at;
+  explicit device_arena(const std::vector<std::uint64_t>& sizes) {
+    std::vector<std::uint64_t> offsets;
+    std::uint64_t total = 0;
+    for (const std::uint64_t n : sizes) {
+      offsets.push_back(total);
+      total += (std::max<std::uint64_t>(n, 1) + 255) / 256 * 256;
+    }
+    memory = cuda::device_buffer(std::max<std::uint64_t>(total, 256));
+    for (const std::uint64_t o : offsets) at.push_back(static_cast<std::byte*>(memory.handle()) + o);
+  }
+};
+#endif
+
 /// The trainer: fp32 masters and their bf16 copies, one of each per tensor, made and stepped on a
 /// pool of threads (a llama3-8b step is 8 G elements: minutes on one). Every chunk of
 /// `chunk_elements` of a tensor draws from a random stream of its own, seeded by the step, the
@@ -181,11 +201,11 @@ struct trainer {
   [[nodiscard]] std::vector<tensor_ref> refs() {
     std::vector<tensor_ref> out;
 #if REFIT_HAVE_CUDA
-    if (!on_device.empty()) {  // cuda_ipc: the bf16 weights uploaded (not timed) to the GPU
+    if (on_device) {  // cuda_ipc and nccl: the bf16 weights uploaded (not timed) to the GPU
       for (std::size_t k = 0; k < metas.size(); ++k) {
-        check_cuda(cudaMemcpy(on_device[k].handle(), weights[k].data(), weights[k].size() * 2, cudaMemcpyHostToDevice),
+        check_cuda(cudaMemcpy(on_device->at[k], weights[k].data(), weights[k].size() * 2, cudaMemcpyHostToDevice),
                    "--delta: uploading the weights");
-        out.push_back(tensor_ref{metas[k], on_device[k].handle(), device::cuda(gpu), nullptr});
+        out.push_back(tensor_ref{metas[k], on_device->at[k], device::cuda(gpu), nullptr});
       }
       return out;
     }
@@ -195,12 +215,14 @@ struct trainer {
     return out;
   }
 #if REFIT_HAVE_CUDA
-  std::vector<cuda::device_buffer> on_device;
+  std::optional<device_arena> on_device;
   int gpu = 0;
   void to_device(int d) {
     gpu = d;
     check_cuda(cudaSetDevice(d), "cudaSetDevice");
-    for (const auto& w : weights) on_device.emplace_back(std::max<std::uint64_t>(w.size() * 2, 2));
+    std::vector<std::uint64_t> sizes;
+    for (const auto& w : weights) sizes.push_back(w.size() * 2);
+    on_device.emplace(sizes);
   }
 #endif
 
@@ -252,16 +274,20 @@ int delta_receiver_gpu(const config& c) {
     receiver r(o);
     std::vector<std::vector<std::uint16_t>> weights;
 #if REFIT_HAVE_CUDA
-    std::vector<cuda::device_buffer> on_device;
-    if (gpu >= 0) check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
+    std::optional<device_arena> on_device;
+    if (gpu >= 0) {
+      check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
+      std::vector<std::uint64_t> sizes;
+      for (const auto& e : m.entries) sizes.push_back(e.meta.nbytes());
+      on_device.emplace(sizes);
+    }
 #endif
     for (const auto& e : m.entries) {
       // Host weights only for a host table (a GPU receiver of qwen3-30b-a3b would zero 61 GB for nothing).
       weights.emplace_back(gpu >= 0 ? 0 : e.meta.numel());
 #if REFIT_HAVE_CUDA
       if (gpu >= 0) {
-        on_device.emplace_back(std::max<std::uint64_t>(e.meta.nbytes(), 2));
-        r.add_parameter(tensor_dest{e.meta, on_device.back().handle(), device::cuda(gpu)});
+        r.add_parameter(tensor_dest{e.meta, on_device->at[weights.size() - 1], device::cuda(gpu)});
         continue;
       }
 #endif
@@ -277,7 +303,7 @@ int delta_receiver_gpu(const config& c) {
 #if REFIT_HAVE_CUDA
       if (gpu >= 0) {
         sum += delta::name_weight(m.entries[k].meta.name) *
-               copy::checksum(on_device[k].handle(), m.entries[k].meta.nbytes(), device::cuda(gpu));
+               copy::checksum(on_device->at[k], m.entries[k].meta.nbytes(), device::cuda(gpu));
         continue;
       }
 #endif

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <new>
 
 #include "config/config.hpp"
@@ -24,8 +25,11 @@ base_store::~base_store() { clear(); }
 
 void base_store::clear() noexcept {
   tensors_.clear();
-  owned_.clear();
+  slabs_.clear();
+  open_ = false;
   bytes_ = 0;
+  reserved_ = 0;
+  abandoned_ = 0;
   version_.reset();
 }
 
@@ -70,6 +74,36 @@ base_store::tensor* base_store::find(const std::string& name) noexcept {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+namespace {
+constexpr std::uint64_t align = 256;
+constexpr std::uint64_t largest_slab = 256ull << 20;
+constexpr std::uint64_t own_from = 64ull << 20;  ///< tensors this large are allocated alone
+}  // namespace
+
+std::byte* base_store::carve(std::uint64_t bytes) {
+  const std::uint64_t n = (std::max<std::uint64_t>(bytes, 1) + align - 1) / align * align;
+  if (n >= own_from) {
+    // Its own allocation, slotted before the open slab (which stays open).
+    slab own{allocate(n), n, n};
+    std::byte* p = own.memory.get();
+    reserved_ += n;
+    slabs_.insert(open_ ? slabs_.end() - 1 : slabs_.end(), std::move(own));
+    return p;
+  }
+  if (!open_ || slabs_.back().size - slabs_.back().used < n) {
+    // Slabs grow with the base (4 MiB, then as much as is reserved already, up to 256 MiB): a small
+    // model's base stays small, a large one's takes few allocations.
+    const std::uint64_t size = std::max(n, std::clamp<std::uint64_t>(reserved_, 4ull << 20, largest_slab));
+    slabs_.push_back(slab{allocate(size), size, 0});
+    reserved_ += size;
+    open_ = true;
+  }
+  slab& s = slabs_.back();
+  std::byte* p = s.memory.get() + s.used;
+  s.used += n;
+  return p;
+}
+
 base_store::tensor* base_store::place(const tensor_meta& meta) {
   const std::uint64_t bytes = meta.nbytes();
   if (tensor* t = find(meta.name); t != nullptr && t->bytes == bytes) {
@@ -79,9 +113,8 @@ base_store::tensor* base_store::place(const tensor_meta& meta) {
   std::uint64_t old = 0;
   if (tensor* t = find(meta.name)) old = t->bytes;
   if (bytes_ - old + bytes > max_bytes_) return nullptr;
-  auto owner = allocate(bytes);
-  tensor t{meta, bytes, owner.get()};
-  owned_.insert_or_assign(meta.name, std::move(owner));
+  tensor t{meta, bytes, carve(bytes)};
+  abandoned_ += old;
   bytes_ = bytes_ - old + bytes;
   return &tensors_.insert_or_assign(meta.name, std::move(t)).first->second;
 }

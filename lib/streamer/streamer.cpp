@@ -655,6 +655,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::uint64_t checksum = how == sending::delta ? base->checksum() : 0;
     if (base) base->invalidate();
     bool keep = base != nullptr && how != sending::subset;
+    if (keep && how == sending::whole) base->begin_whole();  // repacks it if tensors changed size
 
     receivers_failed = false;
     try {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "channel/channel.hpp"
+#include "delta/base.hpp"
 #include "delta/checksum.hpp"
 #include "delta/host_apply.hpp"
 #include "delta/host_diff.hpp"
@@ -738,6 +739,62 @@ TEST_CASE(
   CHECK(none.tensors == 0);
   CHECK(none.bytes == 0);
   CHECK(e.differs_from(t).empty());
+}
+
+TEST_CASE("the base cuts small tensors from shared slabs, large ones alone, and repacks after a size change",
+          "[delta]") {
+  refit::delta::base_store b(refit::delta::memory::host, 1ull << 40);
+  // 40 experts of 3 MiB + 1 byte (each rounded to 256 bytes, not to a page), one 100 MiB tensor.
+  std::vector<std::pair<std::byte*, std::uint64_t>> placed;
+  std::uint64_t tensor_bytes = 0;
+  for (int k = 0; k < 40; ++k) {
+    const refit::tensor_meta m{"expert." + std::to_string(k), refit::dtype::u8, {(3 << 20) + 1}};
+    auto* t = b.place(m);
+    REQUIRE(t != nullptr);
+    CHECK(reinterpret_cast<std::uintptr_t>(t->data) % 256 == 0);
+    std::memset(t->data, k, t->bytes);  // every byte of it is writable
+    placed.emplace_back(t->data, t->bytes);
+    tensor_bytes += t->bytes;
+    if (k == 19) {
+      const std::uint64_t before = b.reserved();
+      auto* big = b.place(refit::tensor_meta{"embed", refit::dtype::u8, {100 << 20}});
+      REQUIRE(big != nullptr);
+      CHECK(b.reserved() == before + (100u << 20));  // an allocation of its own
+      placed.emplace_back(big->data, big->bytes);
+      tensor_bytes += big->bytes;
+    }
+  }
+  CHECK(b.bytes() == tensor_bytes);
+  // Packed: most experts follow the one before at 3 MiB + 256 bytes (a new slab breaks the run).
+  int packed = 0;
+  for (int k = 1; k < 40; ++k)
+    packed += b.find("expert." + std::to_string(k))->data - b.find("expert." + std::to_string(k - 1))->data ==
+                      (3 << 20) + 256
+                  ? 1
+                  : 0;
+  CHECK(packed >= 30);
+  CHECK(b.reserved() <= tensor_bytes + (256u << 20));  // at most one slab's tail unused
+  std::sort(placed.begin(), placed.end());
+  for (std::size_t k = 1; k < placed.size(); ++k)
+    CHECK(placed[k - 1].first + placed[k - 1].second <= placed[k].first);  // no two overlap
+  CHECK(b.find("expert.7")->data[0] == std::byte{7});
+  CHECK(b.find("expert.7")->data[(3 << 20)] == std::byte{7});
+
+  // The same sizes again: the same room. Another size: new room, the old abandoned until the next
+  // whole version repacks (begin_whole), which starts an empty base.
+  auto* again = b.place(refit::tensor_meta{"expert.3", refit::dtype::u8, {(3 << 20) + 1}});
+  CHECK(again->data == b.find("expert.3")->data);
+  const std::uint64_t reserved = b.reserved();
+  b.begin_whole();  // nothing abandoned: kept
+  CHECK(b.find("expert.3") != nullptr);
+  CHECK(b.reserved() == reserved);
+  REQUIRE(b.place(refit::tensor_meta{"expert.3", refit::dtype::u8, {1 << 20}}) != nullptr);
+  CHECK(b.bytes() == tensor_bytes - 2048 * 1024 - 1);
+  b.begin_whole();
+  CHECK(b.find("expert.3") == nullptr);
+  CHECK(b.bytes() == 0);
+  CHECK(b.reserved() == 0);
+  CHECK(!b.version().has_value());
 }
 
 TEST_CASE("a version larger than the base's bound is always sent whole", "[delta]") {
