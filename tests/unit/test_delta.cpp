@@ -768,10 +768,10 @@ TEST_CASE("the base cuts small tensors from shared slabs, large ones alone, and 
   // Packed: most experts follow the one before at 3 MiB + 256 bytes (a new slab breaks the run).
   int packed = 0;
   for (int k = 1; k < 40; ++k)
-    packed += b.find("expert." + std::to_string(k))->data - b.find("expert." + std::to_string(k - 1))->data ==
-                      (3 << 20) + 256
-                  ? 1
-                  : 0;
+    packed +=
+        b.find("expert." + std::to_string(k))->data - b.find("expert." + std::to_string(k - 1))->data == (3 << 20) + 256
+            ? 1
+            : 0;
   CHECK(packed >= 30);
   CHECK(b.reserved() <= tensor_bytes + (256u << 20));  // at most one slab's tail unused
   std::sort(placed.begin(), placed.end());
