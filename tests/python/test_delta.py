@@ -81,8 +81,8 @@ def test_delta_versions_are_bit_exact_after_20_steps_and_send_a_fraction(delta_p
 
 
 def test_delta_batch_bytes_cuts_a_delta_into_more_batches_with_the_same_patches(delta_peer):
-    """delta_batch_bytes: the tensor bytes a delta batch covers (default max(32 MiB, buffer_bytes):
-    this model in one batch). 64 KiB, with 128 KiB buffers (64 KiB spans): each of "embed"'s eight
+    """delta_batch_bytes: the tensor bytes a delta batch covers (default over host_shm max(32 MiB,
+    buffer_bytes): this model in one batch). 64 KiB, with 128 KiB buffers (64 KiB spans): each of "embed"'s eight
     spans closes a batch; the patches and the result are the same."""
     t = Trainer()
     job, endpoint = delta_peer(spec_of(t.state()))
