@@ -73,9 +73,9 @@ std::uint64_t workspace::take_terms(void* stream) {
 
 void workspace::discard_writes() noexcept {
   impl_->pending.n = 0;
-  impl_->pending.first_block[0] = 0;
+  impl_->pending.first[0] = 0;
   impl_->applies.n = 0;
-  impl_->applies.first_tile[0] = 0;
+  impl_->applies.first[0] = 0;
 }
 
 void* workspace::scratch(int slot, std::uint64_t bytes) {
@@ -193,7 +193,7 @@ void write(std::size_t i, std::size_t k, std::byte* out, std::uint64_t weight, w
   if (d.chunks == 0) return;
   kernel::write_list& l = st.pending;
   if (l.n == kernel::max_writes || (l.n != 0 && st.pending_stream != as_stream(stream))) launch_writes(ws);
-  kernel::write_desc& w = l.w[l.n];
+  kernel::write_desc& w = l.at[l.n];
   w.base = d.base;
   w.next = d.next;
   w.elements = d.elements;
@@ -205,7 +205,7 @@ void write(std::size_t i, std::size_t k, std::byte* out, std::uint64_t weight, w
   w.total = d.total;
   w.weight = weight;
   w.item = d.item;
-  l.first_block[l.n + 1] = l.first_block[l.n] + d.chunks;
+  l.first[l.n + 1] = l.first[l.n] + d.chunks;
   l.n += 1;
   st.pending_stream = as_stream(stream);
 }
@@ -239,8 +239,8 @@ void check(std::span<const patch_ref> patches, workspace& ws, void* stream) {
                                            record_bytes(p.item)));
     if (list.n == kernel::max_checks) launch();
     const std::uint64_t records = p.bytes / record_bytes(p.item);
-    list.c[list.n] = kernel::check_desc{reinterpret_cast<const std::uint32_t*>(p.data), records, p.span / p.item};
-    list.first_tile[list.n + 1] = list.first_tile[list.n] + kernel::check_tiles(records);
+    list.at[list.n] = kernel::check_desc{reinterpret_cast<const std::uint32_t*>(p.data), records, p.span / p.item};
+    list.first[list.n + 1] = list.first[list.n] + kernel::check_tiles(records);
     list.n += 1;
   }
   launch();
@@ -263,7 +263,7 @@ void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::
   workspace::impl& st = ws.state();
   kernel::apply_list& l = st.applies;
   if (l.n == kernel::max_applies || (l.n != 0 && st.applies_stream != as_stream(stream))) launch_applies(ws);
-  l.p[l.n] = kernel::apply_desc{reinterpret_cast<const std::uint32_t*>(patch.data),
+  l.at[l.n] = kernel::apply_desc{reinterpret_cast<const std::uint32_t*>(patch.data),
                                 patch.data + 4 * n,
                                 n,
                                 dest,
@@ -272,7 +272,7 @@ void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::
                                 weight,
                                 static_cast<std::uint32_t>(patch.item),
                                 0};
-  l.first_tile[l.n + 1] = l.first_tile[l.n] + kernel::check_tiles(n);
+  l.first[l.n + 1] = l.first[l.n] + kernel::check_tiles(n);
   l.n += 1;
   st.applies_stream = as_stream(stream);
 }
@@ -284,7 +284,7 @@ void launch_applies(workspace& ws) {
   device_guard guard(ws.device());
   const cudaError_t status = kernel::launch_apply(l, ws.terms(), st.applies_stream);
   l.n = 0;
-  l.first_tile[0] = 0;
+  l.first[0] = 0;
   check_cuda(status, "delta apply kernel launch");
 }
 

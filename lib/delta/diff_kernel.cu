@@ -86,18 +86,30 @@ __device__ std::uint32_t block_scan(std::uint32_t v, std::uint32_t* scan) {
   return scan[threadIdx.x];
 }
 
-/// The span of a group that chunk `chunk` belongs to: the last one whose first chunk is at or before
-/// it (a span of no chunks shares its first chunk with the next, which is the one found).
-__device__ std::uint64_t find_span(const span_desc* spans, std::uint64_t n, std::uint64_t chunk) {
-  std::uint64_t lo = 0, hi = n;  // spans[lo].first_chunk <= chunk < spans[hi].first_chunk (hi = n: past the end)
+/// The last k < n with first(k) <= x, for first() ascending from first(0) <= x. For spans: the span
+/// of a group that chunk x belongs to (a span of no chunks shares its first chunk with the next, which
+/// is the one found).
+template <class First>
+__device__ __forceinline__ std::uint64_t last_at_or_before(std::uint64_t n, std::uint64_t x, First first) {
+  std::uint64_t lo = 0, hi = n;  // first(lo) <= x < first(hi) (hi = n: past the end)
   while (hi - lo > 1) {
     const std::uint64_t mid = lo + (hi - lo) / 2;
-    if (spans[mid].first_chunk <= chunk)
+    if (first(mid) <= x)
       lo = mid;
     else
       hi = mid;
   }
   return lo;
+}
+
+__device__ std::uint64_t find_span(const span_desc* spans, std::uint64_t n, std::uint64_t chunk) {
+  return last_at_or_before(n, chunk, [&](std::uint64_t k) { return spans[k].first_chunk; });
+}
+
+/// The item of `list` whose units hold unit x (the last whose first unit is at or before it).
+template <class List>
+__device__ __forceinline__ std::uint64_t item_of(const List& list, std::uint64_t x) {
+  return last_at_or_before(list.n, x, [&](std::uint64_t k) { return list.first[k]; });
 }
 
 // ---- a chunk, one warp: 16-byte loads where both sides are aligned, element by element elsewhere.
@@ -326,21 +338,14 @@ __device__ std::uint64_t write_chunk(const write_desc& d, std::uint64_t chunk, s
 /// among the launch's few); one atomic add of terms per warp.
 __global__ void write_kernel(const __grid_constant__ write_list list, unsigned long long* terms) {
   const int lane = static_cast<int>(threadIdx.x & 31u);
-  const std::uint64_t chunks = list.first_block[list.n];
+  const std::uint64_t chunks = list.first[list.n];
   const std::uint64_t warps = (static_cast<std::uint64_t>(gridDim.x) * blockDim.x) / 32;
   unsigned long long sum = 0;
   for (std::uint64_t g = (static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; g < chunks;
        g += warps) {
-    std::uint64_t lo = 0, hi = list.n;  // the last span whose first chunk is at or before g
-    while (hi - lo > 1) {
-      const std::uint64_t mid = lo + (hi - lo) / 2;
-      if (list.first_block[mid] <= g)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    const write_desc& d = list.w[lo];
-    const std::uint64_t chunk = g - list.first_block[lo];
+    const std::uint64_t lo = item_of(list, g);
+    const write_desc& d = list.at[lo];
+    const std::uint64_t chunk = g - list.first[lo];
     const std::uint64_t first = chunk * chunk_elements;
     const std::uint64_t end = first + chunk_elements < d.elements ? first + chunk_elements : d.elements;
     std::uint64_t t = 0;
@@ -362,16 +367,9 @@ constexpr std::uint64_t check_tile = threads * 8;
 /// One block per tile of check_tile records of the patches of `list`: bad[k] = 1 for patch k when an
 /// index is out of its span or not after the one before.
 __global__ void check_kernel(const __grid_constant__ check_list list, unsigned int* bad) {
-  std::uint64_t lo = 0, hi = list.n;  // the last patch whose first tile is at or before this block's
-  while (hi - lo > 1) {
-    const std::uint64_t mid = lo + (hi - lo) / 2;
-    if (list.first_tile[mid] <= blockIdx.x)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  const check_desc& c = list.c[lo];
-  const std::uint64_t first = (blockIdx.x - list.first_tile[lo]) * check_tile;
+  const std::uint64_t lo = item_of(list, blockIdx.x);
+  const check_desc& c = list.at[lo];
+  const std::uint64_t first = (blockIdx.x - list.first[lo]) * check_tile;
   bool wrong = false;
   for (std::uint64_t k = first + threadIdx.x; k < first + check_tile && k < c.n; k += threads) {
     const std::uint32_t i = c.indices[k];
@@ -385,17 +383,10 @@ __global__ void check_kernel(const __grid_constant__ check_list list, unsigned i
 /// block).
 __global__ void apply_kernel(const __grid_constant__ apply_list list, unsigned long long* terms) {
   __shared__ unsigned long long sums[threads];
-  std::uint64_t lo = 0, hi = list.n;  // the last patch whose first tile is at or before this block's
-  while (hi - lo > 1) {
-    const std::uint64_t mid = lo + (hi - lo) / 2;
-    if (list.first_tile[mid] <= blockIdx.x)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  const apply_desc& p = list.p[lo];
+  const std::uint64_t lo = item_of(list, blockIdx.x);
+  const apply_desc& p = list.at[lo];
   const int item = static_cast<int>(p.item);
-  const std::uint64_t first = (blockIdx.x - list.first_tile[lo]) * check_tile;
+  const std::uint64_t first = (blockIdx.x - list.first[lo]) * check_tile;
   auto* span = static_cast<unsigned char*>(p.dest) + p.off;
   std::uint64_t t = 0;
   for (std::uint64_t k = first + threadIdx.x; k < first + check_tile && k < p.n; k += threads) {
@@ -458,7 +449,7 @@ cudaError_t launch_count(const span_desc* spans, std::uint64_t n, std::uint64_t 
 }
 
 cudaError_t launch_writes(const write_list& list, unsigned long long* terms, cudaStream_t stream) {
-  const std::uint64_t blocks = list.first_block[list.n];
+  const std::uint64_t blocks = list.first[list.n];
   if (list.n == 0 || blocks == 0) return cudaSuccess;
   write_kernel<<<warp_grid(blocks), threads, 0, stream>>>(list, terms);
   return cudaGetLastError();
@@ -467,7 +458,7 @@ cudaError_t launch_writes(const write_list& list, unsigned long long* terms, cud
 std::uint64_t check_tiles(std::uint64_t records) { return (records + check_tile - 1) / check_tile; }
 
 cudaError_t launch_check(const check_list& list, unsigned int* bad, cudaStream_t stream) {
-  const std::uint64_t blocks = list.first_tile[list.n];
+  const std::uint64_t blocks = list.first[list.n];
   if (list.n == 0 || blocks == 0) return cudaSuccess;
   if (blocks > 0x7fffffffu) return cudaErrorInvalidConfiguration;
   check_kernel<<<static_cast<unsigned int>(blocks), threads, 0, stream>>>(list, bad);
@@ -475,7 +466,7 @@ cudaError_t launch_check(const check_list& list, unsigned int* bad, cudaStream_t
 }
 
 cudaError_t launch_apply(const apply_list& list, unsigned long long* terms, cudaStream_t stream) {
-  const std::uint64_t blocks = list.first_tile[list.n];
+  const std::uint64_t blocks = list.first[list.n];
   if (list.n == 0 || blocks == 0) return cudaSuccess;
   if (blocks > 0x7fffffffu) return cudaErrorInvalidConfiguration;
   apply_kernel<<<static_cast<unsigned int>(blocks), threads, 0, stream>>>(list, terms);

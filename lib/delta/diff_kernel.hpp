@@ -58,13 +58,18 @@ struct write_desc {
 /// under the 4 KiB a kernel's parameters may always take.
 inline constexpr int max_writes = 32;
 
-/// The spans of one launch of pass 2, and the prefix sum of their chunks (first_block[k]: the
-/// launch's chunk of span k's chunk 0; first_block[n]: the chunks in all).
-struct write_list {
+/// Up to Max items of one launch, passed as a kernel parameter (no copy), and the prefix sum of the
+/// units (chunks, tiles) each takes: first[k] is the launch's unit of item k's first, first[n] the
+/// units in all. The kernels find an item with last_at_or_before (diff_kernel.cu).
+template <class Item, int Max>
+struct launch_list {
   std::uint64_t n = 0;
-  std::uint64_t first_block[max_writes + 1] = {};
-  write_desc w[max_writes];
+  std::uint64_t first[Max + 1] = {};
+  Item at[Max];
 };
+
+/// The spans of one launch of pass 2; their units are chunks.
+using write_list = launch_list<write_desc, max_writes>;
 
 static_assert(sizeof(write_list) <= 4096, "a write_list must fit a kernel's parameters");
 
@@ -81,12 +86,8 @@ struct check_desc {
 /// Patches one launch checks at most (the list is a kernel parameter, as write_list).
 inline constexpr int max_checks = 64;
 
-/// The patches of one check launch, and the prefix sum of their tiles (check_tiles).
-struct check_list {
-  std::uint64_t n = 0;
-  std::uint64_t first_tile[max_checks + 1] = {};
-  check_desc c[max_checks];
-};
+/// The patches of one check launch; their units are tiles (check_tiles).
+using check_list = launch_list<check_desc, max_checks>;
 
 static_assert(sizeof(check_list) <= 4096, "a check_list must fit a kernel's parameters");
 
@@ -115,12 +116,8 @@ struct apply_desc {
 /// Patches one apply launch takes at most (a kernel parameter, as write_list).
 inline constexpr int max_applies = 48;
 
-/// The patches of one apply launch, and the prefix sum of their tiles (check_tiles).
-struct apply_list {
-  std::uint64_t n = 0;
-  std::uint64_t first_tile[max_applies + 1] = {};
-  apply_desc p[max_applies];
-};
+/// The patches of one apply launch; their units are tiles (check_tiles).
+using apply_list = launch_list<apply_desc, max_applies>;
 
 static_assert(sizeof(apply_list) <= 4096, "an apply_list must fit a kernel's parameters");
 
