@@ -264,14 +264,14 @@ void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::
   kernel::apply_list& l = st.applies;
   if (l.n == kernel::max_applies || (l.n != 0 && st.applies_stream != as_stream(stream))) launch_applies(ws);
   l.at[l.n] = kernel::apply_desc{reinterpret_cast<const std::uint32_t*>(patch.data),
-                                patch.data + 4 * n,
-                                n,
-                                dest,
-                                off,
-                                total,
-                                weight,
-                                static_cast<std::uint32_t>(patch.item),
-                                0};
+                                 patch.data + 4 * n,
+                                 n,
+                                 dest,
+                                 off,
+                                 total,
+                                 weight,
+                                 static_cast<std::uint32_t>(patch.item),
+                                 0};
   l.first[l.n + 1] = l.first[l.n] + kernel::check_tiles(n);
   l.n += 1;
   st.applies_stream = as_stream(stream);
