@@ -456,6 +456,7 @@ struct config {
   bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
   bool share = true;       ///< streamer_options::share_tensors (--share-tensors)
   bool lane = true;        ///< streamer_options::control_lane (--control-lane)
+  bool twin = false;       ///< streamer_options::nccl_twin (--nccl-twin)
   /// cuda_ipc: the streamer's tensors in 20 MiB VMM chunks exportable as descriptors, as torch's
   /// expandable segments hold them (--source-memory vmm), instead of one cudaMalloc.
   bool vmm_sources = false;

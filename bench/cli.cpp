@@ -133,6 +133,10 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
                  "1: requests to a receiver of this host go through the shared-memory control lane it offers "
                  "(streamer_options::control_lane); 0: through ZeroMQ (engine +zmq)")
       ->capture_default_str();
+  app.add_option("--nccl-twin", c.twin,
+                 "nccl: 1: each session also has a twin communicator that carries the odd buffers' broadcasts "
+                 "(streamer_options::nccl_twin, engine +twin); 0: one communicator")
+      ->capture_default_str();
   app.add_option("--source-memory", c.vmm_sources,
                  "cuda_ipc: where the streamer's tensors live: 0 (cudamalloc) one cudaMalloc; 1 (vmm) 20 MiB VMM "
                  "chunks exportable as descriptors, as torch's expandable segments hold them (engine +vmm-src)")

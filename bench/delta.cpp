@@ -375,6 +375,7 @@ int run_delta(const config& c, std::ostream& out) {
   // cuda_ipc: staged, the path deltas take (and the whole rows too); nccl: the whole rows in place.
   so.direct = nccl;
   so.control_lane = c.lane;
+  so.nccl_twin = c.twin;
   so.device = c.device;
   so.buffer_bytes = static_cast<std::uint64_t>(c.buffer_mb.at(0) * (1 << 20));
   so.buffer_count = c.buffer_counts.at(0);

@@ -324,6 +324,7 @@ streamer_options rank_options(const config& c, const child_plan& p, bool direct)
   so.endpoint = so.receivers.front();
   so.direct = direct;
   so.control_lane = c.lane;
+  so.nccl_twin = c.twin;
   so.device = std::max(p.gpu, 0);
   so.buffer_bytes = static_cast<std::uint64_t>(c.buffer_mb.at(0) * (1 << 20));
   so.buffer_count = c.buffer_counts.at(0);

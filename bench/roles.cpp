@@ -541,6 +541,7 @@ class group_runner {
     so.keep_whole = c_.keep_whole;
     so.share_tensors = c_.share;
     so.control_lane = c_.lane;
+    so.nccl_twin = c_.twin;
     so.device = c_.device;
     so.timeout = milliseconds(c_.timeout_ms);
     so.engine = g_.engine;
@@ -608,6 +609,7 @@ class group_runner {
     // Requests through ZeroMQ (--control-lane 0, or no lane offered): labelled, since a small
     // refit's fixed cost differs.
     if (!lane) r.engine += "+zmq";
+    if (nccl_ && c_.twin) r.engine += "+twin";
     if (c_.vmm_sources && !nccl_) r.engine += "+vmm-src";
     if (c_.vmm_dests && !nccl_) r.engine += "+vmm-dst";
     return r;

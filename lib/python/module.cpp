@@ -604,10 +604,11 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                                        std::uint64_t delta_max_bytes, std::size_t delta_threads,
                                        std::uint64_t delta_batch_bytes, std::size_t group_rank, std::size_t group_size,
-                                       bool share_tensors, bool control_lane) {
+                                       bool share_tensors, bool control_lane, bool nccl_twin) {
   streamer_options o;
   o.share_tensors = share_tensors;
   o.control_lane = control_lane;
+  o.nccl_twin = nccl_twin;
   o.group_rank = group_rank;
   o.group_size = group_size;
   o.delta.enable = delta;
@@ -769,12 +770,13 @@ PYBIND11_MODULE(_refit, m) {
                        const py::object& curve, std::uint64_t alignment, bool keep_whole, const std::string& engine,
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::uint64_t delta_batch_bytes,
-                       std::size_t group_rank, std::size_t group_size, bool share_tensors, bool control_lane) {
-             return std::make_unique<py_streamer>(
-                 streamer_options_from(std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers,
-                                       direct, timeout, std::move(token), device, curve, alignment, keep_whole, engine,
-                                       layout, delta, delta_memory_name, delta_max_bytes, delta_threads,
-                                       delta_batch_bytes, group_rank, group_size, share_tensors, control_lane));
+                       std::size_t group_rank, std::size_t group_size, bool share_tensors, bool control_lane,
+                       bool nccl_twin) {
+             return std::make_unique<py_streamer>(streamer_options_from(
+                 std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
+                 std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
+                 delta_max_bytes, delta_threads, delta_batch_bytes, group_rank, group_size, share_tensors, control_lane,
+                 nccl_twin));
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
@@ -783,7 +785,8 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("engine") = "automatic", py::arg("layout") = "", py::arg("delta") = false,
            py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30,
            py::arg("delta_threads") = 0, py::arg("delta_batch_bytes") = 0, py::arg("group_rank") = 0,
-           py::arg("group_size") = 1, py::arg("share_tensors") = true, py::arg("control_lane") = true)
+           py::arg("group_size") = 1, py::arg("share_tensors") = true, py::arg("control_lane") = true,
+           py::arg("nccl_twin") = false)
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("close", &py_streamer::close);

@@ -203,6 +203,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     endpoints = endpoints_of(options);
     so.receivers = endpoints.size();
     so.direct = options.direct && can.writes_in_place;
+    so.twin = options.nccl_twin;
     buffers = transport::make_source(so);
     copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device, options.timeout);
     if (options.delta.enable)

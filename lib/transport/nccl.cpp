@@ -21,8 +21,18 @@
 // Ordering, streamer: pack stream → packed[i] → comm stream (broadcasts) → sent[i] → next pack
 // into buffer i. Receiver: comm stream → received[i] → apply stream → applied[i] → next broadcast
 // into buffer i. Ordinary events only: nothing crosses a process but the bytes. A refit is
-// complete on a receiver when both its streams have drained (END), on the streamer when its comm
-// stream has; only then may the caller change the tensors it sent from.
+// complete on a receiver when its streams have drained (END), on the streamer when its comm
+// streams have; only then may the caller change the tensors it sent from.
+//
+// Paired sessions (streamer_options::nccl_twin, opt-in). The streamer says so in HELLO
+// (nccl_session::paired), with a second ncclUniqueId: every rank then also joins a twin
+// communicator at set-up, and the broadcasts of odd buffers go on the twin, on a comm stream of
+// its own. A buffer-sized broadcast loses ~10 % of the link to its own start and end (64 MiB over
+// NVLink: 328 against 369 GB/s); on two communicators the next batch's broadcast runs while the
+// one before it drains. Each communicator still sees its broadcasts in manifest order on every
+// rank, and buffer reuse is ordered by the same events. Both are aborted together (abort_both).
+// (A twin made by ncclCommSplit in non-blocking mode crashed the set-up with NCCL 2.28.3; a second
+// id costs HELLO 128 bytes.)
 //
 // Running ahead. Buffer reuse is ordered on the device, not the host, so every rank has the next
 // broadcast queued before the current one ends. The host runs at most `lookahead` batches ahead:
@@ -69,6 +79,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <unordered_map>
 #include <unordered_set>
@@ -209,6 +220,28 @@ class communicator {
   unique_handle<ncclComm_t, abort_comm> c_;
   int device_ = 0;
 };
+
+/// Aborts a paired session's two communicators together. An abort frees its communicator's memory,
+/// and a free waits for every kernel on the device (NCCL's caveat on several communicators): a
+/// kernel of the other communicator still waiting for a peer that is gone would hold it forever
+/// (the GPU suite's refused-batch case hung so with the twin aborted first). Each abort raises its
+/// own communicator's abort flag before it frees anything, so with both under way at once both
+/// kernels end. Without a thread to spare, one after the other.
+void abort_both(communicator& first, communicator& twin) noexcept {
+  if (!first || !twin) {
+    first.abort();
+    twin.abort();
+    return;
+  }
+  try {
+    std::thread other([&twin] { twin.abort(); });
+    first.abort();
+    other.join();
+  } catch (...) {
+    first.abort();
+    twin.abort();
+  }
+}
 
 /// Enqueues the broadcast of `bytes` bytes from rank 0's `p` into every other rank's `p` on `s`.
 /// In non-blocking mode NCCL may answer ncclInProgress: the call is then finished before
@@ -362,19 +395,34 @@ class timeline {
   void report(std::string_view who) noexcept {
     if (!on_ || spans_[0].n == 0) return;
     try {
+      // Each broadcast's start and end from the first one's start (a paired session's overlap:
+      // busy is the union of the spans, idle the gaps between them).
       const span_list& b = spans_[0];
-      std::vector<float> dur(b.n);
-      double busy = 0, idle = 0, longest_idle = 0;
-      std::size_t at = 0;
+      struct interval {
+        double start, end;
+        std::size_t k;
+      };
+      std::vector<interval> spans(b.n);
+      std::vector<double> dur(b.n);
       for (std::size_t k = 0; k < b.n; ++k) {
-        dur[k] = elapsed(b.events[k].first, b.events[k].second);
-        busy += dur[k];
-        if (k == 0) continue;
-        const double gap = elapsed(b.events[k - 1].second, b.events[k].first);
-        idle += gap;
-        if (gap > longest_idle) longest_idle = gap, at = k;
+        spans[k] =
+            interval{elapsed(b.events[0].first, b.events[k].first), elapsed(b.events[0].first, b.events[k].second), k};
+        dur[k] = spans[k].end - spans[k].start;
       }
-      const double span = elapsed(b.events[0].first, b.events[b.n - 1].second);
+      std::sort(spans.begin(), spans.end(), [](const interval& x, const interval& y) { return x.start < y.start; });
+      double busy = 0, idle = 0, longest_idle = 0, covered = spans.front().start, last = spans.front().start;
+      std::size_t at = 0;
+      for (const interval& v : spans) {
+        if (v.start > covered) {
+          const double gap = v.start - covered;
+          idle += gap;
+          if (gap > longest_idle) longest_idle = gap, at = v.k;
+        }
+        busy += std::max(0.0, v.end - std::max(v.start, covered));
+        covered = std::max(covered, v.end);
+        last = std::max(last, v.end);
+      }
+      const double span = last - spans.front().start;
       std::sort(dur.begin(), dur.end());
       std::string applies;
       if (const span_list& a = spans_[1]; a.n != 0) {
@@ -480,12 +528,48 @@ class pending_batch {
   std::uint64_t total_ = 0;
 };
 
+/// Whether buffer i's transfers go on the twin communicator (nccl_session::paired): a paired
+/// session's broadcasts of odd buffers do, so that consecutive batches' broadcasts run on two
+/// communicators and streams and one starts while the one before it drains (a broadcast of a
+/// buffer-sized batch loses ~10 % to its start and end: bench/results/nccl-notes.md). Point-to-point
+/// parts stay on the first. Every rank decides alike: the buffer and the kind of transfer come
+/// from the batch's manifest and the session.
+bool on_twin(const communicator& twin, std::size_t i, moves how) noexcept {
+  return static_cast<bool>(twin) && how == moves::broadcast && i % 2 == 1;
+}
+
+/// Joins `twin` as `rank` of `nranks` from `id` (every rank of a paired session does it at set-up,
+/// after the first communicator) and connects it by a warm-up broadcast of `bytes` from `scratch`
+/// on `s`, waited for. Returns about how much device memory it took (the device's free memory
+/// before and after: for the log).
+std::uint64_t join_twin(communicator& twin, const cuda::stream& s, int nranks, const ncclUniqueId& id, int rank,
+                        int device, const cuda::device_buffer& scratch, std::uint64_t bytes, const deadline& until,
+                        std::string_view late) {
+  std::size_t before = 0, after = 0, total = 0;
+  const bool measured = cudaMemGetInfo(&before, &total) == cudaSuccess;
+  twin = communicator(nranks, id, rank, device, until, late);
+  broadcast(twin, scratch.handle(), bytes, s.handle(), until.remaining(),
+            "the twin's warm-up broadcast (ncclBroadcast)", late);
+  wait_stream(s.handle(), twin.handle(), until, "the twin's warm-up broadcast", late);
+  return measured && cudaMemGetInfo(&after, &total) == cudaSuccess && before > after ? before - after : 0;
+}
+
+/// The log's note of a twin that took `bytes`.
+std::string twin_note(bool paired, std::uint64_t bytes) {
+  return paired ? fmt::format(", paired (the twin communicator took {} MiB)", bytes >> 20) : std::string();
+}
+
 // ------------------------------------------------------------------------------------ streamer
 
 class nccl_source final : public source {
  public:
   explicit nccl_source(const source_options& o)
-      : device_(o.device), bytes_(o.bytes), count_(o.count), receivers_(o.receivers), want_in_place_(o.direct) {
+      : device_(o.device),
+        bytes_(o.bytes),
+        count_(o.count),
+        receivers_(o.receivers),
+        want_in_place_(o.direct),
+        paired_(o.twin && o.count >= 2) {
     if (o.receivers < 1 || o.receivers >= static_cast<std::size_t>(INT_MAX))
       throw error(errc::invalid_argument,
                   fmt::format("the nccl transport needs at least one receiver (got {})", o.receivers));
@@ -496,6 +580,7 @@ class nccl_source final : public source {
     uuid_ = device_uuid(device_);
     pack_ = make_stream();
     comm_stream_ = make_comm_stream();
+    if (paired_) twin_stream_ = make_comm_stream();
     ahead_.emplace();
     producer_ = make_event();
     for (std::size_t i = 0; i < o.count; ++i) {
@@ -527,6 +612,10 @@ class nccl_source final : public source {
     ncclUniqueId id{};
     check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
     id_ = id;
+    if (paired_) {
+      check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId (the twin communicator)");
+      twin_id_ = id;
+    }
     h.transport = std::string(transport_name);
     h.mode = want_in_place_ ? wire::session_mode::in_place : wire::session_mode::buffers;
     h.peer = process_identity();
@@ -539,9 +628,10 @@ class nccl_source final : public source {
 
   void hello_for(std::size_t k, wire::hello& h) const override {
     if (!id_) throw error(errc::internal, "nccl: hello_for() without open_session()");
-    h.session = encode_nccl_session(nccl_session{std::string(id_->internal, sizeof id_->internal),
-                                                 static_cast<std::uint32_t>(k + 1),
-                                                 static_cast<std::uint32_t>(receivers_ + 1), true});
+    h.session = encode_nccl_session(
+        nccl_session{std::string(id_->internal, sizeof id_->internal), static_cast<std::uint32_t>(k + 1),
+                     static_cast<std::uint32_t>(receivers_ + 1), true, paired_,
+                     twin_id_ ? std::string(twin_id_->internal, sizeof twin_id_->internal) : std::string()});
   }
 
   void join(milliseconds timeout) override {
@@ -555,6 +645,7 @@ class nccl_source final : public source {
         "answered HELLO without an error (see its log), has a free GPU and can reach this host "
         "(NCCL_SOCKET_IFNAME)",
         receivers_);
+    std::uint64_t twin_bytes = 0;
     try {
       auto guard = use_device(device_, "streamer");
       comm_ = communicator(nranks, *id_, 0, device_, until, late);
@@ -569,6 +660,9 @@ class nccl_source final : public source {
         bytes.push_back(segment{static_cast<std::byte*>(scratch_.handle()), 0, 1, static_cast<std::uint32_t>(k)});
       transfer_entries(comm_, moves::send, bytes, nullptr, comm_stream_.handle(), until.remaining(), late);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up sends", late);
+      if (paired_)
+        twin_bytes =
+            join_twin(twin_, twin_stream_, nranks, *twin_id_, 0, device_, scratch_, warm_up_bytes(bytes_), until, late);
     } catch (const error& e) {
       end_comm();
       throw error(e.code(), fmt::format("nccl: the streamer (rank 0 of {} on cuda:{}) could not set up the session: {}",
@@ -578,8 +672,8 @@ class nccl_source final : public source {
         "a receiver of this session ({} in all) is stuck or gone; the communicator was aborted and "
         "the next refit builds a new one",
         receivers_);
-    REFIT_INFO("nccl: communicator ready: rank 0 of {} on cuda:{}, {} receivers, in {:.1f} ms", nranks, device_,
-               receivers_, ms_since(t0));
+    REFIT_INFO("nccl: communicator ready: rank 0 of {} on cuda:{}, {} receivers{}, in {:.1f} ms", nranks, device_,
+               receivers_, twin_note(paired_, twin_bytes), ms_since(t0));
   }
 
   void session_accepted(std::span<const wire::ok> replies) override {
@@ -680,6 +774,7 @@ class nccl_source final : public source {
   void close_session() noexcept override {
     end_comm();
     id_.reset();
+    twin_id_.reset();
     in_place_ = false;
     parts_ = false;
     gathers_ = false;
@@ -740,12 +835,14 @@ class nccl_source final : public source {
     require_session("end_pack");
     or_abort([&] {
       device_guard guard(device_);
+      const moves how = parts_ ? moves::send : moves::broadcast;
+      const bool twin = on_twin(twin_, i, how);
+      const cudaStream_t s = twin ? twin_stream_.handle() : comm_stream_.handle();
       check_cuda(cudaEventRecord(packed_[i].handle(), pack_.handle()), "cudaEventRecord(packed)");
-      check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), packed_[i].handle(), 0), "cudaStreamWaitEvent(packed)");
-      batch_.transfer(comm_, parts_ ? moves::send : moves::broadcast, data(i), comm_stream_.handle(), timeout_, late_,
-                      timeline_);
-      check_cuda(cudaEventRecord(sent_[i].handle(), comm_stream_.handle()), "cudaEventRecord(sent)");
-      ahead_->record(comm_stream_.handle());
+      check_cuda(cudaStreamWaitEvent(s, packed_[i].handle(), 0), "cudaStreamWaitEvent(packed)");
+      batch_.transfer(twin ? twin_ : comm_, how, data(i), s, timeout_, late_, timeline_);
+      check_cuda(cudaEventRecord(sent_[i].handle(), s), "cudaEventRecord(sent)");
+      ahead_->record(s);
     });
   }
 
@@ -754,6 +851,7 @@ class nccl_source final : public source {
     or_abort([&] {
       wait_stream(pack_.handle(), comm_.handle(), until, "the streamer's packing", late_);
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the streamer's broadcasts", late_);
+      if (twin_) wait_stream(twin_stream_.handle(), twin_.handle(), until, "the streamer's broadcasts (twin)", late_);
     });
     timeline_.report(fmt::format("rank 0 (streamer, cuda:{})", device_));
     timeline_.reset();
@@ -780,7 +878,7 @@ class nccl_source final : public source {
     }
   }
 
-  void end_comm() noexcept { comm_.abort(); }
+  void end_comm() noexcept { abort_both(comm_, twin_); }
 
   /// Reads the destinations receiver k described in its OK (sink::parts()): a parts session when
   /// any receiver did. Throws errc::protocol for a malformed record.
@@ -828,6 +926,7 @@ class nccl_source final : public source {
   std::size_t count_;
   std::size_t receivers_;
   bool want_in_place_;     ///< streamer_options::direct: ask the receivers to receive in place
+  bool paired_;            ///< sessions have a twin communicator (nccl_session::paired, source_options::twin)
   bool in_place_ = false;  ///< this session: every receiver does (batches of direct_batch_bytes)
   bool parts_ = false;     ///< this in-place session sends each receiver only its parts (see parts())
   bool gathers_ = false;   ///< and some of them are gathered first: buffer-sized batches (gathers())
@@ -842,6 +941,7 @@ class nccl_source final : public source {
   std::string late_;             ///< what a timeout of the session means, for messages
   cuda::stream pack_;
   cuda::stream comm_stream_;
+  cuda::stream twin_stream_;  ///< the twin communicator's broadcasts (paired_)
   cuda::event producer_;
   std::vector<cuda::device_buffer> send_;  ///< made for buffered sessions, and in-place ones that convert
   std::uint64_t send_bytes_ = 0;           ///< the size of each of send_
@@ -850,9 +950,11 @@ class nccl_source final : public source {
   std::vector<cuda::event> sent_;
   pending_batch batch_;  ///< the entries of the batch being packed (entries())
   std::optional<ncclUniqueId> id_;
+  std::optional<ncclUniqueId> twin_id_;  ///< paired_ sessions
   std::optional<lookahead_ring> ahead_;  // made with the streams (on device_)
   timeline timeline_;
   communicator comm_;  // last: aborted before the buffers and streams it uses are released
+  communicator twin_;  ///< paired_ sessions: odd buffers' broadcasts (see on_twin)
 };
 
 // ------------------------------------------------------------------------------------ receiver
@@ -891,6 +993,7 @@ class nccl_sink final : public sink {
     std::memcpy(id.internal, session.id.data(), sizeof id.internal);
     const std::string late =
         fmt::format("the streamer {} or another of its {} receivers did not join the communicator", h.peer, nranks - 1);
+    std::uint64_t twin_bytes = 0;
     try {
       const deadline until = deadline::after(timeout_);
       comm_ = communicator(nranks, id, rank, device_, until, late);
@@ -903,6 +1006,13 @@ class nccl_sink final : public sink {
         transfer_entries(comm_, moves::receive, std::span<const segment>(&one, 1), nullptr, comm_stream_.handle(),
                          until.remaining(), late);
         wait_stream(comm_stream_.handle(), comm_.handle(), until, "the warm-up receive", late);
+      }
+      if (session.paired) {
+        if (!twin_stream_) twin_stream_ = make_comm_stream();
+        ncclUniqueId twin_id{};
+        std::memcpy(twin_id.internal, session.twin_id.data(), sizeof twin_id.internal);
+        twin_bytes = join_twin(twin_, twin_stream_, nranks, twin_id, rank, device_, scratch_, warm_up_bytes(sizes_[0]),
+                               until, late);
       }
     } catch (const error& e) {
       abort();
@@ -922,9 +1032,10 @@ class nccl_sink final : public sink {
         peer_, rank);
     attached_ = true;
     REFIT_INFO(
-        "nccl: communicator ready: rank {} of {} on cuda:{} (streamer {}), {} × {} MiB buffers announced, in "
+        "nccl: communicator ready: rank {} of {} on cuda:{} (streamer {}), {} × {} MiB buffers announced{}, in "
         "{:.1f} ms",
-        rank, nranks, device_, peer_, sizes_.size(), sizes_[0] >> 20, ms_since(t0));
+        rank, nranks, device_, peer_, sizes_.size(), sizes_[0] >> 20, twin_note(session.paired, twin_bytes),
+        ms_since(t0));
   }
 
   void detach() noexcept override {
@@ -1004,12 +1115,15 @@ class nccl_sink final : public sink {
     or_abort([&] {
       device_guard guard(device_);
       ahead_->wait(comm_.handle(), timeout_, late_);
-      check_cuda(cudaStreamWaitEvent(comm_stream_.handle(), applied_[i].handle(), 0), "cudaStreamWaitEvent(applied)");
-      batch_.transfer(comm_, parts_ ? moves::receive : moves::broadcast,
-                      i < recv_.size() ? static_cast<std::byte*>(recv_[i].handle()) : nullptr, comm_stream_.handle(),
-                      timeout_, late_, timeline_);
-      check_cuda(cudaEventRecord(received_[i].handle(), comm_stream_.handle()), "cudaEventRecord(received)");
-      ahead_->record(comm_stream_.handle());
+      const moves how = parts_ ? moves::receive : moves::broadcast;
+      const bool twin = on_twin(twin_, i, how);
+      const cudaStream_t s = twin ? twin_stream_.handle() : comm_stream_.handle();
+      check_cuda(cudaStreamWaitEvent(s, applied_[i].handle(), 0), "cudaStreamWaitEvent(applied)");
+      batch_.transfer(twin ? twin_ : comm_, how,
+                      i < recv_.size() ? static_cast<std::byte*>(recv_[i].handle()) : nullptr, s, timeout_, late_,
+                      timeline_);
+      check_cuda(cudaEventRecord(received_[i].handle(), s), "cudaEventRecord(received)");
+      ahead_->record(s);
       check_cuda(cudaStreamWaitEvent(apply_.handle(), received_[i].handle(), 0), "cudaStreamWaitEvent(received)");
       timeline_.begin(1, apply_.handle());
     });
@@ -1028,6 +1142,7 @@ class nccl_sink final : public sink {
     const deadline until = deadline::after(timeout_);
     or_abort([&] {
       wait_stream(comm_stream_.handle(), comm_.handle(), until, "the receiver's broadcasts", late_);
+      if (twin_) wait_stream(twin_stream_.handle(), twin_.handle(), until, "the receiver's broadcasts (twin)", late_);
       wait_stream(apply_.handle(), comm_.handle(), until, "the receiver's applies", late_);
     });
     timeline_.report(fmt::format("rank {} (receiver, cuda:{})", rank_, device_));
@@ -1035,7 +1150,7 @@ class nccl_sink final : public sink {
   }
 
   void abort() noexcept override {
-    comm_.abort();
+    abort_both(comm_, twin_);
     attached_ = false;
   }
 
@@ -1101,6 +1216,7 @@ class nccl_sink final : public sink {
   bool streamer_parts_ = false;  ///< this session's streamer sends parts (nccl_session::parts)
   bool parts_ = false;           ///< this session receives only parts (parts())
   cuda::stream comm_stream_;
+  cuda::stream twin_stream_;  ///< the twin communicator's broadcasts (nccl_session::paired)
   cuda::stream apply_;
   std::vector<std::uint64_t> sizes_;       ///< the buffers the streamer announced
   std::vector<cuda::device_buffer> recv_;  ///< made for sessions that stage (make_buffers)
@@ -1113,6 +1229,7 @@ class nccl_sink final : public sink {
   std::optional<lookahead_ring> ahead_;  // made with the streams (needs a device)
   timeline timeline_;
   communicator comm_;  // last: aborted before the buffers and streams it uses are released
+  communicator twin_;  ///< paired sessions: odd buffers' broadcasts (see on_twin)
 };
 
 std::unique_ptr<source> make_nccl_source(const source_options& options) {

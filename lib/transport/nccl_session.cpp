@@ -26,22 +26,32 @@ std::string encode_nccl_session(const nccl_session& s) {
   out.resize(nccl_session::id_bytes, '\0');
   put_u32(out, s.rank);
   put_u32(out, s.nranks);
-  put_u32(out, s.parts ? 1u : 0u);
+  put_u32(out, (s.parts ? 1u : 0u) | (s.paired ? 2u : 0u));
+  if (s.paired) {
+    std::string twin = s.twin_id;
+    twin.resize(nccl_session::id_bytes, '\0');
+    out += twin;
+  }
   return out;
 }
 
 nccl_session decode_nccl_session(std::string_view bytes) {
   constexpr std::size_t size = nccl_session::id_bytes + 12;
-  if (bytes.size() != size)
+  const std::uint32_t flags = bytes.size() >= size ? get_u32(bytes.substr(nccl_session::id_bytes + 8)) : 0;
+  const bool paired = (flags & 2u) != 0;
+  const std::size_t expected = paired ? size + nccl_session::id_bytes : size;
+  if (bytes.size() != expected)
     throw error(errc::protocol,
                 fmt::format("nccl: HELLO's session data is {} bytes, but an nccl session is {} (a 128-byte "
-                            "ncclUniqueId, rank, nranks, flags): the streamer was built against another NCCL",
-                            bytes.size(), size));
+                            "ncclUniqueId, rank, nranks, flags{}): the streamer was built against another NCCL",
+                            bytes.size(), expected, paired ? ", the twin's ncclUniqueId" : ""));
   nccl_session s;
   s.id.assign(bytes.substr(0, nccl_session::id_bytes));
   s.rank = get_u32(bytes.substr(nccl_session::id_bytes));
   s.nranks = get_u32(bytes.substr(nccl_session::id_bytes + 4));
-  s.parts = (get_u32(bytes.substr(nccl_session::id_bytes + 8)) & 1u) != 0;
+  s.parts = (flags & 1u) != 0;
+  s.paired = paired;
+  if (paired) s.twin_id.assign(bytes.substr(size));
   if (s.nranks < 2 || s.rank < 1 || s.rank >= s.nranks || s.nranks > static_cast<std::uint32_t>(INT_MAX))
     throw error(errc::protocol,
                 fmt::format("nccl: HELLO gives this receiver rank {} of {}: a receiver's rank is 1..nranks-1", s.rank,

@@ -10,7 +10,7 @@ namespace refit::transport {
 
 /// The communicator a receiver joins: NCCL's unique id and the receiver's rank (the streamer is
 /// rank 0), and what the streamer can do. Bytes: the id, then rank, nranks and a flags word as
-/// 32-bit little-endian.
+/// 32-bit little-endian, then the twin's id when the session is paired.
 struct nccl_session {
   static constexpr std::size_t id_bytes = 128;  ///< sizeof(ncclUniqueId)
   std::string id;
@@ -19,12 +19,18 @@ struct nccl_session {
   /// The streamer sends a receiver only its parts of each entry when the receiver describes its
   /// destinations in its OK (transport::sink::parts). Flag bit 0.
   bool parts = false;
+  /// Every rank also joins a twin communicator at set-up, from `twin_id`, with the same rank: the
+  /// broadcasts of odd buffers go on it, on a stream of their own, so that one batch's broadcast
+  /// starts while the one before it drains. Flag bit 1.
+  bool paired = false;
+  std::string twin_id;  ///< id_bytes when paired, else empty
 };
 
 std::string encode_nccl_session(const nccl_session& s);
-/// Validates: exactly id_bytes + 12 bytes (another size: a streamer built against another NCCL, or
-/// not nccl's; flag bits other than parts are ignored), 2 ≤ nranks ≤ INT_MAX, 1 ≤ rank < nranks. Throws refit::error(protocol) naming
-/// what is wrong.
+/// Validates: exactly id_bytes + 12 bytes, or 2 × id_bytes + 12 for a paired session (another
+/// size: a streamer built against another NCCL, or not nccl's; flag bits other than parts and
+/// paired are ignored), 2 ≤ nranks ≤ INT_MAX, 1 ≤ rank < nranks. Throws refit::error(protocol)
+/// naming what is wrong.
 nccl_session decode_nccl_session(std::string_view bytes);
 
 }  // namespace refit::transport

@@ -101,6 +101,8 @@ struct source_options {
   std::size_t receivers = 1;
   /// Ask the receivers for session_mode::in_place (transports that write in place).
   bool direct = false;
+  /// nccl: a twin communicator per session (streamer_options::nccl_twin).
+  bool twin = false;
 };
 
 /// Streamer side: owns the buffers.

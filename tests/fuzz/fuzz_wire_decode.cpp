@@ -50,7 +50,8 @@ static void check_dest(const std::uint8_t* data, std::size_t size) {
 }
 
 /// The same for an nccl session: accepted bytes re-encode to bytes that decode to the same session
-/// (unknown flag bits are dropped), and to themselves when no other flag bit than parts is set.
+/// (unknown flag bits are dropped), and to themselves when no other flag bit than parts and paired
+/// is set.
 static void check_nccl_session(const std::uint8_t* data, std::size_t size) {
   const std::string_view bytes(reinterpret_cast<const char*>(data), size);
   refit::transport::nccl_session s;
@@ -61,9 +62,10 @@ static void check_nccl_session(const std::uint8_t* data, std::size_t size) {
   }
   const std::string again = refit::transport::encode_nccl_session(s);
   const auto back = refit::transport::decode_nccl_session(again);
-  if (back.id != s.id || back.rank != s.rank || back.nranks != s.nranks || back.parts != s.parts)
+  if (back.id != s.id || back.rank != s.rank || back.nranks != s.nranks || back.parts != s.parts ||
+      back.paired != s.paired || back.twin_id != s.twin_id)
     property_failed("decode(encode(decode_nccl_session(b))) != decode_nccl_session(b)", "");
-  const bool plain_flags = (data[136] & 0xfe) == 0 && data[137] == 0 && data[138] == 0 && data[139] == 0;
+  const bool plain_flags = (data[136] & 0xfc) == 0 && data[137] == 0 && data[138] == 0 && data[139] == 0;
   if (plain_flags && again != bytes) property_failed("encode(decode_nccl_session(b)) != b", "");
 }
 

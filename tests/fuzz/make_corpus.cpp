@@ -151,7 +151,15 @@ int main(int argc, char** argv) {
         w, "dest_shard",
         wire::encode_dest(wire::dest_record{
             "layers.0.o_proj.weight", refit::dtype::bf16, {64, 32}, {64, 1}, refit::source_slice{1, 32, 32}, 0, 4096}));
-    write(w, "session_nccl", refit::transport::encode_nccl_session({std::string(128, '\x2a'), 2, 4}));
+    refit::transport::nccl_session session;
+    session.id = std::string(128, '\x2a');
+    session.rank = 2;
+    session.nranks = 4;
+    write(w, "session_nccl", refit::transport::encode_nccl_session(session));
+    session.parts = true;
+    session.paired = true;
+    session.twin_id = std::string(128, '\x2b');
+    write(w, "session_nccl_paired", refit::transport::encode_nccl_session(session));
     // decode_vmm_record too: a span of two chunks, its descriptors following.
     write(w, "vmm_span",
           refit::transport::encode_vmm_record(std::vector<refit::copy::vmm::chunk>{{0, 20u << 20, 7}, {0, 2u << 20, 9}},

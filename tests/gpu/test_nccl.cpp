@@ -262,13 +262,15 @@ class streamer_child {
  public:
   streamer_child(std::vector<std::string> receivers, std::vector<refit::tensor_meta> tensors,
                  refit::milliseconds timeout, bool direct = true, int tensor_device = 0,
-                 std::uint64_t buffers = buffer_bytes)
+                 std::uint64_t buffers = buffer_bytes, std::size_t count = 2, bool twin = false)
       : receivers_(std::move(receivers)),
         tensors_(std::move(tensors)),
         timeout_(timeout),
         direct_(direct),
         tensor_device_(tensor_device),
         buffers_(buffers),
+        count_(count),
+        twin_(twin),
         proc_([this] { run(); }) {}
 
   /// Starts one refit; result() returns its report.
@@ -293,6 +295,8 @@ class streamer_child {
   bool direct_;
   int tensor_device_;
   std::uint64_t buffers_;
+  std::size_t count_;
+  bool twin_;
   rt::signal_pipe commands_;  // parent → child
   rt::signal_pipe reports_;   // child → parent
   rt::child proc_;            // last
@@ -307,7 +311,8 @@ void streamer_child::run() {
   refit::streamer_options so;
   so.receivers = receivers_;
   so.transport = refit::transport_kind::nccl;
-  so.buffer_count = 2;
+  so.buffer_count = count_;
+  so.nccl_twin = twin_;
   so.buffer_bytes = buffers_;
   so.device = 0;
   so.timeout = timeout_;
@@ -456,6 +461,31 @@ TEST_CASE("nccl: with direct = false the same model goes through the buffers in 
   CHECK(rx.stop() == 0);
 }
 
+TEST_CASE("nccl: one communicator (nccl_twin off) and three buffers with the twin (odd ones on it), bit-exact",
+          "[nccl]") {
+  if (!nccl_gpus(2)) return;
+  // Buffered batches. Without the twin every batch goes on the one communicator. With 3 buffers,
+  // batch k goes on buffer k % 3 and on the twin when that buffer is odd, so each communicator
+  // carries runs of one and of two batches in a row.
+  const auto metas = rt::mixed_model(200, 5 * buffer_bytes + 3, 9);
+  const auto ep = rt::temp_endpoint();
+  receiver_child rx({.endpoint = ep, .device = rt::gpu_of(1), .tensors = metas});
+  REQUIRE(rx.next_report() == "ready");
+  std::uint64_t v = 1;
+  for (const auto& [count, twin] : {std::pair{std::size_t{2}, false}, std::pair{std::size_t{3}, true}}) {
+    INFO("buffers: " << count << ", twin: " << twin);
+    streamer_child tx({ep}, metas, relaxed, /*direct=*/false, 0, buffer_bytes, count, twin);
+    for (int k = 0; k < 2; ++k, ++v) {
+      const std::string report = tx.refit(v);
+      CHECK(without_batches(report) == ok_line(v, metas, false));
+      CHECK(batches_of(report) >= 6);  // twice as many batches as buffers: every buffer is reused
+      CHECK(next_after_byes(rx) == outcome("committed", v, false));
+    }
+    CHECK(tx.stop() == 0);
+  }
+  CHECK(rx.stop() == 0);
+}
+
 TEST_CASE(
     "nccl: tensors and weights on other GPUs than the streamer's and the receiver's are packed and staged, "
     "bit-exact",
@@ -556,10 +586,14 @@ TEST_CASE("nccl: a batch the receiver's table refuses is refused before a byte o
   if (metas[odd].shape == table[odd].shape) table[odd].shape = {static_cast<std::int64_t>(elements), 1};
   REQUIRE(table[odd].nbytes() == metas[odd].nbytes());
 
+  // With the twin communicator too: the streamer then aborts two communicators, one of them with
+  // batch 0's broadcast waiting for a receiver that will never post it (abort_both).
+  const bool twin = GENERATE(false, true);
+  INFO("nccl_twin: " << twin);
   const auto ep = rt::temp_endpoint();
   receiver_child rx({.endpoint = ep, .device = rt::gpu_of(1), .tensors = table, .prefill = 9});
   REQUIRE(rx.next_report() == "ready");
-  streamer_child tx({ep}, metas, relaxed);
+  streamer_child tx({ep}, metas, relaxed, true, 0, buffer_bytes, 2, twin);
 
   const std::string report = tx.refit(1);
   const auto failure = parse_failure(report);

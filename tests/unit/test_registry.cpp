@@ -60,15 +60,38 @@ TEST_CASE("the registry holds the built transports and refuses malformed or repe
 }
 
 TEST_CASE("nccl session data round-trips and every malformed one is refused with what is wrong", "[registry]") {
-  const tr::nccl_session s{std::string(128, '\x3c'), 2, 5, true};
-  const std::string bytes = tr::encode_nccl_session(s);
+  const auto session = [](std::uint32_t rank, std::uint32_t nranks, bool parts = false, std::string twin = {}) {
+    tr::nccl_session s;
+    s.id = std::string(128, '\x3c');
+    s.rank = rank;
+    s.nranks = nranks;
+    s.parts = parts;
+    s.paired = !twin.empty();
+    s.twin_id = std::move(twin);
+    return s;
+  };
+  const std::string bytes = tr::encode_nccl_session(session(2, 5, true));
   CHECK(bytes.size() == 140);
   const auto back = tr::decode_nccl_session(bytes);
-  CHECK(back.id == s.id);
+  CHECK(back.id == std::string(128, '\x3c'));
   CHECK(back.rank == 2);
   CHECK(back.nranks == 5);
   CHECK(back.parts);
-  CHECK(!tr::decode_nccl_session(tr::encode_nccl_session({std::string(128, 'x'), 1, 2, false})).parts);
+  CHECK(!back.paired);
+  CHECK(back.twin_id.empty());
+  CHECK(!tr::decode_nccl_session(tr::encode_nccl_session(session(1, 2))).parts);
+  // A paired session (flag bit 1) carries the twin communicator's id after the flags.
+  const std::string twin(128, '\x7e');
+  const std::string paired_bytes = tr::encode_nccl_session(session(1, 2, false, twin));
+  CHECK(paired_bytes.size() == 268);
+  CHECK(paired_bytes.substr(136, 4) == std::string("\x02\0\0\0", 4));
+  const auto paired = tr::decode_nccl_session(paired_bytes);
+  CHECK(paired.paired);
+  CHECK(!paired.parts);
+  CHECK(paired.twin_id == twin);
+  CHECK(paired.id == std::string(128, '\x3c'));
+  const auto both = tr::decode_nccl_session(tr::encode_nccl_session(session(1, 2, true, twin)));
+  CHECK((both.paired && both.parts && both.twin_id == twin));
 
   const auto refused = [](const std::string& b) {
     const auto f = failure_of([&] { (void)tr::decode_nccl_session(b); });
@@ -82,13 +105,21 @@ TEST_CASE("nccl session data round-trips and every malformed one is refused with
   CHECK(refused(bytes.substr(0, 136)).find("is 136 bytes") != std::string::npos);  // an older refit's
   CHECK(refused(bytes + "x").find("is 141 bytes") != std::string::npos);
   CHECK(refused("").find("is 0 bytes") != std::string::npos);
+  // Paired without the twin's id, or with a short one.
+  CHECK(refused(paired_bytes.substr(0, 140)) ==
+        "nccl: HELLO's session data is 140 bytes, but an nccl session is 268 (a 128-byte ncclUniqueId, rank, nranks, "
+        "flags, the twin's ncclUniqueId): the streamer was built against another NCCL");
+  CHECK(refused(paired_bytes.substr(0, 267)).find("is 267 bytes, but an nccl session is 268") != std::string::npos);
+  // An unpaired session with 128 more bytes.
+  CHECK(refused(bytes + twin).find("is 268 bytes, but an nccl session is 140") != std::string::npos);
   const auto with = [&](std::uint32_t rank, std::uint32_t nranks) {
-    return tr::encode_nccl_session({std::string(128, 'x'), rank, nranks});
+    return tr::encode_nccl_session(session(rank, nranks));
   };
   CHECK(refused(with(0, 3)) == "nccl: HELLO gives this receiver rank 0 of 3: a receiver's rank is 1..nranks-1");
   CHECK(refused(with(3, 3)) == "nccl: HELLO gives this receiver rank 3 of 3: a receiver's rank is 1..nranks-1");
   CHECK(refused(with(1, 1)) == "nccl: HELLO gives this receiver rank 1 of 1: a receiver's rank is 1..nranks-1");
   CHECK_THAT(refused(with(1, 0x80000000u)), Catch::Contains("rank 1 of 2147483648"));
+  CHECK_THAT(refused(tr::encode_nccl_session(session(0, 2, false, twin))), Catch::Contains("rank 0 of 2"));
   CHECK_NOTHROW(tr::decode_nccl_session(with(1, 2)));
 }
 

@@ -371,11 +371,12 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
   check_mismatch(message(BEGIN, {U(1)}, 5), 5);  // the release before control lanes
   check_mismatch(message(BEGIN, {U(1)}, 6), 6);  // the release before nccl parts sessions
   check_mismatch(message(BEGIN, {U(1)}, 7), 7);  // the release before cuda_ipc offers named their GPUs
-  check_mismatch(message(BEGIN, {U(1)}, 9), 9);
+  check_mismatch(message(BEGIN, {U(1)}, 8), 8);  // the release before paired nccl sessions
+  check_mismatch(message(BEGIN, {U(1)}, 10), 10);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
-  check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 10), 10);
-  check_mismatch(message(99, {}, 9), 9);
+  check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 11), 11);
+  check_mismatch(message(99, {}, 10), 10);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
