@@ -528,6 +528,17 @@ class pending_batch {
   std::uint64_t total_ = 0;
 };
 
+/// The ncclUniqueId whose bytes HELLO carried (nccl_session: id_bytes each, checked by its decoder).
+ncclUniqueId unique_id_of(const std::string& bytes) {
+  static_assert(sizeof(ncclUniqueId) == nccl_session::id_bytes);
+  ncclUniqueId id{};
+  std::memcpy(id.internal, bytes.data(), sizeof id.internal);
+  return id;
+}
+
+/// The bytes of `id` as HELLO carries them.
+std::string bytes_of(const ncclUniqueId& id) { return std::string(id.internal, sizeof id.internal); }
+
 /// Whether buffer i's transfers go on the twin communicator (nccl_session::paired): a paired
 /// session's broadcasts of odd buffers do, so that consecutive batches' broadcasts run on two
 /// communicators and streams and one starts while the one before it drains (a broadcast of a
@@ -628,10 +639,9 @@ class nccl_source final : public source {
 
   void hello_for(std::size_t k, wire::hello& h) const override {
     if (!id_) throw error(errc::internal, "nccl: hello_for() without open_session()");
-    h.session = encode_nccl_session(
-        nccl_session{std::string(id_->internal, sizeof id_->internal), static_cast<std::uint32_t>(k + 1),
-                     static_cast<std::uint32_t>(receivers_ + 1), true, paired_,
-                     twin_id_ ? std::string(twin_id_->internal, sizeof twin_id_->internal) : std::string()});
+    h.session = encode_nccl_session(nccl_session{bytes_of(*id_), static_cast<std::uint32_t>(k + 1),
+                                                 static_cast<std::uint32_t>(receivers_ + 1), true, paired_,
+                                                 twin_id_ ? bytes_of(*twin_id_) : std::string()});
   }
 
   void join(milliseconds timeout) override {
@@ -974,7 +984,6 @@ class nccl_sink final : public sink {
     (void)reply;  // nothing to send back: the communicator is the handshake
     if (h.transport != transport_name)
       throw error(errc::protocol, fmt::format("nccl: HELLO names transport '{}'", h.transport));
-    static_assert(sizeof(ncclUniqueId) == nccl_session::id_bytes);
     const nccl_session session = decode_nccl_session(h.session);
     if (h.buffers.empty() || h.buffers.size() > wire::max_buffers)
       throw error(errc::protocol,
@@ -989,8 +998,7 @@ class nccl_sink final : public sink {
 
     const int rank = static_cast<int>(session.rank);
     const int nranks = static_cast<int>(session.nranks);
-    ncclUniqueId id{};
-    std::memcpy(id.internal, session.id.data(), sizeof id.internal);
+    const ncclUniqueId id = unique_id_of(session.id);
     const std::string late =
         fmt::format("the streamer {} or another of its {} receivers did not join the communicator", h.peer, nranks - 1);
     std::uint64_t twin_bytes = 0;
@@ -1009,10 +1017,8 @@ class nccl_sink final : public sink {
       }
       if (session.paired) {
         if (!twin_stream_) twin_stream_ = make_comm_stream();
-        ncclUniqueId twin_id{};
-        std::memcpy(twin_id.internal, session.twin_id.data(), sizeof twin_id.internal);
-        twin_bytes = join_twin(twin_, twin_stream_, nranks, twin_id, rank, device_, scratch_, warm_up_bytes(sizes_[0]),
-                               until, late);
+        twin_bytes = join_twin(twin_, twin_stream_, nranks, unique_id_of(session.twin_id), rank, device_, scratch_,
+                               warm_up_bytes(sizes_[0]), until, late);
       }
     } catch (const error& e) {
       abort();
