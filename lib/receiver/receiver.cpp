@@ -29,6 +29,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -450,17 +451,28 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     if (!group_version) return;
     const std::uint64_t version = *group_version;
     group_version.reset();
+    // Device work that waits on a peer which will not come (nccl) must not outlive the refit. The
+    // lanes' sinks are aborted together (transport::at_once): one lane's abort would otherwise wait
+    // for another lane's receive from a streamer rank that died too (a trainer whose ranks all died
+    // mid-refit).
+    std::vector<std::function<void()>> aborts;
     for (lane& l : lanes) {
       l.took_part = l.in_refit();
       if (l.tracker) l.tracker->reset();
       if (l.sink) l.sink->end_sources();
       l.deferred.reset();
       if (l.sink && l.took_part) {
-        // Device work that waits on a peer which will not come (nccl) must not outlive the refit.
-        l.sink->abort();
-        if (!l.sink->attached()) l.tracker.reset();  // the session cannot go on: the next HELLO rebuilds
+        try {
+          aborts.emplace_back([s = l.sink.get()] { s->abort(); });
+        } catch (...) {
+          l.sink->abort();  // no memory for the list: this one now
+        }
       }
     }
+    transport::at_once(aborts);
+    for (lane& l : lanes)
+      if (l.sink && l.took_part && !l.sink->attached())
+        l.tracker.reset();  // the session cannot go on: the next HELLO rebuilds
     // A delta patches in place: once it wrote anything, the weights are neither its base nor the
     // new version, and only a whole version can tell what they are.
     const bool poisons = refit_delta && is_dirty.load();

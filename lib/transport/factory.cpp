@@ -1,6 +1,8 @@
 // refit — the transport registry and the factories that go through it.
 #include <algorithm>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -94,6 +96,21 @@ std::unique_ptr<sink> make_sink(std::string_view transport, int device, millisec
                                              "(built: {}); start the streamer with one of those",
                                              transport, registered_transports()));
   return r->make_sink(device, timeout);
+}
+
+void at_once(std::span<const std::function<void()>> jobs) noexcept {
+  if (jobs.empty()) return;
+  std::vector<std::thread> others;
+  std::size_t started = 1;
+  try {
+    others.reserve(jobs.size() - 1);
+    for (; started < jobs.size(); ++started) others.emplace_back(jobs[started]);
+  } catch (...) {
+    // No thread to spare: the jobs not started run in turn below.
+  }
+  jobs[0]();
+  for (std::thread& t : others) t.join();
+  for (std::size_t k = started; k < jobs.size(); ++k) jobs[k]();
 }
 
 std::vector<segment> buffer_prefix(std::span<const wire::entry> entries) {

@@ -74,12 +74,12 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <source_location>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <unordered_map>
 #include <unordered_set>
@@ -221,26 +221,17 @@ class communicator {
   int device_ = 0;
 };
 
-/// Aborts a paired session's two communicators together. An abort frees its communicator's memory,
-/// and a free waits for every kernel on the device (NCCL's caveat on several communicators): a
-/// kernel of the other communicator still waiting for a peer that is gone would hold it forever
-/// (the GPU suite's refused-batch case hung so with the twin aborted first). Each abort raises its
-/// own communicator's abort flag before it frees anything, so with both under way at once both
-/// kernels end. Without a thread to spare, one after the other.
+/// Aborts a paired session's two communicators together (at_once): a kernel of the one still waiting
+/// for a peer that is gone would hold the other's abort forever (the GPU suite's refused-batch case
+/// hung so with the twin aborted first).
 void abort_both(communicator& first, communicator& twin) noexcept {
   if (!first || !twin) {
     first.abort();
     twin.abort();
     return;
   }
-  try {
-    std::thread other([&twin] { twin.abort(); });
-    first.abort();
-    other.join();
-  } catch (...) {
-    first.abort();
-    twin.abort();
-  }
+  const std::function<void()> both[] = {[&first] { first.abort(); }, [&twin] { twin.abort(); }};
+  at_once(both);
 }
 
 /// Enqueues the broadcast of `bytes` bytes from rank 0's `p` into every other rank's `p` on `s`.

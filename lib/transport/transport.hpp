@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -48,6 +49,14 @@ struct segment {
   std::uint64_t bytes = 0;
   std::uint32_t peer = 0;
 };
+
+/// Runs every job of `jobs` at once, each on a thread of its own but the first (run on the calling
+/// thread), and returns when all have returned; where no thread can be had, the rest run in turn.
+/// For aborts of NCCL communicators: an abort frees its communicator's memory, and a free waits for
+/// every kernel on the device, so aborting one while another's kernel still waits for a peer that
+/// is gone would wait forever. Each abort raises its own communicator's abort flag before it frees
+/// anything: with all under way at once, every kernel ends. The jobs must not throw.
+void at_once(std::span<const std::function<void()>> jobs) noexcept;
 
 /// The segments of a batch whose entries all lie in its buffer (a delta's): one, from the buffer's
 /// start to the end of its last entry, or none when no entry has bytes. Both ends of a transport

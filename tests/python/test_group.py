@@ -4,7 +4,10 @@
 The receiver serves on a thread and each rank's streamer runs on a thread of its own: refit
 releases the GIL while it waits and moves bytes."""
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -192,7 +195,7 @@ def test_a_receiver_of_a_group_needs_an_endpoint_per_rank():
 # ------------------------------------------------------------------------------------- GPU
 
 
-def group_table(chan, spec, device: int, streamers: int, shared_nccl: bool = False):
+def group_table(chan, spec, device: int, streamers: int, shared_nccl: bool = False, idle_timeout: float = 60.0):
     """Job (peer process): a parameter table of CUDA tensors on ``device`` served for a group of
     ``streamers``; sends its endpoints. ``shared_nccl``: nccl ranks share a GPU (conftest.nccl_ranks).
     Commands: ``state``."""
@@ -201,7 +204,7 @@ def group_table(chan, spec, device: int, streamers: int, shared_nccl: bool = Fal
     claim_nccl_host(shared_nccl)
     torch.cuda.set_device(device)
     params = zeros_like_spec(spec, device=f"cuda:{device}")
-    with refit.Receiver(device=device, streamers=streamers) as rx:
+    with refit.Receiver(device=device, streamers=streamers, idle_timeout=idle_timeout) as rx:
         rx.add_parameters(params)
         chan.send(rx.endpoints)
         return serve_loop(rx, chan, {"state": lambda: state_bytes(params)})
@@ -378,3 +381,100 @@ def test_two_ranks_fill_a_tp2_pair_over_nccl(ranks, nccl_ranks, direct):
         st.close()
     for job in jobs:
         job.stop()
+
+
+def held_state(version: int):
+    """Six 128 KiB tensors: with 64 KiB buffers each rank's Shard(0) half of one fills a batch."""
+    base = torch.arange(32 * 1024, dtype=torch.float32).reshape(32, 1024)
+    return {f"layers.{i}.weight": base + (version * 100 + i) for i in range(6)}
+
+
+def group_dies_mid_refit(chan, endpoints, gpu_of, world: int, shared: bool):
+    """Job (a peer the test kills): the group's ranks commit version 1 over nccl (buffered), then
+    start version 2 from tensors whose producer stream (torch's current one) is held by a sleep
+    kernel, so every rank's broadcasts are enqueued but cannot run. Each rank says ("held", rank)
+    once the receiver has answered its first BATCH (that batch's receives are posted on the
+    receiver's GPU and wait for this process), then waits to be killed."""
+    from conftest import claim_nccl_host
+
+    claim_nccl_host(shared)
+    streamers = [
+        refit.Streamer(None, transport="nccl", receivers=[endpoints[r]], device=gpu_of[r], direct=False,
+                       buffer_bytes=64 << 10, timeout=30.0, group_rank=r, group_size=world)
+        for r in range(world)
+    ]
+    said = threading.Lock()  # the ranks' threads share the channel
+
+    def send(version: int, r: int, hold: bool):
+        torch.cuda.set_device(gpu_of[r])
+        state = {k: v.to(f"cuda:{gpu_of[r]}") for k, v in held_state(version).items()}
+        shards = list(mixed_shards(state, r, world).items())
+
+        def tensors():
+            if hold:
+                torch.cuda._sleep(1 << 40)  # minutes of spinning, on the stream the tensors came from
+            for i, item in enumerate(shards):
+                # Asked for the fourth shard, the streamer has heard the reply to its first BATCH
+                # (each is collected when the next one is sent).
+                if hold and i == 3:
+                    with said:
+                        chan.send(("held", r))
+                    threading.Event().wait()
+                yield item
+
+        streamers[r].refit(version, tensors())
+
+    assert each_rank(world, lambda r: send(1, r, False)) == [None] * world
+    chan.send("committed")
+    each_rank(world, lambda r: send(2, r, True))  # never returns: the test kills this process
+
+
+def test_a_group_whose_ranks_all_die_mid_broadcast_frees_the_receiver_and_a_new_group_commits(fresh_peer, nccl_ranks):
+    """A trainer's ranks all killed while the receiver's nccl receives wait for them: the receiver
+    aborts every lane's communicator together (an abort's free waits for every kernel on the
+    device: one lane after the other, the first would wait forever for the second's receive), keeps
+    version 1, and a new group's version 3 commits bit-exact."""
+    from conftest import Peer, spec_of, state_bytes
+
+    world = 2
+    shared, gpu_of, (receiver_gpu,) = group_gpus(nccl_ranks, world, 1)
+    receiver = fresh_peer.run(group_table, spec_of(held_state(1)), receiver_gpu, world, shared, idle_timeout=3.0)
+    endpoints = receiver.recv()
+    trainer = Peer()
+    try:
+        job = trainer.run(group_dies_mid_refit, endpoints, gpu_of, world, shared)
+        assert job.recv() == "committed"
+        assert receiver.request("status")["committed_version"] == 1
+        assert sorted([job.recv(), job.recv()]) == [("held", 0), ("held", 1)]
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.process.join(30)
+        assert trainer.process.exitcode == -signal.SIGKILL
+    finally:
+        trainer.close()
+    # The receiver hears nothing more of version 2 and aborts it after idle_timeout. A receiver stuck
+    # in the abort answers no command: each request below would time out.
+    deadline = time.monotonic() + 60
+    while "aborted" not in receiver.request("events", timeout=30):
+        assert time.monotonic() < deadline, "version 2 was never aborted"
+    status = receiver.request("status", timeout=30)
+    assert status["committed_version"] == 1
+    assert status["dirty"]  # version 2's first batches may have landed before the kill
+
+    streamers = [
+        refit.Streamer(None, transport="nccl", receivers=[endpoints[r]], device=gpu_of[r], direct=False,
+                       buffer_bytes=64 << 10, timeout=30.0, group_rank=r, group_size=world)
+        for r in range(world)
+    ]
+    state = held_state(3)
+
+    def send(r):
+        torch.cuda.set_device(gpu_of[r])
+        per_rank = {k: v.to(f"cuda:{gpu_of[r]}") for k, v in state.items()}
+        streamers[r].refit(3, mixed_shards(per_rank, r, world))
+
+    assert each_rank(world, send) == [None] * world
+    assert receiver.request("state") == state_bytes(state)
+    assert receiver.request("status")["committed_version"] == 3
+    for st in streamers:
+        st.close()
+    receiver.stop()

@@ -1,7 +1,13 @@
 // The transport registry and the session data of a transport that only it decodes (nccl's).
 #include <catch2/catch.hpp>
 
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "config/config.hpp"
 #include "support/support.hpp"
@@ -143,4 +149,31 @@ TEST_CASE("a delta batch's segment is its buffer's used prefix, whatever its ent
   CHECK(s[0].data == nullptr);
   CHECK(s[0].offset == 0);
   CHECK(s[0].bytes == 772);
+}
+
+TEST_CASE("at_once runs every job at the same time and returns once all have returned", "[registry]") {
+  // Each job waits until all four are under way: run one after the other, the first would give up
+  // at its bound (a failure here, not a hang) and the others would find it gone.
+  constexpr int n = 4;
+  std::mutex m;
+  std::condition_variable cv;
+  int arrived = 0;
+  std::array<bool, n> met{};
+  std::array<std::function<void()>, n> jobs;
+  for (int k = 0; k < n; ++k)
+    jobs[k] = [&, k] {
+      std::unique_lock lock(m);
+      ++arrived;
+      cv.notify_all();
+      met[k] = cv.wait_for(lock, std::chrono::seconds(10), [&] { return arrived == n; });
+    };
+  tr::at_once(jobs);
+  CHECK(arrived == n);
+  CHECK(met == std::array<bool, n>{true, true, true, true});
+  // None, and one (run on the calling thread), are fine too.
+  tr::at_once({});
+  std::thread::id ran_on;
+  const std::function<void()> one[] = {[&] { ran_on = std::this_thread::get_id(); }};
+  tr::at_once(one);
+  CHECK(ran_on == std::this_thread::get_id());
 }
