@@ -131,11 +131,12 @@ struct streamer_options {
   /// buffers go on it, on a stream of their own, so that a batch's broadcast starts while the one
   /// before it drains (a broadcast of a buffer-sized batch loses ~10 % of the link to its own start
   /// and end). Measured over NVLink (2 × H200, llama3-8b, same call): buffered 2 × 256 MiB 0.99 of
-  /// the raw broadcast against 0.96 with one communicator, in place 0.99 against 0.97–0.98; at
-  /// 2 × 64 MiB the gain is not steady (0.95 in one run, 0.91 against 0.90 in another, and
-  /// qwen3-30b-a3b's 18,867 tensors 0.86 / 0.76 against 0.84). The twin costs every rank NCCL's
-  /// own buffers once more (484 MiB a rank on H200s; in a group, per streamer rank). Receivers
-  /// follow the streamer (HELLO says so). false: one communicator per session.
+  /// the raw broadcast against 0.96 with one communicator, in place 0.99 against 0.97–0.98;
+  /// buffered 2 × 64 MiB 0.95–0.97 in five runs of six against 0.89–0.90 (0.91 in the sixth), and
+  /// qwen3-30b-a3b's 18,867 tensors 0.85–0.88 (0.90 with 4 buffers) against 0.86–0.87, 0.76 once.
+  /// Worth it where batches are buffer-sized and small; the twin costs every rank NCCL's own
+  /// buffers once more (484 MiB a rank on H200s; in a group, per streamer rank). Receivers follow
+  /// the streamer (HELLO says so). false: one communicator per session.
   bool nccl_twin = false;
   /// Longest wait for any reply of the receiver; past it the refit fails with errc::timeout and
   /// the next refit starts a new session.
