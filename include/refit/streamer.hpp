@@ -132,7 +132,7 @@ struct streamer_options {
   /// before it drains (a broadcast of a buffer-sized batch loses ~10 % of the link to its own start
   /// and end). Measured over NVLink (2 × H200, llama3-8b, same call): buffered 2 × 256 MiB 0.99 of
   /// the raw broadcast against 0.96 with one communicator, in place 0.99 against 0.97–0.98;
-  /// buffered 2 × 64 MiB 0.95–0.97 in five runs of six against 0.89–0.90 (0.91 in the sixth), and
+  /// buffered 2 × 64 MiB 0.95–0.97 in six runs of seven against 0.89–0.90 (0.91 in the seventh), and
   /// qwen3-30b-a3b's 18,867 tensors 0.85–0.88 (0.90 with 4 buffers) against 0.86–0.87, 0.76 once.
   /// Worth it where batches are buffer-sized and small; the twin costs every rank NCCL's own
   /// buffers once more (484 MiB a rank on H200s; in a group, per streamer rank). Receivers follow

@@ -483,8 +483,8 @@ class Streamer(_refit.Streamer):
             broadcasts of odd buffers go on it, so that a batch's broadcast starts while the one
             before it drains (a buffer-sized broadcast loses ~10 % of the link to its start and
             end). Over NVLink it took llama3-8b's 2 × 256 MiB buffered refits from 0.96 to 0.99 of
-            the raw broadcast, and 2 × 64 MiB ones from 0.89–0.90 to 0.95–0.97 in five runs of
-            six. It costs every rank NCCL's own buffers once more (~0.5 GiB a rank on H200s).
+            the raw broadcast, and 2 × 64 MiB ones from 0.89–0.90 to 0.95–0.97 in six runs of
+            seven. It costs every rank NCCL's own buffers once more (~0.5 GiB a rank on H200s).
             False (default): one communicator.
 
     Example::
