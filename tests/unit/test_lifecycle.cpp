@@ -72,9 +72,17 @@ struct spec {
 /// Commands between messages: "state" (answers "state <state>"), "check <v>" (answers "check ok"
 /// or where the table differs from version v's pattern), "unhook" (removes the hooks), "swap"
 /// (re-registers every tensor at new memory), "stop".
+///
+/// The constructor returns once the child serves (its first line, "ready", is taken here): a
+/// streamer's deadlines then start with a receiver that can answer. A child forked from a large
+/// test process under TSan on a loaded 2-core host took more than a streamer's 5 s to reach its
+/// first serve_one() (CI, twice: HELLO timed out); waiting for it here is bounded by next()'s 20 s.
 class receiver_child {
  public:
-  explicit receiver_child(spec s) : spec_(std::move(s)), proc_([this] { run(); }) {}
+  explicit receiver_child(spec s) : spec_(std::move(s)), proc_([this] { run(); }) {
+    const std::string first = next();
+    if (first != "ready") throw std::runtime_error("receiver child: said '" + first + "' before it was ready");
+  }
 
   std::string next() { return lines_.receive(20s); }
   /// Lines up to and including the first that starts with `prefix`.
@@ -149,6 +157,7 @@ void receiver_child::run() {
     });
   };
   hook();
+  lines_.send("ready");
 
   auto last = clock_type::now();
   for (;;) {
