@@ -458,7 +458,7 @@ def test_a_group_whose_ranks_all_die_mid_broadcast_frees_the_receiver_and_a_new_
         assert time.monotonic() < deadline, "version 2 was never aborted"
     status = receiver.request("status", timeout=30)
     assert status["committed_version"] == 1
-    assert status["dirty"]  # version 2's first batches may have landed before the kill
+    assert status["dirty"]  # each rank's first BATCH of version 2 was taken (answered) before the kill
 
     streamers = [
         refit.Streamer(None, transport="nccl", receivers=[endpoints[r]], device=gpu_of[r], direct=False,
