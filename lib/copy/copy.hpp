@@ -133,6 +133,11 @@ class copier {
   /// True when at most one launch of this copier's is unfinished (the device has the last one, at
   /// most, left to run), asked without waiting. Engines that cannot tell say idle().
   [[nodiscard]] virtual bool queue_short() noexcept { return idle(); }
+  /// Enqueues work that does nothing on `stream`, so that a GPU time-sliced with another process
+  /// (a colocated engine whose kernels ran last) switches to this process's context now rather than
+  /// at the first real launch: a switch costs ~140 us on an H100 VM (bench/results, session 16).
+  /// Nothing for the CPU engine.
+  virtual void prime(void* stream) { (void)stream; }
 };
 
 /// Appends the copies that move source bytes [from, from + bytes) along `runs` (plan::route of

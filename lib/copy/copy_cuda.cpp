@@ -95,6 +95,12 @@ class cuda_copier : public copier {
                  });
   }
 
+  void prime(void* stream) override {
+    device_guard guard(device_);
+    check_cuda(kernel::launch_nothing(static_cast<cudaStream_t>(stream)),
+               [&] { return fmt::format("empty kernel launch (device {})", device_); });
+  }
+
   float* scratch(std::size_t n) override {
     n = std::max<std::size_t>(n, 1);
     // Chunks are kept across refits (reset_scratch only rewinds): a steady model allocates once.

@@ -66,6 +66,9 @@ constexpr tiling tiles_of(std::uint64_t bytes, std::uint64_t rows = 1) noexcept 
 cudaError_t launch_copy(const device_op* ops, std::uint32_t count, std::uint64_t total_tiles, int blocks,
                         cudaStream_t stream) noexcept;
 
+/// Enqueues a kernel of one thread that does nothing on `stream` (copier::prime). Returns
+/// cudaGetLastError() after the launch.
+cudaError_t launch_nothing(cudaStream_t stream) noexcept;
 /// Enqueues the checksum reduction of copy::checksum() over `bytes` bytes at `p` into `*result`
 /// (device memory, must be zero before), with `blocks` blocks, on `stream`. Every term but the
 /// `+ bytes` is computed on the device. Returns cudaGetLastError() after the launch.

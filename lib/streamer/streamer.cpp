@@ -604,6 +604,10 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
           },
           bound);
     };
+    // The GPU may be time-sliced with a receiver's process (colocated), whose work ran last: the
+    // switch to this process's context (~140 us on the H100 VMs) then happens now, while BEGIN's
+    // replies travel, instead of holding up the first copies.
+    copier->prime(buffers->stream());
     try {
       request(b, what, read);
     } catch (const error& e) {
