@@ -38,8 +38,7 @@ std::size_t non_empty(std::span<const op> ops) noexcept {
 
 /// One launch of the copy kernel per run(). The op list reaches the device through a ring of
 /// slots, each a page-locked host array and a device array: run() fills a slot's host array,
-/// copies it to the slot's device array on a stream of the copier's own and launches the kernel
-/// after it on the caller's stream.
+/// copies it to the slot's device array on the caller's stream and launches the kernel after it.
 /// A slot comes round again after `ring` calls; by then its host array's upload has normally
 /// finished (otherwise run() waits for that one copy), and the stream waits (on the device, not
 /// the host) for the kernel that last read its device array, in case that ran on another stream.
@@ -148,7 +147,6 @@ class kernel_copier final : public cuda_copier {
   kernel_copier(int device, milliseconds timeout) : cuda_copier(device), timeout_(timeout) {
     device_guard guard(device_);
     max_blocks_ = multiprocessors(device_) * kernel::blocks_per_sm;
-    upload_ = cuda::stream(cudaStreamNonBlocking);
     for (slot& s : slots_) {
       s.uploaded = cuda::event(cudaEventDisableTiming);
       s.consumed = cuda::event(cudaEventDisableTiming);
@@ -185,16 +183,11 @@ class kernel_copier final : public cuda_copier {
       tiles += cut.tiles;
     }
 
-    // The upload goes on a stream of its own, so that it runs while the kernels before this one
-    // do: on the caller's stream, between two kernels, it left the device idle ~10 us at every
-    // launch (session 16's timelines). It waits for the kernel that last read the slot's device
-    // array (launched `ring` calls ago, on any stream); this kernel waits for the upload.
-    check_cuda(cudaStreamWaitEvent(upload_.handle(), sl.consumed.handle(), 0), "cudaStreamWaitEvent(copy kernel)");
-    check_cuda(cudaMemcpyAsync(sl.device.handle(), list, n * sizeof(kernel::device_op), cudaMemcpyHostToDevice,
-                               upload_.handle()),
+    // The device array may still be read by the previous launch from this slot (another stream).
+    check_cuda(cudaStreamWaitEvent(s, sl.consumed.handle(), 0), "cudaStreamWaitEvent(copy kernel)");
+    check_cuda(cudaMemcpyAsync(sl.device.handle(), list, n * sizeof(kernel::device_op), cudaMemcpyHostToDevice, s),
                [&] { return fmt::format("cudaMemcpyAsync(op list of {} copies to device {})", n, device_); });
-    check_cuda(cudaEventRecord(sl.uploaded.handle(), upload_.handle()), "cudaEventRecord(copy op list upload)");
-    check_cuda(cudaStreamWaitEvent(s, sl.uploaded.handle(), 0), "cudaStreamWaitEvent(copy op list upload)");
+    check_cuda(cudaEventRecord(sl.uploaded.handle(), s), "cudaEventRecord(copy op list upload)");
     const auto blocks = static_cast<int>(std::min<std::uint64_t>(tiles, static_cast<std::uint64_t>(max_blocks_)));
     check_cuda(kernel::launch_copy(static_cast<const kernel::device_op*>(sl.device.handle()),
                                    static_cast<std::uint32_t>(n), tiles, blocks, s),
@@ -261,7 +254,6 @@ class kernel_copier final : public cuda_copier {
   int max_blocks_ = 1;
   std::array<slot, 4> slots_;
   std::size_t next_ = 0;
-  cuda::stream upload_;  ///< the op lists' uploads; last member: destroyed first
 };
 
 /// cudaMemcpyBatchAsync: one call per run(). The runtime refuses the legacy default stream for
