@@ -36,7 +36,8 @@ std::size_t non_empty(std::span<const op> ops) noexcept {
       std::count_if(ops.begin(), ops.end(), [](const op& o) { return o.bytes != 0 && o.rows != 0; }));
 }
 
-/// One launch of the copy kernel per run(). The op list reaches the device through a ring of
+/// One launch of the copy kernel per run(). A list of at most kernel::inline_ops_max ops goes in
+/// the launch's parameters. A longer one reaches the device through a ring of
 /// slots, each a page-locked host array and a device array: run() fills a slot's host array,
 /// copies it to the slot's device array on the caller's stream and launches the kernel after it.
 /// A slot comes round again after `ring` calls; by then its host array's upload has normally
@@ -164,6 +165,22 @@ class kernel_copier final : public cuda_copier {
     slot& sl = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
 
+    if (count <= kernel::inline_ops_max) {
+      // A short list goes in the launch's parameters: no upload on the stream between this kernel
+      // and the one before it (an upload there left the device idle ~10 us at each launch).
+      inline_.clear();
+      const std::uint64_t tiles = fill(ops, inline_);
+      const auto blocks = static_cast<int>(std::min<std::uint64_t>(tiles, static_cast<std::uint64_t>(max_blocks_)));
+      check_cuda(
+          kernel::launch_copy_inline(inline_.data(), static_cast<std::uint32_t>(inline_.size()), tiles, blocks, s),
+          [&] {
+            return fmt::format("copy kernel launch ({} copies, {} tiles, {} blocks, device {})", inline_.size(), tiles,
+                               blocks, device_);
+          });
+      check_cuda(cudaEventRecord(sl.consumed.handle(), s), "cudaEventRecord(copy kernel)");
+      return;
+    }
+
     // The host array is overwritten below: its last upload must be complete.
     wait(sl.uploaded.handle(), "the upload of a copy op list");
     if (count > sl.capacity) {
@@ -173,15 +190,10 @@ class kernel_copier final : public cuda_copier {
     }
 
     auto* list = static_cast<kernel::device_op*>(sl.host.handle());
-    std::uint64_t tiles = 0;
-    std::size_t n = 0;
-    for (const op& o : ops) {
-      const kernel::tiling cut = kernel::tiles_of(o.bytes, o.rows);
-      if (cut.tiles == 0) continue;
-      list[n++] = kernel::device_op{
-          o.src, o.dst, o.bytes, tiles, o.rows, o.src_pitch, o.dst_pitch, cut.tiles_per_row, cut.rows_per_tile};
-      tiles += cut.tiles;
-    }
+    inline_.clear();
+    const std::uint64_t tiles = fill(ops, inline_);
+    const std::size_t n = inline_.size();
+    std::memcpy(list, inline_.data(), n * sizeof(kernel::device_op));
 
     // The device array may still be read by the previous launch from this slot (another stream).
     check_cuda(cudaStreamWaitEvent(s, sl.consumed.handle(), 0), "cudaStreamWaitEvent(copy kernel)");
@@ -221,6 +233,19 @@ class kernel_copier final : public cuda_copier {
                                              what, device_, timeout_.count()));
   }
 
+  /// Appends the device ops of `ops` (the empty ones left out) to `out`; returns their tiles.
+  static std::uint64_t fill(std::span<const op> ops, std::vector<kernel::device_op>& out) {
+    std::uint64_t tiles = 0;
+    for (const op& o : ops) {
+      const kernel::tiling cut = kernel::tiles_of(o.bytes, o.rows);
+      if (cut.tiles == 0) continue;
+      out.push_back(kernel::device_op{o.src, o.dst, o.bytes, tiles, o.rows, o.src_pitch, o.dst_pitch, cut.tiles_per_row,
+                                      cut.rows_per_tile});
+      tiles += cut.tiles;
+    }
+    return tiles;
+  }
+
   struct slot {
     cuda::pinned_buffer host;
     cuda::device_buffer device;
@@ -254,6 +279,7 @@ class kernel_copier final : public cuda_copier {
   int max_blocks_ = 1;
   std::array<slot, 4> slots_;
   std::size_t next_ = 0;
+  std::vector<kernel::device_op> inline_;  ///< the op list of a launch, filled here first
 };
 
 /// cudaMemcpyBatchAsync: one call per run(). The runtime refuses the legacy default stream for

@@ -10,6 +10,7 @@
 // tail; 8-, 4- and 1-byte elements otherwise. Eight independent loads per thread are in flight
 // before the first store.
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include <cuda_fp8.h>
@@ -91,8 +92,11 @@ __device__ __forceinline__ void copy_short_rows(const unsigned char* s, unsigned
 
 __global__ void nothing() {}
 
-__global__ void __launch_bounds__(copy_threads)
-    copy_tiles(const device_op* __restrict__ ops, std::uint32_t count, std::uint64_t total_tiles) {
+/// The tiles of `ops` this block takes. `Global`: the op list is in global memory (read through the
+/// read-only cache); else it is a kernel parameter (plain loads through its generic address).
+template <bool Global>
+__device__ __forceinline__ void copy_tiles_of(const device_op* __restrict__ ops, std::uint32_t count,
+                                              std::uint64_t total_tiles) {
   // Tiles of one block only increase, so the op index only increases: search from the last one.
   std::uint32_t op = 0;
   for (std::uint64_t t = blockIdx.x; t < total_tiles; t += gridDim.x) {
@@ -100,7 +104,7 @@ __global__ void __launch_bounds__(copy_threads)
     std::uint32_t hi = count;
     while (hi - lo > 1) {
       const std::uint32_t mid = lo + (hi - lo) / 2;
-      if (__ldg(&ops[mid].first_tile) <= t)
+      if ((Global ? __ldg(&ops[mid].first_tile) : ops[mid].first_tile) <= t)
         lo = mid;
       else
         hi = mid;
@@ -123,6 +127,33 @@ __global__ void __launch_bounds__(copy_threads)
                       rest < o.rows_per_tile ? rest : o.rows_per_tile);
     }
   }
+}
+
+__global__ void __launch_bounds__(copy_threads)
+    copy_tiles(const device_op* __restrict__ ops, std::uint32_t count, std::uint64_t total_tiles) {
+  copy_tiles_of<true>(ops, count, total_tiles);
+}
+
+/// An op list passed by value: at most K ops, the first `count` of them used.
+template <std::uint32_t K>
+struct inline_ops {
+  device_op ops[K];
+};
+
+template <std::uint32_t K>
+__global__ void __launch_bounds__(copy_threads)
+    copy_tiles_inline(const __grid_constant__ inline_ops<K> list, std::uint32_t count, std::uint64_t total_tiles) {
+  copy_tiles_of<false>(list.ops, count, total_tiles);
+}
+
+template <std::uint32_t K>
+cudaError_t launch_inline(const device_op* ops, std::uint32_t count, std::uint64_t total_tiles, int blocks,
+                          cudaStream_t stream) noexcept {
+  static_assert(sizeof(inline_ops<K>) + 16 <= 32764, "kernel parameters are at most 32764 bytes");
+  inline_ops<K> list;
+  std::memcpy(list.ops, ops, count * sizeof(device_op));
+  copy_tiles_inline<K><<<blocks, copy_threads, 0, stream>>>(list, count, total_tiles);
+  return cudaGetLastError();
 }
 
 __global__ void __launch_bounds__(checksum_threads)
@@ -633,6 +664,16 @@ cudaError_t launch_nothing(cudaStream_t stream) noexcept {
   (void)cudaGetLastError();
   nothing<<<1, 1, 0, stream>>>();
   return cudaGetLastError();
+}
+
+cudaError_t launch_copy_inline(const device_op* ops, std::uint32_t count, std::uint64_t total_tiles, int blocks,
+                               cudaStream_t stream) noexcept {
+  (void)cudaGetLastError();
+  // The smallest list that holds them: every launch passes its whole parameter block.
+  if (count <= 16) return launch_inline<16>(ops, count, total_tiles, blocks, stream);
+  if (count <= 64) return launch_inline<64>(ops, count, total_tiles, blocks, stream);
+  if (count <= inline_ops_max) return launch_inline<inline_ops_max>(ops, count, total_tiles, blocks, stream);
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_checksum(const void* p, std::uint64_t bytes, unsigned long long* result, int blocks,

@@ -66,6 +66,14 @@ constexpr tiling tiles_of(std::uint64_t bytes, std::uint64_t rows = 1) noexcept 
 cudaError_t launch_copy(const device_op* ops, std::uint32_t count, std::uint64_t total_tiles, int blocks,
                         cudaStream_t stream) noexcept;
 
+/// Most ops a launch takes as a kernel parameter (launch_copy_inline): 448 × 64 bytes, within the
+/// 32764 bytes of parameters a kernel may have (CUDA 12.1+, sm_70+).
+inline constexpr std::uint32_t inline_ops_max = 448;
+/// Enqueues one launch like launch_copy, its `count` ops (host memory, at most inline_ops_max)
+/// passed by value in the kernel's parameters: nothing to upload first, so the launch follows the
+/// one before on the stream with no copy between them. Returns cudaErrorInvalidValue for more.
+cudaError_t launch_copy_inline(const device_op* ops, std::uint32_t count, std::uint64_t total_tiles, int blocks,
+                               cudaStream_t stream) noexcept;
 /// Enqueues a kernel of one thread that does nothing on `stream` (copier::prime). Returns
 /// cudaGetLastError() after the launch.
 cudaError_t launch_nothing(cudaStream_t stream) noexcept;

@@ -476,7 +476,7 @@ void copy_engine_body(refit::copy::engine engine) {
   const auto* s = static_cast<const std::byte*>(src.handle());
   auto* d = static_cast<std::byte*>(dst.handle());
   const auto ops = random_ops(rng, s, src_bytes, d, dst_bytes, 4000);
-  expect(ops.size() > 2000, "only " + std::to_string(ops.size()) + " ops fit");
+  expect(ops.size() > 2700, "only " + std::to_string(ops.size()) + " ops fit");
   std::size_t multi_row = 0;
   for (const auto& o : ops) {
     multi_row += o.rows > 1 ? 1 : 0;
@@ -489,9 +489,11 @@ void copy_engine_body(refit::copy::engine engine) {
   refit::cuda::stream stream(cudaStreamNonBlocking);
   auto copier = refit::copy::make_copier(engine, 0);
   expect(copier->kind() == engine, "make_copier made another engine");
-  // Uneven calls, without waiting in between: more calls than the kernel's ring has slots, one
-  // call larger than a slot's first capacity, an empty call and one of zero-byte ops only.
-  const std::size_t cuts[] = {1, 7, 1500, 0, 3, 300, 2, 1, 40, 9};
+  // Uneven calls, without waiting in between: more calls than the kernel's ring has slots, lists
+  // on each edge of the kernel's by-value sizes (16, 64 and 448 ops: passed in the launch; 449 and
+  // more uploaded), one call larger than a slot's first capacity, an empty call and one of
+  // zero-byte ops only.
+  const std::size_t cuts[] = {1, 7, 16, 17, 64, 65, 448, 449, 1200, 0, 3, 300, 2, 1, 40, 9};
   std::size_t at = 0;
   for (const auto n : cuts) {
     const auto take = std::min(n, ops.size() - at);
