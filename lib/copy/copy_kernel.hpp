@@ -18,7 +18,7 @@ namespace refit::copy::kernel {
 inline constexpr std::uint64_t tile_bytes = 64u << 10;
 /// Threads per block of the copy kernel.
 inline constexpr int copy_threads = 256;
-/// Blocks per SM the copy grid is sized to, at most. Two blocks with eight 16-byte loads in flight
+/// Blocks per SM the copy grid is sized to, at most. Two blocks with sixteen 16-byte loads in flight
 /// per thread keep HBM busy, and fewer blocks touch fewer pages at once: on an H100, copying
 /// llama3-8b's tensors into another process's memory (a cudaIpc mapping) ran at 0.92-0.93 of a
 /// local cudaMemcpyAsync with 2 blocks per SM against 0.90-0.91 with 8, and local copies at
