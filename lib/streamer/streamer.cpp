@@ -606,8 +606,12 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     };
     // The GPU may be time-sliced with a receiver's process (colocated), whose work ran last: the
     // switch to this process's context (~140 us on the H100 VMs) then happens now, while BEGIN's
-    // replies travel, instead of holding up the first copies.
-    copier->prime(buffers->stream());
+    // replies travel, instead of holding up the first copies. Not where the receivers read the
+    // tensors where they are (share_tensors): this side then launches nothing, and a switch here
+    // would only delay the receiver's first reads by a switch back.
+    const bool receivers_copy =
+        options.share_tensors && how != sending::delta && !buffers->direct() && !buffers->moves_entries();
+    if (!receivers_copy) copier->prime(buffers->stream());
     try {
       request(b, what, read);
     } catch (const error& e) {
