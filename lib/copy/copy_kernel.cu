@@ -39,7 +39,7 @@ __device__ __forceinline__ std::uint32_t copy_unrolled(const V* __restrict__ s, 
 /// thread (a whole 64 KiB tile of 16-byte vectors in one go), then 4, then one at a time. Sixteen
 /// rather than eight: 0.932 against 0.924 of a local cudaMemcpyAsync into another process's
 /// cudaIpc-mapped memory, 0.957 against 0.951 into local memory (llama3-8b's tensors, H100,
-/// .anchors/kprobe, session 16).
+/// bench/probes/copy_variants.cu, session 16).
 template <typename V>
 __device__ __forceinline__ void copy_elements(const V* __restrict__ s, V* __restrict__ d, std::uint32_t n) {
   std::uint32_t i = copy_unrolled<16>(s, d, threadIdx.x, n);
