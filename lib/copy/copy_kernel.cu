@@ -1,14 +1,15 @@
 // refit — the batched copy kernel and the checksum reduction. See copy_kernel.hpp.
 //
 // The copy kernel takes a whole batch in one launch: the host lists the ops (with a prefix sum of
-// their 64 KiB tiles) in device memory, and a grid of at most blocks_per_sm blocks per SM walks
-// the tiles with a grid stride. An op may have several rows with their own pitches (a view, a
-// column slice): a long row is cut into tiles, short rows are grouped into one. Each block finds the op of its tile by binary search, then copies
-// the tile with the widest access both pointers allow: 16-byte vectors when source and
-// destination are equally misaligned modulo 16 (the usual case: the plan aligns buffer offsets
-// to 256 and allocators align tensors), after a short head of single bytes and before a short
-// tail; 8-, 4- and 1-byte elements otherwise. Eight independent loads per thread are in flight
-// before the first store.
+// their 64 KiB tiles) in the launch's parameters (up to inline_ops_max ops; each block copies them
+// into shared memory first) or, for longer lists, in device memory; a grid of at most
+// blocks_per_sm blocks per SM walks the tiles with a grid stride. An op may have several rows with
+// their own pitches (a view, a column slice): a long row is cut into tiles, short rows are grouped
+// into one. Each block finds the op of its tile by binary search, then copies the tile with the
+// widest access both pointers allow: 16-byte vectors when source and destination are equally
+// misaligned modulo 16 (the usual case: the plan aligns buffer offsets to 256 and allocators align
+// tensors), after a short head of single bytes and before a short tail; 8-, 4- and 1-byte elements
+// otherwise. Sixteen independent loads per thread are in flight before the first store.
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
