@@ -10,14 +10,8 @@
 #include <unistd.h>
 #include <sys/wait.h>
 #include <vector>
-#define CK(x)                                                  \
-  do {                                                         \
-    cudaError_t e_ = (x);                                      \
-    if (e_ != cudaSuccess) {                                   \
-      fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); \
-      _exit(1);                                                \
-    }                                                          \
-  } while (0)
+
+#include "probe.hpp"
 using clk = std::chrono::steady_clock;
 static double us(clk::time_point a, clk::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
@@ -30,14 +24,6 @@ static void report(const char* name, std::vector<double>& v) {
   printf("%-62s p10 %7.1f  p50 %7.1f  p90 %7.1f us (n=%zu)\n", name, v[v.size() / 10], v[v.size() / 2],
          v[v.size() * 9 / 10], v.size());
   fflush(stdout);
-}
-static void wr(int fd, char c) {
-  if (write(fd, &c, 1) != 1) _exit(3);
-}
-static char rd(int fd) {
-  char c;
-  if (read(fd, &c, 1) != 1) _exit(4);
-  return c;
 }
 int main() {
   int to_child[2], to_parent[2];
@@ -56,17 +42,17 @@ int main() {
     CK(cudaMalloc(&src, 1 << 20));
     cudaIpcMemHandle_t h;
     CK(cudaIpcGetMemHandle(&h, mem));
-    if (write(to_parent[1], &h, sizeof h) != sizeof h) _exit(2);
+    put(to_parent[1], &h, sizeof h);
     for (;;) {
-      char c = rd(to_child[0]);
+      char c = get(to_child[0]);
       if (c == 'q') break;
       if (c == 'k') {  // one kernel now, then say done
         copy256<<<1, 32, 0, s>>>((const int4*)src, (int4*)mem);
         cudaStreamSynchronize(s);
-        wr(to_parent[1], 'd');
+        put(to_parent[1], 'd');
       }
       if (c == 'a') {  // active: a kernel every ~500 us until told 's'
-        wr(to_parent[1], 'd');
+        put(to_parent[1], 'd');
         for (;;) {
           copy256<<<1, 32, 0, s>>>((const int4*)src, (int4*)mem);
           cudaStreamSynchronize(s);
@@ -77,8 +63,8 @@ int main() {
           timeval tv{0, 0};
           if (select(to_child[0] + 1, &f, nullptr, nullptr, &tv) > 0) break;
         }
-        rd(to_child[0]);
-        wr(to_parent[1], 'd');
+        get(to_child[0]);
+        put(to_parent[1], 'd');
       }
     }
     _exit(0);
@@ -86,7 +72,7 @@ int main() {
   close(to_child[0]);
   close(to_parent[1]);  // a child that fails closes its ends: the read below then ends
   cudaIpcMemHandle_t h;
-  if (read(to_parent[0], &h, sizeof h) != sizeof h) return 2;
+  get(to_parent[0], &h, sizeof h);
   CK(cudaSetDevice(0));
   CK(cudaFree(0));
   cudaStream_t s;
@@ -102,8 +88,8 @@ int main() {
     std::vector<double> v;
     for (int it = 0; it < 1200; ++it) {
       if (child_kernel) {
-        wr(to_child[1], 'k');
-        rd(to_parent[0]);
+        put(to_child[1], 'k');
+        get(to_parent[0]);
       }
       if (gap_us) usleep(gap_us);
       auto t0 = clk::now();
@@ -118,13 +104,13 @@ int main() {
   measure("P1g other context idle, local dst, 1 ms gap", local, false, 1000);
   measure("P5 other process ran a kernel just before, local dst", local, true, 0);
   measure("P5i other process ran a kernel just before, IPC dst", remote, true, 0);
-  wr(to_child[1], 'a');
-  rd(to_parent[0]);
+  put(to_child[1], 'a');
+  get(to_parent[0]);
   measure("P3 other process active (kernel per 500 us), local dst", local, false, 0);
   measure("P4 other process active, IPC dst", remote, false, 0);
-  wr(to_child[1], 's');
-  rd(to_parent[0]);
-  wr(to_child[1], 'q');
+  put(to_child[1], 's');
+  get(to_parent[0]);
+  put(to_child[1], 'q');
   waitpid(pid, nullptr, 0);
   measure("P0 other process gone, local dst", local, false, 0);
   return 0;

@@ -10,14 +10,8 @@
 #include <unistd.h>
 #include <sys/wait.h>
 #include <vector>
-#define CK(x)                                                  \
-  do {                                                         \
-    cudaError_t e_ = (x);                                      \
-    if (e_ != cudaSuccess) {                                   \
-      fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); \
-      _exit(1);                                                \
-    }                                                          \
-  } while (0)
+
+#include "probe.hpp"
 constexpr uint64_t tile = 64 << 10;
 struct op {
   const uint4* s;
@@ -61,12 +55,6 @@ __global__ void __launch_bounds__(256) kcopy(const op* __restrict__ ops, int n, 
     for (; i < m; i += 256) __stcg(d + i, __ldg(s + i));
   }
 }
-static void wr(int fd, const void* p, size_t n) {
-  if (write(fd, p, n) != (ssize_t)n) _exit(2);
-}
-static void rd(int fd, void* p, size_t n) {
-  if (read(fd, p, n) != (ssize_t)n) _exit(3);
-}
 int main() {
   // llama3-8b: embed, 32 x (q k v o gate up down, 2 norms), norm, lm_head; bf16
   std::vector<uint64_t> sizes;
@@ -96,15 +84,15 @@ int main() {
     CK(cudaMalloc(&m, total));
     cudaIpcMemHandle_t h;
     CK(cudaIpcGetMemHandle(&h, m));
-    wr(c2p[1], &h, sizeof h);
+    put(c2p[1], &h, sizeof h);
     char c;
-    rd(p2c[0], &c, 1);
+    get(p2c[0], &c, 1);
     _exit(0);
   }
   close(p2c[0]);
   close(c2p[1]);  // a child that fails closes its ends: the read below then ends
   cudaIpcMemHandle_t h;
-  rd(c2p[0], &h, sizeof h);
+  get(c2p[0], &h, sizeof h);
   CK(cudaSetDevice(0));
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -205,7 +193,7 @@ int main() {
            total / (ceil_gbs * 1e6) / t[0]);
   }
   char c = 'q';
-  wr(p2c[1], &c, 1);
+  put(p2c[1], &c, 1);
   waitpid(pid, nullptr, 0);
   return 0;
 }
