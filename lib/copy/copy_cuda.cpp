@@ -168,8 +168,8 @@ class kernel_copier final : public cuda_copier {
     if (count <= kernel::inline_ops_max) {
       // A short list goes in the launch's parameters: no upload on the stream between this kernel
       // and the one before it (an upload there left the device idle ~10 us at each launch).
-      inline_.clear();
-      const std::uint64_t tiles = fill(ops, inline_);
+      inline_.resize(count);
+      const std::uint64_t tiles = fill(ops, inline_.data());
       const auto blocks = static_cast<int>(std::min<std::uint64_t>(tiles, static_cast<std::uint64_t>(max_blocks_)));
       check_cuda(
           kernel::launch_copy_inline(inline_.data(), static_cast<std::uint32_t>(inline_.size()), tiles, blocks, s),
@@ -190,10 +190,8 @@ class kernel_copier final : public cuda_copier {
     }
 
     auto* list = static_cast<kernel::device_op*>(sl.host.handle());
-    inline_.clear();
-    const std::uint64_t tiles = fill(ops, inline_);
-    const std::size_t n = inline_.size();
-    std::memcpy(list, inline_.data(), n * sizeof(kernel::device_op));
+    const std::uint64_t tiles = fill(ops, list);
+    const std::size_t n = count;
 
     // The device array may still be read by the previous launch from this slot (another stream).
     check_cuda(cudaStreamWaitEvent(s, sl.consumed.handle(), 0), "cudaStreamWaitEvent(copy kernel)");
@@ -233,14 +231,15 @@ class kernel_copier final : public cuda_copier {
                                              what, device_, timeout_.count()));
   }
 
-  /// Appends the device ops of `ops` (the empty ones left out) to `out`; returns their tiles.
-  static std::uint64_t fill(std::span<const op> ops, std::vector<kernel::device_op>& out) {
+  /// Writes the device ops of `ops` (the empty ones left out: non_empty(ops) of them) from `out`
+  /// on; returns their tiles.
+  static std::uint64_t fill(std::span<const op> ops, kernel::device_op* out) {
     std::uint64_t tiles = 0;
     for (const op& o : ops) {
       const kernel::tiling cut = kernel::tiles_of(o.bytes, o.rows);
       if (cut.tiles == 0) continue;
-      out.push_back(kernel::device_op{o.src, o.dst, o.bytes, tiles, o.rows, o.src_pitch, o.dst_pitch, cut.tiles_per_row,
-                                      cut.rows_per_tile});
+      *out++ = kernel::device_op{
+          o.src, o.dst, o.bytes, tiles, o.rows, o.src_pitch, o.dst_pitch, cut.tiles_per_row, cut.rows_per_tile};
       tiles += cut.tiles;
     }
     return tiles;
@@ -279,7 +278,7 @@ class kernel_copier final : public cuda_copier {
   int max_blocks_ = 1;
   std::array<slot, 4> slots_;
   std::size_t next_ = 0;
-  std::vector<kernel::device_op> inline_;  ///< the op list of a launch, filled here first
+  std::vector<kernel::device_op> inline_;  ///< the op list of a launch that passes it by value
 };
 
 /// cudaMemcpyBatchAsync: one call per run(). The runtime refuses the legacy default stream for

@@ -587,6 +587,13 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                                                               : "use the cuda_ipc or nccl transport for GPU tensors"));
   }
 
+  /// Whether a refit sent `how` lets the receivers read the tensors where they are (share_tensors):
+  /// a staged session of a transport that neither writes the receivers' weights itself (direct)
+  /// nor moves entries one by one (nccl); never a delta, whose entries travel in the buffers.
+  [[nodiscard]] bool receivers_read_in_place(sending how) const {
+    return options.share_tensors && how != sending::delta && !buffers->direct() && !buffers->moves_entries();
+  }
+
   /// Says BEGIN for `how` (a delta names the base); a receiver without a session makes it say HELLO
   /// again, once. `ahead` reads the source while the replies are on their way.
   void say_begin(std::uint64_t version, sending how, read_ahead& ahead, refit_stats& stats) {
@@ -609,9 +616,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     // replies travel, instead of holding up the first copies. Not where the receivers read the
     // tensors where they are (share_tensors): this side then launches nothing, and a switch here
     // would only delay the receiver's first reads by a switch back.
-    const bool receivers_copy =
-        options.share_tensors && how != sending::delta && !buffers->direct() && !buffers->moves_entries();
-    if (!receivers_copy) copier->prime(buffers->stream());
+    if (!receivers_read_in_place(how)) copier->prime(buffers->stream());
     try {
       request(b, what, read);
     } catch (const error& e) {
@@ -1675,7 +1680,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void send_tensors(std::uint64_t version, tensor_source& source, refit_stats& stats, sending how,
                     std::uint64_t* checksum, bool& keep) {
     batch_writer w(*this, version, stats);
-    w.shares = options.share_tensors && how != sending::delta && !w.direct && !w.by_entry;
+    w.shares = receivers_read_in_place(how);
     buffers->forget_shared();
     plan_options po = w.plan_for(plan);
     if (how == sending::delta) po.keep_whole = true;  // a patch must never be split (delta::span_bytes)
