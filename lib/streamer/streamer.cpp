@@ -274,6 +274,17 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// The first half of request(): sends to every receiver and returns; collect() hears the
   /// replies. Nothing else may be sent meanwhile (one request at a time per channel).
   void post(const std::function<wire::message(std::size_t)>& make, const std::string& what) {
+    in_flight& f = start_flight(what);
+    for (std::size_t k = 0; k < channels.size(); ++k) send_posted(f, k, wire::encode(make(k)));
+  }
+
+  /// post() of one message every receiver gets alike, encoded once by the caller.
+  void post_alike(std::string_view bytes, const std::string& what) {
+    in_flight& f = start_flight(what);
+    for (std::size_t k = 0; k < channels.size(); ++k) send_posted(f, k, bytes);
+  }
+
+  in_flight& start_flight(const std::string& what) {
     if (flight) throw error(errc::internal, fmt::format("{} while {} waits for its replies", what, flight->what));
     // Assigned, not emplace()d: clang (before 16) cannot tell a nested struct with member
     // initializers default-constructible inside its enclosing class.
@@ -283,14 +294,17 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     f.started = clock::now();
     f.deadline = f.started + options.timeout;
     f.sent.assign(channels.size(), false);
-    for (std::size_t k = 0; k < channels.size(); ++k) {
-      try {
-        channels[k].send(wire::encode(make(k)), left_of(f), what);
-        f.sent[k] = true;
-      } catch (const error& e) {
-        f.failures.push_back({k, e.code(), e.what()});
-        f.session_lost = true;
-      }
+    return f;
+  }
+
+  /// Sends the request posted as `f` to receiver k; a failure is counted in `f`.
+  void send_posted(in_flight& f, std::size_t k, std::string_view bytes) {
+    try {
+      channels[k].send(bytes, left_of(f), f.what);
+      f.sent[k] = true;
+    } catch (const error& e) {
+      f.failures.push_back({k, e.code(), e.what()});
+      f.session_lost = true;
     }
   }
 
@@ -818,7 +832,19 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       stats.direct = direct || in_place;
       stats.control_lane =
           std::all_of(s.channels.begin(), s.channels.end(), [](const channel::req_channel& c) { return c.has_lane(); });
+      entries = std::move(s.writer_spare.entries);
+      ops = std::move(s.writer_spare.ops);
+      entries.clear();
+      ops.clear();
     }
+    ~batch_writer() {
+      entries.clear();
+      ops.clear();
+      st.writer_spare.entries = std::move(entries);
+      st.writer_spare.ops = std::move(ops);
+    }
+    batch_writer(const batch_writer&) = delete;
+    batch_writer& operator=(const batch_writer&) = delete;
 
     /// The planner's options for this session: direct and in-place batches are not buffer-sized,
     /// but those of a parts session that gathers are (its gather memory stays within buffer_bytes).
@@ -922,8 +948,12 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       // Its reply is heard at the next batch or before END: meanwhile the receiver checks this
       // manifest (and enqueues its reads of the buffer, or its receives) while this side reads,
       // packs and launches the next batch. One request per receiver at a time, as ever.
-      st.post([&](std::size_t) { return wire::message(b); }, fmt::format("BATCH {} of version {}", seq, version));
+      st.post_alike(wire::encode(b), fmt::format("BATCH {} of version {}", seq, version));
       stats.wait_seconds += seconds_since(tp);
+      // The vectors come back for the next batch: their capacity stays (a large manifest's growth
+      // anew at every batch cost page faults).
+      entries = std::move(b.entries);
+      sources = std::move(b.sources);
       ++stats.batches;
       seq += 1;
       entries.clear();
@@ -1174,6 +1204,13 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 #endif
   };
   delta_scratch delta_buffers;  ///< kept between refits
+  /// The batch writer's manifest and copy list, kept between refits with their capacity: a large
+  /// batch's vectors grown anew at every refit cost page faults.
+  struct writer_scratch {
+    std::vector<wire::entry> entries;
+    std::vector<copy::op> ops;
+  };
+  writer_scratch writer_spare;
   /// The host diff's threads and scratch, made at the first host diff (options.delta.threads).
   std::unique_ptr<delta::host_differ> host_differ;
 #if REFIT_HAVE_CUDA

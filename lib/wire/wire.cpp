@@ -199,6 +199,13 @@ std::string encode(const message& m) {
   return std::string(buf.data(), buf.size());
 }
 
+std::string encode(const batch& b) {
+  msgpack::sbuffer buf;
+  packer p(buf);
+  encode_body(p, b);
+  return std::string(buf.data(), buf.size());
+}
+
 std::string encode_dest(const dest_record& d) {
   msgpack::sbuffer buf;
   packer p(buf);

@@ -256,6 +256,8 @@ dest_record decode_dest(std::string_view bytes);
 
 /// Encodes a message (never fails for a well-formed struct).
 std::string encode(const message& m);
+/// Encodes a BATCH as encode(message(b)) does, without copying its entries into a message.
+std::string encode(const batch& b);
 
 /// Decodes and validates everything that needs no session state. Throws refit::error with
 /// errc::version_mismatch (message names both versions), or errc::protocol with a message naming

@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -172,11 +174,16 @@ bool others_asleep() {
     std::getline(stat, line);
     const auto paren = line.rfind(')');
     if (paren == std::string::npos || paren + 2 >= line.size()) continue;  // exited meanwhile
+    // The system call it sleeps in: "running" reads as none; an unreadable file (a kernel that
+    // hides it) leaves the state alone to go by.
     std::ifstream call("/proc/self/task/" + tid + "/syscall");
-    long number = -1;
-    call >> number;  // "running" leaves -1
+    std::string first;
+    const bool known = static_cast<bool>(call >> first);
+    const long number = known && !first.empty() && std::isdigit(static_cast<unsigned char>(first[0])) != 0
+                            ? std::strtol(first.c_str(), nullptr, 10)
+                            : -1;
     const bool mapping = number == 9 || number == 10 || number == 11 || number == 25 || number == 28;
-    if (line[paren + 2] != 'S' || number < 0 || mapping) {
+    if (line[paren + 2] != 'S' || (known && number < 0) || mapping) {
       asleep = false;
       break;
     }

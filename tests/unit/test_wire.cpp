@@ -233,6 +233,11 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
     const auto m = roundtrip(b);
     CHECK(std::get<wire::batch>(m) == b);
     CHECK(wire::type_of(m) == wire::msg_type::batch);
+    // The streamer encodes its batches without making a message of them first: the same bytes.
+    b.sources = {"vmm:0123", "ipc:4567"};
+    b.ready = true;
+    CHECK(wire::encode(b) == wire::encode(wire::message(b)));
+    CHECK(std::get<wire::batch>(wire::decode(wire::encode(b))) == b);
   }
   SECTION("BATCH without entries") {
     wire::batch b{1, 0, 0, {}};
