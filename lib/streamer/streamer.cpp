@@ -1211,6 +1211,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::vector<copy::op> ops;
   };
   writer_scratch writer_spare;
+  /// The names a version's source yielded so far (each at most once), kept between refits.
+  wire::recycled_names sent_names;
   /// The host diff's threads and scratch, made at the first host diff (options.delta.threads).
   std::unique_ptr<delta::host_differ> host_differ;
 #if REFIT_HAVE_CUDA
@@ -1729,7 +1731,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     if (device_delta) device_delta->discard_writes();
     if (how == sending::delta && device_delta) (void)device_delta->take_terms(buffers->stream());  // a failed refit's
 #endif
-    std::unordered_set<std::string> names;
+    sent_names.clear();
     copier->reset_scratch();  // the last refit's copies are complete (END drained them)
     for (;;) {
       auto ts = clock::now();
@@ -1738,7 +1740,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       if (!t) break;
       const std::uint64_t bytes = t->meta.nbytes();
       check_tensor(*t, bytes);
-      if (!names.insert(t->meta.name).second)
+      if (!sent_names.insert(t->meta.name))
         throw error(errc::invalid_argument,
                     fmt::format("the source yielded tensor '{}' twice in version {}", t->meta.name, version));
       stats.tensor_bytes += bytes;

@@ -67,11 +67,7 @@ void refit_tracker::reset() noexcept {
   sources_ = 0;
   partial_.clear();
   staged_.clear();
-  try {
-    while (!completed_.empty()) spare_.push_back(completed_.extract(completed_.begin()));
-  } catch (...) {  // no room to keep them: freed instead
-    completed_.clear();
-  }
+  completed_.clear();
 }
 
 void refit_tracker::begin(const wire::begin& b, std::optional<std::uint64_t> committed) {
@@ -195,16 +191,7 @@ void refit_tracker::add_staged(const staged& s) {
   index_[k] = static_cast<std::uint32_t>(staged_.size());
 }
 
-void refit_tracker::add_completed(std::string_view name) {
-  if (spare_.empty()) {
-    completed_.emplace(name);
-    return;
-  }
-  name_set::node_type node = std::move(spare_.back());
-  spare_.pop_back();
-  node.value().assign(name);  // within the capacity the last refit's name left, mostly
-  completed_.insert(std::move(node));
-}
+void refit_tracker::add_completed(std::string_view name) { (void)completed_.insert(name); }
 
 /// Everything passed: records the batch.
 void refit_tracker::apply(std::uint64_t batch_bytes) {

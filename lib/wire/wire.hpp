@@ -23,6 +23,7 @@
 
 #include "refit/error.hpp"
 #include "refit/model.hpp"
+#include "wire/names.hpp"
 
 namespace refit::wire {
 
@@ -309,14 +310,9 @@ class refit_tracker {
   [[nodiscard]] std::uint64_t batches() const noexcept { return next_seq_; }
   [[nodiscard]] std::uint64_t tensors_completed() const noexcept { return completed_.size(); }
   [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
-  /// A set of names, looked up by std::string_view too.
-  struct name_hash {
-    using is_transparent = void;
-    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
-  };
-  using name_set = std::unordered_set<std::string, name_hash, std::equal_to<>>;
+  using name_set = wire::name_set;
   /// Names that completed in this refit (in no particular order).
-  [[nodiscard]] const name_set& completed() const noexcept { return completed_; }
+  [[nodiscard]] const name_set& completed() const noexcept { return completed_.set(); }
   [[nodiscard]] bool sharded() const noexcept { return sharded_; }
   /// A sharded tracker's ranges, by name (a tensor of this refit that arrived whole is among them too).
   [[nodiscard]] const std::unordered_map<std::string, range>& ranges() const noexcept { return partial_; }
@@ -356,10 +352,8 @@ class refit_tracker {
   std::uint64_t bytes_ = 0;
   std::uint64_t sources_ = 0;  ///< sources announced so far (batch::sources)
   std::unordered_map<std::string, partial> partial_;
-  name_set completed_;
-  /// Nodes of completed_ kept from earlier refits (reset()), so that a refit of the same names
-  /// as the last allocates nothing. Never more than the most names one refit completed.
-  std::vector<name_set::node_type> spare_;
+  /// Its nodes are kept from earlier refits (reset()).
+  recycled_names completed_;
   // Scratch of check(): the batch's staged states, and an open-addressing index of them by name
   // (position + 1, 0 for an empty slot; a power of two of slots, at least twice the entries).
   std::vector<staged> staged_;

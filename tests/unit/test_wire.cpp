@@ -1136,3 +1136,22 @@ TEST_CASE("a BATCH entry's errors name the entry after a valid entry as before",
           "invalid BATCH message: entry 1 ('bad'): byte range [0, 8) exceeds the tensor's 4 bytes (u8[4])");
   }
 }
+
+TEST_CASE("a recycled name set refuses a name twice and after clear() takes every name anew", "[wire]") {
+  wire::recycled_names names;
+  CHECK(names.insert("model.layers.0.self_attn.q_proj.weight"));
+  CHECK(names.insert("b"));
+  CHECK_FALSE(names.insert("b"));
+  CHECK(names.size() == 2);
+  names.clear();
+  CHECK(names.size() == 0);
+  CHECK_FALSE(names.contains("b"));
+  // The kept nodes take other names, longer and shorter than those they held.
+  CHECK(names.insert("c"));
+  CHECK(names.insert("model.layers.31.mlp.down_proj.weight_of_a_long_name"));
+  CHECK_FALSE(names.insert("c"));
+  CHECK(names.insert("b"));
+  CHECK(names.size() == 3);
+  CHECK(names.contains("model.layers.31.mlp.down_proj.weight_of_a_long_name"));
+  CHECK_FALSE(names.contains("model.layers.0.self_attn.q_proj.weight"));
+}
