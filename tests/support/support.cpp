@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -182,7 +183,8 @@ bool others_asleep() {
     const long number = known && !first.empty() && std::isdigit(static_cast<unsigned char>(first[0])) != 0
                             ? std::strtol(first.c_str(), nullptr, 10)
                             : -1;
-    const bool mapping = number == 9 || number == 10 || number == 11 || number == 25 || number == 28;
+    const bool mapping = number == SYS_mmap || number == SYS_mprotect || number == SYS_munmap || number == SYS_mremap ||
+                         number == SYS_madvise;
     if (line[paren + 2] != 'S' || (known && number < 0) || mapping) {
       asleep = false;
       break;
