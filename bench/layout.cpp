@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "bench/bench.hpp"
+#include "bench/json_outline.hpp"
 #include "refit/error.hpp"
 
 namespace refit::bench {
@@ -378,8 +379,20 @@ std::uint64_t engine_layout::needed_bytes(const manifest& m) const {
 }
 
 engine_layout recorded_layout(const manifest& m, std::string_view text, const std::string& file, int rank, int tp) {
-  using ojson = nlohmann::ordered_json;
+  using ojson = nlohmann::json;
   const std::string what = "--layout recorded:" + file;
+  // The order of the params and of the entries is kept from the text (json_outline.hpp).
+  const json_outline o = outline_json(text, {"entries", "params"}, 64);
+  if (o.invalid) bad(fmt::format("{}: not JSON: {}", what, *o.invalid));
+  if (o.too_deep) bad(fmt::format("{}: nests deeper than 64 levels (a route table needs 5)", what));
+  if (o.repeated)
+    bad(fmt::format("{}: '{}' is a key twice{}", what, o.repeated->first,
+                    o.repeated->second.empty() ? std::string() : fmt::format(" in \"{}\"", o.repeated->second)));
+  const auto keys_under = [&](const std::string& key) -> const std::vector<std::string>& {
+    static const std::vector<std::string> none;
+    const auto it = o.under.find(key);
+    return it == o.under.end() ? none : it->second;
+  };
   ojson t;
   try {
     t = ojson::parse(text);
@@ -420,7 +433,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
   l.of_source.resize(m.entries.size());
   l.slices.resize(m.entries.size());
   std::unordered_map<std::string, std::size_t> params;
-  for (const auto& [name, p] : t["params"].items()) {
+  for (const std::string& name : keys_under("params")) {
+    const ojson& p = t["params"][name];
     const std::string where = "parameter " + name;
     if (!p.is_object() || !p.contains("dtype") || !p.contains("shape"))
       bad(fmt::format("{}: {}: no dtype or shape", what, where));
@@ -433,7 +447,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
   }
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < m.entries.size(); ++i) index.emplace(m.entries[i].meta.name, i);
-  for (const auto& [name, routes] : t["entries"].items()) {
+  for (const std::string& name : keys_under("entries")) {
+    const ojson& routes = t["entries"][name];
     const auto at = index.find(name);
     if (at == index.end())
       bad(fmt::format("{}: the table routes {}, which {} lacks; give the model the table was recorded for", what, name,

@@ -20,15 +20,18 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <string_view>
+#include <unordered_set>
 #include <utility>
 
 #include "bench/bench.hpp"
+#include "bench/json_outline.hpp"
 #include "refit/error.hpp"
 
 namespace refit::bench {
 namespace {
 
-using ojson = nlohmann::ordered_json;
+using json = nlohmann::json;
 
 // The safetensors format caps the header at 100 MB; anything larger is a wrong file.
 constexpr std::uint64_t max_header = 100'000'000;
@@ -40,27 +43,44 @@ constexpr std::uint64_t max_header = 100'000'000;
   throw error(errc::invalid_argument, fmt::format("manifest {}: tensor '{}': {}", file, name, what));
 }
 
-// A manifest nests 3 levels ({name: {"shape": [dims]}}). Deeper input is refused while it is
-// parsed: ordered_json copies values recursively when an object grows, so a header of
-// [[[[...]]]] a few hundred KB long would overflow the stack.
-constexpr int max_json_depth = 64;
+// A manifest nests 3 levels ({name: {"shape": [dims]}}). Deeper input is refused before it is
+// parsed into a document: 200,000 nested arrays overflowed the stack inside ordered_json's parse.
+constexpr std::size_t max_json_depth = 64;
 
-// Parses JSON; every failure (syntax, a number no double holds such as 1e999, nesting) comes as
-// refit::error. `invalid` leads the message for bad JSON, `subject` names the text for nesting.
-ojson parse_json(std::string_view text, const std::string& file, std::string_view invalid, std::string_view subject) {
-  const ojson::parser_callback_t bounded = [&](int depth, ojson::parse_event_t, ojson&) {
-    if (depth > max_json_depth)
-      fail(file, fmt::format("{} nests deeper than {} levels (a manifest needs 3)", subject, max_json_depth));
-    return true;
-  };
+// A document and the order of its keys (json_outline.hpp: ordered_json made a manifest of 20,000
+// tensors take seconds).
+struct parsed {
+  json doc;
+  json_outline outline;
+};
+
+// Parses JSON; every failure (syntax, a number no double holds such as 1e999, nesting, a key given
+// twice) comes as refit::error. `invalid` leads the message for bad JSON, `subject` names the text
+// for nesting. `nested`: the top-level keys whose objects' order counts too.
+parsed parse_json(std::string_view text, const std::string& file, std::string_view invalid, std::string_view subject,
+                  std::initializer_list<std::string_view> nested = {}) {
+  parsed p{json(), outline_json(text, nested, max_json_depth)};
+  const json_outline& o = p.outline;
+  if (o.invalid) fail(file, fmt::format("{}: {}", invalid, *o.invalid));
+  if (o.too_deep)
+    fail(file, fmt::format("{} nests deeper than {} levels (a manifest needs 3)", subject, max_json_depth));
+  if (o.repeated) {
+    const auto& [key, holder] = *o.repeated;
+    if (holder.empty()) fail(file, fmt::format("'{}' is a key twice: a tensor is listed once", key));
+    fail(file, fmt::format("'{}' is a key twice in \"{}\": a tensor is listed once", key, holder));
+  }
   try {
-    return ojson::parse(text, bounded);
-  } catch (const ojson::exception& e) {  // parse_error, and out_of_range for numbers
+    p.doc = json::parse(text);
+  } catch (const json::exception& e) {  // the outline saw none: kept for the message's sake
     fail(file, fmt::format("{}: {}", invalid, e.what()));
   }
+  return p;
 }
 
-std::vector<std::int64_t> parse_shape(const ojson& v, const std::string& file, const std::string& name) {
+// A key of `obj` that the outline listed.
+const json& member(const json& obj, const std::string& key) { return *obj.find(key); }
+
+std::vector<std::int64_t> parse_shape(const json& v, const std::string& file, const std::string& name) {
   if (!v.is_array()) fail_entry(file, name, fmt::format("\"shape\" must be an array of integers, got {}", v.dump()));
   std::vector<std::int64_t> shape;
   for (const auto& d : v) {
@@ -71,7 +91,7 @@ std::vector<std::int64_t> parse_shape(const ojson& v, const std::string& file, c
   return shape;
 }
 
-dtype parse_entry_dtype(const ojson& v, const std::string& file, const std::string& name) {
+dtype parse_entry_dtype(const json& v, const std::string& file, const std::string& name) {
   if (!v.is_string()) fail_entry(file, name, fmt::format("\"dtype\" must be a string, got {}", v.dump()));
   const auto t = parse_dtype(v.get<std::string>());
   if (!t)
@@ -147,7 +167,8 @@ manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t f
   const std::uint64_t data_size = file_size - 8 - n;
   const std::string_view text(static_cast<const char*>(data) + 8, n);
 
-  ojson header = parse_json(text, file, "header is not valid JSON", "header");
+  const parsed p = parse_json(text, file, "header is not valid JSON", "header");
+  const json& header = p.doc;
   if (!header.is_object()) fail(file, "header must be a JSON object {name: {dtype, shape, data_offsets}}");
 
   manifest m;
@@ -158,8 +179,9 @@ manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t f
     std::size_t entry;
   };
   std::vector<span_of> spans;
-  for (const auto& [name, v] : header.items()) {
+  for (const std::string& name : p.outline.keys) {
     if (name == "__metadata__") continue;
+    const json& v = member(header, name);
     if (!v.is_object()) fail_entry(file, name, "must be an object {dtype, shape, data_offsets}");
     for (const char* key : {"dtype", "shape", "data_offsets"})
       if (!v.contains(key)) fail_entry(file, name, fmt::format("missing \"{}\"", key));
@@ -209,7 +231,8 @@ manifest parse_safetensors(const void* data, std::uint64_t size, std::uint64_t f
 }
 
 manifest parse_json_manifest(std::string_view text, const std::string& file, dtype fallback) {
-  ojson doc = parse_json(text, file, "not valid JSON", "JSON");
+  const parsed p = parse_json(text, file, "not valid JSON", "JSON", {"weight_map"});
+  const json& doc = p.doc;
   if (!doc.is_object()) fail(file, "must be a JSON object {name: {dtype, shape}}");
   manifest m;
   m.name = std::filesystem::path(file).filename().string();
@@ -221,8 +244,12 @@ manifest parse_json_manifest(std::string_view text, const std::string& file, dty
     // index's tensors in the shards' order.
     const auto& map = doc["weight_map"];
     if (!map.is_object()) fail(file, "\"weight_map\" must be an object {name: shard file}");
+    static const std::vector<std::string> none;
+    const auto listed = p.outline.under.find("weight_map");
+    const std::vector<std::string>& names = listed == p.outline.under.end() ? none : listed->second;
     std::vector<std::string> shards;
-    for (const auto& [name, shard] : map.items()) {
+    for (const std::string& name : names) {
+      const json& shard = member(map, name);
       if (!shard.is_string()) fail_entry(file, name, "weight_map value must be a file name");
       if (std::find(shards.begin(), shards.end(), shard.get<std::string>()) == shards.end())
         shards.push_back(shard.get<std::string>());
@@ -238,20 +265,20 @@ manifest parse_json_manifest(std::string_view text, const std::string& file, dty
         m.entries.push_back(std::move(e));
       }
     }
-    for (const auto& [name, shard] : map.items()) {
-      // An init-capture: clang 14 (the fuzz build) cannot capture a structured binding.
-      const bool found = std::any_of(m.entries.begin(), m.entries.end(),
-                                     [&n = name](const manifest_entry& e) { return e.meta.name == n; });
-      if (!found)
-        fail_entry(file, name, fmt::format("listed in weight_map but not in shard {}", shard.get<std::string>()));
-    }
+    std::unordered_set<std::string_view> found;
+    for (const manifest_entry& e : m.entries) found.insert(e.meta.name);
+    for (const std::string& name : names)
+      if (found.count(name) == 0)
+        fail_entry(file, name,
+                   fmt::format("listed in weight_map but not in shard {}", member(map, name).get<std::string>()));
     // As for the other forms: a workload without tensors is a wrong file, not an empty bench.
     if (m.entries.empty()) fail(file, "\"weight_map\" lists no tensors");
     return m;
   }
 
-  for (const auto& [name, v] : doc.items()) {
+  for (const std::string& name : p.outline.keys) {
     if (name == "__metadata__") continue;
+    const json& v = member(doc, name);
     if (!v.is_object()) fail_entry(file, name, "must be an object {\"dtype\": ..., \"shape\": [...]}");
     if (!v.contains("shape")) fail_entry(file, name, "missing \"shape\"");
     tensor_meta meta{name, v.contains("dtype") ? parse_entry_dtype(v["dtype"], file, name) : fallback,

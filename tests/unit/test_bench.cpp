@@ -12,11 +12,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "bench/json_outline.hpp"
 #include "copy/copy.hpp"
 #include "config/config.hpp"
 #include "refit/error.hpp"
@@ -314,6 +316,111 @@ TEST_CASE("a sharded checkpoint's index reads every shard's header", "[bench]") 
   CHECK(m.files.size() == 2);
   CHECK(m.entries[1].meta.name == "b");
   CHECK(m.entries[1].file == 1);
+}
+
+TEST_CASE("the JSON outline gives the keys' order, those of the objects asked for, and each fault", "[bench]") {
+  const json_outline o = outline_json(
+      R"({"z": 1, "weight_map": {"y": "a", "b": "c"}, "m": [{"k": 1}], "s": {"q": 2}, "weight": {"x": 0}})",
+      {"weight_map", "m", "weight"}, 64);
+  CHECK(o.keys == std::vector<std::string>{"z", "weight_map", "m", "s", "weight"});
+  CHECK(o.under.at("weight_map") == std::vector<std::string>{"y", "b"});
+  CHECK(o.under.at("weight") == std::vector<std::string>{"x"});
+  CHECK(o.under.count("m") == 0);  // an array's objects are not the key's object
+  CHECK(o.under.count("s") == 0);  // not asked for
+  CHECK_FALSE(o.repeated);
+  CHECK_FALSE(o.too_deep);
+  CHECK_FALSE(o.invalid);
+
+  CHECK(outline_json(R"({"a": 1, "b": {"a": 2}, "a": 3})", {}, 64).repeated ==
+        std::make_pair(std::string("a"), std::string()));
+  CHECK(outline_json(R"({"w": {"a": 1, "a": 2}})", {"w"}, 64).repeated ==
+        std::make_pair(std::string("a"), std::string("w")));
+  CHECK_FALSE(outline_json(R"({"w": {"a": 1, "a": 2}})", {}, 64).repeated);  // not looked into
+
+  CHECK(outline_json("[[[1]]]", {}, 3).keys.empty());
+  CHECK_FALSE(outline_json("[[[1]]]", {}, 3).too_deep);
+  CHECK(outline_json("[[[[1]]]]", {}, 3).too_deep);
+  const std::string bad = R"({"a": [1, })";
+  std::string parse_what;
+  try {
+    const json parsed = json::parse(bad);
+    FAIL("parsed: " << parsed.dump());
+  } catch (const json::exception& e) {
+    parse_what = e.what();
+  }
+  REQUIRE_FALSE(parse_what.empty());
+  CHECK(outline_json(bad, {}, 64).invalid == parse_what);
+}
+
+TEST_CASE("manifests of tens of thousands of tensors keep the text's order; a name given twice is refused", "[bench]") {
+  // Names in an order no sort gives: a document of sorted maps would lose it.
+  const std::size_t n = 20'000;
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < n; ++i) names.push_back(fmt::format("layers.{}.w", (i * 7919) % n));
+  std::string text = "{";
+  std::string header = "{";
+  for (std::size_t i = 0; i < n; ++i) {
+    text += fmt::format("{}\"{}\": {{\"dtype\": \"F32\", \"shape\": [2]}}", i ? ", " : "", names[i]);
+    header += fmt::format(R"({}"{}":{{"dtype":"F32","shape":[2],"data_offsets":[{},{}]}})", i ? "," : "", names[i],
+                          8 * i, 8 * i + 8);
+  }
+  text += "}";
+  header += "}";
+  const manifest m = parse_json_manifest(text, "big.json", dtype::bf16);
+  const std::string file = safetensors(header, std::string(8 * n, 'x'));
+  const manifest st = parse_safetensors(file.data(), file.size(), file.size(), "big.safetensors");
+  REQUIRE(m.entries.size() == n);
+  REQUIRE(st.entries.size() == n);
+  std::size_t out_of_order = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    out_of_order += m.entries[i].meta.name != names[i] ? 1 : 0;
+    out_of_order += st.entries[i].meta.name != names[i] ? 1 : 0;
+  }
+  CHECK(out_of_order == 0);
+  CHECK(m.entries[n - 1].meta == tensor_meta{names[n - 1], dtype::f32, {2}});
+  CHECK(st.entries[n - 1].offset == 8 + header.size() + 8 * (n - 1));
+
+  const auto refused = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const refit::error& e) {
+      CHECK(e.code() == errc::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(refused([] {
+          (void)parse_json_manifest(R"({"a": {"shape": [1]}, "b": {"shape": [1]}, "a": {"shape": [2]}})", "m.json",
+                                    dtype::bf16);
+        }) == "manifest m.json: 'a' is a key twice: a tensor is listed once");
+  CHECK(refused([] {
+          (void)parse_json_manifest(R"({"weight_map": {"a": "m-1.safetensors", "a": "m-2.safetensors"}})",
+                                    "/ckpt/i.json", dtype::bf16);
+        }) == "manifest /ckpt/i.json: 'a' is a key twice in \"weight_map\": a tensor is listed once");
+  const std::string twice =
+      safetensors(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],)"
+                  R"("data_offsets":[1,2]}})",
+                  "xy");
+  CHECK(refused([&] { (void)parse_safetensors(twice.data(), twice.size(), twice.size(), "t.safetensors"); }) ==
+        "manifest t.safetensors: 'a' is a key twice: a tensor is listed once");
+}
+
+TEST_CASE("a sharded checkpoint's shards come in the order the index first names them", "[bench]") {
+  scratch s;
+  write_file(s.file("m-1.safetensors"),
+             safetensors(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "abcd"));
+  write_file(s.file("m-2.safetensors"), safetensors(R"({"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
+                                                    R"("c":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}})",
+                                                    "efg"));
+  write_file(s.file("model.safetensors.index.json"),
+             R"({"weight_map": {"x": "m-2.safetensors", "a": "m-1.safetensors", "c": "m-2.safetensors"}})");
+  const manifest m = load_manifest(s.file("model.safetensors.index.json"));
+  REQUIRE(m.entries.size() == 3);
+  CHECK(m.files == std::vector<std::string>{s.file("m-2.safetensors"), s.file("m-1.safetensors")});
+  CHECK(m.entries[0].meta.name == "x");
+  CHECK(m.entries[1].meta.name == "c");
+  CHECK(m.entries[2].meta.name == "a");
+  CHECK(m.entries[2].file == 1);
 }
 
 // ---------------------------------------------------------------- presets
@@ -1964,6 +2071,11 @@ TEST_CASE("--layout recorded:FILE refuses unrecorded sources, sources the model 
   json missing = table;
   missing["entries"].erase("model.norm.weight");
   CHECK(refused(missing) == "tiny-llama has model.norm.weight, which the table does not route");
+  // A key twice (a table edited by hand): refused, rather than one of the two kept.
+  const std::string twice = s.file("twice.json");
+  write_file(twice, R"({"entries": {"a": [], "a": []}, "params": {}, "unrecorded": {}})");
+  CHECK(layout_error(m, *parse_layout("recorded:" + twice)) ==
+        "refit-bench: --layout recorded:" + twice + ": 'a' is a key twice in \"entries\"");
   // From the binary, before any refit: exit 2 and the message.
   write_file(s.file("u.json"), unrecorded.dump());
   std::string out;
