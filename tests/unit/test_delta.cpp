@@ -43,6 +43,11 @@ namespace {
 constexpr std::uint64_t kib = 1ull << 10;
 constexpr std::uint64_t buffer_bytes = 256 * kib;  // patches cover spans of 128 KiB
 constexpr refit::milliseconds streamer_timeout{5000};
+/// How long the engine waits for the streamer's next message during a refit. A streamer diffs up to
+/// 32 MiB of tensor bytes between two batches; under ThreadSanitizer, on CI's two cores shared
+/// with other tests, that took over 2 s (the limit was 2 s then, and the receiver aborted the
+/// refit). Only the test of a killed streamer waits for this timeout, and sets a short one.
+constexpr refit::milliseconds engine_idle{15000};
 
 /// A small model with what a delta must handle: a bf16 tensor of several spans, one whose size is no
 /// multiple of 8 (checksum tail bytes), f32 (changes densely: sent as bytes), 1- and 8-byte elements,
@@ -107,17 +112,19 @@ struct engine {
   std::vector<std::vector<std::uint8_t>> bytes;
   refit::receiver r;
 
-  engine(const std::vector<refit::tensor_meta>& m, const std::string& endpoint, std::size_t threads = 0)
-      : metas(m), r(options(endpoint, threads)) {
+  engine(const std::vector<refit::tensor_meta>& m, const std::string& endpoint, std::size_t threads = 0,
+         refit::milliseconds idle = engine_idle)
+      : metas(m), r(options(endpoint, threads, idle)) {
     for (const auto& t : metas) bytes.emplace_back(t.nbytes(), std::uint8_t{0xee});
     for (std::size_t k = 0; k < metas.size(); ++k)
       r.add_parameter(refit::tensor_dest{metas[k], bytes[k].empty() ? nullptr : bytes[k].data(), refit::device::cpu()});
   }
-  static refit::receiver_options options(const std::string& endpoint, std::size_t threads = 0) {
+  static refit::receiver_options options(const std::string& endpoint, std::size_t threads = 0,
+                                         refit::milliseconds idle = engine_idle) {
     refit::receiver_options o;
     o.endpoint = endpoint;
     o.delta_threads = threads;
-    o.idle_timeout = 2000ms;
+    o.idle_timeout = idle;
     return o;
   }
 
@@ -1080,7 +1087,7 @@ TEST_CASE(
     s.close();
   });
 
-  engine e(metas, endpoint);
+  engine e(metas, endpoint, 0, 2000ms);  // its idle timeout ends the killed streamer's delta
   std::vector<receiver_event> seen;
   const auto start = std::chrono::steady_clock::now();
   bool blocked = false;
