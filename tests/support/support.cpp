@@ -159,7 +159,8 @@ std::string temp_endpoint() {
 
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define REFIT_FORK_GUARD 1
 /// Whether every thread of this process but the caller sleeps in a system call that is not one
 /// of the memory-mapping ones AddressSanitizer's allocator makes while it holds a lock.
 bool others_asleep() {
@@ -200,11 +201,13 @@ bool others_asleep() {
 /// allocator's size-class locks inherits it locked, and the child's first thread to need that
 /// size class waits forever (seen: a receiver child whose ZeroMQ I/O thread hung, so that no
 /// streamer ever had an answer). Under it, fork only once every other thread has been asleep in
-/// a system call twice in a row (at most 2 s). glibc's malloc and ThreadSanitizer lock their
-/// allocators around fork themselves.
+/// a system call twice in a row (at most 2 s). glibc's malloc locks its arenas around fork
+/// itself. ThreadSanitizer gets the same guard: compiler-rt's own fork test says "TSAN does not
+/// lock allocator", and CI's TSan stage once saw a receiver child that said it was ready and then
+/// never answered HELLO (5 s), the symptom ASan's hang had.
 void before_fork() {
   flush_all();
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(REFIT_FORK_GUARD)
   const auto deadline = clock::now() + std::chrono::seconds(2);
   int calm = 0;
   while (calm < 2 && clock::now() < deadline) {
