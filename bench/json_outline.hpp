@@ -38,6 +38,13 @@ struct json_outline {
   /// The text is not JSON (or holds a number no double holds): nlohmann's message, as
   /// nlohmann::json::parse would throw it.
   std::optional<std::string> invalid;
+
+  /// The keys of `key`'s object, in order; none where the key was not asked for or holds no object.
+  [[nodiscard]] const std::vector<std::string>& keys_under(const std::string& key) const {
+    static const std::vector<std::string> none;
+    const auto it = under.find(key);
+    return it == under.end() ? none : it->second;
+  }
 };
 
 namespace detail {

@@ -379,7 +379,7 @@ std::uint64_t engine_layout::needed_bytes(const manifest& m) const {
 }
 
 engine_layout recorded_layout(const manifest& m, std::string_view text, const std::string& file, int rank, int tp) {
-  using ojson = nlohmann::json;
+  using doc = nlohmann::json;
   const std::string what = "--layout recorded:" + file;
   // The order of the params and of the entries is kept from the text (json_outline.hpp).
   const json_outline o = outline_json(text, {"entries", "params"}, 64);
@@ -388,18 +388,13 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
   if (o.repeated)
     bad(fmt::format("{}: '{}' is a key twice{}", what, o.repeated->first,
                     o.repeated->second.empty() ? std::string() : fmt::format(" in \"{}\"", o.repeated->second)));
-  const auto keys_under = [&](const std::string& key) -> const std::vector<std::string>& {
-    static const std::vector<std::string> none;
-    const auto it = o.under.find(key);
-    return it == o.under.end() ? none : it->second;
-  };
-  ojson t;
+  doc t;
   try {
-    t = ojson::parse(text);
+    t = doc::parse(text);
   } catch (const std::exception& e) {
     bad(fmt::format("{}: not JSON: {}", what, e.what()));
   }
-  const auto shape_of = [&](const ojson& j, const std::string& where) {
+  const auto shape_of = [&](const doc& j, const std::string& where) {
     std::vector<std::int64_t> v;
     if (!j.is_array()) bad(fmt::format("{}: {}: not a list of integers", what, where));
     for (const auto& d : j) {
@@ -409,7 +404,7 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
     }
     return v;
   };
-  const auto dtype_of = [&](const ojson& j, const std::string& where) {
+  const auto dtype_of = [&](const doc& j, const std::string& where) {
     const auto d = j.is_string() ? parse_dtype(j.get<std::string>()) : std::nullopt;
     if (!d) bad(fmt::format("{}: {}: unknown dtype {}", what, where, j.dump()));
     return *d;
@@ -433,8 +428,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
   l.of_source.resize(m.entries.size());
   l.slices.resize(m.entries.size());
   std::unordered_map<std::string, std::size_t> params;
-  for (const std::string& name : keys_under("params")) {
-    const ojson& p = t["params"][name];
+  for (const std::string& name : o.keys_under("params")) {
+    const doc& p = t["params"][name];
     const std::string where = "parameter " + name;
     if (!p.is_object() || !p.contains("dtype") || !p.contains("shape"))
       bad(fmt::format("{}: {}: no dtype or shape", what, where));
@@ -447,8 +442,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
   }
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < m.entries.size(); ++i) index.emplace(m.entries[i].meta.name, i);
-  for (const std::string& name : keys_under("entries")) {
-    const ojson& routes = t["entries"][name];
+  for (const std::string& name : o.keys_under("entries")) {
+    const doc& routes = t["entries"][name];
     const auto at = index.find(name);
     if (at == index.end())
       bad(fmt::format("{}: the table routes {}, which {} lacks; give the model the table was recorded for", what, name,
@@ -457,8 +452,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
     const tensor_meta& src = m.entries[i].meta;
     if (t.contains("sources") && t["sources"].contains(name)) {
       const auto& s = t["sources"][name];
-      const tensor_meta rec{name, dtype_of(s.value("dtype", ojson()), "source " + name),
-                            shape_of(s.value("shape", ojson()), "source " + name)};
+      const tensor_meta rec{name, dtype_of(s.value("dtype", doc()), "source " + name),
+                            shape_of(s.value("shape", doc()), "source " + name)};
       if (rec.type != src.type || rec.shape != src.shape)
         bad(fmt::format("{}: the table was recorded with {} and {} has {}", what, describe(rec), m.name,
                         describe(src)));
@@ -489,8 +484,8 @@ engine_layout recorded_layout(const manifest& m, std::string_view text, const st
                         name));
       first = false;
       l.slices[i] = slice;
-      const auto vshape = shape_of(r.value("shape", ojson()), name + "'s view shape");
-      const auto vstrides = shape_of(r.value("stride", ojson()), name + "'s view strides");
+      const auto vshape = shape_of(r.value("shape", doc()), name + "'s view shape");
+      const auto vstrides = shape_of(r.value("stride", doc()), name + "'s view strides");
       if (!r.contains("offset") || !r["offset"].is_number_unsigned())
         bad(fmt::format("{}: {}: a route without an offset", what, name));
       const std::uint64_t offset = r["offset"].get<std::uint64_t>();

@@ -244,9 +244,7 @@ manifest parse_json_manifest(std::string_view text, const std::string& file, dty
     // index's tensors in the shards' order.
     const auto& map = doc["weight_map"];
     if (!map.is_object()) fail(file, "\"weight_map\" must be an object {name: shard file}");
-    static const std::vector<std::string> none;
-    const auto listed = p.outline.under.find("weight_map");
-    const std::vector<std::string>& names = listed == p.outline.under.end() ? none : listed->second;
+    const std::vector<std::string>& names = p.outline.keys_under("weight_map");
     std::vector<std::string> shards;
     for (const std::string& name : names) {
       const json& shard = member(map, name);
