@@ -56,6 +56,11 @@ struct receiver_options {
   /// removed once the streamer has opened it. The receiver still listens on
   /// its endpoint for everything else (HELLO, other streamers). false: ZeroMQ only.
   bool control_lane = true;
+  /// Bind a tcp endpoint that other hosts can reach (not loopback) without CURVE. Refused by default
+  /// (errc::invalid_argument saying how to set CURVE): the token and every message would cross the
+  /// network in the clear and any host could try the endpoint. The environment variable
+  /// REFIT_ALLOW_INSECURE=1 allows it too.
+  bool allow_insecure_tcp = false;
 };
 
 /// Called with the entries of one batch. Views are valid only during the call. On CUDA

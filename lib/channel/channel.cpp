@@ -14,6 +14,7 @@
 #include <thread>
 #include <utility>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <zmq.hpp>
@@ -28,6 +29,16 @@ namespace {
 // wire::max_message_bytes; not included to keep the channel below the wire layer.
 constexpr std::int64_t max_message_bytes = std::int64_t{64} << 20;
 constexpr int reply_send_timeout_ms = 1000;
+/// The receiver's socket: requests queued per connection before ZeroMQ stops reading that
+/// connection (a REQ streamer has one in flight; a peer that pipelines more waits), so that one
+/// connection holds at most this many messages of max_message_bytes, plus the frame it is sending.
+constexpr int receiver_rcvhwm = 4;
+/// ZMTP heartbeats: a connection that answers no PING for heartbeat_timeout_ms (a dead host, a
+/// peer stuck half-way through a frame) is dropped with what it holds; a handshake must end within
+/// handshake_ivl_ms.
+constexpr int heartbeat_ivl_ms = 1000;
+constexpr int heartbeat_timeout_ms = 10000;
+constexpr int handshake_ivl_ms = 10000;
 constexpr int reconnect_ivl_ms = 50;
 constexpr int reconnect_ivl_max_ms = 1000;
 
@@ -292,15 +303,45 @@ void validate_curve(const curve_keys& curve, bool server) {
 
 // ------------------------------------------------------------------------------------ rep_channel
 
-rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve) {
+bool loopback_only(std::string_view endpoint) {
+  if (endpoint.starts_with("ipc://") || endpoint.starts_with("inproc://")) return true;
+  if (!endpoint.starts_with("tcp://")) return false;
+  std::string_view host = endpoint.substr(6);
+  if (host.starts_with("[")) {
+    host = host.substr(1, host.find(']') == std::string_view::npos ? host.npos : host.find(']') - 1);
+  } else if (const auto colon = host.rfind(':'); colon != std::string_view::npos) {
+    host = host.substr(0, colon);
+  }
+  if (const auto semi = host.find(';'); semi != std::string_view::npos) host = host.substr(semi + 1);  // source;dest
+  return host.starts_with("127.") || host == "::1" || host == "localhost" || host == "lo";
+}
+
+bool insecure_allowed_by_env() noexcept {
+  const char* v = std::getenv("REFIT_ALLOW_INSECURE");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
+rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve, bool allow_insecure) {
   validate_curve(curve, true);
   const std::string target = bind_endpoint(endpoint);
   const bool owns = endpoint.empty();
+  if (curve.secret_key.empty() && !loopback_only(target) && !allow_insecure && !insecure_allowed_by_env())
+    throw error(errc::invalid_argument,
+                fmt::format("refusing to bind the receiver to {} without CURVE: other hosts could reach it and "
+                            "every byte (the session token included) would cross the network in the clear. Set "
+                            "receiver_options.curve (a key pair from zmq_curve_keypair; give the streamers its "
+                            "public key as server_key), bind a loopback address (tcp://127.0.0.1:PORT), or, on a "
+                            "network you trust, set receiver_options.allow_insecure_tcp or REFIT_ALLOW_INSECURE=1",
+                            target));
   try {
-    socket_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::rep);
+    socket_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::router);
     socket_->set(zmq::sockopt::linger, 0);
     socket_->set(zmq::sockopt::maxmsgsize, max_message_bytes);
     socket_->set(zmq::sockopt::sndtimeo, reply_send_timeout_ms);
+    socket_->set(zmq::sockopt::rcvhwm, receiver_rcvhwm);
+    socket_->set(zmq::sockopt::heartbeat_ivl, heartbeat_ivl_ms);
+    socket_->set(zmq::sockopt::heartbeat_timeout, heartbeat_timeout_ms);
+    socket_->set(zmq::sockopt::handshake_ivl, handshake_ivl_ms);
     if (!curve.allowed_clients.empty()) {
       auto& authority = zap_authority::instance();
       const std::string domain = authority.add(curve.allowed_clients);
@@ -351,7 +392,10 @@ rep_channel::rep_channel(rep_channel&& other) noexcept
       owns_endpoint_(other.owns_endpoint_),
       lane_(std::move(other.lane_)),
       answer_lane_(std::move(other.answer_lane_)),
-      lane_heard_(other.lane_heard_) {
+      lane_heard_(other.lane_heard_),
+      answer_to_(std::move(other.answer_to_)),
+      owed_(std::exchange(other.owed_, false)),
+      dropped_(other.dropped_) {
   other.endpoint_.clear();
   other.owns_endpoint_ = false;
 }
@@ -367,6 +411,9 @@ rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
     lane_ = std::move(other.lane_);
     answer_lane_ = std::move(other.answer_lane_);
     lane_heard_ = other.lane_heard_;
+    answer_to_ = std::move(other.answer_to_);
+    owed_ = std::exchange(other.owed_, false);
+    dropped_ = other.dropped_;
     other.endpoint_.clear();
     other.owns_endpoint_ = false;
   }
@@ -400,16 +447,55 @@ std::optional<std::string> rep_channel::take() {
       lane_heard_ = true;
     }
     answer_lane_ = lane_;
+    answer_to_.clear();
+    owed_ = false;
     return msg;
   }
   try {
-    zmq::message_t msg;
-    const auto got = socket_->recv(msg, zmq::recv_flags::dontwait);
-    if (!got) return std::nullopt;
-    answer_lane_.reset();
-    return msg.to_string();
+    auto msg = take_from_socket();
+    if (msg) answer_lane_.reset();
+    return msg;
   } catch (const zmq::error_t& e) {
     throw error(errc::io, fmt::format("receiving a request on {} failed: {}", endpoint_, zmq_reason(e)));
+  }
+}
+
+std::optional<std::string> rep_channel::take_from_socket() {
+  // ZeroMQ delivers a multipart message whole or not at all, so every frame of one is here.
+  for (;;) {
+    zmq::message_t id;
+    if (!socket_->recv(id, zmq::recv_flags::dontwait)) return std::nullopt;
+    // A REQ's request: [routing id] [empty delimiter] [body], nothing after.
+    zmq::message_t frame;
+    bool more = id.more();
+    bool good = more;
+    std::size_t frames = 1;
+    std::optional<std::string> body;
+    while (more) {
+      if (!socket_->recv(frame, zmq::recv_flags::dontwait)) break;  // cannot happen: the message is whole
+      more = frame.more();
+      ++frames;
+      if (frames == 2) {
+        good = good && frame.size() == 0 && more;
+      } else if (frames == 3) {
+        good = good && !more;
+        if (good) body = frame.to_string();
+      } else {
+        good = false;
+      }
+    }
+    if (good && body) {
+      answer_to_ = id.to_string();
+      owed_ = true;
+      return body;
+    }
+    // Dropped whole and unanswered: a reply would reach no REQ, or the wrong one.
+    ++dropped_;
+    if ((dropped_ & (dropped_ - 1)) == 0)  // 1, 2, 4, 8, ...: a flood does not flood the log
+      REFIT_WARN(
+          "dropped a message of {} frame(s) on {} that is not a request (a REQ's is a delimiter and one "
+          "body frame); {} dropped so far",
+          frames - 1, endpoint_, dropped_);
   }
 }
 
@@ -498,11 +584,19 @@ void rep_channel::reply(std::string_view bytes) {
     if (through == lane_) lane_.reset();  // a message left half-way: the lane cannot be used again
     return;
   }
+  if (!owed_) {
+    REFIT_WARN("reply on {} without a request in hand; dropped", endpoint_);
+    return;
+  }
+  owed_ = false;
   try {
-    const auto sent = socket_->send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::none);
-    if (!sent)
-      REFIT_WARN("reply on {} not sent within {} ms (the streamer is gone?); dropped", endpoint_,
-                 reply_send_timeout_ms);
+    // To the connection the request came from: a ROUTER drops what it cannot route (the peer is
+    // gone, or its queue is full) instead of blocking, and never sends it to another peer.
+    const auto flags = zmq::send_flags::sndmore | zmq::send_flags::dontwait;
+    const bool sent = socket_->send(zmq::buffer(answer_to_.data(), answer_to_.size()), flags) &&
+                      socket_->send(zmq::const_buffer(nullptr, 0), flags) &&
+                      socket_->send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait);
+    if (!sent) REFIT_WARN("reply on {} could not be queued (the streamer is gone?); dropped", endpoint_);
   } catch (const zmq::error_t& e) {
     // A vanished peer is not an error of the receiver: the streamer times out and starts over.
     REFIT_WARN("reply on {} dropped: {}", endpoint_, zmq_reason(e));

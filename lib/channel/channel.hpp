@@ -1,9 +1,17 @@
-// refit — the control channel: RAII over cppzmq REQ (streamer) and REP (receiver) sockets with
+// refit — the control channel: RAII over cppzmq REQ (streamer) and ROUTER (receiver) sockets with
 // deadlines, linger 0, and recovery. Clear errors instead of hangs.
+//
+// The receiver speaks REP's protocol on the wire (a REQ streamer talks to it unchanged) but reads a
+// ROUTER socket and parses the envelope itself: a request is a routing id, an empty delimiter and
+// one body frame; anything else is dropped whole and counted, never answered in another peer's
+// place. (libzmq's REP loses the next peer's reply after a malformed request from a peer that is
+// already gone, and takes each frame of a multipart request as a request of its own.) The routing
+// id of the request in hand tells the receiver which connection sent it (peer_id()).
 #pragma once
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
@@ -44,11 +52,20 @@ std::string bind_endpoint(std::string_view requested);
 /// refit::error(errc::invalid_argument) naming the option otherwise.
 void validate_curve(const curve_keys& curve, bool server);
 
+/// True when `endpoint` (after bind_endpoint()) is reachable from this host only: ipc://, or tcp://
+/// on a loopback address (127.0.0.0/8, ::1, localhost, the interface "lo").
+bool loopback_only(std::string_view endpoint);
+
+/// True when REFIT_ALLOW_INSECURE is set to 1 in the environment.
+bool insecure_allowed_by_env() noexcept;
+
 /// Receiver side. Binds on construction.
 class rep_channel {
  public:
-  /// Throws refit::error(io) naming the endpoint when bind fails.
-  rep_channel(std::string_view endpoint, const curve_keys& curve = {});
+  /// Throws refit::error(io) naming the endpoint when bind fails, and errc::invalid_argument for a
+  /// tcp endpoint other hosts can reach without CURVE (no curve.secret_key) unless
+  /// `allow_insecure` (or REFIT_ALLOW_INSECURE=1).
+  rep_channel(std::string_view endpoint, const curve_keys& curve = {}, bool allow_insecure = false);
   ~rep_channel();
   rep_channel(rep_channel&&) noexcept;
   rep_channel& operator=(rep_channel&&) noexcept;
@@ -70,6 +87,13 @@ class rep_channel {
   void attach_lane(std::unique_ptr<lane> l);
   /// True when the last request came through a lane and waits for its reply.
   [[nodiscard]] bool last_from_lane() const noexcept { return static_cast<bool>(answer_lane_); }
+  /// The routing id of the connection the request in hand came through (ZeroMQ assigns one per
+  /// connection); "" when it came through the lane.
+  [[nodiscard]] const std::string& peer_id() const noexcept { return answer_to_; }
+  /// True when a lane is attached and a request has come through it: its streamer moved there.
+  [[nodiscard]] bool on_lane() const noexcept { return lane_ && lane_heard_; }
+  /// Requests dropped unanswered because their envelope was not a REQ's (for tests and logs).
+  [[nodiscard]] std::uint64_t dropped() const noexcept { return dropped_; }
 
   [[nodiscard]] zmq::socket_t& handle() noexcept { return *socket_; }
 
@@ -82,6 +106,8 @@ class rep_channel {
   /// The request waiting (ready) on this channel, taken off the lane or the socket; nullopt when
   /// neither has one.
   std::optional<std::string> take();
+  /// The next well-formed request waiting on the socket (malformed ones are dropped), or nullopt.
+  std::optional<std::string> take_from_socket();
   /// wait_any() to a deadline, spinning for `spin` first.
   static std::optional<std::size_t> wait_ready(std::span<rep_channel* const> channels,
                                                std::chrono::steady_clock::time_point deadline,
@@ -96,6 +122,10 @@ class rep_channel {
   /// replaced by attach_lane meanwhile); null when it came through the socket.
   std::shared_ptr<lane> answer_lane_;
   bool lane_heard_ = false;  ///< a message came through lane_ (its files are removed then)
+  /// The routing id of the request in hand (to reply to), "" when none or through the lane.
+  std::string answer_to_;
+  bool owed_ = false;  ///< a request from the socket waits for its reply
+  std::uint64_t dropped_ = 0;
 };
 
 /// Streamer side. Connects on construction (ZeroMQ connects in the background; the peer need

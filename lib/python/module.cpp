@@ -137,9 +137,10 @@ class py_receiver {
  public:
   py_receiver(std::optional<std::string> endpoint, int device, double idle_timeout, std::optional<std::string> token,
               const py::object& curve, const std::string& engine, const std::string& layout, std::size_t streamers,
-              std::size_t delta_threads, bool control_lane) {
+              std::size_t delta_threads, bool control_lane, bool allow_insecure_tcp) {
     receiver_options o;
     o.control_lane = control_lane;
+    o.allow_insecure_tcp = allow_insecure_tcp;
     o.layout = layout;
     o.streamers = streamers;
     o.delta_threads = delta_threads;
@@ -738,11 +739,11 @@ PYBIND11_MODULE(_refit, m) {
 
   py::class_<py_receiver>(m, "Receiver")
       .def(py::init<std::optional<std::string>, int, double, std::optional<std::string>, py::object, std::string,
-                    std::string, std::size_t, std::size_t, bool>(),
+                    std::string, std::size_t, std::size_t, bool, bool>(),
            py::arg("endpoint") = py::none(), py::kw_only(), py::arg("device") = 0, py::arg("idle_timeout") = 60.0,
            py::arg("token") = py::none(), py::arg("curve") = py::none(), py::arg("engine") = "automatic",
            py::arg("layout") = "", py::arg("streamers") = 1, py::arg("delta_threads") = 0,
-           py::arg("control_lane") = true)
+           py::arg("control_lane") = true, py::arg("allow_insecure_tcp") = false)
       .def_property_readonly("endpoint", &py_receiver::endpoint)
       .def_property_readonly("endpoints", &py_receiver::endpoints)
       .def_property_readonly("device", &py_receiver::device)

@@ -264,7 +264,14 @@ struct lane {
   std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
 #endif
 
-  lane(std::size_t r, const std::string& endpoint, const curve_keys& curve) : rank(r), channel(endpoint, curve) {}
+  /// The session's owner: the connection its HELLO came through (channel::rep_channel::peer_id(),
+  /// "" through the control lane) and the secret it chose. Only it may act in the session.
+  bool owned = false;
+  std::string owner;
+  std::string secret;
+
+  lane(std::size_t r, const std::string& endpoint, const curve_keys& curve, bool allow_insecure)
+      : rank(r), channel(endpoint, curve, allow_insecure) {}
 
   /// This lane's part of a refit is in progress: begun, not ended.
   [[nodiscard]] bool refit_active() const noexcept { return tracker && tracker->active(); }
@@ -347,6 +354,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     return refit_delta && ln->sink && ln->sink->where().kind == device_kind::cuda;
   }
 
+  /// Requests refused because they came from a peer that does not own the session (stranger()).
+  std::uint64_t strangers_refused = 0;
+
   // Readable from any thread.
   std::atomic<bool> has_committed{false};
   std::atomic<std::uint64_t> committed{0};
@@ -372,7 +382,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     lanes.reserve(options.streamers);
     try {
       for (std::size_t r = 0; r < options.streamers; ++r)
-        lanes.emplace_back(r, lane_endpoint(options.endpoint, r, options.streamers), options.curve);
+        lanes.emplace_back(r, lane_endpoint(options.endpoint, r, options.streamers), options.curve,
+                           options.allow_insecure_tcp);
     } catch (...) {
       remove_endpoints();
       throw;
@@ -545,6 +556,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     ln->tracker.reset();
     ln->copier.reset();
     ln->peer.clear();
+    ln->owned = false;
+    ln->owner.clear();
+    ln->secret.clear();
     ln->direct = false;
     ln->in_place = false;
     ln->parts = false;
@@ -662,6 +676,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       ln->copier =
           copy::make_copier(copy::choose(ln->sink->engine(), options.engine), options.device, options.idle_timeout);
       ln->peer = h.peer;
+      ln->owned = true;
+      ln->owner = ln->channel.peer_id();
+      ln->secret = h.secret;
       ln->reply_timeout = reply_timeout_of(h);
       ln->laid_out = h.mode == wire::session_mode::in_place;
       ln->session_generation = sink_generation;
@@ -1489,18 +1506,57 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     return std::nullopt;
   }
 
+  /// True when the request in hand came from the peer that owns the lane's session: through its
+  /// control lane, or through the connection its HELLO came by while it has not moved to the lane.
+  [[nodiscard]] bool from_owner() const {
+    if (!ln->owned) return false;
+    if (ln->channel.last_from_lane()) return true;
+    return !ln->channel.on_lane() && ln->channel.peer_id() == ln->owner;
+  }
+
+  /// Why request `m` (which carried `secret`) may not act in the lane's session, or nullopt. A HELLO
+  /// may always try (its token decides); every other request of a session must come from the
+  /// session's owner and carry its secret. Without a session, the handlers refuse what needs one.
+  std::optional<std::string> stranger(const wire::message& m, const std::string& secret) const {
+    if (std::holds_alternative<wire::hello>(m) || !ln->owned) return std::nullopt;
+    if (from_owner() && same_token(secret, ln->secret)) return std::nullopt;
+    const std::string_view what = wire::to_string(wire::type_of(m));
+    if (!ln->channel.last_from_lane() && ln->channel.on_lane())
+      return fmt::format(
+          "{} refused: the session with {} moved to its control lane; over ZeroMQ this receiver "
+          "takes only a new HELLO",
+          what, who(*ln));
+    return fmt::format(
+        "{} refused: it does not come from the peer that opened the session with {} (another "
+        "connection, or not the session's secret); say HELLO first",
+        what, who(*ln));
+  }
+
   receiver_event handle(const std::string& bytes) {
     wire::message m;
+    std::string secret;
     try {
-      m = wire::decode(bytes);
+      m = wire::decode(bytes, &secret);
     } catch (const error& e) {
-      const bool was_active = refit_active();
+      // Only the session's owner can break its refit with bytes that do not decode; a stranger
+      // hears why and the refit goes on.
+      const bool was_active = refit_active() && from_owner();
       answering = ln;
       if (was_active) abort_refit(e.what(), e.code());
       answering = nullptr;
       reply_error(e.code(), e.what());
       return was_active ? receiver_event::aborted : receiver_event::refused;
     }
+    if (const auto why = stranger(m, secret)) {
+      ++strangers_refused;
+      if ((strangers_refused & (strangers_refused - 1)) == 0)
+        REFIT_WARN("{} ({} refused so far)", *why, strangers_refused);
+      answering = ln;
+      ln->channel.reply(wire::encode(wire::error{errc::unauthorized, *why}));
+      answering = nullptr;
+      return receiver_event::refused;
+    }
+    ln->last_message = clock::now();
     if (const auto* h = std::get_if<wire::hello>(&m); h != nullptr && must_wait(*h)) {
       REFIT_DEBUG("HELLO of rank {} waits for the sessions of the lower ranks", h->group_rank);
       ln->waiting = *h;
@@ -1612,10 +1668,10 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
     }
     const auto request = receive(wait);
     if (!request) return receiver_event::idle;
-    ln->last_message = clock::now();
+    const auto received = clock::now();
     const receiver_event e = handle(*request);
     REFIT_DEBUG("{} handled in {:.0f} us ({} bytes)", to_string(e),
-                std::chrono::duration<double, std::micro>(clock::now() - ln->last_message).count(), request->size());
+                std::chrono::duration<double, std::micro>(clock::now() - received).count(), request->size());
     return e;
   }
 

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <deque>
 #include <optional>
+#include <random>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -55,6 +56,18 @@ std::string token_from(const std::string& configured) {
   if (!configured.empty()) return configured;
   const char* env = std::getenv("REFIT_TOKEN");
   return env != nullptr ? std::string(env) : std::string();
+}
+
+/// A fresh session secret (wire::hello::secret): 16 bytes from the system's random source. Every
+/// request of the session carries it, so that no other peer of the receiver can act in it.
+std::string new_secret() {
+  std::random_device rd;
+  std::string s(16, '\0');
+  for (std::size_t i = 0; i < s.size(); i += 4) {
+    const std::uint32_t v = rd();
+    std::memcpy(s.data() + i, &v, 4);
+  }
+  return s;
 }
 
 plan_options plan_from(const streamer_options& o) {
@@ -172,6 +185,8 @@ class function_source final : public tensor_source {
 struct __attribute__((visibility("hidden"))) streamer::impl {
   streamer_options options;
   std::string token;
+  /// The session's secret (new at every HELLO), carried by every later request of the session.
+  std::string secret;
   plan_options plan;
   std::unique_ptr<transport::source> buffers;
   transport::capabilities can;  ///< of the transport, asked once
@@ -275,7 +290,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// replies. Nothing else may be sent meanwhile (one request at a time per channel).
   void post(const std::function<wire::message(std::size_t)>& make, const std::string& what) {
     in_flight& f = start_flight(what);
-    for (std::size_t k = 0; k < channels.size(); ++k) send_posted(f, k, wire::encode(make(k)));
+    for (std::size_t k = 0; k < channels.size(); ++k) send_posted(f, k, wire::encode(make(k), secret));
   }
 
   /// post() of one message every receiver gets alike, encoded once by the caller.
@@ -435,6 +450,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       for (const auto& ep : endpoints) channels.emplace_back(ep, options.curve);
     wire::hello h;
     h.token = token;
+    secret = new_secret();
+    h.secret = secret;
     h.alignment = options.alignment;
     h.layout = options.layout;
     h.group_rank = options.group_rank;
@@ -635,8 +652,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       request(b, what, read);
     } catch (const error& e) {
       // A receiver that restarted since our HELLO has no session with us (or one that must
-      // lay the session out anew): start one, once.
-      if (e.code() != errc::peer) throw;
+      // lay the session out anew), or takes this connection for a stranger (it was rebuilt since
+      // HELLO, so the receiver sees another peer): start one, once.
+      if (e.code() != errc::peer && e.code() != errc::unauthorized) throw;
       REFIT_INFO("{}; saying HELLO again", e.what());
       drop_session();
       ensure_session();
@@ -726,7 +744,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     try {
       REFIT_INFO("version {} failed on the streamer's side: {}; telling {} receiver(s)", version, reason,
                  channels.size());
-      const std::string bytes = wire::encode(wire::abort{version, code, reason});
+      const std::string bytes = wire::encode(wire::abort{version, code, reason}, secret);
       const std::string what = fmt::format("ABORT of version {}", version);
       const auto deadline = clock::now() + std::min(options.timeout, milliseconds{1000});
       const auto left = [&] {
@@ -948,7 +966,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
       // Its reply is heard at the next batch or before END: meanwhile the receiver checks this
       // manifest (and enqueues its reads of the buffer, or its receives) while this side reads,
       // packs and launches the next batch. One request per receiver at a time, as ever.
-      st.post_alike(wire::encode(b), fmt::format("BATCH {} of version {}", seq, version));
+      st.post_alike(wire::encode(b, st.secret), fmt::format("BATCH {} of version {}", seq, version));
       stats.wait_seconds += seconds_since(tp);
       // The vectors come back for the next batch: their capacity stays (a large manifest's growth
       // anew at every batch cost page faults).
@@ -1850,7 +1868,7 @@ void streamer::close() noexcept {
   if (!impl_ || !impl_->in_session) return;
   // A polite goodbye to every receiver, each with a short deadline of its own: a dead or slow one
   // must neither delay shutdown much nor keep the others from hearing it.
-  const auto bye = [] { return wire::encode(wire::bye{}); };
+  const auto bye = [this] { return wire::encode(wire::bye{}, impl_->secret); };
   for (std::size_t k = 0; k < impl_->channels.size(); ++k) {
     try {
       impl_->channels[k].request(bye(), std::min(impl_->options.timeout, milliseconds{1000}), "BYE");

@@ -691,6 +691,17 @@ class cuda_ipc_sink final : public sink {
       const wire::buffer_desc& b = h.buffers[i];
       maps.emplace_back(from_raw_bytes<cudaIpcMemHandle_t>(b.handle),
                         fmt::format("buffer {} of {} from {}", i, human_bytes(b.bytes), h.peer));
+      // The mapping's own size bounds every read of the buffer, whatever HELLO claims: a read past
+      // it would be an illegal address, which ends the engine's CUDA context.
+      std::optional<copy::allocation> a;
+      try {
+        a = copy::cuda_allocation_of(maps.back().handle(), device_);
+      } catch (const error&) {
+      }
+      if (!a || a->base != reinterpret_cast<std::uintptr_t>(maps.back().handle()) || a->bytes < b.bytes)
+        throw error(errc::transport, fmt::format("cuda_ipc HELLO buffer {}: announced as {} bytes, but the memory its "
+                                                 "handle maps has {} bytes; refused before anything was read",
+                                                 i, b.bytes, a ? a->bytes : 0));
       sizes.push_back(b.bytes);
       packed.emplace_back(from_raw_bytes<cudaIpcEventHandle_t>(b.packed_event), fmt::format("packed[{}]", i));
       applied.emplace_back(from_raw_bytes<cudaIpcEventHandle_t>(b.applied_event), fmt::format("applied[{}]", i));

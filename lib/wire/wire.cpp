@@ -86,8 +86,8 @@ void pack_bool(packer& p, bool v) {
     p.pack_false();
 }
 
-void encode_body(packer& p, const hello& m) {
-  head(p, msg_type::hello, 14);
+void encode_body(packer& p, const hello& m, std::string_view) {
+  head(p, msg_type::hello, 15);
   pack_str(p, m.token);
   pack_str(p, m.transport);
   pack_str(p, m.peer);
@@ -109,6 +109,7 @@ void encode_body(packer& p, const hello& m) {
   pack_uint(p, m.group_size);
   pack_uint(p, m.reply_timeout_ms);
   pack_bool(p, m.lane);
+  pack_bin(p, m.secret);
 }
 
 void pack_optional(packer& p, const std::optional<std::uint64_t>& v) {
@@ -118,15 +119,16 @@ void pack_optional(packer& p, const std::optional<std::uint64_t>& v) {
     p.pack_nil();
 }
 
-void encode_body(packer& p, const begin& m) {
-  head(p, msg_type::begin, 3);
+void encode_body(packer& p, const begin& m, std::string_view secret) {
+  head(p, msg_type::begin, 4);
   pack_uint(p, m.version);
   pack_bool(p, m.subset);
   pack_optional(p, m.base);
+  pack_bin(p, secret);
 }
 
-void encode_body(packer& p, const batch& m) {
-  head(p, msg_type::batch, 6);
+void encode_body(packer& p, const batch& m, std::string_view secret) {
+  head(p, msg_type::batch, 7);
   pack_uint(p, m.version);
   pack_uint(p, m.seq);
   pack_uint(p, m.buffer);
@@ -147,20 +149,25 @@ void encode_body(packer& p, const batch& m) {
   p.pack_array(static_cast<std::uint32_t>(m.sources.size()));
   for (const std::string& s : m.sources) pack_bin(p, s);
   pack_bool(p, m.ready);
+  pack_bin(p, secret);
 }
 
-void encode_body(packer& p, const end& m) {
-  head(p, msg_type::end, 5);
+void encode_body(packer& p, const end& m, std::string_view secret) {
+  head(p, msg_type::end, 6);
   pack_uint(p, m.version);
   pack_uint(p, m.tensors);
   pack_uint(p, m.bytes);
   pack_uint(p, m.batches);
   pack_optional(p, m.checksum);
+  pack_bin(p, secret);
 }
 
-void encode_body(packer& p, const bye&) { head(p, msg_type::bye, 0); }
+void encode_body(packer& p, const bye&, std::string_view secret) {
+  head(p, msg_type::bye, 1);
+  pack_bin(p, secret);
+}
 
-void encode_body(packer& p, const ok& m) {
+void encode_body(packer& p, const ok& m, std::string_view) {
   head(p, msg_type::ok, 6);
   pack_optional(p, m.committed);
   pack_bool(p, m.dirty);
@@ -177,32 +184,33 @@ void encode_body(packer& p, const ok& m) {
   pack_bin(p, m.lane);
 }
 
-void encode_body(packer& p, const error& m) {
+void encode_body(packer& p, const error& m, std::string_view) {
   head(p, msg_type::error, 2);
   p.pack_int(static_cast<int>(m.code));
   pack_str(p, m.message);
 }
 
-void encode_body(packer& p, const abort& m) {
-  head(p, msg_type::abort, 3);
+void encode_body(packer& p, const abort& m, std::string_view secret) {
+  head(p, msg_type::abort, 4);
   pack_uint(p, m.version);
   p.pack_int(static_cast<int>(m.code));
   pack_str(p, m.reason);
+  pack_bin(p, secret);
 }
 
 }  // namespace
 
-std::string encode(const message& m) {
+std::string encode(const message& m, std::string_view secret) {
   msgpack::sbuffer buf;
   packer p(buf);
-  std::visit([&](const auto& v) { encode_body(p, v); }, m);
+  std::visit([&](const auto& v) { encode_body(p, v, secret); }, m);
   return std::string(buf.data(), buf.size());
 }
 
-std::string encode(const batch& b) {
+std::string encode(const batch& b, std::string_view secret) {
   msgpack::sbuffer buf;
   packer p(buf);
-  encode_body(p, b);
+  encode_body(p, b, secret);
   return std::string(buf.data(), buf.size());
 }
 
@@ -343,14 +351,14 @@ class reader {
 // Fields of each message, after [type, protocol version].
 constexpr std::size_t field_count(msg_type t) noexcept {
   switch (t) {
-    case msg_type::hello: return 14;
-    case msg_type::begin: return 3;
-    case msg_type::batch: return 6;
-    case msg_type::end: return 5;
-    case msg_type::bye: return 0;
+    case msg_type::hello: return 15;
+    case msg_type::begin: return 4;
+    case msg_type::batch: return 7;
+    case msg_type::end: return 6;
+    case msg_type::bye: return 1;
     case msg_type::ok: return 6;
     case msg_type::error: return 2;
-    case msg_type::abort: return 3;
+    case msg_type::abort: return 4;
   }
   return 0;
 }
@@ -396,6 +404,7 @@ hello decode_hello(reader& r, std::span<const object> f) {
     r.fail("group_rank", fmt::format("{} is not below the group's size {}", m.group_rank, m.group_size));
   m.reply_timeout_ms = r.u64(f[12], "reply_timeout_ms");
   m.lane = r.boolean(f[13], "lane");
+  m.secret = r.bin(f[14], "secret", max_secret_bytes);
   return m;
 }
 
@@ -653,12 +662,23 @@ std::pair<msg_type, std::span<const object>> open_envelope(const object& top) {
   return {t, fields};
 }
 
+/// True for the requests of a session after HELLO, which carry its secret as their last field.
+constexpr bool carries_secret(msg_type t) noexcept {
+  return t == msg_type::begin || t == msg_type::batch || t == msg_type::end || t == msg_type::bye ||
+         t == msg_type::abort;
+}
+
 }  // namespace
 
-message decode(std::span<const std::byte> bytes) {
+message decode(std::span<const std::byte> bytes, std::string* secret) {
   const msgpack::object_handle handle = unpack_bounded(bytes);
   const auto [t, fields] = open_envelope(handle.get());
   reader r(t);
+  if (secret != nullptr) secret->clear();
+  if (carries_secret(t)) {
+    std::string s = r.bin(fields.back(), "secret", max_secret_bytes);
+    if (secret != nullptr) *secret = std::move(s);
+  }
   switch (t) {
     case msg_type::hello: return decode_hello(r, fields);
     case msg_type::begin: return decode_begin(r, fields);
@@ -674,8 +694,8 @@ message decode(std::span<const std::byte> bytes) {
   malformed("unknown message type");
 }
 
-message decode(std::string_view bytes) {
-  return decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
+message decode(std::string_view bytes, std::string* secret) {
+  return decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()), secret);
 }
 
 dest_record decode_dest(std::string_view bytes) {

@@ -30,7 +30,7 @@ namespace refit::wire {
 /// Bumped on every incompatible change of the format below. A new message type is not one: a
 /// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
 /// ERROR and aborts the refit all the same), and a streamer never receives a request.
-inline constexpr std::uint32_t protocol_version = 9;
+inline constexpr std::uint32_t protocol_version = 10;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
 inline constexpr std::size_t max_message_bytes = 64u << 20;
@@ -40,6 +40,7 @@ inline constexpr std::size_t max_buffers = 64;
 inline constexpr std::size_t max_entries = 1u << 20;
 inline constexpr std::size_t max_handle_bytes = 4096;
 inline constexpr std::uint64_t max_group_size = 4096;  ///< streamers of one group
+inline constexpr std::size_t max_secret_bytes = 64;    ///< hello::secret and a request's secret
 
 enum class msg_type : std::uint8_t {
   hello = 1,
@@ -100,6 +101,11 @@ struct hello {
   /// receiver's host (streamer_options::control_lane; see channel::lane): the receiver offers one
   /// in its OK.
   bool lane = false;
+  /// The session secret the streamer chose for this session (refit's streamer: 16 random bytes
+  /// each HELLO; at most max_secret_bytes, "" for none). Every later request of the session
+  /// carries it (encode(m, secret)); the receiver takes them only from the connection that said
+  /// this HELLO and with this secret, and refuses others with errc::unauthorized.
+  std::string secret;
   friend bool operator==(const hello&, const hello&) = default;
 };
 
@@ -255,16 +261,19 @@ std::string encode_dest(const dest_record& d);
 /// refit::error(protocol) naming the field.
 dest_record decode_dest(std::string_view bytes);
 
-/// Encodes a message (never fails for a well-formed struct).
-std::string encode(const message& m);
-/// Encodes a BATCH as encode(message(b)) does, without copying its entries into a message.
-std::string encode(const batch& b);
+/// Encodes a message (never fails for a well-formed struct). A request of a session (BEGIN, BATCH,
+/// END, BYE, ABORT) carries `secret` as its last field: the session's hello::secret ("" for none);
+/// other messages ignore it.
+std::string encode(const message& m, std::string_view secret = {});
+/// Encodes a BATCH as encode(message(b), secret) does, without copying its entries into a message.
+std::string encode(const batch& b, std::string_view secret = {});
 
 /// Decodes and validates everything that needs no session state. Throws refit::error with
 /// errc::version_mismatch (message names both versions), or errc::protocol with a message naming
-/// the message type, the field and what is wrong.
-message decode(std::span<const std::byte> bytes);
-message decode(std::string_view bytes);
+/// the message type, the field and what is wrong. `secret`, when given, receives the secret a
+/// request of a session carries ("" for other messages).
+message decode(std::span<const std::byte> bytes, std::string* secret = nullptr);
+message decode(std::string_view bytes, std::string* secret = nullptr);
 
 /// Receiver-side state of one refit: applies the stateful rules to each batch.
 ///

@@ -38,6 +38,9 @@ TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cu
 #include <utility>
 #include <vector>
 
+#include "channel/channel.hpp"
+#include "transport/transport.hpp"
+#include "wire/wire.hpp"
 #include "copy/copy.hpp"
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
@@ -1333,6 +1336,57 @@ TEST_CASE("a direct cuda_ipc source that does not fit its view (slice past the e
           expect(e.code() == refit::errc::apply, "error code " + std::string(refit::to_string(e.code())));
           expect(std::string(e.what()).find("tensor 'o'") != std::string::npos, std::string("message: ") + e.what());
         }
+        s.close();
+      });
+}
+
+TEST_CASE(
+    "a cuda_ipc HELLO with a forged handle or a buffer larger than its memory is refused, and the next "
+    "streamer refits bit-exact",
+    "[cuda_ipc][hostile]") {
+  const auto ep = rt::temp_endpoint();
+  const refit::tensor_meta w{"w", refit::dtype::bf16, {4096}};
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+        device_tensors engine({w}, 0);
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        engine.register_with(r);
+        ready.send("ready");
+        std::uint64_t committed = 0;
+        serve_until_bye(r, [&](std::uint64_t v) { committed = v; });
+        expect(committed == 1, "committed version " + std::to_string(committed));
+        expect(engine.mismatch(1).empty(), "weights after the refit: " + engine.mismatch(1));
+      },
+      [&] {
+        refit::transport::source_options o;
+        o.name = "cuda_ipc";
+        o.bytes = 1 * mib;
+        const auto src = refit::transport::make_source(o);
+        refit::wire::hello h;
+        src->open_session(h);
+        refit::channel::req_channel ch(ep);
+        const auto answer = [&](const refit::wire::hello& x) {
+          const auto m = refit::wire::decode(ch.request(refit::wire::encode(x), relaxed, "HELLO"));
+          const auto* e = std::get_if<refit::wire::error>(&m);
+          return e == nullptr ? std::string("OK") : std::string(refit::to_string(e->code)) + ": " + e->message;
+        };
+        refit::wire::hello big = h;
+        big.buffers[0].bytes = 64 * mib;  // its allocation has 1 MiB: reads past it would kill the context
+        const std::string too_big = answer(big);
+        expect(
+            too_big.starts_with("transport: cuda_ipc HELLO buffer 0: announced as 67108864 bytes, but the memory its "
+                                "handle maps has"),
+            "oversized buffer: " + too_big);
+        refit::wire::hello forged = h;
+        forged.buffers[1].handle = std::string(forged.buffers[1].handle.size(), '\x5a');
+        const std::string bad = answer(forged);
+        expect(bad.starts_with("transport: cudaIpcOpenMemHandle(buffer 1 of"), "forged handle: " + bad);
+        // The receiver is alive and clean: a real streamer's refit commits bit-exact.
+        device_tensors source({w}, 0);
+        source.upload(1);
+        refit::streamer s(stream_options(ep, 0, relaxed));
+        s.refit(1, source.refs());
         s.close();
       });
 }

@@ -71,11 +71,23 @@ class mp {
 using field = std::function<void(mp&)>;
 
 // [type, protocol_version, fields...]
-std::string message(std::uint64_t type, const std::vector<field>& fields, std::uint64_t pv = wire::protocol_version) {
+/// [type, pv, fields...] exactly as given.
+std::string message_raw(std::uint64_t type, const std::vector<field>& fields,
+                        std::uint64_t pv = wire::protocol_version) {
   mp m;
   m.arr(static_cast<std::uint32_t>(2 + fields.size())).u(type).u(pv);
   for (const auto& f : fields) f(m);
   return m.str();
+}
+
+/// [type, pv, fields...], and for the requests of a session (BEGIN, BATCH, END, BYE, ABORT) an empty
+/// session secret as their last field, as wire::encode(m) writes it.
+std::string message(std::uint64_t type, const std::vector<field>& fields, std::uint64_t pv = wire::protocol_version) {
+  const bool session_request = type == 2 || type == 3 || type == 4 || type == 5 || type == 8;
+  if (!session_request) return message_raw(type, fields, pv);
+  std::vector<field> all = fields;
+  all.push_back([](mp& m) { m.b(""); });
+  return message_raw(type, all, pv);
 }
 
 field U(std::uint64_t v) {
@@ -125,7 +137,8 @@ std::vector<field> hello_fields() {
           U(0),
           U(1),
           U(30000),
-          T(true)};
+          T(true),
+          B("secret")};
 }
 
 // An entry [name, dtype, shape, tensor_offset, bytes, buffer_offset, kind, span].
@@ -377,11 +390,12 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
   check_mismatch(message(BEGIN, {U(1)}, 6), 6);  // the release before nccl parts sessions
   check_mismatch(message(BEGIN, {U(1)}, 7), 7);  // the release before cuda_ipc offers named their GPUs
   check_mismatch(message(BEGIN, {U(1)}, 8), 8);  // the release before paired nccl sessions
-  check_mismatch(message(BEGIN, {U(1)}, 10), 10);
+  check_mismatch(message(BEGIN, {U(1)}, 9), 9);  // the release before session secrets
+  check_mismatch(message(BEGIN, {U(1)}, 12), 12);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
   check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 11), 11);
-  check_mismatch(message(99, {}, 10), 10);
+  check_mismatch(message(99, {}, 12), 12);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
@@ -391,19 +405,42 @@ TEST_CASE("decode rejects unknown message types", "[wire]") {
 }
 
 TEST_CASE("decode rejects a wrong field count for the message type", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(1), U(2)})), errc::protocol, "BEGIN message: 2 fields, expected 3");
-  CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {})), errc::protocol, "BEGIN message: 0 fields");
-  CHECK_REFIT_ERROR(wire::decode(message(BYE, {NIL()})), errc::protocol, "BYE message: 1 fields, expected 0");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(BEGIN, {U(1), U(2), U(3)})), errc::protocol,
+                    "BEGIN message: 3 fields, expected 4");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(BEGIN, {})), errc::protocol, "BEGIN message: 0 fields");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(BYE, {B(""), NIL()})), errc::protocol,
+                    "BYE message: 2 fields, expected 1");
+  // A request without its secret is a message of the release before session secrets.
+  CHECK_REFIT_ERROR(wire::decode(message_raw(BYE, {})), errc::protocol, "BYE message: 0 fields, expected 1");
   auto h = hello_fields();
   h.pop_back();
-  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 13 fields, expected 14");
-  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), U(3)})), errc::protocol, "END message: 3 fields");
+  CHECK_REFIT_ERROR(wire::decode(message(HELLO, h)), errc::protocol, "HELLO message: 14 fields, expected 15");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(END, {U(1), U(2), U(3)})), errc::protocol, "END message: 3 fields");
   CHECK_REFIT_ERROR(wire::decode(message(OK, {NIL(), T(true)})), errc::protocol, "OK message: 2 fields");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2)})), errc::protocol, "ERROR message: 1 fields");
-  CHECK_REFIT_ERROR(wire::decode(message(BATCH, {U(1), U(0), U(0)})), errc::protocol, "BATCH message: 3 fields");
-  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(1), U(1)})), errc::protocol, "ABORT message: 2 fields, expected 3");
-  CHECK_REFIT_ERROR(wire::decode(message(ABORT, {U(1), U(1), S("x"), S("y")})), errc::protocol,
-                    "ABORT message: 4 fields, expected 3");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(BATCH, {U(1), U(0), U(0)})), errc::protocol, "BATCH message: 3 fields");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(ABORT, {U(1), U(1), S("x")})), errc::protocol,
+                    "ABORT message: 3 fields, expected 4");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(ABORT, {U(1), U(1), S("x"), B(""), S("y")})), errc::protocol,
+                    "ABORT message: 5 fields, expected 4");
+}
+
+TEST_CASE("a request's session secret is decoded apart from the message and bounded", "[wire]") {
+  std::string secret = "stale";
+  const auto b = wire::decode(wire::encode(wire::begin{3, false, {}}, "0123456789abcdef"), &secret);
+  CHECK(std::get<wire::begin>(b) == wire::begin{3, false, {}});
+  CHECK(secret == "0123456789abcdef");
+  (void)wire::decode(wire::encode(wire::ok{}, "ignored"), &secret);
+  CHECK(secret.empty());  // replies carry none
+  wire::hello h;
+  h.secret = std::string(wire::max_secret_bytes, 'k');
+  CHECK(std::get<wire::hello>(wire::decode(wire::encode(h))).secret == h.secret);
+  h.secret += 'k';
+  CHECK_REFIT_ERROR(wire::decode(wire::encode(h)), errc::protocol, "secret");
+  CHECK_REFIT_ERROR(wire::decode(wire::encode(wire::bye{}, std::string(wire::max_secret_bytes + 1, 's'))),
+                    errc::protocol, "secret");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(END, {U(1), U(2), U(3), U(4), NIL(), S("text, not bin")})), errc::protocol,
+                    "secret must be");
 }
 
 TEST_CASE("decode rejects nesting deeper than any message has", "[wire]") {
@@ -668,9 +705,9 @@ TEST_CASE("decode rejects handles longer than the limit", "[wire]") {
 TEST_CASE("decode rejects more entries than the limit", "[wire]") {
   // Each entry a nil: the count is checked before any entry is looked at.
   mp m;
-  m.arr(8).u(BATCH).u(wire::protocol_version).u(1).u(0).u(0).arr(static_cast<std::uint32_t>(wire::max_entries + 1));
+  m.arr(9).u(BATCH).u(wire::protocol_version).u(1).u(0).u(0).arr(static_cast<std::uint32_t>(wire::max_entries + 1));
   for (std::size_t i = 0; i < wire::max_entries + 1; ++i) m.nil();
-  m.arr(0).t(false);
+  m.arr(0).t(false).b("");
   CHECK_REFIT_ERROR(wire::decode(m.str()), errc::protocol, "entries has 1048577 elements, more than the limit");
 }
 

@@ -185,6 +185,10 @@ class Receiver(_refit.Receiver):
             memory in torch's expandable segments, so that weights held there are written
             directly and a trainer's tensors there are read in place. False: ZeroMQ only (such
             weights are then staged into, such tensors packed).
+        allow_insecure_tcp: bind a tcp endpoint other hosts can reach (not loopback) without
+            ``curve``. Refused by default (``RefitError`` with ``Errc.invalid_argument``): the
+            token and every message would cross the network in the clear. The environment
+            variable ``REFIT_ALLOW_INSECURE=1`` allows it too.
 
     Example::
 
@@ -212,6 +216,7 @@ class Receiver(_refit.Receiver):
         streamers: int = 1,
         delta_threads: int = 0,
         control_lane: bool = True,
+        allow_insecure_tcp: bool = False,
     ) -> None:
         super().__init__(
             endpoint,
@@ -224,6 +229,7 @@ class Receiver(_refit.Receiver):
             streamers=streamers,
             delta_threads=delta_threads,
             control_lane=control_lane,
+            allow_insecure_tcp=allow_insecure_tcp,
         )
         self._begin_fn = None
         self._partials = None  # on_tensor's chunks being reassembled, dropped at every BEGIN
