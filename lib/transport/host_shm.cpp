@@ -394,9 +394,9 @@ unique_fd open_memfd(const std::string& handle, const memfd_handle& m) {
   if (!at) {
     const int e = errno;
     throw error(errc::transport,
-                fmt::format("host_shm: cannot open the streamer's buffer {}: {}; is the streamer still alive and "
-                            "in this process's pid namespace? (a receiver that cannot see the streamer's /proc "
-                            "needs named segments: REFIT_HOST_SHM=named on the streamer)",
+                fmt::format("host_shm: cannot open the streamer's buffer {}: {}; is the streamer still alive, in "
+                            "this process's pid namespace, of this user and dumpable? (a receiver that cannot see "
+                            "the streamer's /proc needs named segments: REFIT_HOST_SHM=named on the streamer)",
                             handle, errno_text(e)));
   }
   check_type(stat_of(at.get(), handle), handle);
