@@ -9,6 +9,7 @@
 #include <deque>
 
 #include "config/config.hpp"
+#include "copy/bus_guard.hpp"
 #include "refit/error.hpp"
 #if REFIT_HAVE_CUDA
 #include "copy/copy_cuda.hpp"
@@ -102,15 +103,28 @@ void cpu_scales(const scale_job& j) {
   }
 }
 
+/// The CPU engine's copies of a batch (`ops` points at a std::span<const op>). Run inside
+/// guarded(): nothing here has a destructor, takes a lock or allocates.
+void copy_ops(const void* ops) {
+  for (const op& o : *static_cast<const std::span<const op>*>(ops)) {
+    if (o.bytes == 0) continue;
+    for (std::uint64_t r = 0; r < o.rows; ++r)
+      std::memcpy(static_cast<std::byte*>(o.dst) + r * o.dst_pitch,
+                  static_cast<const std::byte*>(o.src) + r * o.src_pitch, o.bytes);
+  }
+}
+
 class cpu_copier final : public copier {
  public:
+  /// A receiver's host_shm apply reads the streamer's mapped buffers here, once per batch: while
+  /// such memory is mapped (bus_guard.hpp), one sigsetjmp per call turns a SIGBUS reading it (a
+  /// streamer that truncated its segment) into errc::transport instead of the end of the process.
   void run(std::span<const op> ops, void* /*stream*/) override {
-    for (const op& o : ops) {
-      if (o.bytes == 0) continue;
-      for (std::uint64_t r = 0; r < o.rows; ++r)
-        std::memcpy(static_cast<std::byte*>(o.dst) + r * o.dst_pitch,
-                    static_cast<const std::byte*>(o.src) + r * o.src_pitch, o.bytes);
+    if (!peer_memory_mapped()) {
+      copy_ops(&ops);
+      return;
     }
+    if (const auto fault = guarded(copy_ops, &ops)) throw error(errc::transport, "host_shm: " + *fault);
   }
   void convert(std::span<const convert_op> ops, void* /*stream*/) override {
     for (const convert_op& o : ops) {
