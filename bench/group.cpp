@@ -53,6 +53,7 @@
 #include "bench/bench.hpp"
 #include "config/config.hpp"
 #include "delta/checksum.hpp"
+#include "model/text.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
 #if REFIT_HAVE_CUDA
@@ -279,9 +280,9 @@ void serve(const config& c, const manifest& m, const child_plan& p, int rank, in
       for (const std::uint64_t sum : view_checksums(m, layout, *dest)) line += fmt::format(" {}", sum);
       write_line(out, line);
     } else if (e == receiver_event::aborted) {
-      write_line(out, "aborted " + r.last_error());
+      write_line(out, "aborted " + printable(r.last_error()));  // it may quote a streamer's bytes
     } else if (p.kind == transport_kind::nccl && (e == receiver_event::hello || e == receiver_event::refused)) {
-      write_line(out, e == receiver_event::hello ? std::string("hello") : "refused " + r.last_error());
+      write_line(out, e == receiver_event::hello ? std::string("hello") : "refused " + printable(r.last_error()));
     }
     pollfd q{in, POLLIN, 0};
     if (::poll(&q, 1, 0) > 0) break;

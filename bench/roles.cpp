@@ -42,6 +42,7 @@
 #include "bench/bench.hpp"
 #include "channel/channel.hpp"
 #include "config/config.hpp"
+#include "model/text.hpp"
 #include "refit/error.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
@@ -61,6 +62,13 @@ extern "C" void on_stop_signal(int) { stop_requested = 1; }
 void progress(const config& c, const std::string& line) {
   if (!c.quiet) std::cerr << "refit-bench: " << line << std::endl;
 }
+
+// One JSON line of ours. It may hold a peer's text (an error quoting a tensor name): bytes that are
+// not UTF-8 become U+FFFD instead of an exception that would end the receiver.
+std::string dump_line(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// The longest report request a receiver reads: {"version": N} and some spaces.
+constexpr std::size_t max_request_bytes = 4096;
 
 // A JSON number that is a non-negative integer (a version, a checksum), else nullopt.
 std::optional<std::uint64_t> unsigned_of(const json& j) {
@@ -207,10 +215,90 @@ std::string default_report_endpoint(std::string_view refit_endpoint) {
                                                   ep));
 }
 
+std::optional<std::string> peer_json_problem(std::string_view text, std::size_t max_bytes) {
+  if (text.size() > max_bytes) return fmt::format("of {} bytes, more than the {} it may have", text.size(), max_bytes);
+  std::size_t depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char ch : text) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (ch == '\\')
+        escaped = true;
+      else if (ch == '"')
+        in_string = false;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      if (++depth > max_json_depth) return fmt::format("nested deeper than {} levels", max_json_depth);
+    } else if ((ch == ']' || ch == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return std::nullopt;
+}
+
+json parse_peer_json(std::string_view text, std::size_t max_bytes, std::string_view who) {
+  if (const auto problem = peer_json_problem(text, max_bytes))
+    throw error(errc::protocol, fmt::format("refit-bench: {} sent JSON {}: refused unread; it begins {}", who, *problem,
+                                            printable(text, 200)));
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded())
+    throw error(errc::protocol,
+                fmt::format("refit-bench: {} sent a line that is not JSON: {}", who, printable(text, 200)));
+  return j;
+}
+
+namespace {
+
+// excerpt()'s writer. Its recursion ends at depth 8 whatever the value holds.
+void excerpt_into(std::string& out, const json& j, std::size_t max_bytes, int depth) {
+  const auto scalar = [&](const json& v) {
+    // A long string is cut before it is written out: the excerpt shows its start only.
+    const json cut = v.is_string() && v.get_ref<const std::string&>().size() > max_bytes
+                         ? json(v.get_ref<const std::string&>().substr(0, max_bytes))
+                         : json();
+    out += (cut.is_null() ? v : cut).dump(-1, ' ', false, json::error_handler_t::replace);
+  };
+  if (!j.is_structured()) return scalar(j);
+  const bool array = j.is_array();
+  if (depth >= 8) {
+    out += array ? "[…]" : "{…}";
+    return;
+  }
+  out += array ? '[' : '{';
+  bool first = true;
+  for (const auto& item : j.items()) {
+    if (out.size() > max_bytes) break;
+    if (!first) out += ',';
+    first = false;
+    if (!array) {
+      scalar(json(item.key()));
+      out += ':';
+    }
+    excerpt_into(out, item.value(), max_bytes, depth + 1);
+  }
+  out += array ? ']' : '}';
+}
+
+}  // namespace
+
+std::string excerpt(const json& j, std::size_t max_bytes) {
+  std::string out;
+  excerpt_into(out, j, max_bytes, 0);
+  return printable(out, max_bytes);
+}
+
+std::size_t max_report_bytes(const manifest& m) {
+  // A checksum is at most 20 digits and a comma; the rest of the line (and an aborted line's
+  // error) fits in the MiB.
+  return (std::size_t{1} << 20) + 32 * m.entries.size();
+}
+
 std::int64_t count_wrong(const config& c, const json& line, std::uint64_t version, const manifest& m,
                          const std::vector<std::uint64_t>& expected, const std::string& who,
                          const std::string& receiver, std::int64_t& printed, int rank) {
-  const auto said = [&] { return line.dump().substr(0, 300); };
+  const auto said = [&] { return excerpt(line); };
   const bool object = line.is_object();
   const auto v = object ? line.find("version") : line.end();
   if (!object || line.value("event", json()) != "committed" || v == line.end() || unsigned_of(*v) != version) {
@@ -227,14 +315,14 @@ std::int64_t count_wrong(const config& c, const json& line, std::uint64_t versio
   if (held != line.end() && *held != layout_name(c.layout))
     throw error(errc::protocol, fmt::format("refit-bench: {} holds the model in layout {} and this streamer runs with "
                                             "--layout {}: give both sides the same --layout",
-                                            who, held->dump(), layout_name(c.layout)));
+                                            who, excerpt(*held), layout_name(c.layout)));
   // A tensor-parallel rank's checksums are of its slices: another rank's would all be wrong.
   const auto held_rank = line.find("rank");
   if (c.layout.tp > 1 && held_rank != line.end() && unsigned_of(*held_rank) != static_cast<std::uint64_t>(rank))
     throw error(errc::protocol,
                 fmt::format("refit-bench: {} holds rank {} of --layout {} and this streamer checks rank "
                             "{}: give both sides the same --rank",
-                            who, held_rank->dump(), layout_name(c.layout), rank));
+                            who, excerpt(*held_rank), layout_name(c.layout), rank));
   const std::size_t n = m.entries.size();
   const auto sums = line.find("checksums");
   if (sums == line.end() || !sums->is_array() || sums->size() != n)
@@ -246,7 +334,7 @@ std::int64_t count_wrong(const config& c, const json& line, std::uint64_t versio
     const auto sum = unsigned_of((*sums)[i]);
     if (!sum)
       throw error(errc::protocol,
-                  fmt::format("refit-bench: {} sent checksum {} as {}, not a number", who, i, (*sums)[i].dump()));
+                  fmt::format("refit-bench: {} sent checksum {} as {}, not a number", who, i, excerpt((*sums)[i])));
     if (*sum == expected[i]) continue;
     if (printed < 3) {
       progress(c, fmt::format("WRONG: version {}{} tensor {} ({}): checksum {:#018x}, expected {:#018x}", version,
@@ -272,14 +360,21 @@ void report_log::add(const json& line) {
 }
 
 std::string report_log::answer(std::string_view request) const {
-  const json req = json::parse(request, nullptr, false);
+  // A request is a few bytes: anything longer or nested is refused before it is parsed, so that a
+  // request costs at most ~150 KiB of heap to parse (36 bytes a byte) whatever its size.
+  const auto problem = peer_json_problem(request, max_request_bytes);
+  const json req = problem ? json() : json::parse(request, nullptr, false);
   const auto v = req.is_object() ? req.find("version") : req.end();
   const auto asked = v == req.end() ? std::nullopt : unsigned_of(*v);
-  if (!asked) return json{{"event", "error"}, {"error", "a report request is {\"version\": N}"}}.dump();
+  if (!asked)
+    return json{{"event", "error"},
+                {"error", fmt::format("a report request is {{\"version\": N}}{}",
+                                      problem ? fmt::format("; this one, {}, was refused unread", *problem) : "")}}
+        .dump();
   const std::uint64_t version = *asked;
   const auto is = [](const json& e, std::string_view event) { return e.value("event", std::string()) == event; };
   for (auto e = events_.rbegin(); e != events_.rend(); ++e)
-    if (is(*e, "committed") && e->value("version", std::uint64_t{0}) == version) return e->dump();
+    if (is(*e, "committed") && e->value("version", std::uint64_t{0}) == version) return dump_line(*e);
   // The first abort after the last commit of an earlier version, and before any later one, ended
   // this version (or the refit that was to be it). Without such a commit in the log, only when
   // nothing was forgotten: an abort could otherwise belong to an older version.
@@ -294,7 +389,7 @@ std::string report_log::answer(std::string_view request) const {
       abort = &e;
     }
   }
-  if (abort) return abort->dump();
+  if (abort) return dump_line(*abort);
   return json{{"event", "unknown"}, {"version", version}}.dump();
 }
 
@@ -452,9 +547,9 @@ class group_runner {
       }
       // All spawned first, so that they fill their destination tensors in parallel.
       for (std::size_t k = 0; k < count_; ++k) {
-        const json ready = json::parse(children_[k]->read_line(std::chrono::minutes(10)));
+        const json ready = parse_peer_json(children_[k]->read_line(std::chrono::minutes(10)), 1 << 20, who(k));
         if (ready.value("event", "") != "ready")
-          throw error(errc::protocol, fmt::format("refit-bench: {} said {} instead of ready", who(k), ready.dump()));
+          throw error(errc::protocol, fmt::format("refit-bench: {} said {} instead of ready", who(k), excerpt(ready)));
         endpoints_.push_back(ready.at("endpoint").get<std::string>());
       }
       endpoint_ = endpoints_.front();
@@ -485,6 +580,11 @@ class group_runner {
                                 report_who_, v, timeout.count()));
       throw error(e.code(), fmt::format("refit-bench: asking {} for version {} failed: {}", report_who_, v, e.what()));
     }
+    if (const auto problem = peer_json_problem(reply, max_report_bytes(g_.m)))
+      throw error(errc::protocol,
+                  fmt::format("refit-bench: {} answered for version {} with JSON {}: refused unread; it "
+                              "begins {}",
+                              report_who_, v, *problem, printable(reply, 200)));
     json line = json::parse(reply, nullptr, false);
     if (line.is_discarded())
       throw error(
@@ -662,9 +762,10 @@ class group_runner {
       std::string detail;
       for (std::size_t k = 0; k < children_.size(); ++k) {
         try {
-          const json line = json::parse(children_[k]->read_line(std::chrono::seconds(2)));
+          const json line =
+              parse_peer_json(children_[k]->read_line(std::chrono::seconds(2)), max_report_bytes(g_.m), who(k));
           if (line.value("event", "") == "aborted")
-            detail += fmt::format("; {} says: {}", who(k), line.value("error", ""));
+            detail += fmt::format("; {} says: {}", who(k), printable(line.value("error", ""), 1024));
         } catch (...) {
         }
       }
@@ -672,7 +773,7 @@ class group_runner {
         try {
           const json line = ask_report(v, std::chrono::seconds(2));
           if (line.value("event", "") == "aborted")
-            detail += fmt::format("; {} says: {}", report_who_, line.value("error", ""));
+            detail += fmt::format("; {} says: {}", report_who_, printable(line.value("error", ""), 1024));
         } catch (...) {
         }
       }
@@ -687,7 +788,8 @@ class group_runner {
     std::int64_t wrong_now = 0, printed = 0;
     for (std::size_t k = 0; k < children_.size(); ++k) {
       const json line =
-          json::parse(children_[k]->read_line(milliseconds(std::max<std::uint64_t>(c_.timeout_ms, 600000))));
+          parse_peer_json(children_[k]->read_line(milliseconds(std::max<std::uint64_t>(c_.timeout_ms, 600000))),
+                          max_report_bytes(g_.m), who(k));
       const std::string label = !several_ ? std::string() : fmt::format(" {} {}", tp_ ? "rank" : "receiver", k);
       wrong_now += count_wrong(c_, line, v, g_.m, expects_[expect_of_[k]].sums, who(k), label, printed, ranks_[k]);
       apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
@@ -789,7 +891,7 @@ void run_group(group& g, std::ostream& out, std::vector<row>& rows) { group_runn
 void write_outputs(const config& c, const preamble& p, const std::vector<row>& rows) {
   if (!c.json_file.empty()) {
     std::ofstream f(c.json_file);
-    f << to_json(p, rows).dump(2) << '\n';
+    f << to_json(p, rows).dump(2, ' ', false, json::error_handler_t::replace) << '\n';
     if (!f) throw error(errc::io, fmt::format("refit-bench: cannot write --json {}", c.json_file));
   }
   if (!c.plot_file.empty()) {
@@ -891,7 +993,7 @@ class report_endpoint {
 };
 
 void emit(const json& j) {
-  std::cout << j.dump() << '\n';
+  std::cout << dump_line(j) << '\n';
   std::cout.flush();
 }
 
@@ -1051,7 +1153,8 @@ int run_receiver(const config& c) {
         break;
       }
       case receiver_event::aborted: {
-        const json line{{"event", "aborted"}, {"error", r.last_error()}};
+        // The error may quote what the streamer sent (a tensor name of any bytes): one printable line.
+        const json line{{"event", "aborted"}, {"error", printable(r.last_error())}};
         emit(line);
         if (reports) log.aborted(line);
         break;

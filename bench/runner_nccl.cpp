@@ -394,7 +394,7 @@ class nccl_path final : public transport_path {
         const auto line = nlohmann::json::parse(helpers[k]->read_line(timeout_), nullptr, false);
         if (line.is_discarded() || line.value("event", "") != "ceiling")
           throw error(errc::protocol, fmt::format("rank {} said {} instead of its ceiling result", k + 1,
-                                                  line.is_discarded() ? "something else" : line.dump()));
+                                                  line.is_discarded() ? "something else" : excerpt(line)));
       }
     } catch (const error& e) {
       std::string_view what = e.what();

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <string>
 
+#include "model/text.hpp"
+
 namespace refit::log {
 namespace {
 
@@ -43,6 +45,10 @@ sink_state& state() {
 
 constexpr const char* names[] = {"ERROR", "WARN", "INFO", "DEBUG"};
 
+// Messages quote what peers sent (tensor and peer names, reasons): each becomes one line of
+// printable text, bounded (model/text.hpp), so that no peer can forge or flood a line.
+constexpr std::size_t max_line_bytes = 16384;
+
 }  // namespace
 
 bool enabled(level l) noexcept { return static_cast<int>(l) <= static_cast<int>(state().threshold); }
@@ -59,7 +65,7 @@ void write(level l, std::string_view message) noexcept {
                           std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count())
             : std::string();
     const std::string line = fmt::format("{}:{} refit {} {}{}\n", s.prefix.substr(0, s.prefix.find(':')), ::getpid(),
-                                         names[static_cast<int>(l)], when, message);
+                                         names[static_cast<int>(l)], when, printable(message, max_line_bytes));
     std::lock_guard lock(s.mutex);
     std::fwrite(line.data(), 1, line.size(), s.file);
     std::fflush(s.file);

@@ -12,7 +12,8 @@ enum class level : int { error = 0, warn = 1, info = 2, debug = 3 };
 
 /// True when messages of this level are written.
 bool enabled(level l) noexcept;
-/// Writes one line (thread-safe). Never throws.
+/// Writes one line (thread-safe): `message` as printable() shows it (model/text.hpp), so a peer's
+/// text quoted in it can neither break the line nor flood the log. Never throws.
 void write(level l, std::string_view message) noexcept;
 
 }  // namespace refit::log

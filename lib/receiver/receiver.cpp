@@ -49,6 +49,7 @@
 #include "delta/device.hpp"
 #endif
 #include "model/log.hpp"
+#include "model/text.hpp"
 #include "plan/route.hpp"
 #include "transport/transport.hpp"
 #include "wire/wire.hpp"
@@ -437,7 +438,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 
   /// The streamer of lane `l`, for messages: its peer name, and its rank in a group.
   [[nodiscard]] std::string who(const lane& l) const {
-    const std::string name = l.peer.empty() ? std::string("a streamer") : l.peer;
+    const std::string name = l.peer.empty() ? std::string("a streamer") : printable(l.peer, 256);
     return grouped() ? fmt::format("rank {} ({})", l.rank, name) : name;
   }
 
@@ -1075,9 +1076,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       const wire::entry& e = b.entries[k];
       std::vector<slot>* slots = table.find(e.name);
       if (slots == nullptr)
-        throw error(
-            errc::apply,
-            fmt::format("tensor '{}' (BATCH {} entry {}) is not in this receiver's parameter table", e.name, b.seq, k));
+        throw error(errc::apply,
+                    fmt::format("tensor '{}' (BATCH {} entry {}) is not in this receiver's parameter table",
+                                printable(e.name), b.seq, k));
       for (slot& sl : *slots) {
         route_converted(sl, e);
         if (e.bytes != 0 && sl.dest.dev.kind != where && !sl.runs().empty())

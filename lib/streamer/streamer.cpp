@@ -40,6 +40,7 @@
 #include "delta/device.hpp"
 #endif
 #include "model/log.hpp"
+#include "model/text.hpp"
 #include "refit/plan.hpp"
 #include "transport/registry.hpp"
 #include "transport/transport.hpp"
@@ -367,7 +368,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         failures.push_back({k, e.code(),
                             e.code() == errc::timeout
                                 ? std::string(e.what())
-                                : fmt::format("bad reply from {} to {}: {}", who(k), what, e.what())});
+                                : fmt::format("bad reply from {} to {}: {}", who(k), what, printable(e.what()))});
       }
     }
     if (failures.empty()) {
@@ -534,7 +535,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
         throw error(errc::invalid_argument,
                     fmt::format("tensor '{}': {} asks for it as {} and {} as {}: one streamer sends one conversion of "
                                 "a tensor to all its receivers; register the same dtype and quant everywhere",
-                                c.name, who(asked_by.at(c.name)), describe_one(it->second), who(k), describe_one(c)));
+                                printable(c.name), who(asked_by.at(c.name)), describe_one(it->second), who(k),
+                                describe_one(c)));
       }
     }
     return merged;

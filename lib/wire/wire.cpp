@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "model/text.hpp"
 #include "plan/route.hpp"
 
 namespace refit::wire {
@@ -187,14 +188,14 @@ void encode_body(packer& p, const ok& m, std::string_view) {
 void encode_body(packer& p, const error& m, std::string_view) {
   head(p, msg_type::error, 2);
   p.pack_int(static_cast<int>(m.code));
-  pack_str(p, m.message);
+  pack_str(p, printable(m.message, max_text_bytes));  // it may quote a peer's bytes: a msgpack str is UTF-8
 }
 
 void encode_body(packer& p, const abort& m, std::string_view secret) {
   head(p, msg_type::abort, 4);
   pack_uint(p, m.version);
   p.pack_int(static_cast<int>(m.code));
-  pack_str(p, m.reason);
+  pack_str(p, printable(m.reason, max_text_bytes));
   pack_bin(p, secret);
 }
 
@@ -589,7 +590,8 @@ errc decode_errc(reader& r, const object& o) {
 error decode_error(reader& r, std::span<const object> f) {
   error m;
   m.code = decode_errc(r, f[0]);
-  m.message = r.str(f[1], "message", max_message_bytes);
+  // A hostile receiver may send anything here: the streamer's caller gets it as refit::error text.
+  m.message = printable(r.str(f[1], "message", max_message_bytes), max_text_bytes);
   return m;
 }
 
@@ -597,7 +599,7 @@ abort decode_abort(reader& r, std::span<const object> f) {
   abort m;
   m.version = r.u64(f[0], "version");
   m.code = decode_errc(r, f[1]);
-  m.reason = r.str(f[2], "reason", max_message_bytes);
+  m.reason = printable(r.str(f[2], "reason", max_message_bytes), max_text_bytes);
   return m;
 }
 

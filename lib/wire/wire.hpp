@@ -193,7 +193,7 @@ struct bye {
 
 /// Streamer → receiver: the streamer failed refit `version` on its own side after BEGIN (a tensor
 /// it could not send, its source threw), so the refit will never reach END. `code` is the error
-/// the streamer's caller gets; `reason` its message. The receiver aborts the refit if it is the
+/// the streamer's caller gets; `reason` its message (see max_text_bytes). The receiver aborts the refit if it is the
 /// one in progress and answers OK in every case.
 struct abort {
   std::uint64_t version = 0;
@@ -229,7 +229,12 @@ struct ok {
   friend bool operator==(const ok&, const ok&) = default;
 };
 
-/// Failure reply.
+/// The most bytes of an ERROR's message or an ABORT's reason, as encoded and as decoded: each is
+/// printable text (model/text.hpp: valid UTF-8, one line, escaped, cut to this many bytes), since
+/// the streamer's caller reads it, a log quotes it and the bench writes it into JSON.
+inline constexpr std::size_t max_text_bytes = 8192;
+
+/// Failure reply. `message`: see max_text_bytes.
 struct error {
   errc code = errc::protocol;
   std::string message;

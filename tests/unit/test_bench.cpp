@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -15,13 +16,17 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 #include "bench/bench.hpp"
 #include "bench/json_outline.hpp"
+#include "channel/channel.hpp"
 #include "copy/copy.hpp"
 #include "config/config.hpp"
 #include "refit/error.hpp"
+#include "refit/streamer.hpp"
 
 namespace fs = std::filesystem;
 using namespace refit;
@@ -2270,4 +2275,210 @@ TEST_CASE("--streamers over nccl gives every rank a GPU of its own unless --nccl
   c.device = 0;
   c.nccl_share_gpus = true;  // four ranks on one GPU, each process an NCCL host of its own
   CHECK_NOTHROW(check_group_gpus(c, 2, 2, 1));
+}
+
+// ============================================================================ hostile peers' JSON
+
+namespace {
+
+// `depth` arrays, one inside the other.
+std::string nested_json(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+
+// An attacker's report endpoint: answers every request with `answer`, from a thread of its own,
+// until destroyed.
+struct fake_report_endpoint {
+  fake_report_endpoint(const std::string& endpoint, std::string answer_with)
+      : channel(endpoint), answer(std::move(answer_with)), thread([this] { serve(); }) {}
+  ~fake_report_endpoint() {
+    stop = true;
+    thread.join();
+  }
+  fake_report_endpoint(const fake_report_endpoint&) = delete;
+  fake_report_endpoint& operator=(const fake_report_endpoint&) = delete;
+
+  void serve() {
+    while (!stop)
+      if (channel.receive(std::chrono::milliseconds(50))) {
+        ++asked;
+        channel.reply(answer);
+      }
+  }
+
+  refit::channel::rep_channel channel;
+  std::string answer;
+  std::atomic<bool> stop{false};
+  std::atomic<int> asked{0};
+  std::thread thread;  // last: it starts once the rest is there
+};
+
+}  // namespace
+
+TEST_CASE("JSON from a peer is refused unread past its size or 32 levels of nesting, brackets in strings aside",
+          "[bench]") {
+  CHECK_FALSE(peer_json_problem(R"({"version": 1})", 4096));
+  CHECK_FALSE(peer_json_problem(nested_json(max_json_depth), 4096));
+  CHECK(peer_json_problem(nested_json(max_json_depth + 1), 4096) == "nested deeper than 32 levels");
+  CHECK(peer_json_problem("{\"a\":" + nested_json(max_json_depth), 4096) == "nested deeper than 32 levels");
+  // Brackets inside strings, escaped quotes included, are text.
+  const std::string in_string = "[\"" + std::string(100, '[') + "\\\"" + std::string(100, '{') + "\"]";
+  CHECK_FALSE(peer_json_problem(in_string, 4096));
+  CHECK(json::parse(in_string)[0].get<std::string>().size() == 201);
+  CHECK(peer_json_problem(std::string(4097, ' '), 4096) == "of 4097 bytes, more than the 4096 it may have");
+  CHECK_FALSE(peer_json_problem(std::string(4096, ' '), 4096));
+  // A million levels: refused after one scan, with the problem, the peer and the start of the text.
+  CHECK_THROWS_MATCHES(parse_peer_json(nested_json(1000000), 4u << 20, "the receiver"), refit::error,
+                       Catch::Matchers::Predicate<refit::error>([](const refit::error& e) {
+                         const std::string what = e.what();
+                         return e.code() == errc::protocol &&
+                                what.starts_with(
+                                    "refit-bench: the receiver sent JSON nested deeper than 32 levels: "
+                                    "refused unread; it begins [[[[") &&
+                                what.ends_with(" more bytes)") && what.size() < 400;
+                       }));
+  CHECK_THROWS_MATCHES(parse_peer_json("\x1b[2Knot json\n", 4096, "rank 1"), refit::error,
+                       Catch::Matchers::Predicate<refit::error>([](const refit::error& e) {
+                         return std::string(e.what()) ==
+                                "refit-bench: rank 1 sent a line that is not JSON: \\x1b[2Knot json\\n";
+                       }));
+  CHECK(parse_peer_json(R"({"event": "ready"})", 4096, "rank 1")["event"] == "ready");
+}
+
+TEST_CASE("an excerpt of a peer's JSON is bounded, printable, cut at depth 8 and never throws on invalid UTF-8",
+          "[bench]") {
+  CHECK(excerpt(json{{"event", "unknown"}, {"version", 7}}) == R"({"event":"unknown","version":7})");
+  json deep = 1;
+  for (int i = 0; i < 100; ++i) deep = json::array({deep});
+  CHECK(excerpt(deep) == "[[[[[[[[[…]]]]]]]]]");
+  json wide = json::array();
+  for (int i = 0; i < 10000; ++i) wide.push_back(i);
+  const std::string w = excerpt(wide);
+  CHECK(w.size() <= 300);
+  CHECK(w.starts_with("[0,1,2,3,"));
+  CHECK(w.ends_with("more bytes)"));
+  // A string that is not UTF-8 (nlohmann's dump() would throw type_error 316) and control bytes.
+  CHECK(excerpt(json{{"error", "bad \xff name\x1b[0m"}}) == "{\"error\":\"bad \xef\xbf\xbd name\\u001b[0m\"}");
+  CHECK(excerpt(json(std::string(1u << 20, 'z'))).size() <= 300);
+}
+
+TEST_CASE("a report line holding invalid UTF-8 is refused quoting it, not by an exception of the JSON writer",
+          "[bench]") {
+  manifest m;
+  m.name = "one";
+  m.entries = {{tensor_meta{"a", dtype::u8, {4}}}};
+  config c;
+  c.quiet = true;
+  std::int64_t printed = 0;
+  try {
+    (void)count_wrong(c, json{{"event", "aborted"}, {"error", "tensor '\xff\xfe' \x1b[1A\n"}}, 1, m, {7}, "rx", "",
+                      printed);
+    FAIL("count_wrong accepted an aborted line");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::protocol);
+    CHECK_THAT(e.what(), Catch::Contains(R"(it said {"error":"tensor ')"
+                                         "\xef\xbf\xbd\xef\xbf\xbd"
+                                         R"(' \u001b[1A\n")"));
+  }
+}
+
+TEST_CASE("a report endpoint answering JSON nested a million levels deep is refused unread; the streamer ends cleanly",
+          "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny"});
+  fake_report_endpoint fake("ipc://" + s.file("fake.report"), nested_json(1000000));
+  std::string out;
+  const int code = run_binary({"--role", "streamer", "--connect", rx.endpoint(), "--report", fake.channel.endpoint(),
+                               "--model", "tiny", "--buffer-mb", "1", "--warmup", "0", "--iters", "1"},
+                              out, s.file("streamer.err"));
+  const std::string err = read_file(s.file("streamer.err"));
+  INFO(err);
+  CHECK(code == 2);  // an error, said on one line; -1 would be a crash (the stack overflowed in dump())
+  CHECK(fake.asked == 1);
+  CHECK_THAT(
+      err, Catch::Contains("refit-bench: error (protocol): the receiver at report endpoint " + fake.channel.endpoint() +
+                           " answered for version 1 with JSON of 2000000 bytes, more than the") &&
+               Catch::Contains("it may have: refused unread; it begins [[[[") && Catch::EndsWith("more bytes)\n"));
+  CHECK(err.size() < 2000);
+}
+
+TEST_CASE("a report endpoint answering a committed line nested 33 levels deep is refused unread", "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny"});
+  fake_report_endpoint fake("ipc://" + s.file("fake.report"),
+                            R"({"event":"committed","version":1,"checksums":)" + nested_json(32) + "}");
+  config c = hand_streamer(rx);
+  c.report = fake.channel.endpoint();
+  c.buffer_mb = {1};
+  std::ostringstream out;
+  std::string what;
+  try {
+    (void)run(c, out);
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::protocol);
+    what = e.what();
+  }
+  CHECK_THAT(what, Catch::Contains("answered for version 1 with JSON nested deeper than 32 levels: refused unread"));
+}
+
+TEST_CASE("a receiver started by hand refuses a nested or oversized report request unread and serves on",
+          "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny"});
+  {
+    refit::channel::req_channel asker(rx.report());
+    const auto ask = [&](const std::string& request) {
+      return json::parse(asker.request(request, std::chrono::seconds(30), "a hostile report request"));
+    };
+    const json huge = ask(nested_json(1000000));
+    CHECK(huge["event"] == "error");
+    CHECK_THAT(huge["error"].get<std::string>(),
+               Catch::Contains("this one, of 2000000 bytes, more than the 4096 it may have, was refused unread"));
+    const json deep = ask("{\"version\": 1, \"x\": " + nested_json(40) + "}");
+    CHECK(deep["event"] == "error");
+    CHECK_THAT(deep["error"].get<std::string>(), Catch::Contains("nested deeper than 32 levels, was refused unread"));
+    CHECK(ask(R"({"version": 1})") == json{{"event", "unknown"}, {"version", 1}});
+  }
+  config c = hand_streamer(rx);
+  c.buffer_mb = {1};
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  CHECK(rx.process.running());
+}
+
+TEST_CASE(
+    "a tensor name of invalid UTF-8 and escapes aborts that refit on a receiver started by hand; its JSON "
+    "stays valid and it serves on",
+    "[bench][e2e]") {
+  scratch s;
+  hand_receiver rx(s, "receiver", {"--bind", "ipc://" + s.file("x"), "--model", "tiny"});
+  {
+    streamer_options so;
+    so.endpoint = rx.endpoint();
+    so.buffer_bytes = 1 << 20;
+    so.timeout = std::chrono::seconds(30);
+    streamer attacker(so);
+    const std::string name(std::string_view("bad\xff\xfe\x1b[1A\nrefit-bench: ok\0", 26));
+    std::vector<std::uint8_t> bytes(64, 7);
+    const tensor_ref t{tensor_meta{name, dtype::u8, {64}}, bytes.data()};
+    std::string what;
+    try {
+      (void)attacker.refit(1, std::span<const tensor_ref>(&t, 1));
+    } catch (const refit::error& e) {
+      what = e.what();
+    }
+    INFO(what);
+    REQUIRE_FALSE(what.empty());
+    CHECK(what.find('\x1b') == std::string::npos);
+    CHECK(what.find('\0') == std::string::npos);
+    CHECK_THAT(what, Catch::Contains("bad\\xff\\xfe\\x1b[1A\\nrefit-bench: ok\\x00"));
+  }
+  // The receiver said so in one JSON line (json::parse throws on bytes that are not UTF-8).
+  const json aborted = json::parse(rx.process.read_line(std::chrono::seconds(30)));
+  CHECK(aborted["event"] == "aborted");
+  CHECK_THAT(aborted["error"].get<std::string>(), Catch::Contains("bad\\xff\\xfe\\x1b[1A\\nrefit-bench: ok\\x00"));
+  // And it is still there: a streamer started by hand verifies every refit through it.
+  config c = hand_streamer(rx);
+  c.buffer_mb = {1};
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  CHECK(rx.process.running());
 }

@@ -1192,3 +1192,74 @@ TEST_CASE("a recycled name set refuses a name twice and after clear() takes ever
   CHECK(names.contains("model.layers.31.mlp.down_proj.weight_of_a_long_name"));
   CHECK_FALSE(names.contains("model.layers.0.self_attn.q_proj.weight"));
 }
+
+// ================================================================ ERROR and ABORT text from a peer
+
+namespace {
+
+// What an attacker put in an ERROR it sent a streamer: bytes that are not UTF-8, a NUL, escape
+// sequences and a newline before a forged last line of the bench.
+const std::string hostile_text = std::string(std::string_view("tensor '\xff\xfe\x80' is unknown\0hidden", 30)) +
+                                 "\x1b[2K\x1b[1A\r\nrefit-bench: every refit verified, 0 wrong";
+const std::string hostile_shown =
+    "tensor '\\xff\\xfe\\x80' is unknown\\x00hidden\\x1b[2K\\x1b[1A\\x0d\\nrefit-bench: every refit verified, 0 wrong";
+
+// The str field `k` of an encoded message, as the bytes on the wire.
+std::string str_on_wire(const std::string& bytes, std::uint32_t k) {
+  const msgpack::object_handle h = msgpack::unpack(bytes.data(), bytes.size());
+  const msgpack::object& o = h.get();
+  REQUIRE(o.type == msgpack::type::ARRAY);
+  REQUIRE(o.via.array.size > k);
+  const msgpack::object& s = o.via.array.ptr[k];
+  REQUIRE(s.type == msgpack::type::STR);
+  return std::string(s.via.str.ptr, s.via.str.size);
+}
+
+}  // namespace
+
+TEST_CASE("an ERROR's message and an ABORT's reason of invalid UTF-8, NULs and escapes decode to one printable line",
+          "[wire]") {
+  REQUIRE(hostile_text.find('\0') != std::string::npos);
+  const auto e = std::get<wire::error>(wire::decode(message(ERROR, {U(10), S(hostile_text)})));
+  CHECK(e.code == errc::apply);
+  CHECK(e.message == hostile_shown);
+  const auto a = std::get<wire::abort>(wire::decode(message(ABORT, {U(3), U(13), S(hostile_text)})));
+  CHECK(a.version == 3);
+  CHECK(a.code == errc::internal);
+  CHECK(a.reason == hostile_shown);
+  // Valid text in any script arrives as it was sent.
+  CHECK(std::get<wire::error>(wire::decode(message(ERROR, {U(10), S("张量 '模型.权重' 不存在")}))).message ==
+        "张量 '模型.权重' 不存在");
+}
+
+TEST_CASE("an ERROR or ABORT carrying 8 MiB of text decodes to a few KiB that say how much was cut", "[wire]") {
+  std::string flood(8u << 20, 'e');
+  for (std::size_t i = 0; i < flood.size(); i += 80) flood[i] = '\n';
+  for (const bool abort : {false, true}) {
+    const wire::message m =
+        abort ? wire::decode(message(ABORT, {U(3), U(5), S(flood)})) : wire::decode(message(ERROR, {U(5), S(flood)}));
+    const std::string& text = abort ? std::get<wire::abort>(m).reason : std::get<wire::error>(m).message;
+    CHECK(text.size() <= wire::max_text_bytes);
+    CHECK(text.size() > wire::max_text_bytes - 100);
+    CHECK(text.find('\n') == std::string::npos);
+    CHECK(text.starts_with("\\neeeeeeeeeeeeeee"));
+    const auto note = text.rfind(" … (");
+    REQUIRE(note != std::string::npos);
+    CHECK_THAT(text.substr(note), Catch::Matches(R"( … \(83\d{5} more bytes\))"));
+  }
+}
+
+TEST_CASE("an ERROR or ABORT encodes its text as valid, escaped, bounded UTF-8 whatever it was given", "[wire]") {
+  const std::string error = wire::encode(wire::error{errc::apply, hostile_text});
+  CHECK(str_on_wire(error, 3) == hostile_shown);
+  const std::string abort = wire::encode(wire::abort{4, errc::io, hostile_text});
+  CHECK(str_on_wire(abort, 4) == hostile_shown);
+  // What was escaped once is not escaped again: a decoded message encodes to the same bytes.
+  CHECK(wire::encode(wire::decode(error)) == error);
+  CHECK(wire::encode(wire::decode(abort)) == abort);
+  CHECK(std::get<wire::error>(wire::decode(error)).message == hostile_shown);
+  // A receiver's error that quotes a huge name is cut to the bound.
+  const std::string huge = wire::encode(wire::error{errc::protocol, std::string(8u << 20, '\x1b')});
+  CHECK(str_on_wire(huge, 3).size() <= wire::max_text_bytes);
+  CHECK(str_on_wire(huge, 3).ends_with(" more bytes)"));
+}
