@@ -424,6 +424,9 @@ struct config {
   role side = role::both;
   std::string bind;     ///< receiver: endpoint to bind
   std::string connect;  ///< streamer: endpoint of a receiver started by hand
+  /// CURVE keys (Z85) of a role started by hand: its own pair, and (streamer) the receiver's public
+  /// key; all empty: no CURVE. The report endpoint uses them too.
+  curve_keys curve;
   /// Receiver started by hand: the report endpoint to bind (default: default_report_endpoint() of
   /// the bound --bind). Streamer started by hand: the report endpoint that receiver printed.
   std::string report;

@@ -76,6 +76,16 @@ void add_endpoint_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--bind", c.bind,
                  "receiver: endpoint to bind (ipc:///path, tcp://host:port); default: a private ipc socket");
   app.add_option("--connect", c.connect, "streamer: endpoint of a receiver started with --role receiver");
+  app.add_option("--curve-public-key", c.curve.public_key,
+                 "receiver/streamer by hand: this side's CURVE public key (Z85, from zmq_curve_keypair)");
+  app.add_option("--curve-secret-key", c.curve.secret_key,
+                 "receiver/streamer by hand: this side's CURVE secret key (Z85); the receiver needs it for "
+                 "a tcp address other hosts can reach");
+  app.add_option("--curve-server-key", c.curve.server_key,
+                 "streamer by hand: the receiver's CURVE public key (Z85)");
+  app.add_option("--curve-allowed-client", c.curve.allowed_clients,
+                 "receiver by hand: a streamer's CURVE public key that may connect (repeat; none: any that "
+                 "knows the receiver's key)");
   app.add_option("--report", c.report,
                  "by hand: receiver: endpoint to bind for the streamer's checksum requests (default: "
                  "ipc://PATH.report for --bind ipc://PATH, tcp://HOST:* for tcp://HOST:PORT); "

@@ -555,7 +555,7 @@ class group_runner {
       endpoint_ = endpoints_.front();
     } else if (verify_) {
       try {
-        report_ = std::make_unique<channel::req_channel>(c_.report);
+        report_ = std::make_unique<channel::req_channel>(c_.report, c_.curve);
       } catch (const error& e) {
         throw error(e.code(), fmt::format("refit-bench: --report {}: {}", c_.report, e.what()));
       }
@@ -645,6 +645,7 @@ class group_runner {
     so.device = c_.device;
     so.timeout = milliseconds(c_.timeout_ms);
     so.engine = g_.engine;
+    if (!c_.connect.empty()) so.curve = c_.curve;  // a receiver started by hand
     return so;
   }
 
@@ -969,9 +970,11 @@ int run_ceiling_rank(const config& c) {
 // private directory, where the default one lives, would still hold it when it is removed.
 class report_endpoint {
  public:
-  explicit report_endpoint(const std::string& endpoint) {
+  report_endpoint(const std::string& endpoint, const curve_keys& curve) {
     try {
-      channel_.emplace(endpoint);
+      curve_keys server = curve;
+      server.server_key.clear();
+      channel_.emplace(endpoint, server);
     } catch (const error& e) {
       throw error(e.code(),
                   fmt::format("refit-bench: the report endpoint {}: {}; choose another with --report ENDPOINT",
@@ -1022,6 +1025,9 @@ void print_banner(const config& c, const manifest& m, const std::string& model, 
   if (c.type != dtype::bf16) same += fmt::format(" --dtype {}", to_string(c.type));
   if (c.layout != layout_kind::plain) same += fmt::format(" --layout {}", layout_name(c.layout));
   if (c.layout.tp > 1) same += fmt::format(" --rank {}", c.rank);
+  if (!c.curve.secret_key.empty())
+    same += fmt::format(" --curve-server-key {} --curve-public-key <yours> --curve-secret-key <yours>",
+                        c.curve.public_key.empty() ? std::string("<this receiver's public key>") : c.curve.public_key);
   const std::string& report_ep = reports.channel().endpoint();
   const bool wildcard =
       r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
@@ -1117,13 +1123,17 @@ int run_receiver(const config& c) {
   ro.device = c.device;
   ro.engine = c.engines.front();
   ro.idle_timeout = milliseconds(c.timeout_ms);
+  if (!c.spawned) {
+    ro.curve = c.curve;
+    ro.curve.server_key.clear();
+  }
   receiver r(ro);
   register_views(r, c, m, layout, *dest);
   // Started by hand: the streamer asks for our checksums here (a spawned one reads our stdout).
   // Declared after the receiver, so that it goes first: its ipc file may sit in the receiver's
   // private directory.
   std::optional<report_endpoint> reports;
-  if (!c.spawned) reports.emplace(c.report.empty() ? default_report_endpoint(r.endpoint()) : c.report);
+  if (!c.spawned) reports.emplace(c.report.empty() ? default_report_endpoint(r.endpoint()) : c.report, ro.curve);
   report_log log;
 
   struct sigaction sa {};

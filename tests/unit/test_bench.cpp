@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
+#include <zmq.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1201,6 +1202,44 @@ TEST_CASE("a receiver started by hand on tcp reports on a free port of its own, 
   CHECK(run(c, out) == 0);
   std::ifstream f(c.json_file);
   CHECK(json::parse(f)["rows"][0]["wrong"] == 0);
+}
+
+TEST_CASE("a CURVE receiver started by hand is refit and verified by a streamer with its key, and refuses one "
+          "without it",
+          "[bench][e2e][hostile]") {
+  const auto pair = [] {
+    char pub[41] = {}, sec[41] = {};
+    REQUIRE(zmq_curve_keypair(pub, sec) == 0);
+    return std::pair<std::string, std::string>{pub, sec};
+  };
+  const auto [rx_pub, rx_sec] = pair();
+  const auto [tx_pub, tx_sec] = pair();
+  scratch s;
+  hand_receiver rx(s, "receiver",
+                   {"--bind", "tcp://127.0.0.1:0", "--model", "tiny", "--curve-public-key", rx_pub,
+                    "--curve-secret-key", rx_sec, "--curve-allowed-client", tx_pub});
+  CHECK_THAT(rx.banner(), Catch::Contains("--curve-server-key " + rx_pub));
+  config c = hand_streamer(rx);
+  c.buffer_mb = {1};
+  c.warmup = 0;
+  c.iters = 1;
+  c.curve = curve_keys{tx_pub, tx_sec, rx_pub, {}};
+  c.json_file = s.file("out.json");
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  std::ifstream f(c.json_file);
+  CHECK(json::parse(f)["rows"][0]["wrong"] == 0);
+
+  // A streamer whose key the receiver does not allow never gets past the handshake.
+  const auto [other_pub, other_sec] = pair();
+  config stranger = hand_streamer(rx);
+  stranger.buffer_mb = {1};
+  stranger.warmup = 0;
+  stranger.iters = 1;
+  stranger.timeout_ms = 1500;
+  stranger.curve = curve_keys{other_pub, other_sec, rx_pub, {}};
+  std::ostringstream refused;
+  CHECK(run(stranger, refused) != 0);
 }
 
 TEST_CASE("--no-verify runs a streamer started by hand unverified, and says so", "[bench][e2e]") {
