@@ -1,9 +1,11 @@
 // refit — the same-host control lane. See lane.hpp.
 #include "channel/lane.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -16,6 +18,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <span>
+#include <string_view>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -46,10 +50,6 @@ void observed() noexcept {}
 
 constexpr std::uint64_t magic = 0x6e616c2d74696665ull;  // "efit-lan"
 constexpr std::uint64_t layout_version = 1;
-/// wire::max_message_bytes; not included to keep the channel below the wire layer.
-constexpr std::uint64_t max_message_bytes = std::uint64_t{64} << 20;
-/// How long the rest of a message may take once its first chunk arrived.
-constexpr std::chrono::seconds rest_of_message{5};
 constexpr std::size_t nonce_bytes = 16;
 
 std::string errno_text(int e) { return fmt::format("{} (errno {})", std::strerror(e), e); }
@@ -73,6 +73,72 @@ int open_bell(const std::string& path) {
     throw error(errc::protocol, fmt::format("{} is not a control lane's doorbell (a FIFO of this user)", path));
   }
   return fd;
+}
+
+/// The files of a lane's directory (all of them: remove_lane_files() leaves the directory empty).
+constexpr std::array<const char*, 5> lane_files = {"segment", "to-receiver", "to-streamer", "life", "fds"};
+/// A lane's directory is `<base>/refit-lane-<pid of its receiver>-XXXXXX`.
+constexpr std::string_view dir_prefix = "refit-lane-";
+
+/// Removes the files and then the directory `name` of `base` (an open directory), if it is a
+/// directory of this user; never follows a link. Never throws.
+void remove_lane_files(int base, const char* name) noexcept {
+  const unique_fd dir{::openat(base, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)};
+  struct stat st {};
+  if (dir.get() < 0 || ::fstat(dir.get(), &st) != 0 || st.st_uid != ::geteuid()) return;
+  for (const char* f : lane_files) (void)::unlinkat(dir.get(), f, 0);
+  (void)::unlinkat(base, name, AT_REMOVEDIR);
+}
+
+/// remove_lane_files() for the directory at `path`.
+void remove_lane_dir(const std::string& path) noexcept {
+  const auto slash = path.rfind('/');
+  if (slash == std::string::npos) return;
+  const std::string parent_path = slash == 0 ? "/" : path.substr(0, slash);
+  const unique_fd parent{::open(parent_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
+  if (parent.get() >= 0) remove_lane_files(parent.get(), path.c_str() + slash + 1);
+}
+
+/// True when the lane directory `name` of `base` belongs to a receiver that is gone: its pid (in
+/// the name) is not a process, and no process holds the read end of its `life` FIFO, which its
+/// receiver held for as long as it lived (so a receiver of another pid namespace sharing the
+/// directory, whose pid means nothing here, is not taken for dead).
+bool orphaned(int base, std::string_view name) noexcept {
+  if (!name.starts_with(dir_prefix)) return false;
+  const std::string rest(name.substr(dir_prefix.size()));
+  char* end = nullptr;
+  const long pid = std::strtol(rest.c_str(), &end, 10);
+  if (pid <= 0 || end == rest.c_str() || *end != '-') return false;
+  if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) return false;
+  const std::string life = std::string(name) + "/life";
+  const int w = ::openat(base, life.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
+  if (w >= 0) {
+    ::close(w);  // a reader holds it: a live receiver
+    return false;
+  }
+  return errno == ENXIO || errno == ENOENT;  // no reader, or killed before it made the FIFO
+}
+
+/// Removes the lane directories in `base` whose receiver died before removing them (SIGKILL
+/// before the streamer opened the lane). Best effort, never throws: a receiver must still start.
+void reap_orphans(const std::string& base) noexcept {
+  const unique_fd dir{::open(base.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
+  if (dir.get() < 0) return;
+  const int scan = ::dup(dir.get());  // fdopendir takes it; `dir` stays for the *at calls
+  if (scan < 0) return;
+  DIR* d = ::fdopendir(scan);
+  if (d == nullptr) {
+    ::close(scan);
+    return;
+  }
+  std::vector<std::string> dead;
+  while (const dirent* e = ::readdir(d))
+    if (orphaned(dir.get(), e->d_name)) dead.emplace_back(e->d_name);
+  ::closedir(d);
+  for (const std::string& name : dead) {
+    remove_lane_files(dir.get(), name.c_str());
+    REFIT_INFO("control lane: removed {}/{}, left by a receiver that died", base, name);
+  }
 }
 
 std::string hex(std::span<const std::uint8_t> bytes) {
@@ -124,7 +190,8 @@ std::unique_ptr<lane> lane::create() {
   bases.emplace_back("/tmp");
   std::string failures;
   for (const std::string& base : bases) {
-    std::string dir = base + "/refit-lane-XXXXXX";
+    reap_orphans(base);
+    std::string dir = fmt::format("{}/{}{}-XXXXXX", base, dir_prefix, ::getpid());
     if (::mkdtemp(dir.data()) == nullptr) {
       failures += fmt::format("; {}: {}", base, errno_text(errno));
       continue;
@@ -132,6 +199,8 @@ std::unique_ptr<lane> lane::create() {
     std::unique_ptr<lane> l(new lane());
     l->me_ = side::receiver;
     l->dir_ = dir;  // removed by the destructor from here on
+    struct stat made {};
+    if (::lstat(dir.c_str(), &made) == 0) l->dir_id_ = {made.st_dev, made.st_ino};
     const std::string seg_path = dir + "/segment";
     unique_fd fd{::open(seg_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600)};
     if (fd.get() < 0) {
@@ -224,6 +293,10 @@ std::unique_ptr<lane> lane::open(std::string_view offer) {
     REFIT_DEBUG("control lane {}: no descriptor link: {}", dir, e.what());
   }
   l->offer_ = std::string(offer);
+  // Both ends hold everything open now (the receiver has since create(); the link's connection
+  // waits in its listening socket until accepted): nobody needs the files any more, so they go at
+  // once, and neither process killed from here on leaves them behind.
+  remove_lane_dir(dir);
   return l;
 }
 
@@ -238,9 +311,10 @@ lane::~lane() {
 
 void lane::remove_files() noexcept {
   if (dir_.empty()) return;
-  for (const char* f : {"/segment", "/to-receiver", "/to-streamer", "/life", "/fds"})
-    (void)::unlink((dir_ + f).c_str());
-  (void)::rmdir(dir_.c_str());
+  // The streamer removes them once it opened the lane (open()); a directory at this path now is
+  // another lane's, made since (the same random name), unless it is the one made here.
+  struct stat st {};
+  if (::lstat(dir_.c_str(), &st) == 0 && std::pair(st.st_dev, st.st_ino) == dir_id_) remove_lane_dir(dir_);
   dir_.clear();
 }
 
@@ -360,6 +434,7 @@ std::optional<std::string> lane::receive(clock::time_point deadline, std::chrono
   const std::byte* slot = seg_->data(me_);
   std::string out;
   std::uint64_t total = 0;
+  clock::time_point rest_deadline = deadline;
   for (bool first = true;; first = false) {
     const std::uint64_t taken = load(d.taken.value, std::memory_order_relaxed);  // ours alone
     const std::uint64_t posted = load(d.posted.value, std::memory_order_acquire);
@@ -388,9 +463,15 @@ std::optional<std::string> lane::receive(clock::time_point deadline, std::chrono
     store(d.taken.value, taken + 1);
     ring_peer();
     if (out.size() == total) return out;
-    if (!wait_until([&] { return ready() || closed(); }, clock::now() + rest_of_message, spin) || !ready())
+    // One deadline for the whole message, set at its first chunk: a peer that posts a byte at a
+    // time, each within a per-chunk wait, would otherwise hold this end for as long as it likes.
+    if (first) rest_deadline = std::max(deadline, clock::now() + rest_of_message);
+    if (!wait_until([&] { return ready() || closed(); }, rest_deadline, spin) || !ready())
       throw error(errc::timeout,
-                  fmt::format("control lane: a message stopped after {} of its {} bytes", out.size(), total));
+                  fmt::format("control lane: a message stopped after {} of its {} bytes (the whole message has "
+                              "{} ms once its first chunk arrived); the peer is broken or stuck",
+                              out.size(), total,
+                              std::chrono::duration_cast<std::chrono::milliseconds>(rest_of_message).count()));
   }
 }
 

@@ -15,9 +15,11 @@
 // one (wire::hello::lane); the streamer opens it, checks the segment's random nonce
 // against the offer, and from then on sends its requests there. Either end may use ZeroMQ instead
 // at any time (the receiver listens to both and answers each request the way it came), so a lane
-// that cannot be opened costs nothing but itself. The receiver removes the directory as soon as the
-// first message arrives through the lane (both ends keep what they opened), and in any case when
-// the lane is replaced (the next HELLO) or closed.
+// that cannot be opened costs nothing but itself. The streamer removes the directory as soon as it
+// has opened everything in it (both ends keep what they opened); the receiver removes it when the
+// lane is replaced (the next HELLO) or closed before that. Its name carries the receiver's pid:
+// the lanes of receivers killed before their streamer opened them are removed by the next lane
+// made on the host (create()), never the lane of a live process.
 //
 // Each direction is one slot of slot_bytes with a posted and a taken counter: the writer waits
 // until the slot is free, writes a chunk (a message longer than the slot is sent in order, chunk
@@ -26,6 +28,8 @@
 // segment is checked, since the other process writes it.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -33,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "channel/fd_link.hpp"
 
@@ -43,13 +48,21 @@ class lane {
   using clock = std::chrono::steady_clock;
   /// Bytes of each direction's slot; longer messages go in chunks.
   static constexpr std::uint64_t slot_bytes = std::uint64_t{1} << 20;
+  /// The most bytes of one message: ZeroMQ's limit (wire::max_message_bytes, not included to keep
+  /// the channel below the wire layer).
+  static constexpr std::uint64_t max_message_bytes = std::uint64_t{64} << 20;
+  /// How long a whole message may take once its first chunk arrived, when the caller's deadline
+  /// is sooner (64 MiB cross the slot in a few tens of ms).
+  static constexpr std::chrono::seconds rest_of_message{5};
 
-  /// Receiver: makes a lane. Throws refit::error(errc::io) naming what failed (no room in /dev/shm,
-  /// no writable directory), in which case the receiver offers none.
+  /// Receiver: makes a lane (first removing the lanes dead receivers left behind). Throws
+  /// refit::error(errc::io) naming what failed (no room in /dev/shm, no writable directory), in
+  /// which case the receiver offers none.
   static std::unique_ptr<lane> create();
-  /// Streamer: opens the lane of `offer` (what the receiver's offer() said). Throws
-  /// refit::error(errc::io) when it cannot (another host or mount namespace, a lane already
-  /// removed) and errc::protocol when the offer or the segment is not a lane's.
+  /// Streamer: opens the lane of `offer` (what the receiver's offer() said), then removes its
+  /// files: nobody else can open it after. Throws refit::error(errc::io) when it cannot (another
+  /// host or mount namespace, a lane already removed) and errc::protocol when the offer or the
+  /// segment is not a lane's.
   static std::unique_ptr<lane> open(std::string_view offer);
 
   ~lane();
@@ -74,10 +87,14 @@ class lane {
   bool send(std::string_view bytes, clock::time_point deadline, std::chrono::microseconds spin);
 
   /// Receives a whole message: nullopt when none began to arrive by `deadline` (spinning for
-  /// `spin` first). Once its first chunk is here, the rest is awaited up to a few seconds more.
+  /// `spin` first). Once its first chunk is here, the whole message must have arrived by
+  /// `deadline` or rest_of_message after that chunk, whichever is later. Every header field of a
+  /// chunk is read once from the segment and checked there; a message announced longer than
+  /// max_message_bytes is refused before anything is allocated for it.
   /// Throws refit::error(errc::protocol) for a chunk that breaks the rules, errc::timeout when
-  /// a message stops half-way or (streamer) the receiver's process ended before answering (at
-  /// once, not at the deadline), and errc::peer when the receiver closed the lane (see close()).
+  /// a message stops half-way or is not whole in time, or (streamer) the receiver's process
+  /// ended before answering (at once, not at the deadline), and errc::peer when the receiver
+  /// closed the lane (see close()).
   std::optional<std::string> receive(clock::time_point deadline, std::chrono::microseconds spin);
 
   /// Waiting beside other things (the receiver's ZeroMQ sockets): poll doorbell() for POLLIN after
@@ -127,9 +144,10 @@ class lane {
   /// streamer's end polls POLLERR, so a request to a dead receiver fails at once instead of at its
   /// deadline. (A child the receiver forks inherits the read end; the deadline then applies.)
   int life_ = -1;
-  bool gone_ = false;             ///< streamer: the receiver's process has ended
-  std::shared_ptr<fd_link> fds_;  ///< shared: whoever takes the link keeps it past the lane
-  std::string dir_;               ///< receiver: the directory, until removed
+  bool gone_ = false;                 ///< streamer: the receiver's process has ended
+  std::shared_ptr<fd_link> fds_;      ///< shared: whoever takes the link keeps it past the lane
+  std::string dir_;                   ///< receiver: the directory, until removed
+  std::pair<dev_t, ino_t> dir_id_{};  ///< receiver: the directory's device and inode
   std::string offer_;
 };
 

@@ -49,7 +49,9 @@ std::uint64_t host_patcher::apply(std::span<const host_entry> entries) {
     const host_entry& e = entries[p.entry];
     if (e.patch) {
       const std::uint64_t n = e.bytes / record_bytes(e.item);
-      p.terms = e.weight * apply_records(e.from, n, p.first, p.last, e.item, e.off, e.total, e.dests);
+      // Checks each index again where it is used: check() read them from the same shared memory,
+      // which the streamer may have changed since. A bad one throws (worker_pool::run hands it on).
+      p.terms = e.weight * apply_records(e.from, n, p.first, p.last, e.item, e.off, e.span, e.total, e.dests, e.name);
       return;
     }
     const std::uint64_t at = e.off + p.first;

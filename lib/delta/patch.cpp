@@ -153,15 +153,32 @@ diff_result diff_sse2(std::byte* base, const std::byte* next, std::uint64_t off,
 /// Records ahead of the one applied whose element is prefetched (see apply_items).
 constexpr std::uint64_t prefetch_records = 64;
 
+/// The refusal of record `k` of the patch of `name` whose index `i` lies outside a span of
+/// `elements` elements, found while applying: a peer changed the patch after it was checked (a
+/// host_shm buffer is shared with the streamer, which can still write it). Cold: out of the loop.
+[[noreturn, gnu::cold, gnu::noinline]] void refuse_changed(std::string_view name, std::uint64_t k, std::uint32_t i,
+                                                           std::uint64_t elements) {
+  throw error(errc::apply,
+              fmt::format("the patch of '{}' is corrupt: change {} names element {} (out of the span), in a span "
+                          "of {} elements; it changed after it was checked (the streamer wrote the buffer it "
+                          "shares), and its batch is partly written",
+                          name, k, i, elements));
+}
+
 /// apply_patch() for elements of ITEM bytes. At 2 % of bf16 elements changed, a record's element is
 /// ~100 bytes after the one before, on a cache line of its own that is not in the cache: reading its
 /// old value (for the checksum) stalled the loop on memory once a record (88 % of its samples), at
 /// a few GB/s of weights on one core. The element prefetch_records ahead is prefetched for writing,
 /// so that the misses overlap: 512 MB of bf16 at 2 % applied in 57 ms before, 20 ms with 64 records
 /// ahead (16: 35 ms, 32: 26 ms, 128 and 256 no better than 64), one core of the 2-core VM.
+///
+/// The records may lie in memory a peer still writes (a host_shm buffer): each index and value is
+/// read once, into a local, and the index is compared with the span there, however the patch was
+/// checked before. The prefetch's index needs no check: a prefetch never faults.
 template <std::size_t ITEM>
-std::uint64_t apply_items(const std::byte* indices, const std::byte* values, std::uint64_t n, std::uint64_t off,
-                          std::uint64_t total, std::span<std::byte* const> dests) noexcept {
+std::uint64_t apply_items(const std::byte* indices, const std::byte* values, std::uint64_t n, std::uint64_t first_k,
+                          std::uint64_t off, std::uint64_t total, std::uint64_t elements,
+                          std::span<std::byte* const> dests, std::string_view name) {
   std::byte* first = dests.front() + off;
   std::uint64_t terms = 0;
   for (std::uint64_t k = 0; k < n; ++k) {
@@ -172,11 +189,14 @@ std::uint64_t apply_items(const std::byte* indices, const std::byte* values, std
     }
     std::uint32_t i;
     std::memcpy(&i, indices + 4 * k, 4);
+    if (i >= elements) [[unlikely]]
+      refuse_changed(name, first_k + k, i, elements);
     const std::uint64_t b = std::uint64_t{i} * ITEM;
     const std::uint64_t o = load_bits(first + b, ITEM);
     const std::uint64_t v = load_bits(values + k * ITEM, ITEM);
     terms += element_term(v, off + b, ITEM, total) - element_term(o, off + b, ITEM, total);
-    for (std::byte* d : dests) std::memcpy(d + off + b, values + k * ITEM, ITEM);
+    // The value as its terms were taken (little-endian hosts only, as load_bits).
+    for (std::byte* d : dests) std::memcpy(d + off + b, &v, ITEM);
   }
   return terms;
 }
@@ -255,21 +275,23 @@ void refuse_record(const std::byte* patch, std::uint64_t k, std::size_t item, st
 }
 
 std::uint64_t apply_patch(const std::byte* patch, std::uint64_t bytes, std::size_t item, std::uint64_t off,
-                          std::uint64_t total, std::span<std::byte* const> dests) noexcept {
+                          std::uint64_t span, std::uint64_t total, std::span<std::byte* const> dests,
+                          std::string_view name) {
   const std::uint64_t n = bytes / record_bytes(item);
-  return apply_records(patch, n, 0, n, item, off, total, dests);
+  return apply_records(patch, n, 0, n, item, off, span, total, dests, name);
 }
 
 std::uint64_t apply_records(const std::byte* patch, std::uint64_t n, std::uint64_t from, std::uint64_t to,
-                            std::size_t item, std::uint64_t off, std::uint64_t total,
-                            std::span<std::byte* const> dests) noexcept {
+                            std::size_t item, std::uint64_t off, std::uint64_t span, std::uint64_t total,
+                            std::span<std::byte* const> dests, std::string_view name) {
   const std::byte* indices = patch + 4 * from;
   const std::byte* values = patch + 4 * n + from * item;
+  const std::uint64_t elements = span / item;
   switch (item) {
-    case 1: return apply_items<1>(indices, values, to - from, off, total, dests);
-    case 2: return apply_items<2>(indices, values, to - from, off, total, dests);
-    case 4: return apply_items<4>(indices, values, to - from, off, total, dests);
-    default: return apply_items<8>(indices, values, to - from, off, total, dests);
+    case 1: return apply_items<1>(indices, values, to - from, from, off, total, elements, dests, name);
+    case 2: return apply_items<2>(indices, values, to - from, from, off, total, elements, dests, name);
+    case 4: return apply_items<4>(indices, values, to - from, from, off, total, elements, dests, name);
+    default: return apply_items<8>(indices, values, to - from, from, off, total, elements, dests, name);
   }
 }
 

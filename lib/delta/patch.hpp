@@ -69,17 +69,22 @@ void check_records(std::uint64_t bytes, std::size_t item, std::string_view name)
 [[noreturn]] void refuse_record(const std::byte* patch, std::uint64_t k, std::size_t item, std::uint64_t span,
                                 std::string_view name);
 
-/// Applies a checked patch for the span at tensor byte `off` (of a tensor of `total` bytes) into
-/// each destination of `dests` (each the tensor's byte 0: tied weights have several); returns the
-/// new minus old checksum terms, the old values read from the first destination.
+/// Applies a checked patch for the span of `span` bytes at tensor byte `off` (of a tensor of
+/// `total` bytes) into each destination of `dests` (each the tensor's byte 0: tied weights have
+/// several); returns the new minus old checksum terms, the old values read from the first
+/// destination. The patch may lie in memory a peer can still write (a host_shm buffer): each
+/// record is read once, and an index outside the span (the patch changed since it was checked)
+/// throws refit::error(errc::apply) naming `name`, with the records before it written and nothing
+/// outside the span.
 std::uint64_t apply_patch(const std::byte* patch, std::uint64_t bytes, std::size_t item, std::uint64_t off,
-                          std::uint64_t total, std::span<std::byte* const> dests) noexcept;
+                          std::uint64_t span, std::uint64_t total, std::span<std::byte* const> dests,
+                          std::string_view name);
 
 /// apply_patch() of records [from, to) of a checked patch of `n` records alone: pieces of one patch
 /// write different elements, so they may be applied apart, on several threads, and their terms
-/// added up.
+/// added up. Throws as apply_patch().
 std::uint64_t apply_records(const std::byte* patch, std::uint64_t n, std::uint64_t from, std::uint64_t to,
-                            std::size_t item, std::uint64_t off, std::uint64_t total,
-                            std::span<std::byte* const> dests) noexcept;
+                            std::size_t item, std::uint64_t off, std::uint64_t span, std::uint64_t total,
+                            std::span<std::byte* const> dests, std::string_view name);
 
 }  // namespace refit::delta

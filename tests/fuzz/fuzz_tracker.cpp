@@ -7,8 +7,10 @@
 // Each BEGIN, BATCH and END goes to the tracker; BYE resets it. A rule violation must come as
 // refit::error and leave the tracker as it was (the tracker stages a batch's changes and applies
 // them only when the whole batch passed). After an accepted BATCH the batch and byte counts grow
-// by exactly that batch; after an accepted END the bytes that arrived are exactly the bytes of the
-// completed tensors. Any other exception, crash or sanitizer report is a bug.
+// by exactly that batch (buffer bytes: a patch entry counts its own `bytes`, as END's total does,
+// wire.hpp); after an accepted END the tensor bytes the entries covered (a patch's `span`) are
+// exactly the bytes of the completed tensors. Any other exception, crash or sanitizer report is a
+// bug.
 #include <msgpack.hpp>
 
 #include <algorithm>
@@ -93,7 +95,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool sharded = (data[0] & 0x10) != 0;
   wire::refit_tracker tracker(buffer_sizes, entry_limit, sharded);
   std::map<std::string, std::uint64_t, std::less<>> totals;  // bytes of each tensor of this refit
-  std::uint64_t arrived = 0;                                 // bytes of the accepted batches
+  std::uint64_t arrived = 0;  // buffer bytes of the accepted batches (what tracker.bytes() counts)
+  std::uint64_t covered = 0;  // tensor bytes they account for (entry::covered(): a patch's span)
 
   for (std::size_t k = 0; k < max_messages; ++k) {
     const auto one = next_object(rest);
@@ -113,11 +116,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         FUZZ_ASSERT(tracker.batches() == 0 && tracker.bytes() == 0 && tracker.tensors_completed() == 0);
         totals.clear();
         arrived = 0;
+        covered = 0;
       } else if (const auto* b = std::get_if<wire::batch>(&m)) {
         tracker.check(*b);
         std::uint64_t sum = 0;
         for (const auto& e : b->entries) {
           sum += e.bytes;
+          covered += e.covered();
           const auto n = refit::checked_nbytes(e.type, e.shape);
           FUZZ_ASSERT(n.has_value());
           totals.insert_or_assign(e.name, *n);
@@ -138,10 +143,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             FUZZ_ASSERT(r.first <= r.next && r.next <= r.total && totals.at(name) == r.total);
         } else {
           FUZZ_ASSERT(e->tensors == before.tensors);
-          // Nothing partial is left, so every byte that arrived belongs to a completed tensor.
+          // Nothing partial is left, so every tensor byte covered belongs to a completed tensor. A
+          // patch covers more tensor bytes (its span) than it holds, so this is not bytes().
           std::uint64_t whole = 0;
           for (const auto& name : tracker.completed()) whole += totals.at(name);
-          FUZZ_ASSERT(whole == tracker.bytes());
+          FUZZ_ASSERT(whole == covered);
         }
         committed = e->version;
       } else if (std::holds_alternative<wire::bye>(m)) {
@@ -149,6 +155,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         FUZZ_ASSERT(!tracker.active() && tracker.batches() == 0 && tracker.completed().empty());
         totals.clear();
         arrived = 0;
+        covered = 0;
       }
     } catch (const refit::error& err) {
       // A refused message changes nothing.

@@ -241,7 +241,8 @@ TEST_CASE("a patch rebuilds the new span and its checksum terms match a full che
       REQUIRE_NOTHROW(refit::delta::check_patch(patch.data(), patch.size(), item, bytes - off, "t"));
       std::vector<std::byte> applied = old_bytes;
       std::byte* dest = applied.data();
-      CHECK(refit::delta::apply_patch(patch.data(), patch.size(), item, off, bytes, {&dest, 1}) == r.terms);
+      CHECK(refit::delta::apply_patch(patch.data(), patch.size(), item, off, bytes - off, bytes, {&dest, 1}, "t") ==
+            r.terms);
       CHECK(applied == expect);
       // range_terms over any cut adds up to the checksum.
       const std::uint64_t cut = 3 + rng() % (bytes - 3);
@@ -541,6 +542,74 @@ TEST_CASE("the host patcher checks and applies a batch as one thread does, on 1 
     CHECK_THROWS_WITH(p.check(bad), Catch::Contains("the patch of 't' has") && Catch::Contains("not whole 5-byte"));
     CHECK(w == before);
   }
+}
+
+TEST_CASE(
+    "a patch whose index a peer changes between the check and the apply is refused without a write "
+    "outside its span",
+    "[delta][hostile]") {
+  // A host_shm delta's records lie in the streamer's buffer, which the receiver maps shared while
+  // the streamer can still write it: the receiver checks the batch (host_patcher::check), then
+  // applies it (host_patcher::apply), and a racing peer flips an index in between.
+  // Several pieces (host_patcher::piece_records), so the bad record is in the last piece of one
+  // patch applied by several threads; record k names element k, the last one the span's last.
+  constexpr std::size_t item = 2;
+  constexpr std::uint64_t n = 3 * refit::delta::host_patcher::piece_records + 5;
+  constexpr std::uint64_t elements = n;  // the span: the whole tensor
+  constexpr std::uint64_t guard = 4096;  // bytes each side of the tensor that must stay as they are
+  std::vector<std::byte> patch(n * refit::delta::record_bytes(item), std::byte{0xab});
+  for (std::uint64_t k = 0; k < n; ++k) {
+    const auto i = static_cast<std::uint32_t>(k);
+    std::memcpy(patch.data() + 4 * k, &i, 4);
+  }
+
+  for (const std::uint32_t flipped : {std::uint32_t{elements}, std::uint32_t{elements + 1}, 0xffffffffu}) {
+    for (const std::size_t threads : {1u, 3u}) {
+      INFO("index flipped to " << flipped << ", " << threads << " threads");
+      // The tensor with guard bytes around it, in one allocation, so that ASan sees any write
+      // into them as well as this check does.
+      std::vector<std::byte> memory(guard + elements * item + guard, std::byte{0x11});
+      std::byte* dest = memory.data() + guard;
+      std::vector<std::byte> shared = patch;  // the buffer the peer writes
+      refit::delta::host_entry e;
+      e.from = shared.data();
+      e.bytes = shared.size();
+      e.patch = true;
+      e.span = elements * item;
+      e.off = 0;
+      e.total = elements * item;
+      e.item = item;
+      e.weight = 1;
+      e.dests = {&dest, 1};
+      e.name = "w";
+      refit::delta::host_patcher p(threads);
+      REQUIRE_NOTHROW(p.check({&e, 1}));
+      std::memcpy(shared.data() + 4 * (n - 1), &flipped, 4);  // the peer's write, after the check
+      try {
+        (void)p.apply({&e, 1});
+        FAIL("a patch with an index outside its span was applied");
+      } catch (const refit::error& err) {
+        CHECK(err.code() == refit::errc::apply);
+        CHECK_THAT(err.what(), Catch::Contains(fmt::format("the patch of 'w' is corrupt: change {} names element {} "
+                                                           "(out of the span), in a span of {} elements",
+                                                           n - 1, flipped, elements)) &&
+                                   Catch::Contains("changed after it was checked"));
+      }
+      const auto unchanged = [](auto first, auto last) {
+        return std::all_of(first, last, [](std::byte b) { return b == std::byte{0x11}; });
+      };
+      CHECK(unchanged(memory.begin(), memory.begin() + guard));
+      CHECK(unchanged(memory.end() - guard, memory.end()));
+    }
+  }
+  // apply_patch (one thread) refuses it the same way.
+  std::vector<std::byte> w(elements * item);
+  std::byte* dest = w.data();
+  const std::uint32_t huge = 0xffffffffu;
+  std::memcpy(patch.data() + 4 * (n - 1), &huge, 4);
+  CHECK_THROWS_MATCHES(
+      refit::delta::apply_patch(patch.data(), patch.size(), item, 0, w.size(), w.size(), {&dest, 1}, "w"), refit::error,
+      Catch::Matchers::Predicate<refit::error>([](const refit::error& e) { return e.code() == refit::errc::apply; }));
 }
 
 // ================================================================================== subsets

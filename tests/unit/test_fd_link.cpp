@@ -324,15 +324,15 @@ TEST_CASE("a message that breaks the link's rules makes receive return -1 and cl
 TEST_CASE("a lane carries descriptors both ways through its link, also after its files are removed",
           "[fd_link][lane]") {
   auto rx = lane::create();
-  auto tx = lane::open(rx->offer());
-  REQUIRE(rx->fds());
-  REQUIRE(tx->fds());
   const std::string dir = rx->offer().substr(0, rx->offer().rfind('\n'));
   struct stat st {};
   REQUIRE(::stat((dir + "/fds").c_str(), &st) == 0);
   CHECK(S_ISSOCK(st.st_mode));
-  // Removed before the receiver's first use of the link: the streamer's connection waits in the
-  // listening socket, which stays open.
+  auto tx = lane::open(rx->offer());
+  REQUIRE(rx->fds());
+  REQUIRE(tx->fds());
+  // Removed (by the streamer's open) before the receiver's first use of the link: the streamer's
+  // connection waits in the listening socket, which stays open.
   rx->remove_files();
   CHECK_FALSE(std::filesystem::exists(dir));
 

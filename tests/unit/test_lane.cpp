@@ -1,8 +1,11 @@
 // The same-host control lane (channel/lane.hpp): messages both ways, chunked when long, deadlines,
 // what open() refuses, and the channels that listen to a lane beside their ZeroMQ socket.
+#include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <filesystem>
@@ -312,4 +315,100 @@ TEST_CASE("a receiver drops a lane that breaks the rules and goes on through Zer
     CHECK_REFIT_ERROR(broken->send("BEGIN", in(1s), 0us), errc::peer, "the receiver closed the control lane");
   }
   refit::channel::remove_private_endpoint(ep);
+}
+
+TEST_CASE("a peer that trickles a message a byte at a time is cut off by the whole message's deadline",
+          "[lane][hostile]") {
+  auto rx = lane::create();
+  auto tx = lane::open(rx->offer());
+  // The peer announces 64 MiB and posts one byte whenever the last was taken, every 20 ms: each
+  // chunk comes well inside any per-chunk wait. It gives up after 3 × rest_of_message, so that the
+  // test ends even where the receive has no bound for the whole message.
+  const std::uint64_t total = lane::max_message_bytes;
+  std::atomic<bool> stop = false;
+  std::thread trickler([&] {
+    const auto give_up = lane::clock::now() + 3 * lane::rest_of_message;
+    for (std::uint64_t off = 0; !stop && lane::clock::now() < give_up; std::this_thread::sleep_for(20ms)) {
+      if (rx->ready()) continue;  // not taken yet
+      tx->post_unchecked(total, off, 1, "x");
+      ++off;
+    }
+  });
+  const auto t0 = lane::clock::now();
+  // The caller's deadline is now, as rep_channel::take() asks once it saw a first chunk.
+  while (!rx->ready()) std::this_thread::yield();
+  CHECK_REFIT_ERROR(rx->receive(lane::clock::now(), 0us), errc::timeout, "control lane: a message stopped after");
+  const auto took = lane::clock::now() - t0;
+  stop = true;
+  trickler.join();
+  CHECK(took >= lane::rest_of_message - 100ms);
+  CHECK(took < lane::rest_of_message + 2s);
+}
+
+TEST_CASE("a lane message announced longer than the limit is refused before anything is allocated", "[lane][hostile]") {
+  for (const std::uint64_t total : {lane::max_message_bytes + 1, ~std::uint64_t{0}}) {
+    INFO(total << " bytes announced");
+    auto rx = lane::create();
+    auto tx = lane::open(rx->offer());
+    // 2^64 - 1 bytes: reserving them would throw std::length_error, not refit::error.
+    tx->post_unchecked(total, 0, 1, "x");
+    CHECK_REFIT_ERROR(
+        rx->receive(in(1s), 0us), errc::protocol,
+        fmt::format("control lane: a message of {} bytes, more than the limit of {}", total, lane::max_message_bytes));
+  }
+}
+
+TEST_CASE("a lane's files are gone as soon as the streamer opened it", "[lane]") {
+  auto rx = lane::create();
+  const std::string dir = dir_of(*rx);
+  REQUIRE(std::filesystem::exists(dir + "/segment"));
+  auto tx = lane::open(rx->offer());
+  CHECK_FALSE(std::filesystem::exists(dir));
+  CHECK(tx->send("BEGIN", in(5s), 0us));
+  CHECK(rx->receive(in(5s), 0us) == std::optional<std::string>("BEGIN"));
+  CHECK(rx->send("OK", in(5s), 0us));
+  CHECK(tx->receive(in(5s), 0us) == std::optional<std::string>("OK"));
+  rx->remove_files();  // nothing left to remove: no error
+}
+
+TEST_CASE("the lane of a receiver killed before its streamer opened it is removed by the next lane made", "[lane]") {
+  namespace rt = refit::test;
+  // Two receivers in children: one is killed (SIGKILL: no destructor runs), the other lives on.
+  const auto receiver = [](rt::signal_pipe& out, rt::signal_pipe& in_) {
+    return [&out, &in_] {
+      auto rx = lane::create();
+      out.send(dir_of(*rx));
+      (void)in_.receive(60s);  // held open until told (or killed)
+    };
+  };
+  rt::signal_pipe from_dead, to_dead, from_live, to_live;
+  rt::child dead(receiver(from_dead, to_dead));
+  rt::child live(receiver(from_live, to_live));
+  const std::string dead_dir = from_dead.receive(20s);
+  const std::string live_dir = from_live.receive(20s);
+  CHECK_THAT(dead_dir, Catch::Contains(fmt::format("/refit-lane-{}-", dead.pid())));
+  dead.kill();
+  REQUIRE(std::filesystem::exists(dead_dir + "/segment"));  // what SIGKILL leaves behind
+  {
+    auto rx = lane::create();  // the next lane offer on this host
+    CHECK_FALSE(std::filesystem::exists(dead_dir));
+    CHECK(std::filesystem::exists(live_dir + "/segment"));  // a live process's lane is never removed
+    // A directory named for the dead pid whose life FIFO still has a reader (a receiver of
+    // another pid namespace sharing the directory, whose pid means nothing here) is kept; once
+    // nobody reads it, it goes too.
+    const std::string alias =
+        std::filesystem::path(dir_of(*rx)).parent_path() / fmt::format("refit-lane-{}-elsewhere", dead.pid());
+    REQUIRE(::mkdir(alias.c_str(), 0700) == 0);
+    REQUIRE(::mkfifo((alias + "/life").c_str(), 0600) == 0);
+    const int reader = ::open((alias + "/life").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    REQUIRE(reader >= 0);
+    (void)lane::create();
+    CHECK(std::filesystem::exists(alias + "/life"));
+    ::close(reader);
+    (void)lane::create();
+    CHECK_FALSE(std::filesystem::exists(alias));
+  }
+  to_live.send("stop");
+  CHECK(live.wait(20s) == 0);
+  CHECK_FALSE(std::filesystem::exists(live_dir));
 }
