@@ -81,8 +81,7 @@ void add_endpoint_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--curve-secret-key", c.curve.secret_key,
                  "receiver/streamer by hand: this side's CURVE secret key (Z85); the receiver needs it for "
                  "a tcp address other hosts can reach");
-  app.add_option("--curve-server-key", c.curve.server_key,
-                 "streamer by hand: the receiver's CURVE public key (Z85)");
+  app.add_option("--curve-server-key", c.curve.server_key, "streamer by hand: the receiver's CURVE public key (Z85)");
   app.add_option("--curve-allowed-client", c.curve.allowed_clients,
                  "receiver by hand: a streamer's CURVE public key that may connect (repeat; none: any that "
                  "knows the receiver's key)");

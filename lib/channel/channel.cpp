@@ -395,6 +395,7 @@ rep_channel::rep_channel(rep_channel&& other) noexcept
       lane_heard_(other.lane_heard_),
       answer_to_(std::move(other.answer_to_)),
       owed_(std::exchange(other.owed_, false)),
+      lane_gone_(std::exchange(other.lane_gone_, false)),
       dropped_(other.dropped_) {
   other.endpoint_.clear();
   other.owns_endpoint_ = false;
@@ -413,6 +414,7 @@ rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
     lane_heard_ = other.lane_heard_;
     answer_to_ = std::move(other.answer_to_);
     owed_ = std::exchange(other.owed_, false);
+    lane_gone_ = std::exchange(other.lane_gone_, false);
     dropped_ = other.dropped_;
     other.endpoint_.clear();
     other.owns_endpoint_ = false;
@@ -430,6 +432,14 @@ std::optional<std::string> rep_channel::receive(std::chrono::milliseconds wait, 
 }
 
 std::optional<std::string> rep_channel::take() {
+  if (lane_ && !lane_->ready() && lane_->streamer_gone()) {
+    // Its streamer ended (or let go of it) with nothing more to say: the receiver hears it now
+    // (lane_gone()) instead of at its idle timeout.
+    REFIT_INFO("the streamer of the control lane on {} is gone (its process ended or it closed the lane)", endpoint_);
+    lane_.reset();
+    lane_gone_ = true;
+    return std::nullopt;
+  }
   if (lane_ && lane_->ready()) {
     std::optional<std::string> msg;
     try {
@@ -510,9 +520,10 @@ std::optional<std::size_t> rep_channel::wait_any(std::span<rep_channel* const> c
 
 std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const> channels, clock::time_point deadline,
                                                    std::chrono::microseconds spin) {
-  // The sockets first, then the doorbells of the channels that have a lane.
+  // The sockets first, then the doorbells of the channels that have a lane, then the lanes' hang-up
+  // descriptors (POLLHUP once the lane's streamer is gone: see lane::streamer_gone()).
   std::vector<zmq::pollitem_t> items;
-  items.reserve(2 * channels.size());
+  items.reserve(3 * channels.size());
   for (rep_channel* c : channels) items.push_back(zmq::pollitem_t{c->socket_->handle(), 0, ZMQ_POLLIN, 0});
   std::vector<lane*> lanes;
   for (rep_channel* c : channels) {
@@ -520,6 +531,14 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
     lanes.push_back(c->lane_.get());
     items.push_back(zmq::pollitem_t{nullptr, c->lane_->doorbell(), ZMQ_POLLIN, 0});
   }
+  for (rep_channel* c : channels)
+    if (c->lane_ && c->lane_->hangup() >= 0)
+      items.push_back(zmq::pollitem_t{nullptr, c->lane_->hangup(), ZMQ_POLLERR, 0});
+  const auto lane_hung_up = [&]() -> std::optional<std::size_t> {
+    for (std::size_t k = 0; k < channels.size(); ++k)
+      if (channels[k]->lane_ && channels[k]->lane_->streamer_gone()) return k;
+    return std::nullopt;
+  };
   const std::size_t sockets = channels.size();
   const auto lane_ready = [&]() -> std::optional<std::size_t> {
     for (std::size_t k = 0; k < channels.size(); ++k)
@@ -567,6 +586,7 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
     if (const auto k = lane_ready()) return k;
     if (any) {
       if (const auto k = socket_ready()) return k;
+      if (const auto k = lane_hung_up()) return k;  // take() reports it
     }
     if (clock::now() >= deadline) return std::nullopt;
   }

@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "refit/error.hpp"
 #include "refit/options.hpp"
@@ -92,6 +93,9 @@ class rep_channel {
   [[nodiscard]] const std::string& peer_id() const noexcept { return answer_to_; }
   /// True when a lane is attached and a request has come through it: its streamer moved there.
   [[nodiscard]] bool on_lane() const noexcept { return lane_ && lane_heard_; }
+  /// True (once) when the lane's streamer was found gone (see lane::streamer_gone()): its process
+  /// ended or it closed the lane. The lane is dropped then; its session cannot go on through it.
+  [[nodiscard]] bool lane_gone() noexcept { return std::exchange(lane_gone_, false); }
   /// Requests dropped unanswered because their envelope was not a REQ's (for tests and logs).
   [[nodiscard]] std::uint64_t dropped() const noexcept { return dropped_; }
 
@@ -124,7 +128,8 @@ class rep_channel {
   bool lane_heard_ = false;  ///< a message came through lane_ (its files are removed then)
   /// The routing id of the request in hand (to reply to), "" when none or through the lane.
   std::string answer_to_;
-  bool owed_ = false;  ///< a request from the socket waits for its reply
+  bool owed_ = false;       ///< a request from the socket waits for its reply
+  bool lane_gone_ = false;  ///< see lane_gone()
   std::uint64_t dropped_ = 0;
 };
 

@@ -344,6 +344,14 @@ bool lane::receiver_gone() {
   return gone_;
 }
 
+bool lane::streamer_gone() const noexcept {
+  if (life_ < 0 || me_ != side::receiver) return false;
+  // POLLHUP on a FIFO's read end once every writer that opened it has closed it (never before the
+  // first writer came).
+  pollfd item{life_, 0, 0};
+  return ::poll(&item, 1, 0) > 0 && (item.revents & POLLHUP) != 0;
+}
+
 bool lane::ready() const noexcept {
   auto& d = seg_->to[static_cast<int>(me_)];
   return load(d.posted.value) != load(d.taken.value, std::memory_order_relaxed);

@@ -110,6 +110,14 @@ class lane {
   void post_unchecked(std::uint64_t total, std::uint64_t offset, std::uint64_t bytes, std::string_view data,
                       std::uint64_t posts = 1) noexcept;
 
+  /// Receiver: true once the streamer that opened the lane has let go of it: its process ended
+  /// (SIGKILL, OOM) or it closed the lane. The kernel closes the streamer's end of the `life` FIFO
+  /// with its last descriptor, and this end then polls POLLHUP. Never waits.
+  [[nodiscard]] bool streamer_gone() const noexcept;
+  /// Receiver: a descriptor that polls POLLHUP once streamer_gone() (for waits beside others); -1
+  /// on the streamer's side.
+  [[nodiscard]] int hangup() const noexcept { return me_ == side::receiver ? life_ : -1; }
+
   /// Receiver: removes the directory (what is open stays usable). Never throws.
   void remove_files() noexcept;
   /// Receiver: closes the lane (also done by the destructor): the streamer's next send() throws

@@ -380,7 +380,9 @@ __global__ void check_kernel(const __grid_constant__ check_list list, unsigned i
 
 /// One block per tile of check_tile records of the (checked) patches of `list`: writes each record's
 /// value at its index of the patch's span, adds weight times new minus old terms (one atomic add a
-/// block).
+/// block). The indices are read again here from memory the streamer can still write (cuda_ipc maps
+/// its buffer): one that now lands past the tensor is skipped, not written, and the version's
+/// checksum at END then fails it (nothing is committed).
 __global__ void apply_kernel(const __grid_constant__ apply_list list, unsigned long long* terms) {
   __shared__ unsigned long long sums[threads];
   const std::uint64_t lo = item_of(list, blockIdx.x);
@@ -391,6 +393,7 @@ __global__ void apply_kernel(const __grid_constant__ apply_list list, unsigned l
   std::uint64_t t = 0;
   for (std::uint64_t k = first + threadIdx.x; k < first + check_tile && k < p.n; k += threads) {
     const std::uint64_t i = p.indices[k];
+    if (p.off + (i + 1) * static_cast<std::uint64_t>(item) > p.total) continue;
     const std::uint64_t o = load(span, i, item);
     const std::uint64_t v = load_unaligned(p.values, k, item);
     t += element_term(v, p.off + i * item, item, p.total) - element_term(o, p.off + i * item, item, p.total);

@@ -1668,12 +1668,30 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       if (late != nullptr) wait = std::min(wait, std::chrono::ceil<milliseconds>(deadline - now));
     }
     const auto request = receive(wait);
-    if (!request) return receiver_event::idle;
+    if (!request) return streamer_gone() ? receiver_event::aborted : receiver_event::idle;
     const auto received = clock::now();
     const receiver_event e = handle(*request);
     REFIT_DEBUG("{} handled in {:.0f} us ({} bytes)", to_string(e),
                 std::chrono::duration<double, std::micro>(clock::now() - received).count(), request->size());
     return e;
+  }
+
+  /// Ends the refit in progress when the streamer of a lane that takes part in it was found gone
+  /// through its control lane (channel::rep_channel::lane_gone()): its process ended, so waiting for
+  /// receiver_options::idle_timeout would only keep the weights dirty longer. True when it did.
+  bool streamer_gone() {
+    bool aborted = false;
+    for (lane& l : lanes) {
+      if (!l.channel.lane_gone() || !l.in_refit() || !group_version) continue;
+      ln = &l;
+      abort_refit(fmt::format("the streamer {} is gone during version {}: its control lane closed (its process "
+                              "ended, or it let go of the session), noticed at once instead of after "
+                              "receiver_options.idle_timeout ({} ms)",
+                              who(l), *group_version, options.idle_timeout.count()),
+                  errc::peer);
+      aborted = true;
+    }
+    return aborted;
   }
 
   /// Why the group's version fails at lane `l`'s deadline (see step()).

@@ -91,20 +91,24 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   check_nccl_session(data, size);
   check_vmm_record(data, size);
   wire::message m;
+  std::string secret;
   try {
-    m = wire::decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data), size));
+    m = wire::decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data), size), &secret);
   } catch (const refit::error&) {
     return 0;  // rejected with the library's own error: what hostile input should get
   }
 
-  const std::string once = wire::encode(m);
+  // A request's session secret travels beside the message: it round-trips too.
+  const std::string once = wire::encode(m, secret);
   wire::message again;
+  std::string secret_again;
   try {
-    again = wire::decode(once);
+    again = wire::decode(once, &secret_again);
   } catch (const refit::error& e) {
     property_failed("a decoded message does not decode after re-encoding", e.what());
   }
   if (!(again == m)) property_failed("decode(encode(m)) != m", std::string(wire::to_string(wire::type_of(m))));
-  if (wire::encode(again) != once) property_failed("encode is not stable across a round trip", "");
+  if (secret_again != secret) property_failed("a request's secret does not survive a round trip", "");
+  if (wire::encode(again, secret_again) != once) property_failed("encode is not stable across a round trip", "");
   return 0;
 }

@@ -307,13 +307,15 @@ TEST_CASE(
   s1.kill();
   CHECK(s1.wait(5s) == -SIGKILL);
 
-  // The receiver gives version 2 up after its idle timeout.
+  // The receiver gives version 2 up: at once where the streamer had a control lane (its end closed
+  // with the process), else after its idle timeout.
   const auto aborted_after = serve_until(r, refit::receiver_event::aborted, idle_timeout + slack + 2s);
   REQUIRE(aborted_after);
   CHECK(*aborted_after < idle_timeout + slack);
   CHECK(r.committed_version() == std::optional<std::uint64_t>(1));
   CHECK(r.dirty());
-  CHECK_THAT(r.last_error(), Catch::Contains("no message from the streamer"));
+  CHECK_THAT(r.last_error(), Catch::Contains("no message from the streamer") ||
+                                 Catch::Contains("is gone during version 2: its control lane closed"));
 
   // A new streamer process: its refit commits and the weights are clean again.
   to_s2.send("go");

@@ -490,7 +490,8 @@ TEST_CASE("a streamer killed mid-version fails it on the receiver, naming its ra
   killed.kill();
   rank0.join();
   REQUIRE(f0);
-  CHECK(f0->code == "timeout");
+  // Gone with its control lane (peer), or silent past the idle timeout first on a slow machine.
+  CHECK((f0->code == "peer" || f0->code == "timeout"));
   // Silent after its BEGIN (or, had rank 0 begun first and the child been slow, never begun).
   CHECK_THAT(f0->message, Catch::Contains("the streamer rank 1"));
   CHECK_THAT(f0->message, Catch::Contains("500 ms") && Catch::Contains("version 9"));

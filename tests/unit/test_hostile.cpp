@@ -10,6 +10,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <csignal>
+#include <functional>
+#include <mutex>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdint>
@@ -44,7 +48,8 @@ constexpr std::uint64_t max_version = std::numeric_limits<std::uint64_t>::max();
 /// A receiver with a table of `model`, served on a thread until destruction.
 class served_receiver {
  public:
-  served_receiver(const std::string& endpoint, const std::vector<refit::tensor_meta>& model, std::string token = {}) {
+  served_receiver(const std::string& endpoint, const std::vector<refit::tensor_meta>& model, std::string token = {},
+                  const std::function<void(refit::receiver&)>& setup = {}) {
     refit::receiver_options o;
     o.endpoint = endpoint;
     o.token = std::move(token);
@@ -59,6 +64,7 @@ class served_receiver {
       rx_->add_parameter(d);
     }
     model_ = model;
+    if (setup) setup(*rx_);
     thread_ = std::thread([this] { rx_->serve([this] { return stop_.load(); }, 5ms); });
   }
   ~served_receiver() {
@@ -329,6 +335,53 @@ TEST_CASE("a session that moved to its control lane takes nothing but HELLO over
   st.refit(2, v2.refs);
   CHECK(rx.committed() == 2);
   CHECK(rx.mismatch(2).empty());
+}
+
+TEST_CASE("a streamer killed mid-refit is noticed through its control lane, long before the idle timeout",
+          "[hostile][lane]") {
+  const auto model = two_tensors();
+  const rt::scoped_endpoint endpoint;
+  // The streamer first (a fork before this process serves on a thread): it begins version 1, sends
+  // nothing more, and waits to be killed.
+  rt::child streamer([&] {
+    refit::streamer_options o = rt::host_shm_streamer(endpoint.name, 64 * kib, 60s);
+    o.control_lane = true;
+    refit::streamer s(o);
+    const rt::host_tensors v1(model, 1);
+    std::size_t given = 0;
+    (void)s.refit(1, [&]() -> std::optional<refit::tensor_ref> {
+      if (given == 0) return v1.refs[given++];
+      for (;;) ::pause();  // mid-refit until SIGKILL
+    });
+  });
+  std::mutex m;
+  std::condition_variable cv;
+  bool begun = false;
+  std::optional<std::string> aborted;
+  served_receiver rx(endpoint.name, model, {}, [&](refit::receiver& r) {
+    r.on_begin([&](std::uint64_t) {
+      const std::lock_guard lock(m);
+      begun = true;
+      cv.notify_all();
+    });
+    r.on_abort([&](std::uint64_t, const std::string& why) {
+      const std::lock_guard lock(m);
+      aborted = why;
+      cv.notify_all();
+    });
+  });
+  std::unique_lock lock(m);
+  REQUIRE(cv.wait_for(lock, 50s, [&] { return begun; }));
+  lock.unlock();
+  const auto killed = std::chrono::steady_clock::now();
+  streamer.kill();
+  lock.lock();
+  // The idle timeout is 60 s: the lane must tell long before.
+  REQUIRE(cv.wait_for(lock, 30s, [&] { return aborted.has_value(); }));
+  CHECK(std::chrono::steady_clock::now() - killed < 30s);
+  CHECK_THAT(*aborted, Catch::Contains("is gone during version 1: its control lane closed"));
+  CHECK_THAT(*aborted, Catch::Contains("receiver_options.idle_timeout (60000 ms)"));
+  CHECK(rx.committed() == std::nullopt);
 }
 
 // ========================================================================= the envelope
