@@ -242,7 +242,7 @@ std::unique_ptr<transport_path> make_host_shm_path();
 /// in a build without CUDA, or when `device` is not a visible GPU.
 std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources = false, bool vmm_dests = false,
                                                    std::vector<int> receiver_gpus = {});
-/// --convert: the receiver registers converted destinations (issue 13): "bf16:fp8-block128",
+/// --convert: the receiver registers converted destinations (lib/README.md, Conversion): "bf16:fp8-block128",
 /// "bf16:fp8-tensor", "f32:bf16".
 struct conversion_spec {
   std::string name;

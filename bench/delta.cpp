@@ -1,5 +1,5 @@
 // refit-bench --delta STEPS: delta versions against whole ones, host_shm, cuda_ipc staged or nccl
-// buffered (issue 16, item 4).
+// buffered.
 //
 // The trainer keeps fp32 master weights and sends their bf16 rounding. Each step adds an fp32
 // update of relative size --delta-update (uniform in [-u, u] times the weight's magnitude) and

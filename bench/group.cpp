@@ -1,4 +1,4 @@
-// refit-bench --streamers N: sharded trainers (issue 12). N streamers, one per trainer rank, each
+// refit-bench --streamers N: sharded trainers. N streamers, one per trainer rank, each
 // holding the Shard(0) rows of every tensor of the model (torch.chunk's split, as FSDP's), send each
 // version together to the receivers. No all-gather: every byte moves from the rank that holds it
 // straight to the receivers that need it.

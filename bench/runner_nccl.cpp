@@ -280,7 +280,8 @@ double nccl_ceiling_ranks(const std::vector<ceiling_comm>& comms, int device, mi
   }
   // A closing barrier: over NCCL's network transport the root's broadcast completes once its bytes
   // are handed to the socket, and a root that then ended its communicator cut the last receive short
-  // (run68: "Connection closed by remote peer" on rank 1). Past this, every rank has received all.
+  // (rank 1 failed with "Connection closed by remote peer":
+  // bench/results/2026-11-25-h100-nccl-shared-gpu-delta-groups.txt). Past this, every rank has received all.
   for (auto& l : lanes) all_reduce(*l, "ncclAllReduce (ceiling end)");
   for (std::size_t k = 0; k < lanes.size(); ++k)
     wait_for(

@@ -1,7 +1,8 @@
 // bench/probes/context_switch.cu — the device round trip of a tiny copy (launch + cudaStreamSynchronize) in a
 // process that shares the GPU with another (the colocated case: streamer and receiver each with its own context), by
-// what the other process does. On the H100 VMs (session 16): ~10 us with the other context idle, ~150 us right after
-// the other process ran a kernel (the GPU switching contexts). Built and run by tools/gpu-check BUNDLE probes.
+// what the other process does. On the H100 VMs: ~10 us with the other context idle, ~150 us right after the other
+// process ran a kernel (the GPU switching contexts); bench/results/2026-11-27-h100-2xh200-fixed-cost-copy-kernel.txt
+// has the figures. Built and run by tools/gpu-check BUNDLE probes.
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <chrono>

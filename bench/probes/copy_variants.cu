@@ -1,7 +1,7 @@
 // bench/probes/copy_variants.cu — copy kernel variants over llama3-8b's tensors (bf16, ~1 GB per launch as refit groups them), into local memory and
 // into another process's cudaMalloc mapped with cudaIpcOpenMemHandle. Ratio = bytes / time / (1 GiB memcpy speed).
-// lib/copy/copy_kernel.cu's choices (2 blocks per SM, 16 loads in flight) come from it (session 16's figures in
-// bench/results/2026-11-27-session16.txt). Built and run by tools/gpu-check BUNDLE probes.
+// lib/copy/copy_kernel.cu's choices (2 blocks per SM, 16 loads in flight) come from it (its figures are in
+// bench/results/2026-11-27-h100-2xh200-fixed-cost-copy-kernel.txt). Built and run by tools/gpu-check BUNDLE probes.
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdio>

@@ -135,7 +135,8 @@ class copier {
   [[nodiscard]] virtual bool queue_short() noexcept { return idle(); }
   /// Enqueues work that does nothing on `stream`, so that a GPU time-sliced with another process
   /// (a colocated engine whose kernels ran last) switches to this process's context now rather than
-  /// at the first real launch: a switch costs ~140 us on an H100 VM (bench/results, session 16).
+  /// at the first real launch: a switch costs ~140 us on an H100 VM (bench/probes/context_switch.cu;
+  /// bench/results/2026-11-27-h100-2xh200-fixed-cost-copy-kernel.txt).
   /// Nothing for the CPU engine.
   virtual void prime(void* stream) { (void)stream; }
 };

@@ -40,7 +40,7 @@ __device__ __forceinline__ std::uint32_t copy_unrolled(const V* __restrict__ s, 
 /// thread (a whole 64 KiB tile of 16-byte vectors in one go), then 4, then one at a time. Sixteen
 /// rather than eight: 0.932 against 0.924 of a local cudaMemcpyAsync into another process's
 /// cudaIpc-mapped memory, 0.957 against 0.951 into local memory (llama3-8b's tensors, H100,
-/// bench/probes/copy_variants.cu, session 16).
+/// bench/probes/copy_variants.cu; bench/results/2026-11-27-h100-2xh200-fixed-cost-copy-kernel.txt).
 template <typename V>
 __device__ __forceinline__ void copy_elements(const V* __restrict__ s, V* __restrict__ d, std::uint32_t n) {
   std::uint32_t i = copy_unrolled<16>(s, d, threadIdx.x, n);
@@ -154,7 +154,7 @@ struct alignas(16) inline_ops {  // read as 16-byte words
 
 /// The list is copied into shared memory first (`count` ops of dynamic shared memory): every tile
 /// looks its op up, and lookups in the parameter space through its generic address made the
-/// kernel ~1.5 % slower (session 16).
+/// kernel ~1.5 % slower (bench/results/2026-11-27-h100-2xh200-fixed-cost-copy-kernel.txt).
 template <std::uint32_t K>
 __global__ void __launch_bounds__(copy_threads)
     copy_tiles_inline(const __grid_constant__ inline_ops<K> list, std::uint32_t count, std::uint64_t total_tiles) {

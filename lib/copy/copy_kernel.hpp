@@ -22,7 +22,8 @@ inline constexpr int copy_threads = 256;
 /// per thread keep HBM busy, and fewer blocks touch fewer pages at once: on an H100, copying
 /// llama3-8b's tensors into another process's memory (a cudaIpc mapping) ran at 0.92-0.93 of a
 /// local cudaMemcpyAsync with 2 blocks per SM against 0.90-0.91 with 8, and local copies at
-/// 0.95 with either (session 7; bench/probes/copy_variants.cu measures the same).
+/// 0.95 with either (bench/results/2026-11-25-h100-copy-kernel-vmm.txt; bench/probes/copy_variants.cu
+/// measures the same).
 inline constexpr int blocks_per_sm = 2;
 
 /// Threads per block of the checksum reduction.

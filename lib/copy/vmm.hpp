@@ -7,9 +7,9 @@
 // the other into a reserved range, each exportable as a POSIX file descriptor when its creator
 // asked for that handle type (torch does). Another process imports each chunk and maps them in
 // the same order into a range of its own, so a tensor spanning chunks reads as one. Measured on an
-// H100 (session 7, .anchors/copyprobe.cu), memory mapped this way is also copied at full speed by
-// the other process (0.95 of a local cudaMemcpyAsync with refit's kernel), where a cudaIpc mapping
-// runs at 0.87-0.93.
+// H100 (bench/results/2026-11-25-h100-copy-kernel-vmm.txt), memory mapped this way is also copied at
+// full speed by the other process (0.95 of a local cudaMemcpyAsync with refit's kernel), where a
+// cudaIpc mapping runs at 0.87-0.93.
 #pragma once
 
 #include <cstddef>
