@@ -434,6 +434,56 @@ TEST_CASE("a peer that sends a broken request and leaves does not make the recei
   CHECK(hello_answer(ctx, endpoint).starts_with("unauthorized: session token mismatch"));
 }
 
+// ============================================================================== soak
+
+TEST_CASE("one receiver under every attack in turn keeps committing the legitimate streamer's versions bit-exact",
+          "[hostile][soak]") {
+  const auto model = two_tensors();
+  served_receiver rx("tcp://127.0.0.1:0", model, "the-token");
+  const std::string endpoint = rx.endpoint();
+  zmq::context_t ctx;
+  streamer_peer s(ctx, endpoint, "the-token");
+  peer stranger(ctx, endpoint);
+  peer dealer(ctx, endpoint, zmq::socket_type::dealer);
+  std::mt19937_64 rng(3535);
+  const auto attack = [&](int round) {
+    INFO("round " << round);
+    // A stranger's requests, bytes that do not decode, a HELLO with the wrong token, broken
+    // envelopes, random bytes over raw tcp.
+    CHECK(text(stranger.request(wire::begin{max_version, false, {}}, s.secret())).starts_with("unauthorized: "));
+    CHECK(text(stranger.request(wire::end{static_cast<std::uint64_t>(round), 2, 2048, 1, {}}, {}))
+              .starts_with("unauthorized: "));
+    CHECK(text(stranger.request(wire::abort{static_cast<std::uint64_t>(round), refit::errc::cuda, "x"}, {}))
+              .starts_with("unauthorized: "));
+    CHECK(text(stranger.request_bytes(std::string(1, '\xc1'))).starts_with("protocol: "));
+    CHECK(hello_answer(ctx, endpoint).starts_with("unauthorized: session token mismatch"));
+    dealer.send_frames({"no delimiter"});
+    dealer.send_frames({"", "two", "bodies"});
+    std::string blob(1024, '\0');
+    for (char& c : blob) c = static_cast<char>(rng());
+    raw_tcp(endpoint, blob);
+  };
+  for (int round = 1; round <= 12; ++round) {
+    const auto v = static_cast<std::uint64_t>(round);
+    attack(round);
+    REQUIRE(text(s.request(wire::begin{v, false, {}})) == "OK");
+    attack(round);
+    REQUIRE(text(s.batch(v, 0, {model[0]})) == "OK");
+    attack(round);
+    REQUIRE(text(s.batch(v, 1, {model[1]})) == "OK");
+    attack(round);
+    REQUIRE(text(s.request(wire::end{v, 2, 2048, 2, {}})) == "OK");
+    CHECK(rx.committed() == v);
+    CHECK(rx.mismatch(v).empty());
+  }
+  // The dealer's broken messages were never answered: its first answer is to its first request.
+  wire::hello h;
+  h.transport = "host_shm";
+  h.token = "not-the-token";
+  dealer.send_frames({"", wire::encode(h)});
+  CHECK(text(wire::decode(dealer.receive())).starts_with("unauthorized: session token mismatch"));
+}
+
 // ============================================================================ binding
 
 TEST_CASE("a tcp endpoint other hosts can reach is refused without CURVE unless allowed", "[hostile]") {
