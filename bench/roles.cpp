@@ -570,8 +570,8 @@ class group_runner {
       }
     } else {
       // Always said, --quiet or not: the table cannot vouch for the data in this mode.
-      std::cerr << "refit-bench: WARNING: --no-verify: the receiver's checksums are printed on its side "
-                   "and not verified here (wrong = n/a)"
+      std::cerr << "refit-bench: WARNING: --no-verify: nothing compares the receiver's checksums with this "
+                   "streamer's (wrong = n/a)"
                 << std::endl;
     }
   }
