@@ -610,7 +610,8 @@ void write_preamble(std::ostream& out, const preamble& p);
 void write_header(std::ostream& out);
 void write_row(std::ostream& out, const row& r);
 /// The footer: wrong values ("OK" / "FAILED") and the average throughput.
-void write_footer(std::ostream& out, const std::vector<row>& rows);
+/// `failed`: the run ended with an error (printed after the table), so its 0 wrong values are no OK.
+void write_footer(std::ostream& out, const std::vector<row>& rows, bool failed = false);
 nlohmann::json to_json(const preamble& p, const std::vector<row>& rows);
 /// Throughput against buffer size (log2 axis), one series per (transport, model), with each
 /// transport's staged limit (ceiling / 2) and ceiling. A self-contained SVG document.

@@ -157,13 +157,16 @@ void write_row(std::ostream& out, const row& r) {
   out.flush();
 }
 
-void write_footer(std::ostream& out, const std::vector<row>& rows) {
+void write_footer(std::ostream& out, const std::vector<row>& rows, bool failed) {
   const std::int64_t wrong = total_wrong(rows);
   const bool unverified = std::any_of(rows.begin(), rows.end(), [](const row& r) { return r.wrong < 0; });
   double sum = 0;
   for (const auto& r : rows) sum += r.gbps;
   out << fmt::format("# Wrong values          : {} {}\n", wrong,
-                     wrong ? "FAILED" : (unverified ? "OK (some rows not verified)" : "OK"));
+                     wrong        ? "FAILED"
+                     : failed     ? "(the run FAILED: its error follows on stderr)"
+                     : unverified ? "OK (some rows not verified)"
+                                  : "OK");
   out << fmt::format("# Avg throughput (GB/s) : {:.3f}\n", rows.empty() ? 0.0 : sum / static_cast<double>(rows.size()));
   out << "#\n";
   out.flush();

@@ -395,6 +395,15 @@ std::string report_log::answer(std::string_view request) const {
 
 namespace {
 
+/// A receiver started by hand keeps its committed version between streamer runs, and every run
+/// counts versions from 1: the receiver's refusal ("version 1 is not newer than the committed
+/// version 6") then needs the way out said.
+std::string reused_receiver_hint(const error& e) {
+  if (std::string_view(e.what()).find("is not newer than the committed version") == std::string_view::npos) return {};
+  return "; that receiver has served an earlier run, and every streamer run counts versions from 1: start a fresh "
+         "receiver (refit-bench --role receiver) for each run";
+}
+
 // A private directory (mode 0700) for the ipc socket; removed at the end.
 struct temp_dir {
   temp_dir() {
@@ -561,8 +570,8 @@ class group_runner {
       }
     } else {
       // Always said, --quiet or not: the table cannot vouch for the data in this mode.
-      std::cerr << "refit-bench: WARNING: --no-verify: the receiver's checksums are printed on its side "
-                   "and not verified here (wrong = n/a)"
+      std::cerr << "refit-bench: WARNING: --no-verify: nothing compares the receiver's checksums with this "
+                   "streamer's (wrong = n/a)"
                 << std::endl;
     }
   }
@@ -732,8 +741,9 @@ class group_runner {
         (void)s.refit(v, std::span<const tensor_ref>(&refs_[smallest], 1), refit_scope::subset);
       } catch (const error& e) {
         throw error(e.code(), fmt::format("refit-bench: {} {} {} MiB x{}: --split refit of version {} ({} alone) "
-                                          "failed: {}",
-                                          tname_, g_.m.name, mb, nbuf, v, refs_[smallest].meta.name, e.what()));
+                                          "failed: {}{}",
+                                          tname_, g_.m.name, mb, nbuf, v, refs_[smallest].meta.name, e.what(),
+                                          reused_receiver_hint(e)));
       }
       const double ms = ms_since(t0);
       double apply_ms = -1;
@@ -778,8 +788,8 @@ class group_runner {
         } catch (...) {
         }
       }
-      throw error(e.code(), fmt::format("refit-bench: {} {} {} MiB x{}: refit of version {} failed: {}{}", tname_,
-                                        g_.m.name, mb, nbuf, v, e.what(), detail));
+      throw error(e.code(), fmt::format("refit-bench: {} {} {} MiB x{}: refit of version {} failed: {}{}{}", tname_,
+                                        g_.m.name, mb, nbuf, v, e.what(), detail, reused_receiver_hint(e)));
     }
   }
 
@@ -1031,11 +1041,15 @@ void print_banner(const config& c, const manifest& m, const std::string& model, 
   const std::string& report_ep = reports.channel().endpoint();
   const bool wildcard =
       r.endpoint().find("//0.0.0.0:") != std::string::npos || report_ep.find("//0.0.0.0:") != std::string::npos;
+  // This executable's own path: `tools/dev build` leaves refit-bench in build/bench, not on PATH.
+  std::error_code ec;
+  std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  if (ec || self.empty()) self = "refit-bench";
   std::cerr << fmt::format(
       "refit-bench: receiver for {} over {} listening on {}, checksums on {} (Ctrl-C to stop)\n"
       "refit-bench: start the streamer with:\n"
-      "  refit-bench --role streamer --connect {} --report {} {}\n{}",
-      m.name, transport, r.endpoint(), report_ep, r.endpoint(), report_ep, same,
+      "  {} --role streamer --connect {} --report {} {}\n{}",
+      m.name, transport, r.endpoint(), report_ep, self, r.endpoint(), report_ep, same,
       wildcard ? "refit-bench: (from another host, put this host's address in place of 0.0.0.0)\n" : "");
 }
 
@@ -1158,8 +1172,17 @@ int run_receiver(const config& c) {
     switch (event) {
       case receiver_event::committed: {
         const json line = committed_line(c, m, layout, *dest, r);
-        emit(line);
-        if (reports) log.committed(line);
+        if (reports) {
+          // Started by hand, stdout is a terminal: the checksums (one per tensor) are for the
+          // streamer, which asks for them on the report endpoint.
+          json shown = line;
+          shown.erase("checksums");
+          shown["tensors"] = m.entries.size();
+          emit(shown);
+          log.committed(line);
+        } else {
+          emit(line);
+        }
         break;
       }
       case receiver_event::aborted: {
@@ -1383,7 +1406,7 @@ int run(const config& c, std::ostream& out) {
   try {
     measure(c, out, paths, models, files, rows);
   } catch (...) {
-    write_footer(out, rows);
+    write_footer(out, rows, /*failed=*/true);
     write_outputs(c, p, rows);
     throw;
   }

@@ -24,6 +24,7 @@
 #include "refit/options.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
+#include "refit/version.hpp"
 #include "tensors.hpp"
 
 #ifndef REFIT_PY_VERSION
@@ -256,11 +257,23 @@ class py_receiver {
     retire();
   }
 
-  /// fn(views: list[View], stream: int)
-  void on_batch(py::function fn) {
+  /// fn(views: list[View], stream: int); `what` names the Python method that set it (on_tensor or
+  /// on_batch), as errors and the streamer will read it.
+  void on_batch(py::function fn, const std::string& what) {
+    receiver& r = rx();
+    // The C++ receiver replaces a table with a callback; a Python engine that registered its
+    // parameters and then a loader has made a mistake, and would only learn of it at the first
+    // refit (nothing written where it expected).
+    if (!keep_.empty())
+      throw error(errc::invalid_argument,
+                  what + ": this receiver has a parameter table (" + std::to_string(keep_.size()) +
+                      " destination(s) registered with add_parameter / add_parameters); a receiver applies "
+                      "through its table or through a callback, not both: call rx.clear_parameters() first to "
+                      "switch to the callback");
     batch_fn_ = std::move(fn);
-    rx().on_batch([this](std::span<const tensor_view> views, void* stream) { run_batch(views, stream); });
-    retire();  // the callback replaces the table
+    batch_what_ = "the " + what + " callback";
+    r.on_batch([this](std::span<const tensor_view> views, void* stream) { run_batch(views, stream); });
+    retire();  // the callback replaces the table (empty here)
   }
 
   void on_begin(py::object fn) {
@@ -336,7 +349,7 @@ class py_receiver {
   receiver_stats last_stats() { return rx().last_stats(); }
   std::optional<std::string> last_error() {
     std::string e = rx().last_error();
-    if (e.empty()) return std::nullopt;
+    if (e.empty() || (error_before_commit_ && *error_before_commit_ == e)) return std::nullopt;
     return e;
   }
 
@@ -347,6 +360,8 @@ class py_receiver {
   /// receiver does in its reply to the streamer's next message.
   void after(receiver_event e, milliseconds wait) {
     if (e == receiver_event::committed || e == receiver_event::bye || e == receiver_event::hello) retired_.clear();
+    if (e == receiver_event::committed) error_before_commit_ = rx().last_error();
+    if (e == receiver_event::aborted || e == receiver_event::refused) error_before_commit_.reset();
     if (!interrupt_) return;
     receiver& r = rx();
     // Bounded: a streamer that sends nothing more is presumed dead after idle_timeout, and
@@ -379,7 +394,7 @@ class py_receiver {
       batch_fn_(list, reinterpret_cast<std::uintptr_t>(stream));
     } catch (py::error_already_set& e) {
       *alive = false;
-      throw_from_python(std::move(e), "the batch callback");
+      throw_from_python(std::move(e), batch_what_);
     }
     *alive = false;
   }
@@ -406,7 +421,12 @@ class py_receiver {
   std::unordered_multimap<std::string, py::object> keep_;  ///< registered tensors stay alive
   std::vector<py::object> retired_;                        ///< removed ones, until after() lets go
   py::object batch_fn_, begin_fn_, commit_fn_, abort_fn_;
+  std::string batch_what_ = "the on_batch callback";
   std::unique_ptr<py::error_already_set> interrupt_;
+  /// C++ keeps its last error after later versions commit; Python's last_error is the failure of
+  /// the refits since the last commit. Set at a commit to the error then held, cleared by any
+  /// later failure (which may have the same text).
+  std::optional<std::string> error_before_commit_;
 };
 
 // ----------------------------------------------------------------------------- streamer
@@ -472,6 +492,19 @@ class python_tensors final : public tensor_source {
     }
     return std::move(ready_[next_++]);
   }
+  /// The device of the first tensor, read ahead (it is still the first one next() returns); None
+  /// for no tensors. A source that fails before its first tensor raises here. Needs the GIL.
+  std::optional<device> first_device() {
+    if (next_ == ready_.size() && !done_ && !failed_) {
+      ready_.clear();
+      next_ = 0;
+      fill();
+    }
+    if (next_ < ready_.size()) return ready_[next_].dev;
+    raise_source_failure();
+    return std::nullopt;
+  }
+
   /// Raises the Python exception the source raised, if any. Needs the GIL.
   void raise_source_failure() {
     if (!failure_) return;
@@ -551,24 +584,44 @@ class python_tensors final : public tensor_source {
   std::unique_ptr<py::error_already_set> failure_;
 };
 
+/// What a streamer made with transport="auto" runs on: cuda_ipc for tensors on a GPU of this
+/// host, host_shm otherwise (nccl only when asked: it needs a communicator between the processes'
+/// GPUs, which "auto" cannot know the trainer wants). Throws, saying what would work, when the
+/// tensors are on a GPU and this build has no CUDA.
+transport_kind choose_transport(const std::optional<device>& first) {
+  if (!first || first->kind != device_kind::cuda) return transport_kind::host_shm;
+  if (has_transport(transport_kind::cuda_ipc)) return transport_kind::cuda_ipc;
+  throw error(errc::invalid_argument,
+              "the tensors are on cuda:" + std::to_string(first->index) +
+                  ", but this refit was built without CUDA, so it can only send CPU tensors (host_shm): install a "
+                  "build with CUDA (README.md, Install: -Csetup-args=-Dcuda=enabled), or move the tensors to the CPU");
+}
+
 class py_streamer {
  public:
-  explicit py_streamer(streamer_options o) : device_(o.device) {
-    py::gil_scoped_release nogil;  // creates the buffers
-    st_ = std::make_unique<streamer>(std::move(o));
+  /// `automatic`: the transport is chosen at the first refit, from its first tensor's device
+  /// (choose_transport), and the C++ streamer made then.
+  py_streamer(streamer_options o, bool automatic) : device_(o.device), options_(std::move(o)), automatic_(automatic) {
+    if (!automatic_) make();
   }
   ~py_streamer() { close(); }
 
   void close() {
+    closed_ = true;
     if (!st_) return;
     std::unique_ptr<streamer> st = std::move(st_);
     py::gil_scoped_release nogil;  // BYE waits up to 1 s for a reply
     st.reset();
   }
 
+  /// The transport in use: the one given, or the one "auto" chose (None before the first refit).
+  std::optional<std::string> transport() const {
+    if (automatic_ && !st_ && !chosen_) return std::nullopt;
+    return std::string(to_string(options_.transport));
+  }
+
   refit_stats refit(std::uint64_t version, const py::object& tensors, const py::object& stream, bool subset) {
-    if (!st_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
-    streamer& s = *st_;
+    if (closed_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
     python_tensors source(stream, device_);
     // Containers (a state_dict, a list of pairs) are read 64 pairs per visit under the GIL, while
     // the streamer moves the bytes of the ones before: the conversion overlaps the transfer.
@@ -578,6 +631,8 @@ class py_streamer {
     const bool container = mapping || PyList_Check(tensors.ptr()) || PyTuple_Check(tensors.ptr());
     const py::object pairs = mapping ? tensors.attr(*items)() : tensors;
     source.pull_from(py::iter(pairs), container ? 64 : 1);
+    if (!st_) choose(source);
+    streamer& s = *st_;
     try {
       refit_stats stats;
       {
@@ -593,8 +648,41 @@ class py_streamer {
   }
 
  private:
+  void make() {
+    streamer_options o = options_;
+    try {
+      py::gil_scoped_release nogil;  // creates the buffers
+      st_ = std::make_unique<streamer>(std::move(o));
+    } catch (const error& e) {
+      // The C++ message says what failed (cudaGetDevice: no driver); a Python user also needs to
+      // hear which transport would work.
+      if (options_.transport == transport_kind::cuda_ipc && e.code() == errc::cuda)
+        throw error(e.code(), std::string(e.what()) +
+                                  "; transport='cuda_ipc' needs a working CUDA device on this host: for CPU tensors "
+                                  "(or on a machine without a GPU) use transport='host_shm', or transport='auto', "
+                                  "which picks it");
+      throw;
+    }
+  }
+
+  /// transport="auto" at the first refit: looks at the first tensor, then makes the streamer.
+  void choose(python_tensors& source) {
+    options_.transport = choose_transport(source.first_device());
+    chosen_ = true;
+    const std::string why = options_.transport == transport_kind::cuda_ipc ? "the tensors are on a GPU of this host"
+                                                                           : "the tensors are in host memory";
+    py::module_::import("logging").attr("getLogger")("refit").attr("info")("refit.Streamer(transport='auto'): using " +
+                                                                           std::string(to_string(options_.transport)) +
+                                                                           " (" + why + "); pass transport= to choose");
+    make();
+  }
+
   std::unique_ptr<streamer> st_;
   int device_ = 0;
+  streamer_options options_;
+  bool automatic_ = false;
+  bool chosen_ = false;
+  bool closed_ = false;
 };
 
 streamer_options streamer_options_from(std::string endpoint, const std::string& transport,
@@ -624,9 +712,12 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
   o.delta.batch_bytes = delta_batch_bytes;
   o.layout = layout;
   o.endpoint = std::move(endpoint);
-  const auto t = parse_transport(transport);
-  if (!t) throw py::value_error("transport must be 'host_shm', 'cuda_ipc' or 'nccl'; got '" + transport + "'");
-  o.transport = *t;
+  if (transport != "auto") {
+    const auto t = parse_transport(transport);
+    if (!t)
+      throw py::value_error("transport must be 'auto', 'host_shm', 'cuda_ipc' or 'nccl'; got '" + transport + "'");
+    o.transport = *t;
+  }
   if (receivers) o.receivers = std::move(*receivers);
   o.buffer_bytes = buffer_bytes;
   o.buffer_count = buffers;
@@ -646,6 +737,66 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
 
 // ------------------------------------------------------------------------------- errors
 
+/// Whether `s` is "path/file.ext:LINE" with a C++ or CUDA source's extension.
+bool is_source_location(std::string_view s) {
+  const auto colon = s.rfind(':');
+  if (colon == std::string_view::npos || colon + 1 == s.size() || s.find(' ') != std::string_view::npos) return false;
+  if (!std::all_of(s.begin() + static_cast<std::ptrdiff_t>(colon) + 1, s.end(),
+                   [](char c) { return c >= '0' && c <= '9'; }))
+    return false;
+  const std::string_view file = s.substr(0, colon);
+  return file.ends_with(".hpp") || file.ends_with(".cpp") || file.ends_with(".cu") || file.ends_with(".h") ||
+         file.ends_with(".cuh");
+}
+
+/// Drops " (../lib/copy/cuda_check.hpp:40)": where in refit's sources an error was raised means
+/// nothing to a Python user (C++ callers keep it: check_cuda adds it for them).
+std::string without_source_locations(std::string m) {
+  for (std::size_t open = m.find(" ("); open != std::string::npos; open = m.find(" (", open)) {
+    const std::size_t close = m.find(')', open);
+    if (close == std::string::npos) break;
+    if (is_source_location(std::string_view(m).substr(open + 2, close - open - 2)))
+      m.erase(open, close - open + 1);
+    else
+      open += 2;
+  }
+  return m;
+}
+
+void replace_all(std::string& m, std::string_view from, std::string_view to) {
+  for (auto at = m.find(from); at != std::string::npos; at = m.find(from, at + to.size()))
+    m.replace(at, from.size(), to);
+}
+
+/// A C++ error's message as a Python user reads it: the binding's names for what C++ calls
+/// options and functions, and the hint a Python caller needs. Returns the code to raise with:
+/// a receiver whose process ended is a dead peer, not a deadline (see the last case).
+errc for_python(errc code, std::string& m) {
+  m = without_source_locations(std::move(m));
+  replace_all(m, "(or options.token)", "(or token= of refit.Receiver and refit.Streamer)");
+  replace_all(m, "register parameters (add_parameter) or a callback (on_batch) first",
+              "register parameters (rx.add_parameter / rx.add_parameters) or a callback (rx.on_tensor / rx.on_batch) "
+              "before the trainer's first refit");
+  replace_all(m, "applies through a callback (on_batch); use one sink or the other",
+              "applies through a callback (on_tensor / on_batch); use one sink or the other");
+  if (code == errc::invalid_argument && m.starts_with("add_parameter: '") && m.ends_with("' is already registered"))
+    m += ": add_parameters() registers every tensor it is given, so a second call registers them again; to "
+         "register a new table call rx.clear_parameters() first";
+  if (m.find("is not built into this refit") != std::string::npos)
+    m += ". In Python, transport='auto' (the default) picks a transport this build has; README.md, Install, says "
+         "how to build the package with CUDA and NCCL";
+  if (code == errc::incomplete && m.find(" registered tensors") != std::string::npos)
+    m += ". If the trainer sends only some of the engine's tensors on purpose (LoRA adapters, the ones that "
+         "changed), call st.refit(version, tensors, subset=True)";
+  // The control lane saw the receiver's process end: retrying will not help, and code that
+  // retries on RefitTimeout would retry a dead engine. (The C++ streamer reports errc::timeout.)
+  if (code == errc::timeout && m.find("process ended before it answered") != std::string::npos) {
+    m += " (the engine's process died: start a new one; this is Errc.peer, not a timeout)";
+    return errc::peer;
+  }
+  return code;
+}
+
 void translate(std::exception_ptr p) {
   try {
     if (p) std::rethrow_exception(p);
@@ -655,8 +806,10 @@ void translate(std::exception_ptr p) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
       return;
     }
-    const py::object& cls = e.code() == errc::timeout ? t.refit_timeout : t.refit_error;
-    const py::object exc = cls(e.what(), static_cast<int>(e.code()));
+    std::string message = e.what();
+    const errc code = for_python(e.code(), message);
+    const py::object& cls = code == errc::timeout ? t.refit_timeout : t.refit_error;
+    const py::object exc = cls(message, static_cast<int>(code));
     PyErr_SetObject(cls.ptr(), exc.ptr());
   }
 }
@@ -751,7 +904,7 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("source_slice") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
            py::arg("quant") = py::none(), py::arg("dtype") = py::none())
       .def("clear_parameters", &py_receiver::clear_parameters)
-      .def("_on_batch", &py_receiver::on_batch, py::arg("fn"))
+      .def("_on_batch", &py_receiver::on_batch, py::arg("fn"), py::arg("what") = "on_batch")
       .def("_on_begin", &py_receiver::on_begin, py::arg("fn"))
       .def("_on_commit", &py_receiver::on_commit, py::arg("fn"))
       .def("_on_abort", &py_receiver::on_abort, py::arg("fn"))
@@ -773,13 +926,15 @@ PYBIND11_MODULE(_refit, m) {
                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::uint64_t delta_batch_bytes,
                        std::size_t group_rank, std::size_t group_size, bool share_tensors, bool control_lane,
                        bool nccl_twin) {
-             return std::make_unique<py_streamer>(streamer_options_from(
-                 std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
-                 std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
-                 delta_max_bytes, delta_threads, delta_batch_bytes, group_rank, group_size, share_tensors, control_lane,
-                 nccl_twin));
+             return std::make_unique<py_streamer>(
+                 streamer_options_from(std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers,
+                                       direct, timeout, std::move(token), device, curve, alignment, keep_whole, engine,
+                                       layout, delta, delta_memory_name, delta_max_bytes, delta_threads,
+                                       delta_batch_bytes, group_rank, group_size, share_tensors, control_lane,
+                                       nccl_twin),
+                 transport == "auto");
            }),
-           py::arg("endpoint"), py::kw_only(), py::arg("transport") = "cuda_ipc", py::arg("receivers") = py::none(),
+           py::arg("endpoint"), py::kw_only(), py::arg("transport") = "auto", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
            py::arg("timeout") = 30.0, py::arg("token") = py::none(), py::arg("device") = 0,
            py::arg("curve") = py::none(), py::arg("alignment") = 256, py::arg("keep_whole") = true,
@@ -788,6 +943,9 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("delta_threads") = 0, py::arg("delta_batch_bytes") = 0, py::arg("group_rank") = 0,
            py::arg("group_size") = 1, py::arg("share_tensors") = true, py::arg("control_lane") = true,
            py::arg("nccl_twin") = false)
+      .def_property_readonly("transport", &py_streamer::transport,
+                             "the transport in use: the one given, or the one transport='auto' chose at the first "
+                             "refit (None before it)")
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("close", &py_streamer::close);
@@ -799,6 +957,11 @@ PYBIND11_MODULE(_refit, m) {
   m.def("_set_shard_type", [](py::object shard) {
     if (!PyType_Check(shard.ptr())) throw py::type_error("_set_shard_type() takes a class");
     package().shard = std::move(shard);
+  });
+  // For the tests: a C++ message and code as refit.RefitError will carry them (translate()).
+  m.def("_python_message", [](int code, std::string message) {
+    const errc c = for_python(static_cast<errc>(code), message);
+    return py::make_tuple(static_cast<int>(c), message);
   });
   py::register_exception_translator(&translate);
 }

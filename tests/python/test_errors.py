@@ -148,18 +148,39 @@ def serve_then_die(chan):
                 return
 
 
-def test_a_receiver_killed_mid_refit_gives_refit_timeout_within_the_deadline(fresh_peer):
+def test_a_receiver_killed_mid_refit_is_a_dead_peer_seen_at_once_not_a_timeout(fresh_peer):
+    # Through the control lane (same host, the default) the streamer sees the receiver's process
+    # end: that is Errc.peer, so that code retrying on RefitTimeout does not retry a dead engine.
+    job = fresh_peer.run(serve_then_die)
+    endpoint = job.recv()
+    timeout = 30.0
+    state = {f"w{i}": torch.randn(64 << 10) for i in range(8)}  # 2 MiB through 64 KiB buffers
+    with streamer(endpoint, timeout=timeout, buffer_bytes=64 << 10) as st:
+        start = time.monotonic()
+        with pytest.raises(refit.RefitError) as failure:
+            st.refit(1, state)
+        elapsed = time.monotonic() - start
+        fresh_peer.process.join(10)
+        assert fresh_peer.process.exitcode == -signal.SIGKILL  # it died in its batch callback
+    assert not isinstance(failure.value, refit.RefitTimeout)
+    assert failure.value.code == refit.Errc.peer
+    assert "process ended" in str(failure.value) and "start a new one" in str(failure.value)
+    assert elapsed < timeout / 2  # seen through the lane, not at the deadline
+
+
+def test_a_receiver_killed_mid_refit_without_the_lane_gives_refit_timeout_within_the_deadline(fresh_peer):
+    # Over ZeroMQ alone a dead receiver and a slow one look the same: the deadline decides.
     job = fresh_peer.run(serve_then_die)
     endpoint = job.recv()
     timeout, margin = 3.0, 4.0
-    state = {f"w{i}": torch.randn(64 << 10) for i in range(8)}  # 2 MiB through 64 KiB buffers
-    with streamer(endpoint, timeout=timeout, buffer_bytes=64 << 10) as st:
+    state = {f"w{i}": torch.randn(64 << 10) for i in range(8)}
+    with streamer(endpoint, timeout=timeout, buffer_bytes=64 << 10, control_lane=False) as st:
         start = time.monotonic()
         with pytest.raises(refit.RefitTimeout) as failure:
             st.refit(1, state)
         elapsed = time.monotonic() - start
         fresh_peer.process.join(10)
-        assert fresh_peer.process.exitcode == -signal.SIGKILL  # it died in its batch callback
+        assert fresh_peer.process.exitcode == -signal.SIGKILL
     assert isinstance(failure.value, TimeoutError)
     assert isinstance(failure.value, refit.RefitError)
     assert failure.value.code == refit.Errc.timeout

@@ -4,7 +4,7 @@
     readme_blocks.py [--lang cpp|python] [--prelude FILE] --out DIR README.md
 
 Writes DIR/block_LINE.EXT for every ```cpp (or ```python) block, LINE being the line of its
-opening fence, and prints the paths written, one a line. Standard library only, so that any
+opening fence (DIR/NAME for a file=NAME block), and prints the paths written, one a line. Standard library only, so that any
 python3 runs it (tests/readme/check_readme_cpp.sh for the C++ blocks; the Python suite can run or
 import it for the Python blocks).
 
@@ -13,6 +13,10 @@ How a block is compiled is said by an HTML comment on the last non-blank line be
 
     <!-- README-test: fragment -->    the block is statements, not a whole file
     <!-- README-test: continues -->   the block goes on from the previous block of its language
+    <!-- README-test: file=NAME -->   the block is the whole file NAME of a program the README
+                                      tells the reader to save and run (engine.py and trainer.py
+                                      of the two-process example): written as DIR/NAME, as it is,
+                                      for a test that runs it as the README says
 
 - No comment: the block is a whole translation unit (or script) and is written as it is.
 - fragment: the --prelude file, which declares the placeholders README blocks use for what a real
@@ -39,6 +43,7 @@ LANGS = {  # info-string word -> (language, file extension)
     'python': ('python', 'py'), 'py': ('python', 'py'),
 }
 MODES = {'fragment', 'continues'}
+FILE_NAME = re.compile(r'^file=([A-Za-z0-9_.-]+)$')
 ANNOTATION = re.compile(r'^\s*<!--\s*README-test:(.*?)-->\s*$')
 FENCE = re.compile(r'^ {0,3}(`{3,})\s*([^`\s]*)')
 INCLUDE = re.compile(r'^\s*#\s*include\b')
@@ -49,9 +54,10 @@ class ReadmeError(Exception):
 
 
 class Block:
-    def __init__(self, path, line, lang, modes, lines):
+    def __init__(self, path, line, lang, modes, lines, file=None):
         self.path, self.line, self.lang, self.modes = path, line, lang, modes
         self.lines = lines  # [(README line number, text)]
+        self.file = file    # NAME of file=NAME, else None
 
 
 def parse(path):
@@ -64,10 +70,11 @@ def parse(path):
         m = ANNOTATION.match(line)
         if m:
             modes = set(m.group(1).replace(',', ' ').split())
-            unknown = modes - MODES
-            if unknown or not modes:
+            files = {w for w in modes if FILE_NAME.match(w)}
+            unknown = modes - MODES - files
+            if unknown or not modes or len(files) > 1 or (files and modes - files):
                 raise ReadmeError(f'{path}:{i + 1}: README-test comment with unknown or no words '
-                                  f'{sorted(unknown)} (known: {sorted(MODES)})')
+                                  f'{sorted(unknown)} (known: {sorted(MODES)}, or file=NAME alone)')
             pending = (i + 1, modes)
             i += 1
             continue
@@ -88,7 +95,9 @@ def parse(path):
         modes = pending[1] if pending else set()
         pending = None
         if info in LANGS:
-            blocks.append(Block(path, start, LANGS[info][0], modes, body))
+            named = [FILE_NAME.match(w).group(1) for w in modes if FILE_NAME.match(w)]
+            blocks.append(Block(path, start, LANGS[info][0], modes - {f'file={n}' for n in named}, body,
+                                named[0] if named else None))
         elif modes:
             raise ReadmeError(f'{path}:{start}: README-test comment on a block of language '
                               f'"{info}" (known: {sorted(LANGS)})')
@@ -101,7 +110,11 @@ def group(blocks, lang):
     """Blocks of `lang`, each with the blocks that continue it: [[first, continuation, ...], ...]."""
     groups = []
     for b in (b for b in blocks if b.lang == lang):
-        if 'continues' in b.modes:
+        if b.file is not None:
+            if any(g[0].file == b.file for g in groups):
+                raise ReadmeError(f'{b.path}:{b.line}: a second block for file={b.file}')
+            groups.append([b])
+        elif 'continues' in b.modes:
             if not groups:
                 raise ReadmeError(f'{b.path}:{b.line}: "continues" but no earlier {lang} block')
             groups[-1].append(b)
@@ -138,6 +151,9 @@ def render_cpp(blocks, prelude):
 
 def render_python(blocks, prelude):
     first = blocks[0]
+    if first.file is not None:  # a program the reader saves: exactly the README's text
+        return '\n'.join(t for _, t in first.lines) + '\n'
+
     out = [f'# {first.path}:{first.line}, written by tests/readme/readme_blocks.py']
     if 'fragment' in first.modes and prelude is not None:
         with open(prelude, encoding='utf-8') as f:
@@ -162,7 +178,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     render, ext = (render_cpp, 'cpp') if args.lang == 'cpp' else (render_python, 'py')
     for blocks in groups:
-        path = os.path.join(args.out, f'block_{blocks[0].line}.{ext}')
+        name = blocks[0].file or f'block_{blocks[0].line}.{ext}'
+        path = os.path.join(args.out, name)
         with open(path, 'w', encoding='utf-8') as f:
             f.write(render(blocks, args.prelude))
         print(path)

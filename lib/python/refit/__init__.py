@@ -16,7 +16,7 @@ Engine::
 Trainer::
 
     import refit
-    with refit.Streamer(endpoint, transport="cuda_ipc") as st:
+    with refit.Streamer(endpoint) as st:              # transport="auto": cuda_ipc or host_shm
         for step in range(steps):
             train_step()
             st.refit(step, model.state_dict())        # returns once the engine committed
@@ -100,6 +100,19 @@ class Shard:
 
 
 _refit._set_shard_type(Shard)  # refit() tells a Shard from a tensor by its type, not by hasattr()
+
+
+def _check_endpoint(endpoint: Any, what: str) -> None:
+    """A streamer's endpoint must be one a receiver prints: ZeroMQ itself would accept
+    "localhost:5555" here and fail only at the first refit, with "Invalid argument (errno 22)"."""
+    if not isinstance(endpoint, str):
+        raise TypeError(f"{what} must be a str (the engine's Receiver.endpoint), not {type(endpoint).__name__}")
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        raise ValueError(
+            f"{what} {endpoint!r} is not an endpoint refit can connect to: it starts with ipc:// or tcp://; "
+            "pass the engine's Receiver.endpoint as it is (e.g. 'ipc:///run/user/1000/refit-.../receiver.sock', "
+            "or 'tcp://host:5555' for a receiver bound to tcp://*:5555)"
+        )
 
 
 def _device_index(device: Any) -> int:
@@ -308,26 +321,31 @@ class Receiver(_refit.Receiver):
         stream). An
         exception aborts the refit; the streamer sees ``Errc.apply`` with its type and message.
         Returns ``fn`` (usable as a decorator)."""
+        self._set_batch(fn, "on_batch")
+        return fn
+
+    def _set_batch(self, fn: Callable[[List[View]], None], what: str) -> None:
         device = self.device
 
         def call(views, stream):
             with _stream_context(stream, device):
                 fn(views)
 
-        self._on_batch(call)
-        return fn
+        self._on_batch(call, what)
 
     def on_tensor(self, fn: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
         """Applies through ``fn(name, tensor)``, once per whole tensor — the shape of an
         engine's ``load_weights``. Tensors split into chunks on the way are reassembled first
         (in a tensor of their own); others alias the receiver's buffer, or over cuda_ipc the
         trainer's own tensor: read them (``param.copy_(tensor)``), never write into them, and only
-        during the call. Returns ``fn``."""
+        during the call. Returns ``fn``.
+
+        A receiver applies through its parameter table or a callback: after ``add_parameter`` /
+        ``add_parameters`` this raises ``RefitError`` (``Errc.invalid_argument``) until
+        :meth:`clear_parameters`. So does :meth:`on_batch`."""
         # name -> [buffer, bytes covered]. Chunks of a tensor arrive in order from one streamer, in
         # any order from a group (each rank's shard); a tensor is whole when its chunks cover it.
         partial = {}
-        self._partials = partial
-        self._on_begin(self._begin)  # a refit that failed half-way leaves nothing behind
 
         def assemble(v: View):
             entry = partial.get(v.name)
@@ -362,7 +380,9 @@ class Receiver(_refit.Receiver):
                 if t is not None:
                     fn(v.name, t)
 
-        self.on_batch(on_views)
+        self._set_batch(on_views, "on_tensor")
+        self._partials = partial
+        self._on_begin(self._begin)  # a refit that failed half-way leaves nothing behind
         return fn
 
     def serve_one(self, timeout: float = 0.1) -> Event:
@@ -397,6 +417,12 @@ class Receiver(_refit.Receiver):
         self._on_abort(fn)
         return fn
 
+    @property
+    def last_error(self) -> Optional[str]:
+        """Why the last refit failed (or a message was refused) since the last commit; None once a
+        later version committed, or when nothing failed."""
+        return super().last_error
+
     def serve(self, stop: Any = None, *, poll: float = 0.1) -> None:
         """Serves until ``stop`` says so: a callable returning True, a ``threading.Event`` that
         is set, or None (until Ctrl-C). ``stop`` is checked between messages, at least every
@@ -429,9 +455,12 @@ class Streamer(_refit.Streamer):
     cuda_ipc writes each receiver of this host directly (TP ranks).
 
     Args:
-        endpoint: the receiver's :attr:`Receiver.endpoint`.
-        transport: ``"cuda_ipc"`` (same host GPUs), ``"nccl"`` (other GPUs or hosts, one to many)
-            or ``"host_shm"`` (CPU tensors).
+        endpoint: the receiver's :attr:`Receiver.endpoint` (``ipc://...`` or ``tcp://host:port``).
+        transport: ``"auto"`` (default): at the first refit, ``"cuda_ipc"`` when its tensors are
+            on a GPU of this host, ``"host_shm"`` when they are in host memory; the choice is
+            logged once (logger ``refit``, INFO) and is :attr:`transport` afterwards. Or say it:
+            ``"cuda_ipc"`` (GPUs of one host), ``"nccl"`` (other GPUs or hosts, one to many: never
+            chosen by ``"auto"``) or ``"host_shm"`` (CPU tensors, no GPU needed).
         receivers: every receiver's endpoint (``endpoint`` is then ignored): nccl broadcasts to
             them, or, in place to receivers that registered views (TP ranks' shards with
             ``source_slice``, fused or stacked tensors), sends each only the bytes its views take,
@@ -500,9 +529,9 @@ class Streamer(_refit.Streamer):
                 stats = st.refit(step, model.state_dict())   # step 0 whole, then deltas
                 print(stats.delta, stats.changed / max(stats.elements, 1), stats.bytes)
 
-        with refit.Streamer(endpoint, transport="cuda_ipc") as st:
+        with refit.Streamer(endpoint) as st:              # transport="auto"
             stats = st.refit(step, model.state_dict())
-            print(stats.bytes / stats.seconds / 1e9, "GB/s")
+            print(st.transport, stats.bytes / stats.seconds / 1e9, "GB/s")
 
     Thread rules: one thread at a time.
     """
@@ -511,7 +540,7 @@ class Streamer(_refit.Streamer):
         self,
         endpoint: Optional[str] = None,
         *,
-        transport: str = "cuda_ipc",
+        transport: str = "auto",
         receivers: Optional[List[str]] = None,
         buffer_bytes: int = 256 << 20,
         buffers: int = 2,
@@ -539,6 +568,9 @@ class Streamer(_refit.Streamer):
             if not receivers:
                 raise ValueError("Streamer needs the receiver's endpoint (or receivers=[...])")
             endpoint = receivers[0]
+        _check_endpoint(endpoint, "endpoint")
+        for i, ep in enumerate(receivers or ()):
+            _check_endpoint(ep, f"receivers[{i}]")
         super().__init__(
             endpoint,
             transport=transport,

@@ -6,7 +6,18 @@ import enum
 from typing import Any, Optional
 
 
-class Errc(enum.IntEnum):
+class _Named(enum.IntEnum):
+    """An IntEnum that prints as its name: ``Errc.timeout``, not ``4`` (f-strings and str()
+    included); it still compares and converts as its number."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+class Errc(_Named):
     """What kind of failure a :class:`RefitError` is: the C++ ``refit::errc`` codes (stable
     values: they travel in ERROR replies)."""
 
@@ -14,7 +25,7 @@ class Errc(enum.IntEnum):
     protocol = 2  #: a message was malformed or out of order
     version_mismatch = 3  #: the peers speak different protocol versions
     timeout = 4  #: a deadline passed while waiting for the peer (RefitTimeout)
-    peer = 5  #: the peer is gone, or refused the request
+    peer = 5  #: the peer is gone (its process ended), or refused the request
     unauthorized = 6  #: session token or CURVE key mismatch
     transport = 7  #: buffers could not be created, shared or mapped
     cuda = 8  #: a CUDA call failed
@@ -26,7 +37,7 @@ class Errc(enum.IntEnum):
     needs_whole = 14  #: the receiver holds no base for a subset or delta version: send a whole one
 
 
-class Event(enum.IntEnum):
+class Event(_Named):
     """What :meth:`Receiver.serve_one` did."""
 
     idle = 0  #: nothing arrived within the wait
