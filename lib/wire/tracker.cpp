@@ -74,7 +74,8 @@ void refit_tracker::begin(const wire::begin& b, std::optional<std::uint64_t> com
   if (committed && b.version <= *committed)
     violation(
         fmt::format("BEGIN: version {} is not newer than the committed version {}; every refit needs a "
-                    "larger version number",
+                    "larger version number (a receiver keeps what it committed: continue from a larger version, "
+                    "or start a fresh receiver)",
                     b.version, *committed));
   // A BEGIN during a refit restarts: the receiver has aborted the old one.
   reset();
