@@ -1,0 +1,184 @@
+// refit — the receiver's parameter table (table.hpp): registering destinations, checked against
+// each other, and what the table asks of the streamer (conversions, memory still allocated).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "copy/copy.hpp"
+#include "receiver/impl.hpp"
+
+namespace refit {
+namespace receiver_detail {
+
+void table_t::add_pair(plan::destination d, plan::destination scale) {
+  prepared a = prepare(std::move(d));
+  prepared b = prepare(std::move(scale));
+  if (a.reach != 0 && b.reach != 0 && a.s.dest.dev == b.s.dest.dev && plan::overlaps(a.lo, a.s.foot, b.lo, b.s.foot))
+    throw error(errc::invalid_argument,
+                fmt::format("add_parameter: the scale of '{}' shares bytes with its destination ({})",
+                            a.s.dest.meta.name, describe(a.s.dest.meta)));
+  insert(std::move(a));
+  insert(std::move(b));
+}
+
+table_t::prepared table_t::prepare(plan::destination d) {
+  std::uint64_t reach = 0;
+  try {
+    reach = plan::check_view(d).bytes;
+  } catch (const error& e) {
+    throw error(e.code(), fmt::format("add_parameter: {}", e.what()));
+  }
+  slot s{std::move(d), {}, {}};
+  s.foot = plan::footprint(s.dest);
+  std::vector<slot>* same = find(s.dest.meta.name);
+  if (same != nullptr) {
+    const plan::destination& first = same->front().dest;
+    if (first.meta.type != s.dest.meta.type || first.q != s.dest.q)
+      throw error(errc::invalid_argument,
+                  fmt::format("add_parameter: '{}' is registered as {}{} and again as {}{}: every destination of "
+                              "one source has its dtype and quant",
+                              s.dest.meta.name, to_string(first.meta.type),
+                              first.q == quant::none ? "" : fmt::format(" ({})", to_string(first.q)),
+                              to_string(s.dest.meta.type),
+                              s.dest.q == quant::none ? "" : fmt::format(" ({})", to_string(s.dest.q))));
+    if (plan::is_plain(first) && plan::is_plain(s.dest) && first.meta.shape == s.dest.meta.shape &&
+        first.data == s.dest.data)
+      throw error(errc::invalid_argument, fmt::format("add_parameter: '{}' is already registered", s.dest.meta.name));
+  }
+  const auto lo = reinterpret_cast<std::uintptr_t>(s.dest.data);
+  if (reach != 0) {
+    if (const auto clash = overlapping(s, lo, lo + reach))
+      throw error(errc::invalid_argument,
+                  fmt::format("add_parameter: the destination of '{}' ({}) writes bytes that the destination of '{}' "
+                              "({}) writes too: no two destinations may share a byte",
+                              s.dest.meta.name, describe(s.dest.meta), clash->meta.name, describe(clash->meta)));
+  }
+  return prepared{std::move(s), lo, reach};
+}
+
+void table_t::insert(prepared p) {
+  const std::string name = p.s.dest.meta.name;
+  auto& slots = by_name_[name];
+  slots.push_back(std::move(p.s));
+  ++count_;
+  if (p.reach != 0) {
+    spans_.emplace(p.lo, span{p.lo + p.reach, name, slots.size() - 1});
+    longest_ = std::max(longest_, p.reach);
+  }
+}
+
+std::optional<plan::destination> table_t::overlapping(const slot& s, std::uintptr_t lo, std::uintptr_t hi) const {
+  auto it = spans_.lower_bound(lo > longest_ ? lo - longest_ : 0);
+  for (; it != spans_.end() && it->first < hi; ++it) {
+    if (it->second.hi <= lo) continue;
+    const slot& other = by_name_.at(it->second.name)[it->second.index];
+    if (!(other.dest.dev == s.dest.dev)) continue;
+    if (plan::overlaps(lo, s.foot, it->first, other.foot)) return other.dest;
+  }
+  return std::nullopt;
+}
+
+void check_conversion(const tensor_dest& d, const dest_layout& layout) {
+  const std::string what = fmt::format("add_parameter: '{}' ({})", d.meta.name, describe(d.meta));
+  if (d.q == quant::none) {
+    if (d.scale != nullptr)
+      throw error(errc::invalid_argument,
+                  fmt::format("{} has a scale but no quant: a scale belongs to an f8_e4m3 destination quantised per "
+                              "tensor or per 128 × 128 block (set quant)",
+                              what));
+    return;
+  }
+  if (static_cast<std::uint8_t>(d.q) > static_cast<std::uint8_t>(quant::block128))
+    throw error(errc::invalid_argument,
+                fmt::format("{} has an unknown quant (code {})", what, static_cast<unsigned>(d.q)));
+  if (d.meta.type != dtype::f8_e4m3)
+    throw error(errc::invalid_argument,
+                fmt::format("{} asks for quant {}, which quantises to f8_e4m3: register the destination as f8_e4m3, "
+                            "not {}",
+                            what, to_string(d.q), to_string(d.meta.type)));
+  const std::size_t rank = d.meta.shape.size();
+  if (d.q == quant::block128 && rank < 2)
+    throw error(errc::invalid_argument,
+                fmt::format("{} asks for quant block128, which quantises 128 × 128 blocks of the last two dimensions: "
+                            "it needs at least 2 dimensions, not {}",
+                            what, rank));
+  const auto scale_numel = checked_numel(scale_shape(d.q, d.meta.shape));
+  if (d.scale == nullptr && scale_numel.value_or(0) != 0)
+    throw error(errc::invalid_argument,
+                fmt::format("{} is quantised ({}) but has no scale: pass its f32 scale_inv tensor of shape [{}]", what,
+                            to_string(d.q), fmt::join(scale_shape(d.q, d.meta.shape), ", ")));
+  if (d.q == quant::block128 && layout.slice && layout.slice->dim >= 0 &&
+      static_cast<std::size_t>(layout.slice->dim) + 2 >= rank && layout.slice->start % 128 != 0)
+    // Blocks are those of the global tensor: a shard starting inside one would need the amax of
+    // elements it does not hold.
+    throw error(errc::invalid_argument,
+                fmt::format("{}: block128 scales are computed over the global tensor's 128 × 128 blocks, so a slice "
+                            "of dimension {} must start on a block boundary (a multiple of 128); this one starts at "
+                            "{}",
+                            what, layout.slice->dim, layout.slice->start));
+}
+
+plan::destination scale_destination(const tensor_dest& d, const dest_layout& layout) {
+  plan::destination s;
+  s.meta = tensor_meta{d.meta.name + std::string(scale_suffix), dtype::f32, scale_shape(d.q, d.meta.shape)};
+  s.data = d.scale;
+  s.dev = d.dev;
+  if (d.q == quant::block128 && layout.slice) {
+    source_slice sl = *layout.slice;
+    const auto dim = static_cast<std::size_t>(sl.dim);
+    if (dim + 2 >= d.meta.shape.size()) sl.start /= 128;
+    sl.length = s.meta.shape[dim];
+    s.slice = sl;
+  }
+  return s;
+}
+
+}  // namespace receiver_detail
+
+/// What the table asks the streamer to send each name as: every name whose destinations have a
+/// float dtype the streamer can convert into (f32, bf16, f16, or f8_e4m3 with a quant), since
+/// the source's dtype is only known when it arrives. Scale tensors are never listed.
+std::vector<wire::conversion> receiver::impl::conversions() const {
+  std::vector<wire::conversion> out;
+  for (const auto& [name, slots] : table) {
+    const plan::destination& d = slots.front().dest;
+    if (name.find(scale_suffix) != std::string::npos) continue;
+    const bool cast =
+        d.q == quant::none && (d.meta.type == dtype::f32 || d.meta.type == dtype::bf16 || d.meta.type == dtype::f16);
+    if (cast || d.q != quant::none) out.push_back(wire::conversion{name, d.meta.type, d.q});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  return out;
+}
+
+/// Why a registered CUDA destination cannot be written any more (its allocation was freed, or
+/// is not the one it was registered in), or nullopt. Asked at every HELLO: engines capture CUDA
+/// graphs over their weights, so refit writes only where they were registered.
+std::optional<std::string> receiver::impl::memory_gone() const {
+  for (const auto& [name, slots] : table) {
+    for (const slot& sl : slots) {
+      const plan::destination& d = sl.dest;
+      if (d.dev.kind != device_kind::cuda || sl.foot.empty()) continue;
+      std::optional<copy::allocation> a;
+      try {
+        a = copy::cuda_allocation_of(d.data, d.dev.index);
+      } catch (const error& e) {
+        // The driver cannot tell (an old driver): nothing is known to be wrong; say so once.
+        REFIT_WARN("cannot check that the CUDA memory of '{}' is still allocated: {}", name, e.what());
+        return std::nullopt;
+      }
+      const auto lo = reinterpret_cast<std::uintptr_t>(d.alloc_bytes != 0 ? d.alloc : d.data);
+      const std::uint64_t need = d.alloc_bytes != 0 ? d.alloc_bytes : 1;
+      if (!a || lo < a->base || lo - a->base > a->bytes || need > a->bytes - (lo - a->base))
+        return fmt::format(
+            "the CUDA memory of '{}' ({}) on cuda:{} is {} since it was registered: refit writes only "
+            "where a parameter was registered; register the parameters again (clear_parameters, "
+            "add_parameter) after the engine reallocates them",
+            name, describe(d.meta), d.dev.index, a ? "in another allocation" : "not allocated any more (freed)");
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace refit

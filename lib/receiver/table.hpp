@@ -1,0 +1,96 @@
+// refit — the receiver's parameter table: the destinations registered by source name, and how a
+// source's bytes reach each (internal to lib/receiver).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "plan/route.hpp"
+#include "refit/receiver.hpp"
+
+namespace refit::receiver_detail {
+
+/// One registered destination and how its source's bytes reach it.
+struct slot {
+  plan::destination dest;
+  std::vector<plan::run> foot;  ///< the bytes it writes, for overlap checks
+  plan::route_cache routes;     ///< computed once: a source keeps its dtype and shape across refits
+
+  /// Makes runs() those of a source of this dtype and shape. Throws errc::apply when it does not fit.
+  void route(dtype type, const std::vector<std::int64_t>& shape) { (void)routes.get(dest, type, shape); }
+  /// The runs of the source last routed.
+  [[nodiscard]] std::span<const plan::run> runs() const noexcept { return routes.runs(); }
+};
+
+/// The parameter table: destinations by source name, with an index of the bytes they write.
+class table_t {
+ public:
+  [[nodiscard]] bool empty() const noexcept { return by_name_.empty(); }
+  [[nodiscard]] std::size_t names() const noexcept { return by_name_.size(); }
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  [[nodiscard]] auto begin() { return by_name_.begin(); }
+  [[nodiscard]] auto end() { return by_name_.end(); }
+  [[nodiscard]] auto begin() const { return by_name_.begin(); }
+  [[nodiscard]] auto end() const { return by_name_.end(); }
+  std::vector<slot>* find(const std::string& name) {
+    const auto it = by_name_.find(name);
+    return it == by_name_.end() ? nullptr : &it->second;
+  }
+
+  void clear() {
+    by_name_.clear();
+    spans_.clear();
+    count_ = 0;
+    longest_ = 0;
+  }
+
+  /// A destination checked against the table, ready to insert.
+  struct prepared {
+    slot s;
+    std::uintptr_t lo = 0;
+    std::uint64_t reach = 0;
+  };
+
+  /// Registers `d` (checked: see receiver::add_parameter). Throws errc::invalid_argument.
+  void add(plan::destination d) { insert(prepare(std::move(d))); }
+
+  /// Registers a quantised destination and its scale together, or neither. Throws
+  /// errc::invalid_argument.
+  void add_pair(plan::destination d, plan::destination scale);
+
+  /// Checks `d` against itself and the table; throws errc::invalid_argument.
+  prepared prepare(plan::destination d);
+
+  void insert(prepared p);
+
+ private:
+  struct span {
+    std::uintptr_t hi;
+    std::string name;
+    std::size_t index;
+  };
+
+  /// A registered destination sharing a byte with `s` (whose bytes lie in [lo, hi)), or nullopt.
+  std::optional<plan::destination> overlapping(const slot& s, std::uintptr_t lo, std::uintptr_t hi) const;
+
+  std::unordered_map<std::string, std::vector<slot>> by_name_;
+  std::multimap<std::uintptr_t, span> spans_;  ///< by first byte
+  std::uint64_t longest_ = 0;
+  std::size_t count_ = 0;
+};
+
+/// The conversion a destination asks for must be one refit does (see tensor_dest). Throws
+/// errc::invalid_argument naming the tensor.
+void check_conversion(const tensor_dest& d, const dest_layout& layout);
+
+/// The hidden destination of a quantised destination's scales: dense f32 at `d.scale`, taking the
+/// part of the source's scale grid that the destination's slice takes of the source.
+plan::destination scale_destination(const tensor_dest& d, const dest_layout& layout);
+
+}  // namespace refit::receiver_detail
