@@ -1353,9 +1353,15 @@ TEST_CASE(
         refit::receiver r(receive_options(ep, 0, relaxed));
         engine.register_with(r);
         ready.send("ready");
-        std::uint64_t committed = 0;
-        serve_until_bye(r, [&](std::uint64_t v) { committed = v; });
-        expect(committed == 1, "committed version " + std::to_string(committed));
+        // Two HELLOs refused, then a whole session: serve until its BYE.
+        int refused = 0;
+        for (auto e = r.serve_one(60s); e != refit::receiver_event::bye; e = r.serve_one(60s)) {
+          expect(e != refit::receiver_event::idle, "receiver: no message for 60 s");
+          expect(e != refit::receiver_event::aborted, "receiver: aborted: " + r.last_error());
+          if (e == refit::receiver_event::refused) ++refused;
+        }
+        expect(refused == 2, std::to_string(refused) + " HELLOs refused");
+        expect(r.committed_version() == std::optional<std::uint64_t>(1), "no version 1 committed");
         expect(engine.mismatch(1).empty(), "weights after the refit: " + engine.mismatch(1));
       },
       [&] {
