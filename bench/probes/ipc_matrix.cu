@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "probe.hpp"
+#include "tile_copy.cuh"
 
 #define DK(x)                                                         \
   do {                                                                \
@@ -78,35 +79,7 @@ struct driver {
       entry<decltype(import_handle)>("cuMemImportFromShareableHandle");
 };
 
-constexpr uint64_t tile = 64 << 10;
 constexpr int U = 16, T = 256, BPS = 2, REPS = 5;
-struct op {
-  const uint4* s;
-  uint4* d;
-  uint64_t tiles_before;
-  uint64_t vecs;
-};
-__global__ void __launch_bounds__(T) kcopy(const op* __restrict__ ops, int n, uint64_t total) {
-  int o = 0;
-  for (uint64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    while (o + 1 < n && ops[o + 1].tiles_before <= t) ++o;
-    const op& x = ops[o];
-    const uint64_t first = (t - x.tiles_before) * (tile / 16);
-    const uint64_t left = x.vecs - first;
-    const uint32_t m = (uint32_t)(left < tile / 16 ? left : tile / 16);
-    const uint4* s = x.s + first;
-    uint4* d = x.d + first;
-    uint32_t i = threadIdx.x;
-    for (; i + (U - 1) * T < m; i += U * T) {
-      uint4 r[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) r[u] = __ldg(s + i + u * T);
-#pragma unroll
-      for (int u = 0; u < U; ++u) __stcg(d + i + u * T, r[u]);
-    }
-    for (; i < m; i += T) __stcg(d + i, __ldg(s + i));
-  }
-}
 
 enum { LOCAL = 0, IPC = 1, VMM = 2 };
 const char* const kind_name[] = {"local", "ipc", "vmm"};
@@ -136,8 +109,8 @@ static pieces llama_slice() {
   uint64_t end = 0;
   auto mb = [](uint64_t r, uint64_t c) { return r * c * 2; };
   for (int l = 0; p.bytes < (1ull << 30); ++l)
-    for (uint64_t b : {mb(4096, 4096), mb(1024, 4096), mb(1024, 4096), mb(4096, 4096), mb(14336, 4096),
-                       mb(14336, 4096), mb(4096, 14336), mb(1, 4096), mb(1, 4096)}) {
+    for (uint64_t b : {mb(4096, 4096), mb(1024, 4096), mb(1024, 4096), mb(4096, 4096), mb(14336, 4096), mb(14336, 4096),
+                       mb(4096, 14336), mb(1, 4096), mb(1, 4096)}) {
       if (p.bytes >= (1ull << 30)) break;
       p.at.push_back(end);
       p.size.push_back(b);
@@ -149,14 +122,19 @@ static pieces llama_slice() {
 }
 
 /// Sends / receives one message with a file descriptor alongside (SOCK_SEQPACKET: one message per call).
-static void send_with_fd(int s, const void* p, size_t n, int fd) {
-  iovec iov{const_cast<void*>(p), n};
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+/// A one-message header with room for one descriptor: `iov` and `ctl` must outlive it.
+static msghdr fd_message(iovec& iov, char (&ctl)[CMSG_SPACE(sizeof(int))]) {
   msghdr m{};
   m.msg_iov = &iov;
   m.msg_iovlen = 1;
   m.msg_control = ctl;
   m.msg_controllen = sizeof ctl;
+  return m;
+}
+static void send_with_fd(int s, const void* p, size_t n, int fd) {
+  iovec iov{const_cast<void*>(p), n};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr m = fd_message(iov, ctl);
   cmsghdr* c = CMSG_FIRSTHDR(&m);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
@@ -167,11 +145,7 @@ static void send_with_fd(int s, const void* p, size_t n, int fd) {
 static int recv_with_fd(int s, void* p, size_t n) {
   iovec iov{p, n};
   alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = ctl;
-  m.msg_controllen = sizeof ctl;
+  msghdr m = fd_message(iov, ctl);
   if (recvmsg(s, &m, 0) != static_cast<ssize_t>(n)) _exit(4);
   cmsghdr* c = CMSG_FIRSTHDR(&m);
   if (c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) _exit(4);
@@ -214,7 +188,8 @@ static void time_it(ctx& c, F issue, float& med, float& best) {
 static float ceiling(ctx& c) {
   float med = 0, best = 0;
   char* l = c.base[LOCAL];
-  time_it(c, [&] { CK(cudaMemcpyAsync(l + c.pc.span, l, 1ull << 30, cudaMemcpyDeviceToDevice, c.st)); }, med, best);
+  time_it(
+      c, [&] { CK(cudaMemcpyAsync(l + c.pc.span, l, 1ull << 30, cudaMemcpyDeviceToDevice, c.st)); }, med, best);
   return static_cast<float>((1ull << 30) / (best * 1e-3) / 1e9);
 }
 
@@ -227,8 +202,8 @@ static row measure(ctx& c, int src, int dst, int eng) {
   std::vector<op> ops;
   uint64_t tiles = 0;
   for (size_t k = 0; k < p.size.size(); ++k) {
-    ops.push_back(op{reinterpret_cast<const uint4*>(s + p.at[k]), reinterpret_cast<uint4*>(d + p.at[k]), tiles,
-                     p.size[k] / 16});
+    ops.push_back(
+        op{reinterpret_cast<const uint4*>(s + p.at[k]), reinterpret_cast<uint4*>(d + p.at[k]), tiles, p.size[k] / 16});
     tiles += (p.size[k] + tile - 1) / tile;
   }
   CK(cudaMemsetAsync(d, 0, p.span, c.st));
@@ -237,7 +212,7 @@ static row measure(ctx& c, int src, int dst, int eng) {
   const int blocks = static_cast<int>(std::min<uint64_t>(tiles, static_cast<uint64_t>(c.sms) * BPS));
   auto issue = [&] {
     if (eng == 0) {
-      kcopy<<<blocks, T, 0, c.st>>>(c.ops, static_cast<int>(ops.size()), tiles);
+      kcopy<U, PLAIN><<<blocks, T, 0, c.st>>>(c.ops, static_cast<int>(ops.size()), tiles);
       CK(cudaGetLastError());
     } else {
       for (size_t k = 0; k < p.size.size(); ++k)
@@ -317,7 +292,8 @@ static void run(int s, bool parent, pid_t child) {
   char* ipc = nullptr;
   CK(cudaIpcOpenMemHandle(reinterpret_cast<void**>(&ipc), in.ipc, cudaIpcMemLazyEnablePeerAccess));
   CUmemGenericAllocationHandle ph{};
-  DK(d.import_handle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(pfd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  DK(d.import_handle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(pfd)),
+                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
   close(pfd);
   CUdeviceptr vpeer = 0;
   DK(d.reserve(&vpeer, in.vmm_bytes, g, 0, 0));
@@ -361,11 +337,13 @@ static void run(int s, bool parent, pid_t child) {
 
   printf("ipc_matrix: %zu llama3-8b pieces (layers 0-1, layer 2's q k v o gate), %.3f GiB per copy; %d SMs\n",
          c.pc.size.size(), c.pc.bytes / double(1ull << 30), c.sms);
-  printf("ceiling (1 GiB local->local cudaMemcpyAsync, best of %d): parent %.1f GB/s, child %.1f GB/s; ratio = "
-         "GB/s (from best_ms) / parent's ceiling\n",
-         REPS, tp.ceil_gbs, tc.ceil_gbs);
-  printf("push = the source's owner writes mapped memory (src local, dst ipc|vmm); pull = the destination's owner "
-         "reads mapped memory (src ipc|vmm, dst local)\n");
+  printf(
+      "ceiling (1 GiB local->local cudaMemcpyAsync, best of %d): parent %.1f GB/s, child %.1f GB/s; ratio = "
+      "GB/s (from best_ms) / parent's ceiling\n",
+      REPS, tp.ceil_gbs, tc.ceil_gbs);
+  printf(
+      "push = the source's owner writes mapped memory (src local, dst ipc|vmm); pull = the destination's owner "
+      "reads mapped memory (src ipc|vmm, dst local)\n");
   printf("%-6s %-6s %-7s %-6s %10s %8s %8s %6s\n", "src", "dst", "engine", "who", "median_ms", "best_ms", "GB/s",
          "ratio");
   for (const row& r : tp.r) print_row(c, r, "parent", tp.ceil_gbs);
@@ -380,7 +358,7 @@ static void run(int s, bool parent, pid_t child) {
   for (int w = 0; w < 2; ++w)
     for (const row& r : (w == 0 ? tp : tc).r) {
       bad |= r.bad != 0;
-      pick* p = r.src == LOCAL && r.dst == IPC ? &push
+      pick* p = r.src == LOCAL && r.dst == IPC   ? &push
                 : r.src == IPC && r.dst == LOCAL ? &pull
                 : r.src == VMM && r.dst == LOCAL ? &pull_vmm
                                                  : nullptr;
@@ -392,11 +370,12 @@ static void run(int s, bool parent, pid_t child) {
   auto ratio = [&](const pick& p) { return p.r ? gbs_of(c, *p.r) / tp.ceil_gbs : 0.0; };
   auto eng = [&](const pick& p) { return p.r ? engine_name[p.r->eng] : "-"; };
   if (best.r != nullptr)
-    printf("summary: fastest into another process's cudaMalloc: %s %s (src %s, dst %s, by the %s) ratio %.3f, "
-           "%.1f GB/s; best push %.3f (%s), pull %.3f (%s), pull from a cuMemCreate source %.3f (%s)\n",
-           best.r == push.r ? "push" : "pull", engine_name[best.r->eng], kind_name[best.r->src],
-           kind_name[best.r->dst], best.who, ratio(best), gbs_of(c, *best.r), ratio(push), eng(push), ratio(pull),
-           eng(pull), ratio(pull_vmm), eng(pull_vmm));
+    printf(
+        "summary: fastest into another process's cudaMalloc: %s %s (src %s, dst %s, by the %s) ratio %.3f, "
+        "%.1f GB/s; best push %.3f (%s), pull %.3f (%s), pull from a cuMemCreate source %.3f (%s)\n",
+        best.r == push.r ? "push" : "pull", engine_name[best.r->eng], kind_name[best.r->src], kind_name[best.r->dst],
+        best.who, ratio(best), gbs_of(c, *best.r), ratio(push), eng(push), ratio(pull), eng(pull), ratio(pull_vmm),
+        eng(pull_vmm));
   else
     printf("summary: no row landed the right bytes in another process's cudaMalloc\n");
   fflush(stdout);
