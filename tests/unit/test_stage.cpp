@@ -402,3 +402,40 @@ TEST_CASE("an engine thread reading its weights while staged versions arrive see
   CHECK(w.mismatch(versions).empty());
   CHECK(s.receiver.committed_version() == std::optional<std::uint64_t>{versions});
 }
+
+TEST_CASE("a staged receiver of two streamers prepares the group's version at the last END and applies it whole",
+          "[stage]") {
+  auto o = staged();
+  o.streamers = 2;
+  serving s(o);
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  const auto endpoints = s.receiver.endpoints();
+  refit::streamer s0([&] {
+    auto so = small_buffers(endpoints[0]);
+    so.group_rank = 0;
+    so.group_size = 2;
+    return so;
+  }());
+  refit::streamer s1([&] {
+    auto so = small_buffers(endpoints[1]);
+    so.group_rank = 1;
+    so.group_size = 2;
+    return so;
+  }());
+  // Rank 0 holds the first three tensors, rank 1 the others.
+  const rt::host_tensors v1(stage_model(), 1);
+  const std::vector<refit::tensor_ref> part0(v1.refs.begin(), v1.refs.begin() + 3);
+  const std::vector<refit::tensor_ref> part1(v1.refs.begin() + 3, v1.refs.end());
+  std::optional<rt::failure> f1;
+  std::thread rank1([&] { f1 = rt::failure_of([&] { s1.refit(1, part1); }); });
+  const auto f0 = rt::failure_of([&] { s0.refit(1, part0); });
+  rank1.join();
+  CHECK_FALSE(f0);
+  CHECK_FALSE(f1);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  CHECK(w.mismatch(0).empty());
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  CHECK(w.mismatch(1).empty());
+  CHECK(s.receiver.last_stats().tensors == stage_model().size());
+}
