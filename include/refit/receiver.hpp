@@ -16,6 +16,20 @@
 
 namespace refit {
 
+/// Where a receiver lands a version's bytes before they reach the engine's weights
+/// (receiver_options::stage).
+enum class stage_kind : std::uint8_t {
+  /// Today's in-place writes: every batch is copied into the weights as it arrives, and END commits.
+  none,
+  /// Host memory the receiver owns: every batch lands in the stage, the weights stay untouched (the
+  /// engine keeps reading them), and END *prepares* the version; receiver::apply_prepared() copies
+  /// the stage into the weights (one local copy) and commits. Host weights over host_shm for now.
+  host,
+  /// A staging area on the engine's GPU: not built yet (refused with errc::invalid_argument).
+  device,
+};
+REFIT_API std::string_view to_string(stage_kind k) noexcept;
+
 struct receiver_options {
   /// Where to bind. Empty: a fresh "ipc://" socket in a private directory (mode 0700) under
   /// $XDG_RUNTIME_DIR or /tmp. "tcp://*:0" style endpoints bind to 127.0.0.1 unless an address is
@@ -61,6 +75,19 @@ struct receiver_options {
   /// network in the clear and any host could try the endpoint. The environment variable
   /// REFIT_ALLOW_INSECURE=1 allows it too.
   bool allow_insecure_tcp = false;
+  /// Stage each version instead of writing the weights as batches arrive (see stage_kind and
+  /// receiver::apply_prepared()). stage_kind::device is refused (errc::invalid_argument): not built
+  /// yet. With stage_kind::host the receiver takes whole versions and subsets into a parameter table
+  /// of host memory over host_shm; it refuses a callback sink (on_batch: errc::invalid_argument), a
+  /// session of another kind at BEGIN (errc::invalid_argument), and a delta at BEGIN
+  /// (errc::needs_whole: a delta streamer sends the version whole by itself, in the same refit()).
+  stage_kind stage = stage_kind::none;
+  /// The most host memory the stage may take, 0: what the version needs. The stage holds a copy of
+  /// every registered destination's bytes (from its first byte to its last, each rounded up to 64
+  /// bytes): the parameter table's bytes, allocated at the first BEGIN after the table changed and
+  /// kept. A BEGIN whose version needs more is refused before anything is written
+  /// (errc::invalid_argument saying both byte counts).
+  std::uint64_t stage_bytes = 0;
 };
 
 /// Called with the entries of one batch. Views are valid only during the call. On CUDA
@@ -93,6 +120,10 @@ enum class receiver_event : std::uint8_t {
   /// version commits, and every streamer of the group hears how it ended, when the last one's END
   /// arrives.
   ended,
+  /// A staged receiver (receiver_options::stage): END checked out, the version is whole in the stage
+  /// and its streamer heard OK; the weights are untouched until the engine calls apply_prepared()
+  /// (prepared_version() says which version waits; on_prepared has run).
+  prepared,
 };
 REFIT_API std::string_view to_string(receiver_event e) noexcept;
 
@@ -105,13 +136,29 @@ struct receiver_stats {
   double seconds = 0;        ///< BEGIN received to END replied
   double apply_seconds = 0;  ///< copying / enqueuing copies and running callbacks
   double drain_seconds = 0;  ///< waiting at END for the device to finish (GPU transports)
+  /// A staged receiver: apply_prepared()'s copy of the stage into the weights (the engine's pause);
+  /// `seconds` then ends when END was answered (the version prepared), not at this copy.
+  double pause_seconds = 0;
 };
 
 /// The receiver. Owns one ZeroMQ REP socket and the mappings of the streamer's buffers.
 ///
 /// Thread rules: serve_one() and the registration functions (add_parameter, clear_parameters,
-/// on_batch, on_begin, on_commit, on_abort) from one thread at a time; committed_version(),
-/// dirty(), last_error(), last_stats() and endpoint() from any thread.
+/// on_batch, on_begin, on_commit, on_abort, on_prepared) from one thread at a time; committed_version(),
+/// prepared_version(), dirty(), last_error(), last_stats() and endpoint() from any thread;
+/// apply_prepared() from any thread, at any time (it waits for a BEGIN or a registration in hand).
+///
+/// Staged versions (receiver_options::stage): serve_one() writes only the stage, never the weights,
+/// so the engine's own threads may read the weights while versions arrive. A version whose END checks
+/// out is *prepared*: its streamer's refit() returns as for a commit, serve_one() returns prepared and
+/// on_prepared runs; the engine then calls apply_prepared() between two of its steps (from its own
+/// thread, from the serving thread, or from on_prepared to apply at once), which copies the stage
+/// into the weights and commits: committed_version() moves and on_commit runs, inside that call. A
+/// request that the engine runs between its applies therefore sees exactly one committed version.
+/// While a version is prepared and not applied, a BEGIN is refused (errc::apply: "version N is
+/// prepared and waits for apply_prepared()", serve_one() returns refused, nothing is written): the
+/// stage holds one version and a subset must build on the version the streamer last delivered.
+/// A refit that fails before it is prepared leaves the weights untouched: not dirty.
 ///
 /// Lifetimes and rules of the parameter table:
 /// - Memory: a destination must stay valid, at its address, while it is registered, and after
@@ -162,7 +209,10 @@ struct receiver_stats {
 /// of on_commit or on_abort. A BEGIN refused for its version or for want of a sink runs no hook;
 /// one that on_begin refuses runs no other. on_commit and on_abort run after the reply to the streamer has
 /// gone out, just before serve_one() returns committed or aborted, so a slow hook does not hold up
-/// the streamer (it does hold up the next message). They are not called by the destructor: a
+/// the streamer (it does hold up the next message).
+/// A staged receiver runs on_prepared instead of on_commit at END (on_abort as above for a refit
+/// that fails before it), then on_commit inside apply_prepared(), or on_abort there if the version
+/// was dropped (the table changed). They are not called by the destructor: a
 /// receiver destroyed during a refit aborts it silently.
 class REFIT_API receiver {
  public:
@@ -234,7 +284,8 @@ class REFIT_API receiver {
   /// at the next refit.
   void clear_parameters();
   /// Callback sink; replaces the parameter table (exclusive with add_parameter). Throws
-  /// errc::invalid_argument for an empty callback. Takes effect at the next refit.
+  /// errc::invalid_argument for an empty callback, or on a staged receiver (receiver_options::stage:
+  /// a stage is a copy of a parameter table). Takes effect at the next refit.
   void on_batch(batch_callback callback);
 
   /// Called on the serving thread when a refit starts (BEGIN accepted), before its first batch.
@@ -252,6 +303,23 @@ class REFIT_API receiver {
   /// before serve_one() returns aborted. What it throws is logged (REFIT_WARN) and ignored. An
   /// empty function removes the hook.
   void on_abort(std::function<void(std::uint64_t version, const std::string& reason)> hook);
+  /// A staged receiver (receiver_options::stage): called on the serving thread when `version` is
+  /// prepared (prepared_version() already says so), once END's reply is out, before serve_one()
+  /// returns prepared. It may call apply_prepared() (to apply at once) or tell the engine's loop to.
+  /// What it throws is logged (REFIT_WARN) and ignored: the version stays prepared. An empty function
+  /// removes the hook.
+  void on_prepared(std::function<void(std::uint64_t version)> hook);
+  /// A staged receiver: copies the prepared version from the stage into the weights (one local copy of
+  /// the bytes it carried: every registered destination for a whole version, those it sent for a
+  /// subset) and commits it: committed_version() moves, last_stats() is its figures (pause_seconds:
+  /// this copy), and on_commit runs on the calling thread before this returns. Returns the version
+  /// applied, or nullopt when none is prepared (no stage, none arrived yet, or applied already).
+  /// Throws errc::apply when the parameter table changed since the version was prepared (the stage was
+  /// laid out from the old one): the version is dropped, nothing is written, and on_abort runs.
+  /// Thread rules: see the class comment (any thread; the engine calls it between two of its steps).
+  std::optional<std::uint64_t> apply_prepared();
+  /// The version waiting in the stage for apply_prepared(); nullopt when none.
+  [[nodiscard]] std::optional<std::uint64_t> prepared_version() const noexcept;
 
   /// Waits up to `wait` for one message and handles it (or first, without waiting, a message
   /// the previous call kept: see below).

@@ -138,8 +138,20 @@ class py_receiver {
  public:
   py_receiver(std::optional<std::string> endpoint, int device, double idle_timeout, std::optional<std::string> token,
               const py::object& curve, const std::string& engine, const std::string& layout, std::size_t streamers,
-              std::size_t delta_threads, bool control_lane, bool allow_insecure_tcp) {
+              std::size_t delta_threads, bool control_lane, bool allow_insecure_tcp, const std::string& stage,
+              std::uint64_t stage_bytes) {
     receiver_options o;
+    if (stage == "none") {
+      o.stage = stage_kind::none;
+    } else if (stage == "host") {
+      o.stage = stage_kind::host;
+    } else if (stage == "device") {
+      o.stage = stage_kind::device;
+    } else {
+      throw py::value_error("stage must be None, 'host' or 'device'; got '" + stage + "'");
+    }
+    o.stage_bytes = stage_bytes;
+    stage_ = o.stage;
     o.control_lane = control_lane;
     o.allow_insecure_tcp = allow_insecure_tcp;
     o.layout = layout;
@@ -312,6 +324,35 @@ class py_receiver {
     });
   }
 
+  void on_prepared(py::object fn) {
+    prepared_fn_ = std::move(fn);
+    if (prepared_fn_.is_none()) {
+      rx().on_prepared({});
+      return;
+    }
+    rx().on_prepared([this](std::uint64_t version) {
+      py::gil_scoped_acquire gil;
+      call_hook(prepared_fn_, "on_prepared", version);
+    });
+  }
+
+  /// The copy of the stage into the weights runs without the GIL (on_commit takes it back).
+  std::optional<std::uint64_t> apply_prepared() {
+    receiver& r = rx();
+    std::optional<std::uint64_t> v;
+    {
+      py::gil_scoped_release nogil;
+      v = r.apply_prepared();
+    }
+    if (v) {
+      retired_.clear();  // committed: nothing writes a tensor removed from the table any more
+      error_before_commit_ = r.last_error();
+    }
+    return v;
+  }
+
+  std::optional<std::uint64_t> prepared_version() { return rx().prepared_version(); }
+
   int serve_one(double timeout) {
     const milliseconds wait = to_deadline(timeout, "timeout", true);
     receiver& r = rx();
@@ -344,6 +385,7 @@ class py_receiver {
   }
 
   std::optional<std::uint64_t> committed_version() { return rx().committed_version(); }
+  [[nodiscard]] std::string stage() { return std::string(to_string(stage_)); }
   bool dirty() { return rx().dirty(); }
   bool poisoned() { return rx().poisoned(); }
   receiver_stats last_stats() { return rx().last_stats(); }
@@ -420,7 +462,8 @@ class py_receiver {
   int device_ = 0;
   std::unordered_multimap<std::string, py::object> keep_;  ///< registered tensors stay alive
   std::vector<py::object> retired_;                        ///< removed ones, until after() lets go
-  py::object batch_fn_, begin_fn_, commit_fn_, abort_fn_;
+  py::object batch_fn_, begin_fn_, commit_fn_, abort_fn_, prepared_fn_;
+  stage_kind stage_ = stage_kind::none;
   std::string batch_what_ = "the on_batch callback";
   std::unique_ptr<py::error_already_set> interrupt_;
   /// C++ keeps its last error after later versions commit; Python's last_error is the failure of
@@ -870,6 +913,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_readonly("seconds", &receiver_stats::seconds)
       .def_readonly("apply_seconds", &receiver_stats::apply_seconds)
       .def_readonly("drain_seconds", &receiver_stats::drain_seconds)
+      .def_readonly("pause_seconds", &receiver_stats::pause_seconds,
+                    "staged: apply()'s copy of the stage into the weights (the engine's pause)")
       .def("__repr__", [](const receiver_stats& s) { return stats_repr("ReceiverStats", s); });
 
   py::class_<view>(m, "View", "One entry of a batch: a whole tensor or a byte range (chunk) of one.")
@@ -892,11 +937,12 @@ PYBIND11_MODULE(_refit, m) {
 
   py::class_<py_receiver>(m, "Receiver")
       .def(py::init<std::optional<std::string>, int, double, std::optional<std::string>, py::object, std::string,
-                    std::string, std::size_t, std::size_t, bool, bool>(),
+                    std::string, std::size_t, std::size_t, bool, bool, std::string, std::uint64_t>(),
            py::arg("endpoint") = py::none(), py::kw_only(), py::arg("device") = 0, py::arg("idle_timeout") = 60.0,
            py::arg("token") = py::none(), py::arg("curve") = py::none(), py::arg("engine") = "automatic",
            py::arg("layout") = "", py::arg("streamers") = 1, py::arg("delta_threads") = 0,
-           py::arg("control_lane") = true, py::arg("allow_insecure_tcp") = false)
+           py::arg("control_lane") = true, py::arg("allow_insecure_tcp") = false, py::arg("stage") = "none",
+           py::arg("stage_bytes") = 0)
       .def_property_readonly("endpoint", &py_receiver::endpoint)
       .def_property_readonly("endpoints", &py_receiver::endpoints)
       .def_property_readonly("device", &py_receiver::device)
@@ -908,6 +954,10 @@ PYBIND11_MODULE(_refit, m) {
       .def("_on_begin", &py_receiver::on_begin, py::arg("fn"))
       .def("_on_commit", &py_receiver::on_commit, py::arg("fn"))
       .def("_on_abort", &py_receiver::on_abort, py::arg("fn"))
+      .def("_on_prepared", &py_receiver::on_prepared, py::arg("fn"))
+      .def("_apply_prepared", &py_receiver::apply_prepared)
+      .def_property_readonly("prepared_version", &py_receiver::prepared_version)
+      .def_property_readonly("stage", &py_receiver::stage)
       .def("serve_one", &py_receiver::serve_one, py::arg("timeout") = 0.1)
       .def("_serve", &py_receiver::serve, py::arg("stop"), py::arg("poll"))
       .def_property_readonly("committed_version", &py_receiver::committed_version)

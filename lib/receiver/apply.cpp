@@ -93,7 +93,7 @@ std::vector<copy::op> receiver::impl::table_ops(const wire::batch& b, const std:
   scatter_plan scatter;
   for (std::size_t k = 0; k < b.entries.size(); ++k) {
     const wire::entry& e = b.entries[k];
-    const std::vector<slot>& slots = check_entry(b, k, where);
+    std::vector<slot>& slots = check_entry(b, k, where);
     if (e.bytes == 0 || check_only) continue;
     if (segments != nullptr && ln->parts)
       add_parts(slots, e, ops, *segments, pieces, scatter);
@@ -127,18 +127,20 @@ std::vector<slot>& receiver::impl::check_entry(const wire::batch& b, std::size_t
 /// Entry `e` (in the buffer at `base`) of a session that is not a parts session: received straight
 /// into its destination when it lands whole in one dense destination on the sink's device (with
 /// `segments`), else staged in the buffer (a segment there, with `segments`) and copied along each
-/// destination's route.
-void receiver::impl::add_staged(const std::vector<slot>& slots, const wire::entry& e, const std::byte* base,
+/// destination's route. A staged receiver copies into each destination's copy in the stage instead
+/// (stage_for()), never into the weights.
+void receiver::impl::add_staged(std::vector<slot>& slots, const wire::entry& e, const std::byte* base,
                                 device_kind where, std::vector<copy::op>& ops,
                                 std::vector<transport::segment>* segments, std::vector<plan::run>& pieces) {
-  const slot& only = slots.front();
+  slot& only = slots.front();
   if (segments != nullptr && slots.size() == 1 && plan::is_plain(only.dest) && only.dest.dev == ln->sink->where()) {
-    segments->push_back(transport::segment{static_cast<std::byte*>(only.dest.data) + e.tensor_offset, 0, e.bytes});
+    std::byte* const into = staged() ? stage_for(only) : static_cast<std::byte*>(only.dest.data);
+    segments->push_back(transport::segment{into + e.tensor_offset, 0, e.bytes});
     return;
   }
-  for (const slot& sl : slots) {
-    const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base),
-                                           static_cast<std::byte*>(sl.dest.data), ops, pieces);
+  for (slot& sl : slots) {
+    std::byte* const into = staged() ? stage_for(sl) : static_cast<std::byte*>(sl.dest.data);
+    const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), into, ops, pieces);
     if (copies && where == device_kind::cuda && !(sl.dest.dev == ln->sink->where()) &&
         ln->copier->kind() == copy::engine::kernel)
       copy::enable_peer_access(ln->sink->where().index, sl.dest.dev.index);
@@ -166,8 +168,8 @@ void receiver::impl::apply(const wire::batch& b, std::vector<copy::op>& ops,
   }
   // A ready batch reads only memory the streamer's GPU work had finished with (wire::batch::ready).
   if (!(b.ready && ln->sink->maps_sources())) ln->sink->begin_read(b.buffer);
-  if (refit_delta) check_patches(b);  // a corrupt patch is refused before its batch writes anything
-  is_dirty.store(true);               // from here on the weights may be partly overwritten
+  if (refit_delta) check_patches(b);    // a corrupt patch is refused before its batch writes anything
+  if (!staged()) is_dirty.store(true);  // from here on the weights may be partly overwritten
   if (callback) {
     run_callback(b);
   } else if (refit_delta) {

@@ -28,6 +28,7 @@
 //   apply.cpp    a batch's entries checked against the table, copied, or handed to the callback
 //   delta.cpp    subset and delta versions: the base (no_base_for()), patches, the checksum
 //   group.cpp    a group of streamers: joining a version, held ENDs, the shards, deadlines' reasons
+//   stage.cpp    staged versions (receiver_options::stage): the stage, prepare at END, apply_prepared()
 //   serve.cpp    the loop: serve_one(), step(), receive(), handle(), dispatch()
 //   receiver.cpp the public refit::receiver methods
 #pragma once
@@ -102,7 +103,18 @@ struct refusal {
 struct ending {
   std::uint64_t version = 0;
   bool committed = false;
-  std::string reason;  ///< why it aborted
+  std::string reason;     ///< why it aborted
+  bool prepared = false;  ///< staged: END prepared it (on_prepared), it is not committed yet
+};
+
+/// A staged version whose END checked out, waiting in the stage for apply_prepared().
+struct prepared_state {
+  std::uint64_t version = 0;
+  bool subset = false;
+  std::optional<std::uint64_t> checksum;  ///< END's version checksum
+  receiver_stats figures;
+  std::uint64_t generation = 0;  ///< sink_generation the stage was laid out from
+  std::vector<slot*> slots;      ///< the destinations it wrote into the stage
 };
 
 /// One streamer's session with the receiver: its channel, the transport's sink of its buffers, and
@@ -192,6 +204,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::function<void(std::uint64_t)> begin_hook;
   std::function<void(std::uint64_t)> commit_hook;
   std::function<void(std::uint64_t, const std::string&)> abort_hook;
+  std::function<void(std::uint64_t)> prepared_hook;
   std::vector<ending> endings;  ///< refits ended by this serve_one() call, for the hooks
 
   // Refit in progress (of the whole group: every lane sends its part of this version).
@@ -219,6 +232,21 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 
   /// Requests refused because they came from a peer that does not own the session (stranger()).
   std::uint64_t strangers_refused = 0;
+
+  // Staged versions (receiver_options::stage; stage.cpp). The serving thread writes the stage only
+  // while no version is prepared; apply_prepared() (any thread) reads it, and the table, only while
+  // one is; `stage_mutex` orders the two (BEGIN, the registration functions and the hooks' setters
+  // take it too).
+  std::mutex stage_mutex;
+  std::unique_ptr<std::byte[]> stage;
+  std::uint64_t stage_capacity = 0;               ///< bytes allocated at `stage`
+  std::uint64_t stage_need = 0;                   ///< bytes the table laid out at stage_generation needs
+  std::optional<std::uint64_t> stage_generation;  ///< sink_generation the slots' stage_at were laid out from
+  std::uint64_t stage_serial = 0;                 ///< counts staged refits (slot::staged_in)
+  std::vector<slot*> staged_slots;                ///< the destinations the refit in progress wrote into the stage
+  std::optional<prepared_state> ready;            ///< the version prepared, under stage_mutex
+  std::atomic<bool> has_prepared{false};
+  std::atomic<std::uint64_t> prepared_number{0};
 
   // Readable from any thread.
   std::atomic<bool> has_committed{false};
@@ -269,6 +297,10 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   receiver_event on_end(const wire::end& e);
   receiver_event finish_refit();
   void check_complete(std::uint64_t version) const;
+  receiver_stats figures_of(std::uint64_t version, double drain_seconds) const;
+  void make_live(std::uint64_t version, const receiver_stats& figures, bool subset, bool delta,
+                 std::optional<std::uint64_t> checksum, std::uint64_t generation);
+  void answer_ends();
   void commit(std::uint64_t version, double drain_seconds);
   receiver_event on_abort(const wire::abort& a);
   void abort_refit(const std::string& why, errc code = errc::apply) noexcept;
@@ -281,7 +313,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::vector<copy::op> table_ops(const wire::batch& b, const std::byte* base,
                                   std::vector<transport::segment>* segments, bool check_only = false);
   std::vector<slot>& check_entry(const wire::batch& b, std::size_t k, device_kind where);
-  void add_staged(const std::vector<slot>& slots, const wire::entry& e, const std::byte* base, device_kind where,
+  void add_staged(std::vector<slot>& slots, const wire::entry& e, const std::byte* base, device_kind where,
                   std::vector<copy::op>& ops, std::vector<transport::segment>* segments,
                   std::vector<plan::run>& pieces);
   const std::byte* entry_data(const wire::entry& e, const std::byte* base) const;
@@ -300,6 +332,17 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   delta::host_patcher& host_patcher();
   std::span<const delta::host_entry> host_delta_entries(const wire::batch& b, const std::byte* base);
   void check_delta(const wire::end& e) const;
+
+  // ---------------------------------------------------------------- stage.cpp
+  [[nodiscard]] bool staged() const noexcept { return options.stage != stage_kind::none; }
+  std::optional<receiver_event> check_stage(const wire::begin& b);
+  std::optional<std::string> stage_refusal(const wire::begin& b);
+  void lay_out_stage();
+  std::byte* stage_for(slot& sl);
+  void prepare(std::uint64_t version, double drain_seconds);
+  std::optional<std::uint64_t> apply_prepared();
+  void copy_stage(const prepared_state& p) const;
+  void run_hook(const std::function<void(std::uint64_t)>& hook, const char* name, std::uint64_t version) noexcept;
 
   // ---------------------------------------------------------------- group.cpp
   [[nodiscard]] bool must_wait(const wire::hello& h) const;

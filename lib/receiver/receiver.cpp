@@ -40,6 +40,7 @@ void receiver::add_parameter(const tensor_dest& dest, const dest_layout& layout)
                             "for the scale tensors of quantised destinations",
                             dest.meta.name.substr(0, dest.meta.name.find('\x1f'))));
   check_conversion(dest, layout);
+  std::lock_guard lock(impl_->stage_mutex);  // apply_prepared() reads the table (see impl.hpp)
   if (dest.q == quant::none) {
     impl_->table.add(plan::destination(dest, layout));
   } else {
@@ -49,12 +50,20 @@ void receiver::add_parameter(const tensor_dest& dest, const dest_layout& layout)
 }
 
 void receiver::clear_parameters() {
+  std::lock_guard lock(impl_->stage_mutex);
   impl_->table.clear();
   ++impl_->sink_generation;
 }
 
 void receiver::on_batch(batch_callback callback) {
   if (!callback) throw error(errc::invalid_argument, "on_batch: empty callback");
+  if (impl_->staged())
+    throw error(errc::invalid_argument,
+                fmt::format("on_batch: this receiver stages versions (receiver_options::stage = {}), and a stage is "
+                            "a copy of a parameter table: register parameters (add_parameter), or make the "
+                            "receiver with stage = none to apply through a callback",
+                            to_string(impl_->options.stage)));
+  std::lock_guard lock(impl_->stage_mutex);
   impl_->table.clear();
   impl_->callback = std::move(callback);
   ++impl_->sink_generation;
@@ -62,10 +71,25 @@ void receiver::on_batch(batch_callback callback) {
 
 void receiver::on_begin(std::function<void(std::uint64_t version)> hook) { impl_->begin_hook = std::move(hook); }
 
-void receiver::on_commit(std::function<void(std::uint64_t version)> hook) { impl_->commit_hook = std::move(hook); }
+// on_commit and on_abort may run inside apply_prepared(), on another thread: their setters take the
+// lock it reads them under.
+void receiver::on_commit(std::function<void(std::uint64_t version)> hook) {
+  std::lock_guard lock(impl_->stage_mutex);
+  impl_->commit_hook = std::move(hook);
+}
 
 void receiver::on_abort(std::function<void(std::uint64_t version, const std::string& reason)> hook) {
+  std::lock_guard lock(impl_->stage_mutex);
   impl_->abort_hook = std::move(hook);
+}
+
+void receiver::on_prepared(std::function<void(std::uint64_t version)> hook) { impl_->prepared_hook = std::move(hook); }
+
+std::optional<std::uint64_t> receiver::apply_prepared() { return impl_->apply_prepared(); }
+
+std::optional<std::uint64_t> receiver::prepared_version() const noexcept {
+  if (!impl_->has_prepared.load(std::memory_order_acquire)) return std::nullopt;
+  return impl_->prepared_number.load(std::memory_order_acquire);
 }
 
 receiver_event receiver::serve_one(milliseconds wait) { return impl_->serve_one(wait); }

@@ -15,6 +15,16 @@ std::string_view to_string(receiver_event e) noexcept {
     case receiver_event::bye: return "bye";
     case receiver_event::refused: return "refused";
     case receiver_event::ended: return "ended";
+    case receiver_event::prepared: return "prepared";
+  }
+  return "?";
+}
+
+std::string_view to_string(stage_kind k) noexcept {
+  switch (k) {
+    case stage_kind::none: return "none";
+    case stage_kind::host: return "host";
+    case stage_kind::device: return "device";
   }
   return "?";
 }

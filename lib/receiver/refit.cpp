@@ -74,7 +74,7 @@ std::optional<receiver_event> receiver::impl::check_begin(const wire::begin& b) 
     reply_error(r.code, fmt::format("version {} failed before {} began it: {}", b.version, who(*ln), r.message));
     return receiver_event::refused;
   }
-  return std::nullopt;
+  return check_stage(b);
 }
 
 /// The version of BEGIN `b` starts: checked by the tracker, against the base a subset or delta
@@ -106,6 +106,10 @@ receiver_event receiver::impl::begin_refit(const wire::begin& b) {
   refit_start = clock::now();
   apply_seconds = 0;
   group_version = b.version;
+  if (staged()) {  // a new refit: no destination is in the stage yet (slot::staged_in)
+    ++stage_serial;
+    staged_slots.clear();
+  }
   ln->deferred.reset();
   // Direct writes start as soon as the streamer has this reply.
   if (ln->direct) is_dirty.store(true);
@@ -260,6 +264,10 @@ receiver_event receiver::impl::finish_refit() {
   } catch (const error& ex) {
     return fail_refit(ex.code(), ex.what());
   }
+  if (staged()) {
+    prepare(version, drain_seconds);
+    return receiver_event::prepared;
+  }
   commit(version, drain_seconds);
   return receiver_event::committed;
 }
@@ -292,37 +300,52 @@ void receiver::impl::check_complete(std::uint64_t version) const {
   }
 }
 
-/// Commits version `version` (checked: finish_refit()), records its figures and what it is a base
-/// for, and answers every lane's END.
-void receiver::impl::commit(std::uint64_t version, double drain_seconds) {
-  receiver_stats figures{version, 0, 0, 0, seconds_since(refit_start), apply_seconds, drain_seconds};
+/// The figures of version `version`, whose every lane's END is held.
+receiver_stats receiver::impl::figures_of(std::uint64_t version, double drain_seconds) const {
+  receiver_stats figures{version, 0, 0, 0, seconds_since(refit_start), apply_seconds, drain_seconds, 0};
   for (const lane& l : lanes) {
     figures.tensors += l.held->tensors;
     figures.bytes += l.held->bytes;
     figures.batches += l.held->batches;
   }
-  const std::optional<std::uint64_t> checksum = lanes.front().held->checksum;
+  return figures;
+}
+
+/// Version `version` is what the weights hold now: committed_version() moves, and what it is a base
+/// for is recorded (`generation`: the sink_generation its bytes were written by).
+void receiver::impl::make_live(std::uint64_t version, const receiver_stats& figures, bool subset, bool delta,
+                               std::optional<std::uint64_t> checksum, std::uint64_t generation) {
   committed.store(version, std::memory_order_release);
   has_committed.store(true, std::memory_order_release);
   is_dirty.store(false);
-  group_version.reset();
   // What the new version is a base for: a whole version for subsets, and for deltas when its END
   // carried a checksum (trusted: re-reading every byte would cost what a delta saves); a delta's
   // was checked (finish_refit()); a subset's is unknown (it did not carry the other tensors). A group's
   // streamers keep no base.
-  if (!refit_subset) {
-    whole_generation = sink_generation;
+  if (!subset) {
+    whole_generation = generation;
     is_poisoned.store(false);
   }
-  known_checksum = (refit_subset && !refit_delta) || grouped() ? std::nullopt : checksum;
-  {
-    std::lock_guard lock(mutex);
-    stats_ = figures;
-  }
+  known_checksum = (subset && !delta) || grouped() ? std::nullopt : checksum;
+  std::lock_guard lock(mutex);
+  stats_ = figures;
+}
+
+/// Commits version `version` (checked: finish_refit()), records its figures and what it is a base
+/// for, and answers every lane's END.
+void receiver::impl::commit(std::uint64_t version, double drain_seconds) {
+  const receiver_stats figures = figures_of(version, drain_seconds);
+  make_live(version, figures, refit_subset, refit_delta, lanes.front().held->checksum, sink_generation);
+  group_version.reset();
   REFIT_INFO("committed version {} from {}: {} tensors, {:.3f} GB", version,
              grouped() ? fmt::format("{} streamers", lanes.size()) : who(*ln), figures.tensors,
              static_cast<double>(figures.bytes) / 1e9);
   endings.push_back(ending{version, true, {}});
+  answer_ends();
+}
+
+/// Answers every lane's held END with OK and ends the lanes' parts of the version.
+void receiver::impl::answer_ends() {
   // The streamers hear it first; what is only tidying up follows (the next request waits for
   // it all the same, but a streamer's refit() returns meanwhile).
   lane* const current = ln;
@@ -447,10 +470,15 @@ void receiver::impl::run_hooks() noexcept {
   std::vector<ending> ended;
   ended.swap(endings);
   for (const ending& e : ended) {
-    const char* name = e.committed ? "on_commit" : "on_abort";
+    const char* name = e.prepared ? "on_prepared" : e.committed ? "on_commit" : "on_abort";
     try {
-      if (e.committed && commit_hook) commit_hook(e.version);
-      if (!e.committed && abort_hook) abort_hook(e.version, e.reason);
+      if (e.prepared) {
+        if (prepared_hook) prepared_hook(e.version);
+      } else if (e.committed && commit_hook) {
+        commit_hook(e.version);
+      } else if (!e.committed && abort_hook) {
+        abort_hook(e.version, e.reason);
+      }
     } catch (const std::exception& ex) {
       try {
         REFIT_WARN("the {} hook threw for version {} (ignored): {}", name, e.version, ex.what());

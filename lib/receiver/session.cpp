@@ -39,6 +39,14 @@ receiver::impl::impl(receiver_options o)
                 fmt::format("receiver_options.delta_threads is {}: a host delta is applied on at most {} threads "
                             "(0: min(hardware threads, 8))",
                             options.delta_threads, delta::max_threads));
+  if (options.stage == stage_kind::device)
+    throw error(errc::invalid_argument,
+                fmt::format("receiver_options.stage = device: a staging area on the GPU is not built yet{}; use "
+                            "stage = host (host weights over host_shm) or none",
+                            REFIT_HAVE_CUDA ? "" : " (and this build has no CUDA)"));
+  if (options.stage != stage_kind::none && options.stage != stage_kind::host)
+    throw error(errc::invalid_argument,
+                fmt::format("receiver_options.stage has an unknown value ({})", static_cast<unsigned>(options.stage)));
   lanes.reserve(options.streamers);
   try {
     for (std::size_t r = 0; r < options.streamers; ++r)

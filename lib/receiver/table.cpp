@@ -29,7 +29,7 @@ table_t::prepared table_t::prepare(plan::destination d) {
   } catch (const error& e) {
     throw error(e.code(), fmt::format("add_parameter: {}", e.what()));
   }
-  slot s{std::move(d), {}, {}};
+  slot s{std::move(d), {}, {}, 0, 0};
   s.foot = plan::footprint(s.dest);
   std::vector<slot>* same = find(s.dest.meta.name);
   if (same != nullptr) {

@@ -21,6 +21,11 @@ struct slot {
   plan::destination dest;
   std::vector<plan::run> foot;  ///< the bytes it writes, for overlap checks
   plan::route_cache routes;     ///< computed once: a source keeps its dtype and shape across refits
+  /// A staged receiver (receiver_options::stage): where the copy of this destination's bytes starts
+  /// in the stage (its bytes from its first byte, laid out by impl::lay_out_stage()), and the refit
+  /// that last wrote it there (impl::stage_serial), so that apply_prepared() copies each once.
+  std::uint64_t stage_at = 0;
+  std::uint64_t staged_in = 0;
 
   /// Makes runs() those of a source of this dtype and shape. Throws errc::apply when it does not fit.
   void route(dtype type, const std::vector<std::int64_t>& shape) { (void)routes.get(dest, type, shape); }

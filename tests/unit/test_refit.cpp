@@ -94,6 +94,7 @@ std::string event_name(refit::receiver_event e) {
     case refit::receiver_event::bye: return "bye";
     case refit::receiver_event::refused: return "refused";
     case refit::receiver_event::ended: return "ended";
+    case refit::receiver_event::prepared: return "prepared";
   }
   return "unknown";
 }

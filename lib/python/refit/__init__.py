@@ -202,6 +202,17 @@ class Receiver(_refit.Receiver):
             ``curve``. Refused by default (``RefitError`` with ``Errc.invalid_argument``): the
             token and every message would cross the network in the clear. The environment
             variable ``REFIT_ALLOW_INSECURE=1`` allows it too.
+        stage: None (default): every batch is written into the weights as it arrives, and END
+            commits. ``"host"``: every batch lands in a stage the receiver owns (host memory, a
+            copy of the registered parameters' bytes), the weights stay untouched while the
+            engine keeps reading them, END reports ``Event.prepared`` (:meth:`on_prepared`), and
+            the engine calls :meth:`apply` between two of its steps: one local copy, then the
+            version is committed. Host parameters over host_shm, whole versions and subsets (a
+            delta streamer sends whole versions to it). ``"device"``: not built yet (RefitError,
+            ``Errc.invalid_argument``).
+        stage_bytes: the most memory the stage may take; 0 (default): what a version needs (the
+            registered parameters' bytes). A version that needs more is refused before anything
+            is written (``Errc.invalid_argument``, saying both byte counts).
 
     Example::
 
@@ -212,8 +223,17 @@ class Receiver(_refit.Receiver):
                 if rx.serve_one(timeout=0.01) == refit.Event.committed:
                     print("now at version", rx.committed_version)
 
+    An async RL engine keeps generating while the next version arrives (``stage="host"``)::
+
+        rx = refit.Receiver(stage="host")
+        rx.add_parameters(model.named_parameters())
+        threading.Thread(target=rx.serve, args=(stop,), daemon=True).start()
+        while generating:
+            rx.apply()                 # between two steps: the version that waits, if any
+            step(model)                # every request sees one whole version
+
     Thread rules: ``serve_one``/``serve`` and the registration calls from one thread at a time;
-    the properties from any thread.
+    :meth:`apply` and the properties from any thread.
     """
 
     def __init__(
@@ -230,6 +250,8 @@ class Receiver(_refit.Receiver):
         delta_threads: int = 0,
         control_lane: bool = True,
         allow_insecure_tcp: bool = False,
+        stage: Optional[str] = None,
+        stage_bytes: int = 0,
     ) -> None:
         super().__init__(
             endpoint,
@@ -243,6 +265,8 @@ class Receiver(_refit.Receiver):
             delta_threads=delta_threads,
             control_lane=control_lane,
             allow_insecure_tcp=allow_insecure_tcp,
+            stage="none" if stage is None else stage,
+            stage_bytes=stage_bytes,
         )
         self._begin_fn = None
         self._partials = None  # on_tensor's chunks being reassembled, dropped at every BEGIN
@@ -416,6 +440,43 @@ class Receiver(_refit.Receiver):
         reason. Exceptions are logged, not raised. None removes it. Returns ``fn``."""
         self._on_abort(fn)
         return fn
+
+    def on_prepared(self, fn: Optional[Callable[[int], None]]):
+        """A staged receiver (``stage="host"``): ``fn(version)`` on the serving thread when
+        ``version`` is whole in the stage (:attr:`prepared_version` says so), before
+        ``serve_one`` returns ``Event.prepared``. Tell the engine's loop to :meth:`apply` it, or
+        call :meth:`apply` here to apply at once. Exceptions are logged, not raised. None removes
+        it. Returns ``fn``."""
+        self._on_prepared(fn)
+        return fn
+
+    def apply(self) -> Optional[int]:
+        """A staged receiver: copies the prepared version from the stage into the weights and
+        commits it (:attr:`committed_version` moves, ``on_commit`` runs on this thread before
+        this returns). Returns the version applied, or None when none waits. Call it from the
+        engine's loop between two steps, from any thread; the GIL is released during the copy.
+        While a version waits, the next one's BEGIN is refused (its streamer sees
+        ``Errc.apply``): apply promptly. Raises RefitError(``Errc.apply``) when the parameters
+        changed since the version was prepared (it is dropped, nothing is written).
+
+        Example::
+
+            rx = refit.Receiver(stage="host")
+            ...
+            if rx.apply() is not None:      # between two generation steps
+                print("now at version", rx.committed_version)
+        """
+        return self._apply_prepared()
+
+    def apply_prepared(self) -> Optional[int]:
+        """The same as :meth:`apply` (the C++ name)."""
+        return self._apply_prepared()
+
+    @property
+    def prepared_version(self) -> Optional[int]:
+        """A staged receiver: the version waiting in the stage for :meth:`apply`; None when
+        none waits."""
+        return super().prepared_version
 
     @property
     def last_error(self) -> Optional[str]:

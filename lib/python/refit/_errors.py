@@ -49,6 +49,9 @@ class Event(_Named):
     bye = 6  #: the session ended
     refused = 7  #: a message was refused without touching the session (stranger, bad HELLO)
     ended = 8  #: one streamer of a group ended its part; the version ends with the last one's
+    #: a staged receiver (``Receiver(stage="host")``): the version is whole in the stage, its
+    #: streamer heard OK, the weights wait for :meth:`Receiver.apply`
+    prepared = 9
 
 
 class RefitError(Exception):

@@ -35,6 +35,7 @@ class ReceiverStats:
     seconds: float
     apply_seconds: float
     drain_seconds: float
+    pause_seconds: float  # staged: Receiver.apply()'s copy of the stage into the weights
 
 class View:
     @property
@@ -60,7 +61,8 @@ class Receiver:
     def __init__(self, endpoint: Optional[str] = None, *, device: int = 0, idle_timeout: float = 60.0,
                  token: Optional[str] = None, curve: Any = None, engine: str = "automatic",
                  layout: str = "", streamers: int = 1, delta_threads: int = 0,
-                 control_lane: bool = True, allow_insecure_tcp: bool = False) -> None: ...
+                 control_lane: bool = True, allow_insecure_tcp: bool = False,
+                 stage: str = "none", stage_bytes: int = 0) -> None: ...
     @property
     def endpoint(self) -> str: ...
     @property
@@ -77,6 +79,12 @@ class Receiver:
     ) -> None: ...
     def clear_parameters(self) -> None: ...
     def serve_one(self, timeout: float = 0.1) -> int: ...  # an Event value
+    def _on_prepared(self, fn: Optional[Callable[[int], None]]) -> None: ...
+    def _apply_prepared(self) -> Optional[int]: ...  # Receiver.apply()
+    @property
+    def prepared_version(self) -> Optional[int]: ...
+    @property
+    def stage(self) -> str: ...  # "none", "host" or "device"
     @property
     def committed_version(self) -> Optional[int]: ...
     @property

@@ -1,0 +1,441 @@
+// Staged receivers (receiver_options::stage): every batch of a version lands in the receiver's
+// stage, the engine's weights stay untouched until it calls apply_prepared(), END reports the
+// version prepared (on_prepared), and on_commit fires only at the apply. The receiver serves on a
+// thread of this process; the streamer (host_shm) runs on the test's thread.
+#include <algorithm>
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+#include "support/support.hpp"
+
+using namespace std::chrono_literals;
+namespace rt = refit::test;
+using refit::dtype;
+using refit::tensor_meta;
+
+namespace {
+
+constexpr std::uint64_t kib = 1ull << 10;
+constexpr refit::milliseconds streamer_timeout{10000};
+
+std::vector<tensor_meta> stage_model() {
+  return {tensor_meta{"embed", dtype::f32, {64, 32}}, tensor_meta{"layer.0.w", dtype::bf16, {48, 40}},
+          tensor_meta{"layer.0.b", dtype::f32, {40}}, tensor_meta{"layer.1.w", dtype::f16, {96, 24}},
+          tensor_meta{"head", dtype::f32, {32, 70}}};
+}
+
+/// Host weights for every tensor of `metas`, registered whole, holding `version`'s pattern.
+struct weights {
+  std::vector<tensor_meta> metas;
+  std::vector<std::vector<std::uint8_t>> bytes;
+
+  weights(refit::receiver& r, std::vector<tensor_meta> m, std::uint64_t version) : metas(std::move(m)) {
+    for (const auto& t : metas) {
+      bytes.emplace_back(t.nbytes());
+      rt::fill_pattern(t.name, version, bytes.back().data(), bytes.back().size());
+    }
+    for (std::size_t k = 0; k < metas.size(); ++k)
+      r.add_parameter(refit::tensor_dest{metas[k], bytes[k].data(), refit::device::cpu()});
+  }
+  /// Empty when tensor k holds version[k]'s pattern for every k, else the first that does not.
+  [[nodiscard]] std::string mismatch(const std::vector<std::uint64_t>& version) const {
+    for (std::size_t k = 0; k < metas.size(); ++k)
+      if (const auto m = rt::pattern_mismatch(metas[k], version[k], bytes[k].data()); !m.empty()) return m;
+    return {};
+  }
+  [[nodiscard]] std::string mismatch(std::uint64_t version) const {
+    return mismatch(std::vector<std::uint64_t>(metas.size(), version));
+  }
+};
+
+/// What the hooks and serve_one() reported, from whichever thread.
+struct journal {
+  std::mutex m;
+  std::condition_variable changed;
+  std::vector<std::string> lines;
+
+  void add(const std::string& line) {
+    {
+      std::lock_guard lock(m);
+      lines.push_back(line);
+    }
+    changed.notify_all();
+  }
+  std::vector<std::string> take() {
+    std::lock_guard lock(m);
+    std::vector<std::string> out;
+    out.swap(lines);
+    return out;
+  }
+  /// Waits (bounded) until a line equal to `want` is there.
+  bool wait_for(const std::string& want) {
+    std::unique_lock lock(m);
+    return changed.wait_for(lock, 20s, [&] {
+      for (const auto& l : lines)
+        if (l == want) return true;
+      return false;
+    });
+  }
+};
+
+/// A staged receiver serving on a thread until finish(); its hooks and events go to `log`
+/// ("prepared v", "commit v", "abort v", "event <e>"; idle, begin and batch are left out).
+struct serving {
+  refit::receiver receiver;
+  journal log;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+
+  explicit serving(refit::receiver_options o) : receiver(std::move(o)) {
+    receiver.on_prepared([this](std::uint64_t v) { log.add("prepared " + std::to_string(v)); });
+    receiver.on_commit([this](std::uint64_t v) { log.add("commit " + std::to_string(v)); });
+    receiver.on_abort([this](std::uint64_t v, const std::string&) { log.add("abort " + std::to_string(v)); });
+  }
+  void start() {
+    stop = false;
+    thread = std::thread([this] {
+      while (!stop.load()) {
+        const auto e = receiver.serve_one(refit::milliseconds{10});
+        if (e != refit::receiver_event::idle && e != refit::receiver_event::begin && e != refit::receiver_event::batch)
+          log.add("event " + std::string(refit::to_string(e)));
+      }
+    });
+  }
+  /// Stops serving (the receiver's registration functions may then be called from this thread).
+  void finish() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+  }
+  ~serving() { finish(); }
+};
+
+refit::receiver_options staged(std::uint64_t stage_bytes = 0) {
+  refit::receiver_options o;
+  o.stage = refit::stage_kind::host;
+  o.stage_bytes = stage_bytes;
+  o.idle_timeout = refit::milliseconds{60000};
+  return o;
+}
+
+/// A host_shm streamer with small buffers, so that a version takes several batches.
+refit::streamer_options small_buffers(const std::string& endpoint) {
+  return rt::host_shm_streamer(endpoint, 4 * kib, streamer_timeout);
+}
+
+/// FNV-1a over every byte of every tensor of `w`, as an engine's check of its weights would read them.
+std::uint64_t checksum_of(const std::vector<std::vector<std::uint8_t>>& bytes) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& t : bytes)
+    for (const std::uint8_t b : t) h = (h ^ b) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("a staged receiver prepares at END with the weights untouched; apply_prepared commits that version",
+          "[stage]") {
+  serving s(staged());
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  const rt::host_tensors v1(stage_model(), 1);
+  const auto stats = st.refit(1, v1.refs);
+  CHECK(stats.batches > 1);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  // The streamer's refit() returned as for a commit, but the engine's weights are the old ones.
+  CHECK(s.receiver.prepared_version() == std::optional<std::uint64_t>{1});
+  CHECK_FALSE(s.receiver.committed_version());
+  CHECK_FALSE(s.receiver.dirty());
+  CHECK(w.mismatch(0).empty());
+  CHECK(s.receiver.last_stats().version == 0);
+  // The engine applies, from its own thread, between two of its steps.
+  CHECK(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  CHECK(w.mismatch(1).empty());
+  CHECK(s.receiver.committed_version() == std::optional<std::uint64_t>{1});
+  CHECK_FALSE(s.receiver.prepared_version());
+  CHECK(s.receiver.last_stats().version == 1);
+  CHECK(s.receiver.last_stats().tensors == stage_model().size());
+  CHECK(s.receiver.last_stats().pause_seconds >= 0);
+  CHECK_FALSE(s.receiver.apply_prepared());  // nothing waits any more
+  s.finish();
+  // serve_one() said prepared (never committed), after on_prepared; on_commit fired once, at the apply.
+  CHECK(s.log.take() == std::vector<std::string>{"event hello", "prepared 1", "event prepared", "commit 1"});
+}
+
+TEST_CASE(
+    "a BEGIN while a version is prepared is refused with errc::apply and writes nothing; after the apply the "
+    "next version stages",
+    "[stage]") {
+  serving s(staged());
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  const rt::host_tensors v1(stage_model(), 1);
+  const rt::host_tensors v2(stage_model(), 2);
+  st.refit(1, v1.refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  CHECK_REFIT_ERROR(st.refit(2, v2.refs), refit::errc::apply, "version 1 is prepared and waits for apply_prepared()");
+  CHECK(s.receiver.prepared_version() == std::optional<std::uint64_t>{1});
+  CHECK(w.mismatch(0).empty());
+  CHECK(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  CHECK(w.mismatch(1).empty());
+  st.refit(2, v2.refs);
+  REQUIRE(s.log.wait_for("prepared 2"));
+  CHECK(w.mismatch(1).empty());
+  CHECK(s.receiver.apply_prepared() == std::optional<std::uint64_t>{2});
+  CHECK(w.mismatch(2).empty());
+  CHECK(s.receiver.committed_version() == std::optional<std::uint64_t>{2});
+}
+
+TEST_CASE("a staged subset writes only the tensors it sent at the apply; the others keep the committed version",
+          "[stage]") {
+  serving s(staged());
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  const rt::host_tensors v1(stage_model(), 1);
+  st.refit(1, v1.refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  // Version 2 carries two of the five tensors.
+  const rt::host_tensors v2(stage_model(), 2);
+  const std::vector<refit::tensor_ref> some{v2.refs[1], v2.refs[3]};
+  const auto stats = st.refit(2, some, refit::refit_scope::subset);
+  CHECK(stats.subset);
+  REQUIRE(s.log.wait_for("prepared 2"));
+  CHECK(w.mismatch(1).empty());
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{2});
+  CHECK(w.mismatch({1, 2, 1, 2, 1}).empty());
+  CHECK(s.receiver.last_stats().tensors == 2);
+}
+
+TEST_CASE(
+    "staged destinations in the engine's layout are applied through their views; bytes between their rows stay "
+    "as they were",
+    "[stage]") {
+  serving s(staged());
+  // One engine tensor [8, 24] f32: "left" fills columns 0..8, "right" (a slice of columns 2..10 of a
+  // [8, 12] source) fills columns 12..20; columns 8..12 and 20..24 belong to nobody here.
+  constexpr std::size_t rows = 8, cols = 24;
+  std::vector<float> engine(rows * cols, -1.0f);
+  const tensor_meta left{"left", dtype::f32, {8, 8}};
+  const tensor_meta right{"right", dtype::f32, {8, 8}};
+  s.receiver.add_parameter(refit::tensor_dest{left, engine.data(), refit::device::cpu()},
+                           refit::dest_layout{{24, 1}, std::nullopt, nullptr, 0});
+  s.receiver.add_parameter(refit::tensor_dest{right, engine.data() + 12, refit::device::cpu()},
+                           refit::dest_layout{{24, 1}, refit::source_slice{1, 2, 8}, nullptr, 0});
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  std::vector<float> l(8 * 8), r(8 * 12);
+  for (std::size_t i = 0; i < l.size(); ++i) l[i] = static_cast<float>(i);
+  for (std::size_t i = 0; i < r.size(); ++i) r[i] = 1000.0f + static_cast<float>(i);
+  const std::vector<refit::tensor_ref> refs{
+      refit::tensor_ref{left, l.data(), refit::device::cpu()},
+      refit::tensor_ref{tensor_meta{"right", dtype::f32, {8, 12}}, r.data(), refit::device::cpu()}};
+  st.refit(1, refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  for (const float x : engine) CHECK(x == -1.0f);  // untouched until the apply
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  for (std::size_t i = 0; i < rows; ++i)
+    for (std::size_t j = 0; j < cols; ++j) {
+      const float x = engine[i * cols + j];
+      if (j < 8)
+        CHECK(x == l[i * 8 + j]);
+      else if (j >= 12 && j < 20)
+        CHECK(x == r[i * 12 + (j - 12) + 2]);
+      else
+        CHECK(x == -1.0f);
+    }
+}
+
+TEST_CASE(
+    "a version that needs more than stage_bytes is refused at BEGIN, saying both byte counts, before anything "
+    "is written",
+    "[stage]") {
+  serving s(staged(1000));
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  const rt::host_tensors v1(stage_model(), 1);
+  const auto f = rt::failure_of([&] { st.refit(1, v1.refs); });
+  REQUIRE(f);
+  CHECK(f->code == rt::code_name(refit::errc::invalid_argument));
+  CHECK_THAT(f->message, Catch::Contains("version 1 needs a stage of ") &&
+                             Catch::Contains("more than receiver_options::stage_bytes (1000 bytes)") &&
+                             Catch::Contains("nothing was written"));
+  s.finish();
+  CHECK(s.log.take() == std::vector<std::string>{"event hello", "event refused"});
+  CHECK(w.mismatch(0).empty());
+  CHECK_FALSE(s.receiver.dirty());
+  CHECK_FALSE(s.receiver.prepared_version());
+  CHECK_FALSE(s.receiver.committed_version());
+}
+
+TEST_CASE("a staged refit that fails half-way leaves the weights untouched and clean; the next version stages",
+          "[stage]") {
+  serving s(staged());
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  // The last tensor is unknown to the table: the batches before it land in the stage, then the refit
+  // fails. An in-place receiver would be dirty here, its weights partly overwritten.
+  const rt::host_tensors v1(stage_model(), 1);
+  const rt::host_tensors stranger({tensor_meta{"not.registered", dtype::f32, {16}}}, 1);
+  std::vector<refit::tensor_ref> refs = v1.refs;
+  refs.push_back(stranger.refs.front());
+  CHECK_REFIT_ERROR(st.refit(1, refs), refit::errc::apply, "'not.registered'");
+  REQUIRE(s.log.wait_for("abort 1"));
+  CHECK(w.mismatch(0).empty());
+  CHECK_FALSE(s.receiver.dirty());
+  CHECK_FALSE(s.receiver.prepared_version());
+  st.refit(2, rt::host_tensors(stage_model(), 2).refs);
+  REQUIRE(s.log.wait_for("prepared 2"));
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{2});
+  CHECK(w.mismatch(2).empty());
+}
+
+TEST_CASE(
+    "a delta streamer to a staged receiver sends whole versions: the receiver refuses the delta with "
+    "needs_whole",
+    "[stage]") {
+  serving s(staged());
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  auto so = small_buffers(s.receiver.endpoint());
+  so.delta.enable = true;
+  refit::streamer st(so);
+  st.refit(1, rt::host_tensors(stage_model(), 1).refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  const auto stats = st.refit(2, rt::host_tensors(stage_model(), 2).refs);
+  CHECK_FALSE(stats.delta);
+  CHECK(stats.whole_after_refusal);
+  REQUIRE(s.log.wait_for("prepared 2"));
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{2});
+  CHECK(w.mismatch(2).empty());
+}
+
+TEST_CASE("apply_prepared after the parameter table changed drops the version with errc::apply and runs on_abort",
+          "[stage]") {
+  serving s(staged());
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  st.refit(1, rt::host_tensors(stage_model(), 1).refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  s.finish();  // registration runs on the serving thread's turn
+  std::vector<float> extra(4);
+  s.receiver.add_parameter(
+      refit::tensor_dest{tensor_meta{"extra", dtype::f32, {4}}, extra.data(), refit::device::cpu()});
+  CHECK_REFIT_ERROR(s.receiver.apply_prepared(), refit::errc::apply, "the parameter table changed");
+  CHECK(w.mismatch(0).empty());
+  CHECK_FALSE(s.receiver.prepared_version());
+  CHECK_FALSE(s.receiver.committed_version());
+  CHECK(s.log.take() == std::vector<std::string>{"event hello", "prepared 1", "event prepared", "abort 1"});
+}
+
+TEST_CASE("a staged receiver refuses stage = device and a callback sink with errc::invalid_argument", "[stage]") {
+  refit::receiver_options o;
+  o.stage = refit::stage_kind::device;
+  CHECK_REFIT_ERROR(refit::receiver(o), refit::errc::invalid_argument, "not built yet");
+  refit::receiver r(staged());
+  CHECK_REFIT_ERROR(r.on_batch([](auto, void*) {}), refit::errc::invalid_argument, "stage = host");
+}
+
+TEST_CASE("an engine thread reading its weights while staged versions arrive sees only whole committed versions",
+          "[stage]") {
+  // Large enough that every version takes many batches, so the engine reads during transfers.
+  const std::vector<tensor_meta> model{tensor_meta{"a", dtype::f32, {256, 64}},
+                                       tensor_meta{"b", dtype::bf16, {512, 48}}, tensor_meta{"c", dtype::f32, {3000}}};
+  constexpr std::uint64_t versions = 6;
+  serving s(staged());
+  weights w(s.receiver, model, 0);
+  // The checksum of every version the engine may see: only whole ones.
+  std::vector<std::uint64_t> expected;
+  for (std::uint64_t v = 0; v <= versions; ++v) expected.push_back(checksum_of(rt::host_tensors(model, v).bytes));
+  std::atomic<bool> done{false};
+  std::atomic<std::uint64_t> reads{0};
+  std::atomic<std::uint64_t> wrong{0};
+  std::set<std::uint64_t> seen;  // engine thread only, read after join
+  std::thread engine([&] {
+    std::uint64_t applied = 0;
+    for (;;) {
+      // One generation step: read every weight.
+      const std::uint64_t sum = checksum_of(w.bytes);
+      const auto it = std::find(expected.begin(), expected.end(), sum);
+      if (it == expected.end() || static_cast<std::uint64_t>(it - expected.begin()) != applied)
+        wrong.fetch_add(1);
+      else
+        seen.insert(applied);
+      reads.fetch_add(1);
+      if (done.load() && !s.receiver.prepared_version()) break;
+      // Between two steps: take the version that waits, if any.
+      if (const auto v = s.receiver.apply_prepared()) applied = *v;
+    }
+  });
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  for (std::uint64_t v = 1; v <= versions; ++v) {
+    const rt::host_tensors next(model, v);
+    st.refit(v, next.refs);
+    // The next BEGIN would be refused while this one waits: the trainer waits for the engine.
+    REQUIRE(s.log.wait_for("commit " + std::to_string(v)));
+  }
+  done = true;
+  engine.join();
+  s.finish();
+  CHECK(wrong.load() == 0);
+  CHECK(reads.load() > versions);
+  CHECK(seen.size() == versions + 1);
+  CHECK(w.mismatch(versions).empty());
+  CHECK(s.receiver.committed_version() == std::optional<std::uint64_t>{versions});
+}
+
+TEST_CASE("a staged receiver of two streamers prepares the group's version at the last END and applies it whole",
+          "[stage]") {
+  auto o = staged();
+  o.streamers = 2;
+  serving s(o);
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  const auto endpoints = s.receiver.endpoints();
+  refit::streamer s0([&] {
+    auto so = small_buffers(endpoints[0]);
+    so.group_rank = 0;
+    so.group_size = 2;
+    return so;
+  }());
+  refit::streamer s1([&] {
+    auto so = small_buffers(endpoints[1]);
+    so.group_rank = 1;
+    so.group_size = 2;
+    return so;
+  }());
+  // Rank 0 holds the first three tensors, rank 1 the others.
+  const rt::host_tensors v1(stage_model(), 1);
+  const std::vector<refit::tensor_ref> part0(v1.refs.begin(), v1.refs.begin() + 3);
+  const std::vector<refit::tensor_ref> part1(v1.refs.begin() + 3, v1.refs.end());
+  std::optional<rt::failure> f1;
+  std::thread rank1([&] { f1 = rt::failure_of([&] { s1.refit(1, part1); }); });
+  const auto f0 = rt::failure_of([&] { s0.refit(1, part0); });
+  rank1.join();
+  CHECK_FALSE(f0);
+  CHECK_FALSE(f1);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  CHECK(w.mismatch(0).empty());
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  CHECK(w.mismatch(1).empty());
+  CHECK(s.receiver.last_stats().tensors == stage_model().size());
+}
