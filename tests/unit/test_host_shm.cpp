@@ -652,7 +652,13 @@ TEST_CASE("a SIGBUS outside the streamer's memory still ends the process as it d
     copier->run(std::vector<refit::copy::op>{refit::copy::op(static_cast<std::byte*>(p) + 16, dest.data(), 16)},
                 nullptr);
   });
-  CHECK(victim.wait(30s) == -SIGBUS);
+  const int status = victim.wait(30s);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // The handler before the guard's is the sanitizer's: it reports the fault and exits (1).
+  CHECK(status == 1);
+#else
+  CHECK(status == -SIGBUS);
+#endif
 }
 
 TEST_CASE("a streamer SIGKILLed after its receiver mapped its buffers leaves nothing in /dev/shm",
