@@ -591,10 +591,23 @@ void expect_transport_error(F&& f, const std::string& needle) {
   throw std::runtime_error("no error; expected one saying: " + needle);
 }
 
+/// ThreadSanitizer intercepts the process's signal handling: a SIGBUS reaches neither the guard's
+/// handler nor its jump (lib/copy/bus_guard.hpp), so under it the guard cases check nothing and
+/// say so; the normal and the ASan+UBSan builds run them.
+bool signals_intercepted() {
+#if defined(__SANITIZE_THREAD__)
+  WARN("ThreadSanitizer owns SIGBUS here: the SIGBUS guard cases run in the other builds");
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TEST_CASE("a segment shrunk under the receiver fails the copy with errc::transport, and the receiver lives",
           "[host_shm][hostile]") {
+  if (signals_intercepted()) return;
   // In a child, so that a regression shows as its death by SIGBUS, not as the end of this run.
   refit::test::child receiver([] {
     const std::uint64_t bytes = 64u << 10;
@@ -635,6 +648,7 @@ TEST_CASE("a segment shrunk under the receiver fails the copy with errc::transpo
 }
 
 TEST_CASE("a SIGBUS outside the streamer's memory still ends the process as it did", "[host_shm][hostile]") {
+  if (signals_intercepted()) return;
   refit::test::child victim([] {
     const rlimit no_core{0, 0};
     ::setrlimit(RLIMIT_CORE, &no_core);
@@ -653,8 +667,8 @@ TEST_CASE("a SIGBUS outside the streamer's memory still ends the process as it d
                 nullptr);
   });
   const int status = victim.wait(30s);
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  // The handler before the guard's is the sanitizer's: it reports the fault and exits (1).
+#if defined(__SANITIZE_ADDRESS__)
+  // The handler before the guard's is AddressSanitizer's: it reports the fault and exits (1).
   CHECK(status == 1);
 #else
   CHECK(status == -SIGBUS);
