@@ -72,6 +72,7 @@ void streamer::impl::batch_writer::run_ops() {
   ops.clear();
   peer_ops.clear();
   streams.clear();
+  if (direct) direct_launched += direct_pending;
   direct_pending = 0;
   direct_checked = 0;
 }

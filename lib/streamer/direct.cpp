@@ -40,7 +40,8 @@ void streamer::impl::batch_writer::note_direct(std::uint64_t bytes) {
     direct_checked = direct_pending;
     // Copy engines (peer_engine) say nothing of their queue: their copies go with each piece of
     // the manifest, as with engine memcpy_batch.
-    if (!st.peer_engine() && st.copier->queue_short()) launch_direct();
+    const std::uint64_t floor = std::min(direct_launch_cap, std::max(direct_check_bytes, direct_launched / 4));
+    if (!st.peer_engine() && direct_pending >= floor && st.copier->queue_short()) launch_direct();
   }
 }
 

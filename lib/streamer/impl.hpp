@@ -165,6 +165,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
 
   /// Direct writes planned between two questions whether the device is idle (see send_tensors).
   static constexpr std::uint64_t direct_check_bytes = 16ull << 20;
+  static constexpr std::uint64_t direct_launch_cap = 256ull << 20;
   /// Entries of a direct session's manifest before a piece of it may be sent (see send_tensors):
   /// a receiver checks an entry in about a microsecond, cold, and a piece costs a round trip.
   static constexpr std::size_t direct_manifest_entries = 32;
@@ -223,8 +224,14 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     // before but the last (asked every direct_check_bytes, without waiting), so a fast source
     // still makes a few large launches (each ends in a partly idle wave of the copy kernel: 64 MiB
     // launches throughout cost llama3-8b 14% on an H100).
+    // A launch also waits until what it carries is at least a quarter of what this refit launched
+    // before (at most direct_launch_cap): launches grow as the refit goes on, instead of staying at
+    // the check's size when the device keeps up with the planning (qwen3-30b-a3b's 18,867 tensors
+    // then went in ~3,100 launches of ~20 MB, half the refit idle between them:
+    // bench/results/2026-11-28-h200-moe-direct-timeline.txt).
     std::uint64_t direct_pending = 0;
     std::uint64_t direct_checked = 0;
+    std::uint64_t direct_launched = 0;  ///< bytes of direct writes launched in this refit
     batch_writer(impl& s, std::uint64_t v, refit_stats& r);
     ~batch_writer();
     batch_writer(const batch_writer&) = delete;
