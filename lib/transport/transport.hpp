@@ -166,7 +166,7 @@ class source {
   virtual void disable_direct() noexcept {}
   /// True in a direct session whose every destination lies on another GPU than the streamer's (a
   /// receiver on a GPU of its own, reached over NVLink or PCIe): there the copy engines write at
-  /// the peer link's speed and the copy kernel does not (issue 14: 0.98 against 0.92 of
+  /// the peer link's speed and the copy kernel does not (0.98 against 0.92 of
   /// cudaMemcpyPeerAsync over NVLink), so the streamer's automatic engine sends such writes with
   /// them.
   [[nodiscard]] virtual bool peers_elsewhere() const noexcept { return false; }

@@ -1,4 +1,4 @@
-// GPU tests of conversion on the fly (issue 13): the CUDA engines' scale passes, converting copies
+// GPU tests of conversion on the fly: the CUDA engines' scale passes, converting copies
 // and fused block128 kernel bit for bit against the CPU engine and the independent reference
 // (support/convert_ref.hpp); end-to-end cuda_ipc refits, staged and direct, into fp8 block128
 // (dense and a TP column shard), fp8 per-tensor and bf16 destinations; two receivers asking one

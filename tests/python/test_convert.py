@@ -1,4 +1,4 @@
-"""Conversion on the fly (issue 13) through refit.Receiver / refit.Streamer over host_shm: f8_e4m3
+"""Conversion on the fly through refit.Receiver / refit.Streamer over host_shm: f8_e4m3
 destinations quantised per 128 x 128 block and per tensor, a bf16 destination of an f32 source,
 a tensor-parallel shard of a block-quantised weight, and the registration errors.
 

@@ -1,4 +1,4 @@
-"""Conversion on the fly on the GPU (issue 13; skipped without CUDA or without torch.float8_e4m3fn):
+"""Conversion on the fly on the GPU (skipped without CUDA or without torch.float8_e4m3fn):
 bf16/f32 sources into float8_e4m3fn destinations (block128, a TP column shard, per tensor) and a
 bf16 destination of an f32 source, over cuda_ipc (direct: the fused kernel; staged) and nccl
 (buffered and in place; the receiver on a second GPU, or on the streamer's where it is the only

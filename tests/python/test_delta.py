@@ -1,4 +1,4 @@
-"""Subset and delta versions over host_shm (issue 16): the trainer here, the receiver in a peer."""
+"""Subset and delta versions over host_shm: the trainer here, the receiver in a peer."""
 
 import pytest
 import torch

@@ -64,7 +64,7 @@ def test_a_shape_mismatch_raises_refit_error_apply_naming_the_tensor(served, bad
     assert_still_at_version_1(job, st)
 
 
-# float16 and bfloat16 sources of a float32 destination are cast on the way (issue 13: the
+# float16 and bfloat16 sources of a float32 destination are cast on the way (the
 # destination's dtype is a conversion request); dtypes refit does not convert still fail.
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32], ids=str)
 def test_a_dtype_mismatch_raises_refit_error_apply_naming_the_tensor(served, dtype):

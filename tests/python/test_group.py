@@ -1,5 +1,5 @@
 """Sharded trainers from Python: every trainer rank streams its refit.Shard of each tensor
-(FSDP's Shard(0) rows), and the receivers assemble and commit one version (issue 12).
+(FSDP's Shard(0) rows), and the receivers assemble and commit one version.
 
 The receiver serves on a thread and each rank's streamer runs on a thread of its own: refit
 releases the GIL while it waits and moves bytes."""

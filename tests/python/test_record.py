@@ -1,4 +1,4 @@
-"""refit.record: an engine's loader run once on metadata becomes a table of routes (issue 15).
+"""refit.record: an engine's loader run once on metadata becomes a table of routes.
 
 The engine is tests/python/engine_like.py (vLLM-style layers and load_weights). Each refit case
 registers a recorded table in one spawned receiver per rank and streams over host_shm; every rank's

@@ -1,4 +1,4 @@
-// Conversions (issue 13): the element functions and the CPU engine's converting copies bit for bit
+// Conversions: the element functions and the CPU engine's converting copies bit for bit
 // against the independent reference in support/convert_ref.hpp; the registration rules of
 // converting destinations; end-to-end host_shm refits into fp8 (block128, per tensor) and bf16
 // destinations, a TP shard of a block-quantised weight and a tensor chunked over several batches.

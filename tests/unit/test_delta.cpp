@@ -1,4 +1,4 @@
-// Subset and delta versions over host_shm (issue 16): the receiver is served on a thread of this
+// Subset and delta versions over host_shm: the receiver is served on a thread of this
 // process until the event a step waits for (joined before anything it wrote is read), the streamer
 // runs on the test's thread, or in a forked child where the test kills it.
 #include <fmt/format.h>

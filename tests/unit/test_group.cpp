@@ -1,4 +1,4 @@
-// Sharded trainers (issue 12): a group of streamers, one per trainer rank, each holding the
+// Sharded trainers: a group of streamers, one per trainer rank, each holding the
 // Shard(0) rows of every tensor, sends one version to the same receivers, which commit it only
 // when the shards of every rank cover every tensor exactly once.
 //

@@ -1,4 +1,4 @@
-// The life of a refit as the generation side sees it (issue 18): every refit that does not
+// The life of a refit as the generation side sees it: every refit that does not
 // commit is reported as `aborted` (superseded by a HELLO or BEGIN, given up by the streamer with
 // ABORT), the on_begin / on_commit / on_abort hooks fire once each and in order, the parameter
 // table may change between refits, and tensors without elements or dimensions follow one rule.
