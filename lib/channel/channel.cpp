@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <map>
 #include <set>
 #include <thread>
@@ -337,7 +338,6 @@ rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve, boo
     socket_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::router);
     socket_->set(zmq::sockopt::linger, 0);
     socket_->set(zmq::sockopt::maxmsgsize, max_message_bytes);
-    socket_->set(zmq::sockopt::sndtimeo, reply_send_timeout_ms);
     socket_->set(zmq::sockopt::rcvhwm, receiver_rcvhwm);
     socket_->set(zmq::sockopt::heartbeat_ivl, heartbeat_ivl_ms);
     socket_->set(zmq::sockopt::heartbeat_timeout, heartbeat_timeout_ms);
@@ -393,8 +393,7 @@ rep_channel::rep_channel(rep_channel&& other) noexcept
       lane_(std::move(other.lane_)),
       answer_lane_(std::move(other.answer_lane_)),
       lane_heard_(other.lane_heard_),
-      answer_to_(std::move(other.answer_to_)),
-      owed_(std::exchange(other.owed_, false)),
+      answer_to_(std::exchange(other.answer_to_, std::string())),
       lane_gone_(std::exchange(other.lane_gone_, false)),
       dropped_(other.dropped_) {
   other.endpoint_.clear();
@@ -412,8 +411,7 @@ rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
     lane_ = std::move(other.lane_);
     answer_lane_ = std::move(other.answer_lane_);
     lane_heard_ = other.lane_heard_;
-    answer_to_ = std::move(other.answer_to_);
-    owed_ = std::exchange(other.owed_, false);
+    answer_to_ = std::exchange(other.answer_to_, std::string());
     lane_gone_ = std::exchange(other.lane_gone_, false);
     dropped_ = other.dropped_;
     other.endpoint_.clear();
@@ -458,7 +456,6 @@ std::optional<std::string> rep_channel::take() {
     }
     answer_lane_ = lane_;
     answer_to_.clear();
-    owed_ = false;
     return msg;
   }
   try {
@@ -495,13 +492,12 @@ std::optional<std::string> rep_channel::take_from_socket() {
       }
     }
     if (good && body) {
-      answer_to_ = id.to_string();
-      owed_ = true;
+      answer_to_ = id.to_string();  // never empty: ZeroMQ gives every connection an id
       return body;
     }
     // Dropped whole and unanswered: a reply would reach no REQ, or the wrong one.
     ++dropped_;
-    if ((dropped_ & (dropped_ - 1)) == 0)  // 1, 2, 4, 8, ...: a flood does not flood the log
+    if (std::has_single_bit(dropped_))  // 1, 2, 4, 8, ...: a flood does not flood the log
       REFIT_WARN(
           "dropped a message of {} frame(s) on {} that is not a request (a REQ's is a delimiter and one "
           "body frame); {} dropped so far",
@@ -604,16 +600,16 @@ void rep_channel::reply(std::string_view bytes) {
     if (through == lane_) lane_.reset();  // a message left half-way: the lane cannot be used again
     return;
   }
-  if (!owed_) {
+  if (answer_to_.empty()) {
     REFIT_WARN("reply on {} without a request in hand; dropped", endpoint_);
     return;
   }
-  owed_ = false;
+  const std::string to = std::exchange(answer_to_, std::string());
   try {
     // To the connection the request came from: a ROUTER drops what it cannot route (the peer is
     // gone, or its queue is full) instead of blocking, and never sends it to another peer.
     const auto flags = zmq::send_flags::sndmore | zmq::send_flags::dontwait;
-    const bool sent = socket_->send(zmq::buffer(answer_to_.data(), answer_to_.size()), flags) &&
+    const bool sent = socket_->send(zmq::buffer(to.data(), to.size()), flags) &&
                       socket_->send(zmq::const_buffer(nullptr, 0), flags) &&
                       socket_->send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait);
     if (!sent) REFIT_WARN("reply on {} could not be queued (the streamer is gone?); dropped", endpoint_);

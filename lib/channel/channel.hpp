@@ -89,7 +89,7 @@ class rep_channel {
   /// True when the last request came through a lane and waits for its reply.
   [[nodiscard]] bool last_from_lane() const noexcept { return static_cast<bool>(answer_lane_); }
   /// The routing id of the connection the request in hand came through (ZeroMQ assigns one per
-  /// connection); "" when it came through the lane.
+  /// connection); "" when it came through the lane, or once it was answered.
   [[nodiscard]] const std::string& peer_id() const noexcept { return answer_to_; }
   /// True when a lane is attached and a request has come through it: its streamer moved there.
   [[nodiscard]] bool on_lane() const noexcept { return lane_ && lane_heard_; }
@@ -126,9 +126,9 @@ class rep_channel {
   /// replaced by attach_lane meanwhile); null when it came through the socket.
   std::shared_ptr<lane> answer_lane_;
   bool lane_heard_ = false;  ///< a message came through lane_ (its files are removed then)
-  /// The routing id of the request in hand (to reply to), "" when none or through the lane.
+  /// The routing id of the request in hand, owed a reply through the socket; "" when none (or it
+  /// came through the lane).
   std::string answer_to_;
-  bool owed_ = false;       ///< a request from the socket waits for its reply
   bool lane_gone_ = false;  ///< see lane_gone()
   std::uint64_t dropped_ = 0;
 };

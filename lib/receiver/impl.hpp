@@ -307,6 +307,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   receiver_event fail_refit(errc code, const std::string& message);
   std::optional<receiver_event> fail_if_deferred();
   void run_hooks() noexcept;
+  /// Runs `call` (one hook's invocation for `version`); what it throws is logged as hook `name`'s
+  /// and ignored.
+  static void guard_hook(const char* name, std::uint64_t version, const std::function<void()>& call) noexcept;
   std::optional<std::string> supersedes(const wire::message& m) const;
 
   // ---------------------------------------------------------------- apply.cpp
@@ -342,7 +345,6 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   void prepare(std::uint64_t version, double drain_seconds);
   std::optional<std::uint64_t> apply_prepared();
   void copy_stage(const prepared_state& p) const;
-  void run_hook(const std::function<void(std::uint64_t)>& hook, const char* name, std::uint64_t version) noexcept;
 
   // ---------------------------------------------------------------- group.cpp
   [[nodiscard]] bool must_wait(const wire::hello& h) const;

@@ -465,30 +465,34 @@ std::optional<receiver_event> receiver::impl::fail_if_deferred() {
   return fail_refit(r.code, r.message);
 }
 
-/// Runs on_commit / on_abort for the refits this serve_one() call ended. Exceptions are logged.
+/// Runs on_prepared / on_commit / on_abort for the refits this serve_one() call ended. Exceptions
+/// are logged.
 void receiver::impl::run_hooks() noexcept {
   std::vector<ending> ended;
   ended.swap(endings);
   for (const ending& e : ended) {
-    const char* name = e.prepared ? "on_prepared" : e.committed ? "on_commit" : "on_abort";
+    if (e.prepared) {
+      if (prepared_hook) guard_hook("on_prepared", e.version, [&] { prepared_hook(e.version); });
+    } else if (e.committed) {
+      if (commit_hook) guard_hook("on_commit", e.version, [&] { commit_hook(e.version); });
+    } else if (abort_hook) {
+      guard_hook("on_abort", e.version, [&] { abort_hook(e.version, e.reason); });
+    }
+  }
+}
+
+void receiver::impl::guard_hook(const char* name, std::uint64_t version, const std::function<void()>& call) noexcept {
+  try {
+    call();
+  } catch (const std::exception& ex) {
     try {
-      if (e.prepared) {
-        if (prepared_hook) prepared_hook(e.version);
-      } else if (e.committed && commit_hook) {
-        commit_hook(e.version);
-      } else if (!e.committed && abort_hook) {
-        abort_hook(e.version, e.reason);
-      }
-    } catch (const std::exception& ex) {
-      try {
-        REFIT_WARN("the {} hook threw for version {} (ignored): {}", name, e.version, ex.what());
-      } catch (...) {
-      }
+      REFIT_WARN("the {} hook threw for version {} (ignored): {}", name, version, ex.what());
     } catch (...) {
-      try {
-        REFIT_WARN("the {} hook threw a non-standard exception for version {} (ignored)", name, e.version);
-      } catch (...) {
-      }
+    }
+  } catch (...) {
+    try {
+      REFIT_WARN("the {} hook threw a non-standard exception for version {} (ignored)", name, version);
+    } catch (...) {
     }
   }
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 
 #include "receiver/impl.hpp"
 
@@ -135,7 +136,7 @@ receiver_event receiver::impl::handle(const std::string& bytes) {
   }
   if (const auto why = stranger(m, secret)) {
     ++strangers_refused;
-    if ((strangers_refused & (strangers_refused - 1)) == 0)
+    if (std::has_single_bit(strangers_refused))  // 1, 2, 4, ...: a flood does not flood the log
       REFIT_WARN("{} ({} refused so far)", *why, strangers_refused);
     answering = ln;
     ln->channel.reply(wire::encode(wire::error{errc::unauthorized, *why}));

@@ -188,39 +188,12 @@ std::optional<std::uint64_t> receiver::impl::apply_prepared() {
   if (dropped) {
     note_error(*dropped);
     REFIT_WARN("{}", *dropped);
-    if (dropped_hook) {
-      try {
-        dropped_hook(version, *dropped);
-      } catch (const std::exception& ex) {
-        REFIT_WARN("the on_abort hook threw for version {} (ignored): {}", version, ex.what());
-      } catch (...) {
-        REFIT_WARN("the on_abort hook threw a non-standard exception for version {} (ignored)", version);
-      }
-    }
+    if (dropped_hook) guard_hook("on_abort", version, [&] { dropped_hook(version, *dropped); });
     throw error(errc::apply, *dropped);
   }
   REFIT_INFO("applied version {} from the stage in {:.3f} ms", version, pause * 1e3);
-  run_hook(hook, "on_commit", version);
+  if (hook) guard_hook("on_commit", version, [&] { hook(version); });
   return version;
-}
-
-/// Runs `hook` for `version`; what it throws is logged and ignored.
-void receiver::impl::run_hook(const std::function<void(std::uint64_t)>& hook, const char* name,
-                              std::uint64_t version) noexcept {
-  if (!hook) return;
-  try {
-    hook(version);
-  } catch (const std::exception& ex) {
-    try {
-      REFIT_WARN("the {} hook threw for version {} (ignored): {}", name, version, ex.what());
-    } catch (...) {
-    }
-  } catch (...) {
-    try {
-      REFIT_WARN("the {} hook threw a non-standard exception for version {} (ignored)", name, version);
-    } catch (...) {
-    }
-  }
 }
 
 }  // namespace refit
