@@ -288,29 +288,9 @@ class py_receiver {
     retire();  // the callback replaces the table (empty here)
   }
 
-  void on_begin(py::object fn) {
-    begin_fn_ = std::move(fn);
-    if (begin_fn_.is_none()) {
-      rx().on_begin({});
-      return;
-    }
-    rx().on_begin([this](std::uint64_t version) {
-      py::gil_scoped_acquire gil;
-      call_hook(begin_fn_, "on_begin", version);
-    });
-  }
-
-  void on_commit(py::object fn) {
-    commit_fn_ = std::move(fn);
-    if (commit_fn_.is_none()) {
-      rx().on_commit({});
-      return;
-    }
-    rx().on_commit([this](std::uint64_t version) {
-      py::gil_scoped_acquire gil;
-      call_hook(commit_fn_, "on_commit", version);
-    });
-  }
+  void on_begin(py::object fn) { version_hook(begin_fn_, std::move(fn), "on_begin", &receiver::on_begin); }
+  void on_commit(py::object fn) { version_hook(commit_fn_, std::move(fn), "on_commit", &receiver::on_commit); }
+  void on_prepared(py::object fn) { version_hook(prepared_fn_, std::move(fn), "on_prepared", &receiver::on_prepared); }
 
   void on_abort(py::object fn) {
     abort_fn_ = std::move(fn);
@@ -324,15 +304,18 @@ class py_receiver {
     });
   }
 
-  void on_prepared(py::object fn) {
-    prepared_fn_ = std::move(fn);
-    if (prepared_fn_.is_none()) {
-      rx().on_prepared({});
+  /// Keeps `fn` in `slot` and makes it the receiver's hook `name` through `set` (None: no hook);
+  /// the hook takes the GIL to call it.
+  void version_hook(py::object& slot, py::object fn, const char* name,
+                    void (receiver::*set)(std::function<void(std::uint64_t)>)) {
+    slot = std::move(fn);
+    if (slot.is_none()) {
+      (rx().*set)({});
       return;
     }
-    rx().on_prepared([this](std::uint64_t version) {
+    (rx().*set)([this, &slot, name](std::uint64_t version) {
       py::gil_scoped_acquire gil;
-      call_hook(prepared_fn_, "on_prepared", version);
+      call_hook(slot, name, version);
     });
   }
 
