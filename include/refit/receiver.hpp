@@ -25,7 +25,10 @@ enum class stage_kind : std::uint8_t {
   /// engine keeps reading them), and END *prepares* the version; receiver::apply_prepared() copies
   /// the stage into the weights (one local copy) and commits. Host weights over host_shm for now.
   host,
-  /// A staging area on the engine's GPU: not built yet (refused with errc::invalid_argument).
+  /// Memory of the engine's GPU the receiver owns: the same as host, for a parameter table on one
+  /// GPU over the CUDA transports (cuda_ipc, whose direct writes then go through its buffers, and
+  /// nccl, whose dense entries are received straight into the stage); apply_prepared() is one launch
+  /// of the copy kernel, on the engine's stream when it gives one. Needs a build with CUDA.
   device,
 };
 REFIT_API std::string_view to_string(stage_kind k) noexcept;
@@ -76,13 +79,15 @@ struct receiver_options {
   /// REFIT_ALLOW_INSECURE=1 allows it too.
   bool allow_insecure_tcp = false;
   /// Stage each version instead of writing the weights as batches arrive (see stage_kind and
-  /// receiver::apply_prepared()). stage_kind::device is refused (errc::invalid_argument): not built
-  /// yet. With stage_kind::host the receiver takes whole versions and subsets into a parameter table
-  /// of host memory over host_shm; it refuses a callback sink (on_batch: errc::invalid_argument), a
-  /// session of another kind at BEGIN (errc::invalid_argument), and a delta at BEGIN
+  /// receiver::apply_prepared()). With stage_kind::host the receiver takes whole versions and subsets
+  /// into a parameter table of host memory over host_shm; with stage_kind::device into a parameter
+  /// table on one GPU over cuda_ipc and nccl (errc::invalid_argument in a build without CUDA). A
+  /// staged receiver offers its weights to no streamer (cuda_ipc direct and nccl in place go through
+  /// the buffers instead); it refuses a callback sink (on_batch: errc::invalid_argument), a session
+  /// of another kind or a table elsewhere at BEGIN (errc::invalid_argument), and a delta at BEGIN
   /// (errc::needs_whole: a delta streamer sends the version whole by itself, in the same refit()).
   stage_kind stage = stage_kind::none;
-  /// The most host memory the stage may take, 0: what the version needs. The stage holds a copy of
+  /// The most memory (host, or the GPU's for a device stage) the stage may take, 0: what the version needs. The stage holds a copy of
   /// every registered destination's bytes (from its first byte to its last, each rounded up to 64
   /// bytes): the parameter table's bytes, allocated at the first BEGIN after the table changed and
   /// kept. A BEGIN whose version needs more is refused before anything is written
@@ -317,7 +322,14 @@ class REFIT_API receiver {
   /// Throws errc::apply when the parameter table changed since the version was prepared (the stage was
   /// laid out from the old one): the version is dropped, nothing is written, and on_abort runs.
   /// Thread rules: see the class comment (any thread; the engine calls it between two of its steps).
-  std::optional<std::uint64_t> apply_prepared();
+  ///
+  /// A device stage (stage_kind::device) copies with one launch of refit's copy kernel. `stream` (a
+  /// cudaStream_t): the engine's stream, the copy enqueued on it behind the engine's work there and
+  /// ahead of its next step, without any host wait (the version is committed when this returns,
+  /// and the engine's work on `stream` sees it whole). Null: a stream of the receiver's own, and this
+  /// waits for the copy (call it once the engine's work reading the weights has finished). A host
+  /// stage ignores `stream`. A copy that fails on the device leaves the weights dirty (errc::cuda).
+  std::optional<std::uint64_t> apply_prepared(void* stream = nullptr);
   /// The version waiting in the stage for apply_prepared(); nullopt when none.
   [[nodiscard]] std::optional<std::uint64_t> prepared_version() const noexcept;
 

@@ -163,6 +163,20 @@ struct streamer_options {
   /// most half the reply timeout later), so that every receiver joins them in the same order.
   std::size_t group_rank = 0;
   std::size_t group_size = 1;
+  /// Engine-wide versions: a version reaches every receiver of this streamer (the TP/EP ranks of
+  /// one engine, or its replicas) or none. Each receiver answers END once the version is whole and
+  /// checked (*prepared*: in place, or in its stage), without committing; when every receiver has,
+  /// the streamer sends each of them COMMIT, and only then do they commit (in place: on_commit) or
+  /// report the version prepared to the engine (staged: on_prepared, then apply_prepared()). When
+  /// any receiver fails or stays silent before that, every other one is told (ABORT) and discards
+  /// the version: committed_version() unchanged everywhere, a staged receiver's weights untouched
+  /// (an in-place receiver's are dirty, as after any failed refit). A receiver that prepared and
+  /// then hears nothing (this process died) aborts at its idle timeout, at once when its control lane
+  /// closes. The one window left: this process dying between two receivers' COMMITs (microseconds
+  /// apart: they are sent before any reply is awaited) leaves those that heard it committed and the
+  /// others aborted; refit() throws naming them when it is alive to see it. Costs one more round
+  /// trip per refit (refit_stats::commit_seconds). Not with group_size > 1 (errc::invalid_argument).
+  bool atomic = false;
 };
 
 /// Figures of one refit.
@@ -192,6 +206,9 @@ struct refit_stats {
   std::uint64_t changed = 0;         ///< elements that differed from the base (delta)
   std::uint64_t base_bytes = 0;      ///< memory of the streamer's base (delta streamers)
   double diff_seconds = 0;           ///< comparing with (and updating) the base; part of pack_seconds
+  /// An engine-wide version (streamer_options::atomic): COMMIT's round trip, from every receiver
+  /// prepared to every receiver committed; part of `seconds`.
+  double commit_seconds = 0;
 };
 
 /// Yields the tensors of one refit one at a time, so that the caller can gather tensor k+1 while

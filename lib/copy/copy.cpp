@@ -266,6 +266,19 @@ std::uint64_t cuda_allocation_id(const void* /*p*/, int /*device*/) {
   throw error(errc::invalid_argument, "CUDA memory needs a build with CUDA, and this refit was built without it");
 }
 
+struct device_area::impl {};
+device_area::device_area(std::uint64_t bytes, int device) {
+  throw error(errc::invalid_argument,
+              fmt::format("a device stage of {} bytes on cuda:{} needs CUDA, and this refit was built without it",
+                          bytes, device));
+}
+device_area::~device_area() = default;
+std::byte* device_area::data() const noexcept { return nullptr; }
+std::uint64_t device_area::bytes() const noexcept { return 0; }
+int device_area::device() const noexcept { return 0; }
+void* device_area::stream() const noexcept { return nullptr; }
+void device_area::synchronize(milliseconds /*timeout*/) const {}
+
 void enable_peer_access(int device, int peer) {
   throw error(
       errc::invalid_argument,

@@ -183,6 +183,32 @@ std::optional<allocation> cuda_allocation_of(const void* p, int device);
 /// driver call where cuda_allocation_of makes two. Throws like it.
 std::uint64_t cuda_allocation_id(const void* p, int device);
 
+/// Device memory a receiver owns (its device stage), with a stream of its own on that device: the
+/// transports' copies write it, copier::run() on stream() copies out of it. Needs no CUDA header.
+class device_area {
+ public:
+  /// `bytes` bytes of memory of CUDA device `device`. Throws refit::error(errc::cuda) when they
+  /// cannot be allocated (naming the bytes and the driver's answer), (invalid_argument) in a build
+  /// without CUDA.
+  device_area(std::uint64_t bytes, int device);
+  ~device_area();
+  device_area(const device_area&) = delete;
+  device_area& operator=(const device_area&) = delete;
+
+  [[nodiscard]] std::byte* data() const noexcept;
+  [[nodiscard]] std::uint64_t bytes() const noexcept;
+  [[nodiscard]] int device() const noexcept;
+  /// A non-blocking stream of the device, for the copies out of the area.
+  [[nodiscard]] void* stream() const noexcept;
+  /// Waits until the work enqueued on stream() has finished, at most `timeout`: throws
+  /// refit::error(errc::timeout) past it, (cuda) when the work failed.
+  void synchronize(milliseconds timeout) const;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
 /// Position-dependent checksum of `bytes` bytes at `p`, identical on every device:
 ///   sum over 8-byte little-endian words w_k (k from 0) of w_k * (2k + 1), plus, for the tail
 ///   bytes b_j (j from 0) after the last whole word, b_j * (2j + 3) * 0x100000001b3, plus `bytes`;

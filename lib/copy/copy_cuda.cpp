@@ -452,4 +452,48 @@ void enable_peer_access(int device, int peer) {
   enabled.insert({device, peer});
 }
 
+struct device_area::impl {
+  int device = 0;
+  cuda::device_buffer memory;
+  cuda::stream stream;
+};
+
+device_area::device_area(std::uint64_t bytes, int device) : impl_(std::make_unique<impl>()) {
+  on_device here(device);
+  impl_->device = device;
+  void* p = nullptr;
+  const cudaError_t status = cudaMalloc(&p, bytes);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    std::size_t free = 0, total = 0;
+    (void)cudaMemGetInfo(&free, &total);
+    throw error(errc::cuda, fmt::format("cannot allocate a device stage of {} bytes on cuda:{} ({}; {} bytes free of "
+                                        "{})",
+                                        bytes, device, cudaGetErrorString(status), free, total));
+  }
+  impl_->memory = cuda::device_buffer::adopt(p, bytes);
+  impl_->stream = cuda::stream(cudaStreamNonBlocking);
+}
+
+device_area::~device_area() = default;
+std::byte* device_area::data() const noexcept { return static_cast<std::byte*>(impl_->memory.handle()); }
+std::uint64_t device_area::bytes() const noexcept { return impl_->memory.bytes(); }
+int device_area::device() const noexcept { return impl_->device; }
+void* device_area::stream() const noexcept { return impl_->stream.handle(); }
+
+void device_area::synchronize(milliseconds timeout) const {
+  device_guard here(impl_->device);
+  auto* s = static_cast<cudaStream_t>(impl_->stream.handle());
+  const auto until = deadline::after(timeout);
+  const bool done = poll_until(until, [&] {
+    const cudaError_t status = cudaStreamQuery(s);
+    if (status == cudaErrorNotReady) return false;
+    check_cuda(status, "the device stage's copies (cudaStreamQuery)");
+    return true;
+  });
+  if (!done)
+    throw error(errc::timeout, fmt::format("the device stage's copies on cuda:{} did not finish within {} ms",
+                                           impl_->device, timeout.count()));
+}
+
 }  // namespace refit::copy

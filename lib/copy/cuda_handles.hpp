@@ -52,8 +52,11 @@ class device_buffer : public detail::memory<detail::free_device> {
  public:
   device_buffer() noexcept = default;
   explicit device_buffer(std::uint64_t bytes) : memory(allocate(bytes), bytes) {}
+  /// Takes ownership of `p`, cudaMalloc'd by the caller (who worded its own failure).
+  static device_buffer adopt(void* p, std::uint64_t bytes) noexcept { return device_buffer(p, bytes); }
 
  private:
+  device_buffer(void* p, std::uint64_t bytes) noexcept : memory(p, bytes) {}
   static void* allocate(std::uint64_t bytes) {
     void* p = nullptr;
     check_cuda(cudaMalloc(&p, bytes), fmt::format("cudaMalloc({} bytes)", bytes));

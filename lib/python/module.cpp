@@ -320,12 +320,12 @@ class py_receiver {
   }
 
   /// The copy of the stage into the weights runs without the GIL (on_commit takes it back).
-  std::optional<std::uint64_t> apply_prepared() {
+  std::optional<std::uint64_t> apply_prepared(std::uintptr_t stream) {
     receiver& r = rx();
     std::optional<std::uint64_t> v;
     {
       py::gil_scoped_release nogil;
-      v = r.apply_prepared();
+      v = r.apply_prepared(reinterpret_cast<void*>(stream));
     }
     if (v) {
       retired_.clear();  // committed: nothing writes a tensor removed from the table any more
@@ -719,8 +719,9 @@ streamer_options streamer_options_from(std::string endpoint, const std::string& 
                                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                                        std::uint64_t delta_max_bytes, std::size_t delta_threads,
                                        std::uint64_t delta_batch_bytes, std::size_t group_rank, std::size_t group_size,
-                                       bool share_tensors, bool control_lane, bool nccl_twin) {
+                                       bool share_tensors, bool control_lane, bool nccl_twin, bool atomic) {
   streamer_options o;
+  o.atomic = atomic;
   o.share_tensors = share_tensors;
   o.control_lane = control_lane;
   o.nccl_twin = nccl_twin;
@@ -886,6 +887,9 @@ PYBIND11_MODULE(_refit, m) {
       .def_readonly("changed", &refit_stats::changed, "elements that differed from the base (delta)")
       .def_readonly("base_bytes", &refit_stats::base_bytes, "memory of the streamer's base")
       .def_readonly("diff_seconds", &refit_stats::diff_seconds, "comparing with and updating the base")
+      .def_readonly("commit_seconds", &refit_stats::commit_seconds,
+                    "an engine-wide version (atomic=True): COMMIT's round trip, every receiver prepared to every "
+                    "receiver committed")
       .def("__repr__", [](const refit_stats& s) { return stats_repr("RefitStats", s); });
 
   py::class_<receiver_stats>(m, "ReceiverStats", "Figures of the last refit a receiver committed.")
@@ -938,7 +942,7 @@ PYBIND11_MODULE(_refit, m) {
       .def("_on_commit", &py_receiver::on_commit, py::arg("fn"))
       .def("_on_abort", &py_receiver::on_abort, py::arg("fn"))
       .def("_on_prepared", &py_receiver::on_prepared, py::arg("fn"))
-      .def("_apply_prepared", &py_receiver::apply_prepared)
+      .def("_apply_prepared", &py_receiver::apply_prepared, py::arg("stream") = std::uintptr_t{0})
       .def_property_readonly("prepared_version", &py_receiver::prepared_version)
       .def_property_readonly("stage", &py_receiver::stage)
       .def("serve_one", &py_receiver::serve_one, py::arg("timeout") = 0.1)
@@ -958,13 +962,13 @@ PYBIND11_MODULE(_refit, m) {
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::uint64_t delta_batch_bytes,
                        std::size_t group_rank, std::size_t group_size, bool share_tensors, bool control_lane,
-                       bool nccl_twin) {
+                       bool nccl_twin, bool atomic) {
              return std::make_unique<py_streamer>(
                  streamer_options_from(std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers,
                                        direct, timeout, std::move(token), device, curve, alignment, keep_whole, engine,
                                        layout, delta, delta_memory_name, delta_max_bytes, delta_threads,
                                        delta_batch_bytes, group_rank, group_size, share_tensors, control_lane,
-                                       nccl_twin),
+                                       nccl_twin, atomic),
                  transport == "auto");
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "auto", py::arg("receivers") = py::none(),
@@ -975,7 +979,7 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30,
            py::arg("delta_threads") = 0, py::arg("delta_batch_bytes") = 0, py::arg("group_rank") = 0,
            py::arg("group_size") = 1, py::arg("share_tensors") = true, py::arg("control_lane") = true,
-           py::arg("nccl_twin") = false)
+           py::arg("nccl_twin") = false, py::arg("atomic") = false)
       .def_property_readonly("transport", &py_streamer::transport,
                              "the transport in use: the one given, or the one transport='auto' chose at the first "
                              "refit (None before it)")

@@ -147,6 +147,11 @@ std::string receiver::impl::late_reason(const lane& l) const {
   if (l.refit_active())
     return fmt::format("no message from the streamer {} for {} ms during version {}", who(l),
                        options.idle_timeout.count(), *group_version);
+  if (l.awaits_commit)
+    return fmt::format(
+        "version {} was prepared engine-wide and the streamer {} sent no COMMIT (nor ABORT) within "
+        "receiver_options.idle_timeout ({} ms) and its reply timeout ({} ms): the version was discarded",
+        *group_version, who(l), options.idle_timeout.count(), l.reply_timeout.count());
   if (!l.held)
     return fmt::format("the streamer {} did not begin version {} within {} ms of the group's first BEGIN", who(l),
                        *group_version, options.idle_timeout.count());

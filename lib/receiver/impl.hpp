@@ -24,7 +24,8 @@
 // The parts, one concern each (every function is a member of receiver::impl, declared below):
 //   table.cpp    the parameter table (table.hpp), the conversions it asks for, memory_gone()
 //   session.cpp  lanes, HELLO, ownership (stranger(), from_owner()), replies, end_session()
-//   refit.cpp    BEGIN, BATCH, END and ABORT of a version, its commit and its abort
+//   refit.cpp    BEGIN, BATCH, END and ABORT of a version, its commit and its abort; an engine-wide
+//                version's END held for COMMIT
 //   apply.cpp    a batch's entries checked against the table, copied, or handed to the callback
 //   delta.cpp    subset and delta versions: the base (no_base_for()), patches, the checksum
 //   group.cpp    a group of streamers: joining a version, held ENDs, the shards, deadlines' reasons
@@ -117,6 +118,15 @@ struct prepared_state {
   std::vector<slot*> slots;      ///< the destinations it wrote into the stage
 };
 
+/// An engine-wide version (end::hold) whose END checked out here: what its commit needs, kept until
+/// the streamer's COMMIT (or its abort).
+struct voted_version {
+  std::uint64_t version = 0;
+  receiver_stats figures;
+  std::optional<std::uint64_t> checksum;  ///< END's version checksum
+  double drain_seconds = 0;
+};
+
 /// One streamer's session with the receiver: its channel, the transport's sink of its buffers, and
 /// the state of its part of the refit in progress. A receiver has one lane per streamer of a group
 /// (receiver_options::streamers; one for a streamer alone), each bound at its own endpoint.
@@ -156,6 +166,9 @@ struct lane {
   /// alone). Kept across sessions; dropped once heard, or at a BEGIN of another version.
   std::optional<std::pair<std::uint64_t, refusal>> failed;
   bool took_part = false;  ///< scratch of abort_refit(): the lane was in the refit it ends
+  /// Its END of an engine-wide version (end::hold) was checked and answered: the version waits for
+  /// the streamer's COMMIT (receiver::impl::voted).
+  bool awaits_commit = false;
 #if REFIT_HAVE_CUDA
   std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
 #endif
@@ -172,7 +185,7 @@ struct lane {
   /// This lane's part of a refit is in progress: begun, not ended.
   [[nodiscard]] bool refit_active() const noexcept { return tracker && tracker->active(); }
   /// This lane takes part in the refit in progress: begun, and not answered at its END yet.
-  [[nodiscard]] bool in_refit() const noexcept { return refit_active() || held.has_value(); }
+  [[nodiscard]] bool in_refit() const noexcept { return refit_active() || held.has_value() || awaits_commit; }
 };
 
 }  // namespace receiver_detail
@@ -230,6 +243,10 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::string poison_note;    ///< what last_error() says once abort_refit() poisoned the receiver
   std::string poison_reason;  ///< why the receiver is poisoned (for the refusals that follow)
 
+  /// The engine-wide version prepared here and waiting for COMMIT, if any (a streamer alone: see
+  /// on_commit()).
+  std::optional<voted_version> voted;
+
   /// Requests refused because they came from a peer that does not own the session (stranger()).
   std::uint64_t strangers_refused = 0;
 
@@ -238,13 +255,15 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   // one is; `stage_mutex` orders the two (BEGIN, the registration functions and the hooks' setters
   // take it too).
   std::mutex stage_mutex;
-  std::unique_ptr<std::byte[]> stage;
-  std::uint64_t stage_capacity = 0;               ///< bytes allocated at `stage`
-  std::uint64_t stage_need = 0;                   ///< bytes the table laid out at stage_generation needs
-  std::optional<std::uint64_t> stage_generation;  ///< sink_generation the slots' stage_at were laid out from
-  std::uint64_t stage_serial = 0;                 ///< counts staged refits (slot::staged_in)
-  std::vector<slot*> staged_slots;                ///< the destinations the refit in progress wrote into the stage
-  std::optional<prepared_state> ready;            ///< the version prepared, under stage_mutex
+  std::unique_ptr<std::byte[]> stage;               ///< stage_kind::host
+  std::unique_ptr<copy::device_area> device_stage;  ///< stage_kind::device
+  std::unique_ptr<copy::copier> stage_copier;       ///< the device stage's copies into the weights
+  std::uint64_t stage_capacity = 0;                 ///< bytes allocated at `stage`
+  std::uint64_t stage_need = 0;                     ///< bytes the table laid out at stage_generation needs
+  std::optional<std::uint64_t> stage_generation;    ///< sink_generation the slots' stage_at were laid out from
+  std::uint64_t stage_serial = 0;                   ///< counts staged refits (slot::staged_in)
+  std::vector<slot*> staged_slots;                  ///< the destinations the refit in progress wrote into the stage
+  std::optional<prepared_state> ready;              ///< the version prepared, under stage_mutex
   std::atomic<bool> has_prepared{false};
   std::atomic<std::uint64_t> prepared_number{0};
 
@@ -301,7 +320,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   void make_live(std::uint64_t version, const receiver_stats& figures, bool subset, bool delta,
                  std::optional<std::uint64_t> checksum, std::uint64_t generation);
   void answer_ends();
-  void commit(std::uint64_t version, double drain_seconds);
+  void commit(std::uint64_t version, const receiver_stats& figures, std::optional<std::uint64_t> checksum);
+  receiver_event hold_for_commit(std::uint64_t version, double drain_seconds);
+  receiver_event on_commit(const wire::commit& c);
   receiver_event on_abort(const wire::abort& a);
   void abort_refit(const std::string& why, errc code = errc::apply) noexcept;
   receiver_event fail_refit(errc code, const std::string& message);
@@ -340,11 +361,14 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   [[nodiscard]] bool staged() const noexcept { return options.stage != stage_kind::none; }
   std::optional<receiver_event> check_stage(const wire::begin& b);
   std::optional<std::string> stage_refusal(const wire::begin& b);
+  std::optional<std::string> stage_misfit(std::uint64_t version) const;
+  std::optional<std::string> allocate_stage(std::uint64_t version);
+  [[nodiscard]] std::byte* stage_base() const noexcept;
   void lay_out_stage();
   std::byte* stage_for(slot& sl);
-  void prepare(std::uint64_t version, double drain_seconds);
-  std::optional<std::uint64_t> apply_prepared();
-  void copy_stage(const prepared_state& p) const;
+  void prepare(std::uint64_t version, const receiver_stats& figures, std::optional<std::uint64_t> checksum);
+  std::optional<std::uint64_t> apply_prepared(void* stream);
+  void copy_stage(const prepared_state& p, void* stream);
 
   // ---------------------------------------------------------------- group.cpp
   [[nodiscard]] bool must_wait(const wire::hello& h) const;

@@ -85,7 +85,7 @@ void receiver::on_abort(std::function<void(std::uint64_t version, const std::str
 
 void receiver::on_prepared(std::function<void(std::uint64_t version)> hook) { impl_->prepared_hook = std::move(hook); }
 
-std::optional<std::uint64_t> receiver::apply_prepared() { return impl_->apply_prepared(); }
+std::optional<std::uint64_t> receiver::apply_prepared(void* stream) { return impl_->apply_prepared(stream); }
 
 std::optional<std::uint64_t> receiver::prepared_version() const noexcept {
   if (!impl_->has_prepared.load(std::memory_order_acquire)) return std::nullopt;

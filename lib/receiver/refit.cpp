@@ -229,6 +229,12 @@ receiver_event receiver::impl::on_end(const wire::end& e) {
   } catch (const error& ex) {
     return fail_refit(ex.code(), ex.what());
   }
+  if (e.hold && grouped())
+    return fail_refit(errc::protocol,
+                      fmt::format("END of engine-wide version {} from {}: a group of streamers sends versions that "
+                                  "every receiver commits at its last END, not engine-wide ones (streamer_options::"
+                                  "atomic with group_size > 1); nothing was committed",
+                                  e.version, who(*ln)));
   // Answered when the version ends: now for a streamer alone, at the last END of a group.
   ln->held = e;
   ln->held_since = clock::now();
@@ -264,11 +270,57 @@ receiver_event receiver::impl::finish_refit() {
   } catch (const error& ex) {
     return fail_refit(ex.code(), ex.what());
   }
+  if (ln->held->hold) return hold_for_commit(version, drain_seconds);
+  const receiver_stats figures = figures_of(version, drain_seconds);
+  const std::optional<std::uint64_t> checksum = lanes.front().held->checksum;
   if (staged()) {
-    prepare(version, drain_seconds);
+    prepare(version, figures, checksum);
+    answer_ends();
     return receiver_event::prepared;
   }
-  commit(version, drain_seconds);
+  commit(version, figures, checksum);
+  answer_ends();
+  return receiver_event::committed;
+}
+
+/// An engine-wide version's END checked out (finish_refit()): its streamer hears OK (prepared) and
+/// the version waits, neither committed nor prepared for the engine, for the streamer's COMMIT,
+/// which it sends once every receiver has prepared it. ABORT, a new session or version, the
+/// streamer gone or the idle timeout end it as any refit in progress (abort_refit()).
+receiver_event receiver::impl::hold_for_commit(std::uint64_t version, double drain_seconds) {
+  voted = voted_version{version, figures_of(version, drain_seconds), lanes.front().held->checksum, drain_seconds};
+  ln->awaits_commit = true;
+  REFIT_DEBUG("engine-wide version {} from {} prepared: waiting for COMMIT", version, who(*ln));
+  answer_ends();
+  return receiver_event::ended;
+}
+
+/// COMMIT: every receiver of the streamer prepared the engine-wide version held here; it commits
+/// (in place) or waits in the stage for apply_prepared() (staged).
+receiver_event receiver::impl::on_commit(const wire::commit& c) {
+  if (!ln->awaits_commit || !voted || voted->version != c.version) {
+    if (committed_version() == c.version) {  // a COMMIT said twice (a streamer's retry): done already
+      reply_ok();
+      return receiver_event::refused;
+    }
+    reply_error(
+        errc::protocol,
+        voted ? fmt::format("COMMIT of version {}: version {} is the one prepared here", c.version, voted->version)
+              : fmt::format("COMMIT of version {} without it prepared here (no END of an engine-wide "
+                            "version, or it was aborted: see the receiver's log)",
+                            c.version));
+    return receiver_event::refused;
+  }
+  const voted_version v = *voted;
+  voted.reset();
+  ln->awaits_commit = false;
+  if (staged()) {
+    prepare(v.version, v.figures, v.checksum);
+    reply_ok();
+    return receiver_event::prepared;
+  }
+  commit(v.version, v.figures, v.checksum);
+  reply_ok();
   return receiver_event::committed;
 }
 
@@ -331,17 +383,16 @@ void receiver::impl::make_live(std::uint64_t version, const receiver_stats& figu
   stats_ = figures;
 }
 
-/// Commits version `version` (checked: finish_refit()), records its figures and what it is a base
-/// for, and answers every lane's END.
-void receiver::impl::commit(std::uint64_t version, double drain_seconds) {
-  const receiver_stats figures = figures_of(version, drain_seconds);
-  make_live(version, figures, refit_subset, refit_delta, lanes.front().held->checksum, sink_generation);
+/// Commits version `version` (checked: finish_refit()) and records its figures and what it is a
+/// base for; the caller answers (every lane's END, or the COMMIT).
+void receiver::impl::commit(std::uint64_t version, const receiver_stats& figures,
+                            std::optional<std::uint64_t> checksum) {
+  make_live(version, figures, refit_subset, refit_delta, checksum, sink_generation);
   group_version.reset();
   REFIT_INFO("committed version {} from {}: {} tensors, {:.3f} GB", version,
              grouped() ? fmt::format("{} streamers", lanes.size()) : who(*ln), figures.tensors,
              static_cast<double>(figures.bytes) / 1e9);
   endings.push_back(ending{version, true, {}});
-  answer_ends();
 }
 
 /// Answers every lane's held END with OK and ends the lanes' parts of the version.
@@ -364,7 +415,8 @@ void receiver::impl::answer_ends() {
 /// The streamer gave up the refit on its side (ABORT).
 receiver_event receiver::impl::on_abort(const wire::abort& a) {
   if (ln->failed && ln->failed->first == a.version) ln->failed.reset();  // it knows: it gave up itself
-  if (!refit_active() || ln->tracker->version() != a.version) {
+  const bool held_here = ln->awaits_commit && voted && voted->version == a.version;
+  if (!held_here && (!refit_active() || ln->tracker->version() != a.version)) {
     // Nothing to abort: the refit already ended here (refused, timed out, superseded) or never
     // began. The streamer only wants to know that it need not wait.
     REFIT_INFO("ABORT of version {} from {} ignored: {}", a.version, ln->peer.empty() ? "a streamer" : ln->peer,
@@ -393,8 +445,10 @@ void receiver::impl::abort_refit(const std::string& why, errc code) noexcept {
   // for another lane's receive from a streamer rank that died too (a trainer whose ranks all died
   // mid-refit).
   std::vector<std::function<void()>> aborts;
+  voted.reset();
   for (lane& l : lanes) {
     l.took_part = l.in_refit();
+    l.awaits_commit = false;
     if (l.tracker) l.tracker->reset();
     if (l.sink) l.sink->end_sources();
     l.deferred.reset();
@@ -500,6 +554,20 @@ void receiver::impl::guard_hook(const char* name, std::uint64_t version, const s
 /// Why `m` ends the refit in progress before it is handled (a new session or a new refit), or
 /// nullopt. A HELLO with the wrong token does not: it is refused without touching the session.
 std::optional<std::string> receiver::impl::supersedes(const wire::message& m) const {
+  if (ln->awaits_commit && voted) {
+    const std::uint64_t v = voted->version;
+    if (const auto* b = std::get_if<wire::begin>(&m))
+      return fmt::format("BEGIN of version {} arrived before COMMIT of engine-wide version {}", b->version, v);
+    if (const auto* h = std::get_if<wire::hello>(&m); h != nullptr && same_token(h->token, token))
+      return fmt::format(
+          "a new session (HELLO from {}) replaced the session with {} before COMMIT of engine-wide "
+          "version {}",
+          h->peer.empty() ? "an unnamed peer" : h->peer, who(*ln), v);
+    if (std::holds_alternative<wire::bye>(m))
+      return fmt::format("the streamer {} ended the session (BYE) before COMMIT of engine-wide version {}", who(*ln),
+                         v);
+    return std::nullopt;
+  }
   if (!refit_active()) return std::nullopt;
   if (const auto* b = std::get_if<wire::begin>(&m))
     return fmt::format("BEGIN of version {} arrived before END of version {}", b->version, ln->tracker->version());

@@ -60,14 +60,18 @@ std::optional<receiver_event> receiver::impl::enforce_deadlines(milliseconds& wa
   // ended its part must say something within the idle timeout (one that has not begun it yet,
   // within the idle timeout of the version's first BEGIN).
   // A lane whose END is held is answered within three quarters of its streamer's reply timeout.
+  // An engine-wide version prepared here waits for COMMIT the idle timeout *and* the streamer's
+  // reply timeout: the streamer may wait that long for another receiver's END before it sends
+  // COMMIT (or ABORT), and a receiver that gave up first would miss a COMMIT the others obey.
   const auto now = clock::now();
   lane* late = nullptr;
   clock::time_point deadline{};
   for (lane& l : lanes) {
     if (l.held && l.reply_timeout.count() == 0) continue;
-    const auto due =
-        l.held ? l.held_since + l.reply_timeout * 3 / 4
-               : (l.refit_active() ? l.last_message : std::max(l.last_message, refit_start)) + options.idle_timeout;
+    const auto due = l.held            ? l.held_since + l.reply_timeout * 3 / 4
+                     : l.awaits_commit ? l.last_message + options.idle_timeout + l.reply_timeout
+                                       : (l.refit_active() ? l.last_message : std::max(l.last_message, refit_start)) +
+                                             options.idle_timeout;
     if (late == nullptr || due < deadline) late = &l, deadline = due;
   }
   if (late != nullptr && now >= deadline) {
@@ -190,6 +194,8 @@ receiver_event receiver::impl::dispatch(const wire::message& m) {
           return receiver_event::bye;
         } else if constexpr (std::is_same_v<T, wire::abort>) {
           return on_abort(msg);
+        } else if constexpr (std::is_same_v<T, wire::commit>) {
+          return on_commit(msg);
         } else {
           reply_error(errc::protocol, fmt::format("{} is a reply, not a request", wire::to_string(wire::type_of(m))));
           return receiver_event::refused;

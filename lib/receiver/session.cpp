@@ -39,12 +39,11 @@ receiver::impl::impl(receiver_options o)
                 fmt::format("receiver_options.delta_threads is {}: a host delta is applied on at most {} threads "
                             "(0: min(hardware threads, 8))",
                             options.delta_threads, delta::max_threads));
-  if (options.stage == stage_kind::device)
+  if (options.stage == stage_kind::device && !REFIT_HAVE_CUDA)
     throw error(errc::invalid_argument,
-                fmt::format("receiver_options.stage = device: a staging area on the GPU is not built yet{}; use "
-                            "stage = host (host weights over host_shm) or none",
-                            REFIT_HAVE_CUDA ? "" : " (and this build has no CUDA)"));
-  if (options.stage != stage_kind::none && options.stage != stage_kind::host)
+                "receiver_options.stage = device: a staging area on the GPU needs CUDA, and this refit was built "
+                "without it; use stage = host (host weights over host_shm) or none");
+  if (options.stage != stage_kind::none && options.stage != stage_kind::host && options.stage != stage_kind::device)
     throw error(errc::invalid_argument,
                 fmt::format("receiver_options.stage has an unknown value ({})", static_cast<unsigned>(options.stage)));
   lanes.reserve(options.streamers);
@@ -241,6 +240,13 @@ void receiver::impl::open_session(const wire::hello& h) {
 /// How the session's bytes land: written by the streamer straight into the table (direct),
 /// received straight into it (in place), or staged in the buffers (neither).
 void receiver::impl::offer_placement(const wire::hello& h, wire::ok& reply) {
+  // A staged receiver's weights are written by apply_prepared() alone: it offers them to no
+  // streamer, whose batches then come through the buffers into the stage (cuda_ipc direct and nccl
+  // in place fall back to that by themselves).
+  if (staged()) {
+    ln->direct = ln->in_place = ln->parts = false;
+    return;
+  }
   std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place
   if (!callback) {
     dests.reserve(table.size());

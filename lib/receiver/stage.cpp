@@ -64,14 +64,7 @@ std::optional<receiver_event> receiver::impl::check_stage(const wire::begin& b) 
 std::optional<std::string> receiver::impl::stage_refusal(const wire::begin& b) {
   if (callback)  // on_batch refuses a staged receiver; kept for a callback set before a bug
     return fmt::format("version {}: a staged receiver applies into a parameter table, not a callback", b.version);
-  if (ln->sink->where().kind != device_kind::cpu || ln->direct || ln->in_place || ln->parts)
-    return fmt::format(
-        "version {}: receiver_options::stage = host takes sessions that bring host bytes through buffers "
-        "(host_shm), not this {} session{}; use stage = none for it",
-        b.version, ln->sink->name(),
-        ln->direct     ? " (direct writes)"
-        : ln->in_place ? " (in place)"
-                       : "");
+  if (auto misfit = stage_misfit(b.version)) return misfit;
   if (stage_generation != sink_generation) lay_out_stage();
   if (options.stage_bytes != 0 && stage_need > options.stage_bytes)
     return fmt::format(
@@ -79,18 +72,69 @@ std::optional<std::string> receiver::impl::stage_refusal(const wire::begin& b) {
         "receiver_options::stage_bytes ({} bytes); nothing was written: raise stage_bytes (0: what the "
         "version needs) or register fewer parameters",
         b.version, stage_need, table.size(), options.stage_bytes);
-  if (stage_capacity < stage_need) {
-    stage.reset();
-    stage_capacity = 0;
-    try {
-      stage = std::make_unique_for_overwrite<std::byte[]>(stage_need);
-    } catch (const std::bad_alloc&) {
-      return fmt::format("version {}: the stage of {} bytes could not be allocated (out of host memory)", b.version,
-                         stage_need);
-    }
-    stage_capacity = stage_need;
-  }
+  return allocate_stage(b.version);
+}
+
+/// Why this session cannot bring version `version` into the stage, or nullopt: a host stage takes
+/// host bytes through buffers (host_shm), a device stage CUDA bytes through buffers (cuda_ipc
+/// staged, nccl), into a table all on one GPU.
+std::optional<std::string> receiver::impl::stage_misfit(std::uint64_t version) const {
+  const device_kind want = options.stage == stage_kind::device ? device_kind::cuda : device_kind::cpu;
+  const device where = ln->sink->where();
+  if (where.kind != want || ln->direct || ln->in_place || ln->parts)
+    return fmt::format(
+        "version {}: receiver_options::stage = {} takes sessions that bring {} bytes through buffers ({}), not "
+        "this {} session{}; use stage = {} for it",
+        version, to_string(options.stage), want == device_kind::cuda ? "CUDA" : "host",
+        want == device_kind::cuda ? "cuda_ipc, nccl" : "host_shm", ln->sink->name(),
+        ln->direct     ? " (direct writes)"
+        : ln->in_place ? " (in place)"
+                       : "",
+        want == device_kind::cuda ? "host or none" : "device or none");
+  for (const auto& [name, slots] : table)
+    for (const slot& sl : slots)
+      if (sl.dest.dev.kind != want || (want == device_kind::cuda && sl.dest.dev.index != where.index))
+        return fmt::format(
+            "version {}: the stage is on {}, but tensor '{}' is registered on {}: a {} stage takes a "
+            "parameter table all there",
+            version, want == device_kind::cuda ? fmt::format("cuda:{}", where.index) : "the host", printable(name),
+            sl.dest.dev.kind == device_kind::cuda ? fmt::format("cuda:{}", sl.dest.dev.index) : "the host",
+            to_string(options.stage));
   return std::nullopt;
+}
+
+/// Makes the stage hold at least stage_need bytes (kept, grown when the table grows); why not, or
+/// nullopt.
+std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version) {
+  if (options.stage == stage_kind::device) {
+    const int dev = ln->sink->where().index;
+    if (device_stage && device_stage->bytes() >= stage_need && device_stage->device() == dev) return std::nullopt;
+    device_stage.reset();
+    try {
+      device_stage = std::make_unique<copy::device_area>(std::max<std::uint64_t>(stage_need, 1), dev);
+      if (!stage_copier) stage_copier = copy::make_copier(copy::engine::kernel, dev, options.idle_timeout);
+    } catch (const error& e) {
+      device_stage.reset();
+      return fmt::format("version {}: {}; nothing was written", version, e.what());
+    }
+    return std::nullopt;
+  }
+  if (stage_capacity >= stage_need) return std::nullopt;
+  stage.reset();
+  stage_capacity = 0;
+  try {
+    stage = std::make_unique_for_overwrite<std::byte[]>(stage_need);
+  } catch (const std::bad_alloc&) {
+    return fmt::format("version {}: the stage of {} bytes could not be allocated (out of host memory)", version,
+                       stage_need);
+  }
+  stage_capacity = stage_need;
+  return std::nullopt;
+}
+
+/// The stage's first byte: host memory, or the device stage's.
+std::byte* receiver::impl::stage_base() const noexcept {
+  return options.stage == stage_kind::device ? (device_stage ? device_stage->data() : nullptr) : stage.get();
 }
 
 /// Gives every destination of the table its place in the stage (slot::stage_at): its bytes from
@@ -114,17 +158,19 @@ std::byte* receiver::impl::stage_for(slot& sl) {
     sl.staged_in = stage_serial;
     staged_slots.push_back(&sl);
   }
-  return stage.get() + sl.stage_at;
+  return stage_base() + sl.stage_at;
 }
 
-/// Every lane's END checked out (finish_refit()): the version waits in the stage for
-/// apply_prepared(); every lane's END hears OK, and on_prepared runs before serve_one() returns.
-void receiver::impl::prepare(std::uint64_t version, double drain_seconds) {
+/// Every lane's END checked out (finish_refit()), or an engine-wide version's COMMIT came
+/// (on_commit()): the version waits in the stage for apply_prepared(); on_prepared runs before
+/// serve_one() returns. The caller answers.
+void receiver::impl::prepare(std::uint64_t version, const receiver_stats& figures,
+                             std::optional<std::uint64_t> checksum) {
   prepared_state p;
   p.version = version;
   p.subset = refit_subset;
-  p.checksum = lanes.front().held->checksum;
-  p.figures = figures_of(version, drain_seconds);
+  p.checksum = checksum;
+  p.figures = figures;
   p.generation = sink_generation;
   p.slots.swap(staged_slots);
   const std::uint64_t tensors = p.figures.tensors;
@@ -139,14 +185,31 @@ void receiver::impl::prepare(std::uint64_t version, double drain_seconds) {
   REFIT_INFO("prepared version {} from {}: {} tensors, {:.3f} GB in the stage; the weights wait for apply_prepared()",
              version, grouped() ? fmt::format("{} streamers", lanes.size()) : who(*ln), tensors, gb);
   endings.push_back(ending{version, false, {}, true});
-  answer_ends();
 }
 
 /// Copies each destination the prepared version wrote from the stage into the weights: its
-/// footprint's rows only.
-void receiver::impl::copy_stage(const prepared_state& p) const {
+/// footprint's rows only. A device stage: one launch of the copy kernel, on `stream` (the engine's)
+/// without waiting, or on the stage's own stream and waited for.
+void receiver::impl::copy_stage(const prepared_state& p, void* stream) {
+  const std::byte* base = stage_base();
+  if (options.stage == stage_kind::device) {
+    std::vector<copy::op> ops;
+    for (const slot* sl : p.slots) {
+      const std::byte* from = base + sl->stage_at;
+      auto* to = static_cast<std::byte*>(sl->dest.data);
+      for (const plan::run& r : sl->foot)
+        ops.emplace_back(from + r.dst, to + r.dst, r.width, r.rows, r.dst_pitch, r.dst_pitch);
+    }
+    if (stream != nullptr) {  // the engine's stream: its next step runs after the copy, no host wait
+      stage_copier->run(ops, stream);
+      return;
+    }
+    stage_copier->run(ops, device_stage->stream());
+    device_stage->synchronize(options.idle_timeout);
+    return;
+  }
   for (const slot* sl : p.slots) {
-    const std::byte* from = stage.get() + sl->stage_at;
+    const std::byte* from = base + sl->stage_at;
     auto* to = static_cast<std::byte*>(sl->dest.data);
     for (const plan::run& r : sl->foot)
       for (std::uint64_t row = 0; row < r.rows; ++row) {
@@ -156,7 +219,7 @@ void receiver::impl::copy_stage(const prepared_state& p) const {
   }
 }
 
-std::optional<std::uint64_t> receiver::impl::apply_prepared() {
+std::optional<std::uint64_t> receiver::impl::apply_prepared(void* stream) {
   std::function<void(std::uint64_t)> hook;
   std::function<void(std::uint64_t, const std::string&)> dropped_hook;
   std::optional<std::string> dropped;
@@ -176,7 +239,20 @@ std::optional<std::uint64_t> receiver::impl::apply_prepared() {
       dropped_hook = abort_hook;
     } else {
       const auto t0 = clock::now();
-      copy_stage(*ready);
+      try {
+        copy_stage(*ready, stream);
+      } catch (const error& e) {
+        // The device refused the copy half-way: the weights are neither version.
+        is_dirty.store(true);
+        const std::string why = fmt::format(
+            "applying version {} from the stage failed (the weights are partly "
+            "overwritten: dirty until a version commits): {}",
+            version, e.what());
+        ready.reset();
+        has_prepared.store(false, std::memory_order_release);
+        note_error(why);
+        throw error(e.code(), why);
+      }
       pause = seconds_since(t0);
       ready->figures.pause_seconds = pause;
       make_live(version, ready->figures, ready->subset, false, ready->checksum, ready->generation);

@@ -141,6 +141,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void open_lanes(const std::vector<wire::ok>& oks);
   std::unordered_map<std::string, wire::conversion> merge_conversions(const std::vector<wire::ok>& oks) const;
   void abort_everywhere(std::uint64_t version, errc code, const std::string& reason) noexcept;
+  void tell_abort(std::uint64_t version, errc code, const std::string& reason) noexcept;
 
   /// Where a shard (tensor_ref::shard) lies in its whole tensor: the whole tensor's meta, and the
   /// shard's first element and element count (one contiguous range of the whole). Throws
@@ -162,6 +163,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void say_begin(std::uint64_t version, sending how, read_ahead& ahead, refit_stats& stats);
   sending begin_refit(std::uint64_t version, refit_scope scope, refit_stats& stats, read_ahead& ahead);
   refit_stats run(std::uint64_t version, tensor_source& source, refit_scope scope);
+  void end_engine_wide(const wire::end& e, refit_stats& stats);
 
   /// Direct writes planned between two questions whether the device is idle (see send_tensors).
   static constexpr std::uint64_t direct_check_bytes = 16ull << 20;

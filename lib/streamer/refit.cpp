@@ -35,20 +35,24 @@ refit_stats streamer::impl::run(std::uint64_t version, tensor_source& source, re
   try {
     send_tensors(version, ahead, stats, how, &checksum, keep);
   } catch (const error& e) {
-    if (!receivers_failed) abort_everywhere(version, e.code(), e.what());
+    abort_everywhere(version, e.code(), e.what());
     throw;
   } catch (const std::exception& e) {
-    if (!receivers_failed) abort_everywhere(version, errc::invalid_argument, e.what());
+    abort_everywhere(version, errc::invalid_argument, e.what());
     throw;
   } catch (...) {
-    if (!receivers_failed) abort_everywhere(version, errc::invalid_argument, "a non-standard exception");
+    abort_everywhere(version, errc::invalid_argument, "a non-standard exception");
     throw;
   }
 
-  wire::end e{version, stats.tensors, stats.bytes, stats.batches, std::nullopt};
+  wire::end e{version, stats.tensors, stats.bytes, stats.batches, std::nullopt, options.atomic};
   if (keep) e.checksum = checksum;
   const auto tw = clock::now();
-  request(e, fmt::format("END of version {}", version));
+  if (options.atomic) {
+    end_engine_wide(e, stats);
+  } else {
+    request(e, fmt::format("END of version {}", version));
+  }
   buffers->refit_committed();
   stats.wait_seconds += seconds_since(tw);
   const auto td = clock::now();
@@ -60,6 +64,30 @@ refit_stats streamer::impl::run(std::uint64_t version, tensor_source& source, re
   REFIT_INFO("version {} committed: {} tensors, {:.3f} GB in {} batches, {:.2f} ms", version, stats.tensors,
              static_cast<double>(stats.bytes) / 1e9, stats.batches, stats.seconds * 1e3);
   return stats;
+}
+
+/// END of an engine-wide version (streamer_options::atomic): every receiver prepares it, then hears
+/// COMMIT. When any receiver refuses END or stays silent, the others, which may have prepared it,
+/// are told ABORT before the error is rethrown: the version reaches none of them.
+void streamer::impl::end_engine_wide(const wire::end& e, refit_stats& stats) {
+  try {
+    request(e, fmt::format("END of engine-wide version {}", e.version));
+  } catch (const error& ex) {
+    tell_abort(e.version, ex.code(),
+               fmt::format("another receiver of the engine-wide version failed it: {}", ex.what()));
+    throw;
+  }
+  // Every COMMIT is sent before any reply is awaited (post, then collect): the window in which
+  // this process's death leaves some receivers committed and others not is as short as it can be.
+  const auto tc = clock::now();
+  try {
+    request(wire::commit{e.version}, fmt::format("COMMIT of version {}", e.version));
+  } catch (const error& ex) {
+    throw error(ex.code(), fmt::format("{}\n(every receiver had prepared version {}: those not named committed it, "
+                                       "those named did not or cannot tell)",
+                                       ex.what(), e.version));
+  }
+  stats.commit_seconds = seconds_since(tc);
 }
 
 /// Says BEGIN, as a delta when the base allows it; a receiver that refuses the delta

@@ -154,10 +154,18 @@ std::unordered_map<std::string, wire::conversion> streamer::impl::merge_conversi
 /// communicator when they abort.
 void streamer::impl::abort_everywhere(std::uint64_t version, errc code, const std::string& reason) noexcept {
   settle();
-  if (receivers_failed) return;  // a receiver refused the batch in flight: it knows
+  // A receiver that refused the request in flight knows; when it is the only one, nobody else needs
+  // telling. Several: the others would hold the version open until their idle timeout.
+  if (receivers_failed && channels.size() < 2) return;
+  tell_abort(version, code, reason);
+}
+
+/// Sends ABORT of `version` to every receiver and hears their answers (within at most 1 s); a
+/// receiver that no longer holds the version answers OK all the same, one whose channel was
+/// rebuilt takes it for a stranger's, and either is only logged.
+void streamer::impl::tell_abort(std::uint64_t version, errc code, const std::string& reason) noexcept {
   try {
-    REFIT_INFO("version {} failed on the streamer's side: {}; telling {} receiver(s)", version, reason,
-               channels.size());
+    REFIT_INFO("version {} failed: {}; telling {} receiver(s) (ABORT)", version, reason, channels.size());
     const std::string bytes = wire::encode(wire::abort{version, code, reason}, secret);
     const std::string what = fmt::format("ABORT of version {}", version);
     const auto deadline = clock::now() + std::min(options.timeout, milliseconds{1000});

@@ -25,6 +25,7 @@ std::string_view to_string(msg_type t) noexcept {
     case msg_type::ok: return "OK";
     case msg_type::error: return "ERROR";
     case msg_type::abort: return "ABORT";
+    case msg_type::commit: return "COMMIT";
   }
   return "UNKNOWN";
 }
@@ -51,8 +52,10 @@ msg_type type_of(const message& m) noexcept {
           return msg_type::ok;
         else if constexpr (std::is_same_v<T, error>)
           return msg_type::error;
-        else
+        else if constexpr (std::is_same_v<T, abort>)
           return msg_type::abort;
+        else
+          return msg_type::commit;
       },
       m);
 }
@@ -154,12 +157,19 @@ void encode_body(packer& p, const batch& m, std::string_view secret) {
 }
 
 void encode_body(packer& p, const end& m, std::string_view secret) {
-  head(p, msg_type::end, 6);
+  head(p, msg_type::end, 7);
   pack_uint(p, m.version);
   pack_uint(p, m.tensors);
   pack_uint(p, m.bytes);
   pack_uint(p, m.batches);
   pack_optional(p, m.checksum);
+  pack_bool(p, m.hold);
+  pack_bin(p, secret);
+}
+
+void encode_body(packer& p, const commit& m, std::string_view secret) {
+  head(p, msg_type::commit, 2);
+  pack_uint(p, m.version);
   pack_bin(p, secret);
 }
 
@@ -355,11 +365,12 @@ constexpr std::size_t field_count(msg_type t) noexcept {
     case msg_type::hello: return 15;
     case msg_type::begin: return 4;
     case msg_type::batch: return 7;
-    case msg_type::end: return 6;
+    case msg_type::end: return 7;
     case msg_type::bye: return 1;
     case msg_type::ok: return 6;
     case msg_type::error: return 2;
     case msg_type::abort: return 4;
+    case msg_type::commit: return 2;
   }
   return 0;
 }
@@ -654,7 +665,7 @@ std::pair<msg_type, std::span<const object>> open_envelope(const object& top) {
                                    all[1].via.u64, protocol_version));
 
   const std::uint64_t code = all[0].via.u64;
-  if (code < static_cast<std::uint64_t>(msg_type::hello) || code > static_cast<std::uint64_t>(msg_type::abort))
+  if (code < static_cast<std::uint64_t>(msg_type::hello) || code > static_cast<std::uint64_t>(msg_type::commit))
     malformed(fmt::format("unknown message type {}", code));
   const auto t = static_cast<msg_type>(code);
   const auto fields = all.subspan(2);
@@ -667,7 +678,7 @@ std::pair<msg_type, std::span<const object>> open_envelope(const object& top) {
 /// True for the requests of a session after HELLO, which carry its secret as their last field.
 constexpr bool carries_secret(msg_type t) noexcept {
   return t == msg_type::begin || t == msg_type::batch || t == msg_type::end || t == msg_type::bye ||
-         t == msg_type::abort;
+         t == msg_type::abort || t == msg_type::commit;
 }
 
 }  // namespace
@@ -686,12 +697,17 @@ message decode(std::span<const std::byte> bytes, std::string* secret) {
     case msg_type::begin: return decode_begin(r, fields);
     case msg_type::batch: return decode_batch(r, fields);
     case msg_type::end:
-      return end{r.u64(fields[0], "version"), r.u64(fields[1], "tensors"), r.u64(fields[2], "bytes"),
-                 r.u64(fields[3], "batches"), optional_u64(r, fields[4], "checksum")};
+      return end{r.u64(fields[0], "version"),
+                 r.u64(fields[1], "tensors"),
+                 r.u64(fields[2], "bytes"),
+                 r.u64(fields[3], "batches"),
+                 optional_u64(r, fields[4], "checksum"),
+                 r.boolean(fields[5], "hold")};
     case msg_type::bye: return bye{};
     case msg_type::ok: return decode_ok(r, fields);
     case msg_type::error: return decode_error(r, fields);
     case msg_type::abort: return decode_abort(r, fields);
+    case msg_type::commit: return commit{r.u64(fields[0], "version")};
   }
   malformed("unknown message type");
 }

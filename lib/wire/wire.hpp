@@ -30,7 +30,7 @@ namespace refit::wire {
 /// Bumped on every incompatible change of the format below. A new message type is not one: a
 /// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
 /// ERROR and aborts the refit all the same), and a streamer never receives a request.
-inline constexpr std::uint32_t protocol_version = 10;
+inline constexpr std::uint32_t protocol_version = 11;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
 inline constexpr std::size_t max_message_bytes = 64u << 20;
@@ -50,7 +50,8 @@ enum class msg_type : std::uint8_t {
   bye = 5,
   ok = 6,
   error = 7,
-  abort = 8,  ///< a request, like HELLO..BYE; numbered after the replies because codes never change
+  abort = 8,   ///< a request, like HELLO..BYE; numbered after the replies because codes never change
+  commit = 9,  ///< a request: an engine-wide version every receiver prepared may commit (end::hold)
 };
 std::string_view to_string(msg_type t) noexcept;  // "HELLO", "BEGIN", ...
 
@@ -183,7 +184,20 @@ struct end {
   /// The streamer's checksum of the whole new version (delta::version_checksum: every tensor it
   /// holds, sent or not), when it keeps a base; required for a delta, whose receiver checks it.
   std::optional<std::uint64_t> checksum;
+  /// An engine-wide version (streamer_options::atomic): the receiver checks the version as at any
+  /// END and answers OK once it is *prepared* (whole and checked, nothing committed, in place or in
+  /// its stage), then waits for COMMIT of it (or ABORT, or its idle timeout) before it commits (in
+  /// place) or reports it prepared to the engine (staged). So a version reaches every receiver of
+  /// the streamer or none, short of the streamer dying between two of its COMMITs.
+  bool hold = false;
   friend bool operator==(const end&, const end&) = default;
+};
+
+/// Streamer -> receiver: every receiver prepared engine-wide version `version` (its END with
+/// hold was answered OK by all of them): commit it.
+struct commit {
+  std::uint64_t version = 0;
+  friend bool operator==(const commit&, const commit&) = default;
 };
 
 /// Ends the session.
@@ -241,7 +255,7 @@ struct error {
   friend bool operator==(const error&, const error&) = default;
 };
 
-using message = std::variant<hello, begin, batch, end, bye, ok, error, abort>;
+using message = std::variant<hello, begin, batch, end, bye, ok, error, abort, commit>;
 
 msg_type type_of(const message& m) noexcept;
 
@@ -267,7 +281,7 @@ std::string encode_dest(const dest_record& d);
 dest_record decode_dest(std::string_view bytes);
 
 /// Encodes a message (never fails for a well-formed struct). A request of a session (BEGIN, BATCH,
-/// END, BYE, ABORT) carries `secret` as its last field: the session's hello::secret ("" for none);
+/// END, BYE, ABORT, COMMIT) carries `secret` as its last field: the session's hello::secret ("" for none);
 /// other messages ignore it.
 std::string encode(const message& m, std::string_view secret = {});
 /// Encodes a BATCH as encode(message(b), secret) does, without copying its entries into a message.

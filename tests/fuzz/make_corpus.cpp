@@ -204,6 +204,8 @@ int main(int argc, char** argv) {
     write(w, "abort",
           wire::encode(
               wire::abort{7, refit::errc::invalid_argument, "the source yielded tensor 'w' twice in version 7"}));
+    write(w, "end_hold", wire::encode(wire::end{7, 2, 4096, 2, std::nullopt, true}, "0123456789abcdef"));
+    write(w, "commit", wire::encode(wire::commit{7}, "0123456789abcdef"));
 
     // ------------------------------------------------------------- fuzz_tracker
     // Byte 0: bit 0 = a committed version exists, bits 1-3 = its value, bit 4 = a sharded tracker.

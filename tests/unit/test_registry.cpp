@@ -32,7 +32,7 @@ TEST_CASE("the registry holds the built transports and refuses malformed or repe
   CHECK(tr::find_transport("rdma") == nullptr);
   CHECK(tr::registered_transports() ==
         std::string(REFIT_HAVE_CUDA ? "cuda_ipc, " : "") + "host_shm" + (REFIT_HAVE_NCCL ? ", nccl" : ""));
-  CHECK(tr::capabilities_of("host_shm").max_receivers == 1);
+  CHECK(tr::capabilities_of("host_shm").max_receivers == 64);
   CHECK_FALSE(tr::capabilities_of("host_shm").writes_in_place);
   // A transport this build lacks has the defaults (one receiver, buffers only).
   CHECK(tr::capabilities_of(refit::transport_kind::nccl).session_dies_on_error == (REFIT_HAVE_NCCL != 0));

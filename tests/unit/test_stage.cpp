@@ -18,12 +18,16 @@
 
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
+#include "refit/version.hpp"
+#include "support/serving.hpp"
 #include "support/support.hpp"
 
 using namespace std::chrono_literals;
 namespace rt = refit::test;
 using refit::dtype;
 using refit::tensor_meta;
+using rt::serving;
+using rt::weights;
 
 namespace {
 
@@ -35,91 +39,6 @@ std::vector<tensor_meta> stage_model() {
           tensor_meta{"layer.0.b", dtype::f32, {40}}, tensor_meta{"layer.1.w", dtype::f16, {96, 24}},
           tensor_meta{"head", dtype::f32, {32, 70}}};
 }
-
-/// Host weights for every tensor of `metas`, registered whole, holding `version`'s pattern.
-struct weights {
-  std::vector<tensor_meta> metas;
-  std::vector<std::vector<std::uint8_t>> bytes;
-
-  weights(refit::receiver& r, std::vector<tensor_meta> m, std::uint64_t version) : metas(std::move(m)) {
-    for (const auto& t : metas) {
-      bytes.emplace_back(t.nbytes());
-      rt::fill_pattern(t.name, version, bytes.back().data(), bytes.back().size());
-    }
-    for (std::size_t k = 0; k < metas.size(); ++k)
-      r.add_parameter(refit::tensor_dest{metas[k], bytes[k].data(), refit::device::cpu()});
-  }
-  /// Empty when tensor k holds version[k]'s pattern for every k, else the first that does not.
-  [[nodiscard]] std::string mismatch(const std::vector<std::uint64_t>& version) const {
-    for (std::size_t k = 0; k < metas.size(); ++k)
-      if (const auto m = rt::pattern_mismatch(metas[k], version[k], bytes[k].data()); !m.empty()) return m;
-    return {};
-  }
-  [[nodiscard]] std::string mismatch(std::uint64_t version) const {
-    return mismatch(std::vector<std::uint64_t>(metas.size(), version));
-  }
-};
-
-/// What the hooks and serve_one() reported, from whichever thread.
-struct journal {
-  std::mutex m;
-  std::condition_variable changed;
-  std::vector<std::string> lines;
-
-  void add(const std::string& line) {
-    {
-      std::lock_guard lock(m);
-      lines.push_back(line);
-    }
-    changed.notify_all();
-  }
-  std::vector<std::string> take() {
-    std::lock_guard lock(m);
-    std::vector<std::string> out;
-    out.swap(lines);
-    return out;
-  }
-  /// Waits (bounded) until a line equal to `want` is there.
-  bool wait_for(const std::string& want) {
-    std::unique_lock lock(m);
-    return changed.wait_for(lock, 20s, [&] {
-      for (const auto& l : lines)
-        if (l == want) return true;
-      return false;
-    });
-  }
-};
-
-/// A staged receiver serving on a thread until finish(); its hooks and events go to `log`
-/// ("prepared v", "commit v", "abort v", "event <e>"; idle, begin and batch are left out).
-struct serving {
-  refit::receiver receiver;
-  journal log;
-  std::atomic<bool> stop{false};
-  std::thread thread;
-
-  explicit serving(refit::receiver_options o) : receiver(std::move(o)) {
-    receiver.on_prepared([this](std::uint64_t v) { log.add("prepared " + std::to_string(v)); });
-    receiver.on_commit([this](std::uint64_t v) { log.add("commit " + std::to_string(v)); });
-    receiver.on_abort([this](std::uint64_t v, const std::string&) { log.add("abort " + std::to_string(v)); });
-  }
-  void start() {
-    stop = false;
-    thread = std::thread([this] {
-      while (!stop.load()) {
-        const auto e = receiver.serve_one(refit::milliseconds{10});
-        if (e != refit::receiver_event::idle && e != refit::receiver_event::begin && e != refit::receiver_event::batch)
-          log.add("event " + std::string(refit::to_string(e)));
-      }
-    });
-  }
-  /// Stops serving (the receiver's registration functions may then be called from this thread).
-  void finish() {
-    stop = true;
-    if (thread.joinable()) thread.join();
-  }
-  ~serving() { finish(); }
-};
 
 refit::receiver_options staged(std::uint64_t stage_bytes = 0) {
   refit::receiver_options o;
@@ -346,10 +265,25 @@ TEST_CASE("apply_prepared after the parameter table changed drops the version wi
   CHECK(s.log.take() == std::vector<std::string>{"event hello", "prepared 1", "event prepared", "abort 1"});
 }
 
-TEST_CASE("a staged receiver refuses stage = device and a callback sink with errc::invalid_argument", "[stage]") {
-  refit::receiver_options o;
+TEST_CASE("a device stage takes CUDA sessions only: a host_shm version is refused at BEGIN, nothing written",
+          "[stage]") {
+  refit::receiver_options o = staged();
   o.stage = refit::stage_kind::device;
-  CHECK_REFIT_ERROR(refit::receiver(o), refit::errc::invalid_argument, "not built yet");
+  if (!refit::has_transport(refit::transport_kind::cuda_ipc)) {
+    CHECK_REFIT_ERROR(refit::receiver(o), refit::errc::invalid_argument, "needs CUDA");
+    return;
+  }
+  serving s(o);
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  refit::streamer st(small_buffers(s.receiver.endpoint()));
+  CHECK_REFIT_ERROR(st.refit(1, rt::host_tensors(stage_model(), 1).refs), refit::errc::invalid_argument,
+                    "receiver_options::stage = device takes sessions that bring CUDA bytes through buffers");
+  CHECK(w.mismatch(0).empty());
+  CHECK_FALSE(s.receiver.prepared_version());
+}
+
+TEST_CASE("a staged receiver refuses a callback sink with errc::invalid_argument", "[stage]") {
   refit::receiver r(staged());
   CHECK_REFIT_ERROR(r.on_batch([](auto, void*) {}), refit::errc::invalid_argument, "stage = host");
 }

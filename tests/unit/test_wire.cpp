@@ -80,10 +80,10 @@ std::string message_raw(std::uint64_t type, const std::vector<field>& fields,
   return m.str();
 }
 
-/// [type, pv, fields...], and for the requests of a session (BEGIN, BATCH, END, BYE, ABORT) an empty
+/// [type, pv, fields...], and for the requests of a session (BEGIN, BATCH, END, BYE, ABORT, COMMIT) an empty
 /// session secret as their last field, as wire::encode(m) writes it.
 std::string message(std::uint64_t type, const std::vector<field>& fields, std::uint64_t pv = wire::protocol_version) {
-  const bool session_request = type == 2 || type == 3 || type == 4 || type == 5 || type == 8;
+  const bool session_request = type == 2 || type == 3 || type == 4 || type == 5 || type == 8 || type == 9;
   if (!session_request) return message_raw(type, fields, pv);
   std::vector<field> all = fields;
   all.push_back([](mp& m) { m.b(""); });
@@ -162,7 +162,7 @@ std::vector<field> with(std::vector<field> fields, std::size_t i, field f) {
   return fields;
 }
 
-constexpr std::uint64_t HELLO = 1, BEGIN = 2, BATCH = 3, END = 4, BYE = 5, OK = 6, ERROR = 7, ABORT = 8;
+constexpr std::uint64_t HELLO = 1, BEGIN = 2, BATCH = 3, END = 4, BYE = 5, OK = 6, ERROR = 7, ABORT = 8, COMMIT = 9;
 
 wire::message roundtrip(const wire::message& m) {
   const std::string bytes = wire::encode(m);
@@ -259,6 +259,14 @@ TEST_CASE("every message type survives encode and decode", "[wire]") {
   SECTION("END") {
     wire::end e{3, 291, 16060000000ull, 62, 0x1234567890abcdefull};
     CHECK(std::get<wire::end>(roundtrip(e)) == e);
+    wire::end held{4, 1, 2, 3, std::nullopt, true};  // an engine-wide version's: prepare, then COMMIT
+    CHECK(std::get<wire::end>(roundtrip(held)) == held);
+  }
+  SECTION("COMMIT") {
+    wire::commit c{~std::uint64_t{0}};
+    const auto m = roundtrip(c);
+    CHECK(std::get<wire::commit>(m) == c);
+    CHECK(wire::type_of(m) == wire::msg_type::commit);
   }
   SECTION("BYE") {
     CHECK(std::holds_alternative<wire::bye>(roundtrip(wire::bye{})));
@@ -310,6 +318,7 @@ TEST_CASE("message type names are upper case", "[wire]") {
   CHECK(wire::to_string(wire::msg_type::ok) == "OK");
   CHECK(wire::to_string(wire::msg_type::error) == "ERROR");
   CHECK(wire::to_string(wire::msg_type::abort) == "ABORT");
+  CHECK(wire::to_string(wire::msg_type::commit) == "COMMIT");
 }
 
 TEST_CASE("the hand-built good messages of these tests decode", "[wire]") {
@@ -383,24 +392,25 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
     }
   };
   check_mismatch(message(BEGIN, {U(1)}, 1), 1);
-  check_mismatch(message(BEGIN, {U(1)}, 2), 2);  // the release before conversions and session data
-  check_mismatch(message(BEGIN, {U(1)}, 3), 3);  // the release before groups of streamers
-  check_mismatch(message(BEGIN, {U(1)}, 4), 4);  // the release before tensors read in place
-  check_mismatch(message(BEGIN, {U(1)}, 5), 5);  // the release before control lanes
-  check_mismatch(message(BEGIN, {U(1)}, 6), 6);  // the release before nccl parts sessions
-  check_mismatch(message(BEGIN, {U(1)}, 7), 7);  // the release before cuda_ipc offers named their GPUs
-  check_mismatch(message(BEGIN, {U(1)}, 8), 8);  // the release before paired nccl sessions
-  check_mismatch(message(BEGIN, {U(1)}, 9), 9);  // the release before session secrets
-  check_mismatch(message(BEGIN, {U(1)}, 12), 12);
+  check_mismatch(message(BEGIN, {U(1)}, 2), 2);    // the release before conversions and session data
+  check_mismatch(message(BEGIN, {U(1)}, 3), 3);    // the release before groups of streamers
+  check_mismatch(message(BEGIN, {U(1)}, 4), 4);    // the release before tensors read in place
+  check_mismatch(message(BEGIN, {U(1)}, 5), 5);    // the release before control lanes
+  check_mismatch(message(BEGIN, {U(1)}, 6), 6);    // the release before nccl parts sessions
+  check_mismatch(message(BEGIN, {U(1)}, 7), 7);    // the release before cuda_ipc offers named their GPUs
+  check_mismatch(message(BEGIN, {U(1)}, 8), 8);    // the release before paired nccl sessions
+  check_mismatch(message(BEGIN, {U(1)}, 9), 9);    // the release before session secrets
+  check_mismatch(message(BEGIN, {U(1)}, 10), 10);  // the release before engine-wide versions (END's hold)
+  check_mismatch(message(BEGIN, {U(1)}, 13), 13);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
-  check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 11), 11);
+  check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 12), 12);
   check_mismatch(message(99, {}, 12), 12);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(message(0, {})), errc::protocol, "unknown message type 0");
-  CHECK_REFIT_ERROR(wire::decode(message(9, {})), errc::protocol, "unknown message type 9");
+  CHECK_REFIT_ERROR(wire::decode(message(10, {})), errc::protocol, "unknown message type 10");
   CHECK_REFIT_ERROR(wire::decode(message(1ull << 40, {})), errc::protocol, "unknown message type");
 }
 
@@ -439,8 +449,8 @@ TEST_CASE("a request's session secret is decoded apart from the message and boun
   CHECK_REFIT_ERROR(wire::decode(wire::encode(h)), errc::protocol, "secret");
   CHECK_REFIT_ERROR(wire::decode(wire::encode(wire::bye{}, std::string(wire::max_secret_bytes + 1, 's'))),
                     errc::protocol, "secret");
-  CHECK_REFIT_ERROR(wire::decode(message_raw(END, {U(1), U(2), U(3), U(4), NIL(), S("text, not bin")})), errc::protocol,
-                    "secret must be");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(END, {U(1), U(2), U(3), U(4), NIL(), T(false), S("text, not bin")})),
+                    errc::protocol, "secret must be");
 }
 
 TEST_CASE("decode rejects nesting deeper than any message has", "[wire]") {
@@ -519,9 +529,10 @@ TEST_CASE("decode rejects BEGIN, END, BATCH header fields of the wrong type", "[
   CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {S("1"), T(false), NIL()})), errc::protocol,
                     "BEGIN message: version must be an unsigned integer");
   CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {I(-1), T(false), NIL()})), errc::protocol, "got negative int");
-  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), T(false), U(4), NIL()})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), T(false), U(4), NIL(), T(false)})), errc::protocol,
                     "END message: bytes must be an unsigned integer, got bool");
-  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), F(2.5), U(3), U(4), NIL()})), errc::protocol, "tensors must be");
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), F(2.5), U(3), U(4), NIL(), T(false)})), errc::protocol,
+                    "tensors must be");
   const auto b = batch_fields({good_entry()});
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 0, NIL()))), errc::protocol, "BATCH message: version must be");
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, with(b, 1, S("0")))), errc::protocol, "BATCH message: seq must be");
@@ -639,6 +650,20 @@ TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
                     errc::protocol, "OK message: lane is 5000 bytes long, more than the limit");
   CHECK_REFIT_ERROR(wire::decode(message(ERROR, {U(2), B("x")})), errc::protocol,
                     "ERROR message: message must be a str");
+}
+
+TEST_CASE("decode rejects END's hold and COMMIT fields of the wrong type or count", "[wire]") {
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(1), U(2), U(3), U(4), NIL(), U(1)})), errc::protocol,
+                    "END message: hold must be a bool, got unsigned int");
+  CHECK_REFIT_ERROR(wire::decode(message(COMMIT, {S("7")})), errc::protocol,
+                    "COMMIT message: version must be an unsigned integer, got str");
+  CHECK_REFIT_ERROR(wire::decode(message(COMMIT, {I(-1)})), errc::protocol,
+                    "COMMIT message: version must be an unsigned integer, got negative int");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(COMMIT, {U(1)})), errc::protocol, "COMMIT message: 1 fields, expected 2");
+  CHECK_REFIT_ERROR(wire::decode(message_raw(COMMIT, {U(1), U(2)})), errc::protocol, "secret must be");
+  std::string secret;
+  CHECK(std::get<wire::commit>(wire::decode(wire::encode(wire::commit{5}, "s3cret"), &secret)).version == 5);
+  CHECK(secret == "s3cret");
 }
 
 TEST_CASE("decode rejects ABORT fields of the wrong type", "[wire]") {
@@ -1035,8 +1060,8 @@ TEST_CASE("BEGIN carries subset and the delta's base, END the version checksum",
   CHECK(b == wire::begin{9, true, 8});
   CHECK(std::get<wire::begin>(wire::decode(message(BEGIN, {U(9), T(true), NIL()}))) == wire::begin{9, true, {}});
   CHECK(std::get<wire::begin>(wire::decode(wire::encode(wire::begin{9, true, 3}))) == wire::begin{9, true, 3});
-  CHECK(std::get<wire::end>(wire::decode(message(END, {U(9), U(1), U(2), U(3), U(77)}))).checksum == 77u);
-  CHECK_FALSE(std::get<wire::end>(wire::decode(message(END, {U(9), U(1), U(2), U(3), NIL()}))).checksum);
+  CHECK(std::get<wire::end>(wire::decode(message(END, {U(9), U(1), U(2), U(3), U(77), T(false)}))).checksum == 77u);
+  CHECK_FALSE(std::get<wire::end>(wire::decode(message(END, {U(9), U(1), U(2), U(3), NIL(), T(false)}))).checksum);
 }
 
 TEST_CASE("decode rejects every bad subset, base and checksum", "[wire][delta]") {
@@ -1052,9 +1077,9 @@ TEST_CASE("decode rejects every bad subset, base and checksum", "[wire][delta]")
   CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(true), U(10)})), errc::protocol,
                     "base 10 is not older than the version 9");
   CHECK_REFIT_ERROR(wire::decode(message(BEGIN, {U(9), T(false), U(8)})), errc::protocol, "subset is false in a delta");
-  CHECK_REFIT_ERROR(wire::decode(message(END, {U(9), U(1), U(2), U(3), T(true)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(9), U(1), U(2), U(3), T(true), T(false)})), errc::protocol,
                     "END message: checksum must be nil or an unsigned integer, got bool");
-  CHECK_REFIT_ERROR(wire::decode(message(END, {U(9), U(1), U(2), U(3), F(1.5)})), errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(message(END, {U(9), U(1), U(2), U(3), F(1.5), T(false)})), errc::protocol,
                     "checksum must be nil or an unsigned integer");
 }
 

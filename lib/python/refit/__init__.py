@@ -208,8 +208,9 @@ class Receiver(_refit.Receiver):
             engine keeps reading them, END reports ``Event.prepared`` (:meth:`on_prepared`), and
             the engine calls :meth:`apply` between two of its steps: one local copy, then the
             version is committed. Host parameters over host_shm, whole versions and subsets (a
-            delta streamer sends whole versions to it). ``"device"``: not built yet (RefitError,
-            ``Errc.invalid_argument``).
+            delta streamer sends whole versions to it). ``"device"``: the same with the stage
+            on the engine's GPU, for parameters on one GPU over cuda_ipc and nccl; :meth:`apply`
+            is then one launch of refit's copy kernel on torch's current stream (no host wait).
         stage_bytes: the most memory the stage may take; 0 (default): what a version needs (the
             registered parameters' bytes). A version that needs more is refused before anything
             is written (``Errc.invalid_argument``, saying both byte counts).
@@ -270,6 +271,7 @@ class Receiver(_refit.Receiver):
         )
         self._begin_fn = None
         self._partials = None  # on_tensor's chunks being reassembled, dropped at every BEGIN
+        self._device = _device_index(device)
 
     def add_parameter(
         self,
@@ -450,11 +452,15 @@ class Receiver(_refit.Receiver):
         self._on_prepared(fn)
         return fn
 
-    def apply(self) -> Optional[int]:
+    def apply(self, stream: Any = None) -> Optional[int]:
         """A staged receiver: copies the prepared version from the stage into the weights and
         commits it (:attr:`committed_version` moves, ``on_commit`` runs on this thread before
         this returns). Returns the version applied, or None when none waits. Call it from the
         engine's loop between two steps, from any thread; the GIL is released during the copy.
+        A device stage enqueues its copy on ``stream`` (a ``torch.cuda.Stream``; default:
+        torch's current stream of the receiver's GPU) behind the engine's work there and
+        returns without waiting: the engine's next step on that stream sees the new version
+        whole.
         While a version waits, the next one's BEGIN is refused (its streamer sees
         ``Errc.apply``): apply promptly. Raises RefitError(``Errc.apply``) when the parameters
         changed since the version was prepared (it is dropped, nothing is written).
@@ -466,11 +472,21 @@ class Receiver(_refit.Receiver):
             if rx.apply() is not None:      # between two generation steps
                 print("now at version", rx.committed_version)
         """
-        return self._apply_prepared()
+        return self._apply_prepared(self._stage_stream(stream))
 
-    def apply_prepared(self) -> Optional[int]:
+    def apply_prepared(self, stream: Any = None) -> Optional[int]:
         """The same as :meth:`apply` (the C++ name)."""
-        return self._apply_prepared()
+        return self._apply_prepared(self._stage_stream(stream))
+
+    def _stage_stream(self, stream: Any) -> int:
+        """The cudaStream_t a device stage's apply runs on (0: the receiver's own, waited for)."""
+        if self.stage != "device":
+            return 0
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream(self._device)
+        return int(getattr(stream, "cuda_stream", stream))
 
     @property
     def prepared_version(self) -> Optional[int]:
@@ -582,6 +598,14 @@ class Streamer(_refit.Streamer):
             the raw broadcast, and 2 × 64 MiB ones from 0.89–0.90 to 0.95–0.97 in six runs of
             seven. It costs every rank NCCL's own buffers once more (~0.5 GiB a rank on H200s).
             False (default): one communicator.
+        atomic: engine-wide versions: a version reaches every receiver of this streamer (the
+            TP/EP ranks of one engine) or none. Each receiver answers END once the version is
+            whole and checked (*prepared*), without committing; once all have, each hears COMMIT
+            and only then commits (in place) or reports ``Event.prepared`` (a staged receiver,
+            whose engine then calls ``apply()``). When any receiver fails or stays silent first,
+            the others are told and discard the version (``committed_version`` unchanged
+            everywhere). One more round trip per refit (``RefitStats.commit_seconds``). Not with
+            ``group_size > 1``.
 
     Example::
 
@@ -624,6 +648,7 @@ class Streamer(_refit.Streamer):
         share_tensors: bool = True,
         control_lane: bool = True,
         nccl_twin: bool = False,
+        atomic: bool = False,
     ) -> None:
         if endpoint is None:
             if not receivers:
@@ -657,6 +682,7 @@ class Streamer(_refit.Streamer):
             share_tensors=share_tensors,
             control_lane=control_lane,
             nccl_twin=nccl_twin,
+            atomic=atomic,
         )
 
     def refit(self, version: int, tensors: Tensors, *, stream: Any = None, subset: bool = False) -> RefitStats:

@@ -26,6 +26,7 @@ class RefitStats:
     changed: int
     base_bytes: int
     diff_seconds: float
+    commit_seconds: float
 
 class ReceiverStats:
     version: int
@@ -80,7 +81,7 @@ class Receiver:
     def clear_parameters(self) -> None: ...
     def serve_one(self, timeout: float = 0.1) -> int: ...  # an Event value
     def _on_prepared(self, fn: Optional[Callable[[int], None]]) -> None: ...
-    def _apply_prepared(self) -> Optional[int]: ...  # Receiver.apply()
+    def _apply_prepared(self, stream: int = 0) -> Optional[int]: ...  # Receiver.apply()
     @property
     def prepared_version(self) -> Optional[int]: ...
     @property
@@ -104,7 +105,7 @@ class Streamer:
                  keep_whole: bool = True, engine: str = "automatic", layout: str = "", delta: bool = False,
                  delta_memory: str = "host", delta_max_bytes: int = ..., delta_threads: int = 0,
                  delta_batch_bytes: int = 0, group_rank: int = 0, group_size: int = 1, share_tensors: bool = True,
-                 control_lane: bool = True, nccl_twin: bool = False) -> None: ...
+                 control_lane: bool = True, nccl_twin: bool = False, atomic: bool = False) -> None: ...
     def refit(self, version: int, tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], *,
               stream: Any = None, subset: bool = False) -> RefitStats: ...
     @property

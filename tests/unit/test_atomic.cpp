@@ -1,0 +1,339 @@
+// Engine-wide versions (streamer_options::atomic): one streamer, several receivers (the ranks of
+// one engine), and a version that reaches every receiver or none. Each receiver answers END once the
+// version is prepared, commits (in place) or reports it prepared (staged) only at COMMIT, and
+// discards it when another receiver failed before that. Receivers serve on threads of this
+// process over host_shm; one of them is made to fail or stall at a chosen point of the version.
+#include <array>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "refit/receiver.hpp"
+#include "refit/streamer.hpp"
+
+#include "channel/channel.hpp"
+#include "transport/transport.hpp"
+#include "wire/wire.hpp"
+#include "support/serving.hpp"
+#include "support/support.hpp"
+
+namespace rt = refit::test;
+namespace wire = refit::wire;
+using refit::dtype;
+using refit::receiver_event;
+using refit::tensor_meta;
+using rt::serving;
+using rt::weights;
+
+namespace {
+
+constexpr std::uint64_t kib = 1ull << 10;
+
+std::vector<tensor_meta> engine_model() {
+  return {tensor_meta{"embed", dtype::f32, {64, 32}}, tensor_meta{"layer.0.w", dtype::bf16, {48, 40}},
+          tensor_meta{"layer.0.b", dtype::f32, {40}}, tensor_meta{"head", dtype::f32, {32, 70}}};
+}
+
+refit::receiver_options rank_options(refit::stage_kind stage, refit::milliseconds idle = refit::milliseconds{60000}) {
+  refit::receiver_options o;
+  o.stage = stage;
+  o.idle_timeout = idle;
+  return o;
+}
+
+/// `n` receivers (each a rank of one engine) with the model's weights at version 0, serving.
+struct engine {
+  std::vector<std::unique_ptr<serving>> ranks;
+  std::vector<std::unique_ptr<weights>> held;
+
+  engine(std::size_t n, refit::stage_kind stage, refit::milliseconds idle = refit::milliseconds{60000}) {
+    for (std::size_t k = 0; k < n; ++k) {
+      ranks.push_back(std::make_unique<serving>(rank_options(stage, idle)));
+      held.push_back(std::make_unique<weights>(ranks.back()->receiver, engine_model(), 0));
+    }
+  }
+  void start() {
+    for (auto& r : ranks) r->start();
+  }
+  [[nodiscard]] std::vector<std::string> endpoints() const {
+    std::vector<std::string> out;
+    for (const auto& r : ranks) out.push_back(r->receiver.endpoint());
+    return out;
+  }
+  /// An atomic host_shm streamer to every rank, with small buffers (several batches a version).
+  [[nodiscard]] refit::streamer_options streamer(refit::milliseconds timeout = refit::milliseconds{10000}) const {
+    auto o = rt::host_shm_streamer(endpoints().front(), 4 * kib, timeout);
+    o.transport_name.clear();  // host_shm whatever REFIT_TEST_TRANSPORT says: it serves several receivers
+    o.transport = refit::transport_kind::host_shm;
+    o.receivers = endpoints();
+    o.atomic = true;
+    return o;
+  }
+};
+
+/// A session driven message by message over the library's own channel and host_shm buffers: what
+/// a streamer does, with the freedom to stop anywhere (a COMMIT sent to some receivers only).
+struct raw_session {
+  std::unique_ptr<refit::transport::source> buffers;
+  refit::channel::req_channel channel;
+  std::string secret;
+  std::uint64_t sent = 0;  ///< buffer bytes of the batches sent
+
+  explicit raw_session(const std::string& endpoint, std::string s = "raw-session-secret", bool hello = true)
+      : buffers(make_buffers()), channel(endpoint), secret(std::move(s)) {
+    if (!hello) return;
+    wire::hello h;
+    buffers->open_session(h);
+    h.peer = "raw-streamer";
+    h.secret = secret;
+    const wire::message reply = wire::decode(channel.request(wire::encode(h), refit::milliseconds{10000}, "HELLO"));
+    REQUIRE(std::holds_alternative<wire::ok>(reply));
+    buffers->session_accepted(std::array{std::get<wire::ok>(reply)});
+  }
+  /// "OK", or "<code>: <message>".
+  std::string ask(const wire::message& m) {
+    const wire::message reply = wire::decode(
+        channel.request(wire::encode(m, secret), refit::milliseconds{10000}, wire::to_string(wire::type_of(m))));
+    if (std::holds_alternative<wire::ok>(reply)) return "OK";
+    const auto& e = std::get<wire::error>(reply);
+    return std::string(refit::to_string(e.code)) + ": " + e.message;
+  }
+  /// BATCH 0 of `version` in buffer 0: every tensor of `model` whole, with its pattern.
+  std::string batch(std::uint64_t version, const std::vector<tensor_meta>& model) {
+    wire::batch b{version, 0, 0, {}};
+    std::uint64_t offset = 0;
+    for (const auto& m : model) {
+      rt::fill_pattern(m.name, version, reinterpret_cast<std::uint8_t*>(buffers->data(0)) + offset, m.nbytes());
+      b.entries.push_back(wire::entry{m.name, m.type, m.shape, 0, m.nbytes(), offset});
+      offset += (m.nbytes() + 255) / 256 * 256;
+      sent += m.nbytes();
+    }
+    return ask(b);
+  }
+
+ private:
+  static std::unique_ptr<refit::transport::source> make_buffers() {
+    refit::transport::source_options o;
+    o.name = "host_shm";
+    o.bytes = 64 * kib;
+    return refit::transport::make_source(o);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("an engine-wide version commits on every rank, and only after every rank prepared it", "[atomic]") {
+  const std::size_t n = GENERATE(2, 4);
+  engine e(n, refit::stage_kind::none);
+  e.start();
+  refit::streamer st(e.streamer());
+  const rt::host_tensors v1(engine_model(), 1);
+  const auto stats = st.refit(1, v1.refs);
+  CHECK(stats.commit_seconds > 0);
+  CHECK(stats.commit_seconds <= stats.seconds);
+  for (std::size_t k = 0; k < n; ++k) {
+    auto& r = *e.ranks[k];
+    REQUIRE(r.log.wait_for("event committed"));
+    r.finish();
+    CHECK(r.receiver.committed_version() == std::optional<std::uint64_t>{1});
+    CHECK(e.held[k]->mismatch(1).empty());
+    // END was answered without committing (ended); the commit came with COMMIT.
+    CHECK(r.log.take() == std::vector<std::string>{"event hello", "event ended", "commit 1", "event committed"});
+  }
+}
+
+TEST_CASE("staged ranks of an engine-wide version report it prepared only at COMMIT, and each applies it whole",
+          "[atomic][stage]") {
+  engine e(2, refit::stage_kind::host);
+  e.start();
+  refit::streamer st(e.streamer());
+  st.refit(1, rt::host_tensors(engine_model(), 1).refs);
+  for (std::size_t k = 0; k < 2; ++k) {
+    auto& r = *e.ranks[k];
+    REQUIRE(r.log.wait_for("prepared 1"));
+    CHECK(e.held[k]->mismatch(0).empty());  // untouched until the engine applies
+    CHECK(r.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+    CHECK(e.held[k]->mismatch(1).empty());
+    r.finish();
+    CHECK(r.log.take() ==
+          std::vector<std::string>{"event hello", "event ended", "prepared 1", "event prepared", "commit 1"});
+  }
+}
+
+TEST_CASE(
+    "a rank that fails an engine-wide version at END makes every other rank discard it: the old version stays "
+    "bit-exact and each says why",
+    "[atomic][stage]") {
+  const auto stage = GENERATE(refit::stage_kind::host, refit::stage_kind::none);
+  const std::size_t n = GENERATE(2, 4);
+  CAPTURE(refit::to_string(stage), n);
+  engine e(n, stage);
+  // The last rank's table has one tensor more than the streamer sends: its END finds it missing,
+  // after every batch was taken everywhere and the other ranks prepared the version.
+  std::vector<float> extra(8, 0.0f);
+  e.ranks.back()->receiver.add_parameter(
+      refit::tensor_dest{tensor_meta{"extra", dtype::f32, {8}}, extra.data(), refit::device::cpu()});
+  e.start();
+  refit::streamer st(e.streamer());
+  const auto f = rt::failure_of([&] { st.refit(1, rt::host_tensors(engine_model(), 1).refs); });
+  REQUIRE(f);
+  CHECK(f->code == rt::code_name(refit::errc::incomplete));
+  CHECK_THAT(f->message, Catch::Contains("receiver " + std::to_string(n) + " of " + std::to_string(n)) &&
+                             Catch::Contains("missing 1 of the 5 registered tensors"));
+  for (std::size_t k = 0; k < n; ++k) {
+    auto& r = *e.ranks[k];
+    REQUIRE(r.log.wait_for("abort 1"));
+    r.finish();
+    CHECK_FALSE(r.receiver.committed_version());
+    CHECK_FALSE(r.receiver.prepared_version());
+    if (k + 1 < n) {
+      CHECK_THAT(r.reason(), Catch::Contains("aborted version 1") &&
+                                 Catch::Contains("another receiver of the engine-wide version failed it"));
+      CHECK(r.log.take() == std::vector<std::string>{"event hello", "event ended", "abort 1", "event aborted"});
+    }
+    // A staged rank's weights were never touched; an in-place rank's were written and are dirty.
+    if (stage == refit::stage_kind::host) {
+      CHECK(e.held[k]->mismatch(0).empty());
+      CHECK_FALSE(r.receiver.dirty());
+    } else {
+      CHECK(r.receiver.dirty());
+    }
+  }
+}
+
+TEST_CASE("a rank that refuses a batch of an engine-wide version leaves every staged rank on its old version",
+          "[atomic][stage]") {
+  engine e(3, refit::stage_kind::host);
+  // Rank 1 registers "head" with another shape: its BATCH carrying head is refused.
+  std::vector<float> other(70 * 32);
+  refit::receiver& odd = e.ranks[1]->receiver;
+  odd.clear_parameters();
+  e.held[1] = std::make_unique<weights>(
+      odd, std::vector<tensor_meta>{engine_model()[0], engine_model()[1], engine_model()[2]}, 0);
+  odd.add_parameter(refit::tensor_dest{tensor_meta{"head", dtype::f32, {70, 32}}, other.data(), refit::device::cpu()});
+  e.start();
+  refit::streamer st(e.streamer());
+  CHECK_REFIT_ERROR(st.refit(1, rt::host_tensors(engine_model(), 1).refs), refit::errc::apply,
+                    "receiver 2 of 3 (" + e.endpoints()[1] + ") refused BATCH");
+  for (std::size_t k = 0; k < 3; ++k) {
+    auto& r = *e.ranks[k];
+    REQUIRE(r.log.wait_for("abort 1"));
+    r.finish();
+    // Every rank says why: the one that refused its own reason, the others the streamer's ABORT naming it.
+    CHECK_THAT(r.reason(), Catch::Contains("'head'"));
+    if (k != 1) CHECK_THAT(r.reason(), Catch::Contains("aborted version 1") && Catch::Contains("receiver 2 of 3"));
+    CHECK_FALSE(r.receiver.committed_version());
+    CHECK_FALSE(r.receiver.prepared_version());
+    CHECK_FALSE(r.receiver.dirty());
+    CHECK(e.held[k]->mismatch(0).empty());
+  }
+}
+
+TEST_CASE(
+    "a rank that stalls before preparing fails the engine-wide version on the streamer; the others discard it at "
+    "once, the stalled one at its idle timeout, and the next version commits everywhere",
+    "[atomic]") {
+  engine e(2, refit::stage_kind::host, refit::milliseconds{1000});
+  e.start();
+  refit::streamer st(e.streamer(refit::milliseconds{3000}));
+  st.refit(1, rt::host_tensors(engine_model(), 1).refs);
+  for (auto& r : e.ranks) {
+    REQUIRE(r->log.wait_for("prepared 1"));
+    REQUIRE(r->receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  }
+  const std::uint64_t batches = st.refit(2, rt::host_tensors(engine_model(), 2).refs).batches;
+  for (auto& r : e.ranks) {
+    REQUIRE(r->log.wait_for("prepared 2"));
+    REQUIRE(r->receiver.apply_prepared() == std::optional<std::uint64_t>{2});
+  }
+  // Version 3: rank 1 stops serving after its last batch, so its END waits unread past the
+  // streamer's timeout (3 s) and its own idle timeout (1 s).
+  auto& stalled = *e.ranks[1];
+  {
+    std::lock_guard lock(stalled.gate_mutex);
+    stalled.pause_when = [&, seen = std::uint64_t{0}](receiver_event ev) mutable {
+      return ev == receiver_event::batch && ++seen == batches;
+    };
+  }
+  CHECK_REFIT_ERROR(st.refit(3, rt::host_tensors(engine_model(), 3).refs), refit::errc::timeout, "END");
+  REQUIRE(e.ranks[0]->log.wait_for("abort 3"));
+  CHECK_THAT(e.ranks[0]->reason(), Catch::Contains("another receiver of the engine-wide version failed it"));
+  stalled.resume();
+  REQUIRE(stalled.log.wait_for("abort 3"));
+  CHECK_THAT(stalled.reason(), Catch::Contains("no message from the streamer"));
+  for (std::size_t k = 0; k < 2; ++k) {
+    CHECK(e.ranks[k]->receiver.committed_version() == std::optional<std::uint64_t>{2});
+    CHECK_FALSE(e.ranks[k]->receiver.prepared_version());
+    CHECK(e.held[k]->mismatch(2).empty());
+  }
+  // The streamer's next refit says HELLO again and the version reaches both.
+  st.refit(4, rt::host_tensors(engine_model(), 4).refs);
+  for (std::size_t k = 0; k < 2; ++k) {
+    REQUIRE(e.ranks[k]->log.wait_for("prepared 4"));
+    REQUIRE(e.ranks[k]->receiver.apply_prepared() == std::optional<std::uint64_t>{4});
+    CHECK(e.held[k]->mismatch(4).empty());
+  }
+}
+
+TEST_CASE(
+    "a rank that prepared and never hears COMMIT discards the version at its timeout while the rank that heard it "
+    "commits",
+    "[atomic]") {
+  // The one window engine-wide versions leave: a streamer that dies between its COMMITs (here a
+  // session driven message by message, which sends COMMIT to rank 0 only). Rank 0 commits; rank 1
+  // waits its idle timeout (this streamer named no reply timeout) and discards the version.
+  engine e(2, refit::stage_kind::none, refit::milliseconds{1000});
+  e.start();
+  std::vector<std::unique_ptr<raw_session>> sessions;
+  for (const auto& ep : e.endpoints()) sessions.push_back(std::make_unique<raw_session>(ep));
+  const auto model = engine_model();
+  for (auto& s : sessions) {
+    REQUIRE(s->ask(wire::begin{1, false, std::nullopt}) == "OK");
+    REQUIRE(s->batch(1, model) == "OK");
+    REQUIRE(s->ask(wire::end{1, model.size(), s->sent, 1, std::nullopt, true}) == "OK");
+  }
+  for (auto& r : e.ranks) REQUIRE(r->log.wait_for("event ended"));
+  CHECK_FALSE(e.ranks[0]->receiver.committed_version());  // prepared, not committed
+  CHECK(sessions[0]->ask(wire::commit{1}) == "OK");
+  REQUIRE(e.ranks[0]->log.wait_for("commit 1"));
+  CHECK(e.ranks[0]->receiver.committed_version() == std::optional<std::uint64_t>{1});
+  CHECK(e.held[0]->mismatch(1).empty());
+  auto& silent = *e.ranks[1];
+  REQUIRE(silent.log.wait_for("abort 1"));
+  CHECK_THAT(silent.reason(), Catch::Contains("prepared engine-wide") && Catch::Contains("sent no COMMIT"));
+  CHECK_FALSE(silent.receiver.committed_version());
+  CHECK(silent.receiver.dirty());
+  // A COMMIT after that is refused, and one said twice where it committed is answered OK.
+  CHECK_THAT(sessions[1]->ask(wire::commit{1}), Catch::Contains("protocol: COMMIT of version 1 without it prepared"));
+  CHECK(sessions[0]->ask(wire::commit{1}) == "OK");
+  CHECK(e.ranks[0]->receiver.committed_version() == std::optional<std::uint64_t>{1});
+}
+
+TEST_CASE("COMMIT from a peer that does not own the session is refused with unauthorized and commits nothing",
+          "[atomic]") {
+  engine e(1, refit::stage_kind::none);
+  e.start();
+  raw_session owner(e.endpoints().front());
+  raw_session stranger(e.endpoints().front(), "another-secret", false);
+  const auto model = engine_model();
+  REQUIRE(owner.ask(wire::begin{1, false, std::nullopt}) == "OK");
+  REQUIRE(owner.batch(1, model) == "OK");
+  REQUIRE(owner.ask(wire::end{1, model.size(), owner.sent, 1, std::nullopt, true}) == "OK");
+  CHECK_THAT(stranger.ask(wire::commit{1}), Catch::StartsWith("unauthorized: COMMIT refused"));
+  CHECK_FALSE(e.ranks[0]->receiver.committed_version());
+  CHECK(owner.ask(wire::commit{1}) == "OK");
+  REQUIRE(e.ranks[0]->log.wait_for("commit 1"));
+  CHECK(e.held[0]->mismatch(1).empty());
+}
+
+TEST_CASE("atomic with a group of streamers is refused with errc::invalid_argument", "[atomic]") {
+  auto o = rt::host_shm_streamer(rt::temp_endpoint(), 4 * kib, refit::milliseconds{1000});
+  o.atomic = true;
+  o.group_size = 2;
+  CHECK_REFIT_ERROR(refit::streamer(o), refit::errc::invalid_argument, "streamer_options.atomic with group_size > 1");
+}
