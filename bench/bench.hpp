@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "refit/model.hpp"
+#include "bench/spawn.hpp"
 #include "refit/options.hpp"
 
 namespace refit {
@@ -215,6 +216,13 @@ class tensor_memory {
   /// copy::checksum of the bytes of region `r` of tensor i gathered in order (a source slice, as
   /// the receiver's view holds it): strided runs are first copied into a scratch buffer.
   [[nodiscard]] virtual std::uint64_t checksum(std::size_t i, const byte_region& r) const = 0;
+
+ protected:
+  /// Throws refit::error(invalid_argument) unless `bytes` bytes from byte `offset` lie in a
+  /// `size`-byte tensor.
+  static void check_bytes(std::uint64_t size, std::uint64_t offset, std::uint64_t bytes);
+  /// The same for every run of region `r`.
+  static void check_region(std::uint64_t size, const byte_region& r);
 };
 
 /// How tensors are allocated and filled, and the ceiling measured, for one transport.
@@ -344,48 +352,7 @@ inline constexpr std::uint64_t nccl_ceiling_bytes = 1ull << 30;
 inline constexpr int nccl_ceiling_warmup = 3;
 inline constexpr int nccl_ceiling_reps = 10;
 
-// ---------------------------------------------------------------- child processes
-
-/// A bench process spawned by the streamer: fork, then execv(exe, args) at once (never a fork
-/// that keeps a CUDA context). Its stdin is a pipe we hold (closing it tells the child to exit),
-/// its stdout a pipe we read JSON lines from; stderr is shared. The destructor finishes it.
-class child_process {
- public:
-  child_process(const std::string& exe, const std::vector<std::string>& args);
-  ~child_process();
-  child_process(const child_process&) = delete;
-  child_process& operator=(const child_process&) = delete;
-
-  /// The next line the child printed; throws errc::timeout past `timeout`, errc::peer when it exits.
-  std::string read_line(std::chrono::milliseconds timeout);
-  /// False once the child has exited (reaps it; never blocks).
-  bool running() noexcept;
-  /// Closes the child's stdin, waits for it (kills it past `grace`); returns its wait status.
-  int finish(std::chrono::milliseconds grace) noexcept;
-  [[nodiscard]] int pid() const noexcept { return pid_; }
-  /// "exit code N" / "killed by signal N" for a wait status.
-  static std::string describe_exit(int status);
-
- private:
-  int pid_ = -1;
-  int stdin_ = -1;
-  int stdout_ = -1;
-  bool reaped_ = false;
-  int status_ = 0;
-  std::string buffer_;
-};
-
-/// A child forked without exec (it runs bench code of this process: a receiver, a streamer rank)
-/// and the pipes to it: `to` what it reads, `from` what it writes.
-struct forked_child {
-  int pid = -1;
-  int to = -1, from = -1;
-};
-/// Forks a child that runs `body(in, out)` (its ends of the two pipes) and never returns. `who`
-/// prefixes the errors (errc::io) when the pipes or the fork fail ("--delta: fork() failed").
-forked_child fork_child(std::string_view who, const std::function<void(int in, int out)>& body);
-/// Ends a child: closes its pipes and waits for it; its wait status.
-int reap(forked_child& k);
+// ---------------------------------------------------------------- test data
 
 /// Deterministic random bytes: byte i of a tensor seeded `seed` (not zeros; cheap, parallel).
 void fill_random(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint64_t first = 0);
