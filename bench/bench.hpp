@@ -133,6 +133,9 @@ std::string layout_name(const layout_spec& l);
 /// nullopt for an unknown name; "tpN" for N in 2..64; "recorded:FILE[,FILE...]" (1 to 64 files).
 std::optional<layout_spec> parse_layout(std::string_view name) noexcept;
 
+/// Row-major strides (elements) of a dense tensor of this shape.
+std::vector<std::int64_t> dense_strides(const std::vector<std::int64_t>& shape);
+
 /// The bytes of a source tensor that one of its slices takes, in its row-major storage: `rows`
 /// runs of `width` bytes, `pitch` apart, the first at `offset` (one run for a whole tensor or a
 /// slice of dimension 0; a slice of dimension 1 of [R, C] is R runs).

@@ -24,13 +24,6 @@ namespace {
 
 [[noreturn]] void bad(const std::string& what) { throw error(errc::invalid_argument, "refit-bench: " + what); }
 
-// Row-major strides (elements) of a dense tensor of this shape.
-std::vector<std::int64_t> dense_strides(const std::vector<std::int64_t>& shape) {
-  std::vector<std::int64_t> s(shape.size(), 1);
-  for (std::size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
-  return s;
-}
-
 // A fused group: `fused` is the engine tensor's name, `members` the sources in row order.
 struct fused_group {
   std::string fused;
@@ -376,6 +369,12 @@ std::uint64_t engine_layout::needed_bytes(const manifest& m) const {
   std::uint64_t n = 0;
   for (std::size_t i = 0; i < m.entries.size(); ++i) n += region_of(m.entries[i].meta, slices[i]).bytes();
   return n;
+}
+
+std::vector<std::int64_t> dense_strides(const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> s(shape.size(), 1);
+  for (std::size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
+  return s;
 }
 
 engine_layout make_layout(const manifest& m, const layout_spec& spec, int rank) {

@@ -21,13 +21,6 @@ namespace {
 
 [[noreturn]] void bad(const std::string& what) { throw error(errc::invalid_argument, "refit-bench: " + what); }
 
-// Row-major strides (elements) of a dense tensor of this shape.
-std::vector<std::int64_t> dense_strides(const std::vector<std::int64_t>& shape) {
-  std::vector<std::int64_t> s(shape.size(), 1);
-  for (std::size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
-  return s;
-}
-
 /// recorded_layout()'s reader of one route table: the table parsed, then its params (the engine
 /// tensors) and every route of every entry (a view each), each checked against the model as read.
 class route_table_reader {
