@@ -1,9 +1,13 @@
-// refit-bench — shared declarations of the bench library (refit_bench_core).
-//
-// One file per concern: presets.cpp (built-in models), manifest.cpp (safetensors / JSON
-// manifests, --load mappings), report.cpp (table, JSON, SVG), ceiling.cpp (the hardware's own
-// copy bandwidth), runner_<transport>.cpp (where tensors live for one transport path), roles.cpp
-// (the streamer and receiver sides, the receiver process), cli.cpp (options).
+// refit-bench — shared declarations of the bench library (refit_bench_core). bench/README.md says
+// which file does what; in short, from the bottom up:
+//   workloads    presets.cpp (built-in models), manifest.cpp (safetensors / JSON manifests),
+//                layout.cpp and layout_recorded.cpp (how a receiver holds the model), data.cpp
+//   transports   runner_<transport>.cpp (where tensors live for one transport path, its ceiling),
+//                ceiling.cpp (the hardware's own copy bandwidth)
+//   processes    spawn.hpp / spawn.cpp (every process the bench starts, forks and reaps)
+//   roles        role_receiver.cpp, role_streamer.cpp, role_report.hpp / role_report.cpp
+//   runs         run.cpp (the usual table), group*.cpp (--streamers), delta.cpp (--delta)
+//   output       report.cpp (table, JSON, SVG), cli.cpp (options)
 #pragma once
 
 #include <chrono>
@@ -20,6 +24,8 @@
 #include <nlohmann/json.hpp>
 
 #include "refit/model.hpp"
+#include "bench/role_report.hpp"
+#include "bench/spawn.hpp"
 #include "refit/options.hpp"
 
 namespace refit {
@@ -127,6 +133,9 @@ std::string layout_name(const layout_spec& l);
 /// nullopt for an unknown name; "tpN" for N in 2..64; "recorded:FILE[,FILE...]" (1 to 64 files).
 std::optional<layout_spec> parse_layout(std::string_view name) noexcept;
 
+/// Row-major strides (elements) of a dense tensor of this shape.
+std::vector<std::int64_t> dense_strides(const std::vector<std::int64_t>& shape);
+
 /// The bytes of a source tensor that one of its slices takes, in its row-major storage: `rows`
 /// runs of `width` bytes, `pitch` apart, the first at `offset` (one run for a whole tensor or a
 /// slice of dimension 0; a slice of dimension 1 of [R, C] is R runs).
@@ -215,6 +224,13 @@ class tensor_memory {
   /// copy::checksum of the bytes of region `r` of tensor i gathered in order (a source slice, as
   /// the receiver's view holds it): strided runs are first copied into a scratch buffer.
   [[nodiscard]] virtual std::uint64_t checksum(std::size_t i, const byte_region& r) const = 0;
+
+ protected:
+  /// Throws refit::error(invalid_argument) unless `bytes` bytes from byte `offset` lie in a
+  /// `size`-byte tensor.
+  static void check_bytes(std::uint64_t size, std::uint64_t offset, std::uint64_t bytes);
+  /// The same for every run of region `r`.
+  static void check_region(std::uint64_t size, const byte_region& r);
 };
 
 /// How tensors are allocated and filled, and the ceiling measured, for one transport.
@@ -344,48 +360,7 @@ inline constexpr std::uint64_t nccl_ceiling_bytes = 1ull << 30;
 inline constexpr int nccl_ceiling_warmup = 3;
 inline constexpr int nccl_ceiling_reps = 10;
 
-// ---------------------------------------------------------------- child processes
-
-/// A bench process spawned by the streamer: fork, then execv(exe, args) at once (never a fork
-/// that keeps a CUDA context). Its stdin is a pipe we hold (closing it tells the child to exit),
-/// its stdout a pipe we read JSON lines from; stderr is shared. The destructor finishes it.
-class child_process {
- public:
-  child_process(const std::string& exe, const std::vector<std::string>& args);
-  ~child_process();
-  child_process(const child_process&) = delete;
-  child_process& operator=(const child_process&) = delete;
-
-  /// The next line the child printed; throws errc::timeout past `timeout`, errc::peer when it exits.
-  std::string read_line(std::chrono::milliseconds timeout);
-  /// False once the child has exited (reaps it; never blocks).
-  bool running() noexcept;
-  /// Closes the child's stdin, waits for it (kills it past `grace`); returns its wait status.
-  int finish(std::chrono::milliseconds grace) noexcept;
-  [[nodiscard]] int pid() const noexcept { return pid_; }
-  /// "exit code N" / "killed by signal N" for a wait status.
-  static std::string describe_exit(int status);
-
- private:
-  int pid_ = -1;
-  int stdin_ = -1;
-  int stdout_ = -1;
-  bool reaped_ = false;
-  int status_ = 0;
-  std::string buffer_;
-};
-
-/// A child forked without exec (it runs bench code of this process: a receiver, a streamer rank)
-/// and the pipes to it: `to` what it reads, `from` what it writes.
-struct forked_child {
-  int pid = -1;
-  int to = -1, from = -1;
-};
-/// Forks a child that runs `body(in, out)` (its ends of the two pipes) and never returns. `who`
-/// prefixes the errors (errc::io) when the pipes or the fork fail ("--delta: fork() failed").
-forked_child fork_child(std::string_view who, const std::function<void(int in, int out)>& body);
-/// Ends a child: closes its pipes and waits for it; its wait status.
-int reap(forked_child& k);
+// ---------------------------------------------------------------- test data
 
 /// Deterministic random bytes: byte i of a tensor seeded `seed` (not zeros; cheap, parallel).
 void fill_random(std::byte* out, std::uint64_t n, std::uint64_t seed, std::uint64_t first = 0);
@@ -619,66 +594,6 @@ std::string to_svg(const preamble& p, const std::vector<row>& rows);
 
 /// Total wrong values (rows with -1 count as 0).
 std::int64_t total_wrong(const std::vector<row>& rows);
-
-// ---------------------------------------------------------------- verification
-
-/// The check of one receiver's report of refit `version`, the same for a spawned receiver (its
-/// stdout line) and one started by hand (its report endpoint's reply): `line` must be
-/// {"event":"committed","version":version,...,"checksums":[one per tensor of m]} (for tpN, of
-/// rank `rank`: the checksums of its slices). Returns how
-/// many checksums differ from `expected`, and prints a "WRONG: ..." progress line for each while
-/// fewer than 3 were printed for this refit (`printed`, updated; none with --quiet). `receiver`
-/// tells receivers apart in those lines (" receiver 2", or empty). Throws
-/// refit::error(protocol) naming `who` and quoting the line when it is anything else.
-std::int64_t count_wrong(const config& c, const nlohmann::json& line, std::uint64_t version, const manifest& m,
-                         const std::vector<std::uint64_t>& expected, const std::string& who,
-                         const std::string& receiver, std::int64_t& printed, int rank = 0);
-
-/// JSON from a peer (a report request, a receiver's report or its stdout line) is parsed only
-/// after this check. The size bounds the memory: nlohmann's parser (3.11) peaked at up to 36 bytes
-/// of heap per byte of input within the depth limit (`[[[...]]],...`; 30 for `[{},{},...]`) and
-/// at 43 for input nested 100,000 deep. The depth bounds the recursion: dump() recurses once per
-/// level, and a million levels overflowed the stack. Why `text` is refused (longer than
-/// `max_bytes`, or arrays and objects nested deeper than max_json_depth), nullopt when it may be
-/// parsed. Scans once, allocating nothing.
-inline constexpr std::size_t max_json_depth = 32;
-std::optional<std::string> peer_json_problem(std::string_view text, std::size_t max_bytes);
-
-/// `text`, from `who`, parsed after peer_json_problem(): throws refit::error(errc::protocol) naming
-/// `who`, the problem and a bounded, escaped excerpt of the text when it is refused or not JSON.
-nlohmann::json parse_peer_json(std::string_view text, std::size_t max_bytes, std::string_view who);
-
-/// A JSON value for a message: compact JSON as dump() writes it, but at most `max_bytes` of
-/// printable text (refit::printable), values nested past 8 levels shown as […] and {…}, strings
-/// of invalid UTF-8 with U+FFFD: never throws on a peer's value and never recurses without bound.
-std::string excerpt(const nlohmann::json& j, std::size_t max_bytes = 300);
-
-/// The longest report a receiver of `m` sends (its committed line: a checksum per tensor), with
-/// room to spare; what the streamer reads from a receiver beyond this is refused unparsed.
-std::size_t max_report_bytes(const manifest& m);
-
-/// What a receiver started by hand remembers of its last refits, to answer the streamer's report
-/// requests. Bounded: it keeps the last `capacity` events. Not thread-safe (the receiver's loop
-/// owns it).
-class report_log {
- public:
-  explicit report_log(std::size_t capacity = 8);
-  /// A committed line, as printed: {"event":"committed","version":v,...}.
-  void committed(const nlohmann::json& line);
-  /// An aborted line, as printed: {"event":"aborted","error":...}.
-  void aborted(const nlohmann::json& line);
-  /// The reply to a request {"version": v}: the committed line of v; the aborted line when the
-  /// refit after the last commit of an earlier version was aborted (the receiver does not say
-  /// which version an abort ended); {"event":"unknown","version":v} otherwise; and
-  /// {"event":"error","error":...} for a request that is not of that form.
-  [[nodiscard]] std::string answer(std::string_view request) const;
-
- private:
-  void add(const nlohmann::json& line);
-  std::size_t capacity_;
-  std::vector<nlohmann::json> events_;  ///< oldest first
-  bool forgot_ = false;                 ///< events were dropped for capacity
-};
 
 // ---------------------------------------------------------------- running
 

@@ -114,7 +114,7 @@ void add_model_options(CLI::App& app, config& c, cli_text& t) {
                  "dtype; --layout plain only; rows are not verified (wrong = n/a: the test suites check the bytes)");
 }
 
-/// What one row varies: transports, buffers, engines, layouts, paths.
+/// What one row varies: transports, buffers, and the streamer's settings.
 void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--transport", t.transports, "host_shm, cuda_ipc, nccl, comma separated, or all (every built one)")
       ->delimiter(',')
@@ -156,6 +156,10 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
                  "segments; engine +vmm-dst)")
       ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"cudamalloc", false}, {"vmm", true}}))
       ->capture_default_str();
+}
+
+/// What else a row varies: copy engines, the receivers' layout and GPUs, the path.
+void add_placement_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--engine", t.engines,
                  "GPU copy engine(s), comma separated: automatic, kernel, memcpy_batch, "
                  "memcpy_each (one row each; host_shm always uses memcpy); PACK/APPLY gives the streamer and the "
@@ -408,6 +412,7 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   add_endpoint_options(app, c, t);
   add_model_options(app, c, t);
   add_sweep_options(app, c, t);
+  add_placement_options(app, c, t);
   add_run_options(app, c, t);
 
   try {

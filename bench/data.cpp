@@ -4,7 +4,10 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "bench/bench.hpp"
+#include "refit/error.hpp"
 
 namespace refit::bench {
 namespace {
@@ -71,6 +74,19 @@ std::uint64_t checksum_after_flip(std::uint64_t sum, std::uint64_t bytes, std::u
   if (k < words) return sum + (delta << (8 * (offset % 8))) * (2 * k + 1);
   const std::uint64_t j = offset - 8 * words;
   return sum + delta * (2 * j + 3) * 0x100000001b3ull;
+}
+
+void tensor_memory::check_bytes(std::uint64_t size, std::uint64_t offset, std::uint64_t bytes) {
+  if (offset > size || bytes > size - offset)
+    throw error(errc::invalid_argument,
+                fmt::format("refit-bench: bytes {}..{} of a {}-byte tensor", offset, offset + bytes, size));
+}
+
+void tensor_memory::check_region(std::uint64_t size, const byte_region& r) {
+  if (r.offset + (r.rows - 1) * r.pitch + r.width > size)
+    throw error(errc::invalid_argument, fmt::format("refit-bench: {} runs of {} bytes {} apart from byte {} of a "
+                                                    "{}-byte tensor",
+                                                    r.rows, r.width, r.pitch, r.offset, size));
 }
 
 }  // namespace refit::bench

@@ -29,6 +29,8 @@
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "bench/roles.hpp"
+#include "bench/spawn.hpp"
 #include "config/config.hpp"
 #include "copy/copy.hpp"
 #include "delta/checksum.hpp"
@@ -309,8 +311,7 @@ int delta_receiver_gpu(const config& c) {
 #endif
       sum += delta::name_weight(m.entries[k].meta.name) * copy::checksum(weights[k].data(), weights[k].size() * 2);
     }
-    const std::string line = fmt::format("{} {}\n", sum, r.committed_version().value_or(0));
-    if (::write(out, line.data(), line.size()) < 0) code = 1;
+    write_line(out, fmt::format("{} {}", sum, r.committed_version().value_or(0)));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "refit-bench delta receiver: %s\n", e.what());
     code = 1;
@@ -336,9 +337,13 @@ void write_delta_row(std::ostream& out, const delta_row& r, double whole_ms) {
       whole_ms > 0 ? r.ms / whole_ms : 0.0, r.batches, r.wait_ms);
 }
 
-}  // namespace
+/// The transport --delta runs over: host_shm, or a GPU one (cuda_ipc; nccl when `nccl`).
+struct delta_transport {
+  bool gpu = false;
+  bool nccl = false;
+};
 
-int run_delta(const config& c, std::ostream& out) {
+delta_transport check_delta(const config& c) {
   const bool nccl = c.transports.size() == 1 && c.transports[0] == transport_kind::nccl;
   const bool gpu = c.transports.size() == 1 && (c.transports[0] == transport_kind::cuda_ipc || nccl);
   if (c.transports.size() != 1 || (c.transports[0] != transport_kind::host_shm && !gpu) || (gpu && !REFIT_HAVE_CUDA) ||
@@ -347,90 +352,84 @@ int run_delta(const config& c, std::ostream& out) {
                 "--delta: --transport host_shm, or cuda_ipc or nccl (buffers, in a build with CUDA, and NCCL)");
   if (c.models.size() != 1 || !c.manifest_file.empty())
     throw error(errc::invalid_argument, "--delta: exactly one built-in --model");
-  const manifest m = preset(c.models[0], dtype::bf16);
-  const std::string endpoint = fmt::format("ipc:///tmp/refit-bench-delta-{}.sock", ::getpid());
+  return {gpu, nccl};
+}
 
-  // The receiver is forked before this process opens any socket.
-  forked_child rx = fork_child(
-      "--delta", [&](int in, int up) { receiver_child(c, m, endpoint, in, up, gpu ? -2 : -1, c.delta_threads); });
-  // Asked at once, so that a receiver GPU that is not there stops the run before the model is made.
-  const int rx_gpu = gpu ? delta_receiver_gpu(c) : -1;
-
-  const auto progress = [&](const std::string& s) {
-    if (!c.quiet) std::fprintf(stderr, "refit-bench: %s\n", s.c_str());
-  };
-  progress(fmt::format("--delta: making {} ({:.2f} GB bf16, fp32 masters)", m.name, m.bytes() / 1e9));
-  // The trainer's step is not timed: it takes every hardware thread (a llama3-8b step took ~7 s on 8 of a
-  // 64-core node, most of a 20-step run), not --delta-threads, which sizes the streamer's diff.
-  trainer t(m, std::min<std::size_t>(delta::max_threads, std::max(1u, std::thread::hardware_concurrency())));
-#if REFIT_HAVE_CUDA
-  if (gpu) t.to_device(c.device);
-#endif
-  streamer_options so;
-  if (nccl)
+/// The plain streamer's options (the whole rows): cuda_ipc staged, the path deltas take (and the
+/// whole rows too); nccl in place.
+streamer_options whole_options(const config& c, const delta_transport& t, const std::string& endpoint) {
+  streamer_options so = streamer_options_for(c, c.transports[0], c.buffer_mb.at(0), c.buffer_counts.at(0));
+  if (t.nccl)
     so.receivers = {endpoint};
   else
     so.endpoint = endpoint;
-  so.transport = c.transports[0];
-  // cuda_ipc: staged, the path deltas take (and the whole rows too); nccl: the whole rows in place.
-  so.direct = nccl;
-  so.control_lane = c.lane;
-  so.nccl_twin = c.twin;
-  so.device = c.device;
-  so.buffer_bytes = static_cast<std::uint64_t>(c.buffer_mb.at(0) * (1 << 20));
-  so.buffer_count = c.buffer_counts.at(0);
-  so.timeout = milliseconds{static_cast<std::int64_t>(c.timeout_ms)};
+  so.direct = t.nccl;
+  return so;
+}
 
+/// The delta streamer's: patches travel in the buffers.
+streamer_options delta_options_of(const config& c, const delta_transport& t, streamer_options so) {
+  so.delta.enable = true;
+  so.direct = false;
+  so.delta.memory = t.gpu ? delta_memory::device : delta_memory::host;
+  so.delta.threads = c.delta_threads;
+  so.delta.batch_bytes = static_cast<std::uint64_t>(c.delta_batch_mb * (1 << 20));
+  return so;
+}
+
+void write_delta_preamble(std::ostream& out, const config& c, const manifest& m, const delta_transport& t, int rx_gpu,
+                          std::size_t buffers) {
   const std::string where =
-      nccl  ? fmt::format("nccl from cuda:{} to cuda:{}{}: whole rows in place, deltas buffered, base in device memory",
-                          c.device, rx_gpu,
-                         c.nccl_share_gpus ? " (--nccl-share-gpus: NCCL's network transport over loopback)" : "")
-      : gpu ? (rx_gpu == c.device
-                   ? fmt::format("cuda_ipc staged on cuda:{}, base in device memory", c.device)
-                   : fmt::format("cuda_ipc staged from cuda:{} to cuda:{}, base in device memory", c.device, rx_gpu))
-            : std::string("host_shm");
+      t.nccl
+          ? fmt::format("nccl from cuda:{} to cuda:{}{}: whole rows in place, deltas buffered, base in device memory",
+                        c.device, rx_gpu,
+                        c.nccl_share_gpus ? " (--nccl-share-gpus: NCCL's network transport over loopback)" : "")
+      : t.gpu ? (rx_gpu == c.device
+                     ? fmt::format("cuda_ipc staged on cuda:{}, base in device memory", c.device)
+                     : fmt::format("cuda_ipc staged from cuda:{} to cuda:{}, base in device memory", c.device, rx_gpu))
+              : std::string("host_shm");
   out << fmt::format("# refit-bench --delta {}: {} ({} tensors, {:.3f} GB bf16), {}, {} x {} MiB buffers\n",
-                     c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9, where, so.buffer_count,
-                     c.buffer_mb.at(0));
+                     c.delta_steps, m.name, m.entries.size(), m.bytes() / 1e9, where, buffers, c.buffer_mb.at(0));
   out << fmt::format(
       "# update per step: fp32 w += {:g} * |w| * U[-1, 1), rounded to bf16; whole rows: a plain "
       "streamer, {} counted refits after {} warm-up; host diff and apply threads: {}; a delta batch covers {}\n",
       c.delta_update, c.iters, c.warmup, delta::pool_threads(c.delta_threads),
       c.delta_batch_mb > 0
           ? fmt::format("{:g} MiB of tensors", c.delta_batch_mb)
-          : fmt::format("{} MiB of tensors (the default)", std::max(32.0, (gpu ? 4 : 1) * c.buffer_mb.at(0))));
+          : fmt::format("{} MiB of tensors (the default)", std::max(32.0, (t.gpu ? 4 : 1) * c.buffer_mb.at(0))));
   // diff: the streamer comparing with its base (on a GPU: the diff kernels and the waits for them);
   // wait: the streamer waiting for the receiver's replies; batches: BATCH round trips.
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7} {:>7} {:>9}\n", "row", "step",
                      "changed", "blk256", "blk4k", "wire", "wire/v", "time", "diff", "/whole", "batches", "wait");
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9} {:>9} {:>7} {:>7} {:>9}\n", "", "", "(%)",
                      "(%)", "(%)", "(B)", "", "(ms)", "(ms)", "", "", "(ms)");
+}
 
-  std::uint64_t version = 0;
+/// The whole rows: a plain streamer's counted refits; their median.
+double whole_rows(const config& c, const streamer_options& so, trainer& t, std::uint64_t& version, std::ostream& out) {
   std::vector<double> whole_ms;
-  {
-    streamer plain(so);
-    for (int i = 0; i < c.warmup + c.iters; ++i) {
-      const auto refs = t.refs();
-      const refit_stats s = plain.refit(++version, refs);
-      if (i < c.warmup) continue;
-      whole_ms.push_back(s.seconds * 1e3);
-      write_delta_row(out,
-                      delta_row{"whole", std::to_string(i - c.warmup), 0, 0, 0, s.bytes, s.tensor_bytes,
-                                s.seconds * 1e3, 0, s.batches, s.wait_seconds * 1e3},
-                      0);
-    }
-    plain.close();
+  streamer plain(so);
+  for (int i = 0; i < c.warmup + c.iters; ++i) {
+    const auto refs = t.refs();
+    const refit_stats s = plain.refit(++version, refs);
+    if (i < c.warmup) continue;
+    whole_ms.push_back(s.seconds * 1e3);
+    write_delta_row(out,
+                    delta_row{"whole", std::to_string(i - c.warmup), 0, 0, 0, s.bytes, s.tensor_bytes, s.seconds * 1e3,
+                              0, s.batches, s.wait_seconds * 1e3},
+                    0);
   }
+  plain.close();
   const double whole = median(whole_ms);
   out << fmt::format("{:>14} {:>6} {:>8} {:>8} {:>8} {:>12} {:>7} {:>9.2f}\n", "whole median", "", "", "", "", "", "",
                      whole);
+  return whole;
+}
 
-  so.delta.enable = true;
-  so.direct = false;  // patches travel in the buffers
-  so.delta.memory = gpu ? delta_memory::device : delta_memory::host;
-  so.delta.threads = c.delta_threads;
-  so.delta.batch_bytes = static_cast<std::uint64_t>(c.delta_batch_mb * (1 << 20));
+/// The delta streamer's first (whole) refit, then one delta per step after an update. Their times and
+/// the fraction of each version that crossed the wire go to `delta_ms` and `wire_fraction`.
+void delta_rows(const config& c, const streamer_options& so, trainer& t, std::uint64_t& version, double whole,
+                std::ostream& out, std::vector<double>& delta_ms, std::vector<double>& wire_fraction) {
   streamer ds(so);
   {
     const auto refs = t.refs();
@@ -441,8 +440,6 @@ int run_delta(const config& c, std::ostream& out) {
                     whole);
     out.flush();
   }
-  std::vector<double> delta_ms;
-  std::vector<double> wire_fraction;
   for (int step = 1; step <= c.delta_steps; ++step) {
     const auto ch = t.step(static_cast<std::uint64_t>(step), c.delta_update);
     const auto refs = t.refs();
@@ -464,17 +461,48 @@ int run_delta(const config& c, std::ostream& out) {
     out.flush();
   }
   ds.close();
+}
 
-  // Verification: the receiver's weights against the trainer's last version.
-  if (::write(rx.to, "x", 1) < 0) throw error(errc::io, "--delta: cannot stop the receiver");
-  char buf[128] = {};
-  std::size_t got = 0;
-  for (ssize_t n; got < sizeof buf - 1 && (n = ::read(rx.from, buf + got, sizeof buf - 1 - got)) > 0;)
-    got += static_cast<std::size_t>(n);
+/// Stops the receiver and compares the version checksum of its weights with the trainer's, at `version`.
+bool receiver_matches(forked_child& rx, const trainer& t, std::uint64_t version) {
+  write_line(rx.to, "x");
+  const std::string line = read_line(rx.from);
   (void)reap(rx);
   std::uint64_t their_sum = 0, their_version = 0;
-  const bool parsed = std::sscanf(buf, "%lu %lu", &their_sum, &their_version) == 2;
-  const bool right = parsed && their_sum == t.checksum() && their_version == version;
+  const bool parsed = std::sscanf(line.c_str(), "%lu %lu", &their_sum, &their_version) == 2;
+  return parsed && their_sum == t.checksum() && their_version == version;
+}
+
+}  // namespace
+
+int run_delta(const config& c, std::ostream& out) {
+  const delta_transport dt = check_delta(c);
+  const manifest m = preset(c.models[0], dtype::bf16);
+  const std::string endpoint = fmt::format("ipc:///tmp/refit-bench-delta-{}.sock", ::getpid());
+
+  // The receiver is forked before this process opens any socket.
+  forked_child rx = fork_child(
+      "--delta", [&](int in, int up) { receiver_child(c, m, endpoint, in, up, dt.gpu ? -2 : -1, c.delta_threads); });
+  // Asked at once, so that a receiver GPU that is not there stops the run before the model is made.
+  const int rx_gpu = dt.gpu ? delta_receiver_gpu(c) : -1;
+
+  progress(c, fmt::format("--delta: making {} ({:.2f} GB bf16, fp32 masters)", m.name, m.bytes() / 1e9));
+  // The trainer's step is not timed: it takes every hardware thread (a llama3-8b step took ~7 s on 8 of a
+  // 64-core node, most of a 20-step run), not --delta-threads, which sizes the streamer's diff.
+  trainer t(m, std::min<std::size_t>(delta::max_threads, std::max(1u, std::thread::hardware_concurrency())));
+#if REFIT_HAVE_CUDA
+  if (dt.gpu) t.to_device(c.device);
+#endif
+  const streamer_options so = whole_options(c, dt, endpoint);
+  write_delta_preamble(out, c, m, dt, rx_gpu, so.buffer_count);
+
+  std::uint64_t version = 0;
+  const double whole = whole_rows(c, so, t, version, out);
+  std::vector<double> delta_ms, wire_fraction;
+  delta_rows(c, delta_options_of(c, dt, so), t, version, whole, out, delta_ms, wire_fraction);
+
+  // Verification: the receiver's weights against the trainer's last version.
+  const bool right = receiver_matches(rx, t, version);
   const double delta_median = median(delta_ms);
   out << fmt::format("# delta median {:.2f} ms = {:.3f} x whole median {:.2f} ms; wire {:.2f} % of the version\n",
                      delta_median, whole > 0 ? delta_median / whole : 0.0, whole, 100 * median(wire_fraction));

@@ -2,7 +2,7 @@
 //
 // The streamer sends the checkpoint's tensors whatever the layout; the receiver registers each as
 // a view of an engine tensor (receiver::add_parameter(dest, dest_layout)) and checksums the bytes
-// of each view (roles.cpp), so the verification is the same as for a plain layout.
+// of each view (role_receiver.cpp), so the verification is the same as for a plain layout.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -23,13 +23,6 @@ namespace refit::bench {
 namespace {
 
 [[noreturn]] void bad(const std::string& what) { throw error(errc::invalid_argument, "refit-bench: " + what); }
-
-// Row-major strides (elements) of a dense tensor of this shape.
-std::vector<std::int64_t> dense_strides(const std::vector<std::int64_t>& shape) {
-  std::vector<std::int64_t> s(shape.size(), 1);
-  for (std::size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
-  return s;
-}
 
 // A fused group: `fused` is the engine tensor's name, `members` the sources in row order.
 struct fused_group {
@@ -378,145 +371,10 @@ std::uint64_t engine_layout::needed_bytes(const manifest& m) const {
   return n;
 }
 
-engine_layout recorded_layout(const manifest& m, std::string_view text, const std::string& file, int rank, int tp) {
-  using doc = nlohmann::json;
-  const std::string what = "--layout recorded:" + file;
-  // The order of the params and of the entries is kept from the text (json_outline.hpp).
-  const json_outline o = outline_json(text, {"entries", "params"}, 64);
-  if (o.invalid) bad(fmt::format("{}: not JSON: {}", what, *o.invalid));
-  if (o.too_deep) bad(fmt::format("{}: nests deeper than 64 levels (a route table needs 5)", what));
-  if (o.repeated)
-    bad(fmt::format("{}: '{}' is a key twice{}", what, o.repeated->first,
-                    o.repeated->second.empty() ? std::string() : fmt::format(" in \"{}\"", o.repeated->second)));
-  doc t;
-  try {
-    t = doc::parse(text);
-  } catch (const std::exception& e) {
-    bad(fmt::format("{}: not JSON: {}", what, e.what()));
-  }
-  const auto shape_of = [&](const doc& j, const std::string& where) {
-    std::vector<std::int64_t> v;
-    if (!j.is_array()) bad(fmt::format("{}: {}: not a list of integers", what, where));
-    for (const auto& d : j) {
-      if (!d.is_number_integer() || d.get<std::int64_t>() < 0)
-        bad(fmt::format("{}: {}: not a list of integers", what, where));
-      v.push_back(d.get<std::int64_t>());
-    }
-    return v;
-  };
-  const auto dtype_of = [&](const doc& j, const std::string& where) {
-    const auto d = j.is_string() ? parse_dtype(j.get<std::string>()) : std::nullopt;
-    if (!d) bad(fmt::format("{}: {}: unknown dtype {}", what, where, j.dump()));
-    return *d;
-  };
-  if (!t.is_object() || !t.contains("entries") || !t.contains("params") || !t.contains("unrecorded") ||
-      !t["entries"].is_object() || !t["params"].is_object() || !t["unrecorded"].is_object())
-    bad(fmt::format("{}: not a refit route table (RouteTable.to_json(): entries, params, unrecorded)", what));
-  if (!t["unrecorded"].empty()) {
-    std::vector<std::string> names;
-    for (const auto& [name, why] : t["unrecorded"].items()) names.push_back(name);
-    bad(
-        fmt::format("{}: the table has {} unrecorded source{} (refit.record could not follow the loader): {}; "
-                    "a recorded layout needs every source routed",
-                    what, names.size(), names.size() == 1 ? "" : "s", fmt::join(names, ", ")));
-  }
-  engine_layout l;
-  l.kind = layout_kind::recorded;
-  l.tp = tp;
-  l.rank = rank;
-  l.tensors.name = m.name;
-  l.of_source.resize(m.entries.size());
-  l.slices.resize(m.entries.size());
-  std::unordered_map<std::string, std::size_t> params;
-  for (const std::string& name : o.keys_under("params")) {
-    const doc& p = t["params"][name];
-    const std::string where = "parameter " + name;
-    if (!p.is_object() || !p.contains("dtype") || !p.contains("shape"))
-      bad(fmt::format("{}: {}: no dtype or shape", what, where));
-    tensor_meta meta{name, dtype_of(p["dtype"], where), shape_of(p["shape"], where)};
-    if (p.contains("stride") && shape_of(p["stride"], where) != dense_strides(meta.shape))
-      bad(fmt::format("{}: {} has strides {} and the bench allocates dense parameters ({})", what, describe(meta),
-                      p["stride"].dump(), fmt::join(dense_strides(meta.shape), ", ")));
-    params.emplace(name, l.tensors.entries.size());
-    l.tensors.entries.push_back({std::move(meta), -1, 0});
-  }
-  std::unordered_map<std::string, std::size_t> index;
-  for (std::size_t i = 0; i < m.entries.size(); ++i) index.emplace(m.entries[i].meta.name, i);
-  for (const std::string& name : o.keys_under("entries")) {
-    const doc& routes = t["entries"][name];
-    const auto at = index.find(name);
-    if (at == index.end())
-      bad(fmt::format("{}: the table routes {}, which {} lacks; give the model the table was recorded for", what, name,
-                      m.name));
-    const std::size_t i = at->second;
-    const tensor_meta& src = m.entries[i].meta;
-    if (t.contains("sources") && t["sources"].contains(name)) {
-      const auto& s = t["sources"][name];
-      const tensor_meta rec{name, dtype_of(s.value("dtype", doc()), "source " + name),
-                            shape_of(s.value("shape", doc()), "source " + name)};
-      if (rec.type != src.type || rec.shape != src.shape)
-        bad(fmt::format("{}: the table was recorded with {} and {} has {}", what, describe(rec), m.name,
-                        describe(src)));
-    }
-    if (!routes.is_array() || routes.empty()) bad(fmt::format("{}: {} has no route", what, name));
-    bool first = true;
-    for (const auto& r : routes) {
-      const std::string param = r.value("param", std::string());
-      const auto p = params.find(param);
-      if (p == params.end())
-        bad(fmt::format("{}: {} is routed to {}, which is not among the table's params", what, name, param));
-      const tensor_meta& engine = l.tensors.entries[p->second].meta;
-      if (engine.type != src.type)
-        bad(fmt::format("{}: {} is routed to {}, of another dtype", what, describe(src), describe(engine)));
-      std::optional<source_slice> slice;
-      auto shape = src.shape;
-      if (r.contains("source_slice") && !r["source_slice"].is_null()) {
-        const auto sl = shape_of(r["source_slice"], name + "'s source_slice");
-        if (sl.size() != 3 || sl[0] >= static_cast<std::int64_t>(src.shape.size()) ||
-            sl[1] + sl[2] > src.shape[static_cast<std::size_t>(sl[0])])
-          bad(fmt::format("{}: {}: source_slice {} does not fit {}", what, name, r["source_slice"].dump(),
-                          describe(src)));
-        slice = source_slice{static_cast<int>(sl[0]), sl[1], sl[2]};
-        shape[static_cast<std::size_t>(sl[0])] = sl[2];
-      }
-      if (!first && slice != l.slices[i])
-        bad(fmt::format("{}: the routes of {} take different parts of it; the bench checks one slice per source", what,
-                        name));
-      first = false;
-      l.slices[i] = slice;
-      const auto vshape = shape_of(r.value("shape", doc()), name + "'s view shape");
-      const auto vstrides = shape_of(r.value("stride", doc()), name + "'s view strides");
-      if (!r.contains("offset") || !r["offset"].is_number_unsigned())
-        bad(fmt::format("{}: {}: a route without an offset", what, name));
-      const std::uint64_t offset = r["offset"].get<std::uint64_t>();
-      if (vshape != shape)
-        bad(fmt::format("{}: {} lands in {} as [{}], and {} of it is [{}]", what, name, param, fmt::join(vshape, ", "),
-                        slice ? "the slice" : "all", fmt::join(shape, ", ")));
-      const std::uint64_t numel = tensor_meta{"", src.type, shape}.nbytes() / itemsize(src.type);
-      if (vstrides.size() != vshape.size() || (numel > 1 && vstrides != dense_strides(vshape)))
-        bad(fmt::format(
-            "{}: {} lands in {} with strides [{}]: not one contiguous run of it (the bench checks those only)", what,
-            name, param, fmt::join(vstrides, ", ")));
-      const std::uint64_t engine_numel = engine.nbytes() / itemsize(engine.type);
-      if (offset + numel > engine_numel)
-        bad(fmt::format("{}: {} lands in {} from element {}: {} elements do not fit its {}", what, name,
-                        describe(engine), offset, numel, engine_numel));
-      layout_view v;
-      v.source = i;
-      v.tensor = p->second;
-      v.offset = offset * itemsize(src.type);
-      v.bytes = numel * itemsize(src.type);
-      v.shape = vshape;
-      v.strides = vstrides;
-      v.slice = slice;
-      l.of_source[i].push_back(l.views.size());
-      l.views.push_back(std::move(v));
-    }
-  }
-  for (std::size_t i = 0; i < m.entries.size(); ++i)
-    if (l.of_source[i].empty())
-      bad(fmt::format("{}: {} has {}, which the table does not route", what, m.name, m.entries[i].meta.name));
-  return l;
+std::vector<std::int64_t> dense_strides(const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> s(shape.size(), 1);
+  for (std::size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
+  return s;
 }
 
 engine_layout make_layout(const manifest& m, const layout_spec& spec, int rank) {

@@ -91,17 +91,12 @@ class host_memory final : public tensor_memory {
     return copy::checksum(ptrs_.at(i), sizes_.at(i), device::cpu());
   }
   [[nodiscard]] std::uint64_t checksum(std::size_t i, std::uint64_t offset, std::uint64_t bytes) const override {
-    if (offset > sizes_.at(i) || bytes > sizes_[i] - offset)
-      throw error(errc::invalid_argument,
-                  fmt::format("refit-bench: bytes {}..{} of a {}-byte tensor", offset, offset + bytes, sizes_[i]));
+    check_bytes(sizes_.at(i), offset, bytes);
     return copy::checksum(ptrs_[i] + offset, bytes, device::cpu());
   }
   [[nodiscard]] std::uint64_t checksum(std::size_t i, const byte_region& r) const override {
     if (r.contiguous()) return checksum(i, r.offset, r.bytes());
-    if (r.offset + (r.rows - 1) * r.pitch + r.width > sizes_.at(i))
-      throw error(errc::invalid_argument, fmt::format("refit-bench: {} runs of {} bytes {} apart from byte {} of a "
-                                                      "{}-byte tensor",
-                                                      r.rows, r.width, r.pitch, r.offset, sizes_[i]));
+    check_region(sizes_.at(i), r);
     std::vector<std::byte> gathered(r.bytes());
     for (std::uint64_t k = 0; k < r.rows; ++k)
       std::memcpy(gathered.data() + k * r.width, ptrs_[i] + r.offset + k * r.pitch, r.width);
