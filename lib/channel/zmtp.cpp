@@ -378,7 +378,7 @@ bool decoder::mid_message() const noexcept {
   return state_ == state::size || state_ == state::command || state_ == state::frame || frames_ > 0;
 }
 
-std::size_t decoder::held_bytes() const noexcept { return (body_ ? body_->held() : 0) + command_.capacity(); }
+std::size_t decoder::held_bytes() const noexcept { return (body_ ? body_->held() : 0) + command_.size(); }
 
 // ------------------------------------------------------------------------------------ server
 
