@@ -3,6 +3,7 @@
 #include "channel/channel.hpp"
 
 #include <fmt/format.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -46,6 +47,7 @@ constexpr int reconnect_ivl_max_ms = 1000;
 using clock = std::chrono::steady_clock;
 
 std::string zmq_reason(const zmq::error_t& e) { return fmt::format("{} (errno {})", e.what(), e.num()); }
+std::string errno_reason(int e) { return fmt::format("{} (errno {})", std::strerror(e), e); }
 
 int remaining_ms(clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
@@ -323,6 +325,13 @@ bool insecure_allowed_by_env() noexcept {
 }
 
 rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve, bool allow_insecure) {
+  open(endpoint, curve, allow_insecure, zmtp::default_options());
+}
+
+rep_channel::rep_channel(std::string_view endpoint, const zmtp::options& o) { open(endpoint, {}, false, o); }
+
+void rep_channel::open(std::string_view endpoint, const curve_keys& curve, bool allow_insecure,
+                       const zmtp::options& o) {
   validate_curve(curve, true);
   const std::string target = bind_endpoint(endpoint);
   const bool owns = endpoint.empty();
@@ -334,6 +343,31 @@ rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve, boo
                             "public key as server_key), bind a loopback address (tcp://127.0.0.1:PORT), or, on a "
                             "network you trust, set receiver_options.allow_insecure_tcp or REFIT_ALLOW_INSECURE=1",
                             target));
+  if (!released_here(target) && ipc_endpoint_in_use(target)) {
+    if (owns) remove_private_endpoint(target);
+    throw error(errc::io, fmt::format("cannot bind the receiver to {}: another process is serving it already "
+                                      "(Address already in use)",
+                                      target));
+  }
+  // Without CURVE the receiver reads ZMTP itself (zmtp.hpp). An endpoint its server does not bind
+  // (an interface or host name, an abstract ipc name) stays with libzmq's ROUTER, as CURVE does.
+  if (curve.secret_key.empty() && zmtp::server::handles(target)) {
+    zmtp::options limits = o;
+    limits.max_body = static_cast<std::uint64_t>(max_message_bytes);
+    try {
+      server_ = std::make_unique<zmtp::server>(target, limits);
+    } catch (...) {
+      if (owns) remove_private_endpoint(target);
+      throw;
+    }
+    endpoint_ = server_->endpoint();
+  } else {
+    open_zmq(target, curve, owns);
+  }
+  owns_endpoint_ = owns;
+}
+
+void rep_channel::open_zmq(const std::string& target, const curve_keys& curve, bool owns) {
   try {
     socket_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::router);
     socket_->set(zmq::sockopt::linger, 0);
@@ -354,12 +388,6 @@ rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve, boo
     if (owns) remove_private_endpoint(target);
     throw error(errc::io, fmt::format("cannot create the receiver socket for {}: {}", target, zmq_reason(e)));
   }
-  if (!released_here(target) && ipc_endpoint_in_use(target)) {
-    socket_.reset();
-    throw error(errc::io, fmt::format("cannot bind the receiver to {}: another process is serving it already "
-                                      "(Address already in use)",
-                                      target));
-  }
   try {
     socket_->bind(target);
   } catch (const zmq::error_t& e) {
@@ -375,12 +403,12 @@ rep_channel::rep_channel(std::string_view endpoint, const curve_keys& curve, boo
     endpoint_ = target;
   }
   if (endpoint_.empty()) endpoint_ = target;
-  owns_endpoint_ = owns;
 }
 
 rep_channel::~rep_channel() {
   if (socket_) note_released(endpoint_);
   socket_.reset();
+  server_.reset();
   zap_.reset();
   if (owns_endpoint_) remove_private_endpoint(endpoint_);
 }
@@ -388,6 +416,7 @@ rep_channel::~rep_channel() {
 rep_channel::rep_channel(rep_channel&& other) noexcept
     : zap_(std::move(other.zap_)),
       socket_(std::move(other.socket_)),
+      server_(std::move(other.server_)),
       endpoint_(std::move(other.endpoint_)),
       owns_endpoint_(other.owns_endpoint_),
       lane_(std::move(other.lane_)),
@@ -403,8 +432,10 @@ rep_channel::rep_channel(rep_channel&& other) noexcept
 rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
   if (this != &other) {
     socket_.reset();
+    server_.reset();
     if (owns_endpoint_) remove_private_endpoint(endpoint_);
     socket_ = std::move(other.socket_);
+    server_ = std::move(other.server_);
     zap_ = std::move(other.zap_);
     endpoint_ = std::move(other.endpoint_);
     owns_endpoint_ = other.owns_endpoint_;
@@ -421,7 +452,7 @@ rep_channel& rep_channel::operator=(rep_channel&& other) noexcept {
 }
 
 std::optional<std::string> rep_channel::receive(std::chrono::milliseconds wait, bool soon) {
-  if (!socket_) throw error(errc::internal, "receive() on a moved-from rep_channel");
+  if (!is_open()) throw error(errc::internal, "receive() on a moved-from rep_channel");
   rep_channel* self = this;
   const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
   if (!wait_ready({&self, 1}, deadline, soon ? spin_before_blocking : std::chrono::microseconds{0}))
@@ -468,6 +499,7 @@ std::optional<std::string> rep_channel::take() {
 }
 
 std::optional<std::string> rep_channel::take_from_socket() {
+  if (server_) return server_->take(answer_to_);  // it dropped and counted the malformed ones
   // ZeroMQ delivers a multipart message whole or not at all, so every frame of one is here.
   for (;;) {
     zmq::message_t id;
@@ -508,88 +540,136 @@ std::optional<std::string> rep_channel::take_from_socket() {
 std::optional<std::size_t> rep_channel::wait_any(std::span<rep_channel* const> channels, std::chrono::milliseconds wait,
                                                  bool soon) {
   for (rep_channel* c : channels)
-    if (!c->socket_) throw error(errc::internal, "wait_any() on a moved-from rep_channel");
+    if (!c->is_open()) throw error(errc::internal, "wait_any() on a moved-from rep_channel");
   if (channels.empty()) return std::nullopt;
   const auto deadline = clock::now() + (wait.count() < 0 ? std::chrono::milliseconds(0) : wait);
   return wait_ready(channels, deadline, soon ? spin_before_blocking : std::chrono::microseconds{0});
 }
 
+namespace {
+
+short to_zmq_events(short events) {
+  return static_cast<short>(((events & POLLIN) != 0 ? ZMQ_POLLIN : 0) | ((events & POLLOUT) != 0 ? ZMQ_POLLOUT : 0));
+}
+
+short from_zmq_events(short revents) {
+  return static_cast<short>(((revents & ZMQ_POLLIN) != 0 ? POLLIN : 0) | ((revents & ZMQ_POLLOUT) != 0 ? POLLOUT : 0) |
+                            ((revents & ZMQ_POLLERR) != 0 ? POLLERR : 0));
+}
+
+}  // namespace
+
+bool rep_channel::poll_once(std::span<rep_channel* const> channels, clock::time_point until, bool with_lanes,
+                            poll_state& st) {
+  // The ZMTP servers' descriptors, then (when asleep) the lanes' doorbells and hang-up descriptors
+  // (POLLHUP once the lane's streamer is gone: see lane::streamer_gone()); libzmq sockets apart.
+  st.fds.clear();
+  st.slices.clear();
+  st.sockets.clear();
+  for (rep_channel* c : channels) {
+    const std::size_t from = st.fds.size();
+    if (c->server_) c->server_->poll_fds(st.fds);
+    st.slices.emplace_back(from, st.fds.size());
+    if (c->socket_) st.sockets.push_back(zmq::pollitem_t{c->socket_->handle(), 0, ZMQ_POLLIN, 0});
+  }
+  if (with_lanes) {
+    for (rep_channel* c : channels) {
+      if (!c->lane_) continue;
+      st.fds.push_back(pollfd{c->lane_->doorbell(), POLLIN, 0});
+      if (c->lane_->hangup() >= 0) st.fds.push_back(pollfd{c->lane_->hangup(), 0, 0});
+    }
+  }
+  const int timeout = remaining_ms(until);
+  int n = 0;
+  if (st.sockets.empty()) {
+    n = ::poll(st.fds.data(), st.fds.size(), timeout);
+    if (n < 0 && errno != EINTR) throw poll_failure(channels, errno_reason(errno));
+  } else {
+    // zmq_poll takes raw descriptors beside its sockets.
+    std::vector<zmq::pollitem_t>& items = st.sockets;
+    const std::size_t sockets = items.size();
+    for (const pollfd& p : st.fds) items.push_back(zmq::pollitem_t{nullptr, p.fd, to_zmq_events(p.events), 0});
+    try {
+      n = zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout));
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) throw poll_failure(channels, zmq_reason(e));
+    }
+    for (std::size_t k = 0; k < st.fds.size(); ++k) st.fds[k].revents = from_zmq_events(items[sockets + k].revents);
+    items.resize(sockets);
+  }
+  for (std::size_t k = 0; k < channels.size(); ++k)
+    if (channels[k]->server_)
+      channels[k]->server_->service(
+          std::span(st.fds).subspan(st.slices[k].first, st.slices[k].second - st.slices[k].first));
+  return n > 0;
+}
+
+error rep_channel::poll_failure(std::span<rep_channel* const> channels, const std::string& reason) {
+  return error(errc::io, fmt::format("waiting for a request on {} failed: {}",
+                                     channels.size() == 1 ? channels.front()->endpoint_
+                                                          : fmt::format("{} endpoints", channels.size()),
+                                     reason));
+}
+
 std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const> channels, clock::time_point deadline,
                                                    std::chrono::microseconds spin) {
-  // The sockets first, then the doorbells of the channels that have a lane, then the lanes' hang-up
-  // descriptors (POLLHUP once the lane's streamer is gone: see lane::streamer_gone()).
-  std::vector<zmq::pollitem_t> items;
-  items.reserve(3 * channels.size());
-  for (rep_channel* c : channels) items.push_back(zmq::pollitem_t{c->socket_->handle(), 0, ZMQ_POLLIN, 0});
   std::vector<lane*> lanes;
-  for (rep_channel* c : channels) {
-    if (!c->lane_) continue;
-    lanes.push_back(c->lane_.get());
-    items.push_back(zmq::pollitem_t{nullptr, c->lane_->doorbell(), ZMQ_POLLIN, 0});
-  }
   for (rep_channel* c : channels)
-    if (c->lane_ && c->lane_->hangup() >= 0)
-      items.push_back(zmq::pollitem_t{nullptr, c->lane_->hangup(), ZMQ_POLLERR, 0});
+    if (c->lane_) lanes.push_back(c->lane_.get());
+  poll_state st;
+  // A request is ready: on a lane (asked first: a load), queued by a ZMTP server, or on a libzmq
+  // socket (as the last poll found it). The first channel in order wins (wait_any's fairness).
+  const auto ready = [&](bool polled) -> std::optional<std::size_t> {
+    for (std::size_t k = 0; k < channels.size(); ++k)
+      if (channels[k]->lane_ && channels[k]->lane_->ready()) return k;
+    for (std::size_t k = 0, s = 0; k < channels.size(); ++k) {
+      if (channels[k]->server_ && channels[k]->server_->ready()) return k;
+      if (channels[k]->socket_ && polled && (st.sockets[s++].revents & ZMQ_POLLIN) != 0) return k;
+    }
+    return std::nullopt;
+  };
   const auto lane_hung_up = [&]() -> std::optional<std::size_t> {
     for (std::size_t k = 0; k < channels.size(); ++k)
       if (channels[k]->lane_ && channels[k]->lane_->streamer_gone()) return k;
     return std::nullopt;
   };
-  const std::size_t sockets = channels.size();
-  const auto lane_ready = [&]() -> std::optional<std::size_t> {
-    for (std::size_t k = 0; k < channels.size(); ++k)
-      if (channels[k]->lane_ && channels[k]->lane_->ready()) return k;
-    return std::nullopt;
+  // When the servers need serving without I/O (a heartbeat, a timeout), or the deadline.
+  const auto wake = [&] {
+    auto t = deadline;
+    for (rep_channel* c : channels)
+      if (c->server_) t = std::min(t, c->server_->next_timer());
+    return t;
   };
-  const auto socket_ready = [&]() -> std::optional<std::size_t> {
-    for (std::size_t k = 0; k < sockets; ++k)
-      if ((items[k].revents & ZMQ_POLLIN) != 0) return k;
-    return std::nullopt;
-  };
-  const auto poll = [&](std::size_t count, clock::time_point until) {
-    try {
-      return zmq::poll(items.data(), count, std::chrono::milliseconds(remaining_ms(until))) > 0;
-    } catch (const zmq::error_t& e) {
-      if (e.num() != EINTR)
-        throw error(errc::io, fmt::format("waiting for a request on {} failed: {}",
-                                          channels.size() == 1 ? channels.front()->endpoint_
-                                                               : fmt::format("{} endpoints", channels.size()),
-                                          zmq_reason(e)));
-      return false;
-    }
-  };
-  if (spin.count() > 0) {
-    // A lane is asked at every turn (a load), the sockets at every eighth when there is one (a
-    // system call).
-    const auto spin_until = std::min(deadline, clock::now() + spin);
-    std::uint32_t turn = 0;
-    do {
-      if (const auto k = lane_ready()) return k;
-      if ((lanes.empty() || turn++ % 8 == 0) && poll(sockets, clock::now())) {
-        if (const auto k = socket_ready()) return k;
-      }
-      std::this_thread::yield();
-    } while (clock::now() < spin_until);
-  }
+  const auto spin_until = std::min(deadline, clock::now() + spin);
+  std::uint32_t turn = 0;
   for (;;) {
+    for (rep_channel* c : channels)
+      if (c->server_) c->server_->pump();
+    if (const auto k = ready(false)) return k;
+    if (clock::now() < spin_until) {
+      // Spinning: a lane is asked at every turn, the sockets at every eighth when there is one (a
+      // system call).
+      if ((lanes.empty() || turn++ % 8 == 0) && poll_once(channels, clock::now(), false, st))
+        if (const auto k = ready(true)) return k;
+      std::this_thread::yield();
+      continue;
+    }
     for (lane* l : lanes) l->arm();
-    if (const auto k = lane_ready()) {
+    if (const auto k = ready(false)) {
       for (lane* l : lanes) l->disarm();
       return k;
     }
-    const bool any = poll(items.size(), deadline);
+    const bool any = poll_once(channels, wake(), true, st);
     for (lane* l : lanes) l->disarm();
-    if (const auto k = lane_ready()) return k;
-    if (any) {
-      if (const auto k = socket_ready()) return k;
+    if (const auto k = ready(true)) return k;
+    if (any)
       if (const auto k = lane_hung_up()) return k;  // take() reports it
-    }
     if (clock::now() >= deadline) return std::nullopt;
   }
 }
 
 void rep_channel::reply(std::string_view bytes) {
-  if (!socket_) throw error(errc::internal, "reply() on a moved-from rep_channel");
+  if (!is_open()) throw error(errc::internal, "reply() on a moved-from rep_channel");
   if (answer_lane_) {
     const std::shared_ptr<lane> through = std::exchange(answer_lane_, nullptr);
     if (through->send(bytes, clock::now() + std::chrono::milliseconds(reply_send_timeout_ms),
@@ -605,6 +685,10 @@ void rep_channel::reply(std::string_view bytes) {
     return;
   }
   const std::string to = std::exchange(answer_to_, std::string());
+  if (server_) {
+    if (!server_->reply(to, bytes)) REFIT_WARN("reply on {} dropped: its connection is gone", endpoint_);
+    return;
+  }
   try {
     // To the connection the request came from: a ROUTER drops what it cannot route (the peer is
     // gone, or its queue is full) instead of blocking, and never sends it to another peer.

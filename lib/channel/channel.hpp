@@ -1,12 +1,14 @@
 // refit — the control channel: RAII over cppzmq REQ (streamer) and ROUTER (receiver) sockets with
 // deadlines, linger 0, and recovery. Clear errors instead of hangs.
 //
-// The receiver speaks REP's protocol on the wire (a REQ streamer talks to it unchanged) but reads a
-// ROUTER socket and parses the envelope itself: a request is a routing id, an empty delimiter and
-// one body frame; anything else is dropped whole and counted, never answered in another peer's
-// place. (libzmq's REP loses the next peer's reply after a malformed request from a peer that is
-// already gone, and takes each frame of a multipart request as a request of its own.) The routing
-// id of the request in hand tells the receiver which connection sent it (peer_id()).
+// The receiver speaks REP's protocol on the wire (a REQ streamer talks to it unchanged) and parses
+// the envelope itself: a request is an empty delimiter and one body frame; anything else is dropped
+// whole and counted, never answered in another peer's place. (libzmq's REP loses the next peer's
+// reply after a malformed request from a peer that is already gone, and takes each frame of a
+// multipart request as a request of its own.) Without CURVE it reads ZMTP itself (zmtp.hpp), so a
+// message that never ends holds at most one frame; with CURVE a libzmq ROUTER socket, whose
+// unfinished messages only RCVHWM and heartbeats bound. peer_id() names the connection the request
+// in hand came by.
 #pragma once
 
 #include <chrono>
@@ -18,7 +20,9 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
+#include "channel/zmtp.hpp"
 #include "refit/error.hpp"
 #include "refit/options.hpp"
 
@@ -26,6 +30,7 @@ namespace zmq {
 class context_t;
 class socket_t;
 }  // namespace zmq
+struct zmq_pollitem_t;
 
 namespace refit::channel {
 
@@ -67,11 +72,13 @@ class rep_channel {
   /// tcp endpoint other hosts can reach without CURVE (no curve.secret_key) unless
   /// `allow_insecure` (or REFIT_ALLOW_INSECURE=1).
   rep_channel(std::string_view endpoint, const curve_keys& curve = {}, bool allow_insecure = false);
+  /// For tests: without CURVE, with the ZMTP server's limits and intervals `o` (shorter heartbeats).
+  rep_channel(std::string_view endpoint, const zmtp::options& o);
   ~rep_channel();
   rep_channel(rep_channel&&) noexcept;
   rep_channel& operator=(rep_channel&&) noexcept;
 
-  /// The bound endpoint with its port resolved (ZMQ_LAST_ENDPOINT).
+  /// The bound endpoint with its port resolved (as ZMQ_LAST_ENDPOINT says it).
   [[nodiscard]] const std::string& endpoint() const noexcept { return endpoint_; }
 
   /// Waits up to `wait` for a request; nullopt when none came. Must be followed by reply() before
@@ -79,8 +86,9 @@ class rep_channel {
   /// `soon`: a request is expected shortly (a refit is in progress): the wait asks without
   /// sleeping for a moment before it blocks, sparing the wake-up latency.
   std::optional<std::string> receive(std::chrono::milliseconds wait, bool soon = false);
-  /// Replies to the last request, the way it came (ZeroMQ, or the lane). Never blocks for long
-  /// (the peer may be gone: the reply is dropped after the send timeout, and that is not an error).
+  /// Replies to the last request, the way it came (ZeroMQ, or the lane). Never blocks for long: what
+  /// the socket does not take at once is queued (ZMTP) or dropped (libzmq); a reply to a peer that is
+  /// gone is dropped, and that is not an error.
   void reply(std::string_view bytes);
 
   /// Listens to `l` too from now on (see lane.hpp), in place of any lane before; null: none.
@@ -88,8 +96,8 @@ class rep_channel {
   void attach_lane(std::unique_ptr<lane> l);
   /// True when the last request came through a lane and waits for its reply.
   [[nodiscard]] bool last_from_lane() const noexcept { return static_cast<bool>(answer_lane_); }
-  /// The routing id of the connection the request in hand came through (ZeroMQ assigns one per
-  /// connection); "" when it came through the lane, or once it was answered.
+  /// The id of the connection the request in hand came through (one per connection, never reused in
+  /// the process); "" when it came through the lane, or once it was answered.
   [[nodiscard]] const std::string& peer_id() const noexcept { return answer_to_; }
   /// True when a lane is attached and a request has come through it: its streamer moved there.
   [[nodiscard]] bool on_lane() const noexcept { return lane_ && lane_heard_; }
@@ -97,9 +105,11 @@ class rep_channel {
   /// ended or it closed the lane. The lane is dropped then; its session cannot go on through it.
   [[nodiscard]] bool lane_gone() noexcept { return std::exchange(lane_gone_, false); }
   /// Requests dropped unanswered because their envelope was not a REQ's (for tests and logs).
-  [[nodiscard]] std::uint64_t dropped() const noexcept { return dropped_; }
-
-  [[nodiscard]] zmq::socket_t& handle() noexcept { return *socket_; }
+  [[nodiscard]] std::uint64_t dropped() const noexcept { return server_ ? server_->dropped() : dropped_; }
+  /// Connections the ZMTP server closed (protocol errors, stalls, over the limit); 0 with libzmq.
+  [[nodiscard]] std::uint64_t closed() const noexcept { return server_ ? server_->closed() : 0; }
+  /// Connections the ZMTP server has open now; 0 with libzmq.
+  [[nodiscard]] std::size_t connections() const noexcept { return server_ ? server_->connections() : 0; }
 
   /// Waits up to `wait` until one of `channels` has a request; returns its index (the first ready
   /// one in order), nullopt when none came. `soon` as for receive().
@@ -112,13 +122,28 @@ class rep_channel {
   std::optional<std::string> take();
   /// The next well-formed request waiting on the socket (malformed ones are dropped), or nullopt.
   std::optional<std::string> take_from_socket();
+  void open(std::string_view endpoint, const curve_keys& curve, bool allow_insecure, const zmtp::options& o);
+  void open_zmq(const std::string& target, const curve_keys& curve, bool owns);
+  [[nodiscard]] bool is_open() const noexcept { return socket_ || server_; }
+  /// What one wait polls, kept across its turns (no allocation per poll).
+  struct poll_state {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<std::size_t, std::size_t>> slices;  ///< each channel's server's part of fds
+    std::vector<zmq_pollitem_t> sockets;                      ///< the libzmq sockets, in channel order
+  };
+  /// Polls every channel's server, libzmq socket and (`with_lanes`) lane until `until`, then lets the
+  /// servers serve what it found. True when anything was ready.
+  static bool poll_once(std::span<rep_channel* const> channels, std::chrono::steady_clock::time_point until,
+                        bool with_lanes, poll_state& st);
+  static error poll_failure(std::span<rep_channel* const> channels, const std::string& reason);
   /// wait_any() to a deadline, spinning for `spin` first.
   static std::optional<std::size_t> wait_ready(std::span<rep_channel* const> channels,
                                                std::chrono::steady_clock::time_point deadline,
                                                std::chrono::microseconds spin);
 
-  std::shared_ptr<const void> zap_;  ///< this socket's ZAP domain (allowed client keys), if any
-  std::unique_ptr<zmq::socket_t> socket_;
+  std::shared_ptr<const void> zap_;        ///< this socket's ZAP domain (allowed client keys), if any
+  std::unique_ptr<zmq::socket_t> socket_;  ///< with CURVE (or an endpoint the ZMTP server does not bind)
+  std::unique_ptr<zmtp::server> server_;   ///< without CURVE
   std::string endpoint_;
   bool owns_endpoint_ = false;  ///< made by bind_endpoint(""): removed with the channel
   std::shared_ptr<lane> lane_;

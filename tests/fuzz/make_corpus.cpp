@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "channel/zmtp.hpp"
 #include "refit/model.hpp"
 #include "transport/nccl_session.hpp"
 #include "transport/vmm_record.hpp"
@@ -229,6 +230,39 @@ int main(int argc, char** argv) {
     write(t, "refit_many_chunks",
           concat(0, {wire::begin{1, false, {}}, wire::batch{1, 0, 0, {{"x", dtype::f64, {64}, 0, 256, 0}}},
                      wire::batch{1, 1, 0, {{"x", dtype::f64, {64}, 256, 256, 0}}}, wire::end{1, 1, 512, 2, {}}}));
+
+    // ------------------------------------------------------------- fuzz_zmtp
+    // A cut byte (how the bytes are split into reads), then what a peer sends after connecting.
+    {
+      namespace zmtp = refit::channel::zmtp;
+      const fs::path z = root / "fuzz_zmtp";
+      const auto frame = [](const std::string& body, bool more) {
+        return std::string(1, more ? '\x01' : '\x00') + std::string(1, static_cast<char>(body.size())) + body;
+      };
+      const auto ready_of = [](const std::string& type) {
+        return zmtp::command("READY", std::string("\x0bSocket-Type\0\0\0", 15) + static_cast<char>(type.size()) + type);
+      };
+      std::string client = zmtp::greeting();
+      client[32] = 0;
+      const std::string req = client + ready_of("REQ");
+      write(z, "request", "\x07" + req + frame("", true) + frame(wire::encode(wire::bye{}), false));
+      write(z, "request_whole", std::string(1, '\0') + req + frame("", true) + frame("hello", false));
+      write(z, "drops",
+            "\x21" + req + frame("", true) + frame("a", true) + frame("b", false) + frame("x", true) +
+                frame("y", false) + frame("z", false) + frame("", true) + frame("ok", false));
+      write(z, "ping",
+            "\x05" + req +
+                zmtp::command("PING", std::string("\0\x0a"
+                                                  "ctx",
+                                                  5)) +
+                zmtp::command("PONG", "c"));
+      std::string zmtp30 = client;
+      zmtp30[11] = 0;
+      write(z, "dealer_zmtp30", "\x09" + zmtp30 + ready_of("DEALER") + frame("", true) + frame("d", false));
+      write(z, "long_frame",
+            "\x0b" + req + frame("", true) + std::string("\x02\0\0\0\0\0\0\x01\x2c", 9) + std::string(300, 'L'));
+      write(z, "wrong_type", "\x03" + client + ready_of("PUB"));
+    }
 
     // ------------------------------------------------------------- fuzz_manifest
     // Byte 0: 0 = safetensors in memory, 1 = JSON in memory (next to shard.safetensors),
