@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "refit/model.hpp"
+#include "refit/receiver.hpp"
 #include "bench/role_report.hpp"
 #include "bench/spawn.hpp"
 #include "refit/options.hpp"
@@ -441,6 +442,9 @@ struct config {
   /// cuda_ipc: the receiver's weights in such chunks (--dest-memory vmm): an engine under
   /// expandable segments, written directly through descriptors.
   bool vmm_dests = false;
+  /// --stage: the receivers stage each version (receiver_options::stage) and apply it at once when
+  /// prepared; rows then report the apply's pause (pause_ms) beside the transfer.
+  stage_kind stage = stage_kind::none;
   /// --split: after each row's refits, as many of one tensor alone (subset versions, same session):
   /// the refit's fixed cost, and what the rest of the row's time moves its bytes at.
   bool split = false;
@@ -556,6 +560,7 @@ struct row {
   double floor_ms = 0;      ///< 2 × bytes / ceiling (staged), 1 × bytes / ceiling (direct; nccl: one broadcast pass)
   double ratio = 0;         ///< floor / median
   double source_ms = 0, pack_ms = 0, wait_ms = 0, apply_ms = -1;  ///< medians; apply -1: unknown
+  double pause_ms = -1;    ///< --stage: median of the slowest receiver's apply_prepared() copy; -1: not staged
   std::int64_t wrong = 0;  ///< tensors with a wrong checksum over every refit; -1: not verified
   /// --split: median of the row's refits of its smallest tensor alone (a subset version in the
   /// same session), the fixed cost of a refit; -1: not measured.

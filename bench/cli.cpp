@@ -151,6 +151,14 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
                  "chunks exportable as descriptors, as torch's expandable segments hold them (engine +vmm-src)")
       ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"cudamalloc", false}, {"vmm", true}}))
       ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--stage",
+         [&c](const std::string& v) {
+           c.stage = v == "host" ? stage_kind::host : v == "device" ? stage_kind::device : stage_kind::none;
+         },
+         "the receivers stage every version (none, host, device: receiver_options::stage) and apply it as soon as "
+         "it is prepared; rows report the apply's pause (pause_ms)")
+      ->check(CLI::IsMember({"none", "host", "device"}));
   app.add_option("--dest-memory", c.vmm_dests,
                  "cuda_ipc: where the receiver's weights live: cudamalloc or vmm (an engine under expandable "
                  "segments; engine +vmm-dst)")
@@ -511,6 +519,7 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
   if (c.corrupt_tensor) a.insert(a.end(), {"--corrupt-byte", std::to_string(*c.corrupt_tensor)});
   if (c.convert) a.insert(a.end(), {"--convert", c.convert->name});
   if (c.vmm_dests) a.insert(a.end(), {"--dest-memory", "vmm"});  // the weights are the receiver's to allocate
+  if (c.stage != stage_kind::none) a.insert(a.end(), {std::string("--stage"), std::string(to_string(c.stage))});
   if (c.quiet) a.emplace_back("--quiet");
   return a;
 }

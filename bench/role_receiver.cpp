@@ -159,6 +159,7 @@ json committed_line(const config& c, const manifest& m, const engine_layout& lay
             {"layout", layout_name(c.layout)},
             {"checksums", std::move(sums)}};
   if (c.layout.tp > 1) line["rank"] = c.rank;
+  if (c.stage != stage_kind::none) line["pause_ms"] = st.pause_seconds * 1e3;
   return line;
 }
 
@@ -213,6 +214,7 @@ receiver_options receiver_role_options(const config& c) {
   ro.device = c.device;
   ro.engine = c.engines.front();
   ro.idle_timeout = milliseconds(c.timeout_ms);
+  ro.stage = c.stage;
   if (!c.spawned) {
     ro.curve = c.curve;
     ro.curve.server_key.clear();
@@ -259,6 +261,8 @@ class receiver_role {
     const milliseconds wait(reports_ ? 10 : 100);
     while (!stop_requested && !(c_.spawned && stdin_closed(0))) {
       const receiver_event event = r_.serve_one(wait);
+      // Staged (--stage): applied as soon as prepared, as an engine between two steps would.
+      if (event == receiver_event::prepared && r_.apply_prepared()) on_committed();
       if (event == receiver_event::committed) on_committed();
       if (event == receiver_event::aborted) on_aborted();
       // Not in the middle of a refit: a report request sent during one waits in the socket's queue.

@@ -76,7 +76,7 @@ void expect_flip(std::vector<expectation>& expects, std::size_t i, std::uint64_t
 
 /// The per-iteration samples of one row, in ms.
 struct row_samples {
-  std::vector<double> times, source, pack, wait, apply;
+  std::vector<double> times, source, pack, wait, apply, pause;
 };
 
 /// One group's run, step by step: start the receivers (or reach the one started by hand), prepare
@@ -266,8 +266,8 @@ class group_runner {
       const refit_stats st = refit_once(s, v, mb, nbuf);
       const double ms = ms_since(t0);
       r.batches = st.batches;
-      double apply_ms = -1;
-      const std::int64_t wrong_now = check_receivers(v, apply_ms);
+      double apply_ms = -1, pause_ms = -1;
+      const std::int64_t wrong_now = check_receivers(v, apply_ms, pause_ms);
       if (verify_) r.wrong += wrong_now;
       const bool counted = it >= c_.warmup;
       progress(c_, fmt::format("{} {} {} {:g} MiB x{} {} {}/{}: {:.2f} ms, {:.2f} GB/s{}", tname_, r.engine, g_.m.name,
@@ -283,6 +283,7 @@ class group_runner {
       samples.pack.push_back(st.pack_seconds * 1e3);
       samples.wait.push_back(st.wait_seconds * 1e3);
       if (apply_ms >= 0) samples.apply.push_back(apply_ms);
+      if (pause_ms >= 0) samples.pause.push_back(pause_ms);
     }
     if (c_.split) r.fixed_ms = fixed_cost(s, mb, nbuf, r);
     s.close();
@@ -317,8 +318,8 @@ class group_runner {
                                           reused_receiver_hint(e)));
       }
       const double ms = ms_since(t0);
-      double apply_ms = -1;
-      const std::int64_t wrong_now = check_receivers(v, apply_ms);
+      double apply_ms = -1, pause_ms = -1;
+      const std::int64_t wrong_now = check_receivers(v, apply_ms, pause_ms);
       if (verify_) r.wrong += wrong_now;
       if (it >= c_.warmup) times.push_back(ms);
     }
@@ -365,8 +366,8 @@ class group_runner {
   }
 
   /// Every receiver must have committed v: returns the wrong checksums summed over the receivers,
-  /// and sets `apply_ms` to the slowest receiver's apply.
-  std::int64_t check_receivers(std::uint64_t v, double& apply_ms) {
+  /// and sets `apply_ms` to the slowest receiver's apply (`pause_ms`: its staged apply, --stage).
+  std::int64_t check_receivers(std::uint64_t v, double& apply_ms, double& pause_ms) {
     std::int64_t wrong_now = 0, printed = 0;
     for (std::size_t k = 0; k < children_.size(); ++k) {
       const json line =
@@ -375,12 +376,14 @@ class group_runner {
       const std::string label = !several_ ? std::string() : fmt::format(" {} {}", tp_ ? "rank" : "receiver", k);
       wrong_now += count_wrong(c_, line, v, g_.m, expects_[expect_of_[k]].sums, who(k), label, printed, ranks_[k]);
       apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
+      pause_ms = std::max(pause_ms, line.value("pause_ms", -1.0));
     }
     if (report_) {
       const json line = ask_report(v, milliseconds(c_.timeout_ms));
       wrong_now +=
           count_wrong(c_, line, v, g_.m, expects_.front().sums, report_who_, std::string(), printed, ranks_.front());
       apply_ms = line.value("apply_ms", -1.0);
+      pause_ms = line.value("pause_ms", -1.0);
     }
     return wrong_now;
   }
@@ -425,6 +428,7 @@ class group_runner {
     r.pack_ms = median(samples.pack);
     r.wait_ms = median(samples.wait);
     r.apply_ms = samples.apply.empty() ? -1 : median(samples.apply);
+    r.pause_ms = samples.pause.empty() ? -1 : median(samples.pause);
   }
 
   void end_receivers() {

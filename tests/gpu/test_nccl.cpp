@@ -145,6 +145,9 @@ struct receiver_spec {
   int table_device = -1;
   /// After every commit also report "free <bytes>": the receiver GPU's free memory.
   bool report_free = false;
+  /// receiver_options::stage: a prepared version is reported "prepared <v> weights <check>" (whether
+  /// the weights still hold the version before it), then applied at once, then reported committed.
+  refit::stage_kind stage = refit::stage_kind::none;
 };
 
 /// Free memory of the current CUDA device.
@@ -188,6 +191,7 @@ void receiver_child::run() {
   ro.endpoint = spec_.endpoint;
   ro.device = spec_.device;
   ro.idle_timeout = spec_.idle_timeout;
+  ro.stage = spec_.stage;
   refit::receiver r(ro);
   int refits = -1;  // BEGINs seen, minus one
   int batch = 0;    // callback calls in this refit
@@ -233,6 +237,13 @@ void receiver_child::run() {
         ++refits;
         batch = 0;
         break;
+      case refit::receiver_event::prepared: {
+        const std::uint64_t before = r.committed_version().value_or(spec_.prefill.value_or(0));
+        reports_.send("prepared " + std::to_string(r.prepared_version().value_or(0)) + " weights " +
+                      dest.check(before));
+        if (!r.apply_prepared()) throw std::runtime_error("prepared, but apply_prepared() applied nothing");
+        [[fallthrough]];
+      }
       case refit::receiver_event::committed: {
         const auto v = r.committed_version();
         reports_.send(outcome("committed", v, r.dirty(), v ? dest.check(*v) : "no committed version"));
@@ -262,7 +273,7 @@ class streamer_child {
  public:
   streamer_child(std::vector<std::string> receivers, std::vector<refit::tensor_meta> tensors,
                  refit::milliseconds timeout, bool direct = true, int tensor_device = 0,
-                 std::uint64_t buffers = buffer_bytes, std::size_t count = 2, bool twin = false)
+                 std::uint64_t buffers = buffer_bytes, std::size_t count = 2, bool twin = false, bool atomic = false)
       : receivers_(std::move(receivers)),
         tensors_(std::move(tensors)),
         timeout_(timeout),
@@ -271,6 +282,7 @@ class streamer_child {
         buffers_(buffers),
         count_(count),
         twin_(twin),
+        atomic_(atomic),
         proc_([this] { run(); }) {}
 
   /// Starts one refit; result() returns its report.
@@ -297,6 +309,7 @@ class streamer_child {
   std::uint64_t buffers_;
   std::size_t count_;
   bool twin_;
+  bool atomic_;
   rt::signal_pipe commands_;  // parent → child
   rt::signal_pipe reports_;   // child → parent
   rt::child proc_;            // last
@@ -317,6 +330,7 @@ void streamer_child::run() {
   so.device = 0;
   so.timeout = timeout_;
   so.direct = direct_;
+  so.atomic = atomic_;
   refit::streamer s(so);
   for (;;) {
     const std::string command = commands_.receive(600s);
@@ -459,6 +473,67 @@ TEST_CASE("nccl: with direct = false the same model goes through the buffers in 
   }
   CHECK(tx.stop() == 0);
   CHECK(rx.stop() == 0);
+}
+
+TEST_CASE(
+    "nccl: an engine-wide version to two device-staged ranks is prepared on both with the weights untouched, then "
+    "applied bit-exact; a rank that fails it at END leaves the other on its old version, untouched",
+    "[nccl][stage]") {
+  if (!nccl_gpus(3)) return;
+  const auto metas = rt::mixed_model(120, 3 * buffer_bytes, 11);
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  auto extra = metas;  // rank 2 registers one tensor more than is sent: its END finds it missing
+  extra.push_back(refit::tensor_meta{"only.on.rank2", refit::dtype::f32, {64}});
+  receiver_child rx1({.endpoint = eps[0],
+                      .device = rt::gpu_of(1),
+                      .tensors = metas,
+                      .prefill = 0,
+                      .stage = refit::stage_kind::device});
+  receiver_child rx2({.endpoint = eps[1],
+                      .device = rt::gpu_of(2),
+                      .tensors = metas,
+                      .prefill = 0,
+                      .stage = refit::stage_kind::device});
+  for (auto* rx : {&rx1, &rx2}) REQUIRE(rx->next_report() == "ready");
+  streamer_child tx(eps, metas, relaxed, true, 0, buffer_bytes, 2, false, /*atomic=*/true);
+  for (std::uint64_t v : {1u, 2u}) {
+    // A staged rank takes no entry in place: buffer-sized batches, each dense entry received
+    // straight into the stage.
+    const std::string report = tx.refit(v);
+    CHECK(without_batches(report) == ok_line(v, metas, false));
+    for (auto* rx : {&rx1, &rx2}) {
+      CHECK(rx->next_report() == "prepared " + std::to_string(v) + " weights ok");
+      CHECK(rx->next_report() == outcome("committed", v, false));
+    }
+  }
+  CHECK(tx.stop() == 0);
+  CHECK(rx1.stop() == 0);
+  CHECK(rx2.stop() == 0);
+
+  const std::vector<std::string> eps2 = {rt::temp_endpoint(), rt::temp_endpoint()};
+  receiver_child ok_rank({.endpoint = eps2[0],
+                          .device = rt::gpu_of(1),
+                          .tensors = metas,
+                          .prefill = 7,
+                          .stage = refit::stage_kind::device});
+  receiver_child bad_rank({.endpoint = eps2[1],
+                           .device = rt::gpu_of(2),
+                           .tensors = extra,
+                           .prefill = 7,
+                           .stage = refit::stage_kind::device});
+  for (auto* rx : {&ok_rank, &bad_rank}) REQUIRE(rx->next_report() == "ready");
+  streamer_child tx2(eps2, metas, relaxed, true, 0, buffer_bytes, 2, false, /*atomic=*/true);
+  const std::string failed = tx2.refit(8);
+  CHECK_THAT(failed, Catch::StartsWith("error incomplete") && Catch::Contains("'only.on.rank2'"));
+  const std::string aborted = next_after_byes(ok_rank);
+  CHECK_THAT(aborted, Catch::StartsWith(outcome("aborted", std::nullopt, false, "-")) &&
+                          Catch::Contains("another receiver of the engine-wide version failed it"));
+  CHECK(ok_rank.next_report() == "untouched ok");
+  CHECK_THAT(next_after_byes(bad_rank), Catch::StartsWith(outcome("aborted", std::nullopt, false, "-")));
+  CHECK(bad_rank.next_report() == "untouched ok");
+  CHECK(tx2.stop() == 0);
+  CHECK(ok_rank.stop() == 0);
+  CHECK(bad_rank.stop() == 0);
 }
 
 TEST_CASE("nccl: one communicator (nccl_twin off) and three buffers with the twin (odd ones on it), bit-exact",

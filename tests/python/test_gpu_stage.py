@@ -1,0 +1,120 @@
+"""Device-staged receivers on the GPU (skipped without CUDA): a transformers Llama engine that
+generates without pause while new versions arrive over cuda_ipc and over nccl, and applies each
+between two of its steps. Every step is tagged with the version it ran on, and its logits must equal
+those of a reference model of that version, bit for bit: no step ever ran on a mix of versions.
+
+The engine runs in the shared peer process (spawned: it never inherits a CUDA context); the
+trainer, the reference and the streamer run here.
+"""
+
+import hashlib
+import threading
+import time
+
+import pytest
+import torch
+
+import refit
+from conftest import SERVE_LIMIT, _STOP, need_gpus, rank_gpu
+from test_gpu import fixed_ids, gpu_streamer, llama, logits, use_device
+
+
+def digest(t) -> str:
+    """The raw bytes of a tensor, hashed (bf16 included)."""
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def generating_engine(chan, device: int, nccl: bool, shared: bool):
+    """Job: the same Llama as the reference of version 0 (seed 1) as an engine that runs one forward
+    step after another while a thread serves its device-staged receiver; between two steps it
+    applies the version that waits (on torch's current stream) and tells the test ("applied", v).
+    Returns every step's (version, logits digest) and the step rates with and without a transfer
+    in progress, once the test sends ("done",)."""
+    use_device(device, nccl, shared)
+    torch.manual_seed(1)
+    model = llama(device)
+    model.eval()
+    params = dict(model.named_parameters())
+    rx = refit.Receiver(device=device, stage="device")
+    rx.add_parameters(model.named_parameters())
+    rx.add_parameters((k, v) for k, v in model.state_dict().items() if k not in params)
+    transfer = threading.Event()
+    rx.on_begin(lambda v: transfer.set())
+    rx.on_prepared(lambda v: transfer.clear())
+    stop = threading.Event()
+    serving = threading.Thread(target=rx.serve, args=(stop,), kwargs={"poll": 0.01})
+    serving.start()
+    steps, busy, idle = [], [0, 0.0], [0, 0.0]
+    ids = fixed_ids(device)
+    try:
+        chan.send(rx.endpoint)
+        deadline = time.monotonic() + SERVE_LIMIT
+        while time.monotonic() < deadline:
+            during = transfer.is_set()
+            t0 = time.monotonic()
+            with torch.no_grad():
+                out = model(input_ids=ids).logits
+            version = rx.committed_version or 0  # only this thread applies: the weights this step read
+            steps.append((version, digest(out)))  # waits for the step
+            tally = busy if during and transfer.is_set() else idle
+            tally[0] += 1
+            tally[1] += time.monotonic() - t0
+            applied = rx.apply()  # between two steps
+            if applied is not None:
+                chan.send(("applied", applied))
+            msg = chan.poll()
+            if msg == ("done",) or msg == _STOP:
+                break
+        else:
+            raise TimeoutError("the test never said done")
+    finally:
+        stop.set()
+        serving.join()
+        rx.close()
+    return {"steps": steps, "busy": busy, "idle": idle, "stage": rx.stage}
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
+def test_an_engine_generating_without_pause_runs_every_step_on_one_whole_version(peer, nccl_ranks, transport):
+    nccl = transport == "nccl"
+    if nccl:
+        shared = nccl_ranks(2)
+    else:
+        need_gpus(1)
+        shared = False
+    pytest.importorskip("transformers")
+    torch.cuda.set_device(0)
+    torch.manual_seed(1)
+    expected = {0: digest(logits(llama(0), 0))}  # the engine's own initial weights
+    torch.manual_seed(0)
+    model = llama(0)
+    job = peer.run(generating_engine, rank_gpu(1) if nccl else 0, nccl, shared)
+    endpoint = job.recv()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, 1000, (4, 33), generator=torch.Generator().manual_seed(5)).to("cuda:0")
+    # Small buffers: a version takes many batches, so the engine runs steps while it travels.
+    with gpu_streamer(endpoint, transport, buffer_bytes=1 << 20, atomic=nccl) as st:
+        for version in range(1, 4):
+            model.train()
+            loss = model(input_ids=data[:, :-1], labels=data[:, 1:]).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            expected[version] = digest(logits(model, 0))
+            stats = st.refit(version, model.state_dict())
+            assert stats.commit_seconds > 0 if nccl else stats.commit_seconds == 0
+            # The next BEGIN would be refused while this version waits: the trainer waits for the engine.
+            assert job.recv() == ("applied", version)
+    job.send(("done",))
+    out = job.result()
+    assert out["stage"] == "device"
+    seen = {}
+    for k, (version, got) in enumerate(out["steps"]):
+        assert got == expected[version], f"step {k} ran on version {version}, but its logits are not that version's"
+        seen[version] = seen.get(version, 0) + 1
+    assert sorted(seen) == [0, 1, 2, 3], f"steps per version: {seen}"
+    (busy_steps, busy_s), (idle_steps, idle_s) = out["busy"], out["idle"]
+    print(
+        f"{transport}: {len(out['steps'])} steps, {busy_steps} during transfers "
+        f"({busy_steps / busy_s if busy_s else 0:.0f}/s) against {idle_steps / idle_s if idle_s else 0:.0f}/s idle"
+    )
