@@ -163,10 +163,46 @@ def test_a_version_larger_than_stage_bytes_is_refused_before_anything_is_written
 def test_stage_names_are_checked():
     with pytest.raises(ValueError, match="stage must be None, 'host' or 'device'"):
         refit.Receiver(stage="gpu")
-    with pytest.raises(refit.RefitError) as failure:
-        refit.Receiver(stage="device")
-    assert failure.value.code == refit.Errc.invalid_argument
-    assert "not built yet" in str(failure.value)
+    try:  # a build with CUDA makes it (its sessions are checked at BEGIN); one without refuses it
+        with refit.Receiver(stage="device") as rx:
+            assert rx.stage == "device"
+    except refit.RefitError as failure:
+        assert failure.code == refit.Errc.invalid_argument
+        assert "needs CUDA" in str(failure)
     with refit.Receiver() as rx:
         assert rx.stage == "none"
         assert rx.apply() is None and rx.prepared_version is None
+
+
+def test_an_engine_wide_version_reaches_every_rank_at_commit_and_none_when_one_rank_fails():
+    """Streamer(atomic=True) to two staged ranks: both prepare only at COMMIT; a rank whose table
+    lacks a tensor fails the next version at END, and the other rank discards it, untouched."""
+    ranks = [Served(), Served()]
+    try:
+        endpoints = [s.rx.endpoint for s in ranks]
+        with refit.Streamer(receivers=endpoints, transport="host_shm", buffer_bytes=16 << 10, atomic=True,
+                            timeout=20.0) as st:
+            stats = st.refit(1, state(1))
+            assert stats.commit_seconds > 0
+            for s in ranks:
+                assert s.wait_for(("prepared", 1))
+                assert s.rx.apply() == 1 and same(s.weights, 1)
+            # Rank 1 now also holds a tensor the trainer does not send: its END finds it missing.
+            ranks[1].stop.set()
+            ranks[1].thread.join()
+            ranks[1].rx.add_parameter("only.on.rank1", torch.zeros(4))
+            ranks[1].stop.clear()
+            ranks[1].thread = threading.Thread(target=ranks[1]._serve, daemon=True)
+            ranks[1].thread.start()
+            with pytest.raises(refit.RefitError) as failure:
+                st.refit(2, state(2))
+            assert failure.value.code == refit.Errc.incomplete
+            assert "only.on.rank1" in str(failure.value)
+        for s in ranks:
+            assert s.wait_for(("event", refit.Event.aborted))
+            assert s.rx.committed_version == 1 and s.rx.prepared_version is None
+            assert same(s.weights, 1) and not s.rx.dirty
+        assert "another receiver of the engine-wide version failed it" in ranks[0].rx.last_error
+    finally:
+        for s in ranks:
+            s.close()
