@@ -278,6 +278,8 @@ std::uint64_t device_area::bytes() const noexcept { return 0; }
 int device_area::device() const noexcept { return 0; }
 void* device_area::stream() const noexcept { return nullptr; }
 void device_area::synchronize(milliseconds /*timeout*/) const {}
+void device_area::read_on(void* /*stream*/) {}
+void device_area::wait_readers(milliseconds /*timeout*/) {}
 
 void enable_peer_access(int device, int peer) {
   throw error(

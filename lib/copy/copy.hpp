@@ -203,6 +203,11 @@ class device_area {
   /// Waits until the work enqueued on stream() has finished, at most `timeout`: throws
   /// refit::error(errc::timeout) past it, (cuda) when the work failed.
   void synchronize(milliseconds timeout) const;
+  /// Marks the end of work enqueued on `stream` (another stream of the device) that reads the area:
+  /// wait_readers() waits for it before the area is written again.
+  void read_on(void* stream);
+  /// Waits (at most `timeout`, errors as synchronize()) until the work marked by read_on() finished.
+  void wait_readers(milliseconds timeout);
 
  private:
   struct impl;

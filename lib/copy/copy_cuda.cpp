@@ -456,7 +456,28 @@ struct device_area::impl {
   int device = 0;
   cuda::device_buffer memory;
   cuda::stream stream;
+  cuda::event read;     ///< recorded by read_on()
+  bool pending = false;  ///< read_on() since the last wait_readers()
 };
+
+namespace {
+
+/// Polls `done` (a cudaStreamQuery or cudaEventQuery) until it says the work finished, at most `timeout`.
+template <class Query>
+void wait_device(int device, milliseconds timeout, Query&& query) {
+  const auto until = deadline::after(timeout);
+  const bool done = poll_until(until, [&] {
+    const cudaError_t status = query();
+    if (status == cudaErrorNotReady) return false;
+    check_cuda(status, "the device stage's copies");
+    return true;
+  });
+  if (!done)
+    throw error(errc::timeout,
+                fmt::format("the device stage's copies on cuda:{} did not finish within {} ms", device, timeout.count()));
+}
+
+}  // namespace
 
 device_area::device_area(std::uint64_t bytes, int device) : impl_(std::make_unique<impl>()) {
   on_device here(device);
@@ -484,16 +505,22 @@ void* device_area::stream() const noexcept { return impl_->stream.handle(); }
 void device_area::synchronize(milliseconds timeout) const {
   device_guard here(impl_->device);
   auto* s = static_cast<cudaStream_t>(impl_->stream.handle());
-  const auto until = deadline::after(timeout);
-  const bool done = poll_until(until, [&] {
-    const cudaError_t status = cudaStreamQuery(s);
-    if (status == cudaErrorNotReady) return false;
-    check_cuda(status, "the device stage's copies (cudaStreamQuery)");
-    return true;
-  });
-  if (!done)
-    throw error(errc::timeout, fmt::format("the device stage's copies on cuda:{} did not finish within {} ms",
-                                           impl_->device, timeout.count()));
+  wait_device(impl_->device, timeout, [&] { return cudaStreamQuery(s); });
+}
+
+void device_area::read_on(void* stream) {
+  device_guard here(impl_->device);
+  if (!impl_->read) impl_->read = cuda::event(cudaEventDisableTiming);
+  check_cuda(cudaEventRecord(impl_->read.handle(), static_cast<cudaStream_t>(stream)),
+             "cudaEventRecord (the device stage's readers)");
+  impl_->pending = true;
+}
+
+void device_area::wait_readers(milliseconds timeout) {
+  if (!impl_->pending) return;
+  device_guard here(impl_->device);
+  wait_device(impl_->device, timeout, [&] { return cudaEventQuery(impl_->read.handle()); });
+  impl_->pending = false;
 }
 
 }  // namespace refit::copy

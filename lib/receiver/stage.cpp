@@ -108,6 +108,14 @@ std::optional<std::string> receiver::impl::stage_misfit(std::uint64_t version) c
 std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version) {
   if (options.stage == stage_kind::device) {
     const int dev = ln->sink->where().index;
+    if (device_stage) {
+      // The apply before may still be copying out of the stage on the engine's stream.
+      try {
+        device_stage->wait_readers(options.idle_timeout);
+      } catch (const error& e) {
+        return fmt::format("version {}: {}; nothing was written", version, e.what());
+      }
+    }
     if (device_stage && device_stage->bytes() >= stage_need && device_stage->device() == dev) return std::nullopt;
     device_stage.reset();
     try {
@@ -202,6 +210,7 @@ void receiver::impl::copy_stage(const prepared_state& p, void* stream) {
     }
     if (stream != nullptr) {  // the engine's stream: its next step runs after the copy, no host wait
       stage_copier->run(ops, stream);
+      device_stage->read_on(stream);  // the next version's writes into the stage wait for this copy
       return;
     }
     stage_copier->run(ops, device_stage->stream());
