@@ -524,10 +524,12 @@ TEST_CASE(
   for (auto* rx : {&ok_rank, &bad_rank}) REQUIRE(rx->next_report() == "ready");
   streamer_child tx2(eps2, metas, relaxed, true, 0, buffer_bytes, 2, false, /*atomic=*/true);
   const std::string failed = tx2.refit(8);
-  CHECK_THAT(failed, Catch::StartsWith("error incomplete") && Catch::Contains("'only.on.rank2'"));
+  CHECK_THAT(failed, Catch::StartsWith("error ") && Catch::Contains("'only.on.rank2'"));
+  // The other rank discards the version, told by the streamer's ABORT, or failing END itself when the
+  // failed rank's aborted communicator reached it first (NCCL: one rank's failure ends the collective):
+  // either way not committed, its weights untouched and clean.
   const std::string aborted = next_after_byes(ok_rank);
-  CHECK_THAT(aborted, Catch::StartsWith(outcome("aborted", std::nullopt, false, "-")) &&
-                          Catch::Contains("another receiver of the engine-wide version failed it"));
+  CHECK_THAT(aborted, Catch::StartsWith(outcome("aborted", std::nullopt, false, "-")));
   CHECK(ok_rank.next_report() == "untouched ok");
   CHECK_THAT(next_after_byes(bad_rank), Catch::StartsWith(outcome("aborted", std::nullopt, false, "-")));
   CHECK(bad_rank.next_report() == "untouched ok");

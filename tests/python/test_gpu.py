@@ -262,13 +262,13 @@ def test_nccl_through_on_tensor_arrives_bit_exact_at_another_rank(peer, nccl_pai
 # ------------------------------------------------------------------- a transformers model
 
 
-def llama(device: int):
+def llama(device: int, hidden: int = 256, layers: int = 2):
     """A small Llama from a config (no download), bf16, on ``device``."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=1000,

@@ -24,7 +24,13 @@ def digest(t) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
-def generating_engine(chan, device: int, nccl: bool, shared: bool):
+#: Model sizes: "small" (3 M parameters: a transfer takes a millisecond) and "large" (~0.9 B: over
+#: NCCL's network transport a transfer takes a fraction of a second, long enough that the engine runs
+#: steps while it travels, and the step rate then is measured against the idle one).
+SIZES = {"small": {"hidden": 256, "layers": 2}, "large": {"hidden": 2048, "layers": 16}}
+
+
+def generating_engine(chan, device: int, nccl: bool, shared: bool, size: str = "small"):
     """Job: the same Llama as the reference of version 0 (seed 1) as an engine that runs one forward
     step after another while a thread serves its device-staged receiver; between two steps it
     applies the version that waits (on torch's current stream) and tells the test ("applied", v).
@@ -32,7 +38,7 @@ def generating_engine(chan, device: int, nccl: bool, shared: bool):
     in progress, once the test sends ("done",)."""
     use_device(device, nccl, shared)
     torch.manual_seed(1)
-    model = llama(device)
+    model = llama(device, **SIZES[size])
     model.eval()
     params = dict(model.named_parameters())
     rx = refit.Receiver(device=device, stage="device")
@@ -74,8 +80,8 @@ def generating_engine(chan, device: int, nccl: bool, shared: bool):
     return {"steps": steps, "busy": busy, "idle": idle, "stage": rx.stage}
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
-def test_an_engine_generating_without_pause_runs_every_step_on_one_whole_version(peer, nccl_ranks, transport):
+@pytest.mark.parametrize("transport,size", [("cuda_ipc", "small"), ("nccl", "small"), ("nccl", "large")])
+def test_an_engine_generating_without_pause_runs_every_step_on_one_whole_version(peer, nccl_ranks, transport, size):
     nccl = transport == "nccl"
     if nccl:
         shared = nccl_ranks(2)
@@ -85,15 +91,15 @@ def test_an_engine_generating_without_pause_runs_every_step_on_one_whole_version
     pytest.importorskip("transformers")
     torch.cuda.set_device(0)
     torch.manual_seed(1)
-    expected = {0: digest(logits(llama(0), 0))}  # the engine's own initial weights
+    expected = {0: digest(logits(llama(0, **SIZES[size]), 0))}  # the engine's own initial weights
     torch.manual_seed(0)
-    model = llama(0)
-    job = peer.run(generating_engine, rank_gpu(1) if nccl else 0, nccl, shared)
+    model = llama(0, **SIZES[size])
+    job = peer.run(generating_engine, rank_gpu(1) if nccl else 0, nccl, shared, size)
     endpoint = job.recv()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randint(0, 1000, (4, 33), generator=torch.Generator().manual_seed(5)).to("cuda:0")
     # Small buffers: a version takes many batches, so the engine runs steps while it travels.
-    with gpu_streamer(endpoint, transport, buffer_bytes=1 << 20, atomic=nccl) as st:
+    with gpu_streamer(endpoint, transport, buffer_bytes=(1 << 20) if size == "small" else (64 << 20), atomic=nccl) as st:
         for version in range(1, 4):
             model.train()
             loss = model(input_ids=data[:, :-1], labels=data[:, 1:]).loss
@@ -115,6 +121,6 @@ def test_an_engine_generating_without_pause_runs_every_step_on_one_whole_version
     assert sorted(seen) == [0, 1, 2, 3], f"steps per version: {seen}"
     (busy_steps, busy_s), (idle_steps, idle_s) = out["busy"], out["idle"]
     print(
-        f"{transport}: {len(out['steps'])} steps, {busy_steps} during transfers "
+        f"{transport} {size}: {len(out['steps'])} steps, {busy_steps} during transfers "
         f"({busy_steps / busy_s if busy_s else 0:.0f}/s) against {idle_steps / idle_s if idle_s else 0:.0f}/s idle"
     )
