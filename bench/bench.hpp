@@ -445,6 +445,8 @@ struct config {
   /// --stage: the receivers stage each version (receiver_options::stage) and apply it at once when
   /// prepared; rows then report the apply's pause (pause_ms) beside the transfer.
   stage_kind stage = stage_kind::none;
+  /// --atomic: engine-wide versions (streamer_options::atomic); rows report COMMIT's round trip (commit_ms).
+  bool atomic = false;
   /// --split: after each row's refits, as many of one tensor alone (subset versions, same session):
   /// the refit's fixed cost, and what the rest of the row's time moves its bytes at.
   bool split = false;
@@ -561,6 +563,7 @@ struct row {
   double ratio = 0;         ///< floor / median
   double source_ms = 0, pack_ms = 0, wait_ms = 0, apply_ms = -1;  ///< medians; apply -1: unknown
   double pause_ms = -1;    ///< --stage: median of the slowest receiver's apply_prepared() copy; -1: not staged
+  double commit_ms = -1;   ///< --atomic: median of COMMIT's round trip; -1: not engine-wide
   std::int64_t wrong = 0;  ///< tensors with a wrong checksum over every refit; -1: not verified
   /// --split: median of the row's refits of its smallest tensor alone (a subset version in the
   /// same session), the fixed cost of a refit; -1: not measured.

@@ -159,6 +159,9 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
          "the receivers stage every version (none, host, device: receiver_options::stage) and apply it as soon as "
          "it is prepared; rows report the apply's pause (pause_ms)")
       ->check(CLI::IsMember({"none", "host", "device"}));
+  app.add_flag("--atomic", c.atomic,
+               "engine-wide versions (streamer_options::atomic): every receiver prepares, then hears COMMIT; rows "
+               "report COMMIT's round trip (commit_ms)");
   app.add_option("--dest-memory", c.vmm_dests,
                  "cuda_ipc: where the receiver's weights live: cudamalloc or vmm (an engine under expandable "
                  "segments; engine +vmm-dst)")

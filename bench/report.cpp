@@ -229,6 +229,7 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
                   {"wait_ms", r.wait_ms},
                   {"apply_ms", opt(r.apply_ms)},
                   {"pause_ms", opt(r.pause_ms)},
+                  {"commit_ms", opt(r.commit_ms)},
                   {"wrong", r.wrong < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.wrong)},
                   {"fixed_ms", opt(r.fixed_ms)},
                   {"rest_ratio", r.fixed_ms < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.rest_ratio())}});

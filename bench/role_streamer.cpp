@@ -76,7 +76,7 @@ void expect_flip(std::vector<expectation>& expects, std::size_t i, std::uint64_t
 
 /// The per-iteration samples of one row, in ms.
 struct row_samples {
-  std::vector<double> times, source, pack, wait, apply, pause;
+  std::vector<double> times, source, pack, wait, apply, pause, commit;
 };
 
 /// One group's run, step by step: start the receivers (or reach the one started by hand), prepare
@@ -284,6 +284,7 @@ class group_runner {
       samples.wait.push_back(st.wait_seconds * 1e3);
       if (apply_ms >= 0) samples.apply.push_back(apply_ms);
       if (pause_ms >= 0) samples.pause.push_back(pause_ms);
+      if (c_.atomic) samples.commit.push_back(st.commit_seconds * 1e3);
     }
     if (c_.split) r.fixed_ms = fixed_cost(s, mb, nbuf, r);
     s.close();
@@ -429,6 +430,7 @@ class group_runner {
     r.wait_ms = median(samples.wait);
     r.apply_ms = samples.apply.empty() ? -1 : median(samples.apply);
     r.pause_ms = samples.pause.empty() ? -1 : median(samples.pause);
+    r.commit_ms = samples.commit.empty() ? -1 : median(samples.commit);
   }
 
   void end_receivers() {
@@ -481,6 +483,7 @@ streamer_options streamer_options_for(const config& c, transport_kind t, double 
   so.buffer_bytes = static_cast<std::uint64_t>(std::llround(mb * (1 << 20)));
   so.control_lane = c.lane;
   so.nccl_twin = c.twin;
+  so.atomic = c.atomic;
   so.device = c.device;
   so.timeout = milliseconds(c.timeout_ms);
   return so;

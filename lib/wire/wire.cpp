@@ -579,8 +579,14 @@ ok decode_ok(reader& r, std::span<const object> f) {
   m.dirty = r.boolean(f[1], "dirty");
   const auto handles = r.array(f[2], "handles", max_entries);
   m.handles.reserve(handles.size());
-  for (std::size_t i = 0; i < handles.size(); ++i)
-    m.handles.push_back(r.bin(handles[i], fmt::format("handles[{}]", i), max_handle_bytes));
+  for (std::size_t i = 0; i < handles.size(); ++i) {
+    const object& h = handles[i];
+    // The field's name is formatted only for the error: a million handles cost a million copies, not
+    // a million formatted names.
+    if (h.type != mt::BIN || h.via.bin.size > max_handle_bytes)
+      (void)r.bin(h, fmt::format("handles[{}]", i), max_handle_bytes);  // throws, naming the handle
+    m.handles.emplace_back(h.via.bin.ptr, h.via.bin.size);
+  }
   m.mode = decode_mode(r, f[3]);
   m.convert = decode_conversions(r, f[4]);
   m.lane = r.bin(f[5], "lane", max_handle_bytes);
