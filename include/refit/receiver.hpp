@@ -83,9 +83,10 @@ struct receiver_options {
   /// into a parameter table of host memory over host_shm; with stage_kind::device into a parameter
   /// table on one GPU over cuda_ipc and nccl (errc::invalid_argument in a build without CUDA). A
   /// staged receiver offers its weights to no streamer (cuda_ipc direct and nccl in place go through
-  /// the buffers instead); it refuses a callback sink (on_batch: errc::invalid_argument), a session
-  /// of another kind or a table elsewhere at BEGIN (errc::invalid_argument), and a delta at BEGIN
-  /// (errc::needs_whole: a delta streamer sends the version whole by itself, in the same refit()).
+  /// the buffers instead); it refuses a callback sink (on_batch: errc::invalid_argument), and a
+  /// session of another kind or a table elsewhere at BEGIN (errc::invalid_argument). A delta is
+  /// staged too: each tensor it touches is copied from the weights (its base) into the stage when the
+  /// delta first touches it and patched there; apply_prepared() copies back the tensors it touched.
   stage_kind stage = stage_kind::none;
   /// The most memory (host, or the GPU's for a device stage) the stage may take, 0: what the version needs. The stage holds a copy of
   /// every registered destination's bytes (from its first byte to its last, each rounded up to 64

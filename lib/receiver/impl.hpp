@@ -112,6 +112,7 @@ struct ending {
 struct prepared_state {
   std::uint64_t version = 0;
   bool subset = false;
+  bool delta = false;                     ///< a delta's patches, applied in the stage
   std::optional<std::uint64_t> checksum;  ///< END's version checksum
   receiver_stats figures;
   std::uint64_t generation = 0;  ///< sink_generation the stage was laid out from
@@ -366,6 +367,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   [[nodiscard]] std::byte* stage_base() const noexcept;
   void lay_out_stage();
   std::byte* stage_for(slot& sl);
+  std::byte* delta_target(slot& sl);
   void prepare(std::uint64_t version, const receiver_stats& figures, std::optional<std::uint64_t> checksum);
   std::optional<std::uint64_t> apply_prepared(void* stream);
   void copy_stage(const prepared_state& p, void* stream);

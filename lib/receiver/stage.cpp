@@ -39,15 +39,6 @@ std::optional<receiver_event> receiver::impl::check_stage(const wire::begin& b) 
           "version {} is prepared and waits for apply_prepared(): the engine must apply it before this "
           "receiver stages version {}; nothing was written",
           ready->version, b.version);
-    } else if (b.base) {
-      // A delta patches the weights in place and proves its checksum from their old bytes: staging
-      // its patches alone is not built yet. needs_whole makes a delta streamer send the version whole
-      // in the same refit().
-      code = errc::needs_whole;
-      why = fmt::format(
-          "delta version {}: this receiver stages versions (receiver_options::stage) and does not stage a "
-          "delta's patches yet; send a whole version",
-          b.version);
     } else {
       why = stage_refusal(b);
     }
@@ -159,6 +150,26 @@ void receiver::impl::lay_out_stage() {
   stage_generation = sink_generation;
 }
 
+/// Where a delta patches destination `sl` (delta.cpp): in place, or, staged, its copy in the stage,
+/// which takes the weights' bytes (the base) the first time the refit touches it: the patches then
+/// apply to the base there, the checksum terms read the base's old values there, and the weights stay
+/// untouched until apply_prepared() copies back the destinations the delta touched.
+std::byte* receiver::impl::delta_target(slot& sl) {
+  if (!staged()) return static_cast<std::byte*>(sl.dest.data);
+  const bool first = sl.staged_in != stage_serial;
+  std::byte* into = stage_for(sl);
+  if (first) {
+    const std::uint64_t bytes = plan::check_view(sl.dest).bytes;
+    if (options.stage == stage_kind::device) {
+      const copy::op take{static_cast<const std::byte*>(sl.dest.data), into, bytes};
+      ln->copier->run({&take, 1}, ln->sink->stream());  // on the stream the patches follow on
+    } else {
+      std::memcpy(into, sl.dest.data, bytes);
+    }
+  }
+  return into;
+}
+
 /// Where the batch being checked writes destination `sl`: its copy in the stage. Notes that the
 /// refit in progress wrote it, for apply_prepared().
 std::byte* receiver::impl::stage_for(slot& sl) {
@@ -177,6 +188,7 @@ void receiver::impl::prepare(std::uint64_t version, const receiver_stats& figure
   prepared_state p;
   p.version = version;
   p.subset = refit_subset;
+  p.delta = refit_delta;
   p.checksum = checksum;
   p.figures = figures;
   p.generation = sink_generation;
@@ -264,7 +276,7 @@ std::optional<std::uint64_t> receiver::impl::apply_prepared(void* stream) {
       }
       pause = seconds_since(t0);
       ready->figures.pause_seconds = pause;
-      make_live(version, ready->figures, ready->subset, false, ready->checksum, ready->generation);
+      make_live(version, ready->figures, ready->subset, ready->delta, ready->checksum, ready->generation);
       hook = commit_hook;
     }
     ready.reset();

@@ -430,9 +430,10 @@ int receiver_gpu(refit::transport_kind transport) {
 }
 
 /// A receiver of `model_bytes` on its GPU that checks every version it commits against the model
-/// stepped as many times, until `last` is committed; reports "ready".
+/// stepped as many times, until `last` is committed; reports "ready". `staged`: a device stage, whose
+/// weights must still hold the version before until it applies each prepared one at once.
 void checking_receiver(const std::string& endpoint, refit::transport_kind transport, std::uint64_t last,
-                       rt::signal_pipe& to_parent) {
+                       rt::signal_pipe& to_parent, bool staged = false) {
   const int gpu = receiver_gpu(transport);
   refit::check_cuda(cudaSetDevice(gpu), "cudaSetDevice");
   model_bytes expect_model;
@@ -441,6 +442,7 @@ void checking_receiver(const std::string& endpoint, refit::transport_kind transp
   o.endpoint = endpoint;
   o.device = gpu;
   o.idle_timeout = refit::milliseconds{30000};
+  if (staged) o.stage = refit::stage_kind::device;
   refit::receiver r(o);
   for (std::size_t k = 0; k < expect_model.metas.size(); ++k)
     r.add_parameter(refit::tensor_dest{expect_model.metas[k], weights.buffers[k].handle(), refit::device::cuda(gpu)});
@@ -452,7 +454,12 @@ void checking_receiver(const std::string& endpoint, refit::transport_kind transp
             "receiver: version " + std::to_string(last) + " did not come");
     const auto e = r.serve_one(refit::milliseconds{50});
     require(e != refit::receiver_event::aborted, "receiver: aborted: " + r.last_error());
-    if (e != refit::receiver_event::committed) continue;
+    if (e == refit::receiver_event::prepared) {
+      require(weights.equals(expect_model), "receiver: the weights changed before apply_prepared()");
+      require(r.apply_prepared() == std::optional<std::uint64_t>(seen + 1), "receiver: applied another version");
+    } else if (e != refit::receiver_event::committed) {
+      continue;
+    }
     ++seen;
     if (seen > 1) expect_model.step();
     require(r.committed_version() == std::optional<std::uint64_t>(seen), "receiver: unexpected version");
@@ -463,12 +470,12 @@ void checking_receiver(const std::string& endpoint, refit::transport_kind transp
     require(std::chrono::steady_clock::now() - start < 150s, "receiver: no BYE");
 }
 
-void delta_steps(refit::transport_kind transport) {
+void delta_steps(refit::transport_kind transport, bool staged = false) {
   const rt::scoped_endpoint ep;
   const std::string endpoint = ep.name;
   constexpr std::uint64_t last = 21;
   rt::signal_pipe from_rx;
-  rt::child rx([&] { checking_receiver(endpoint, transport, last, from_rx); });
+  rt::child rx([&] { checking_receiver(endpoint, transport, last, from_rx, staged); });
   rt::child st([&] {
     refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
     model_bytes m;
@@ -499,6 +506,14 @@ void delta_steps(refit::transport_kind transport) {
 TEST_CASE("delta versions over cuda_ipc staged buffers are bit-exact after 20 steps and send a fraction of the bytes",
           "[delta][cuda_ipc]") {
   delta_steps(refit::transport_kind::cuda_ipc);
+}
+
+TEST_CASE(
+    "delta versions into a device stage over cuda_ipc and nccl are patched there, the weights untouched until each "
+    "apply, bit-exact after 20 steps",
+    "[delta][stage]") {
+  delta_steps(refit::transport_kind::cuda_ipc, true);
+  if (rt::nccl_ranks(2)) delta_steps(refit::transport_kind::nccl, true);
 }
 
 TEST_CASE("delta versions over nccl buffers are bit-exact after 20 steps and send a fraction of the bytes",

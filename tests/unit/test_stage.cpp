@@ -226,24 +226,72 @@ TEST_CASE("a staged refit that fails half-way leaves the weights untouched and c
 }
 
 TEST_CASE(
-    "a delta streamer to a staged receiver sends whole versions: the receiver refuses the delta with "
-    "needs_whole",
-    "[stage]") {
+    "a staged receiver takes delta versions: each touched tensor is patched in the stage, the weights stay the "
+    "base until the apply, and the version checks out bit-exact",
+    "[stage][delta]") {
   serving s(staged());
   weights w(s.receiver, stage_model(), 0);
   s.start();
   auto so = small_buffers(s.receiver.endpoint());
   so.delta.enable = true;
   refit::streamer st(so);
-  st.refit(1, rt::host_tensors(stage_model(), 1).refs);
+  rt::host_tensors v(stage_model(), 1);
+  st.refit(1, v.refs);
   REQUIRE(s.log.wait_for("prepared 1"));
   REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
-  const auto stats = st.refit(2, rt::host_tensors(stage_model(), 2).refs);
-  CHECK_FALSE(stats.delta);
-  CHECK(stats.whole_after_refusal);
+  // Version 2 changes a few bytes of two tensors: sent as patches against version 1.
+  const std::vector<std::uint8_t> before0 = v.bytes[0], before3 = v.bytes[3];
+  v.bytes[0][5] ^= 0x5a;
+  v.bytes[0][777] ^= 0x01;
+  v.bytes[3][100] ^= 0xff;
+  const auto stats = st.refit(2, v.refs);
+  CHECK(stats.delta);
+  CHECK_FALSE(stats.whole_after_refusal);
+  CHECK(stats.bytes < stage_model()[0].nbytes());  // patches, not tensors
   REQUIRE(s.log.wait_for("prepared 2"));
+  CHECK(w.mismatch(1).empty());  // the base, untouched
   REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{2});
-  CHECK(w.mismatch(2).empty());
+  for (std::size_t k = 0; k < v.bytes.size(); ++k) CHECK(w.bytes[k] == v.bytes[k]);
+  CHECK(w.bytes[0] != before0);
+  CHECK(w.bytes[3] != before3);
+  // Version 3 patches version 2 (its checksum known from the staged delta): a delta again.
+  v.bytes[1][3] ^= 0x10;
+  CHECK(st.refit(3, v.refs).delta);
+  REQUIRE(s.log.wait_for("prepared 3"));
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{3});
+  for (std::size_t k = 0; k < v.bytes.size(); ++k) CHECK(w.bytes[k] == v.bytes[k]);
+  CHECK_FALSE(s.receiver.dirty());
+}
+
+TEST_CASE("a staged delta that fails its checksum leaves the weights on the base, clean, and the next version whole",
+          "[stage][delta]") {
+  serving s(staged());
+  weights w(s.receiver, stage_model(), 0);
+  s.start();
+  auto so = small_buffers(s.receiver.endpoint());
+  so.delta.enable = true;
+  refit::streamer st(so);
+  rt::host_tensors v(stage_model(), 1);
+  st.refit(1, v.refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  s.finish();
+  // The engine's weights are no longer the base the streamer diffs against, in the element the delta
+  // patches (bytes 8..11 of tensor 0: the delta changes byte 9): the checksum sees the old value.
+  w.bytes[0][8] ^= 0x40;
+  s.start();
+  v.bytes[0][9] ^= 0x33;
+  CHECK_REFIT_ERROR(st.refit(2, v.refs), refit::errc::apply, "delta version 2 does not check out");
+  REQUIRE(s.log.wait_for("abort 2"));
+  CHECK_FALSE(s.receiver.prepared_version());
+  CHECK_FALSE(s.receiver.dirty());
+  CHECK(s.receiver.committed_version() == std::optional<std::uint64_t>{1});
+  CHECK(w.bytes[0][9] != v.bytes[0][9]);   // nothing of version 2 reached the weights
+  const auto stats = st.refit(3, v.refs);  // after a failure: whole
+  CHECK_FALSE(stats.delta);
+  REQUIRE(s.log.wait_for("prepared 3"));
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{3});
+  for (std::size_t k = 0; k < v.bytes.size(); ++k) CHECK(w.bytes[k] == v.bytes[k]);
 }
 
 TEST_CASE("apply_prepared after the parameter table changed drops the version with errc::apply and runs on_abort",
