@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
 #include <cmath>
@@ -273,7 +274,9 @@ int delta_receiver_gpu(const config& c) {
     o.idle_timeout = milliseconds{120000};
     o.device = gpu < 0 ? 0 : gpu;
     o.delta_threads = threads;
+    o.stage = c.stage;  // --stage: each version applied as soon as it is prepared, its pause kept
     receiver r(o);
+    std::vector<double> pauses;  // ms, in version order
     std::vector<std::vector<std::uint16_t>> weights;
 #if REFIT_HAVE_CUDA
     std::optional<device_arena> on_device;
@@ -296,7 +299,8 @@ int delta_receiver_gpu(const config& c) {
       r.add_parameter(tensor_dest{e.meta, weights.back().data(), device::cpu()});
     }
     for (;;) {
-      (void)r.serve_one(milliseconds{20});
+      if (r.serve_one(milliseconds{20}) == receiver_event::prepared && r.apply_prepared())
+        pauses.push_back(r.last_stats().pause_seconds * 1e3);
       pollfd p{in, POLLIN, 0};
       if (::poll(&p, 1, 0) > 0) break;
     }
@@ -311,7 +315,7 @@ int delta_receiver_gpu(const config& c) {
 #endif
       sum += delta::name_weight(m.entries[k].meta.name) * copy::checksum(weights[k].data(), weights[k].size() * 2);
     }
-    write_line(out, fmt::format("{} {}", sum, r.committed_version().value_or(0)));
+    write_line(out, fmt::format("{} {} {}", sum, r.committed_version().value_or(0), fmt::join(pauses, " ")));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "refit-bench delta receiver: %s\n", e.what());
     code = 1;
@@ -464,9 +468,12 @@ void delta_rows(const config& c, const streamer_options& so, trainer& t, std::ui
 }
 
 /// Stops the receiver and compares the version checksum of its weights with the trainer's, at `version`.
-bool receiver_matches(forked_child& rx, const trainer& t, std::uint64_t version) {
+/// `pauses`: what the receiver said after them (--stage: each version's apply_prepared(), in ms).
+bool receiver_matches(forked_child& rx, const trainer& t, std::uint64_t version, std::string& pauses) {
   write_line(rx.to, "x");
   const std::string line = read_line(rx.from);
+  const auto second = line.find(' ', line.find(' ') + 1);
+  pauses = second == std::string::npos ? std::string() : line.substr(second + 1);
   (void)reap(rx);
   std::uint64_t their_sum = 0, their_version = 0;
   const bool parsed = std::sscanf(line.c_str(), "%lu %lu", &their_sum, &their_version) == 2;
@@ -502,7 +509,9 @@ int run_delta(const config& c, std::ostream& out) {
   delta_rows(c, delta_options_of(c, dt, so), t, version, whole, out, delta_ms, wire_fraction);
 
   // Verification: the receiver's weights against the trainer's last version.
-  const bool right = receiver_matches(rx, t, version);
+  std::string pauses;
+  const bool right = receiver_matches(rx, t, version, pauses);
+  if (c.stage != stage_kind::none) out << fmt::format("# pause (apply_prepared, ms) of each version: {}\n", pauses);
   const double delta_median = median(delta_ms);
   out << fmt::format("# delta median {:.2f} ms = {:.3f} x whole median {:.2f} ms; wire {:.2f} % of the version\n",
                      delta_median, whole > 0 ? delta_median / whole : 0.0, whole, 100 * median(wire_fraction));
