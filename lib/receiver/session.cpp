@@ -244,7 +244,10 @@ void receiver::impl::offer_placement(const wire::hello& h, wire::ok& reply) {
   // streamer, whose batches then come through the buffers into the stage (cuda_ipc direct and nccl
   // in place fall back to that by themselves).
   if (staged()) {
-    ln->direct = ln->in_place = ln->parts = false;
+    ln->direct = ln->parts = false;
+    // Offered no destination, a transport declines and makes the buffers the batches come through
+    // (nccl makes its receive buffers here).
+    ln->in_place = ln->sink->offer_in_place(h, {}, reply);
     return;
   }
   std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place
