@@ -496,7 +496,8 @@ TEST_CASE("a streamer killed mid-version fails it on the receiver, naming its ra
   CHECK_THAT(f0->message, Catch::Contains("the streamer rank 1"));
   CHECK_THAT(f0->message, Catch::Contains("500 ms") && Catch::Contains("version 9"));
   CHECK_FALSE(s.receiver.committed_version());
-  CHECK(s.receiver.dirty());
+  // Dirty when rank 0's batches landed before rank 1's death was noticed (through its control lane,
+  // at once): on a slow machine (a sanitizer build) the version may fail first, its weights clean.
   CHECK_THAT(s.receiver.last_error(), Catch::Contains("rank 1"));
   // Rank 1 restarts; version 10 commits.
   refit::streamer s1(rank_options(endpoint_of(1), 1, n));

@@ -334,6 +334,31 @@ TEST_CASE("a HELLO with the wrong token during a refit leaves the session alone"
   CHECK(rx.committed() == 1);
 }
 
+TEST_CASE(
+    "an nccl HELLO from a stranger without the token is refused before any communicator is joined; the session "
+    "goes on",
+    "[hostile]") {
+  const auto model = two_tensors();
+  const rt::scoped_endpoint endpoint;
+  served_receiver rx(endpoint.name, model, "the-token");
+  zmq::context_t ctx;
+  streamer_peer s(ctx, endpoint.name, "the-token");
+  REQUIRE(text(s.request(wire::begin{1, false, {}})) == "OK");
+  // A stranger's communicator: a unique id of its own making (opaque session bytes) and a GPU.
+  peer p(ctx, endpoint.name);
+  wire::hello h;
+  h.transport = "nccl";
+  h.token = "not-the-token";
+  h.session = std::string(200, '\x42');
+  h.device_uuid = std::string(16, '\x01');
+  h.mode = wire::session_mode::in_place;
+  CHECK(text(p.request(h, {})).starts_with("unauthorized: session token mismatch"));
+  REQUIRE(text(s.batch(1, 0, model)) == "OK");
+  REQUIRE(text(s.request(wire::end{1, 2, 2048, 1, {}})) == "OK");
+  CHECK(rx.committed() == 1);
+  CHECK(rx.mismatch(1).empty());
+}
+
 TEST_CASE("a session that moved to its control lane takes nothing but HELLO over ZeroMQ", "[hostile]") {
   const auto model = two_tensors();
   const rt::scoped_endpoint endpoint;
@@ -608,6 +633,11 @@ TEST_CASE(
   CHECK(waited < 10s);
   const std::uint64_t after = rss_bytes();
   INFO("resident before " << before << " bytes, stalled " << held << ", dropped " << after);
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer keeps the shadow of memory unmapped since: resident size cannot tell here.
+  WARN("under ThreadSanitizer the memory returned is not measured (its shadow stays resident)");
+#else
   CHECK(after < before + (std::uint64_t{64} << 20));
+#endif
   refit_checked(s, rx, model, 3);
 }

@@ -53,6 +53,17 @@ refit::streamer_options small_buffers(const std::string& endpoint) {
   return rt::host_shm_streamer(endpoint, 4 * kib, streamer_timeout);
 }
 
+/// A delta streamer to staged receiver `s` that sent `v` as version 1, applied: its base.
+refit::streamer delta_streamer_at_version_1(serving& s, const rt::host_tensors& v) {
+  auto so = small_buffers(s.receiver.endpoint());
+  so.delta.enable = true;
+  refit::streamer st(so);
+  st.refit(1, v.refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  return st;
+}
+
 /// FNV-1a over every byte of every tensor of `w`, as an engine's check of its weights would read them.
 std::uint64_t checksum_of(const std::vector<std::vector<std::uint8_t>>& bytes) {
   std::uint64_t h = 1469598103934665603ull;
@@ -232,13 +243,8 @@ TEST_CASE(
   serving s(staged());
   weights w(s.receiver, stage_model(), 0);
   s.start();
-  auto so = small_buffers(s.receiver.endpoint());
-  so.delta.enable = true;
-  refit::streamer st(so);
   rt::host_tensors v(stage_model(), 1);
-  st.refit(1, v.refs);
-  REQUIRE(s.log.wait_for("prepared 1"));
-  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  refit::streamer st = delta_streamer_at_version_1(s, v);
   // Version 2 changes a few bytes of two tensors: sent as patches against version 1.
   const std::vector<std::uint8_t> before0 = v.bytes[0], before3 = v.bytes[3];
   v.bytes[0][5] ^= 0x5a;
@@ -268,13 +274,8 @@ TEST_CASE("a staged delta that fails its checksum leaves the weights on the base
   serving s(staged());
   weights w(s.receiver, stage_model(), 0);
   s.start();
-  auto so = small_buffers(s.receiver.endpoint());
-  so.delta.enable = true;
-  refit::streamer st(so);
   rt::host_tensors v(stage_model(), 1);
-  st.refit(1, v.refs);
-  REQUIRE(s.log.wait_for("prepared 1"));
-  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  refit::streamer st = delta_streamer_at_version_1(s, v);
   s.finish();
   // The engine's weights are no longer the base the streamer diffs against, in the element the delta
   // patches (bytes 8..11 of tensor 0: the delta changes byte 9): the checksum sees the old value.
