@@ -456,7 +456,7 @@ struct device_area::impl {
   int device = 0;
   cuda::device_buffer memory;
   cuda::stream stream;
-  cuda::event read;     ///< recorded by read_on()
+  cuda::event read;      ///< recorded by read_on()
   bool pending = false;  ///< read_on() since the last wait_readers()
 };
 
@@ -473,8 +473,8 @@ void wait_device(int device, milliseconds timeout, Query&& query) {
     return true;
   });
   if (!done)
-    throw error(errc::timeout,
-                fmt::format("the device stage's copies on cuda:{} did not finish within {} ms", device, timeout.count()));
+    throw error(errc::timeout, fmt::format("the device stage's copies on cuda:{} did not finish within {} ms", device,
+                                           timeout.count()));
 }
 
 }  // namespace
