@@ -267,7 +267,7 @@ std::uint64_t cuda_allocation_id(const void* /*p*/, int /*device*/) {
 }
 
 struct device_area::impl {};
-device_area::device_area(std::uint64_t bytes, int device) {
+device_area::device_area(std::uint64_t bytes, int device, bool /*pinned_host*/) {
   throw error(errc::invalid_argument,
               fmt::format("a device stage of {} bytes on cuda:{} needs CUDA, and this refit was built without it",
                           bytes, device));

@@ -187,10 +187,11 @@ std::uint64_t cuda_allocation_id(const void* p, int device);
 /// transports' copies write it, copier::run() on stream() copies out of it. Needs no CUDA header.
 class device_area {
  public:
-  /// `bytes` bytes of memory of CUDA device `device`. Throws refit::error(errc::cuda) when they
-  /// cannot be allocated (naming the bytes and the driver's answer), (invalid_argument) in a build
-  /// without CUDA.
-  device_area(std::uint64_t bytes, int device);
+  /// `bytes` bytes of memory of CUDA device `device` (with `pinned_host`: page-locked host memory,
+  /// which that device's kernels read and write). Throws refit::error(errc::cuda) when they cannot
+  /// be allocated (naming the bytes and the driver's answer), (invalid_argument) in a build without
+  /// CUDA.
+  device_area(std::uint64_t bytes, int device, bool pinned_host = false);
   ~device_area();
   device_area(const device_area&) = delete;
   device_area& operator=(const device_area&) = delete;

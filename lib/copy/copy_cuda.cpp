@@ -455,6 +455,7 @@ void enable_peer_access(int device, int peer) {
 struct device_area::impl {
   int device = 0;
   cuda::device_buffer memory;
+  cuda::pinned_buffer host;  ///< pinned_host: the area, instead of `memory`
   cuda::stream stream;
   cuda::event read;      ///< recorded by read_on()
   bool pending = false;  ///< read_on() since the last wait_readers()
@@ -479,26 +480,35 @@ void wait_device(int device, milliseconds timeout, Query&& query) {
 
 }  // namespace
 
-device_area::device_area(std::uint64_t bytes, int device) : impl_(std::make_unique<impl>()) {
+device_area::device_area(std::uint64_t bytes, int device, bool pinned_host) : impl_(std::make_unique<impl>()) {
   on_device here(device);
   impl_->device = device;
   void* p = nullptr;
-  const cudaError_t status = cudaMalloc(&p, bytes);
+  const cudaError_t status = pinned_host ? cudaMallocHost(&p, bytes) : cudaMalloc(&p, bytes);
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
     std::size_t free = 0, total = 0;
     (void)cudaMemGetInfo(&free, &total);
-    throw error(errc::cuda, fmt::format("cannot allocate a device stage of {} bytes on cuda:{} ({}; {} bytes free of "
-                                        "{})",
-                                        bytes, device, cudaGetErrorString(status), free, total));
+    throw error(errc::cuda,
+                pinned_host ? fmt::format("cannot allocate a host stage of {} bytes of page-locked memory for cuda:{} "
+                                          "({})",
+                                          bytes, device, cudaGetErrorString(status))
+                            : fmt::format("cannot allocate a device stage of {} bytes on cuda:{} ({}; {} bytes free "
+                                          "of {})",
+                                          bytes, device, cudaGetErrorString(status), free, total));
   }
-  impl_->memory = cuda::device_buffer::adopt(p, bytes);
+  if (pinned_host)
+    impl_->host = cuda::pinned_buffer::adopt(p, bytes);
+  else
+    impl_->memory = cuda::device_buffer::adopt(p, bytes);
   impl_->stream = cuda::stream(cudaStreamNonBlocking);
 }
 
 device_area::~device_area() = default;
-std::byte* device_area::data() const noexcept { return static_cast<std::byte*>(impl_->memory.handle()); }
-std::uint64_t device_area::bytes() const noexcept { return impl_->memory.bytes(); }
+std::byte* device_area::data() const noexcept {
+  return static_cast<std::byte*>(impl_->host ? impl_->host.handle() : impl_->memory.handle());
+}
+std::uint64_t device_area::bytes() const noexcept { return impl_->host ? impl_->host.bytes() : impl_->memory.bytes(); }
 int device_area::device() const noexcept { return impl_->device; }
 void* device_area::stream() const noexcept { return impl_->stream.handle(); }
 

@@ -69,8 +69,11 @@ class pinned_buffer : public detail::memory<detail::free_host> {
  public:
   pinned_buffer() noexcept = default;
   explicit pinned_buffer(std::uint64_t bytes) : memory(allocate(bytes), bytes) {}
+  /// Takes ownership of `p`, cudaMallocHost'd by the caller (who worded its own failure).
+  static pinned_buffer adopt(void* p, std::uint64_t bytes) noexcept { return pinned_buffer(p, bytes); }
 
  private:
+  pinned_buffer(void* p, std::uint64_t bytes) noexcept : memory(p, bytes) {}
   static void* allocate(std::uint64_t bytes) {
     void* p = nullptr;
     check_cuda(cudaMallocHost(&p, bytes), fmt::format("cudaMallocHost({} bytes)", bytes));

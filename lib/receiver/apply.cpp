@@ -133,7 +133,9 @@ void receiver::impl::add_staged(std::vector<slot>& slots, const wire::entry& e, 
                                 device_kind where, std::vector<copy::op>& ops,
                                 std::vector<transport::segment>* segments, std::vector<plan::run>& pieces) {
   slot& only = slots.front();
-  if (segments != nullptr && slots.size() == 1 && plan::is_plain(only.dest) && only.dest.dev == ln->sink->where()) {
+  // Received straight into the weights, or into a device stage (never into page-locked host memory).
+  if (segments != nullptr && slots.size() == 1 && plan::is_plain(only.dest) && only.dest.dev == ln->sink->where() &&
+      (!staged() || options.stage == stage_kind::device)) {
     std::byte* const into = staged() ? stage_for(only) : static_cast<std::byte*>(only.dest.data);
     segments->push_back(transport::segment{into + e.tensor_offset, 0, e.bytes});
     return;

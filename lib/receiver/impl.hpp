@@ -257,7 +257,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   // take it too).
   std::mutex stage_mutex;
   std::unique_ptr<std::byte[]> stage;               ///< stage_kind::host
-  std::unique_ptr<copy::device_area> device_stage;  ///< stage_kind::device
+  std::unique_ptr<copy::device_area> device_stage;  ///< a CUDA table's stage: device (or page-locked) memory
+  bool stage_cuda = false;                          ///< the stage in use is `device_stage` (not `stage`)
   std::unique_ptr<copy::copier> stage_copier;       ///< the device stage's copies into the weights
   std::uint64_t stage_capacity = 0;                 ///< bytes allocated at `stage`
   std::uint64_t stage_need = 0;                     ///< bytes the table laid out at stage_generation needs

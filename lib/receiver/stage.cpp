@@ -67,37 +67,42 @@ std::optional<std::string> receiver::impl::stage_refusal(const wire::begin& b) {
 }
 
 /// Why this session cannot bring version `version` into the stage, or nullopt: a host stage takes
-/// host bytes through buffers (host_shm), a device stage CUDA bytes through buffers (cuda_ipc
-/// staged, nccl), into a table all on one GPU.
+/// host bytes through buffers (host_shm) into a host table, or CUDA bytes through buffers (cuda_ipc
+/// staged, nccl) into a table on one GPU (the stage then in page-locked host memory); a device stage
+/// takes the latter only.
 std::optional<std::string> receiver::impl::stage_misfit(std::uint64_t version) const {
-  const device_kind want = options.stage == stage_kind::device ? device_kind::cuda : device_kind::cpu;
   const device where = ln->sink->where();
-  if (where.kind != want || ln->direct || ln->in_place || ln->parts)
+  const bool fits = options.stage == stage_kind::device ? where.kind == device_kind::cuda : true;
+  if (!fits || ln->direct || ln->in_place || ln->parts)
     return fmt::format(
-        "version {}: receiver_options::stage = {} takes sessions that bring {} bytes through buffers ({}), not "
+        "version {}: receiver_options::stage = {} takes sessions that bring their bytes through buffers ({}), not "
         "this {} session{}; use stage = {} for it",
-        version, to_string(options.stage), want == device_kind::cuda ? "CUDA" : "host",
-        want == device_kind::cuda ? "cuda_ipc, nccl" : "host_shm", ln->sink->name(),
+        version, to_string(options.stage),
+        options.stage == stage_kind::device ? "cuda_ipc, nccl" : "host_shm, cuda_ipc, nccl", ln->sink->name(),
         ln->direct     ? " (direct writes)"
         : ln->in_place ? " (in place)"
                        : "",
-        want == device_kind::cuda ? "host or none" : "device or none");
+        options.stage == stage_kind::device ? "host or none" : "none");
   for (const auto& [name, slots] : table)
     for (const slot& sl : slots)
-      if (sl.dest.dev.kind != want || (want == device_kind::cuda && sl.dest.dev.index != where.index))
+      if (sl.dest.dev.kind != where.kind || (where.kind == device_kind::cuda && sl.dest.dev.index != where.index))
         return fmt::format(
-            "version {}: the stage is on {}, but tensor '{}' is registered on {}: a {} stage takes a "
-            "parameter table all there",
-            version, want == device_kind::cuda ? fmt::format("cuda:{}", where.index) : "the host", printable(name),
-            sl.dest.dev.kind == device_kind::cuda ? fmt::format("cuda:{}", sl.dest.dev.index) : "the host",
-            to_string(options.stage));
+            "version {}: this {} session applies into {}, but tensor '{}' is registered on {}: a staged receiver "
+            "takes a parameter table all there",
+            version, ln->sink->name(),
+            where.kind == device_kind::cuda ? fmt::format("cuda:{}", where.index) : "the host", printable(name),
+            sl.dest.dev.kind == device_kind::cuda ? fmt::format("cuda:{}", sl.dest.dev.index) : "the host");
   return std::nullopt;
 }
 
 /// Makes the stage hold at least stage_need bytes (kept, grown when the table grows); why not, or
 /// nullopt.
 std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version) {
-  if (options.stage == stage_kind::device) {
+  // A device stage, or a host stage of a table on a GPU: page-locked host memory the copy kernel
+  // reaches (a CUDA area either way, with its own stream).
+  stage_cuda = ln->sink->where().kind == device_kind::cuda;
+  if (stage_cuda) {
+    const bool pinned = options.stage == stage_kind::host;
     const int dev = ln->sink->where().index;
     if (device_stage) {
       // The apply before may still be copying out of the stage on the engine's stream.
@@ -110,7 +115,7 @@ std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version)
     if (device_stage && device_stage->bytes() >= stage_need && device_stage->device() == dev) return std::nullopt;
     device_stage.reset();
     try {
-      device_stage = std::make_unique<copy::device_area>(std::max<std::uint64_t>(stage_need, 1), dev);
+      device_stage = std::make_unique<copy::device_area>(std::max<std::uint64_t>(stage_need, 1), dev, pinned);
       if (!stage_copier) stage_copier = copy::make_copier(copy::engine::kernel, dev, options.idle_timeout);
     } catch (const error& e) {
       device_stage.reset();
@@ -131,9 +136,9 @@ std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version)
   return std::nullopt;
 }
 
-/// The stage's first byte: host memory, or the device stage's.
+/// The stage's first byte: host memory, or the CUDA area's (device memory, or page-locked host memory).
 std::byte* receiver::impl::stage_base() const noexcept {
-  return options.stage == stage_kind::device ? (device_stage ? device_stage->data() : nullptr) : stage.get();
+  return stage_cuda ? (device_stage ? device_stage->data() : nullptr) : stage.get();
 }
 
 /// Gives every destination of the table its place in the stage (slot::stage_at): its bytes from
@@ -160,7 +165,7 @@ std::byte* receiver::impl::delta_target(slot& sl) {
   std::byte* into = stage_for(sl);
   if (first) {
     const std::uint64_t bytes = plan::check_view(sl.dest).bytes;
-    if (options.stage == stage_kind::device) {
+    if (stage_cuda) {
       const copy::op take{static_cast<const std::byte*>(sl.dest.data), into, bytes};
       ln->copier->run({&take, 1}, ln->sink->stream());  // on the stream the patches follow on
     } else {
@@ -212,7 +217,7 @@ void receiver::impl::prepare(std::uint64_t version, const receiver_stats& figure
 /// without waiting, or on the stage's own stream and waited for.
 void receiver::impl::copy_stage(const prepared_state& p, void* stream) {
   const std::byte* base = stage_base();
-  if (options.stage == stage_kind::device) {
+  if (stage_cuda) {
     std::vector<copy::op> ops;
     for (const slot* sl : p.slots) {
       const std::byte* from = base + sl->stage_at;

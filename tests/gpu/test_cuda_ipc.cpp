@@ -700,50 +700,53 @@ TEST_CASE("with direct writes turned off, cuda_ipc stages through the buffers in
 }
 
 TEST_CASE(
-    "a device-staged cuda_ipc receiver keeps its weights untouched until apply_prepared, which lands each version "
-    "bit-exact on its own stream or the engine's",
+    "a staged cuda_ipc receiver (a device stage, or a host stage in page-locked memory) keeps its weights "
+    "untouched until apply_prepared, which lands each version bit-exact on its own stream or the engine's",
     "[cuda_ipc][stage]") {
   // The streamer asks for direct writes (the default); a staged receiver offers its weights to no one,
   // so every version comes through the buffers (and the streamer's tensors read in place) into the stage.
   const auto metas = rt::mixed_model(300, 3 * buffer_bytes, 3);
-  const auto ep = rt::temp_endpoint();
   const std::vector<std::uint64_t> versions = {1, 2, 3, 4};
-  two_processes(
-      [&](rt::signal_pipe& ready) {
-        device_tensors weights(metas, 0);
-        weights.upload(0);
-        auto o = receive_options(ep, 0, relaxed);
-        o.stage = refit::stage_kind::device;
-        refit::receiver r(o);
-        weights.register_with(r);
-        refit::cuda::stream engine_stream(cudaStreamNonBlocking);
-        ready.send("ready");
-        std::size_t next = 0;
-        for (;;) {
-          const auto e = r.serve_one(100ms);
-          if (e == refit::receiver_event::bye) break;
-          if (e == refit::receiver_event::aborted || e == refit::receiver_event::refused)
-            throw std::runtime_error("receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
-          if (e != refit::receiver_event::prepared) continue;
-          expect(next < versions.size() && r.prepared_version() == versions[next], "prepared an unexpected version");
-          const std::uint64_t before = next == 0 ? 0 : versions[next - 1];
-          const auto untouched = weights.mismatch(before);
-          expect(untouched.empty(), "the weights changed before apply_prepared(): " + untouched);
-          expect(!r.dirty(), "a staged receiver is dirty before its apply");
-          // Odd versions on the receiver's own stream (waited for), even ones on the engine's (not).
-          void* stream = versions[next] % 2 == 0 ? static_cast<void*>(engine_stream.handle()) : nullptr;
-          expect(r.apply_prepared(stream) == versions[next], "apply_prepared() applied another version");
-          if (stream != nullptr)
-            refit::check_cuda(cudaStreamSynchronize(engine_stream.handle()), "the engine's stream");
-          const auto m = weights.mismatch(versions[next]);
-          expect(m.empty(), "after apply_prepared(): " + m);
-          expect(r.committed_version() == versions[next], "committed_version() after the apply");
-          expect(r.last_stats().pause_seconds > 0, "no pause measured");
-          ++next;
-        }
-        expect(next == versions.size(), std::to_string(next) + " versions applied");
-      },
-      [&] { streamer_of(ep, metas, 0, versions, path::staged); });
+  for (const auto kind : {refit::stage_kind::device, refit::stage_kind::host}) {
+    INFO("stage = " << refit::to_string(kind));
+    const auto ep = rt::temp_endpoint();
+    two_processes(
+        [&](rt::signal_pipe& ready) {
+          device_tensors weights(metas, 0);
+          weights.upload(0);
+          auto o = receive_options(ep, 0, relaxed);
+          o.stage = kind;
+          refit::receiver r(o);
+          weights.register_with(r);
+          refit::cuda::stream engine_stream(cudaStreamNonBlocking);
+          ready.send("ready");
+          std::size_t next = 0;
+          for (;;) {
+            const auto e = r.serve_one(100ms);
+            if (e == refit::receiver_event::bye) break;
+            if (e == refit::receiver_event::aborted || e == refit::receiver_event::refused)
+              throw std::runtime_error("receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
+            if (e != refit::receiver_event::prepared) continue;
+            expect(next < versions.size() && r.prepared_version() == versions[next], "prepared an unexpected version");
+            const std::uint64_t before = next == 0 ? 0 : versions[next - 1];
+            const auto untouched = weights.mismatch(before);
+            expect(untouched.empty(), "the weights changed before apply_prepared(): " + untouched);
+            expect(!r.dirty(), "a staged receiver is dirty before its apply");
+            // Odd versions on the receiver's own stream (waited for), even ones on the engine's (not).
+            void* stream = versions[next] % 2 == 0 ? static_cast<void*>(engine_stream.handle()) : nullptr;
+            expect(r.apply_prepared(stream) == versions[next], "apply_prepared() applied another version");
+            if (stream != nullptr)
+              refit::check_cuda(cudaStreamSynchronize(engine_stream.handle()), "the engine's stream");
+            const auto m = weights.mismatch(versions[next]);
+            expect(m.empty(), "after apply_prepared(): " + m);
+            expect(r.committed_version() == versions[next], "committed_version() after the apply");
+            expect(r.last_stats().pause_seconds > 0, "no pause measured");
+            ++next;
+          }
+          expect(next == versions.size(), std::to_string(next) + " versions applied");
+        },
+        [&] { streamer_of(ep, metas, 0, versions, path::staged); });
+  }
 }
 
 TEST_CASE("a staged cuda_ipc receiver reads a streamer's reallocated tensors afresh and lets go of the old memory",

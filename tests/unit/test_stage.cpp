@@ -327,7 +327,8 @@ TEST_CASE("a device stage takes CUDA sessions only: a host_shm version is refuse
   s.start();
   refit::streamer st(small_buffers(s.receiver.endpoint()));
   CHECK_REFIT_ERROR(st.refit(1, rt::host_tensors(stage_model(), 1).refs), refit::errc::invalid_argument,
-                    "receiver_options::stage = device takes sessions that bring CUDA bytes through buffers");
+                    "receiver_options::stage = device takes sessions that bring their bytes through buffers "
+                    "(cuda_ipc, nccl), not this host_shm session");
   CHECK(w.mismatch(0).empty());
   CHECK_FALSE(s.receiver.prepared_version());
 }
