@@ -23,7 +23,9 @@ enum class stage_kind : std::uint8_t {
   none,
   /// Host memory the receiver owns: every batch lands in the stage, the weights stay untouched (the
   /// engine keeps reading them), and END *prepares* the version; receiver::apply_prepared() copies
-  /// the stage into the weights (one local copy) and commits. Host weights over host_shm for now.
+  /// the stage into the weights (one local copy) and commits. Host weights over host_shm, or weights
+  /// on one GPU over cuda_ipc and nccl with the stage in page-locked host memory (an engine without
+  /// spare GPU memory: the apply is the copy kernel reading host memory, ~1.1 x the H2D floor).
   host,
   /// Memory of the engine's GPU the receiver owns: the same as host, for a parameter table on one
   /// GPU over the CUDA transports (cuda_ipc, whose direct writes then go through its buffers, and
