@@ -66,7 +66,9 @@ struct receiver_options {
   /// Threads that check and apply a delta's patches into host weights (the serve_one() caller among
   /// them), made at the first such batch and joined when the receiver is destroyed; 0: min(hardware
   /// threads, 8); at most 256 (errc::invalid_argument). What is written and the checksum do not
-  /// depend on it. Deltas into GPU weights are applied on the GPU.
+  /// depend on it. Deltas into GPU weights are applied on the GPU. A host stage of host weights
+  /// (receiver_options::stage) copies into the weights on as many threads of its own (the
+  /// apply_prepared() caller among them) when a version carries 32 MiB or more.
   std::size_t delta_threads = 0;
   /// Offer a streamer of this host a shared-memory control lane for its requests (see
   /// streamer_options::control_lane): a private directory of mode 0700 holding a 2 MiB segment and

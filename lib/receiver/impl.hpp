@@ -260,12 +260,14 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::unique_ptr<copy::device_area> device_stage;  ///< a CUDA table's stage: device (or page-locked) memory
   bool stage_cuda = false;                          ///< the stage in use is `device_stage` (not `stage`)
   std::unique_ptr<copy::copier> stage_copier;       ///< the device stage's copies into the weights
-  std::uint64_t stage_capacity = 0;                 ///< bytes allocated at `stage`
-  std::uint64_t stage_need = 0;                     ///< bytes the table laid out at stage_generation needs
-  std::optional<std::uint64_t> stage_generation;    ///< sink_generation the slots' stage_at were laid out from
-  std::uint64_t stage_serial = 0;                   ///< counts staged refits (slot::staged_in)
-  std::vector<slot*> staged_slots;                  ///< the destinations the refit in progress wrote into the stage
-  std::optional<prepared_state> ready;              ///< the version prepared, under stage_mutex
+  std::unique_ptr<delta::worker_pool>
+      stage_pool;                    ///< a host stage's apply threads (delta_threads), made when first needed
+  std::uint64_t stage_capacity = 0;  ///< bytes allocated at `stage`
+  std::uint64_t stage_need = 0;      ///< bytes the table laid out at stage_generation needs
+  std::optional<std::uint64_t> stage_generation;  ///< sink_generation the slots' stage_at were laid out from
+  std::uint64_t stage_serial = 0;                 ///< counts staged refits (slot::staged_in)
+  std::vector<slot*> staged_slots;                ///< the destinations the refit in progress wrote into the stage
+  std::optional<prepared_state> ready;            ///< the version prepared, under stage_mutex
   std::atomic<bool> has_prepared{false};
   std::atomic<std::uint64_t> prepared_number{0};
 

@@ -19,6 +19,9 @@ namespace refit {
 namespace {
 
 constexpr std::uint64_t stage_align = 64;
+/// A host apply's unit of work, and the size below which one thread copies it all.
+constexpr std::uint64_t piece_bytes = 8ull << 20;
+constexpr std::uint64_t parallel_bytes = 32ull << 20;
 
 std::uint64_t round_up(std::uint64_t n) { return (n + stage_align - 1) / stage_align * stage_align; }
 
@@ -234,15 +237,43 @@ void receiver::impl::copy_stage(const prepared_state& p, void* stream) {
     device_stage->synchronize(options.idle_timeout);
     return;
   }
+  // Host memory: pieces of at most piece_bytes, copied by the stage's threads (one core copies at a
+  // fraction of a many-core host's memory bandwidth).
+  struct piece {
+    const std::byte* from;
+    std::byte* to;
+    std::uint64_t bytes;
+  };
+  std::vector<piece> pieces;
+  std::uint64_t total = 0;
   for (const slot* sl : p.slots) {
     const std::byte* from = base + sl->stage_at;
     auto* to = static_cast<std::byte*>(sl->dest.data);
     for (const plan::run& r : sl->foot)
-      for (std::uint64_t row = 0; row < r.rows; ++row) {
-        const std::uint64_t at = r.dst + row * r.dst_pitch;
-        std::memcpy(to + at, from + at, r.width);
-      }
+      for (std::uint64_t row = 0; row < r.rows; ++row)
+        for (std::uint64_t at = r.dst + row * r.dst_pitch, left = r.width; left != 0;) {
+          const std::uint64_t n = std::min(left, piece_bytes);
+          pieces.push_back(piece{from + at, to + at, n});
+          total += n;
+          at += n;
+          left -= n;
+        }
   }
+  const auto copy_range = [&](std::size_t first, std::size_t last) {
+    for (std::size_t i = first; i < last; ++i) std::memcpy(pieces[i].to, pieces[i].from, pieces[i].bytes);
+  };
+  if (total < parallel_bytes) return copy_range(0, pieces.size());
+  if (!stage_pool) stage_pool = std::make_unique<delta::worker_pool>(delta::pool_threads(options.delta_threads));
+  // Jobs of about equal bytes, a few per thread, each a run of consecutive pieces.
+  const std::size_t jobs = std::min(pieces.size(), stage_pool->size() * 4);
+  std::vector<std::size_t> starts{0};
+  std::uint64_t acc = 0;
+  for (std::size_t i = 0; i < pieces.size() && starts.size() < jobs; ++i) {
+    acc += pieces[i].bytes;
+    if (acc * jobs >= total * starts.size()) starts.push_back(i + 1);
+  }
+  starts.push_back(pieces.size());
+  stage_pool->run(starts.size() - 1, [&](std::size_t j) { copy_range(starts[j], starts[j + 1]); });
 }
 
 std::optional<std::uint64_t> receiver::impl::apply_prepared(void* stream) {
