@@ -190,6 +190,24 @@ TEST_CASE(
     }
 }
 
+TEST_CASE("a staged version of 45 MiB is applied on the stage's threads, bit-exact", "[stage]") {
+  // 32 MiB or more: apply_prepared() splits the copy into pieces for the stage's worker threads.
+  const std::vector<tensor_meta> model{tensor_meta{"big", dtype::f32, {9 << 20}},
+                                       tensor_meta{"odd", dtype::bf16, {12345}},
+                                       tensor_meta{"mid", dtype::u8, {(9 << 20) + 7}}};
+  auto o = staged();
+  o.delta_threads = 3;
+  serving s(o);
+  weights w(s.receiver, model, 0);
+  s.start();
+  refit::streamer st(rt::host_shm_streamer(s.receiver.endpoint(), 8 << 20, streamer_timeout));
+  st.refit(1, rt::host_tensors(model, 1).refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  CHECK(w.mismatch(0).empty());
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  CHECK(w.mismatch(1).empty());
+}
+
 TEST_CASE(
     "a version that needs more than stage_bytes is refused at BEGIN, saying both byte counts, before anything "
     "is written",
