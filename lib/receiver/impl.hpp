@@ -125,7 +125,6 @@ struct voted_version {
   std::uint64_t version = 0;
   receiver_stats figures;
   std::optional<std::uint64_t> checksum;  ///< END's version checksum
-  double drain_seconds = 0;
 };
 
 /// One streamer's session with the receiver: its channel, the transport's sink of its buffers, and

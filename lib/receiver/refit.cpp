@@ -288,7 +288,7 @@ receiver_event receiver::impl::finish_refit() {
 /// which it sends once every receiver has prepared it. ABORT, a new session or version, the
 /// streamer gone or the idle timeout end it as any refit in progress (abort_refit()).
 receiver_event receiver::impl::hold_for_commit(std::uint64_t version, double drain_seconds) {
-  voted = voted_version{version, figures_of(version, drain_seconds), lanes.front().held->checksum, drain_seconds};
+  voted = voted_version{version, figures_of(version, drain_seconds), lanes.front().held->checksum};
   ln->awaits_commit = true;
   REFIT_DEBUG("engine-wide version {} from {} prepared: waiting for COMMIT", version, who(*ln));
   answer_ends();
