@@ -257,7 +257,7 @@ void check(std::span<const patch_ref> patches, workspace& ws, void* stream) {
 }
 
 void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::byte* dest, std::uint64_t weight,
-           workspace& ws, void* stream) {
+           workspace& ws, void* stream, apply_mode mode) {
   const std::uint64_t n = patch.bytes / record_bytes(patch.item);
   if (n == 0) return;
   workspace::impl& st = ws.state();
@@ -271,7 +271,9 @@ void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::
                                  total,
                                  weight,
                                  static_cast<std::uint32_t>(patch.item),
-                                 0};
+                                 mode == apply_mode::terms_only   ? kernel::apply_no_store
+                                 : mode == apply_mode::store_only ? kernel::apply_no_terms
+                                                                  : 0u};
   l.first[l.n + 1] = l.first[l.n] + kernel::check_tiles(n);
   l.n += 1;
   st.applies_stream = as_stream(stream);

@@ -92,9 +92,10 @@ void check(std::span<const patch_ref> patches, workspace& ws, void* stream);
 /// `dest` (the tensor's byte 0, device memory) and adds `weight` times its terms to the
 /// accumulator, on `stream`. Queued in the workspace and launched with the others (up to
 /// kernel::max_applies patches a launch) by launch_applies() or take_terms(): whoever hands the
-/// patches' memory or the destinations on must call launch_applies() first.
+/// patches' memory or the destinations on must call launch_applies() first. `mode` (patch.hpp):
+/// terms_only reads `dest` and writes nothing, store_only writes and reads no old value.
 void apply(const patch_ref& patch, std::uint64_t off, std::uint64_t total, std::byte* dest, std::uint64_t weight,
-           workspace& ws, void* stream);
+           workspace& ws, void* stream, apply_mode mode = apply_mode::both);
 
 /// Enqueues the applies queued by apply() on their stream. Throws refit::error(cuda).
 void launch_applies(workspace& ws);

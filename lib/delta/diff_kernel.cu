@@ -394,10 +394,12 @@ __global__ void apply_kernel(const __grid_constant__ apply_list list, unsigned l
   for (std::uint64_t k = first + threadIdx.x; k < first + check_tile && k < p.n; k += threads) {
     const std::uint64_t i = p.indices[k];
     if (p.off + (i + 1) * static_cast<std::uint64_t>(item) > p.total) continue;
-    const std::uint64_t o = load(span, i, item);
     const std::uint64_t v = load_unaligned(p.values, k, item);
-    t += element_term(v, p.off + i * item, item, p.total) - element_term(o, p.off + i * item, item, p.total);
-    store(span, i, item, v);
+    if (!(p.flags & apply_no_terms)) {
+      const std::uint64_t o = load(span, i, item);
+      t += element_term(v, p.off + i * item, item, p.total) - element_term(o, p.off + i * item, item, p.total);
+    }
+    if (!(p.flags & apply_no_store)) store(span, i, item, v);
   }
   const unsigned long long sum = block_sum(static_cast<unsigned long long>(t * p.weight), sums);
   if (threadIdx.x == 0 && sum != 0) atomicAdd(terms, sum);

@@ -98,6 +98,11 @@ std::uint64_t check_tiles(std::uint64_t records);
 /// below their span's elements; sets bad[k] to 1 for patch k otherwise.
 cudaError_t launch_check(const check_list& list, unsigned int* bad, cudaStream_t stream);
 
+/// apply_desc::flags: write nothing (the terms alone, old values read from `dest`), or take no terms
+/// (the values written alone, no old value read).
+inline constexpr std::uint32_t apply_no_store = 1;
+inline constexpr std::uint32_t apply_no_terms = 2;
+
 /// One checked patch to apply: `n` records (indices at `indices`, values at `values`) into the span
 /// at tensor byte `off` of `dest` (the tensor's byte 0), a tensor of `total` bytes; its terms count
 /// `weight` times.
@@ -110,7 +115,7 @@ struct apply_desc {
   std::uint64_t total = 0;
   std::uint64_t weight = 1;
   std::uint32_t item = 1;
-  std::uint32_t reserved = 0;
+  std::uint32_t flags = 0;  ///< apply_no_store, apply_no_terms
 };
 
 /// Patches one apply launch takes at most (a kernel parameter, as write_list).

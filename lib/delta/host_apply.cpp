@@ -42,7 +42,7 @@ void host_patcher::check(std::span<const host_entry> entries) {
   }
 }
 
-std::uint64_t host_patcher::apply(std::span<const host_entry> entries) {
+std::uint64_t host_patcher::apply(std::span<const host_entry> entries, apply_mode mode) {
   cut(entries, false);
   pool_.run(pieces_.size(), [&](std::size_t k) {
     piece& p = pieces_[k];
@@ -51,15 +51,18 @@ std::uint64_t host_patcher::apply(std::span<const host_entry> entries) {
       const std::uint64_t n = e.bytes / record_bytes(e.item);
       // Checks each index again where it is used: check() read them from the same shared memory,
       // which the streamer may have changed since. A bad one throws (worker_pool::run hands it on).
-      p.terms = e.weight * apply_records(e.from, n, p.first, p.last, e.item, e.off, e.span, e.total, e.dests, e.name);
+      p.terms =
+          e.weight * apply_records(e.from, n, p.first, p.last, e.item, e.off, e.span, e.total, e.dests, e.name, mode);
       return;
     }
     const std::uint64_t at = e.off + p.first;
     const std::uint64_t bytes = p.last - p.first;
     const std::byte* from = e.from + p.first;
-    p.terms =
-        e.weight * (range_terms(from, at, bytes, e.total) - range_terms(e.dests.front() + at, at, bytes, e.total));
-    for (std::byte* d : e.dests) std::memcpy(d + at, from, bytes);
+    p.terms = mode == apply_mode::store_only
+                  ? 0
+                  : e.weight * (range_terms(from, at, bytes, e.total) - range_terms(e.dests.front() + at, at, bytes, e.total));
+    if (mode != apply_mode::terms_only)
+      for (std::byte* d : e.dests) std::memcpy(d + at, from, bytes);
   });
   std::uint64_t terms = 0;
   for (const piece& p : pieces_) terms += p.terms;

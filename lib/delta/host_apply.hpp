@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "delta/patch.hpp"
 #include "delta/pool.hpp"
 
 namespace refit::delta {
@@ -51,7 +52,8 @@ class host_patcher {
 
   /// Writes every entry (checked) into each of its destinations; returns the sum over entries of
   /// weight · (new minus old checksum terms), the old values read from the first destination.
-  std::uint64_t apply(std::span<const host_entry> entries);
+  /// `mode` (patch.hpp): terms_only writes nothing, store_only takes no terms (returns 0).
+  std::uint64_t apply(std::span<const host_entry> entries, apply_mode mode = apply_mode::both);
 
   [[nodiscard]] std::size_t threads() const noexcept { return pool_.size(); }
 

@@ -175,7 +175,7 @@ constexpr std::uint64_t prefetch_records = 64;
 /// The records may lie in memory a peer still writes (a host_shm buffer): each index and value is
 /// read once, into a local, and the index is compared with the span there, however the patch was
 /// checked before. The prefetch's index needs no check: a prefetch never faults.
-template <std::size_t ITEM>
+template <std::size_t ITEM, apply_mode MODE>
 std::uint64_t apply_items(const std::byte* indices, const std::byte* values, std::uint64_t n, std::uint64_t first_k,
                           std::uint64_t off, std::uint64_t total, std::uint64_t elements,
                           std::span<std::byte* const> dests, std::string_view name) {
@@ -185,18 +185,21 @@ std::uint64_t apply_items(const std::byte* indices, const std::byte* values, std
     if (k + prefetch_records < n) {
       std::uint32_t ahead;
       std::memcpy(&ahead, indices + 4 * (k + prefetch_records), 4);
-      __builtin_prefetch(first + std::uint64_t{ahead} * ITEM, 1);
+      __builtin_prefetch(first + std::uint64_t{ahead} * ITEM, MODE == apply_mode::terms_only ? 0 : 1);
     }
     std::uint32_t i;
     std::memcpy(&i, indices + 4 * k, 4);
     if (i >= elements) [[unlikely]]
       refuse_changed(name, first_k + k, i, elements);
     const std::uint64_t b = std::uint64_t{i} * ITEM;
-    const std::uint64_t o = load_bits(first + b, ITEM);
     const std::uint64_t v = load_bits(values + k * ITEM, ITEM);
-    terms += element_term(v, off + b, ITEM, total) - element_term(o, off + b, ITEM, total);
+    if constexpr (MODE != apply_mode::store_only) {
+      const std::uint64_t o = load_bits(first + b, ITEM);
+      terms += element_term(v, off + b, ITEM, total) - element_term(o, off + b, ITEM, total);
+    }
     // The value as its terms were taken (little-endian hosts only, as load_bits).
-    for (std::byte* d : dests) std::memcpy(d + off + b, &v, ITEM);
+    if constexpr (MODE != apply_mode::terms_only)
+      for (std::byte* d : dests) std::memcpy(d + off + b, &v, ITEM);
   }
   return terms;
 }
@@ -283,15 +286,22 @@ std::uint64_t apply_patch(const std::byte* patch, std::uint64_t bytes, std::size
 
 std::uint64_t apply_records(const std::byte* patch, std::uint64_t n, std::uint64_t from, std::uint64_t to,
                             std::size_t item, std::uint64_t off, std::uint64_t span, std::uint64_t total,
-                            std::span<std::byte* const> dests, std::string_view name) {
+                            std::span<std::byte* const> dests, std::string_view name, apply_mode mode) {
   const std::byte* indices = patch + 4 * from;
   const std::byte* values = patch + 4 * n + from * item;
   const std::uint64_t elements = span / item;
-  switch (item) {
-    case 1: return apply_items<1>(indices, values, to - from, from, off, total, elements, dests, name);
-    case 2: return apply_items<2>(indices, values, to - from, from, off, total, elements, dests, name);
-    case 4: return apply_items<4>(indices, values, to - from, from, off, total, elements, dests, name);
-    default: return apply_items<8>(indices, values, to - from, from, off, total, elements, dests, name);
+  const auto by_item = [&]<apply_mode M>() {
+    switch (item) {
+      case 1: return apply_items<1, M>(indices, values, to - from, from, off, total, elements, dests, name);
+      case 2: return apply_items<2, M>(indices, values, to - from, from, off, total, elements, dests, name);
+      case 4: return apply_items<4, M>(indices, values, to - from, from, off, total, elements, dests, name);
+      default: return apply_items<8, M>(indices, values, to - from, from, off, total, elements, dests, name);
+    }
+  };
+  switch (mode) {
+    case apply_mode::terms_only: return by_item.template operator()<apply_mode::terms_only>();
+    case apply_mode::store_only: return by_item.template operator()<apply_mode::store_only>();
+    default: return by_item.template operator()<apply_mode::both>();
   }
 }
 

@@ -80,11 +80,18 @@ std::uint64_t apply_patch(const std::byte* patch, std::uint64_t bytes, std::size
                           std::uint64_t span, std::uint64_t total, std::span<std::byte* const> dests,
                           std::string_view name);
 
+/// What an apply of a checked patch does: write its values and take their terms (a delta in place),
+/// take the terms alone (a staged delta's batch: the old values read from the live weights, nothing
+/// written), or write alone (a staged delta's apply_prepared(): the terms were taken at its batch).
+enum class apply_mode : std::uint8_t { both, terms_only, store_only };
+
 /// apply_patch() of records [from, to) of a checked patch of `n` records alone: pieces of one patch
 /// write different elements, so they may be applied apart, on several threads, and their terms
-/// added up. Throws as apply_patch().
+/// added up. Throws as apply_patch(). `mode`: see apply_mode (terms_only writes nothing and reads the
+/// old values from dests.front(); store_only returns 0).
 std::uint64_t apply_records(const std::byte* patch, std::uint64_t n, std::uint64_t from, std::uint64_t to,
                             std::size_t item, std::uint64_t off, std::uint64_t span, std::uint64_t total,
-                            std::span<std::byte* const> dests, std::string_view name);
+                            std::span<std::byte* const> dests, std::string_view name,
+                            apply_mode mode = apply_mode::both);
 
 }  // namespace refit::delta

@@ -170,6 +170,12 @@ void receiver::impl::apply(const wire::batch& b, std::vector<copy::op>& ops,
   }
   // A ready batch reads only memory the streamer's GPU work had finished with (wire::batch::ready).
   if (!(b.ready && ln->sink->maps_sources())) ln->sink->begin_read(b.buffer);
+  if (refit_delta && staged()) {
+    stage_delta(b);  // its entries into the stage, checked there: the weights wait for apply_prepared()
+    ln->sink->end_read(b.buffer);
+    apply_seconds += seconds_since(t0);
+    return;
+  }
   if (refit_delta) check_patches(b);    // a corrupt patch is refused before its batch writes anything
   if (!staged()) is_dirty.store(true);  // from here on the weights may be partly overwritten
   if (callback) {

@@ -119,7 +119,7 @@ std::span<const delta::host_entry> receiver::impl::host_delta_entries(const wire
   delta_dests.clear();
   delta_entries.clear();
   for (const wire::entry& e : b.entries)
-    for (slot& sl : *table.find(e.name)) delta_dests.push_back(delta_target(sl));
+    for (slot& sl : *table.find(e.name)) delta_dests.push_back(static_cast<std::byte*>(sl.dest.data));
   std::size_t d = 0;
   for (const wire::entry& e : b.entries) {
     const std::size_t n = table.find(e.name)->size();
@@ -150,16 +150,17 @@ void receiver::impl::apply_delta_device(const wire::batch& b, const std::byte* b
       const delta::cuda::patch_ref p{from, e.bytes, itemsize(e.type), e.span, e.name};
       bool first = true;  // tied destinations: the terms are counted once
       for (slot& sl : slots) {
-        delta::cuda::apply(p, e.tensor_offset, total, delta_target(sl), first ? weight : 0, ws, stream);
+        delta::cuda::apply(p, e.tensor_offset, total, static_cast<std::byte*>(sl.dest.data), first ? weight : 0, ws,
+                           stream);
         first = false;
       }
       continue;
     }
-    auto* first = delta_target(slots.front()) + e.tensor_offset;
+    auto* first = static_cast<std::byte*>(slots.front().dest.data) + e.tensor_offset;
     delta::cuda::add_range_terms(first, e.tensor_offset, e.bytes, total, weight, true, ws, stream);
     delta::cuda::add_range_terms(from, e.tensor_offset, e.bytes, total, weight, false, ws, stream);
     ops.clear();
-    for (slot& sl : slots) ops.emplace_back(from, delta_target(sl) + e.tensor_offset, e.bytes);
+    for (slot& sl : slots) ops.emplace_back(from, static_cast<std::byte*>(sl.dest.data) + e.tensor_offset, e.bytes);
     ln->copier->run(ops, stream);
   }
   delta::cuda::launch_applies(ws);  // before end_read() hands the buffer back

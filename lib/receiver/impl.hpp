@@ -108,6 +108,21 @@ struct ending {
   bool prepared = false;  ///< staged: END prepared it (on_prepared), it is not committed yet
 };
 
+/// One entry of a staged delta (stage.cpp): its bytes (a patch's records, or a span sent as bytes)
+/// copied into the stage, checked there and their checksum terms taken against the weights at its
+/// batch; apply_prepared() writes it into every destination of its tensor.
+struct staged_entry {
+  std::uint64_t at = 0;     ///< its bytes' offset in the stage
+  std::uint64_t bytes = 0;  ///< stage bytes
+  bool patch = false;       ///< a patch, else the span's plain bytes
+  std::uint64_t span = 0;   ///< a patch: the tensor bytes it covers
+  std::uint64_t off = 0;    ///< the tensor byte it starts at
+  std::uint64_t total = 0;  ///< the tensor's bytes
+  std::size_t item = 1;
+  std::vector<slot>* slots = nullptr;  ///< the tensor's destinations (the table the version was prepared from)
+  std::string name;
+};
+
 /// A staged version whose END checked out, waiting in the stage for apply_prepared().
 struct prepared_state {
   std::uint64_t version = 0;
@@ -117,6 +132,7 @@ struct prepared_state {
   receiver_stats figures;
   std::uint64_t generation = 0;  ///< sink_generation the stage was laid out from
   std::vector<slot*> slots;      ///< the destinations it wrote into the stage
+  std::vector<staged_entry> log;  ///< a delta: its entries in the stage (the destinations are not copied)
 };
 
 /// An engine-wide version (end::hold) whose END checked out here: what its commit needs, kept until
@@ -266,6 +282,12 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::optional<std::uint64_t> stage_generation;  ///< sink_generation the slots' stage_at were laid out from
   std::uint64_t stage_serial = 0;                 ///< counts staged refits (slot::staged_in)
   std::vector<slot*> staged_slots;                ///< the destinations the refit in progress wrote into the stage
+  std::vector<staged_entry> staged_log;           ///< a staged delta in progress: its entries in the stage
+  std::uint64_t log_used = 0;                     ///< stage bytes `staged_log` holds
+  std::unique_ptr<delta::host_patcher> stage_patcher;  ///< a host stage's delta apply (apply_prepared())
+#if REFIT_HAVE_CUDA
+  std::unique_ptr<delta::cuda::workspace> stage_delta_ws;  ///< a CUDA stage's delta apply (apply_prepared())
+#endif
   std::optional<prepared_state> ready;            ///< the version prepared, under stage_mutex
   std::atomic<bool> has_prepared{false};
   std::atomic<std::uint64_t> prepared_number{0};
@@ -369,7 +391,9 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   [[nodiscard]] std::byte* stage_base() const noexcept;
   void lay_out_stage();
   std::byte* stage_for(slot& sl);
-  std::byte* delta_target(slot& sl);
+  [[nodiscard]] std::uint64_t stage_size() const noexcept;
+  void stage_delta(const wire::batch& b);
+  void apply_log(const prepared_state& p, void* stream);
   void prepare(std::uint64_t version, const receiver_stats& figures, std::optional<std::uint64_t> checksum);
   std::optional<std::uint64_t> apply_prepared(void* stream);
   void copy_stage(const prepared_state& p, void* stream);

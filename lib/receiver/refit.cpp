@@ -109,6 +109,8 @@ receiver_event receiver::impl::begin_refit(const wire::begin& b) {
   if (staged()) {  // a new refit: no destination is in the stage yet (slot::staged_in)
     ++stage_serial;
     staged_slots.clear();
+    staged_log.clear();
+    log_used = 0;
   }
   ln->deferred.reset();
   // Direct writes start as soon as the streamer has this reply.

@@ -158,24 +158,73 @@ void receiver::impl::lay_out_stage() {
   stage_generation = sink_generation;
 }
 
-/// Where a delta patches destination `sl` (delta.cpp): in place, or, staged, its copy in the stage,
-/// which takes the weights' bytes (the base) the first time the refit touches it: the patches then
-/// apply to the base there, the checksum terms read the base's old values there, and the weights stay
-/// untouched until apply_prepared() copies back the destinations the delta touched.
-std::byte* receiver::impl::delta_target(slot& sl) {
-  if (!staged()) return static_cast<std::byte*>(sl.dest.data);
-  const bool first = sl.staged_in != stage_serial;
-  std::byte* into = stage_for(sl);
-  if (first) {
-    const std::uint64_t bytes = plan::check_view(sl.dest).bytes;
-    if (stage_cuda) {
-      const copy::op take{static_cast<const std::byte*>(sl.dest.data), into, bytes};
-      ln->copier->run({&take, 1}, ln->sink->stream());  // on the stream the patches follow on
-    } else {
-      std::memcpy(into, sl.dest.data, bytes);
-    }
+/// The stage's bytes as allocated.
+std::uint64_t receiver::impl::stage_size() const noexcept {
+  return stage_cuda ? (device_stage ? device_stage->bytes() : 0) : stage_capacity;
+}
+
+/// A staged delta's batch: its entries (patches' records, spans sent as bytes) copied from the
+/// buffer into the stage, one after the other (a delta's stage is a log, not the destinations'
+/// copies), then checked there, where no peer can change them, and their checksum terms taken
+/// against the weights' bytes (the base: the weights stay untouched until apply_prepared(), which
+/// writes the logged entries alone). So a delta's stage holds its wire bytes, and the engine's
+/// pause is the patch apply, not a copy of every tensor the delta touched.
+void receiver::impl::stage_delta(const wire::batch& b) {
+  const std::byte* base = ln->sink->data(b.buffer);
+  std::byte* log = stage_base();
+  const std::size_t first = staged_log.size();
+  std::vector<copy::op> ops;
+  for (const wire::entry& e : b.entries) {
+    if (e.bytes == 0) continue;
+    const std::uint64_t at = (log_used + 15) / 16 * 16;  // a patch's indices are read as 4-byte words
+    if (at + e.bytes > stage_size())
+      throw error(errc::apply,
+                  fmt::format("delta version {}: its entries need more than the stage's {} bytes (at '{}'); nothing "
+                              "was written: send a whole version",
+                              b.version, stage_size(), printable(e.name)));
+    std::vector<slot>& slots = *table.find(e.name);
+    staged_log.push_back(staged_entry{at, e.bytes, e.kind == wire::entry_kind::patch, e.span, e.tensor_offset,
+                                      *checked_nbytes(e.type, e.shape), itemsize(e.type), &slots, e.name});
+    ops.emplace_back(base + e.buffer_offset, log + at, e.bytes);
+    log_used = at + e.bytes;
   }
-  return into;
+  const std::span<const staged_entry> batch = std::span(staged_log).subspan(first);
+#if REFIT_HAVE_CUDA
+  if (stage_cuda) {
+    void* stream = ln->sink->stream();
+    ln->copier->run(ops, stream);
+    delta::cuda::workspace& ws = device_workspace();
+    std::vector<delta::cuda::patch_ref> refs;
+    for (const staged_entry& s : batch)
+      if (s.patch) refs.push_back(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name});
+    delta::cuda::check(refs, ws, stream);  // after the copies, on their stream
+    for (const staged_entry& s : batch) {
+      const std::uint64_t weight = delta::name_weight(s.name);
+      auto* weights = static_cast<std::byte*>(s.slots->front().dest.data);
+      if (s.patch) {
+        delta::cuda::apply(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name}, s.off, s.total,
+                           weights, weight, ws, stream, delta::apply_mode::terms_only);
+        continue;
+      }
+      delta::cuda::add_range_terms(weights + s.off, s.off, s.bytes, s.total, weight, true, ws, stream);
+      delta::cuda::add_range_terms(log + s.at, s.off, s.bytes, s.total, weight, false, ws, stream);
+    }
+    delta::cuda::launch_applies(ws);
+    return;
+  }
+#endif
+  for (const copy::op& op : ops) std::memcpy(op.dst, op.src, op.bytes);
+  delta_entries.clear();
+  delta_dests.clear();
+  for (const staged_entry& s : batch) delta_dests.push_back(static_cast<std::byte*>(s.slots->front().dest.data));
+  for (std::size_t k = 0; k < batch.size(); ++k) {
+    const staged_entry& s = batch[k];
+    delta_entries.push_back(delta::host_entry{log + s.at, s.bytes, s.patch, s.span, s.off, s.total, s.item,
+                                              delta::name_weight(s.name),
+                                              std::span<std::byte* const>(delta_dests).subspan(k, 1), s.name});
+  }
+  host_patcher().check(delta_entries);
+  delta_terms += host_patcher().apply(delta_entries, delta::apply_mode::terms_only);
 }
 
 /// Where the batch being checked writes destination `sl`: its copy in the stage. Notes that the
@@ -201,6 +250,7 @@ void receiver::impl::prepare(std::uint64_t version, const receiver_stats& figure
   p.figures = figures;
   p.generation = sink_generation;
   p.slots.swap(staged_slots);
+  p.log.swap(staged_log);
   const std::uint64_t tensors = p.figures.tensors;
   const double gb = static_cast<double>(p.figures.bytes) / 1e9;
   {
@@ -219,6 +269,7 @@ void receiver::impl::prepare(std::uint64_t version, const receiver_stats& figure
 /// footprint's rows only. A device stage: one launch of the copy kernel, on `stream` (the engine's)
 /// without waiting, or on the stage's own stream and waited for.
 void receiver::impl::copy_stage(const prepared_state& p, void* stream) {
+  if (!p.log.empty()) return apply_log(p, stream);
   const std::byte* base = stage_base();
   if (stage_cuda) {
     std::vector<copy::op> ops;
@@ -274,6 +325,51 @@ void receiver::impl::copy_stage(const prepared_state& p, void* stream) {
   }
   starts.push_back(pieces.size());
   stage_pool->run(starts.size() - 1, [&](std::size_t j) { copy_range(starts[j], starts[j + 1]); });
+}
+
+/// copy_stage() of a staged delta: each logged entry written into every destination of its tensor
+/// (a patch's values at its indices, a span's bytes), nothing else; its terms were taken at its batch.
+/// A CUDA stage: the patch apply kernel (up to kernel::max_applies patches a launch) and one copy
+/// kernel launch for the spans, on `stream` without waiting, or on the stage's stream and waited for.
+void receiver::impl::apply_log(const prepared_state& p, void* stream) {
+  const std::byte* log = stage_base();
+#if REFIT_HAVE_CUDA
+  if (stage_cuda) {
+    void* on = stream != nullptr ? stream : device_stage->stream();
+    if (!stage_delta_ws || stage_delta_ws->device() != device_stage->device())
+      stage_delta_ws = std::make_unique<delta::cuda::workspace>(device_stage->device());
+    std::vector<copy::op> ops;
+    for (const staged_entry& s : p.log)
+      for (slot& sl : *s.slots) {
+        auto* to = static_cast<std::byte*>(sl.dest.data);
+        if (s.patch)
+          delta::cuda::apply(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name}, s.off, s.total, to,
+                             0, *stage_delta_ws, on, delta::apply_mode::store_only);
+        else
+          ops.emplace_back(log + s.at, to + s.off, s.bytes);
+      }
+    delta::cuda::launch_applies(*stage_delta_ws);
+    if (!ops.empty()) stage_copier->run(ops, on);
+    if (stream != nullptr) {
+      device_stage->read_on(stream);  // the next version's writes into the stage wait for these
+      return;
+    }
+    device_stage->synchronize(options.idle_timeout);
+    return;
+  }
+#endif
+  if (!stage_patcher) stage_patcher = std::make_unique<delta::host_patcher>(options.delta_threads);
+  std::vector<std::byte*> dests;
+  for (const staged_entry& s : p.log)
+    for (slot& sl : *s.slots) dests.push_back(static_cast<std::byte*>(sl.dest.data));
+  std::vector<delta::host_entry> entries;
+  std::size_t d = 0;
+  for (const staged_entry& s : p.log) {
+    entries.push_back(delta::host_entry{log + s.at, s.bytes, s.patch, s.span, s.off, s.total, s.item, 0,
+                                        std::span<std::byte* const>(dests).subspan(d, s.slots->size()), s.name});
+    d += s.slots->size();
+  }
+  (void)stage_patcher->apply(entries, delta::apply_mode::store_only);
 }
 
 std::optional<std::uint64_t> receiver::impl::apply_prepared(void* stream) {

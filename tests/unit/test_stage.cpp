@@ -255,8 +255,8 @@ TEST_CASE("a staged refit that fails half-way leaves the weights untouched and c
 }
 
 TEST_CASE(
-    "a staged receiver takes delta versions: each touched tensor is patched in the stage, the weights stay the "
-    "base until the apply, and the version checks out bit-exact",
+    "a staged receiver takes delta versions: the patches wait in the stage, the weights stay the base until the "
+    "apply, and the version checks out bit-exact",
     "[stage][delta]") {
   serving s(staged());
   weights w(s.receiver, stage_model(), 0);
@@ -284,6 +284,40 @@ TEST_CASE(
   REQUIRE(s.log.wait_for("prepared 3"));
   REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{3});
   for (std::size_t k = 0; k < v.bytes.size(); ++k) CHECK(w.bytes[k] == v.bytes[k]);
+  CHECK_FALSE(s.receiver.dirty());
+}
+
+TEST_CASE(
+    "a staged delta writes every destination of a tied tensor at the apply, spans sent as bytes and patches alike, "
+    "and nothing before it",
+    "[stage][delta]") {
+  serving s(staged());
+  weights w(s.receiver, stage_model(), 0);
+  // "head" has a second destination (tied weights): both must take every version.
+  std::vector<std::uint8_t> tied(stage_model()[4].nbytes());
+  s.receiver.add_parameter(refit::tensor_dest{stage_model()[4], tied.data(), refit::device::cpu()});
+  s.start();
+  rt::host_tensors v(stage_model(), 1);
+  refit::streamer st = delta_streamer_at_version_1(s, v);
+  CHECK(tied == v.bytes[4]);
+  for (int version = 2; version <= 4; ++version) {
+    // A sparse change in "embed" (a patch), every byte of "layer.0.b" changed (its span goes as bytes,
+    // smaller than its patch), and a few bytes of the tied "head".
+    v.bytes[0][static_cast<std::size_t>(version) * 31] ^= 0x21;
+    for (auto& b : v.bytes[2]) b = static_cast<std::uint8_t>(b + 1);
+    v.bytes[4][static_cast<std::size_t>(version) * 101] ^= 0x80;
+    v.bytes[4][v.bytes[4].size() - 1] ^= 0x04;
+    const std::vector<std::uint8_t> head_before = w.bytes[4], bias_before = w.bytes[2];
+    const auto stats = st.refit(static_cast<std::uint64_t>(version), v.refs);
+    CHECK(stats.delta);
+    REQUIRE(s.log.wait_for("prepared " + std::to_string(version)));
+    CHECK(w.bytes[4] == head_before);  // nothing reaches the weights before the apply
+    CHECK(tied == head_before);
+    CHECK(w.bytes[2] == bias_before);
+    REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{static_cast<std::uint64_t>(version)});
+    for (std::size_t k = 0; k < v.bytes.size(); ++k) CHECK(w.bytes[k] == v.bytes[k]);
+    CHECK(tied == v.bytes[4]);
+  }
   CHECK_FALSE(s.receiver.dirty());
 }
 
