@@ -134,8 +134,8 @@ struct receiver_spec {
   std::vector<refit::tensor_meta> tensors;
   sink_kind sink = sink_kind::table;
   refit::milliseconds idle_timeout = relaxed;
-  /// Callback sink: at callback call `block_batch` (from 0) of refit `block_refit` (from 0,
-  /// counting BEGINs) report "blocked" and wait until killed.
+  /// At callback call `block_batch` (from 0) of refit `block_refit` (from 0, counting BEGINs) report
+  /// "blocked" and wait until killed; a table sink: after that batch (serve_one's `batch` event).
   int block_refit = -1;
   int block_batch = -1;
   /// Fill the weights with this version's pattern before serving, and after every aborted or
@@ -236,6 +236,12 @@ void receiver_child::run() {
       case refit::receiver_event::begin:
         ++refits;
         batch = 0;
+        break;
+      case refit::receiver_event::batch:
+        if (spec_.sink == sink_kind::table && refits == spec_.block_refit && batch++ == spec_.block_batch) {
+          reports_.send("blocked");
+          (void)hold_.receive(600s);  // until the parent kills this process
+        }
         break;
       case refit::receiver_event::prepared: {
         const std::uint64_t before = r.committed_version().value_or(spec_.prefill.value_or(0));
@@ -361,9 +367,9 @@ void streamer_child::run() {
 }
 
 /// The receiver's next report that is not the end of an earlier session ("bye ...").
-std::string next_after_byes(receiver_child& rx) {
+std::string next_after_byes(receiver_child& rx, std::chrono::milliseconds wait = 60s) {
   for (;;) {
-    std::string line = rx.next_report();
+    std::string line = rx.next_report(wait);
     if (!line.starts_with("bye ")) return line;
   }
 }
@@ -536,6 +542,72 @@ TEST_CASE(
   CHECK(tx2.stop() == 0);
   CHECK(ok_rank.stop() == 0);
   CHECK(bad_rank.stop() == 0);
+}
+
+TEST_CASE(
+    "nccl: a rank killed in the middle of an engine-wide version leaves the other device-staged rank on its old "
+    "version, bit-exact and clean; a new rank and the survivor take the next version together",
+    "[nccl][stage]") {
+  if (!nccl_gpus(3)) return;
+  const auto metas = rt::mixed_model(120, 3 * buffer_bytes, 11);
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  // Both ranks start on version 1's bytes; the victim stops serving after the second batch of the
+  // second version (its second BEGIN), and is killed there.
+  // The survivor's idle timeout is long: the streamer's ABORT, not its own deadline, ends version 2.
+  receiver_child survivor({.endpoint = eps[0],
+                           .device = rt::gpu_of(1),
+                           .tensors = metas,
+                           .idle_timeout = relaxed,
+                           .prefill = 1,
+                           .stage = refit::stage_kind::device});
+  auto victim = std::make_unique<receiver_child>(receiver_spec{.endpoint = eps[1],
+                                                               .device = rt::gpu_of(2),
+                                                               .tensors = metas,
+                                                               .idle_timeout = fault_timeout,
+                                                               .block_refit = 1,
+                                                               .block_batch = 1,
+                                                               .prefill = 1,
+                                                               .stage = refit::stage_kind::device});
+  for (auto* rx : {&survivor, victim.get()}) REQUIRE(rx->next_report() == "ready");
+  streamer_child tx(eps, metas, fault_timeout, true, 0, buffer_bytes, 2, false, /*atomic=*/true);
+  REQUIRE(without_batches(tx.refit(1)) == ok_line(1, metas, false));
+  for (auto* rx : {&survivor, victim.get()}) {
+    REQUIRE(rx->next_report() == "prepared 1 weights ok");
+    REQUIRE(rx->next_report() == outcome("committed", 1, false));
+  }
+
+  tx.start(2);
+  REQUIRE(victim->next_report() == "blocked");
+  victim->kill();
+  const std::string report = tx.result(4 * fault_timeout + 30s);
+  const auto failure = parse_failure(report);
+  INFO("streamer report: " << report);
+  REQUIRE(failure);
+  CHECK(failure->message.find(eps[1]) != std::string::npos);
+  // The survivor had staged part of version 2 and never prepared it: the streamer's ABORT discards it,
+  // its weights version 1 bit for bit, clean.
+  const std::string line = next_after_byes(survivor, 4 * fault_timeout + 30s);
+  INFO("survivor: " << line);
+  CHECK(line.starts_with(outcome("aborted", 1, false, "-")));
+  CHECK(survivor.next_report() == "untouched ok");
+
+  // A new rank on the dead one's endpoint (its weights still version 1's) and the survivor: the next
+  // engine-wide version reaches both.
+  victim = std::make_unique<receiver_child>(receiver_spec{.endpoint = eps[1],
+                                                          .device = rt::gpu_of(2),
+                                                          .tensors = metas,
+                                                          .idle_timeout = fault_timeout,
+                                                          .prefill = 1,
+                                                          .stage = refit::stage_kind::device});
+  REQUIRE(victim->next_report() == "ready");
+  CHECK(without_batches(tx.refit(3)) == ok_line(3, metas, false));
+  for (auto* rx : {&survivor, victim.get()}) {
+    CHECK(next_after_byes(*rx) == "prepared 3 weights ok");
+    CHECK(rx->next_report() == outcome("committed", 3, false));
+  }
+  CHECK(tx.stop() == 0);
+  CHECK(survivor.stop() == 0);
+  CHECK(victim->stop() == 0);
 }
 
 TEST_CASE("nccl: one communicator (nccl_twin off) and three buffers with the twin (odd ones on it), bit-exact",
