@@ -378,43 +378,6 @@ __global__ void check_kernel(const __grid_constant__ check_list list, unsigned i
   if (__syncthreads_or(wrong) && threadIdx.x == 0) bad[lo] = 1u;
 }
 
-/// A tile of records [first, end) of patch `p` written alone (apply_no_terms: a staged delta's apply,
-/// the engine's pause): each thread takes four consecutive records a step, their indices in one
-/// 16-byte load and their values in ITEM 4-byte loads, where the patch's indices are 16-byte aligned
-/// (its values then 4-byte aligned: they follow 4-byte indices) and the four are whole; one record at
-/// a time elsewhere. No old value is read and no term taken: the scattered stores are the cost (at 2 %
-/// of bf16 elements, about one 32-byte sector in four of the tensor is written, each read and written
-/// back by the memory).
-template <int ITEM>
-__device__ void store_tile(const apply_desc& p, std::uint64_t first, std::uint64_t end) {
-  auto* span = static_cast<unsigned char*>(p.dest) + p.off;
-  const auto* values = static_cast<const unsigned char*>(p.values);
-  const bool whole4 = (reinterpret_cast<std::uintptr_t>(p.indices) & 15) == 0;
-  const auto put = [&](std::uint64_t i, std::uint64_t v) {
-    if (p.off + (i + 1) * ITEM <= p.total) store(span, i, ITEM, v);
-  };
-  for (std::uint64_t k = first + 4 * threadIdx.x; k < end; k += 4 * threads) {
-    if (whole4 && k + 4 <= end) {
-      const uint4 ix = *reinterpret_cast<const uint4*>(p.indices + k);
-      std::uint32_t w[ITEM];
-      const auto* vw = reinterpret_cast<const std::uint32_t*>(values + k * ITEM);
-#pragma unroll
-      for (int j = 0; j < ITEM; ++j) w[j] = vw[j];
-      unsigned char b[4 * ITEM];
-      memcpy(b, w, sizeof b);
-      const std::uint32_t idx[4] = {ix.x, ix.y, ix.z, ix.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        std::uint64_t v = 0;
-        memcpy(&v, b + j * ITEM, ITEM);
-        put(idx[j], v);
-      }
-      continue;
-    }
-    for (std::uint64_t r = k; r < k + 4 && r < end; ++r) put(p.indices[r], load_unaligned(p.values, r, ITEM));
-  }
-}
-
 /// One block per tile of check_tile records of the (checked) patches of `list`: writes each record's
 /// value at its index of the patch's span, adds weight times new minus old terms (one atomic add a
 /// block). The indices are read again here from memory the streamer can still write (cuda_ipc maps
@@ -426,15 +389,6 @@ __global__ void apply_kernel(const __grid_constant__ apply_list list, unsigned l
   const apply_desc& p = list.at[lo];
   const int item = static_cast<int>(p.item);
   const std::uint64_t first = (blockIdx.x - list.first[lo]) * check_tile;
-  if (p.flags & apply_no_terms) {  // the same for every thread of the block: no barrier is skipped by half
-    const std::uint64_t end = first + check_tile < p.n ? first + check_tile : p.n;
-    switch (item) {
-      case 1: return store_tile<1>(p, first, end);
-      case 2: return store_tile<2>(p, first, end);
-      case 4: return store_tile<4>(p, first, end);
-      default: return store_tile<8>(p, first, end);
-    }
-  }
   auto* span = static_cast<unsigned char*>(p.dest) + p.off;
   std::uint64_t t = 0;
   for (std::uint64_t k = first + threadIdx.x; k < first + check_tile && k < p.n; k += threads) {
