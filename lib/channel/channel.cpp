@@ -265,6 +265,22 @@ class zap_authority {
 
 }  // namespace
 
+/// The receiver's CURVE keys as its ZMTP server takes them (binary); `curve` was validated.
+static std::shared_ptr<const zmtp::curve_server_keys> server_keys(const curve_keys& curve) {
+  auto keys = std::make_shared<zmtp::curve_server_keys>();
+  const auto decode = [](const std::string& z85, std::array<std::uint8_t, 32>& out) {
+    if (z85.size() != 40 || zmq_z85_decode(out.data(), z85.c_str()) == nullptr)
+      throw error(errc::invalid_argument, "a CURVE key is not 40 characters of Z85 text");
+  };
+  decode(curve.secret_key, keys->secret_key);
+  char pub[41] = {};
+  if (zmq_curve_public(pub, curve.secret_key.c_str()) != 0)
+    throw error(errc::invalid_argument, "receiver_options.curve.secret_key makes no public key");
+  decode(pub, keys->public_key);
+  for (const auto& client : curve.allowed_clients) decode(client, keys->allowed.emplace_back());
+  return keys;
+}
+
 void validate_curve(const curve_keys& curve, bool server) {
   const auto z85_key = [](const std::string& key, std::string_view option) {
     std::uint8_t raw[32];
@@ -349,11 +365,12 @@ void rep_channel::open(std::string_view endpoint, const curve_keys& curve, bool 
                                       "(Address already in use)",
                                       target));
   }
-  // Without CURVE the receiver reads ZMTP itself (zmtp.hpp). An endpoint its server does not bind
-  // (an interface or host name, an abstract ipc name) stays with libzmq's ROUTER, as CURVE does.
-  if (curve.secret_key.empty() && zmtp::server::handles(target)) {
+  // The receiver reads ZMTP itself (zmtp.hpp), NULL or CURVE. An endpoint its server does not bind
+  // (an interface or host name, an abstract ipc name) stays with libzmq's ROUTER.
+  if (zmtp::server::handles(target)) {
     zmtp::options limits = o;
     limits.max_body = static_cast<std::uint64_t>(max_message_bytes);
+    if (!curve.secret_key.empty()) limits.curve = server_keys(curve);
     try {
       server_ = std::make_unique<zmtp::server>(target, limits);
     } catch (...) {

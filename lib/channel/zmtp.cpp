@@ -1,10 +1,12 @@
-// refit — the receiver's ZMTP 3.x server (NULL mechanism): the decoder of one connection's bytes and
-// the non-blocking server around it. See zmtp.hpp for what it bounds and why.
+// refit — the receiver's ZMTP 3.x server (NULL and CURVE mechanisms): the decoder of one connection's
+// bytes and the non-blocking server around it. See zmtp.hpp for what it bounds and why.
 #include "channel/zmtp.hpp"
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netdb.h>
+#include <sodium.h>
+#include <zmq.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/mman.h>
@@ -90,36 +92,48 @@ scoped_default_options::~scoped_default_options() {
 
 // ------------------------------------------------------------------------------------ encoding
 
-std::string greeting() {
+std::string greeting(bool curve) {
   std::string g(greeting_bytes, '\0');
   g[0] = '\xff';
   g[9] = '\x7f';
   g[10] = 3;  // ZMTP 3.1
   g[11] = 1;
-  std::memcpy(g.data() + mechanism_at, "NULL", 4);
+  if (curve)
+    std::memcpy(g.data() + mechanism_at, "CURVE", 5);
+  else
+    std::memcpy(g.data() + mechanism_at, "NULL", 4);
   g[32] = 1;  // as-server
   return g;
 }
 
-std::string command(std::string_view name, std::string_view data) {
+std::string command_body(std::string_view name, std::string_view data) {
   std::string body;
   body.push_back(static_cast<char>(name.size()));
   body.append(name);
   body.append(data);
+  return body;
+}
+
+std::string command(std::string_view name, std::string_view data) {
+  const std::string body = command_body(name, data);
   std::string out;
   append_frame_header(out, body.size(), flag_command);
   return out + body;
 }
 
-std::string ready_frame(std::string_view socket_type) {
+namespace {
+std::string socket_type_property(std::string_view socket_type) {
   std::string props;
   constexpr std::string_view key = "Socket-Type";
   props.push_back(static_cast<char>(key.size()));
   props.append(key);
   append_be(props, socket_type.size(), 4);
   props.append(socket_type);
-  return command("READY", props);
+  return props;
 }
+}  // namespace
+
+std::string ready_frame(std::string_view socket_type) { return command("READY", socket_type_property(socket_type)); }
 
 std::string reply_header(std::uint64_t body_bytes) {
   std::string out;
@@ -155,13 +169,20 @@ class decoder::body_buffer {
     std::memcpy(static_cast<char*>(map_) + size_, bytes.data(), bytes.size());
     size_ += bytes.size();
   }
-  std::string take() {
-    if (announced_ < map_from) return std::move(small_);
-    std::string out(static_cast<const char*>(map_), size_);
+  /// Bytes [from, from + n) of what arrived (all of it by default), moved out.
+  std::string take(std::size_t from = 0, std::size_t n = std::string::npos) {
+    if (announced_ < map_from) {
+      if (from == 0 && n >= small_.size()) return std::move(small_);
+      return small_.substr(from, n);
+    }
+    std::string out(static_cast<const char*>(map_) + from, std::min(n, size_ - from));
     ::munmap(map_, mapped_);
     map_ = nullptr;
     mapped_ = size_ = 0;
     return out;
+  }
+  [[nodiscard]] std::uint8_t* data() noexcept {
+    return reinterpret_cast<std::uint8_t*>(announced_ < map_from ? small_.data() : static_cast<char*>(map_));
   }
   [[nodiscard]] std::size_t held() const noexcept { return announced_ < map_from ? small_.capacity() : mapped_; }
 
@@ -185,7 +206,52 @@ class decoder::body_buffer {
   std::size_t size_ = 0;
 };
 
-decoder::decoder(std::uint64_t max_body) : max_body_(max_body) {}
+/// A CURVE connection's state: the handshake's progress, the keys of this connection, the nonces.
+struct decoder::curve_state {
+  enum class step { hello, initiate, ready };
+  std::shared_ptr<const curve_server_keys> keys;
+  step at = step::hello;
+  std::array<std::uint8_t, crypto_box_PUBLICKEYBYTES> client_short{};  ///< C'
+  std::array<std::uint8_t, crypto_box_PUBLICKEYBYTES> short_public{};  ///< S'
+  std::array<std::uint8_t, crypto_box_SECRETKEYBYTES> short_secret{};  ///< s'
+  std::array<std::uint8_t, 96> cookie{};  ///< what WELCOME gave, echoed by INITIATE
+  std::array<std::uint8_t, crypto_box_BEFORENMBYTES> shared{};  ///< C' and s' precomputed
+  std::uint64_t next_nonce = 1;  ///< this side's short nonces (READY, MESSAGE)
+  std::uint64_t peer_nonce = 0;  ///< the last short nonce the peer used: each must be larger
+
+  ~curve_state() {
+    sodium_memzero(short_secret.data(), short_secret.size());
+    sodium_memzero(shared.data(), shared.size());
+  }
+};
+
+namespace {
+std::uint64_t load_be64(const std::uint8_t* p) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | p[i];
+  return v;
+}
+/// A 24-byte nonce: a 16-byte prefix and a short nonce (big-endian), or a 8-byte prefix and 16 bytes.
+std::array<std::uint8_t, crypto_box_NONCEBYTES> nonce_of(std::string_view prefix, const std::uint8_t* rest) {
+  std::array<std::uint8_t, crypto_box_NONCEBYTES> n{};
+  std::memcpy(n.data(), prefix.data(), prefix.size());
+  std::memcpy(n.data() + prefix.size(), rest, n.size() - prefix.size());
+  return n;
+}
+std::string z85_of(const std::uint8_t* key) {
+  char text[41] = {};
+  zmq_z85_encode(text, key, 32);
+  return text;
+}
+const std::uint8_t* bytes_of(std::string_view s) { return reinterpret_cast<const std::uint8_t*>(s.data()); }
+}  // namespace
+
+decoder::decoder(std::uint64_t max_body, std::shared_ptr<const curve_server_keys> curve) : max_body_(max_body) {
+  if (curve) {
+    curve_ = std::make_unique<curve_state>();
+    curve_->keys = std::move(curve);
+  }
+}
 decoder::~decoder() = default;
 decoder::decoder(decoder&&) noexcept = default;
 decoder& decoder::operator=(decoder&&) noexcept = default;
@@ -225,7 +291,14 @@ std::size_t decoder::feed_greeting(std::span<const std::uint8_t> in, event& what
   major_ = at(10);
   minor_ = at(11);
   const std::string_view mechanism(greeting_.data() + mechanism_at, mechanism_bytes);
-  if (mechanism != std::string_view("NULL\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", mechanism_bytes)) {
+  if (curve_ && mechanism != std::string_view("CURVE\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", mechanism_bytes)) {
+    what = fail(fmt::format(
+        "its greeting names the mechanism '{}': this receiver speaks CURVE only (the streamer needs "
+        "streamer_options.curve with the receiver's public key as server_key)",
+        printable(mechanism.substr(0, mechanism.find('\0')), 64)));
+    return n;
+  }
+  if (!curve_ && mechanism != std::string_view("NULL\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", mechanism_bytes)) {
     what = fail(fmt::format("its greeting names the mechanism '{}': this receiver has no CURVE key and speaks NULL",
                             printable(mechanism.substr(0, mechanism.find('\0')), 64)));
     return n;
@@ -261,6 +334,7 @@ event decoder::header_done() {
   const bool more = (flags_ & flag_more) != 0;
   left_ = size_;
   if ((flags_ & flag_command) != 0) {
+    if (curve_ && ready_) return fail("a command outside its CURVE box after the handshake");
     if (more) return fail("a command frame flagged MORE");
     if (size_ == 0 || size_ > max_command_bytes)
       return fail(fmt::format("a command of {} bytes (1 to {} allowed)", size_, max_command_bytes));
@@ -269,34 +343,92 @@ event decoder::header_done() {
     return event::none;
   }
   if (!ready_) return fail("a message frame before the handshake ended (READY)");
-  if (size_ > max_body_)
-    return fail(fmt::format("a frame of {} bytes, over the limit of {} (wire::max_message_bytes)", size_, max_body_));
+  state_ = state::frame;
+  if (curve_) {
+    // Every frame is one MESSAGE box, read whole (its MAC covers all of it): sealed_done().
+    if (more) return fail("a frame flagged MORE outside its CURVE box (libzmq seals every frame alone)");
+    if (size_ < curve_overhead || size_ > max_body_ + curve_overhead)
+      return fail(fmt::format("a CURVE frame of {} bytes ({} to {} allowed: a body of at most {} and {} more)", size_,
+                              curve_overhead, max_body_ + curve_overhead, max_body_, curve_overhead));
+    sealed_ = std::make_unique<body_buffer>(size_);
+    return event::none;
+  }
+  if (const event e = message_frame(more, size_); e != event::none) return e;
+  if (body_) {
+    body_from_ = 0;
+    body_bytes_ = size_;
+  }
+  return left_ == 0 ? frame_done() : event::none;
+}
+
+/// A message frame of `size` bytes begins (NULL: its header; CURVE: its box opened): counted, and a
+/// request's body given a buffer (NULL), or the whole message marked to skip.
+event decoder::message_frame(bool more, std::uint64_t size) {
+  if (size > max_body_)
+    return fail(fmt::format("a frame of {} bytes, over the limit of {} (wire::max_message_bytes)", size, max_body_));
   ++frames_;
   // A REQ's request is [empty delimiter, MORE][body, last]: the first frame that breaks that shape
   // makes the whole message one to skip, whatever follows.
   if (!discarding_) {
-    const bool fits = frames_ == 1 ? size_ == 0 && more : frames_ == 2 && !more;
+    const bool fits = frames_ == 1 ? size == 0 && more : frames_ == 2 && !more;
     if (!fits) {
       discarding_ = true;
       body_.reset();
-    } else if (frames_ == 2) {
-      body_ = std::make_unique<body_buffer>(size_);
+    } else if (frames_ == 2 && !curve_) {
+      body_ = std::make_unique<body_buffer>(size);
     }
   }
-  state_ = state::frame;
-  return left_ == 0 ? frame_done() : event::none;
+  return event::none;
 }
 
 std::size_t decoder::feed_body(std::span<const std::uint8_t> in, event& what) {
   const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(left_, in.size()));
   if (state_ == state::command) {
     command_.append(reinterpret_cast<const char*>(in.data()), n);
+  } else if (sealed_) {
+    sealed_->append(in.first(n));
   } else if (!discarding_ && body_) {
     body_->append(in.first(n));
   }
   left_ -= n;
-  if (left_ == 0) what = state_ == state::command ? command_done() : frame_done();
+  if (left_ == 0) what = state_ == state::command ? command_done() : sealed_ ? sealed_done() : frame_done();
   return n;
+}
+
+/// A CURVE MESSAGE frame is complete: its nonce must be the peer's next, its box must open with this
+/// connection's keys (in place), and what it carries is read as the frame it is: a command (PING,
+/// PONG), or a message frame (the envelope's rules, as over NULL).
+event decoder::sealed_done() {
+  std::unique_ptr<body_buffer> box = std::move(sealed_);
+  std::uint8_t* d = box->data();
+  const std::uint64_t n = size_;
+  if (std::memcmp(d, "\x07MESSAGE", 8) != 0) return fail("a CURVE frame that is not a MESSAGE");
+  const std::uint64_t nonce = load_be64(d + 8);
+  if (nonce <= curve_->peer_nonce)
+    return fail("a CURVE MESSAGE whose nonce is not larger than the one before (replayed or reordered)");
+  curve_->peer_nonce = nonce;
+  const auto full = nonce_of("CurveZMQMESSAGEC", d + 8);
+  if (crypto_box_open_easy_afternm(d + 16, d + 16, n - 16, full.data(), curve_->shared.data()) != 0)
+    return fail("a CURVE MESSAGE that does not open with this connection's keys (forged or corrupted)");
+  const std::uint8_t inner = d[16];
+  const std::uint64_t size = n - curve_overhead;
+  if ((inner & ~(flag_more | flag_command)) != 0)
+    return fail(fmt::format("a CURVE MESSAGE with reserved flag bits set ({:#04x})", inner));
+  if ((inner & flag_command) != 0) {
+    if ((inner & flag_more) != 0) return fail("a command frame flagged MORE");
+    if (size == 0 || size > max_command_bytes)
+      return fail(fmt::format("a command of {} bytes (1 to {} allowed)", size, max_command_bytes));
+    command_.assign(reinterpret_cast<const char*>(d + 17), size);
+    return command_done();
+  }
+  flags_ = inner;
+  if (const event e = message_frame((inner & flag_more) != 0, size); e != event::none) return e;
+  if (!discarding_ && frames_ == 2) {  // the request's body: kept where it was opened
+    body_ = std::move(box);
+    body_from_ = 17;
+    body_bytes_ = size;
+  }
+  return frame_done();
 }
 
 event decoder::frame_done() {
@@ -319,6 +451,7 @@ event decoder::command_done() {
   const std::string_view data = std::string_view(cmd).substr(1 + name_size);
   if (name == "ERROR")
     return fail(fmt::format("it sent ERROR '{}'", printable(data.empty() ? data : data.substr(1), 256)));
+  if (!ready_ && curve_) return curve_handshake(name, cmd);
   if (!ready_) {
     if (name == "READY") return ready_command(data);
     return fail(fmt::format("its first command is '{}', not READY", printable(name, 64)));
@@ -359,9 +492,128 @@ event decoder::ready_command(std::string_view data) {
   return event::ready;
 }
 
+/// The CURVE handshake's commands: HELLO (answered with WELCOME), then INITIATE (answered with
+/// READY). `cmd` is the whole command body, name included (CurveZMQ's offsets count from there).
+event decoder::curve_handshake(std::string_view name, std::string_view cmd) {
+  if (curve_->at == curve_state::step::hello) {
+    if (name != "HELLO") return fail(fmt::format("its first CURVE command is '{}', not HELLO", printable(name, 64)));
+    return curve_hello(cmd);
+  }
+  if (name != "INITIATE")
+    return fail(fmt::format("its CURVE command after HELLO is '{}', not INITIATE", printable(name, 64)));
+  return curve_initiate(cmd);
+}
+
+event decoder::curve_hello(std::string_view cmd) {
+  // "\x05HELLO", version 1.0, 72 bytes of padding, C', short nonce, box[64 zero bytes](C' -> S).
+  if (cmd.size() != 200) return fail(fmt::format("a CURVE HELLO of {} bytes (200 expected)", cmd.size()));
+  const std::uint8_t* h = bytes_of(cmd);
+  if (h[6] != 1 || h[7] != 0) return fail(fmt::format("a CURVE HELLO of version {}.{} (1.0 expected)", h[6], h[7]));
+  curve_state& c = *curve_;
+  std::memcpy(c.client_short.data(), h + 80, 32);
+  c.peer_nonce = load_be64(h + 112);
+  const auto nonce = nonce_of("CurveZMQHELLO---", h + 112);
+  std::array<std::uint8_t, 64> zeros{};
+  if (crypto_box_open_easy(zeros.data(), h + 120, 80, nonce.data(), c.client_short.data(),
+                           c.keys->secret_key.data()) != 0)
+    return fail(
+        "its CURVE HELLO does not open with this receiver's key: the streamer holds another server key "
+        "(streamer_options.curve.server_key must be this receiver's public key)");
+  if (!std::all_of(zeros.begin(), zeros.end(), [](std::uint8_t b) { return b == 0; }))
+    return fail("its CURVE HELLO's signature is not 64 zero bytes");
+  // WELCOME: a fresh short-term pair of this connection, and a cookie INITIATE must echo.
+  crypto_box_keypair(c.short_public.data(), c.short_secret.data());
+  randombytes_buf(c.cookie.data(), c.cookie.size());
+  std::array<std::uint8_t, 16> suffix{};
+  randombytes_buf(suffix.data(), suffix.size());
+  std::array<std::uint8_t, 128> plain{};
+  std::memcpy(plain.data(), c.short_public.data(), 32);
+  std::memcpy(plain.data() + 32, c.cookie.data(), 96);
+  std::string data(16 + crypto_box_MACBYTES + plain.size(), '\0');
+  std::memcpy(data.data(), suffix.data(), 16);
+  const auto welcome_nonce = nonce_of("WELCOME-", suffix.data());
+  if (crypto_box_easy(reinterpret_cast<std::uint8_t*>(data.data()) + 16, plain.data(), plain.size(),
+                      welcome_nonce.data(), c.client_short.data(), c.keys->secret_key.data()) != 0)
+    return fail("its CURVE HELLO names a short-term key no box can be made for");
+  output_ += command("WELCOME", data);
+  c.at = curve_state::step::initiate;
+  return event::none;
+}
+
+event decoder::curve_initiate(std::string_view cmd) {
+  // "\x08INITIATE", the cookie (96), short nonce, box[C, vouch nonce, vouch box, metadata](C' -> S').
+  if (cmd.size() < 113 + crypto_box_MACBYTES + 128)
+    return fail(fmt::format("a CURVE INITIATE of {} bytes (at least 257 expected)", cmd.size()));
+  const std::uint8_t* m = bytes_of(cmd);
+  curve_state& c = *curve_;
+  if (sodium_memcmp(m + 9, c.cookie.data(), c.cookie.size()) != 0)
+    return fail("its CURVE INITIATE does not carry the cookie this receiver's WELCOME gave");
+  const std::uint64_t nonce = load_be64(m + 105);
+  if (nonce <= c.peer_nonce) return fail("a CURVE INITIATE whose nonce is not larger than its HELLO's");
+  c.peer_nonce = nonce;
+  const std::size_t clen = cmd.size() - 113;
+  std::vector<std::uint8_t> plain(clen - crypto_box_MACBYTES);
+  const auto initiate_nonce = nonce_of("CurveZMQINITIATE", m + 105);
+  if (crypto_box_open_easy(plain.data(), m + 113, clen, initiate_nonce.data(), c.client_short.data(),
+                           c.short_secret.data()) != 0)
+    return fail("its CURVE INITIATE does not open with this connection's keys (forged or corrupted)");
+  const std::uint8_t* client = plain.data();  // C: the client's long-term public key
+  std::array<std::uint8_t, 64> vouch{};
+  const auto vouch_nonce = nonce_of("VOUCH---", plain.data() + 32);
+  if (crypto_box_open_easy(vouch.data(), plain.data() + 48, 80, vouch_nonce.data(), client,
+                           c.short_secret.data()) != 0)
+    return fail("its CURVE vouch does not open with the long-term key it names");
+  if (sodium_memcmp(vouch.data(), c.client_short.data(), 32) != 0 ||
+      sodium_memcmp(vouch.data() + 32, c.keys->public_key.data(), 32) != 0)
+    return fail("its CURVE vouch is not for this connection (another short-term key or server)");
+  client_key_ = z85_of(client);
+  if (!c.keys->allowed.empty() &&
+      std::none_of(c.keys->allowed.begin(), c.keys->allowed.end(),
+                   [&](const auto& k) { return sodium_memcmp(k.data(), client, 32) == 0; }))
+    return fail(fmt::format("its CURVE public key {} is not in receiver_options.curve.allowed_clients", client_key_));
+  if (crypto_box_beforenm(c.shared.data(), c.client_short.data(), c.short_secret.data()) != 0)
+    return fail("its CURVE short-term key makes no shared key");
+  const std::string_view metadata(reinterpret_cast<const char*>(plain.data()) + 128, plain.size() - 128);
+  const event e = ready_command(metadata);
+  if (e != event::ready) return e;
+  // READY: this side's metadata, boxed with the shared key.
+  const std::string props = socket_type_property("ROUTER");
+  std::string data(8 + crypto_box_MACBYTES + props.size(), '\0');
+  const std::uint64_t mine = c.next_nonce++;
+  std::string be;
+  append_be(be, mine, 8);
+  std::memcpy(data.data(), be.data(), 8);
+  const auto ready_nonce = nonce_of("CurveZMQREADY---", bytes_of(be));
+  crypto_box_easy_afternm(reinterpret_cast<std::uint8_t*>(data.data()) + 8, bytes_of(props), props.size(),
+                          ready_nonce.data(), c.shared.data());
+  output_ += command("READY", data);
+  c.at = curve_state::step::ready;
+  return e;
+}
+
+std::string decoder::seal(std::uint8_t flags, std::string_view payload) {
+  curve_state& c = *curve_;
+  std::string plain;
+  plain.reserve(1 + payload.size());
+  plain.push_back(static_cast<char>(flags));
+  plain.append(payload);
+  std::string body(16 + crypto_box_MACBYTES + plain.size(), '\0');
+  std::memcpy(body.data(), "\x07MESSAGE", 8);
+  std::string be;
+  append_be(be, c.next_nonce++, 8);
+  std::memcpy(body.data() + 8, be.data(), 8);
+  const auto nonce = nonce_of("CurveZMQMESSAGES", bytes_of(be));
+  crypto_box_easy_afternm(reinterpret_cast<std::uint8_t*>(body.data()) + 16, bytes_of(plain), plain.size(),
+                          nonce.data(), c.shared.data());
+  std::string out;
+  append_frame_header(out, body.size(), 0);
+  return out + body;
+}
+
 event decoder::fail(std::string why) {
   state_ = state::failed;
   reason_ = std::move(why);
+  sealed_.reset();
   body_.reset();
   command_ = std::string();
   greeting_ = std::string();
@@ -369,7 +621,7 @@ event decoder::fail(std::string why) {
 }
 
 std::string decoder::take_body() {
-  std::string out = body_ ? body_->take() : std::string();
+  std::string out = body_ ? body_->take(body_from_, body_bytes_) : std::string();
   body_.reset();
   return out;
 }
@@ -378,13 +630,21 @@ bool decoder::mid_message() const noexcept {
   return state_ == state::size || state_ == state::command || state_ == state::frame || frames_ > 0;
 }
 
-std::size_t decoder::held_bytes() const noexcept { return (body_ ? body_->held() : 0) + command_.size(); }
+std::size_t decoder::held_bytes() const noexcept {
+  return (body_ ? body_->held() : 0) + (sealed_ ? sealed_->held() : 0) + command_.size();
+}
 
 // ------------------------------------------------------------------------------------ server
 
 struct server::connection {
-  connection(std::string i, unique_fd f, std::uint64_t max_body, clock::time_point now)
-      : id(std::move(i)), fd(std::move(f)), dec(max_body), accepted(now), last_heard(now), last_write(now) {}
+  connection(std::string i, unique_fd f, std::uint64_t max_body, std::shared_ptr<const curve_server_keys> curve,
+             clock::time_point now)
+      : id(std::move(i)),
+        fd(std::move(f)),
+        dec(max_body, std::move(curve)),
+        accepted(now),
+        last_heard(now),
+        last_write(now) {}
   std::string id;
   unique_fd fd;
   decoder dec;
@@ -594,10 +854,11 @@ void server::accept_all(clock::time_point now) {
       ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);  // requests are small and awaited
     }
     std::string id = fmt::format("zmtp-{}", next_connection.fetch_add(1));
-    auto c = std::make_unique<connection>(id, std::move(fd), options_.max_body, now);
+    auto c = std::make_unique<connection>(id, std::move(fd), options_.max_body, options_.curve, now);
     connection& ref = *c;
     conns_.emplace(std::move(id), std::move(c));
-    queue(ref, greeting() + ready_frame("ROUTER"), now);
+    // NULL: READY at once; CURVE: READY ends the handshake, after the peer's INITIATE.
+    queue(ref, options_.curve ? greeting(true) : greeting() + ready_frame("ROUTER"), now);
   }
 }
 
@@ -632,10 +893,12 @@ bool server::consume(connection& c, std::span<const std::uint8_t> bytes, std::si
     while (used < bytes.size() && open && !c.request) {
       const auto r = c.dec.feed(bytes.subspan(used));
       used += r.consumed;
+      if (c.dec.sealed())
+        if (const std::string out = c.dec.take_output(); !out.empty()) queue(c, out, now);  // WELCOME, READY
       switch (r.what) {
         case event::none:
         case event::ready: break;
-        case event::ping: queue(c, command("PONG", c.dec.ping_context()), now); break;
+        case event::ping: queue(c, command_to(c, "PONG", c.dec.ping_context()), now); break;
         case event::request:
           c.request = c.dec.take_body();
           ready_.push_back(c.id);
@@ -693,6 +956,12 @@ bool server::reply(const std::string& peer, std::string_view bytes) {
   if (it == conns_.end() || it->second->closing) return false;
   connection& c = *it->second;
   const auto now = clock::now();
+  if (c.dec.sealed()) {  // CURVE: the delimiter and the body, each its own MESSAGE
+    std::string sealed = c.dec.seal(0x01, {});  // first: the nonces must rise in the order sent
+    sealed += c.dec.seal(0, bytes);
+    queue(c, sealed, now);
+    return true;
+  }
   const std::string header = reply_header(bytes.size());
   if (!c.writing()) {
     // The usual case: the whole reply goes to the kernel in one call, copied nowhere else.
@@ -768,8 +1037,13 @@ void server::timers(connection& c, clock::time_point now) {
   if (now - std::max(c.last_heard, c.last_ping) >= options_.heartbeat_ivl) {
     c.last_ping = now;
     if (!c.ping_deadline) c.ping_deadline = now + options_.heartbeat_timeout;
-    queue(c, command("PING", std::string_view("\0\0", 2)), now);  // TTL 0: we never ask the peer to time us out
+    queue(c, command_to(c, "PING", std::string_view("\0\0", 2)), now);  // TTL 0: we never ask the peer to time us out
   }
+}
+
+/// A command frame to connection `c`: plain, or sealed in a MESSAGE (CURVE).
+std::string server::command_to(connection& c, std::string_view name, std::string_view data) {
+  return c.dec.sealed() ? c.dec.seal(0x04, command_body(name, data)) : command(name, data);
 }
 
 void server::close(connection& c, std::string_view why) {

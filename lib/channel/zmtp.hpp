@@ -1,11 +1,18 @@
-// refit — the receiver's own ZMTP 3.x server (NULL mechanism), so that what a peer sends is read as
-// it arrives and nothing of a message that never ends piles up where refit cannot see it.
+// refit — the receiver's own ZMTP 3.x server (NULL and CURVE mechanisms), so that what a peer sends
+// is read as it arrives and nothing of a message that never ends piles up where refit cannot see it.
 //
 // libzmq keeps the frames of an unfinished multipart message inside its pipe until the last one
 // comes (MAXMSGSIZE bounds a frame, not a message): one connection sending large frames flagged
 // MORE, and answering heartbeats, grew a receiver without bound. Here every frame is consumed as
 // it arrives: a message that is not a REQ's request ([empty delimiter, MORE][body, last]) is skipped
 // to its last frame without keeping a byte, and only a request's body is kept, as it arrives.
+//
+// CURVE (rfc.zeromq.org/spec/26, CurveZMQ, as libzmq speaks it): the handshake (HELLO, WELCOME,
+// INITIATE with the client's vouch, READY) is the decoder's, and afterwards every frame is one
+// MESSAGE box, opened whole as it completes (its MAC covers all of it) and then read as the frame
+// it carries: so a CURVE peer holds at most one frame (a body and 33 bytes) where a NULL peer holds
+// what it sent of one. The client's long-term key must be one of `curve_server_keys::allowed` when
+// that list is not empty.
 //
 // Two parts:
 // - `decoder`: the bytes of one connection, greeting to frames, as a pure state machine with no
@@ -25,6 +32,7 @@
 
 #include <poll.h>
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -35,6 +43,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "channel/unique_fd.hpp"
@@ -48,6 +57,17 @@ inline constexpr std::size_t max_command_bytes = 8 << 10;
 /// The greeting's length (ZMTP 3.x).
 inline constexpr std::size_t greeting_bytes = 64;
 
+/// A CURVE server's keys, 32 bytes each: its long-term pair, and the clients' long-term public keys
+/// it accepts (empty: any client that holds the server's public key).
+struct curve_server_keys {
+  std::array<std::uint8_t, 32> public_key{};
+  std::array<std::uint8_t, 32> secret_key{};
+  std::vector<std::array<std::uint8_t, 32>> allowed;
+};
+
+/// The bytes a CURVE MESSAGE adds to the frame it carries: its name, nonce, MAC and flags.
+inline constexpr std::uint64_t curve_overhead = 8 + 8 + 16 + 1;
+
 /// A server's limits and intervals. The defaults are the receiver's; tests shorten the intervals.
 struct options {
   std::uint64_t max_body = std::uint64_t{64} << 20;  ///< a request's body (wire::max_message_bytes)
@@ -57,6 +77,8 @@ struct options {
   /// A connection that sent no complete frame or command this long after a PING is closed; a ZMTP
   /// 3.0 peer (no PING) only when it stopped in the middle of a frame or message.
   std::chrono::milliseconds heartbeat_timeout{10000};
+  /// CURVE: the server's keys (every connection must then speak CURVE); null: NULL mechanism.
+  std::shared_ptr<const curve_server_keys> curve;
 };
 
 /// The options servers made from now on start from (options{} unless a test changed them).
@@ -83,11 +105,12 @@ enum class event {
   error,    ///< the peer broke the protocol (reason()); the connection must be closed
 };
 
-/// One connection's bytes, as the server (ROUTER, NULL mechanism) reads them. After event::error
-/// it consumes nothing more.
+/// One connection's bytes, as the server (ROUTER, NULL or CURVE mechanism) reads them. After
+/// event::error it consumes nothing more. With CURVE keys, what the handshake answers (WELCOME,
+/// READY) is left in take_output(), and what the server sends afterwards goes through seal().
 class decoder {
  public:
-  explicit decoder(std::uint64_t max_body);
+  explicit decoder(std::uint64_t max_body, std::shared_ptr<const curve_server_keys> curve = nullptr);
   ~decoder();
   decoder(decoder&&) noexcept;
   decoder& operator=(decoder&&) noexcept;
@@ -120,7 +143,17 @@ class decoder {
   /// The bytes of the body held now (what a stalled peer costs; for tests).
   [[nodiscard]] std::size_t held_bytes() const noexcept;
 
+  /// CURVE: this connection's frames are sealed (every frame the server sends goes through seal()).
+  [[nodiscard]] bool sealed() const noexcept { return curve_ != nullptr; }
+  /// CURVE: frames to send that the handshake produced (WELCOME, READY), then empty.
+  std::string take_output() { return std::exchange(output_, std::string()); }
+  /// CURVE, after event::ready: one frame (`flags`: MORE, COMMAND) with `payload`, as a MESSAGE.
+  std::string seal(std::uint8_t flags, std::string_view payload);
+  /// CURVE, after event::ready: the client's long-term public key (Z85 text).
+  [[nodiscard]] const std::string& client_key() const noexcept { return client_key_; }
+
  private:
+  struct curve_state;
   enum class state { greeting, header, size, command, frame, failed };
   class body_buffer;
   std::size_t feed_greeting(std::span<const std::uint8_t> in, event& what);
@@ -130,6 +163,11 @@ class decoder {
   event frame_done();
   event command_done();
   event ready_command(std::string_view data);
+  event message_frame(bool more, std::uint64_t size);
+  event curve_handshake(std::string_view name, std::string_view cmd);
+  event curve_hello(std::string_view cmd);
+  event curve_initiate(std::string_view cmd);
+  event sealed_done();
   event fail(std::string why);
 
   std::uint64_t max_body_;
@@ -149,14 +187,23 @@ class decoder {
   std::uint64_t frames_ = 0;  ///< frames of the message so far (the one being read included)
   bool discarding_ = false;   ///< the message is not a request: its bytes are skipped
   std::unique_ptr<body_buffer> body_;
+  std::uint64_t body_from_ = 0;  ///< where the body starts in body_ (CURVE: inside the MESSAGE)
+  std::uint64_t body_bytes_ = 0;
+  // CURVE.
+  std::unique_ptr<curve_state> curve_;
+  std::unique_ptr<body_buffer> sealed_;  ///< the MESSAGE frame being read
+  std::string output_;
+  std::string client_key_;
   std::uint64_t progress_ = 0;
   std::uint64_t dropped_frames_ = 0;
   std::string ping_context_;
   std::string reason_;
 };
 
-/// The server's greeting: ZMTP 3.1, mechanism NULL, as-server 1.
-std::string greeting();
+/// The server's greeting: ZMTP 3.1, mechanism NULL (or CURVE), as-server 1.
+std::string greeting(bool curve = false);
+/// A command's body: `name` and its data (what command() frames).
+std::string command_body(std::string_view name, std::string_view data);
 /// A command frame: `name` and its data.
 std::string command(std::string_view name, std::string_view data);
 /// READY with Socket-Type `socket_type` (and nothing else).
@@ -220,6 +267,7 @@ class server {
   void queue(connection& c, std::string_view bytes, clock::time_point now);
   void timers(connection& c, clock::time_point now);
   void close(connection& c, std::string_view why);
+  std::string command_to(connection& c, std::string_view name, std::string_view data);
   void count_drop(std::uint64_t frames);
   void sweep();
   void bind_ipc(const std::string& path);

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <zmq.h>
+
 #include "channel/channel.hpp"
 #include "channel/zmtp.hpp"
 #include "support/support.hpp"
@@ -303,4 +305,35 @@ TEST_CASE("the ZMTP server serves ipc endpoints and refuses a path another recei
   CHECK(rep.endpoint() == ep.name);
   CHECK_REFIT_ERROR(rep_channel(ep.name, quick()), refit::errc::io, "another process is serving it already");
   legitimate_request_answered(rep);
+}
+
+// ============================================================================ CURVE
+
+namespace {
+struct z85_pair {
+  std::string public_key, secret_key;
+};
+z85_pair curve_pair() {
+  char pub[41] = {}, sec[41] = {};
+  REQUIRE(zmq_curve_keypair(pub, sec) == 0);
+  return {pub, sec};
+}
+}  // namespace
+
+TEST_CASE("the ZMTP server speaks CURVE with a libzmq REQ: the handshake, a request and its reply, sealed",
+          "[channel][zmtp][curve]") {
+  const z85_pair server = curve_pair(), client = curve_pair();
+  rep_channel rep("tcp://127.0.0.1:*", refit::curve_keys{server.public_key, server.secret_key, "", {}});
+  req_channel req(rep.endpoint(), refit::curve_keys{client.public_key, client.secret_key, server.public_key, {}});
+  for (const std::string& body : {std::string("HELLO"), std::string(3 << 20, 'b')}) {
+    req.send(body, 10s, "HELLO");
+    std::optional<std::string> got;
+    REQUIRE(serve_until(rep, [&] {
+      if (!got) got = rep.receive(10ms);
+      return got.has_value();
+    }));
+    CHECK(*got == body);
+    rep.reply("re:" + body.substr(0, 8));
+    CHECK(req.receive(10s, "HELLO") == "re:" + body.substr(0, 8));
+  }
 }
