@@ -1,8 +1,10 @@
 // libFuzzer target: the receiver's ZMTP decoder (lib/channel/zmtp.hpp) on arbitrary bytes from a
 // connection, greeting to frames.
 //
-// Input: byte 0 seeds how the rest is cut into reads (1 to 64 bytes each, or whole when 0); the
-// rest is what the peer sends. Limits: bodies of at most 4096 bytes, so the over-size rule is
+// Input: byte 0's low 7 bits seed how the rest is cut into reads (1 to 64 bytes each, or whole when
+// 0), its top bit makes the decoder a CURVE server's (fixed keys: the fuzzer reaches the CURVE
+// greeting and the HELLO and INITIATE checks; a box it cannot make stops it there); the rest is
+// what the peer sends. Limits: bodies of at most 4096 bytes, so the over-size rule is
 // reachable with short inputs.
 //
 // Properties: feed() never throws (but std::bad_alloc), uses a whole read unless it reports an
@@ -14,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -41,9 +44,19 @@ struct trace {
   std::vector<std::string> details;  ///< a body, a PING context, a drop's frame count, an error
 };
 
+/// A CURVE server's keys, the same for every input.
+std::shared_ptr<const zmtp::curve_server_keys> curve_keys() {
+  static const auto keys = [] {
+    auto k = std::make_shared<zmtp::curve_server_keys>();
+    for (std::size_t i = 0; i < 32; ++i) k->secret_key[i] = static_cast<std::uint8_t>(i * 7 + 1);
+    return k;
+  }();
+  return keys;
+}
+
 /// Feeds `bytes` in reads of the sizes `cut` gives (0: whole), checking every step.
-trace play(std::span<const std::uint8_t> bytes, std::uint8_t cut) {
-  zmtp::decoder d(max_body);
+trace play(std::span<const std::uint8_t> bytes, std::uint8_t cut, bool curve) {
+  zmtp::decoder d(max_body, curve ? curve_keys() : nullptr);
   trace t;
   std::uint32_t state = cut;
   std::size_t at = 0;
@@ -61,7 +74,7 @@ trace play(std::span<const std::uint8_t> bytes, std::uint8_t cut) {
       progress = d.progress();
       if (failed) FUZZ_ASSERT(r.consumed == 0 && r.what == zmtp::event::none);
       if (r.what == zmtp::event::none && !failed) FUZZ_ASSERT(r.consumed == piece.size());
-      FUZZ_ASSERT(d.held_bytes() <= 2 * max_body + zmtp::max_command_bytes);
+      FUZZ_ASSERT(d.held_bytes() <= 2 * (max_body + zmtp::curve_overhead) + zmtp::max_command_bytes);
       piece = piece.subspan(r.consumed);
       at += r.consumed;
       if (r.what == zmtp::event::none) {
@@ -109,8 +122,9 @@ trace play(std::span<const std::uint8_t> bytes, std::uint8_t cut) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
   const std::span<const std::uint8_t> bytes(data + 1, size - 1);
-  const trace cut = play(bytes, data[0]);
-  const trace whole = play(bytes, 0);
+  const bool curve = (data[0] & 0x80) != 0;
+  const trace cut = play(bytes, data[0] & 0x7f, curve);
+  const trace whole = play(bytes, 0, curve);
   FUZZ_ASSERT(cut.events == whole.events);
   FUZZ_ASSERT(cut.details == whole.details);
   return 0;

@@ -262,6 +262,15 @@ int main(int argc, char** argv) {
       write(z, "long_frame",
             "\x0b" + req + frame("", true) + std::string("\x02\0\0\0\0\0\0\x01\x2c", 9) + std::string(300, 'L'));
       write(z, "wrong_type", "\x03" + client + ready_of("PUB"));
+      // Byte 0's top bit: a CURVE server. A CURVE greeting and a HELLO of the right size whose box
+      // does not open (the fuzzer cannot make one that does).
+      std::string curve_client = zmtp::greeting(true);
+      curve_client[32] = 0;
+      std::string hello(200, '\0');
+      hello.replace(0, 6, "\x05HELLO");
+      hello[6] = 1;
+      for (std::size_t i = 80; i < hello.size(); ++i) hello[i] = static_cast<char>((i * 13) & 0xff);
+      write(z, "curve_hello", "\x85" + curve_client + std::string("\x04\xc8", 2) + hello);
     }
 
     // ------------------------------------------------------------- fuzz_manifest
