@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "refit/error.hpp"
+#include "wire/wire.hpp"
 
 namespace refit {
 namespace {
@@ -42,8 +43,11 @@ void validate(const plan_options& options) {
                 fmt::format("plan: buffer_bytes {} is smaller than the alignment {}; use buffers of at "
                             "least the alignment (typically many MiB)",
                             options.buffer_bytes, a));
-  if (options.max_entries < 1)
-    throw error(errc::invalid_argument, fmt::format("plan: max_entries {} must be at least 1", options.max_entries));
+  if (options.max_entries < 1 || options.max_entries > wire::max_batch_entries)
+    throw error(errc::invalid_argument,
+                fmt::format("plan: max_entries {} must be at least 1 and at most {} (the entries of a BATCH a "
+                            "receiver takes)",
+                            options.max_entries, wire::max_batch_entries));
 }
 
 planner::planner(const plan_options& options) : options_(options) { validate(options_); }

@@ -511,11 +511,11 @@ batch decode_batch(reader& r, std::span<const object> f) {
   m.version = r.u64(f[0], "version");
   m.seq = r.u64(f[1], "seq");
   m.buffer = r.u32(f[2], "buffer");
-  const auto entries = r.array(f[3], "entries", max_entries);
+  const auto entries = r.array(f[3], "entries", max_batch_entries);
   m.entries.reserve(entries.size());
   for (std::size_t i = 0; i < entries.size(); ++i) m.entries.push_back(decode_entry(r, entries[i], i));
   r.set_context({});
-  const auto sources = r.array(f[4], "sources", max_entries);
+  const auto sources = r.array(f[4], "sources", max_batch_entries);
   m.sources.reserve(sources.size());
   for (std::size_t i = 0; i < sources.size(); ++i)
     m.sources.push_back(r.bin(sources[i], fmt::format("sources[{}]", i), max_handle_bytes));
@@ -620,8 +620,9 @@ abort decode_abort(reader& r, std::span<const object> f) {
   return m;
 }
 
-/// Parses `bytes` as one msgpack object, allocating no more than the input can justify.
-msgpack::object_handle unpack_bounded(std::span<const std::byte> bytes) {
+/// Parses `bytes` as one msgpack object, allocating no more than the input can justify; no list
+/// may hold more than `most` elements.
+msgpack::object_handle unpack_bounded(std::span<const std::byte> bytes, std::size_t most = max_entries) {
   if (bytes.empty()) malformed("empty input");
   if (bytes.size() > max_message_bytes)
     malformed(fmt::format("{} bytes, more than the limit of {}", bytes.size(), max_message_bytes));
@@ -630,7 +631,7 @@ msgpack::object_handle unpack_bounded(std::span<const std::byte> bytes) {
   // than there are bytes: hostile headers cannot make the parser allocate without bound. The
   // limits are one above ours so that the field checks, which name the field, see them.
   const std::size_t n = bytes.size();
-  const std::size_t elements = std::min(n, max_entries + 1);
+  const std::size_t elements = std::min(n, most + 1);
   const msgpack::unpack_limit limit(elements, elements, max_message_bytes, max_message_bytes, max_message_bytes, 16);
   msgpack::object_handle handle;
   std::size_t off = 0;
@@ -689,8 +690,17 @@ constexpr bool carries_secret(msg_type t) noexcept {
 
 }  // namespace
 
+/// The most elements a list of message `bytes` may hold: a BATCH's (its envelope's first bytes, a
+/// fixarray and the type, say so before anything is parsed) are bounded by max_batch_entries, so
+/// its entries' objects are never built past that.
+static std::size_t list_limit(std::span<const std::byte> bytes) {
+  const bool batch = bytes.size() >= 2 && (static_cast<std::uint8_t>(bytes[0]) & 0xf0) == 0x90 &&
+                     static_cast<std::uint8_t>(bytes[1]) == static_cast<std::uint8_t>(msg_type::batch);
+  return batch ? max_batch_entries : max_entries;
+}
+
 message decode(std::span<const std::byte> bytes, std::string* secret) {
-  const msgpack::object_handle handle = unpack_bounded(bytes);
+  const msgpack::object_handle handle = unpack_bounded(bytes, list_limit(bytes));
   const auto [t, fields] = open_envelope(handle.get());
   reader r(t);
   if (secret != nullptr) secret->clear();

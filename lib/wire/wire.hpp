@@ -37,7 +37,11 @@ inline constexpr std::size_t max_message_bytes = 64u << 20;
 inline constexpr std::size_t max_name_bytes = 4096;
 inline constexpr std::size_t max_rank = 8;  ///< dimensions of a shape
 inline constexpr std::size_t max_buffers = 64;
-inline constexpr std::size_t max_entries = 1u << 20;
+inline constexpr std::size_t max_entries = 1u << 20;  ///< elements of a list (handles, sources, ...)
+/// Entries of one BATCH (plan_options::max_entries may not exceed it). Lower than max_entries
+/// because an entry is the message's costliest element to decode: a BATCH of this many entries of
+/// the smallest kind (~14 bytes of wire each) costs the decoder ~24 MB for ~0.9 MB of input.
+inline constexpr std::size_t max_batch_entries = 1u << 16;
 inline constexpr std::size_t max_handle_bytes = 4096;
 inline constexpr std::uint64_t max_group_size = 4096;  ///< streamers of one group
 inline constexpr std::size_t max_secret_bytes = 64;    ///< hello::secret and a request's secret
@@ -312,7 +316,7 @@ message decode(std::string_view bytes, std::string* secret = nullptr);
 class refit_tracker {
  public:
   /// `buffer_bytes[i]` is the size of buffer i of this session.
-  explicit refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint64_t max_entries = wire::max_entries,
+  explicit refit_tracker(std::vector<std::uint64_t> buffer_bytes, std::uint64_t max_entries = wire::max_batch_entries,
                          bool sharded = false);
 
   /// The bytes [first, next) of one tensor that arrived in this refit (a sharded tracker's).
