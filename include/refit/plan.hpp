@@ -19,14 +19,15 @@ namespace refit {
 struct plan_options {
   std::uint64_t buffer_bytes = 256ull << 20;  ///< capacity of one buffer
   std::uint64_t alignment = 256;              ///< power of two; entry offsets are multiples
-  std::uint64_t max_entries = 65536;          ///< entries per batch at most (bounds messages)
+  /// Entries per batch at most (bounds messages): 1 to 65536, the most a receiver takes.
+  std::uint64_t max_entries = 65536;
   /// A tensor that fits into an empty buffer is never split (callback sinks then see it whole);
   /// false packs buffers full, splitting any tensor at a batch boundary.
   bool keep_whole = true;
 };
 
 /// Throws refit::error(invalid_argument) unless alignment is a power of two, buffer_bytes is at
-/// least the alignment and max_entries is at least 1.
+/// least the alignment and max_entries is 1 to 65536 (wire::max_batch_entries).
 REFIT_API void validate(const plan_options& options);
 
 /// One entry of a batch: `bytes` bytes of tensor `tensor` starting at `tensor_offset`, at
