@@ -214,9 +214,9 @@ struct decoder::curve_state {
   std::array<std::uint8_t, crypto_box_PUBLICKEYBYTES> client_short{};  ///< C'
   std::array<std::uint8_t, crypto_box_PUBLICKEYBYTES> short_public{};  ///< S'
   std::array<std::uint8_t, crypto_box_SECRETKEYBYTES> short_secret{};  ///< s'
-  std::array<std::uint8_t, 96> cookie{};  ///< what WELCOME gave, echoed by INITIATE
-  std::array<std::uint8_t, crypto_box_BEFORENMBYTES> shared{};  ///< C' and s' precomputed
-  std::uint64_t next_nonce = 1;  ///< this side's short nonces (READY, MESSAGE)
+  std::array<std::uint8_t, 96> cookie{};                               ///< what WELCOME gave, echoed by INITIATE
+  std::array<std::uint8_t, crypto_box_BEFORENMBYTES> shared{};         ///< C' and s' precomputed
+  std::uint64_t next_nonce = 1;                                        ///< this side's short nonces (READY, MESSAGE)
   std::uint64_t peer_nonce = 0;  ///< the last short nonce the peer used: each must be larger
 
   ~curve_state() {
@@ -292,10 +292,10 @@ std::size_t decoder::feed_greeting(std::span<const std::uint8_t> in, event& what
   minor_ = at(11);
   const std::string_view mechanism(greeting_.data() + mechanism_at, mechanism_bytes);
   if (curve_ && mechanism != std::string_view("CURVE\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", mechanism_bytes)) {
-    what = fail(fmt::format(
-        "its greeting names the mechanism '{}': this receiver speaks CURVE only (the streamer needs "
-        "streamer_options.curve with the receiver's public key as server_key)",
-        printable(mechanism.substr(0, mechanism.find('\0')), 64)));
+    what =
+        fail(fmt::format("its greeting names the mechanism '{}': this receiver speaks CURVE only (the streamer needs "
+                         "streamer_options.curve with the receiver's public key as server_key)",
+                         printable(mechanism.substr(0, mechanism.find('\0')), 64)));
     return n;
   }
   if (!curve_ && mechanism != std::string_view("NULL\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", mechanism_bytes)) {
@@ -514,8 +514,8 @@ event decoder::curve_hello(std::string_view cmd) {
   c.peer_nonce = load_be64(h + 112);
   const auto nonce = nonce_of("CurveZMQHELLO---", h + 112);
   std::array<std::uint8_t, 64> zeros{};
-  if (crypto_box_open_easy(zeros.data(), h + 120, 80, nonce.data(), c.client_short.data(),
-                           c.keys->secret_key.data()) != 0)
+  if (crypto_box_open_easy(zeros.data(), h + 120, 80, nonce.data(), c.client_short.data(), c.keys->secret_key.data()) !=
+      0)
     return fail(
         "its CURVE HELLO does not open with this receiver's key: the streamer holds another server key "
         "(streamer_options.curve.server_key must be this receiver's public key)");
@@ -560,16 +560,14 @@ event decoder::curve_initiate(std::string_view cmd) {
   const std::uint8_t* client = plain.data();  // C: the client's long-term public key
   std::array<std::uint8_t, 64> vouch{};
   const auto vouch_nonce = nonce_of("VOUCH---", plain.data() + 32);
-  if (crypto_box_open_easy(vouch.data(), plain.data() + 48, 80, vouch_nonce.data(), client,
-                           c.short_secret.data()) != 0)
+  if (crypto_box_open_easy(vouch.data(), plain.data() + 48, 80, vouch_nonce.data(), client, c.short_secret.data()) != 0)
     return fail("its CURVE vouch does not open with the long-term key it names");
   if (sodium_memcmp(vouch.data(), c.client_short.data(), 32) != 0 ||
       sodium_memcmp(vouch.data() + 32, c.keys->public_key.data(), 32) != 0)
     return fail("its CURVE vouch is not for this connection (another short-term key or server)");
   client_key_ = z85_of(client);
-  if (!c.keys->allowed.empty() &&
-      std::none_of(c.keys->allowed.begin(), c.keys->allowed.end(),
-                   [&](const auto& k) { return sodium_memcmp(k.data(), client, 32) == 0; }))
+  if (!c.keys->allowed.empty() && std::none_of(c.keys->allowed.begin(), c.keys->allowed.end(),
+                                               [&](const auto& k) { return sodium_memcmp(k.data(), client, 32) == 0; }))
     return fail(fmt::format("its CURVE public key {} is not in receiver_options.curve.allowed_clients", client_key_));
   if (crypto_box_beforenm(c.shared.data(), c.client_short.data(), c.short_secret.data()) != 0)
     return fail("its CURVE short-term key makes no shared key");
@@ -956,7 +954,7 @@ bool server::reply(const std::string& peer, std::string_view bytes) {
   if (it == conns_.end() || it->second->closing) return false;
   connection& c = *it->second;
   const auto now = clock::now();
-  if (c.dec.sealed()) {  // CURVE: the delimiter and the body, each its own MESSAGE
+  if (c.dec.sealed()) {                         // CURVE: the delimiter and the body, each its own MESSAGE
     std::string sealed = c.dec.seal(0x01, {});  // first: the nonces must rise in the order sent
     sealed += c.dec.seal(0, bytes);
     queue(c, sealed, now);

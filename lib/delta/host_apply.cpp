@@ -58,9 +58,9 @@ std::uint64_t host_patcher::apply(std::span<const host_entry> entries, apply_mod
     const std::uint64_t at = e.off + p.first;
     const std::uint64_t bytes = p.last - p.first;
     const std::byte* from = e.from + p.first;
-    p.terms = mode == apply_mode::store_only
-                  ? 0
-                  : e.weight * (range_terms(from, at, bytes, e.total) - range_terms(e.dests.front() + at, at, bytes, e.total));
+    p.terms = mode == apply_mode::store_only ? 0
+                                             : e.weight * (range_terms(from, at, bytes, e.total) -
+                                                           range_terms(e.dests.front() + at, at, bytes, e.total));
     if (mode != apply_mode::terms_only)
       for (std::byte* d : e.dests) std::memcpy(d + at, from, bytes);
   });

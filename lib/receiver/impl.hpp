@@ -130,8 +130,8 @@ struct prepared_state {
   bool delta = false;                     ///< a delta's patches, applied in the stage
   std::optional<std::uint64_t> checksum;  ///< END's version checksum
   receiver_stats figures;
-  std::uint64_t generation = 0;  ///< sink_generation the stage was laid out from
-  std::vector<slot*> slots;      ///< the destinations it wrote into the stage
+  std::uint64_t generation = 0;   ///< sink_generation the stage was laid out from
+  std::vector<slot*> slots;       ///< the destinations it wrote into the stage
   std::vector<staged_entry> log;  ///< a delta: its entries in the stage (the destinations are not copied)
 };
 
@@ -279,16 +279,16 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
       stage_pool;                    ///< a host stage's apply threads (delta_threads), made when first needed
   std::uint64_t stage_capacity = 0;  ///< bytes allocated at `stage`
   std::uint64_t stage_need = 0;      ///< bytes the table laid out at stage_generation needs
-  std::optional<std::uint64_t> stage_generation;  ///< sink_generation the slots' stage_at were laid out from
-  std::uint64_t stage_serial = 0;                 ///< counts staged refits (slot::staged_in)
-  std::vector<slot*> staged_slots;                ///< the destinations the refit in progress wrote into the stage
-  std::vector<staged_entry> staged_log;           ///< a staged delta in progress: its entries in the stage
-  std::uint64_t log_used = 0;                     ///< stage bytes `staged_log` holds
+  std::optional<std::uint64_t> stage_generation;       ///< sink_generation the slots' stage_at were laid out from
+  std::uint64_t stage_serial = 0;                      ///< counts staged refits (slot::staged_in)
+  std::vector<slot*> staged_slots;                     ///< the destinations the refit in progress wrote into the stage
+  std::vector<staged_entry> staged_log;                ///< a staged delta in progress: its entries in the stage
+  std::uint64_t log_used = 0;                          ///< stage bytes `staged_log` holds
   std::unique_ptr<delta::host_patcher> stage_patcher;  ///< a host stage's delta apply (apply_prepared())
 #if REFIT_HAVE_CUDA
   std::unique_ptr<delta::cuda::workspace> stage_delta_ws;  ///< a CUDA stage's delta apply (apply_prepared())
 #endif
-  std::optional<prepared_state> ready;            ///< the version prepared, under stage_mutex
+  std::optional<prepared_state> ready;  ///< the version prepared, under stage_mutex
   std::atomic<bool> has_prepared{false};
   std::atomic<std::uint64_t> prepared_number{0};
 

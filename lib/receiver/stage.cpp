@@ -202,8 +202,8 @@ void receiver::impl::stage_delta(const wire::batch& b) {
       const std::uint64_t weight = delta::name_weight(s.name);
       auto* weights = static_cast<std::byte*>(s.slots->front().dest.data);
       if (s.patch) {
-        delta::cuda::apply(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name}, s.off, s.total,
-                           weights, weight, ws, stream, delta::apply_mode::terms_only);
+        delta::cuda::apply(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name}, s.off, s.total, weights,
+                           weight, ws, stream, delta::apply_mode::terms_only);
         continue;
       }
       delta::cuda::add_range_terms(weights + s.off, s.off, s.bytes, s.total, weight, true, ws, stream);
@@ -343,8 +343,8 @@ void receiver::impl::apply_log(const prepared_state& p, void* stream) {
       for (slot& sl : *s.slots) {
         auto* to = static_cast<std::byte*>(sl.dest.data);
         if (s.patch)
-          delta::cuda::apply(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name}, s.off, s.total, to,
-                             0, *stage_delta_ws, on, delta::apply_mode::store_only);
+          delta::cuda::apply(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name}, s.off, s.total, to, 0,
+                             *stage_delta_ws, on, delta::apply_mode::store_only);
         else
           ops.emplace_back(log + s.at, to + s.off, s.bytes);
       }

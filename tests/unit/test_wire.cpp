@@ -739,7 +739,13 @@ TEST_CASE("decode rejects handles longer than the limit", "[wire]") {
 TEST_CASE("decode rejects more entries than the limit", "[wire]") {
   // Each entry a nil: the count is checked before any entry is looked at.
   mp m;
-  m.arr(9).u(BATCH).u(wire::protocol_version).u(1).u(0).u(0).arr(static_cast<std::uint32_t>(wire::max_batch_entries + 1));
+  m.arr(9)
+      .u(BATCH)
+      .u(wire::protocol_version)
+      .u(1)
+      .u(0)
+      .u(0)
+      .arr(static_cast<std::uint32_t>(wire::max_batch_entries + 1));
   for (std::size_t i = 0; i < wire::max_batch_entries + 1; ++i) m.nil();
   m.arr(0).t(false).b("");
   CHECK_REFIT_ERROR(wire::decode(m.str()), errc::protocol, "entries has 65537 elements, more than the limit of 65536");
@@ -1314,7 +1320,13 @@ TEST_CASE("decoding the costliest messages of their size stays within a bounded 
   // (measured: 33.5 x, 24 MB, and 28 x, 59 MB; with 2^20 BATCH entries, before max_batch_entries,
   // 389 MB).
   mp batch;
-  batch.arr(9).u(BATCH).u(wire::protocol_version).u(1).u(0).u(0).arr(static_cast<std::uint32_t>(wire::max_batch_entries));
+  batch.arr(9)
+      .u(BATCH)
+      .u(wire::protocol_version)
+      .u(1)
+      .u(0)
+      .u(0)
+      .arr(static_cast<std::uint32_t>(wire::max_batch_entries));
   for (std::size_t i = 0; i < wire::max_batch_entries; ++i)
     batch.arr(9).s("x").u(1).arr(0).u(0).u(0).u(0).u(0).u(0).u(0);
   batch.arr(0).t(false).b("");
@@ -1322,8 +1334,7 @@ TEST_CASE("decoding the costliest messages of their size stays within a bounded 
   ok.arr(8).u(OK).u(wire::protocol_version).nil().t(false).arr(static_cast<std::uint32_t>(wire::max_entries));
   for (std::size_t i = 0; i < wire::max_entries; ++i) ok.b("");
   ok.u(0).arr(0).b("");
-  for (const auto& [what, bytes, most] :
-       {std::tuple{"BATCH", batch.str(), 40}, std::tuple{"OK", ok.str(), 40}}) {
+  for (const auto& [what, bytes, most] : {std::tuple{"BATCH", batch.str(), 40}, std::tuple{"OK", ok.str(), 40}}) {
     INFO(what << ": " << bytes.size() << " bytes");
     std::fflush(nullptr);
     const pid_t pid = ::fork();
@@ -1337,7 +1348,8 @@ TEST_CASE("decoding the costliest messages of their size stays within a bounded 
       }
       const std::uint64_t grew = peak_rss() - before;
       std::fprintf(stderr, "%s: decoding %zu bytes grew the peak by %llu bytes (%.1f x)\n", what, bytes.size(),
-                   static_cast<unsigned long long>(grew), static_cast<double>(grew) / static_cast<double>(bytes.size()));
+                   static_cast<unsigned long long>(grew),
+                   static_cast<double>(grew) / static_cast<double>(bytes.size()));
       ::_exit(grew > static_cast<std::uint64_t>(most) * bytes.size() + (4u << 20) ? 3 : 0);
     }
     int status = 0;

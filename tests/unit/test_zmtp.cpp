@@ -404,7 +404,8 @@ TEST_CASE("the ZMTP decoder's CURVE handshake and sealed frames: a request opene
   CHECK(p.dec->take_body() == "END");
 }
 
-TEST_CASE("the ZMTP decoder refuses a CURVE peer that breaks the handshake, with the reason", "[channel][zmtp][curve]") {
+TEST_CASE("the ZMTP decoder refuses a CURVE peer that breaks the handshake, with the reason",
+          "[channel][zmtp][curve]") {
   std::string why;
   SECTION("a NULL greeting to a CURVE receiver") {
     sealed_pair p(false);
