@@ -248,6 +248,8 @@ const std::uint8_t* bytes_of(std::string_view s) { return reinterpret_cast<const
 
 decoder::decoder(std::uint64_t max_body, std::shared_ptr<const curve_server_keys> curve) : max_body_(max_body) {
   if (curve) {
+    // Idempotent and thread-safe; before the first random bytes (WELCOME's key pair and cookie).
+    if (sodium_init() < 0) throw error(errc::internal, "libsodium could not be initialised (sodium_init)");
     curve_ = std::make_unique<curve_state>();
     curve_->keys = std::move(curve);
   }
@@ -684,6 +686,8 @@ bool server::handles(std::string_view endpoint) {
 }
 
 server::server(const std::string& endpoint, const options& o) : options_(o), scratch_(read_chunk) {
+  if (options_.curve && sodium_init() < 0)
+    throw error(errc::internal, "libsodium could not be initialised (sodium_init): the receiver cannot speak CURVE");
   if (endpoint.starts_with("ipc://")) {
     bind_ipc(endpoint.substr(6));
   } else {
