@@ -175,7 +175,10 @@ struct streamer_options {
   /// closes. The one window left: this process dying between two receivers' COMMITs (microseconds
   /// apart: they are sent before any reply is awaited) leaves those that heard it committed and the
   /// others aborted; refit() throws naming them when it is alive to see it. Costs one more round
-  /// trip per refit (refit_stats::commit_seconds). Not with group_size > 1 (errc::invalid_argument).
+  /// trip per refit (refit_stats::commit_seconds). A group of streamers (group_size > 1): every rank
+  /// sets it; each receiver prepares the version at the group's last END and commits it only when
+  /// every rank said COMMIT (one rank's ABORT, or its silence for three quarters of another's reply
+  /// timeout, discards it everywhere); each rank's COMMIT is answered when the last arrives.
   bool atomic = false;
 };
 

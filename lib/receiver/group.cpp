@@ -147,6 +147,15 @@ std::string receiver::impl::late_reason(const lane& l) const {
   if (l.refit_active())
     return fmt::format("no message from the streamer {} for {} ms during version {}", who(l),
                        options.idle_timeout.count(), *group_version);
+  if (l.commit_held) {
+    std::vector<std::size_t> silent;
+    for (const lane& o : lanes)
+      if (o.awaits_commit) silent.push_back(o.rank);
+    return fmt::format(
+        "engine-wide version {} was prepared and {} said COMMIT, but rank {} said neither COMMIT nor ABORT within "
+        "three quarters of {}'s reply timeout ({} ms): the version was discarded",
+        *group_version, who(l), fmt::join(silent, ", "), who(l), l.reply_timeout.count());
+  }
   if (l.awaits_commit)
     return fmt::format(
         "version {} was prepared engine-wide and the streamer {} sent no COMMIT (nor ABORT) within "

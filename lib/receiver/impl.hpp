@@ -185,6 +185,9 @@ struct lane {
   /// Its END of an engine-wide version (end::hold) was checked and answered: the version waits for
   /// the streamer's COMMIT (receiver::impl::voted).
   bool awaits_commit = false;
+  /// A group's engine-wide version: this lane's COMMIT came and waits, unanswered, for the other
+  /// streamers' (held_since: when it came); answered when the last arrives, or with the abort.
+  bool commit_held = false;
 #if REFIT_HAVE_CUDA
   std::unique_ptr<delta::cuda::workspace> device_delta;  ///< patches applied on the GPU (cuda_ipc staged)
 #endif
@@ -201,7 +204,9 @@ struct lane {
   /// This lane's part of a refit is in progress: begun, not ended.
   [[nodiscard]] bool refit_active() const noexcept { return tracker && tracker->active(); }
   /// This lane takes part in the refit in progress: begun, and not answered at its END yet.
-  [[nodiscard]] bool in_refit() const noexcept { return refit_active() || held.has_value() || awaits_commit; }
+  [[nodiscard]] bool in_refit() const noexcept {
+    return refit_active() || held.has_value() || awaits_commit || commit_held;
+  }
 };
 
 }  // namespace receiver_detail

@@ -231,12 +231,14 @@ receiver_event receiver::impl::on_end(const wire::end& e) {
   } catch (const error& ex) {
     return fail_refit(ex.code(), ex.what());
   }
-  if (e.hold && grouped())
-    return fail_refit(errc::protocol,
-                      fmt::format("END of engine-wide version {} from {}: a group of streamers sends versions that "
-                                  "every receiver commits at its last END, not engine-wide ones (streamer_options::"
-                                  "atomic with group_size > 1); nothing was committed",
-                                  e.version, who(*ln)));
+  for (const lane& l : lanes)
+    if (l.held && l.held->hold != e.hold)
+      return fail_refit(
+          errc::protocol,
+          fmt::format("END of version {} from {} {} engine-wide, but the END of {} {}: the streamers "
+                      "of a group must all be atomic or none (streamer_options::atomic); nothing was "
+                      "committed",
+                      e.version, who(*ln), e.hold ? "is" : "is not", who(l), l.held->hold ? "is" : "is not"));
   // Answered when the version ends: now for a streamer alone, at the last END of a group.
   ln->held = e;
   ln->held_since = clock::now();
@@ -291,7 +293,9 @@ receiver_event receiver::impl::finish_refit() {
 /// streamer gone or the idle timeout end it as any refit in progress (abort_refit()).
 receiver_event receiver::impl::hold_for_commit(std::uint64_t version, double drain_seconds) {
   voted = voted_version{version, figures_of(version, drain_seconds), lanes.front().held->checksum};
-  ln->awaits_commit = true;
+  // A group: every streamer must say COMMIT (each heard every receiver prepare it; one that did not
+  // says ABORT), so that every receiver, seeing the same streamers' word, does the same.
+  for (lane& l : lanes) l.awaits_commit = true;
   REFIT_DEBUG("engine-wide version {} from {} prepared: waiting for COMMIT", version, who(*ln));
   answer_ends();
   return receiver_event::ended;
@@ -313,17 +317,36 @@ receiver_event receiver::impl::on_commit(const wire::commit& c) {
                             c.version));
     return receiver_event::refused;
   }
+  ln->awaits_commit = false;
+  if (grouped()) {
+    // Answered with the others' when the group's last COMMIT arrives (or with the abort's reason).
+    ln->commit_held = true;
+    ln->held_since = clock::now();
+    for (const lane& l : lanes)
+      if (l.awaits_commit) {
+        REFIT_DEBUG("COMMIT of version {} from {}: waiting for the other streamers' COMMIT", c.version, who(*ln));
+        return receiver_event::ended;
+      }
+  }
   const voted_version v = *voted;
   voted.reset();
-  ln->awaits_commit = false;
-  if (staged()) {
+  const receiver_event done = staged() ? receiver_event::prepared : receiver_event::committed;
+  if (staged())
     prepare(v.version, v.figures, v.checksum);
+  else
+    commit(v.version, v.figures, v.checksum);
+  if (!grouped()) {
     reply_ok();
-    return receiver_event::prepared;
+    return done;
   }
-  commit(v.version, v.figures, v.checksum);
-  reply_ok();
-  return receiver_event::committed;
+  lane* const current = ln;
+  for (lane& l : lanes) {
+    l.commit_held = false;
+    ln = &l;
+    reply_ok();
+  }
+  ln = current;
+  return done;
 }
 
 /// Throws errc::incomplete when version `version` lacks a registered tensor (a whole version),
@@ -488,8 +511,9 @@ void receiver::impl::abort_refit(const std::string& why, errc code) noexcept {
   // The streamers hear it last, once everything they may ask about (last_error(), dirty()) says so.
   for (lane& l : lanes) {
     try {
-      if (l.held) {
+      if (l.held || l.commit_held) {  // its END (or its COMMIT) waits for the group
         l.held.reset();
+        l.commit_held = false;
         l.channel.reply(wire::encode(wire::error{code, why}));
       } else if (grouped() && &l != answering) {
         // Its next message of this version hears why: a BATCH or END if it took part, a BEGIN

@@ -67,9 +67,9 @@ std::optional<receiver_event> receiver::impl::enforce_deadlines(milliseconds& wa
   lane* late = nullptr;
   clock::time_point deadline{};
   for (lane& l : lanes) {
-    if (l.held && l.reply_timeout.count() == 0) continue;
-    const auto due = l.held            ? l.held_since + l.reply_timeout * 3 / 4
-                     : l.awaits_commit ? l.last_message + options.idle_timeout + l.reply_timeout
+    if ((l.held || l.commit_held) && l.reply_timeout.count() == 0) continue;
+    const auto due = l.held || l.commit_held ? l.held_since + l.reply_timeout * 3 / 4
+                     : l.awaits_commit       ? l.last_message + options.idle_timeout + l.reply_timeout
                                        : (l.refit_active() ? l.last_message : std::max(l.last_message, refit_start)) +
                                              options.idle_timeout;
     if (late == nullptr || due < deadline) late = &l, deadline = due;

@@ -93,10 +93,6 @@ void validate(const streamer_options& o) {
     throw error(errc::invalid_argument,
                 "streamer_options.delta with group_size > 1: a group of streamers sends whole versions (each rank's "
                 "shards); turn delta off");
-  if (o.group_size > 1 && o.atomic)
-    throw error(errc::invalid_argument,
-                "streamer_options.atomic with group_size > 1: engine-wide versions come from one streamer (to all "
-                "its receivers); a group's receivers commit a version at its last rank's END");
   if (o.delta.enable && o.delta.memory == delta_memory::device && o.transport == transport_kind::host_shm)
     throw error(errc::invalid_argument,
                 "streamer_options.delta.memory is device, but the host_shm transport sends host tensors: keep the "

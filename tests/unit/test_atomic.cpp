@@ -3,6 +3,7 @@
 // version is prepared, commits (in place) or reports it prepared (staged) only at COMMIT, and
 // discards it when another receiver failed before that. Receivers serve on threads of this
 // process over host_shm; one of them is made to fail or stall at a chosen point of the version.
+#include <algorithm>
 #include <array>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -10,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <variant>
 #include <vector>
 
@@ -331,9 +333,116 @@ TEST_CASE("COMMIT from a peer that does not own the session is refused with unau
   CHECK(e.held[0]->mismatch(1).empty());
 }
 
-TEST_CASE("atomic with a group of streamers is refused with errc::invalid_argument", "[atomic]") {
-  auto o = rt::host_shm_streamer(rt::temp_endpoint(), 4 * kib, refit::milliseconds{1000});
-  o.atomic = true;
-  o.group_size = 2;
-  CHECK_REFIT_ERROR(refit::streamer(o), refit::errc::invalid_argument, "streamer_options.atomic with group_size > 1");
+namespace {
+
+/// The rows of `t` rank r of n holds (torch.chunk, as FSDP's Shard(0)), as a tensor_ref into `bytes`.
+refit::tensor_ref rank_rows(const tensor_meta& t, const std::vector<std::uint8_t>& bytes, std::size_t r,
+                            std::size_t n) {
+  const auto rows = t.shape[0];
+  const std::int64_t per = (rows + static_cast<std::int64_t>(n) - 1) / static_cast<std::int64_t>(n);
+  const std::int64_t start = std::min<std::int64_t>(rows, per * static_cast<std::int64_t>(r));
+  const std::int64_t count = std::min<std::int64_t>(rows, start + per) - start;
+  tensor_meta local = t;
+  local.shape[0] = count;
+  const std::uint64_t row = rows == 0 ? 0 : t.nbytes() / static_cast<std::uint64_t>(rows);
+  refit::tensor_ref ref{local, bytes.data() + row * static_cast<std::uint64_t>(start), refit::device::cpu(), nullptr};
+  ref.shard = refit::tensor_shard{t.shape, 0, start};
+  return ref;
+}
+
+/// A sharded trainer of `ranks` streamers and an engine of `n` receivers, each receiver a group of
+/// `ranks` lanes; rank r streams its rows to lane r of every receiver, all atomic.
+struct sharded_engine {
+  std::vector<std::unique_ptr<serving>> receivers;
+  std::vector<std::unique_ptr<weights>> held;
+  std::vector<std::unique_ptr<refit::streamer>> ranks;
+
+  sharded_engine(std::size_t ranks_n, std::size_t n, refit::stage_kind stage,
+                 const std::vector<tensor_meta>& extra_on_last = {}) {
+    for (std::size_t j = 0; j < n; ++j) {
+      auto o = rank_options(stage);
+      o.streamers = ranks_n;
+      receivers.push_back(std::make_unique<serving>(o));
+      auto model = engine_model();
+      if (j + 1 == n) model.insert(model.end(), extra_on_last.begin(), extra_on_last.end());
+      held.push_back(std::make_unique<weights>(receivers.back()->receiver, model, 0));
+      receivers.back()->start();
+    }
+    for (std::size_t r = 0; r < ranks_n; ++r) {
+      std::vector<std::string> eps;
+      for (const auto& rx : receivers) eps.push_back(rx->receiver.endpoints()[r]);
+      auto o = rt::host_shm_streamer(eps.front(), 4 * kib, refit::milliseconds{10000});
+      o.transport_name.clear();
+      o.transport = refit::transport_kind::host_shm;
+      o.receivers = eps;
+      o.group_rank = r;
+      o.group_size = ranks_n;
+      o.atomic = true;
+      ranks.push_back(std::make_unique<refit::streamer>(o));
+    }
+  }
+  /// Every rank refits `version` of `whole` on a thread of its own; what each threw ("" for none).
+  std::vector<std::string> refit(std::uint64_t version, const rt::host_tensors& whole) {
+    std::vector<std::string> failed(ranks.size());
+    std::vector<std::thread> threads;
+    for (std::size_t r = 0; r < ranks.size(); ++r)
+      threads.emplace_back([&, r] {
+        std::vector<refit::tensor_ref> shards;
+        for (std::size_t k = 0; k < whole.metas.size(); ++k)
+          shards.push_back(rank_rows(whole.metas[k], whole.bytes[k], r, ranks.size()));
+        if (const auto f = rt::failure_of([&] { ranks[r]->refit(version, shards); }))
+          failed[r] = f->code + ": " + f->message;
+      });
+    for (auto& t : threads) t.join();
+    return failed;
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "a group of two streamers sends engine-wide versions to two receivers: each commits only once both ranks said "
+    "COMMIT, bit-exact",
+    "[atomic][group]") {
+  const auto stage = GENERATE(refit::stage_kind::none, refit::stage_kind::host);
+  INFO("stage " << refit::to_string(stage));
+  sharded_engine e(2, 2, stage);
+  for (const std::uint64_t version : {1u, 2u}) {
+    const rt::host_tensors whole(engine_model(), version);
+    const auto failed = e.refit(version, whole);
+    for (const auto& f : failed) CHECK(f.empty());
+    for (std::size_t j = 0; j < 2; ++j) {
+      auto& rx = *e.receivers[j];
+      if (stage == refit::stage_kind::host) {
+        REQUIRE(rx.log.wait_for("prepared " + std::to_string(version)));
+        CHECK(e.held[j]->mismatch(version - 1).empty());  // prepared at COMMIT, the weights untouched
+        REQUIRE(rx.receiver.apply_prepared() == std::optional<std::uint64_t>{version});
+      } else {
+        REQUIRE(rx.log.wait_for("commit " + std::to_string(version)));
+      }
+      CHECK(rx.receiver.committed_version() == std::optional<std::uint64_t>{version});
+      CHECK(e.held[j]->mismatch(version).empty());
+    }
+  }
+}
+
+TEST_CASE(
+    "a receiver that fails a group's engine-wide version at END makes every rank abort it on the others: no "
+    "receiver commits, a staged one's weights untouched",
+    "[atomic][group]") {
+  // The second receiver registers a tensor nobody sends: its check at the group's last END fails.
+  sharded_engine e(2, 2, refit::stage_kind::host, {tensor_meta{"only.on.rank1", dtype::f32, {8}}});
+  const rt::host_tensors whole(engine_model(), 1);
+  const auto failed = e.refit(1, whole);
+  for (const auto& f : failed) {
+    CHECK_THAT(f, Catch::Contains("'only.on.rank1'"));
+  }
+  REQUIRE(e.receivers[0]->log.wait_for("abort 1"));
+  REQUIRE(e.receivers[1]->log.wait_for("abort 1"));
+  for (std::size_t j = 0; j < 2; ++j) {
+    CHECK_FALSE(e.receivers[j]->receiver.committed_version());
+    CHECK_FALSE(e.receivers[j]->receiver.prepared_version());
+    CHECK_FALSE(e.receivers[j]->receiver.dirty());
+    CHECK(e.held[j]->mismatch(0).empty());
+  }
 }
