@@ -605,8 +605,9 @@ class Streamer(_refit.Streamer):
             and only then commits (in place) or reports ``Event.prepared`` (a staged receiver,
             whose engine then calls ``apply()``). When any receiver fails or stays silent first,
             the others are told and discard the version (``committed_version`` unchanged
-            everywhere). One more round trip per refit (``RefitStats.commit_seconds``). Not with
-            ``group_size > 1``.
+            everywhere). One more round trip per refit (``RefitStats.commit_seconds``). A
+            sharded trainer (``group_size > 1``): every rank sets it; a receiver commits only
+            once every rank said COMMIT.
 
     Example::
 
