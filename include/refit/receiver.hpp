@@ -89,10 +89,12 @@ struct receiver_options {
   /// staged receiver offers its weights to no streamer (cuda_ipc direct and nccl in place go through
   /// the buffers instead); it refuses a callback sink (on_batch: errc::invalid_argument), and a
   /// session of another kind or a table elsewhere at BEGIN (errc::invalid_argument). A delta is
-  /// staged too: each tensor it touches is copied from the weights (its base) into the stage when the
-  /// delta first touches it and patched there; apply_prepared() copies back the tensors it touched.
+  /// staged as its patches: each batch's patches are copied into the stage, checked there and their
+  /// checksum terms taken against the weights (only read), so END proves the version; apply_prepared()
+  /// writes the patches into the weights.
   stage_kind stage = stage_kind::none;
-  /// The most memory (host, or the GPU's for a device stage) the stage may take, 0: what the version needs. The stage holds a copy of
+  /// The most memory (host, or the GPU's for a device stage) the stage may take, 0: what the
+  /// version needs. The stage holds a copy of
   /// every registered destination's bytes (from its first byte to its last, each rounded up to 64
   /// bytes): the parameter table's bytes, allocated at the first BEGIN after the table changed and
   /// kept. A BEGIN whose version needs more is refused before anything is written

@@ -209,7 +209,8 @@ class Receiver(_refit.Receiver):
             the engine calls :meth:`apply` between two of its steps: one local copy, then the
             version is committed. Host parameters over host_shm, or parameters on one GPU over
             cuda_ipc and nccl (the stage then in page-locked host memory); whole versions, subsets
-            and deltas (each tensor a delta touches is patched in the stage). ``"device"``: the same with the stage
+            and deltas (a delta's patches wait in the stage; :meth:`apply` writes them).
+            ``"device"``: the same with the stage
             on the engine's GPU, for parameters on one GPU over cuda_ipc and nccl; :meth:`apply`
             is then one launch of refit's copy kernel on torch's current stream (no host wait).
         stage_bytes: the most memory the stage may take; 0 (default): what a version needs (the
