@@ -2,7 +2,9 @@
 // against the independent reference in support/convert_ref.hpp; the registration rules of
 // converting destinations; end-to-end host_shm refits into fp8 (block128, per tensor) and bf16
 // destinations, a TP shard of a block-quantised weight and a tensor chunked over several batches.
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <optional>
 
 #include <chrono>
 #include <cmath>
@@ -489,10 +491,11 @@ void serve_until_stop(refit::receiver& r, rt::signal_pipe& stop) {
 /// Registers the converted destinations, serves one refit and checks every byte against the
 /// reference; returns "" or what differs. Then serves until `stop`.
 std::string serve_and_check(const std::string& endpoint, const convert_model& m, rt::signal_pipe& result,
-                            rt::signal_pipe& stop) {
+                            rt::signal_pipe& stop, refit::stage_kind stage = refit::stage_kind::none) {
   refit::receiver_options o;
   o.endpoint = endpoint;
   o.idle_timeout = 5000ms;
+  o.stage = stage;
   refit::receiver r(o);
   const auto& block = m.get("w_block");
   const auto& tens = m.get("w_tensor");
@@ -527,6 +530,15 @@ std::string serve_and_check(const std::string& endpoint, const convert_model& m,
   for (;;) {
     const auto e = r.serve_one(100ms);
     if (e == refit::receiver_event::committed) break;
+    if (e == refit::receiver_event::prepared) {  // staged: the converted bytes wait in the stage
+      if (!std::all_of(q_block.begin(), q_block.end(), [](std::uint8_t b) { return b == 0; })) {
+        result.send("result the weights changed before apply_prepared()");
+        serve_until_stop(r, stop);
+        return {};
+      }
+      if (r.apply_prepared() != std::optional<std::uint64_t>{1}) return "apply_prepared() applied nothing";
+      break;
+    }
     if (e == refit::receiver_event::aborted || e == refit::receiver_event::refused) {
       result.send("result refit failed: " + r.last_error());
       serve_until_stop(r, stop);
@@ -573,10 +585,13 @@ std::string serve_and_check(const std::string& endpoint, const convert_model& m,
 
 TEST_CASE("a host_shm refit converts into fp8 block128, fp8 per-tensor, bf16 and TP-shard destinations bit for bit",
           "[convert]") {
+  // In place, and into a stage (the converted bytes wait there until apply_prepared()).
+  const auto stage = GENERATE(refit::stage_kind::none, refit::stage_kind::host);
+  INFO("stage " << refit::to_string(stage));
   const convert_model model;
   const rt::scoped_endpoint endpoint;
   rt::signal_pipe result, stop;
-  rt::child rx([&] { (void)serve_and_check(endpoint.name, model, result, stop); });
+  rt::child rx([&] { (void)serve_and_check(endpoint.name, model, result, stop, stage); });
   refit::streamer s(rt::host_shm_streamer(endpoint.name, 64 << 10, refit::milliseconds{5000}));
   const auto refs = model.refs();
   const refit::refit_stats stats = s.refit(1, refs);
