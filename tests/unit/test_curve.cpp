@@ -80,11 +80,12 @@ std::optional<std::string> failure_code(const std::function<void()>& f) {
 class curve_receiver {
  public:
   curve_receiver(std::vector<refit::tensor_meta> metas, key_pair keys, std::string token = {},
-                 std::vector<std::string> allowed = {})
+                 std::vector<std::string> allowed = {}, std::string bind = "tcp://127.0.0.1:0")
       : metas_(std::move(metas)),
         keys_(std::move(keys)),
         token_(std::move(token)),
         allowed_(std::move(allowed)),
+        bind_(std::move(bind)),
         proc_([this] { run(); }) {
     const std::string ready = from_child_.receive(20s);
     if (!ready.starts_with("ready ")) throw std::runtime_error("curve receiver: " + ready);
@@ -109,7 +110,7 @@ class curve_receiver {
  private:
   void run() {
     refit::receiver_options o;
-    o.endpoint = "tcp://127.0.0.1:0";
+    o.endpoint = bind_;
     o.idle_timeout = refit::milliseconds{1500};
     o.token = token_;
     o.curve = refit::curve_keys{keys_.public_key, keys_.secret_key, {}, allowed_};
@@ -152,6 +153,7 @@ class curve_receiver {
   key_pair keys_;
   std::string token_;
   std::vector<std::string> allowed_;
+  std::string bind_;
   std::string endpoint_;
   rt::signal_pipe to_child_;
   rt::signal_pipe from_child_;
@@ -330,6 +332,31 @@ TEST_CASE("a CURVE receiver with allowed client keys refuses any other streamer 
   CHECK(since(start) < streamer_timeout + slack);
   CHECK_FALSE(rx.report_within(0ms));  // refused in the handshake: no message reached the receiver
 
+  refit::streamer allowed(stream_options(rx.endpoint(), client_keys(listed, server.public_key)));
+  CHECK(allowed.refit(1, v1.refs).version == 1);
+  CHECK(rx.next_report() == "committed 1 ok");
+  allowed.close();
+  CHECK(rx.stop() == 0);
+}
+
+TEST_CASE(
+    "a CURVE receiver bound by interface name is served by libzmq's ROUTER: its ZAP handler refuses an unlisted "
+    "streamer key and a listed one commits",
+    "[curve]") {
+  // "lo" is no numeric address: refit's own ZMTP server does not bind it (zmtp::server::handles).
+  if (!have_curve()) return;
+  const auto metas = rt::mixed_model(30, 0);
+  const key_pair server = make_key_pair();
+  const key_pair listed = make_key_pair();
+  const key_pair stranger = make_key_pair();
+  curve_receiver rx(metas, server, {}, {listed.public_key}, "tcp://lo:0");
+  REQUIRE(rx.endpoint().starts_with("tcp://127.0.0.1:"));
+  const host_tensors v1(metas, 1);
+  refit::streamer refused(stream_options(rx.endpoint(), client_keys(stranger, server.public_key)));
+  const auto code = failure_code([&] { refused.refit(1, v1.refs); });
+  REQUIRE(code);
+  CHECK(*code == std::string(refit::to_string(refit::errc::timeout)));
+  CHECK_FALSE(rx.report_within(0ms));
   refit::streamer allowed(stream_options(rx.endpoint(), client_keys(listed, server.public_key)));
   CHECK(allowed.refit(1, v1.refs).version == 1);
   CHECK(rx.next_report() == "committed 1 ok");
