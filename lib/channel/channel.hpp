@@ -5,10 +5,10 @@
 // the envelope itself: a request is an empty delimiter and one body frame; anything else is dropped
 // whole and counted, never answered in another peer's place. (libzmq's REP loses the next peer's
 // reply after a malformed request from a peer that is already gone, and takes each frame of a
-// multipart request as a request of its own.) Without CURVE it reads ZMTP itself (zmtp.hpp), so a
-// message that never ends holds at most one frame; with CURVE a libzmq ROUTER socket, whose
-// unfinished messages only RCVHWM and heartbeats bound. peer_id() names the connection the request
-// in hand came by.
+// multipart request as a request of its own.) It reads ZMTP itself (zmtp.hpp), NULL or CURVE, so
+// a message that never ends holds at most one frame; an endpoint that server does not bind (a host
+// or interface name, an abstract ipc name) gets a libzmq ROUTER socket, whose unfinished messages
+// only RCVHWM and heartbeats bound. peer_id() names the connection the request in hand came by.
 #pragma once
 
 #include <chrono>
@@ -142,8 +142,8 @@ class rep_channel {
                                                std::chrono::microseconds spin);
 
   std::shared_ptr<const void> zap_;        ///< this socket's ZAP domain (allowed client keys), if any
-  std::unique_ptr<zmq::socket_t> socket_;  ///< with CURVE (or an endpoint the ZMTP server does not bind)
-  std::unique_ptr<zmtp::server> server_;   ///< without CURVE
+  std::unique_ptr<zmq::socket_t> socket_;  ///< an endpoint the ZMTP server does not bind
+  std::unique_ptr<zmtp::server> server_;   ///< the others, NULL or CURVE
   std::string endpoint_;
   bool owns_endpoint_ = false;  ///< made by bind_endpoint(""): removed with the channel
   std::shared_ptr<lane> lane_;
