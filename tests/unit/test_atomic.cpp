@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <future>
 #include <thread>
 #include <variant>
 #include <vector>
@@ -86,13 +87,17 @@ struct raw_session {
   std::string secret;
   std::uint64_t sent = 0;  ///< buffer bytes of the batches sent
 
-  explicit raw_session(const std::string& endpoint, std::string s = "raw-session-secret", bool hello = true)
+  explicit raw_session(const std::string& endpoint, std::string s = "raw-session-secret", bool hello = true,
+                       std::uint64_t group_rank = 0, std::uint64_t group_size = 1, std::uint64_t reply_timeout_ms = 0)
       : buffers(make_buffers()), channel(endpoint), secret(std::move(s)) {
     if (!hello) return;
     wire::hello h;
     buffers->open_session(h);
     h.peer = "raw-streamer";
     h.secret = secret;
+    h.group_rank = group_rank;
+    h.group_size = group_size;
+    h.reply_timeout_ms = reply_timeout_ms;
     const wire::message reply = wire::decode(channel.request(wire::encode(h), refit::milliseconds{10000}, "HELLO"));
     REQUIRE(std::holds_alternative<wire::ok>(reply));
     buffers->session_accepted(std::array{std::get<wire::ok>(reply)});
@@ -444,5 +449,60 @@ TEST_CASE(
     CHECK_FALSE(e.receivers[j]->receiver.prepared_version());
     CHECK_FALSE(e.receivers[j]->receiver.dirty());
     CHECK(e.held[j]->mismatch(0).empty());
+  }
+}
+
+TEST_CASE(
+    "a group's engine-wide version commits at the second rank's COMMIT; a rank silent after another's COMMIT "
+    "discards it, and the held COMMIT hears why",
+    "[atomic][group]") {
+  // Two ranks as raw sessions on one receiver (a group of two): rank 0 sends every tensor whole, rank 1
+  // nothing (an empty shard of each), both END engine-wide.
+  const auto model = engine_model();
+  auto o = rank_options(refit::stage_kind::none);
+  o.streamers = 2;
+  serving s(o);
+  weights w(s.receiver, model, 0);
+  s.start();
+  std::uint64_t bytes = 0;
+  for (const auto& m : model) bytes += m.nbytes();
+  const auto eps = s.receiver.endpoints();
+  const auto begin_and_end = [&](raw_session& r0, raw_session& r1, std::uint64_t version) {
+    REQUIRE(r0.ask(wire::begin{version, false, std::nullopt}) == "OK");
+    REQUIRE(r1.ask(wire::begin{version, false, std::nullopt}) == "OK");
+    REQUIRE(r0.batch(version, model) == "OK");
+    // Rank 1's END is answered once rank 0's arrived: both prepared.
+    auto end1 = std::async(std::launch::async, [&] { return r1.ask(wire::end{version, 0, 0, 0, std::nullopt, true}); });
+    CHECK(r0.ask(wire::end{version, model.size(), bytes, 1, std::nullopt, true}) == "OK");
+    CHECK(end1.get() == "OK");
+  };
+
+  SECTION("both ranks COMMIT: the version commits, each COMMIT answered OK") {
+    raw_session r0(eps[0], "rank-0-secret", true, 0, 2);
+    raw_session r1(eps[1], "rank-1-secret", true, 1, 2);
+    begin_and_end(r0, r1, 1);
+    CHECK_FALSE(s.receiver.committed_version());  // prepared, not committed: COMMIT has not come
+    auto commit0 = std::async(std::launch::async, [&] { return r0.ask(wire::commit{1}); });
+    CHECK(r1.ask(wire::commit{1}) == "OK");
+    CHECK(commit0.get() == "OK");
+    REQUIRE(s.log.wait_for("commit 1"));
+    CHECK(s.receiver.committed_version() == std::optional<std::uint64_t>{1});
+    CHECK(w.mismatch(1).empty());
+  }
+  SECTION("rank 0 never says COMMIT: rank 1's COMMIT is answered with the abort within its reply timeout") {
+    raw_session r0(eps[0], "rank-0-secret", true, 0, 2, 60000);
+    raw_session r1(eps[1], "rank-1-secret", true, 1, 2, 800);
+    begin_and_end(r0, r1, 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string held = r1.ask(wire::commit{1});
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    CHECK_THAT(held, Catch::StartsWith("timeout: engine-wide version 1 was prepared and"));
+    CHECK_THAT(held, Catch::Contains("but rank 0 said neither COMMIT nor ABORT within three quarters of"));
+    CHECK(waited >= std::chrono::milliseconds{600});  // three quarters of rank 1's 800 ms
+    REQUIRE(s.log.wait_for("abort 1"));
+    CHECK_FALSE(s.receiver.committed_version());
+    // Rank 0's COMMIT, late: nothing is prepared any more, nothing commits.
+    CHECK_THAT(r0.ask(wire::commit{1}), Catch::StartsWith("protocol: COMMIT of version 1 without it prepared here"));
+    CHECK_FALSE(s.receiver.committed_version());
   }
 }
