@@ -317,11 +317,16 @@ TEST_CASE("incomplete or mismatched CURVE keys are refused when the streamer or 
 TEST_CASE("a CURVE receiver with allowed client keys refuses any other streamer key and commits a listed one",
           "[curve]") {
   if (!have_curve()) return;
+  // On a numeric address refit's own ZMTP server checks the key in INITIATE; bound by interface name
+  // ("lo", which that server does not bind: zmtp::server::handles) libzmq's ROUTER and its ZAP handler do.
+  const std::string bind = GENERATE(std::string("tcp://127.0.0.1:0"), std::string("tcp://lo:0"));
+  INFO("bound to " << bind);
   const auto metas = rt::mixed_model(30, 0);
   const key_pair server = make_key_pair();
   const key_pair listed = make_key_pair();
   const key_pair stranger = make_key_pair();  // knows the server key, but is not on the list
-  curve_receiver rx(metas, server, {}, {listed.public_key});
+  curve_receiver rx(metas, server, {}, {listed.public_key}, bind);
+  REQUIRE(rx.endpoint().starts_with("tcp://127.0.0.1:"));
   const host_tensors v1(metas, 1);
 
   refit::streamer refused(stream_options(rx.endpoint(), client_keys(stranger, server.public_key)));
@@ -332,31 +337,6 @@ TEST_CASE("a CURVE receiver with allowed client keys refuses any other streamer 
   CHECK(since(start) < streamer_timeout + slack);
   CHECK_FALSE(rx.report_within(0ms));  // refused in the handshake: no message reached the receiver
 
-  refit::streamer allowed(stream_options(rx.endpoint(), client_keys(listed, server.public_key)));
-  CHECK(allowed.refit(1, v1.refs).version == 1);
-  CHECK(rx.next_report() == "committed 1 ok");
-  allowed.close();
-  CHECK(rx.stop() == 0);
-}
-
-TEST_CASE(
-    "a CURVE receiver bound by interface name is served by libzmq's ROUTER: its ZAP handler refuses an unlisted "
-    "streamer key and a listed one commits",
-    "[curve]") {
-  // "lo" is no numeric address: refit's own ZMTP server does not bind it (zmtp::server::handles).
-  if (!have_curve()) return;
-  const auto metas = rt::mixed_model(30, 0);
-  const key_pair server = make_key_pair();
-  const key_pair listed = make_key_pair();
-  const key_pair stranger = make_key_pair();
-  curve_receiver rx(metas, server, {}, {listed.public_key}, "tcp://lo:0");
-  REQUIRE(rx.endpoint().starts_with("tcp://127.0.0.1:"));
-  const host_tensors v1(metas, 1);
-  refit::streamer refused(stream_options(rx.endpoint(), client_keys(stranger, server.public_key)));
-  const auto code = failure_code([&] { refused.refit(1, v1.refs); });
-  REQUIRE(code);
-  CHECK(*code == std::string(refit::to_string(refit::errc::timeout)));
-  CHECK_FALSE(rx.report_within(0ms));
   refit::streamer allowed(stream_options(rx.endpoint(), client_keys(listed, server.public_key)));
   CHECK(allowed.refit(1, v1.refs).version == 1);
   CHECK(rx.next_report() == "committed 1 ok");
