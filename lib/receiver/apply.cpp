@@ -172,18 +172,16 @@ void receiver::impl::apply(const wire::batch& b, std::vector<copy::op>& ops,
   if (!(b.ready && ln->sink->maps_sources())) ln->sink->begin_read(b.buffer);
   if (refit_delta && staged()) {
     stage_delta(b);  // its entries into the stage, checked there: the weights wait for apply_prepared()
-    ln->sink->end_read(b.buffer);
-    apply_seconds += seconds_since(t0);
-    return;
-  }
-  if (refit_delta) check_patches(b);    // a corrupt patch is refused before its batch writes anything
-  if (!staged()) is_dirty.store(true);  // from here on the weights may be partly overwritten
-  if (callback) {
-    run_callback(b);
-  } else if (refit_delta) {
-    apply_delta(b);
   } else {
-    ln->copier->run(ops, ln->sink->stream());
+    if (refit_delta) check_patches(b);    // a corrupt patch is refused before its batch writes anything
+    if (!staged()) is_dirty.store(true);  // from here on the weights may be partly overwritten
+    if (callback) {
+      run_callback(b);
+    } else if (refit_delta) {
+      apply_delta(b);
+    } else {
+      ln->copier->run(ops, ln->sink->stream());
+    }
   }
   ln->sink->end_read(b.buffer);
   apply_seconds += seconds_since(t0);

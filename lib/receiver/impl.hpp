@@ -250,8 +250,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   bool refit_delta = false;       ///< BEGIN named a base: patches, and a checksum at END
   std::uint64_t delta_terms = 0;  ///< the version checksum's change by what the delta wrote so far
   std::unique_ptr<delta::host_patcher> delta_patcher;  ///< made at the first host delta batch
-  std::vector<delta::host_entry> delta_entries;        ///< scratch of host_delta_entries()
-  std::vector<std::byte*> delta_dests;                 ///< scratch of host_delta_entries()
+  std::vector<delta::host_entry> delta_entries;        ///< scratch of host_delta_entries(), stage_delta()
+  std::vector<std::byte*> delta_dests;                 ///< scratch of host_delta_entries(), stage_delta()
 
   // What the committed version is a base for (subset and delta versions).
   /// sink_generation when a whole version last committed, if one did: a subset needs one committed
@@ -399,6 +399,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   [[nodiscard]] std::uint64_t stage_size() const noexcept;
   void stage_delta(const wire::batch& b);
   void apply_log(const prepared_state& p, void* stream);
+  void end_stage_apply(void* stream);
   void prepare(std::uint64_t version, const receiver_stats& figures, std::optional<std::uint64_t> checksum);
   std::optional<std::uint64_t> apply_prepared(void* stream);
   void copy_stage(const prepared_state& p, void* stream);
