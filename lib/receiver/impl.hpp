@@ -350,6 +350,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   void make_live(std::uint64_t version, const receiver_stats& figures, bool subset, bool delta,
                  std::optional<std::uint64_t> checksum, std::uint64_t generation);
   void answer_ends();
+  void reply_ok_everywhere();
   void commit(std::uint64_t version, const receiver_stats& figures, std::optional<std::uint64_t> checksum);
   receiver_event hold_for_commit(std::uint64_t version, double drain_seconds);
   receiver_event on_commit(const wire::commit& c);

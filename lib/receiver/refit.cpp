@@ -330,23 +330,12 @@ receiver_event receiver::impl::on_commit(const wire::commit& c) {
   }
   const voted_version v = *voted;
   voted.reset();
-  const receiver_event done = staged() ? receiver_event::prepared : receiver_event::committed;
   if (staged())
     prepare(v.version, v.figures, v.checksum);
   else
     commit(v.version, v.figures, v.checksum);
-  if (!grouped()) {
-    reply_ok();
-    return done;
-  }
-  lane* const current = ln;
-  for (lane& l : lanes) {
-    l.commit_held = false;
-    ln = &l;
-    reply_ok();
-  }
-  ln = current;
-  return done;
+  reply_ok_everywhere();  // this COMMIT, and a group's held ones
+  return staged() ? receiver_event::prepared : receiver_event::committed;
 }
 
 /// Throws errc::incomplete when version `version` lacks a registered tensor (a whole version),
@@ -424,17 +413,24 @@ void receiver::impl::commit(std::uint64_t version, const receiver_stats& figures
 void receiver::impl::answer_ends() {
   // The streamers hear it first; what is only tidying up follows (the next request waits for
   // it all the same, but a streamer's refit() returns meanwhile).
-  lane* const current = ln;
-  for (lane& l : lanes) {
-    l.held.reset();
-    ln = &l;
-    reply_ok();
-  }
-  ln = current;
+  reply_ok_everywhere();
   for (lane& l : lanes) {
     l.tracker->reset();
     if (l.sink) l.sink->end_sources();  // drained: what this version did not read is unmapped
   }
+}
+
+/// Answers OK what every lane's streamer waits on: its END or COMMIT held for the group, or (a
+/// streamer alone) the message in hand.
+void receiver::impl::reply_ok_everywhere() {
+  lane* const current = ln;
+  for (lane& l : lanes) {
+    l.held.reset();
+    l.commit_held = false;
+    ln = &l;
+    reply_ok();
+  }
+  ln = current;
 }
 
 /// The streamer gave up the refit on its side (ABORT).
