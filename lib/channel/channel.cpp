@@ -265,29 +265,29 @@ class zap_authority {
 
 }  // namespace
 
+/// CURVE key `key` (Z85 text) as its 32 bytes; throws errc::invalid_argument naming `option`.
+static std::array<std::uint8_t, 32> z85_key(const std::string& key, std::string_view option) {
+  std::array<std::uint8_t, 32> raw{};
+  if (key.size() != 40 || zmq_z85_decode(raw.data(), key.c_str()) == nullptr)
+    throw error(errc::invalid_argument,
+                fmt::format("{} is not a CURVE key: expected 40 characters of Z85 text (zmq_curve_keypair)", option));
+  return raw;
+}
+
 /// The receiver's CURVE keys as its ZMTP server takes them (binary); `curve` was validated.
 static std::shared_ptr<const zmtp::curve_server_keys> server_keys(const curve_keys& curve) {
   auto keys = std::make_shared<zmtp::curve_server_keys>();
-  const auto decode = [](const std::string& z85, std::array<std::uint8_t, 32>& out) {
-    if (z85.size() != 40 || zmq_z85_decode(out.data(), z85.c_str()) == nullptr)
-      throw error(errc::invalid_argument, "a CURVE key is not 40 characters of Z85 text");
-  };
-  decode(curve.secret_key, keys->secret_key);
+  keys->secret_key = z85_key(curve.secret_key, "receiver_options.curve.secret_key");
   char pub[41] = {};
   if (zmq_curve_public(pub, curve.secret_key.c_str()) != 0)
     throw error(errc::invalid_argument, "receiver_options.curve.secret_key makes no public key");
-  decode(pub, keys->public_key);
-  for (const auto& client : curve.allowed_clients) decode(client, keys->allowed.emplace_back());
+  keys->public_key = z85_key(pub, "receiver_options.curve.secret_key's public key");
+  for (const auto& client : curve.allowed_clients)
+    keys->allowed.push_back(z85_key(client, "an entry of receiver_options.curve.allowed_clients"));
   return keys;
 }
 
 void validate_curve(const curve_keys& curve, bool server) {
-  const auto z85_key = [](const std::string& key, std::string_view option) {
-    std::uint8_t raw[32];
-    if (key.size() != 40 || zmq_z85_decode(raw, key.c_str()) == nullptr)
-      throw error(errc::invalid_argument,
-                  fmt::format("{} is not a CURVE key: expected 40 characters of Z85 text (zmq_curve_keypair)", option));
-  };
   const bool any = !curve.public_key.empty() || !curve.secret_key.empty() || !curve.server_key.empty() ||
                    !curve.allowed_clients.empty();
   if (!any) return;
