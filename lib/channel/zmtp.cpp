@@ -208,11 +208,9 @@ class decoder::body_buffer {
 
 /// A CURVE connection's state: the handshake's progress, the keys of this connection, the nonces.
 struct decoder::curve_state {
-  enum class step { hello, initiate, ready };
   std::shared_ptr<const curve_server_keys> keys;
-  step at = step::hello;
+  bool welcomed = false;  ///< HELLO was answered (WELCOME): INITIATE comes next (then decoder::ready_)
   std::array<std::uint8_t, crypto_box_PUBLICKEYBYTES> client_short{};  ///< C'
-  std::array<std::uint8_t, crypto_box_PUBLICKEYBYTES> short_public{};  ///< S'
   std::array<std::uint8_t, crypto_box_SECRETKEYBYTES> short_secret{};  ///< s'
   std::array<std::uint8_t, 96> cookie{};                               ///< what WELCOME gave, echoed by INITIATE
   std::array<std::uint8_t, crypto_box_BEFORENMBYTES> shared{};         ///< C' and s' precomputed
@@ -223,6 +221,10 @@ struct decoder::curve_state {
     sodium_memzero(short_secret.data(), short_secret.size());
     sodium_memzero(shared.data(), shared.size());
   }
+
+  /// This side's next short nonce (8 bytes, big-endian), then `plain` boxed with the shared key under
+  /// the nonce `prefix` + it: what READY and MESSAGE carry after their name.
+  std::string box_next(std::string_view prefix, std::string_view plain);
 };
 
 namespace {
@@ -497,7 +499,7 @@ event decoder::ready_command(std::string_view data) {
 /// The CURVE handshake's commands: HELLO (answered with WELCOME), then INITIATE (answered with
 /// READY). `cmd` is the whole command body, name included (CurveZMQ's offsets count from there).
 event decoder::curve_handshake(std::string_view name, std::string_view cmd) {
-  if (curve_->at == curve_state::step::hello) {
+  if (!curve_->welcomed) {
     if (name != "HELLO") return fail(fmt::format("its first CURVE command is '{}', not HELLO", printable(name, 64)));
     return curve_hello(cmd);
   }
@@ -523,14 +525,14 @@ event decoder::curve_hello(std::string_view cmd) {
         "(streamer_options.curve.server_key must be this receiver's public key)");
   if (!std::all_of(zeros.begin(), zeros.end(), [](std::uint8_t b) { return b == 0; }))
     return fail("its CURVE HELLO's signature is not 64 zero bytes");
-  // WELCOME: a fresh short-term pair of this connection, and a cookie INITIATE must echo.
-  crypto_box_keypair(c.short_public.data(), c.short_secret.data());
+  // WELCOME: a fresh short-term pair of this connection (S' goes in it; s' is kept), and a cookie
+  // INITIATE must echo.
+  std::array<std::uint8_t, 128> plain{};
+  crypto_box_keypair(plain.data(), c.short_secret.data());
   randombytes_buf(c.cookie.data(), c.cookie.size());
+  std::memcpy(plain.data() + 32, c.cookie.data(), 96);
   std::array<std::uint8_t, 16> suffix{};
   randombytes_buf(suffix.data(), suffix.size());
-  std::array<std::uint8_t, 128> plain{};
-  std::memcpy(plain.data(), c.short_public.data(), 32);
-  std::memcpy(plain.data() + 32, c.cookie.data(), 96);
   std::string data(16 + crypto_box_MACBYTES + plain.size(), '\0');
   std::memcpy(data.data(), suffix.data(), 16);
   const auto welcome_nonce = nonce_of("WELCOME-", suffix.data());
@@ -538,7 +540,7 @@ event decoder::curve_hello(std::string_view cmd) {
                       welcome_nonce.data(), c.client_short.data(), c.keys->secret_key.data()) != 0)
     return fail("its CURVE HELLO names a short-term key no box can be made for");
   output_ += command("WELCOME", data);
-  c.at = curve_state::step::initiate;
+  c.welcomed = true;
   return event::none;
 }
 
@@ -577,34 +579,26 @@ event decoder::curve_initiate(std::string_view cmd) {
   const event e = ready_command(metadata);
   if (e != event::ready) return e;
   // READY: this side's metadata, boxed with the shared key.
-  const std::string props = socket_type_property("ROUTER");
-  std::string data(8 + crypto_box_MACBYTES + props.size(), '\0');
-  const std::uint64_t mine = c.next_nonce++;
-  std::string be;
-  append_be(be, mine, 8);
-  std::memcpy(data.data(), be.data(), 8);
-  const auto ready_nonce = nonce_of("CurveZMQREADY---", bytes_of(be));
-  crypto_box_easy_afternm(reinterpret_cast<std::uint8_t*>(data.data()) + 8, bytes_of(props), props.size(),
-                          ready_nonce.data(), c.shared.data());
-  output_ += command("READY", data);
-  c.at = curve_state::step::ready;
+  output_ += command("READY", c.box_next("CurveZMQREADY---", socket_type_property("ROUTER")));
   return e;
 }
 
+std::string decoder::curve_state::box_next(std::string_view prefix, std::string_view plain) {
+  std::string out;
+  append_be(out, next_nonce++, 8);
+  const auto nonce = nonce_of(prefix, bytes_of(out));
+  out.resize(8 + crypto_box_MACBYTES + plain.size());
+  crypto_box_easy_afternm(reinterpret_cast<std::uint8_t*>(out.data()) + 8, bytes_of(plain), plain.size(), nonce.data(),
+                          shared.data());
+  return out;
+}
+
 std::string decoder::seal(std::uint8_t flags, std::string_view payload) {
-  curve_state& c = *curve_;
   std::string plain;
   plain.reserve(1 + payload.size());
   plain.push_back(static_cast<char>(flags));
   plain.append(payload);
-  std::string body(16 + crypto_box_MACBYTES + plain.size(), '\0');
-  std::memcpy(body.data(), "\x07MESSAGE", 8);
-  std::string be;
-  append_be(be, c.next_nonce++, 8);
-  std::memcpy(body.data() + 8, be.data(), 8);
-  const auto nonce = nonce_of("CurveZMQMESSAGES", bytes_of(be));
-  crypto_box_easy_afternm(reinterpret_cast<std::uint8_t*>(body.data()) + 16, bytes_of(plain), plain.size(),
-                          nonce.data(), c.shared.data());
+  const std::string body = "\x07MESSAGE" + curve_->box_next("CurveZMQMESSAGES", plain);
   std::string out;
   append_frame_header(out, body.size(), 0);
   return out + body;
