@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "channel/zmtp.hpp"
+#include "support/zmtp_peer.hpp"
 
 namespace refit::test {
 
@@ -115,7 +116,7 @@ class curve_client {
     std::memcpy(body.data() + 8, n.data(), 8);
     crypto_box_easy_afternm(reinterpret_cast<std::uint8_t*>(body.data()) + 16, bytes(plain), plain.size(),
                             bytes(nonce("CurveZMQMESSAGEC", n)), shared_.data());
-    return frame(body, 0);
+    return zmtp_frame(body, false);  // sealed: the flags are inside the box
   }
   /// A REQ's request: the empty delimiter (MORE) and `body`, each sealed.
   std::string request(std::string_view body) {
@@ -137,18 +138,11 @@ class curve_client {
     return {static_cast<std::uint8_t>(plain[0]), plain.substr(1)};
   }
 
-  static std::string frame(std::string_view body, std::uint8_t flags) {
-    std::string out;
-    if (body.size() > 255) {
-      out.push_back(static_cast<char>(flags | 2));
-      out += be(body.size());
-    } else {
-      out.push_back(static_cast<char>(flags));
-      out.push_back(static_cast<char>(body.size()));
-    }
-    return out + std::string(body);
+  /// A command frame of `cmd` (its name's length, its name, its data), as the server frames one.
+  static std::string command_frame(std::string_view cmd) {
+    const std::size_t n = static_cast<std::uint8_t>(cmd[0]);
+    return channel::zmtp::command(cmd.substr(1, n), cmd.substr(1 + n));
   }
-  static std::string command_frame(std::string_view cmd) { return frame(cmd, 4); }
 
  private:
   static std::string be(std::uint64_t v) {
