@@ -390,6 +390,27 @@ host_tensors::host_tensors(std::vector<tensor_meta> m, std::uint64_t version) : 
   }
 }
 
+refit::tensor_ref shard_of(const tensor_meta& t, const std::vector<std::uint8_t>& bytes, std::int64_t start,
+                           std::int64_t count) {
+  tensor_meta local = t;
+  local.shape[0] = count;
+  const std::uint64_t row = t.shape[0] == 0 ? 0 : t.nbytes() / static_cast<std::uint64_t>(t.shape[0]);
+  refit::tensor_ref ref{local, bytes.data() + row * static_cast<std::uint64_t>(start), refit::device::cpu(), nullptr};
+  ref.shard = refit::tensor_shard{t.shape, 0, start};
+  return ref;
+}
+
+std::vector<refit::tensor_ref> rank_shards(const host_tensors& whole, std::size_t r, std::size_t n) {
+  std::vector<refit::tensor_ref> out;
+  for (std::size_t k = 0; k < whole.metas.size(); ++k) {
+    const std::int64_t rows = whole.metas[k].shape[0];
+    const std::int64_t per = (rows + static_cast<std::int64_t>(n) - 1) / static_cast<std::int64_t>(n);
+    const std::int64_t start = std::min<std::int64_t>(rows, per * static_cast<std::int64_t>(r));
+    out.push_back(shard_of(whole.metas[k], whole.bytes[k], start, std::min<std::int64_t>(rows, start + per) - start));
+  }
+  return out;
+}
+
 std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, const std::uint8_t* data) {
   const auto n = meta.nbytes();
   std::vector<std::uint8_t> want(n);

@@ -116,6 +116,13 @@ struct host_tensors {
   host_tensors(std::vector<tensor_meta> m, std::uint64_t version);
 };
 
+/// The shard of rows [start, start + count) of `t` (the whole tensor, in `bytes`), as a rank of a
+/// group of streamers holds it (tensor_ref::shard: Shard(0)).
+refit::tensor_ref shard_of(const tensor_meta& t, const std::vector<std::uint8_t>& bytes, std::int64_t start,
+                           std::int64_t count);
+/// The rows of every tensor of `whole` that rank r of n holds (torch.chunk, as FSDP's Shard(0)).
+std::vector<refit::tensor_ref> rank_shards(const host_tensors& whole, std::size_t r, std::size_t n);
+
 /// Empty when `data` holds the pattern of `meta` for `version`, else where it first differs.
 std::string pattern_mismatch(const tensor_meta& meta, std::uint64_t version, const std::uint8_t* data);
 

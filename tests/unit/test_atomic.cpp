@@ -340,21 +340,6 @@ TEST_CASE("COMMIT from a peer that does not own the session is refused with unau
 
 namespace {
 
-/// The rows of `t` rank r of n holds (torch.chunk, as FSDP's Shard(0)), as a tensor_ref into `bytes`.
-refit::tensor_ref rank_rows(const tensor_meta& t, const std::vector<std::uint8_t>& bytes, std::size_t r,
-                            std::size_t n) {
-  const auto rows = t.shape[0];
-  const std::int64_t per = (rows + static_cast<std::int64_t>(n) - 1) / static_cast<std::int64_t>(n);
-  const std::int64_t start = std::min<std::int64_t>(rows, per * static_cast<std::int64_t>(r));
-  const std::int64_t count = std::min<std::int64_t>(rows, start + per) - start;
-  tensor_meta local = t;
-  local.shape[0] = count;
-  const std::uint64_t row = rows == 0 ? 0 : t.nbytes() / static_cast<std::uint64_t>(rows);
-  refit::tensor_ref ref{local, bytes.data() + row * static_cast<std::uint64_t>(start), refit::device::cpu(), nullptr};
-  ref.shard = refit::tensor_shard{t.shape, 0, start};
-  return ref;
-}
-
 /// A sharded trainer of `ranks` streamers and an engine of `n` receivers, each receiver a group of
 /// `ranks` lanes; rank r streams its rows to lane r of every receiver, all atomic.
 struct sharded_engine {
@@ -392,9 +377,7 @@ struct sharded_engine {
     std::vector<std::thread> threads;
     for (std::size_t r = 0; r < ranks.size(); ++r)
       threads.emplace_back([&, r] {
-        std::vector<refit::tensor_ref> shards;
-        for (std::size_t k = 0; k < whole.metas.size(); ++k)
-          shards.push_back(rank_rows(whole.metas[k], whole.bytes[k], r, ranks.size()));
+        const auto shards = rt::rank_shards(whole, r, ranks.size());
         if (const auto f = rt::failure_of([&] { ranks[r]->refit(version, shards); }))
           failed[r] = f->code + ": " + f->message;
       });

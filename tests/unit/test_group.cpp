@@ -43,34 +43,6 @@ std::vector<tensor_meta> group_model() {
   };
 }
 
-/// Rows [start, start + count) of `rows` that rank r of n holds (torch.chunk, as FSDP's Shard(0)).
-std::pair<std::int64_t, std::int64_t> shard_rows(std::int64_t rows, std::size_t r, std::size_t n) {
-  const std::int64_t per = (rows + static_cast<std::int64_t>(n) - 1) / static_cast<std::int64_t>(n);
-  const std::int64_t start = std::min<std::int64_t>(rows, per * static_cast<std::int64_t>(r));
-  return {start, std::min<std::int64_t>(rows, start + per) - start};
-}
-
-/// The shard of rows [start, start + count) of `t` (the whole tensor, in `bytes`).
-refit::tensor_ref shard_of(const tensor_meta& t, const std::vector<std::uint8_t>& bytes, std::int64_t start,
-                           std::int64_t count) {
-  tensor_meta local = t;
-  local.shape[0] = count;
-  const std::uint64_t row = t.shape[0] == 0 ? 0 : t.nbytes() / static_cast<std::uint64_t>(t.shape[0]);
-  refit::tensor_ref ref{local, bytes.data() + row * static_cast<std::uint64_t>(start), refit::device::cpu(), nullptr};
-  ref.shard = refit::tensor_shard{t.shape, 0, start};
-  return ref;
-}
-
-/// The shards rank r of n holds of every tensor of `whole`.
-std::vector<refit::tensor_ref> rank_shards(const rt::host_tensors& whole, std::size_t r, std::size_t n) {
-  std::vector<refit::tensor_ref> out;
-  for (std::size_t k = 0; k < whole.metas.size(); ++k) {
-    const auto [start, count] = shard_rows(whole.metas[k].shape[0], r, n);
-    out.push_back(shard_of(whole.metas[k], whole.bytes[k], start, count));
-  }
-  return out;
-}
-
 /// A receiver serving on a thread until destroyed.
 struct serving {
   refit::receiver receiver;
@@ -161,7 +133,7 @@ TEST_CASE("two and four streamers holding Shard(0) rows commit versions bit-exac
         const rt::host_tensors whole(group_model(), version);
         std::vector<refit::refit_stats> stats(n);
         const auto failed = each_rank(n, [&](std::size_t r) {
-          const auto shards = rank_shards(whole, r, n);
+          const auto shards = rt::rank_shards(whole, r, n);
           stats[r] = streamers[r]->refit(version, shards);
         });
         INFO(failures_text(failed));
@@ -219,7 +191,7 @@ TEST_CASE("a group of two streamers fills a TP=2 pair of receivers that each tak
     const auto failed = each_rank(n * 2, [&](std::size_t k) {
       const std::size_t r = k / 2;
       const std::size_t j = k % 2;
-      const auto shards = rank_shards(whole, r, n);
+      const auto shards = rt::rank_shards(whole, r, n);
       streamers[r][j]->refit(version, shards);
     });
     INFO(failures_text(failed));
@@ -249,8 +221,8 @@ TEST_CASE("shards covering rows twice or leaving rows out fail the version on ev
     const rt::host_tensors whole({w, b}, version);
     return each_rank(n, [&](std::size_t r) {
       const auto [start, count] = r == 0 ? w0 : w1;
-      std::vector<refit::tensor_ref> refs{shard_of(w, whole.bytes[0], start, count),
-                                          shard_of(b, whole.bytes[1], r == 0 ? 0 : 4, 4)};
+      std::vector<refit::tensor_ref> refs{rt::shard_of(w, whole.bytes[0], start, count),
+                                          rt::shard_of(b, whole.bytes[1], r == 0 ? 0 : 4, 4)};
       (r == 0 ? s0 : s1).refit(version, refs);
     });
   };
@@ -306,7 +278,7 @@ TEST_CASE("a tensor no rank sends fails a whole version of a group", "[group]") 
   refit::streamer s1(rank_options(endpoints[1], 1, n));
   const rt::host_tensors whole({w, v}, 1);
   const auto failed = each_rank(n, [&](std::size_t r) {
-    std::vector<refit::tensor_ref> refs{shard_of(w, whole.bytes[0], r == 0 ? 0 : 2, 2)};
+    std::vector<refit::tensor_ref> refs{rt::shard_of(w, whole.bytes[0], r == 0 ? 0 : 2, 2)};
     (r == 0 ? s0 : s1).refit(1, refs);
   });
   for (const auto& f : failed) {
@@ -329,7 +301,7 @@ TEST_CASE("ranks that disagree on a tensor's dtype fail the version naming both"
   std::vector<std::uint8_t> src(64, 1);
   const auto failed = each_rank(n, [&](std::size_t r) {
     const tensor_meta m{"w", r == 0 ? dtype::f32 : dtype::i32, {4, 4}};
-    std::vector<refit::tensor_ref> refs{shard_of(m, src, r == 0 ? 0 : 2, 2)};
+    std::vector<refit::tensor_ref> refs{rt::shard_of(m, src, r == 0 ? 0 : 2, 2)};
     (r == 0 ? s0 : s1).refit(1, refs);
   });
   for (const auto& f : failed) {
@@ -386,7 +358,7 @@ TEST_CASE("streamers of one group that send different versions never mix them", 
   const rt::host_tensors v2({{"w", dtype::f32, {4, 2}}}, 2);
   const rt::host_tensors v3({{"w", dtype::f32, {4, 2}}}, 3);
   const auto failed = each_rank(n, [&](std::size_t r) {
-    const auto shards = rank_shards(r == 0 ? v2 : v3, r, n);
+    const auto shards = rt::rank_shards(r == 0 ? v2 : v3, r, n);
     (r == 0 ? s0 : s1).refit(r == 0 ? 2 : 3, shards);
   });
   INFO(failures_text(failed));
@@ -405,7 +377,7 @@ TEST_CASE("streamers of one group that send different versions never mix them", 
   // The next version, sent by both, commits.
   const rt::host_tensors v4({{"w", dtype::f32, {4, 2}}}, 4);
   const auto again = each_rank(n, [&](std::size_t r) {
-    const auto shards = rank_shards(v4, r, n);
+    const auto shards = rt::rank_shards(v4, r, n);
     (r == 0 ? s0 : s1).refit(4, shards);
   });
   INFO(failures_text(again));
@@ -424,7 +396,7 @@ TEST_CASE("a streamer that fails its part tells the whole group, and the next ve
   refit::streamer s1(rank_options(endpoints[1], 1, n));
   const rt::host_tensors whole(group_model(), 7);
   const auto failed = each_rank(n, [&](std::size_t r) {
-    const auto shards = rank_shards(whole, r, n);
+    const auto shards = rt::rank_shards(whole, r, n);
     if (r == 0) {
       s0.refit(7, shards);
       return;
@@ -447,7 +419,7 @@ TEST_CASE("a streamer that fails its part tells the whole group, and the next ve
   CHECK_FALSE(s.receiver.committed_version());
   const rt::host_tensors next(group_model(), 8);
   const auto again = each_rank(n, [&](std::size_t r) {
-    const auto shards = rank_shards(next, r, n);
+    const auto shards = rt::rank_shards(next, r, n);
     (r == 0 ? s0 : s1).refit(8, shards);
   });
   INFO(failures_text(again));
@@ -467,7 +439,7 @@ TEST_CASE("a streamer killed mid-version fails it on the receiver, naming its ra
   const rt::host_tensors whole(group_model(), 9);
   rt::child killed([&] {
     refit::streamer st(rank_options(endpoint_of(1), 1, n));
-    const auto shards = rank_shards(whole, 1, n);
+    const auto shards = rt::rank_shards(whole, 1, n);
     std::size_t k = 0;
     st.refit(9, [&]() -> std::optional<refit::tensor_ref> {
       if (k == 3) {
@@ -485,7 +457,7 @@ TEST_CASE("a streamer killed mid-version fails it on the receiver, naming its ra
   s.start();
   refit::streamer s0(rank_options(endpoint_of(0), 0, n));
   std::optional<rt::failure> f0;
-  std::thread rank0([&] { f0 = rt::failure_of([&] { s0.refit(9, rank_shards(whole, 0, n)); }); });
+  std::thread rank0([&] { f0 = rt::failure_of([&] { s0.refit(9, rt::rank_shards(whole, 0, n)); }); });
   CHECK(to_parent.receive(20s) == "stuck");
   killed.kill();
   rank0.join();
@@ -503,7 +475,7 @@ TEST_CASE("a streamer killed mid-version fails it on the receiver, naming its ra
   refit::streamer s1(rank_options(endpoint_of(1), 1, n));
   const rt::host_tensors next(group_model(), 10);
   const auto again = each_rank(n, [&](std::size_t r) {
-    const auto shards = rank_shards(next, r, n);
+    const auto shards = rt::rank_shards(next, r, n);
     (r == 0 ? s0 : s1).refit(10, shards);
   });
   INFO(failures_text(again));
@@ -553,9 +525,9 @@ TEST_CASE("bad group options and shards are refused with what to do", "[group]")
       CHECK(f->code == "invalid_argument");
       CHECK_THAT(f->message, Catch::Contains(what));
     };
-    refused(shard_of(w, src, 0, 2),
+    refused(rt::shard_of(w, src, 0, 2),
             "this streamer is alone (streamer_options::group_size 1), so nobody sends the rest");
-    refit::tensor_ref past = shard_of(w, src, 0, 2);
+    refit::tensor_ref past = rt::shard_of(w, src, 0, 2);
     past.shard->start = 3;
     refused(past, "[3, 5) is not inside the whole's 4 along dimension 0");
     refit::tensor_ref cols{{"w", dtype::f32, {4, 2}}, src.data(), refit::device::cpu(), nullptr};
@@ -586,7 +558,7 @@ TEST_CASE("a rank that begins a version the group already failed hears why, and 
   refit::streamer s1(rank_options(endpoints[1], 1, n));
   const rt::host_tensors whole(group_model(), 7);
   // Rank 1 alone begins version 7 and gives it up; only then does rank 0 begin it.
-  const auto shards1 = rank_shards(whole, 1, n);
+  const auto shards1 = rt::rank_shards(whole, 1, n);
   std::size_t k = 0;
   const auto f1 = rt::failure_of([&] {
     s1.refit(7, [&]() -> std::optional<refit::tensor_ref> {
@@ -596,7 +568,7 @@ TEST_CASE("a rank that begins a version the group already failed hears why, and 
   });
   REQUIRE(f1);
   CHECK(f1->code == "invalid_argument");
-  const auto f0 = rt::failure_of([&] { s0.refit(7, rank_shards(whole, 0, n)); });
+  const auto f0 = rt::failure_of([&] { s0.refit(7, rt::rank_shards(whole, 0, n)); });
   REQUIRE(f0);
   CHECK(f0->code == "incomplete");
   CHECK_THAT(f0->message, Catch::Contains("version 7 failed before rank 0"));
@@ -605,7 +577,7 @@ TEST_CASE("a rank that begins a version the group already failed hears why, and 
   CHECK_FALSE(s.receiver.committed_version());
   // Both retry version 7: it commits.
   const auto again = each_rank(n, [&](std::size_t r) {
-    const auto shards = rank_shards(whole, r, n);
+    const auto shards = rt::rank_shards(whole, r, n);
     (r == 0 ? s0 : s1).refit(7, shards);
   });
   INFO(failures_text(again));
@@ -623,7 +595,7 @@ TEST_CASE("a rank whose END waits for a rank that never comes hears so within it
   o.timeout = refit::milliseconds{800};
   refit::streamer s0(o);
   const rt::host_tensors whole({{"w", dtype::f32, {4, 2}}}, 1);
-  const auto f = rt::failure_of([&] { s0.refit(1, rank_shards(whole, 0, n)); });
+  const auto f = rt::failure_of([&] { s0.refit(1, rt::rank_shards(whole, 0, n)); });
   REQUIRE(f);
   // The receiver's reply (at 600 ms), not the streamer's own timeout: the version is known not to commit.
   CHECK(f->code == "timeout");
@@ -632,7 +604,7 @@ TEST_CASE("a rank whose END waits for a rank that never comes hears so within it
   CHECK_FALSE(s.receiver.committed_version());
   // Rank 1 turns up late with version 1: it is told, and nothing commits from half a version.
   refit::streamer s1(rank_options(s.receiver.endpoints()[1], 1, n));
-  const auto late = rt::failure_of([&] { s1.refit(1, rank_shards(whole, 1, n)); });
+  const auto late = rt::failure_of([&] { s1.refit(1, rt::rank_shards(whole, 1, n)); });
   REQUIRE(late);
   CHECK(late->code == "timeout");
   CHECK_THAT(late->message, Catch::Contains("version 1 failed before rank 1"));
@@ -652,13 +624,13 @@ TEST_CASE("a group sends a subset version: the tensors it sends are replaced, th
   refit::streamer s0(o0);
   refit::streamer s1(o1);
   const rt::host_tensors v1(group_model(), 1);
-  auto ok = each_rank(n, [&](std::size_t r) { (r == 0 ? s0 : s1).refit(1, rank_shards(v1, r, n)); });
+  auto ok = each_rank(n, [&](std::size_t r) { (r == 0 ? s0 : s1).refit(1, rt::rank_shards(v1, r, n)); });
   for (const auto& f : ok) CHECK_FALSE(f);
   REQUIRE(s.receiver.committed_version() == 1);
   // Version 2 carries only "q" and "norm" (an adapter's tensors), sharded as before.
   const rt::host_tensors v2(group_model(), 2);
   ok = each_rank(n, [&](std::size_t r) {
-    const auto all = rank_shards(v2, r, n);
+    const auto all = rt::rank_shards(v2, r, n);
     const std::vector<refit::tensor_ref> some{all[1], all[2]};
     (r == 0 ? s0 : s1).refit(2, some, refit::refit_scope::subset);
   });
@@ -672,7 +644,7 @@ TEST_CASE("a group sends a subset version: the tensors it sends are replaced, th
   // A rank that sends its part of version 3 whole while the other sends a subset is refused.
   const rt::host_tensors v3(group_model(), 3);
   const auto mixed = each_rank(n, [&](std::size_t r) {
-    const auto all = rank_shards(v3, r, n);
+    const auto all = rt::rank_shards(v3, r, n);
     if (r == 0) {
       s0.refit(3, all);
     } else {
