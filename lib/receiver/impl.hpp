@@ -400,7 +400,6 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   [[nodiscard]] std::uint64_t stage_size() const noexcept;
   void stage_delta(const wire::batch& b);
   void apply_log(const prepared_state& p, void* stream);
-  void end_stage_apply(void* stream);
   void prepare(std::uint64_t version, const receiver_stats& figures, std::optional<std::uint64_t> checksum);
   std::optional<std::uint64_t> apply_prepared(void* stream);
   void copy_stage(const prepared_state& p, void* stream);

@@ -25,13 +25,6 @@ constexpr std::uint64_t parallel_bytes = 32ull << 20;
 
 std::uint64_t round_up(std::uint64_t n) { return (n + stage_align - 1) / stage_align * stage_align; }
 
-#if REFIT_HAVE_CUDA
-/// Staged delta entry `s` (a patch) as the device kernels take it, its records at `log`.
-delta::cuda::patch_ref patch_of(const staged_entry& s, const std::byte* log) {
-  return delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name};
-}
-#endif
-
 /// Staged delta entries `log_entries` (their bytes at `log`) as the host patcher takes them, into
 /// `dests` and `out` (cleared first): for the batch's terms (`all` false) each with its tensor's
 /// first destination, where the old values are read, and its checksum weight; for the apply (`all`)
@@ -226,14 +219,14 @@ void receiver::impl::stage_delta(const wire::batch& b) {
     delta::cuda::workspace& ws = device_workspace();
     std::vector<delta::cuda::patch_ref> refs;
     for (const staged_entry& s : batch)
-      if (s.patch) refs.push_back(patch_of(s, log));
+      if (s.patch) refs.push_back(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name});
     delta::cuda::check(refs, ws, stream);  // after the copies, on their stream
     for (const staged_entry& s : batch) {
       const std::uint64_t weight = delta::name_weight(s.name);
       auto* weights = static_cast<std::byte*>(s.slots->front().dest.data);
       if (s.patch) {
-        delta::cuda::apply(patch_of(s, log), s.off, s.total, weights, weight, ws, stream,
-                           delta::apply_mode::terms_only);
+        delta::cuda::apply(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name}, s.off, s.total, weights,
+                           weight, ws, stream, delta::apply_mode::terms_only);
         continue;
       }
       delta::cuda::add_range_terms(weights + s.off, s.off, s.bytes, s.total, weight, true, ws, stream);
@@ -301,8 +294,14 @@ void receiver::impl::copy_stage(const prepared_state& p, void* stream) {
       for (const plan::run& r : sl->foot)
         ops.emplace_back(from + r.dst, to + r.dst, r.width, r.rows, r.dst_pitch, r.dst_pitch);
     }
-    stage_copier->run(ops, stream != nullptr ? stream : device_stage->stream());
-    return end_stage_apply(stream);
+    if (stream != nullptr) {  // the engine's stream: its next step runs after the copy, no host wait
+      stage_copier->run(ops, stream);
+      device_stage->read_on(stream);  // the next version's writes into the stage wait for this copy
+      return;
+    }
+    stage_copier->run(ops, device_stage->stream());
+    device_stage->synchronize(options.idle_timeout);
+    return;
   }
   // Host memory: pieces of at most piece_bytes, copied by the stage's threads (one core copies at a
   // fraction of a many-core host's memory bandwidth).
@@ -359,14 +358,19 @@ void receiver::impl::apply_log(const prepared_state& p, void* stream) {
       for (slot& sl : *s.slots) {
         auto* to = static_cast<std::byte*>(sl.dest.data);
         if (s.patch)
-          delta::cuda::apply(patch_of(s, log), s.off, s.total, to, 0, *stage_delta_ws, on,
-                             delta::apply_mode::store_only);
+          delta::cuda::apply(delta::cuda::patch_ref{log + s.at, s.bytes, s.item, s.span, s.name}, s.off, s.total, to, 0,
+                             *stage_delta_ws, on, delta::apply_mode::store_only);
         else
           ops.emplace_back(log + s.at, to + s.off, s.bytes);
       }
     delta::cuda::launch_applies(*stage_delta_ws);
     if (!ops.empty()) stage_copier->run(ops, on);
-    return end_stage_apply(stream);
+    if (stream != nullptr) {
+      device_stage->read_on(stream);  // the next version's writes into the stage wait for these
+      return;
+    }
+    device_stage->synchronize(options.idle_timeout);
+    return;
   }
 #endif
   if (!stage_patcher) stage_patcher = std::make_unique<delta::host_patcher>(options.delta_threads);
@@ -374,17 +378,6 @@ void receiver::impl::apply_log(const prepared_state& p, void* stream) {
   std::vector<delta::host_entry> entries;
   host_entries_of(p.log, log, true, dests, entries);
   (void)stage_patcher->apply(entries, delta::apply_mode::store_only);
-}
-
-/// A CUDA stage's apply, enqueued on `stream` (the engine's) or on the stage's own stream: the
-/// next version's writes into the stage wait for it (an event on the engine's stream, no host
-/// wait), or it is waited for now.
-void receiver::impl::end_stage_apply(void* stream) {
-  if (stream != nullptr) {
-    device_stage->read_on(stream);
-    return;
-  }
-  device_stage->synchronize(options.idle_timeout);
 }
 
 std::optional<std::uint64_t> receiver::impl::apply_prepared(void* stream) {
