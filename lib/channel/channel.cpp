@@ -657,7 +657,7 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
       if (c->server_) t = std::min(t, c->server_->next_timer());
     return t;
   };
-  const auto spin_until = std::min(deadline, clock::now() + spin);
+  auto spin_until = std::min(deadline, clock::now() + spin);
   std::uint32_t turn = 0;
   for (;;) {
     for (rep_channel* c : channels)
@@ -682,8 +682,17 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
     if (any)
       if (const auto k = lane_hung_up()) return k;  // take() reports it
     if (clock::now() >= deadline) return std::nullopt;
+    // Woken with nothing to take: a streamer saying a request comes soon (req_channel::
+    // wake_receiver), so spin again: it then finds this side awake.
+    if (any && spin.count() > 0) spin_until = std::min(deadline, clock::now() + spin);
   }
 }
+
+void req_channel::wake_receiver() noexcept {
+  if (lane_) lane_->wake_peer();
+}
+
+bool req_channel::receiver_asleep() const noexcept { return lane_ && lane_->peer_asleep(); }
 
 void rep_channel::reply(std::string_view bytes) {
   if (!is_open()) throw error(errc::internal, "reply() on a moved-from rep_channel");

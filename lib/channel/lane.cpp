@@ -366,6 +366,8 @@ void lane::disarm() noexcept {
   }
 }
 
+bool lane::peer_asleep() const noexcept { return load(seg_->sleeping[static_cast<int>(peer())].value) != 0; }
+
 void lane::ring_peer() noexcept {
   if (load(seg_->sleeping[static_cast<int>(peer())].value) == 0) return;
   const char one = 1;

@@ -103,6 +103,12 @@ class lane {
   [[nodiscard]] int doorbell() const noexcept { return my_bell_; }
   void arm() noexcept;
   void disarm() noexcept;
+  /// Rings the peer's doorbell when it sleeps, posting nothing: a receiver waiting in a version
+  /// wakes and spins again (rep_channel::wait_ready), so that a request sent soon after finds it
+  /// awake. Costs a load when the peer is awake. Never throws.
+  void wake_peer() noexcept { ring_peer(); }
+  /// True while the peer waits asleep on its doorbell (armed): a message now pays its wake-up.
+  [[nodiscard]] bool peer_asleep() const noexcept;
 
   /// Posts one chunk to the peer with these header fields and `data` in the slot (at most
   /// slot_bytes of it), counting it `posts` times posted; no check, no wait. send() posts each

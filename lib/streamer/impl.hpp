@@ -347,6 +347,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void send_as_is(batch_writer& w, planner& pl, const tensor_ref& t, std::uint64_t bytes, std::uint64_t shift,
                   std::span<const transport::routed> targets, std::uint64_t* checksum, bool& keep);
   void end_tensors(batch_writer& w, sending how, std::uint64_t* checksum);
+  void wake_before_end();
 };
 
 }  // namespace refit

@@ -128,19 +128,24 @@ void streamer::impl::say_begin(std::uint64_t version, sending how, read_ahead& a
   // No more ahead than the buffers hold: a source that gathers each tensor (an all-gather) then
   // holds no more than a refit in flight would.
   const std::uint64_t bound = options.buffer_count * options.buffer_bytes;
+  // The GPU may be time-sliced with a receiver's process (colocated), whose work ran last: the
+  // switch to this process's context (~140 us on the H100 VMs) then happens while BEGIN's replies
+  // travel, instead of holding up the first copies. Not where the receivers read the tensors
+  // where they are (share_tensors): this side then launches nothing, and a switch here would only
+  // delay the receiver's first reads by a switch back. Primed once BEGIN is posted: the launch
+  // itself (26-46 us on an H200 VM) overlaps the round trip too.
+  const bool prime = !receivers_read_in_place(how);
   const auto read = [&] {
+    if (prime) copier->prime(buffers->stream());
+    // The last refit's names go while the replies travel (~40 us for 300 names on an H200 VM,
+    // which send_tensors() would otherwise spend before the first copy).
+    sent_names.clear();
     stats.source_seconds += ahead.fill(
         [&] {
           return std::all_of(channels.begin(), channels.end(), [](channel::req_channel& c) { return c.reply_ready(); });
         },
         bound);
   };
-  // The GPU may be time-sliced with a receiver's process (colocated), whose work ran last: the
-  // switch to this process's context (~140 us on the H100 VMs) then happens now, while BEGIN's
-  // replies travel, instead of holding up the first copies. Not where the receivers read the
-  // tensors where they are (share_tensors): this side then launches nothing, and a switch here
-  // would only delay the receiver's first reads by a switch back.
-  if (!receivers_read_in_place(how)) copier->prime(buffers->stream());
   try {
     request(b, what, read);
   } catch (const error& e) {
@@ -259,6 +264,7 @@ void streamer::impl::end_tensors(batch_writer& w, sending how, std::uint64_t* ch
   // Direct writes must be complete before the receiver commits: it never waits on them itself.
   if (w.direct) {
     const auto tp = clock::now();
+    wake_before_end();
     buffers->drain();
     w.stats.pack_seconds += seconds_since(tp);
   }

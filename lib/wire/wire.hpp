@@ -342,9 +342,8 @@ class refit_tracker {
   [[nodiscard]] std::uint64_t batches() const noexcept { return next_seq_; }
   [[nodiscard]] std::uint64_t tensors_completed() const noexcept { return completed_.size(); }
   [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
-  using name_set = wire::name_set;
-  /// Names that completed in this refit (in no particular order).
-  [[nodiscard]] const name_set& completed() const noexcept { return completed_.set(); }
+  /// Names that completed in this refit (contains(), size()).
+  [[nodiscard]] const recycled_names& completed() const noexcept { return completed_; }
   [[nodiscard]] bool sharded() const noexcept { return sharded_; }
   /// A sharded tracker's ranges, by name (a tensor of this refit that arrived whole is among them too).
   [[nodiscard]] const std::unordered_map<std::string, range>& ranges() const noexcept { return partial_; }

@@ -68,6 +68,11 @@ std::optional<std::span<const std::uint8_t>> next_object(std::span<const std::ui
   return one;
 }
 
+std::set<std::string, std::less<>> names_of(const wire::refit_tracker& t) {
+  const std::vector<std::string> names = t.completed().list();
+  return {names.begin(), names.end()};
+}
+
 struct snapshot {
   bool active;
   std::uint64_t version, batches, tensors, bytes;
@@ -78,7 +83,7 @@ struct snapshot {
         batches(t.batches()),
         tensors(t.tensors_completed()),
         bytes(t.bytes()),
-        completed(t.completed().begin(), t.completed().end()) {}
+        completed(names_of(t)) {}
   bool operator==(const snapshot&) const = default;
 };
 
@@ -131,7 +136,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         FUZZ_ASSERT(tracker.batches() == before.batches + 1);
         FUZZ_ASSERT(tracker.bytes() == arrived);
         for (const auto& name : before.completed) FUZZ_ASSERT(tracker.completed().contains(name));
-        for (const auto& name : tracker.completed()) FUZZ_ASSERT(totals.contains(name));
+        for (const auto& name : tracker.completed().list()) FUZZ_ASSERT(totals.contains(name));
       } else if (const auto* e = std::get_if<wire::end>(&m)) {
         tracker.finish(*e);
         FUZZ_ASSERT(!tracker.active());
@@ -146,7 +151,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           // Nothing partial is left, so every tensor byte covered belongs to a completed tensor. A
           // patch covers more tensor bytes (its span) than it holds, so this is not bytes().
           std::uint64_t whole = 0;
-          for (const auto& name : tracker.completed()) whole += totals.at(name);
+          for (const auto& name : tracker.completed().list()) whole += totals.at(name);
           FUZZ_ASSERT(whole == covered);
         }
         committed = e->version;

@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -200,6 +201,41 @@ TEST_CASE("wait_any sees a request on a lane among several channels", "[lane][ch
   }
   refit::channel::remove_private_endpoint(ep1);
   refit::channel::remove_private_endpoint(ep2);
+}
+
+TEST_CASE("a receiver woken without a request wakes, takes no request from it, sleeps again and answers the next",
+          "[lane][channel]") {
+  const auto ep = refit::test::temp_endpoint();
+  {
+    rep_channel rep(ep);
+    req_channel req(rep.endpoint());
+    join_by_lane(rep, req);
+    req_channel plain(rep.endpoint());  // through ZeroMQ: nothing to wake, never an error
+    plain.wake_receiver();
+    CHECK_FALSE(plain.receiver_asleep());
+    std::optional<std::string> got;
+    std::thread server([&] {
+      got = rep.receive(20s, true);  // in a version: spins, then sleeps on the doorbell
+      if (got) rep.reply("re:" + *got);
+    });
+    // The receiver goes to sleep once its spin ends; the wake takes it out of its sleep without a
+    // request (it spins again, then sleeps again: the wake is no request). How much the wake saves
+    // END is measured by refit-bench (bench/results/2026-11-28-h200-direct-allocations-wake.txt).
+    const auto until = [](auto pred) {
+      const auto end = lane::clock::now() + 20s;
+      while (!pred() && lane::clock::now() < end) std::this_thread::yield();
+      return pred();
+    };
+    REQUIRE(until([&] { return req.receiver_asleep(); }));
+    req.wake_receiver();
+    CHECK(until([&] { return !req.receiver_asleep(); }));
+    CHECK(until([&] { return req.receiver_asleep(); }));
+    CHECK_FALSE(got.has_value());
+    CHECK(req.request("END", 20s, "END") == "re:END");
+    server.join();
+    CHECK(got == std::optional<std::string>("END"));
+  }
+  refit::channel::remove_private_endpoint(ep);
 }
 
 TEST_CASE("a streamer whose lane the receiver closed sends its next request through ZeroMQ", "[lane][channel]") {

@@ -1233,6 +1233,33 @@ TEST_CASE("a recycled name set refuses a name twice and after clear() takes ever
   CHECK_FALSE(names.contains("model.layers.0.self_attn.q_proj.weight"));
 }
 
+TEST_CASE("a recycled name set keeps the names of earlier refits only while they are not too many", "[wire]") {
+  wire::recycled_names names;
+  for (int k = 0; k < 300; ++k) CHECK(names.insert("layer." + std::to_string(k)));
+  names.clear();
+  // The same names again: stored once, each taken anew.
+  for (int k = 0; k < 300; ++k) CHECK(names.insert("layer." + std::to_string(k)));
+  CHECK_FALSE(names.insert("layer.7"));
+  CHECK(names.stored() == 300);
+  // A one-name refit between two whole ones keeps the whole refit's names (no churn).
+  names.clear();
+  CHECK(names.insert("layer.3"));
+  names.clear();
+  CHECK(names.stored() == 300);
+  CHECK(names.size() == 0);
+  CHECK_FALSE(names.contains("layer.3"));
+  // Names that change at every refit are dropped once they outnumber twice the largest refit
+  // (300) plus 1,024: the set never holds more than that and one refit's names.
+  std::size_t most = 0;
+  for (int refit = 0; refit < 20; ++refit) {
+    for (int k = 0; k < 300; ++k) CHECK(names.insert("v" + std::to_string(refit) + "." + std::to_string(k)));
+    most = std::max(most, names.stored());
+    names.clear();
+  }
+  CHECK(most <= 2 * 300 + 1024 + 300);
+  CHECK(names.stored() <= 2 * 300 + 1024);
+}
+
 // ================================================================ ERROR and ABORT text from a peer
 
 namespace {
