@@ -110,6 +110,16 @@ class mapped_file {
 /// refit.record() wrote (RouteTable.to_json()), one receiver (rank) per file.
 enum class layout_kind : std::uint8_t { plain, fused, ep, recorded };
 
+/// How a cuda_ipc receiver allocates its weights (--dest-memory). bench/probes/dest_alloc.cu measures why it matters:
+/// the copy kernel writes a 16 GB cudaMalloc mapped from another process at ~0.81 of the D2D floor on an H200, and
+/// per-tensor allocations (or torch's segments) at ~0.91.
+enum class dest_memory : std::uint8_t {
+  torch,  ///< segments as torch's caching allocator makes them, tensor after tensor: what vLLM and SGLang hold
+  arena,  ///< one cudaMalloc for every tensor, each its own aligned range (engine +arena-dst)
+  vmm,    ///< 20 MiB VMM chunks: an engine under expandable segments, written through descriptors (+vmm-dst)
+};
+[[nodiscard]] const char* to_string(dest_memory d) noexcept;
+
 /// "plain", "fused", "ep".
 std::string_view layout_name(layout_kind k) noexcept;
 
@@ -257,7 +267,8 @@ std::unique_ptr<transport_path> make_host_shm_path();
 /// Tensors on GPU `device`; its ceiling follows `receiver_gpus`, the GPUs of the receivers its
 /// streamer serves (copy_ceiling(); none: one on `device`). Throws refit::error(invalid_argument)
 /// in a build without CUDA, or when `device` is not a visible GPU.
-std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources = false, bool vmm_dests = false,
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources = false,
+                                                   dest_memory dests = dest_memory::torch,
                                                    std::vector<int> receiver_gpus = {});
 /// --convert: the receiver registers converted destinations (lib/README.md, Conversion): "bf16:fp8-block128",
 /// "bf16:fp8-tensor", "f32:bf16".
@@ -439,9 +450,8 @@ struct config {
   /// cuda_ipc: the streamer's tensors in 20 MiB VMM chunks exportable as descriptors, as torch's
   /// expandable segments hold them (--source-memory vmm), instead of one cudaMalloc.
   bool vmm_sources = false;
-  /// cuda_ipc: the receiver's weights in such chunks (--dest-memory vmm): an engine under
-  /// expandable segments, written directly through descriptors.
-  bool vmm_dests = false;
+  /// cuda_ipc: how the receiver's weights are allocated (--dest-memory).
+  dest_memory dests = dest_memory::torch;
   /// --stage: the receivers stage each version (receiver_options::stage) and apply it at once when
   /// prepared; rows then report the apply's pause (pause_ms) beside the transfer.
   stage_kind stage = stage_kind::none;

@@ -45,6 +45,15 @@ void print_manifests(std::ostream& out, const std::vector<std::string>& models, 
 
 }  // namespace
 
+const char* to_string(dest_memory d) noexcept {
+  switch (d) {
+    case dest_memory::torch: return "torch";
+    case dest_memory::arena: return "arena";
+    case dest_memory::vmm: return "vmm";
+  }
+  return "?";
+}
+
 namespace {
 
 /// What the command line gives as text, before it is checked and turned into a config.
@@ -162,10 +171,14 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
   app.add_flag("--atomic", c.atomic,
                "engine-wide versions (streamer_options::atomic): every receiver prepares, then hears COMMIT; rows "
                "report COMMIT's round trip (commit_ms)");
-  app.add_option("--dest-memory", c.vmm_dests,
-                 "cuda_ipc: where the receiver's weights live: cudamalloc or vmm (an engine under expandable "
-                 "segments; engine +vmm-dst)")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"cudamalloc", false}, {"vmm", true}}))
+  app.add_option("--dest-memory", c.dests,
+                 "cuda_ipc: how the receiver allocates its weights: torch (segments as torch's caching allocator "
+                 "makes them, tensor after tensor: up to 1 MiB from 2 MiB segments, up to 10 MiB from 20 MiB ones, "
+                 "larger tensors one cudaMalloc each; what vLLM and SGLang hold), arena (one cudaMalloc for every "
+                 "tensor; engine +arena-dst) or vmm (20 MiB VMM chunks: an engine under expandable segments; engine "
+                 "+vmm-dst)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, dest_memory>{
+          {"torch", dest_memory::torch}, {"arena", dest_memory::arena}, {"vmm", dest_memory::vmm}}))
       ->capture_default_str();
 }
 
@@ -521,7 +534,8 @@ std::vector<std::string> receiver_args(const config& c, transport_kind t, const 
   if (c.layout.tp > 1) a.insert(a.end(), {"--rank", std::to_string(rank.value_or(c.rank))});
   if (c.corrupt_tensor) a.insert(a.end(), {"--corrupt-byte", std::to_string(*c.corrupt_tensor)});
   if (c.convert) a.insert(a.end(), {"--convert", c.convert->name});
-  if (c.vmm_dests) a.insert(a.end(), {"--dest-memory", "vmm"});  // the weights are the receiver's to allocate
+  // The weights are the receiver's to allocate.
+  if (c.dests != dest_memory::torch) a.insert(a.end(), {"--dest-memory", to_string(c.dests)});
   if (c.stage != stage_kind::none) a.insert(a.end(), {std::string("--stage"), std::string(to_string(c.stage))});
   if (c.quiet) a.emplace_back("--quiet");
   return a;

@@ -294,7 +294,7 @@ class group_runner {
     if (!lane) r.engine += "+zmq";
     if (nccl_ && c_.twin) r.engine += "+twin";
     if (c_.vmm_sources && !nccl_) r.engine += "+vmm-src";
-    if (c_.vmm_dests && !nccl_) r.engine += "+vmm-dst";
+    if (c_.dests != dest_memory::torch && !nccl_) r.engine += fmt::format("+{}-dst", to_string(c_.dests));
     return r;
   }
 

@@ -89,7 +89,7 @@ std::unique_ptr<transport_path> make_path(transport_kind kind, const config& c) 
     case transport_kind::cuda_ipc:
       // The streamer's ceiling follows its receivers' GPUs; a receiver's path only allocates.
       return make_cuda_ipc_path(
-          c.device, c.vmm_sources, c.vmm_dests,
+          c.device, c.vmm_sources, c.dests,
           c.side == role::receiver ? std::vector<int>{} : cuda_ipc_placement(c, visible_gpus()).receivers);
     case transport_kind::nccl: return make_nccl_path(c);
   }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -42,11 +43,42 @@ using device_block = unique_handle<void*, cuda::detail::free_device>;
 /// Chunks of VMM memory as torch's expandable segments make them.
 constexpr std::uint64_t vmm_chunk_bytes = 20ull << 20;
 
+/// Where torch's caching allocator puts tensors allocated one after another on a fresh pool
+/// (c10/cuda/CUDACachingAllocator.cpp): sizes rounded up to 512 bytes; up to 1 MiB from 2 MiB
+/// segments, up to 10 MiB from 20 MiB ones, larger tensors a segment each (rounded up to 2 MiB).
+/// Returns each tensor's segment and offset there; `segments` gets the segments' sizes.
+std::vector<std::pair<std::size_t, std::uint64_t>> torch_segments(std::span<const std::uint64_t> sizes,
+                                                                  std::vector<std::uint64_t>& segments) {
+  constexpr std::uint64_t mib = 1ull << 20;
+  struct open_segment {
+    std::size_t index = 0;
+    std::uint64_t used = 0, size = 0;
+  } small, medium;
+  std::vector<std::pair<std::size_t, std::uint64_t>> at;
+  for (const std::uint64_t n : sizes) {
+    const std::uint64_t r = align_up(std::max<std::uint64_t>(n, 1), 512);
+    if (r >= 10 * mib) {
+      at.emplace_back(segments.size(), 0);
+      segments.push_back(align_up(r, 2 * mib));
+      continue;
+    }
+    open_segment& o = r <= mib ? small : medium;
+    if (o.size == 0 || o.used + r > o.size) {
+      o = open_segment{segments.size(), 0, r <= mib ? 2 * mib : 20 * mib};
+      segments.push_back(o.size);
+    }
+    at.emplace_back(o.index, o.used);
+    o.used += r;
+  }
+  return at;
+}
+
 class device_memory final : public tensor_memory {
  public:
-  /// `vmm`: in VMM chunks of vmm_chunk_bytes exportable as descriptors (copy/vmm.hpp), not one
-  /// cudaMalloc.
-  device_memory(const manifest& m, int dev, const char* what, bool vmm = false) : dev_(dev) {
+  /// `how`: dest_memory::torch, segments as torch's caching allocator makes them (torch_segments);
+  /// arena, one cudaMalloc holding every tensor; vmm, VMM chunks of vmm_chunk_bytes exportable as
+  /// descriptors (copy/vmm.hpp).
+  device_memory(const manifest& m, int dev, const char* what, dest_memory how) : dev_(dev) {
     check(cudaSetDevice(dev_), fmt::format("cudaSetDevice({})", dev_));
     std::uint64_t total = 0;
     std::vector<std::uint64_t> offsets;
@@ -63,7 +95,23 @@ class device_memory final : public tensor_memory {
                                            "{:.2f} GB are free: pick a smaller model or a larger GPU",
                                            what, m.name, total / 1e9, dev_, free_b / 1e9));
     };
-    if (vmm) {
+    if (how == dest_memory::torch) {
+      std::vector<std::uint64_t> segments;
+      const auto at = torch_segments(sizes_, segments);
+      for (const std::uint64_t n : segments) {
+        void* p = nullptr;
+        if (cudaMalloc(&p, n) != cudaSuccess) {
+          (void)cudaGetLastError();
+          throw no_room();  // the segments allocated so far are released with this object's members
+        }
+        segments_.emplace_back(p);
+        check(cudaMemset(p, 0, n), "cudaMemset");
+      }
+      for (const auto& [segment, offset] : at)
+        ptrs_.push_back(static_cast<std::byte*>(segments_[segment].handle()) + offset);
+      return;
+    }
+    if (how == dest_memory::vmm) {
       try {
         chunks_.emplace((std::max<std::uint64_t>(total, 1) + vmm_chunk_bytes - 1) / vmm_chunk_bytes, vmm_chunk_bytes,
                         dev_);
@@ -117,6 +165,7 @@ class device_memory final : public tensor_memory {
  private:
   int dev_;
   device_block arena_;
+  std::vector<device_block> segments_;  ///< dest_memory::torch
   std::optional<copy::vmm::local_chunks> chunks_;
   std::vector<std::uint64_t> sizes_;
   std::vector<std::byte*> ptrs_;
@@ -135,8 +184,8 @@ struct pinned {
 
 class cuda_ipc_path final : public transport_path {
  public:
-  cuda_ipc_path(int dev, bool vmm_sources, bool vmm_dests, std::vector<int> receiver_gpus)
-      : dev_(dev), vmm_sources_(vmm_sources), vmm_dests_(vmm_dests), placement_{dev, std::move(receiver_gpus)} {
+  cuda_ipc_path(int dev, bool vmm_sources, dest_memory dests, std::vector<int> receiver_gpus)
+      : dev_(dev), vmm_sources_(vmm_sources), dests_(dests), placement_{dev, std::move(receiver_gpus)} {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       (void)cudaGetLastError();
@@ -169,7 +218,8 @@ class cuda_ipc_path final : public transport_path {
   }
   std::unique_ptr<tensor_memory> sources(const manifest& m, std::uint64_t seed,
                                          const std::vector<mapped_file>* files) override {
-    auto mem = std::make_unique<device_memory>(m, dev_, "source tensors", vmm_sources_);
+    auto mem = std::make_unique<device_memory>(m, dev_, "source tensors",
+                                               vmm_sources_ ? dest_memory::vmm : dest_memory::arena);
     if (files && !files->empty()) {
       for (std::size_t i = 0; i < m.entries.size(); ++i) {
         const auto& e = m.entries[i];
@@ -193,7 +243,7 @@ class cuda_ipc_path final : public transport_path {
     return mem;
   }
   std::unique_ptr<tensor_memory> destinations(const manifest& m) override {
-    return std::make_unique<device_memory>(m, dev_, "destination tensors", vmm_dests_);
+    return std::make_unique<device_memory>(m, dev_, "destination tensors", dests_);
   }
   double measure_ceiling() override { return copy_ceiling(placement_, ceiling_bytes); }
   [[nodiscard]] std::string ceiling_method() const override { return copy_ceiling_method(placement_, ceiling_bytes); }
@@ -201,20 +251,20 @@ class cuda_ipc_path final : public transport_path {
  private:
   int dev_;
   bool vmm_sources_;
-  bool vmm_dests_;
+  dest_memory dests_;
   gpu_placement placement_;  ///< the receivers its ceiling is measured to
 };
 
 }  // namespace
 
-std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources, bool vmm_dests,
+std::unique_ptr<transport_path> make_cuda_ipc_path(int device, bool vmm_sources, dest_memory dests,
                                                    std::vector<int> receiver_gpus) {
-  return std::make_unique<cuda_ipc_path>(device, vmm_sources, vmm_dests, std::move(receiver_gpus));
+  return std::make_unique<cuda_ipc_path>(device, vmm_sources, dests, std::move(receiver_gpus));
 }
 
 #else
 
-std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/, bool /*vmm_sources*/, bool /*vmm_dests*/,
+std::unique_ptr<transport_path> make_cuda_ipc_path(int /*device*/, bool /*vmm_sources*/, dest_memory /*dests*/,
                                                    std::vector<int> /*receiver_gpus*/) {
   throw error(errc::invalid_argument,
               "refit-bench: the cuda_ipc transport is not built into this bench (refit was built "

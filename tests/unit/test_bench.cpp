@@ -525,12 +525,28 @@ TEST_CASE("the command line defaults to host_shm, qwen2.5-0.5b and 2 x 64 MiB, a
   CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(one_buffer)), one_buffer, code),
                     Catch::Contains("at least 2"));
   CHECK_FALSE(d->vmm_sources);
-  CHECK_FALSE(d->vmm_dests);
+  CHECK(d->dests == dest_memory::torch);
   const char* vmm[] = {"refit-bench", "--source-memory", "vmm", "--dest-memory", "vmm"};
   const auto v = parse_args(static_cast<int>(std::size(vmm)), vmm, code);
   REQUIRE(v);
   CHECK(v->vmm_sources);
-  CHECK(v->vmm_dests);
+  CHECK(v->dests == dest_memory::vmm);
+  const char* arena[] = {"refit-bench", "--dest-memory", "arena"};
+  const auto a = parse_args(static_cast<int>(std::size(arena)), arena, code);
+  REQUIRE(a);
+  CHECK(a->dests == dest_memory::arena);
+  CHECK(std::string(to_string(a->dests)) == "arena");
+  // The weights are the receiver's to allocate: a spawned receiver is told how, unless torch's way.
+  const auto spawned = receiver_args(*a, transport_kind::cuda_ipc, "tiny", "ipc:///x");
+  const auto flag = std::find(spawned.begin(), spawned.end(), "--dest-memory");
+  REQUIRE(flag != spawned.end());
+  CHECK(*std::next(flag) == "arena");
+  const auto plain_args = receiver_args(*d, transport_kind::cuda_ipc, "tiny", "ipc:///x");
+  CHECK(std::find(plain_args.begin(), plain_args.end(), "--dest-memory") == plain_args.end());
+  const char* old_name[] = {"refit-bench", "--dest-memory", "cudamalloc"};  // ambiguous now: torch's or one arena
+  code = 0;
+  CHECK_FALSE(parse_args(static_cast<int>(std::size(old_name)), old_name, code));
+  CHECK(code != 0);
   const char* bad_memory[] = {"refit-bench", "--source-memory", "pinned"};
   code = 0;
   CHECK_FALSE(parse_args(static_cast<int>(std::size(bad_memory)), bad_memory, code));  // CLI11 says why
