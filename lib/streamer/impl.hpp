@@ -292,6 +292,19 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   writer_scratch writer_spare;
   /// The names a version's source yielded so far (each at most once), kept between refits.
   wire::recycled_names sent_names;
+  /// A direct session's routes of one tensor, as routes() gave them for its type and shape in
+  /// session `session` (their runs stay valid while the session lasts: each destination's route
+  /// cache is only recomputed for another type or shape, when this memo is too).
+  struct route_memo {
+    std::uint64_t session = 0;  ///< 0: none
+    dtype type = dtype::u8;
+    std::vector<std::int64_t> shape;
+    std::vector<transport::routed> routes;
+  };
+  /// The last refit's tensors in the order they came (see wire::yield_order): a refit of the same
+  /// tensors in the same order checks their names and finds their routes without a lookup.
+  wire::yield_order<route_memo> order;
+  std::uint64_t session_number = 0;  ///< counts the sessions made (route_memo::session)
   /// The host diff's threads and scratch, made at the first host diff (options.delta.threads).
   std::unique_ptr<delta::host_differ> host_differ;
 #if REFIT_HAVE_CUDA

@@ -182,6 +182,7 @@ void streamer::impl::send_tensors(std::uint64_t version, tensor_source& source, 
   delta_scratch& scratch = delta_buffers;
   forget_failed_delta(how, scratch);
   sent_names.clear();
+  order.begin(how != sending::subset);
   copier->reset_scratch();  // the last refit's copies are complete (END drained them)
   for (;;) {
     auto ts = clock::now();
@@ -190,6 +191,7 @@ void streamer::impl::send_tensors(std::uint64_t version, tensor_source& source, 
     if (!t) break;
     send_tensor(w, pl, *t, how, scratch, checksum, keep);
   }
+  order.end();
   if (how == sending::delta) finish_delta(w, pl, scratch);
   end_tensors(w, how, checksum);
 }
@@ -200,7 +202,9 @@ void streamer::impl::send_tensor(batch_writer& w, planner& pl, tensor_ref& t, se
                                  std::uint64_t* checksum, bool& keep) {
   const std::uint64_t bytes = t.meta.nbytes();
   check_tensor(t, bytes);
-  if (!sent_names.insert(t.meta.name))
+  bool twice = false;
+  auto* slot = order.take(t.meta.name, sent_names, twice);
+  if (twice)
     throw error(errc::invalid_argument,
                 fmt::format("the source yielded tensor '{}' twice in version {}", t.meta.name, w.version));
   w.stats.tensor_bytes += bytes;
@@ -219,7 +223,23 @@ void streamer::impl::send_tensor(batch_writer& w, planner& pl, tensor_ref& t, se
   }
   // A direct session writes each of the receiver's destinations of this tensor along its route
   // (a view, a slice: plan::route); a misfit throws before anything is written.
-  const std::vector<transport::routed> targets = w.direct ? buffers->routes(t.meta) : std::vector<transport::routed>{};
+  std::span<const transport::routed> targets;
+  std::vector<transport::routed> found;
+  if (w.direct) {
+    route_memo* memo = slot != nullptr ? &slot->data : nullptr;
+    if (memo != nullptr && memo->session == session_number && memo->type == t.meta.type &&
+        std::ranges::equal(memo->shape, t.meta.shape)) {
+      targets = memo->routes;
+    } else {
+      found = buffers->routes(t.meta);
+      if (memo != nullptr) {
+        *memo = route_memo{session_number, t.meta.type, t.meta.shape, std::move(found)};
+        targets = memo->routes;
+      } else {
+        targets = found;
+      }
+    }
+  }
   if (w.in_place) check_in_place(t, bytes, w.version);
   if (how == sending::delta) {
     send_delta(w, pl, w.planned++, t, scratch, *checksum);

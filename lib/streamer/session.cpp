@@ -102,6 +102,7 @@ void streamer::impl::ensure_session() {
     throw;
   }
   in_session = true;
+  ++session_number;
   REFIT_INFO("session with {} receiver(s) at {}: {} × {} MiB {} buffers", endpoints.size(), fmt::join(endpoints, ", "),
              options.buffer_count, options.buffer_bytes >> 20, to_string(options.transport));
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -71,6 +72,75 @@ class recycled_names {
   std::uint64_t generation_ = 0;
   std::size_t size_ = 0;
   std::size_t largest_ = 0;  ///< the most names one generation held
+};
+
+/// The names of the last refit in the order its source yielded them, each with a `Data` of the
+/// caller's (a direct session's routes). A refit that yields the same names in the same order
+/// checks each against its slot (one comparison, the slots read in order) instead of looking it up
+/// in a hash set: the names met so far are then the last refit's first names, distinct already.
+/// At the first name out of order, those names go into the set, which checks every later one; the
+/// order recorded then becomes the next refit's. take() costs a hash lookup only after that.
+template <class Data>
+class yield_order {
+ public:
+  struct slot {
+    std::string name;
+    Data data{};
+  };
+
+  /// Starts a refit. `follow` false (a subset of the tensors): every name goes through the set, and
+  /// the order kept stays as it is.
+  void begin(bool follow) {
+    if (moved_) slots_.clear();  // a refit that failed after leaving the order took its prefix
+    moved_ = false;
+    following_ = follow;
+    recording_ = follow;
+    at_ = 0;
+    next_.clear();
+  }
+
+  /// Takes `name`: its slot (valid until the next take()), or nullptr where none is kept. Sets
+  /// `twice` (and returns nullptr) when the name was taken already in this refit.
+  slot* take(std::string_view name, recycled_names& set, bool& twice) {
+    twice = false;
+    if (following_ && at_ < slots_.size() && slots_[at_].name == name) return &slots_[at_++];
+    if (following_) {
+      following_ = false;
+      for (std::size_t k = 0; k < at_; ++k) (void)set.insert(slots_[k].name);
+      next_.assign(std::make_move_iterator(slots_.begin()), std::make_move_iterator(slots_.begin() + at_));
+      moved_ = true;
+    }
+    if (!set.insert(name)) {
+      twice = true;
+      return nullptr;
+    }
+    if (!recording_) return nullptr;
+    next_.push_back(slot{std::string(name), Data{}});
+    return &next_.back();
+  }
+
+  /// After the refit's last tensor: the order it followed (or recorded) is the next refit's.
+  void end() {
+    if (!recording_) return;
+    if (moved_) {
+      slots_ = std::move(next_);
+      next_.clear();
+      moved_ = false;
+    } else if (at_ < slots_.size()) {
+      slots_.resize(at_);  // fewer tensors, the same first ones
+    }
+  }
+
+  [[nodiscard]] std::size_t size() const noexcept { return slots_.size(); }
+  /// Whether this refit still follows the last one's order (for tests).
+  [[nodiscard]] bool following() const noexcept { return following_; }
+
+ private:
+  std::vector<slot> slots_, next_;
+  std::size_t at_ = 0;
+  bool following_ = false;
+  bool recording_ = false;
+  bool moved_ = false;  ///< slots_'s first at_ slots moved into next_
 };
 
 }  // namespace refit::wire

@@ -1233,6 +1233,86 @@ TEST_CASE("a recycled name set refuses a name twice and after clear() takes ever
   CHECK_FALSE(names.contains("model.layers.0.self_attn.q_proj.weight"));
 }
 
+TEST_CASE("a yield order follows the last refit's names without the set, and finds a name twice either way", "[wire]") {
+  wire::recycled_names set;
+  wire::yield_order<int> order;
+  bool twice = false;
+  const auto take = [&](std::string_view name) { return order.take(name, set, twice); };
+  // The first refit records its order through the set.
+  order.begin(true);
+  for (int k = 0; k < 3; ++k) {
+    auto* s = take(std::string(1, static_cast<char>('a' + k)));
+    REQUIRE(s != nullptr);
+    CHECK_FALSE(twice);
+    s->data = 10 + k;
+  }
+  CHECK(take("b") == nullptr);
+  CHECK(twice);
+  order.end();
+  CHECK(order.size() == 3);
+  // The same order: each name its slot, its data kept, the set untouched.
+  set.clear();
+  order.begin(true);
+  for (int k = 0; k < 3; ++k) {
+    auto* s = take(std::string(1, static_cast<char>('a' + k)));
+    REQUIRE(s != nullptr);
+    CHECK(s->data == 10 + k);
+  }
+  CHECK(order.following());
+  CHECK(set.empty());
+  // Past the end, or a name met already: the names before go into the set, which finds it.
+  CHECK(take("a") == nullptr);
+  CHECK(twice);
+  CHECK_FALSE(order.following());
+  CHECK(set.size() == 3);
+  // That refit failed (a name twice throws: no end()), and took the order with it: the next one
+  // records anew. Then one in another order: a, c, b after a, b, c.
+  set.clear();
+  order.begin(true);
+  for (const char* name : {"a", "b", "c"}) take(name)->data = 10 + (name[0] - 'a');
+  order.end();
+  set.clear();
+  order.begin(true);
+  CHECK(take("a")->data == 10);
+  auto* c = take("c");  // out of order: recorded anew, its data fresh
+  REQUIRE(c != nullptr);
+  CHECK_FALSE(twice);
+  CHECK(c->data == 0);
+  CHECK(take("a") == nullptr);
+  CHECK(twice);
+  auto* b = take("b");
+  REQUIRE(b != nullptr);
+  CHECK(b->data == 0);
+  order.end();
+  CHECK(order.size() == 3);
+  // That order is the next refit's; a shorter refit with the same first names keeps them only.
+  set.clear();
+  order.begin(true);
+  CHECK(take("a")->data == 10);
+  CHECK(take("c") != nullptr);
+  CHECK(order.following());
+  order.end();
+  CHECK(order.size() == 2);
+  // A subset checks every name by the set and leaves the order as it was.
+  set.clear();
+  order.begin(false);
+  CHECK(take("c") == nullptr);
+  CHECK_FALSE(twice);
+  CHECK(take("c") == nullptr);
+  CHECK(twice);
+  order.end();
+  CHECK(order.size() == 2);
+  // A refit that failed after leaving the order (no end()) leaves none behind.
+  set.clear();
+  order.begin(true);
+  CHECK(take("z") != nullptr);
+  set.clear();
+  order.begin(true);
+  CHECK_FALSE(order.size() == 2);
+  CHECK(take("a") != nullptr);
+  CHECK_FALSE(twice);
+}
+
 TEST_CASE("a recycled name set keeps the names of earlier refits only while they are not too many", "[wire]") {
   wire::recycled_names names;
   for (int k = 0; k < 300; ++k) CHECK(names.insert("layer." + std::to_string(k)));
