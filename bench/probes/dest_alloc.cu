@@ -166,19 +166,8 @@ static result copy_model(ctx& c, const char* src, const std::vector<char*>& dst,
     CK(cudaGetLastError());
   };
   for (size_t k = 0; k < dst.size(); ++k) CK(cudaMemsetAsync(dst[k], 0, c.m.size[k], c.st));
-  issue();
-  std::vector<float> t;
-  for (int r = 0; r < REPS; ++r) {
-    CK(cudaEventRecord(c.a, c.st));
-    issue();
-    CK(cudaEventRecord(c.b, c.st));
-    CK(cudaEventSynchronize(c.b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, c.a, c.b));
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  result r{t[REPS / 2], t[0], false};
+  result r;
+  time_reps(c.st, c.a, c.b, REPS, issue, r.med, r.best);
   for (size_t k = 0; k < dst.size(); ++k)
     for (uint64_t off : {uint64_t{0}, c.m.size[k] - 1}) {
       unsigned char x = 0;

@@ -168,20 +168,7 @@ struct ctx {
 /// One warm-up of issue(), then REPS timed; median and best in ms.
 template <typename F>
 static void time_it(ctx& c, F issue, float& med, float& best) {
-  issue();
-  std::vector<float> t;
-  for (int r = 0; r < REPS; ++r) {
-    CK(cudaEventRecord(c.a, c.st));
-    issue();
-    CK(cudaEventRecord(c.b, c.st));
-    CK(cudaEventSynchronize(c.b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, c.a, c.b));
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  best = t[0];
-  med = t[REPS / 2];
+  time_reps(c.st, c.a, c.b, REPS, issue, med, best);
 }
 
 /// GB/s of a 1 GiB local -> local cudaMemcpyAsync, best of REPS.
