@@ -672,6 +672,15 @@ TEST_CASE(
     CHECK(f->code == code_name(refit::errc::invalid_argument));
     CHECK_THAT(f->message, Catch::Contains("the source yielded tensor '" + metas[3].name + "' twice in version 2"));
   }
+  SECTION("a name yielded twice where the last refit had another tensor") {
+    // Version 1's order is followed up to the 41st tensor, which repeats the 4th: found all the same.
+    auto refs = v2.refs;
+    refs[40] = refs[3];
+    const auto f = failure_of([&] { s.refit(2, refs); });
+    REQUIRE(f);
+    CHECK(f->code == code_name(refit::errc::invalid_argument));
+    CHECK_THAT(f->message, Catch::Contains("the source yielded tensor '" + metas[3].name + "' twice in version 2"));
+  }
   SECTION("a null pointer") {
     auto refs = v2.refs;
     refs.push_back(refit::tensor_ref{refit::tensor_meta{"lm_head.weight", refit::dtype::bf16, {16, 16}}, nullptr,
