@@ -137,9 +137,6 @@ void streamer::impl::say_begin(std::uint64_t version, sending how, read_ahead& a
   const bool prime = !receivers_read_in_place(how);
   const auto read = [&] {
     if (prime) copier->prime(buffers->stream());
-    // The last refit's names go while the replies travel (~40 us for 300 names on an H200 VM,
-    // which send_tensors() would otherwise spend before the first copy).
-    sent_names.clear();
     stats.source_seconds += ahead.fill(
         [&] {
           return std::all_of(channels.begin(), channels.end(), [](channel::req_channel& c) { return c.reply_ready(); });
