@@ -234,8 +234,8 @@ class receiver_role {
         m_(workload(c, model_)),
         path_(make_path(c.transports.front(), c)),
         // The model as the receiver holds it (--layout): engine tensors, allocated like any
-        // destinations (one arena, each engine tensor its own aligned range), and every source
-        // tensor's view of them.
+        // destinations (over cuda_ipc as --dest-memory says: torch's segments by default; host
+        // memory in one arena), and every source tensor's view of them.
         layout_(make_layout(m_, c.layout, c.rank)),
         dest_(path_->destinations(layout_.tensors)),
         r_(receiver_role_options(c)) {
