@@ -56,7 +56,11 @@ std::string receiver_pattern(const child_plan& p, std::size_t k) { return fmt::f
 /// "committed V SUM..." (view_checksums) or "aborted WHY".
 void serve(const config& c, const manifest& m, const child_plan& p, int rank, int in, int out) {
   const engine_layout layout = make_layout(m, c.layout, rank);
-  auto memory = p.gpu < 0 ? make_host_shm_path() : make_cuda_ipc_path(p.gpu);
+  // The weights as --dest-memory says over cuda_ipc; over nccl in one arena, as the nccl rows were
+  // recorded (NCCL receives in this process, where the layout costs nothing: bench/probes/dest_alloc.cu).
+  auto memory =
+      p.gpu < 0 ? make_host_shm_path()
+                : make_cuda_ipc_path(p.gpu, false, p.kind == transport_kind::cuda_ipc ? c.dests : dest_memory::arena);
   auto dest = memory->destinations(layout.tensors);
   receiver_options o;
   o.endpoint = receiver_pattern(p, p.index);

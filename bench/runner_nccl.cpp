@@ -352,7 +352,10 @@ class nccl_path final : public transport_path {
                                 receivers_, visible_, visible_ - 1, device_));
       for (std::size_t k = 0; k < receivers_; ++k) devices_.push_back(receiver_device(device_, k, visible_));
     }
-    inner_ = make_cuda_ipc_path(device_);
+    // The receivers' weights in one arena, as the nccl rows of bench/baseline.json were recorded:
+    // NCCL receives into them in the receiver's own process, where the layout costs nothing
+    // (bench/probes/dest_alloc.cu, local rows); --dest-memory is cuda_ipc's.
+    inner_ = make_cuda_ipc_path(device_, false, dest_memory::arena);
   }
 
   [[nodiscard]] transport_kind kind() const noexcept override { return transport_kind::nccl; }
