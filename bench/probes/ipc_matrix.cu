@@ -165,18 +165,13 @@ struct ctx {
   pieces pc;
 };
 
-/// One warm-up of issue(), then REPS timed; median and best in ms.
-template <typename F>
-static void time_it(ctx& c, F issue, float& med, float& best) {
-  time_reps(c.st, c.a, c.b, REPS, issue, med, best);
-}
-
 /// GB/s of a 1 GiB local -> local cudaMemcpyAsync, best of REPS.
 static float ceiling(ctx& c) {
   float med = 0, best = 0;
   char* l = c.base[LOCAL];
-  time_it(
-      c, [&] { CK(cudaMemcpyAsync(l + c.pc.span, l, 1ull << 30, cudaMemcpyDeviceToDevice, c.st)); }, med, best);
+  time_reps(
+      c.st, c.a, c.b, REPS, [&] { CK(cudaMemcpyAsync(l + c.pc.span, l, 1ull << 30, cudaMemcpyDeviceToDevice, c.st)); },
+      med, best);
   return static_cast<float>((1ull << 30) / (best * 1e-3) / 1e9);
 }
 
@@ -206,7 +201,7 @@ static row measure(ctx& c, int src, int dst, int eng) {
         CK(cudaMemcpyAsync(d + p.at[k], s + p.at[k], p.size[k], cudaMemcpyDeviceToDevice, c.st));
     }
   };
-  time_it(c, issue, r.med, r.best);
+  time_reps(c.st, c.a, c.b, REPS, issue, r.med, r.best);
   for (size_t k = 0; k < p.size.size(); ++k)
     for (uint64_t off : {p.at[k], p.at[k] + p.size[k] - 1}) {
       unsigned char x = 0;

@@ -369,7 +369,7 @@ void lane::disarm() noexcept {
 bool lane::peer_asleep() const noexcept { return load(seg_->sleeping[static_cast<int>(peer())].value) != 0; }
 
 void lane::ring_peer() noexcept {
-  if (load(seg_->sleeping[static_cast<int>(peer())].value) == 0) return;
+  if (!peer_asleep()) return;
   const char one = 1;
   (void)!::write(peer_bell_, &one, 1);  // a full FIFO (EAGAIN) has rung already
 }

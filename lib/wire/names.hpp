@@ -8,17 +8,15 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace refit::wire {
 
-/// A set of names, looked up by std::string_view too.
+/// Hashes a name, looked up by std::string_view too.
 struct name_hash {
   using is_transparent = void;
   std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
 };
-using name_set = std::unordered_set<std::string, name_hash, std::equal_to<>>;
 
 /// A set of names emptied in O(1), for the names of one refit (a streamer's sent names, a
 /// receiver's completed tensors): each stored name keeps the generation it was last added in, and
