@@ -1,4 +1,4 @@
-// bench/probes/dest_alloc.cu [llama3-8b|experts] — how the allocations behind a model's tensors change the copy
+// bench/probes/dest_alloc.cu [llama3-8b|experts] [bulk] — how the allocations behind a model's tensors change the copy
 // kernel's speed into and out of another process's memory. ipc_matrix.cu copies 1 GiB between single allocations; an
 // engine's weights are 16 GB or more, allocated one way or another. Here a whole model is copied from one source
 // cudaMalloc: llama3-8b (291 bf16 tensors, 16.06 GB), or `experts`, 5,120 tensors of 768 x 2048 bf16 (3 MiB each,
@@ -15,7 +15,7 @@
 //   push      the source's owner (the parent) writes the other's memory: what refit's direct writes do
 //   pull      the destinations' owner (the child) reads the parent's source, mapped with cudaIpcOpenMemHandle
 // The kernel is tile_copy.cuh's (64 KiB tiles, 16 uint4 loads in flight, 256 threads, 2 blocks per SM: refit's
-// choices), launched as refit's direct writes go: consecutive tensors grouped until a launch holds >= 1 GiB. Each row:
+// choices; with `bulk`, bulk_copy.cuh's kbulk instead), launched as refit's direct writes go: consecutive tensors grouped until a launch holds >= 1 GiB. Each row:
 // one warm-up, then 5 timed whole-model copies (cudaEvents around all launches); median and best ms, and ratio = the
 // bench's floor / median, the floor being one 16.06 GB local cudaMemcpyAsync by the parent (best of 3). Every row
 // checks the first and last byte of every tensor afterwards (BAD when they differ from the source).
@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "probe.hpp"
+#include "bulk_copy.cuh"
 #include "tile_copy.cuh"
 
 constexpr int U = 16, T = 256, BPS = 2, REPS = 5;
@@ -124,6 +125,8 @@ static std::string name_of(char kind) {
   }
 }
 
+static bool use_bulk = false;  // bulk_copy.cuh's kbulk<4, 32 KiB>, a block per SM, for kcopy
+
 struct ctx {
   model m;
   int sms = 0;
@@ -161,7 +164,14 @@ static result copy_model(ctx& c, const char* src, const std::vector<char*>& dst,
       const size_t end = l + 1 < launches.size() ? launches[l + 1].first : host.size();
       const uint64_t t = launches[l].second;
       const int blocks = static_cast<int>(std::min<uint64_t>(t, static_cast<uint64_t>(c.sms) * BPS));
-      kcopy<U, PLAIN><<<blocks, T, 0, c.st>>>(c.ops + launches[l].first, static_cast<int>(end - launches[l].first), t);
+      if (use_bulk) {
+        constexpr int smem = kbulk_smem<4, 32768>();
+        const int b = static_cast<int>(std::min<uint64_t>(t, static_cast<uint64_t>(c.sms)));
+        kbulk<4, 32768><<<b, 32, smem, c.st>>>(c.ops + launches[l].first, static_cast<int>(end - launches[l].first), t);
+      } else {
+        kcopy<U, PLAIN>
+            <<<blocks, T, 0, c.st>>>(c.ops + launches[l].first, static_cast<int>(end - launches[l].first), t);
+      }
     }
     CK(cudaGetLastError());
   };
@@ -209,6 +219,7 @@ static void setup(ctx& c) {
   CK(cudaEventCreate(&c.a));
   CK(cudaEventCreate(&c.b));
   CK(cudaMalloc(&c.ops, c.m.size.size() * sizeof(op)));
+  CK(cudaFuncSetAttribute(kbulk<4, 32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, kbulk_smem<4, 32768>()));
 }
 
 const char layouts[] = {'o', 'e', 't', '1', '2', '4', '8'};
@@ -263,7 +274,10 @@ static void print(const std::string& name, const result& r, float floor, const m
 }
 
 int main(int argc, char** argv) {
-  experts = argc > 1 && std::string(argv[1]) == "experts";
+  for (int k = 1; k < argc; ++k) {
+    experts |= std::string(argv[k]) == "experts";
+    use_bulk |= std::string(argv[k]) == "bulk";
+  }
   int sv[2];  // SOCK_SEQPACKET: a message arrives whole; a process that ends ends the other's next read
   if (socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv)) return 1;
   const pid_t pid = fork();  // before any CUDA call
@@ -293,8 +307,9 @@ int main(int argc, char** argv) {
     }
     one.release();
   }
-  printf("dest_alloc: %s, %zu tensors, %.3f GB; %d SMs; launches of >= 1 GiB of consecutive tensors\n",
-         experts ? "experts" : "llama3-8b", c.m.size.size(), c.m.bytes / 1e9, c.sms);
+  printf("dest_alloc: %s, %zu tensors, %.3f GB; %d SMs; launches of >= 1 GiB of consecutive tensors; kernel %s\n",
+         experts ? "experts" : "llama3-8b", c.m.size.size(), c.m.bytes / 1e9, c.sms,
+         use_bulk ? "kbulk<4, 32 KiB> (bulk_copy.cuh)" : "kcopy (tile_copy.cuh)");
   printf("floor: one %.3f GB local cudaMemcpyAsync %.3f ms (%.1f GB/s); ratio = floor / median\n", c.m.span / 1e9,
          floor, c.m.span / (floor * 1e-3) / 1e9);
   printf("%-36s %9s %8s %8s %6s\n", "row (who: source -> destinations)", "median_ms", "best_ms", "GB/s", "ratio");

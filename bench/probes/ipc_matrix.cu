@@ -9,6 +9,11 @@
 //   kernel  a uint4 copy kernel: 16 loads in flight per thread, 256 threads, 2 blocks per SM over 64 KiB tiles
 //           (copy_variants' best variant, lib/copy/copy_kernel.cu's choices), one launch over all the pieces
 //   memcpy  one cudaMemcpyAsync per piece (the copy engines)
+//   bSxCk   bulk_copy.cuh's kbulk: the tensor memory accelerator's bulk copies through shared memory, S stages of
+//           C KiB (b4x32k: 1 block per SM; b3x32k, b6x16k: 2)
+//   ce-span one cudaMemcpyAsync over the whole span (the pieces and the gaps between them)
+//   hyb1/4  the copy engines (a cudaMemcpyAsync per piece, on a second stream) take the first pieces up to a quarter
+//           (hyb1/2: a half) of the bytes while the kernel copies the rest, both at once
 // The data: llama3-8b's tensors (bf16) from layer 0 on until 1 GiB, as refit groups them into ~1 GB launches: layers
 // 0-1 whole and layer 2's q k v o gate, 23 pieces, 1 GiB + 32 KiB, each at a 256-byte aligned offset.
 // Timing: cudaEvents around each copy, one warm-up then 5; median_ms and best_ms of the 5. GB/s and ratio come from
@@ -34,6 +39,7 @@
 #include <vector>
 
 #include "probe.hpp"
+#include "bulk_copy.cuh"
 #include "tile_copy.cuh"
 
 #define DK(x)                                                         \
@@ -83,7 +89,8 @@ constexpr int U = 16, T = 256, BPS = 2, REPS = 5;
 
 enum { LOCAL = 0, IPC = 1, VMM = 2 };
 const char* const kind_name[] = {"local", "ipc", "vmm"};
-const char* const engine_name[] = {"kernel", "memcpy"};
+const char* const engine_name[] = {"kernel", "memcpy", "b4x32k", "b3x32k", "b6x16k", "ce-span", "hyb1/4", "hyb1/2"};
+constexpr int ENGINES = 8;
 struct row {
   int src, dst, eng;
   float med, best;
@@ -91,7 +98,7 @@ struct row {
 };
 struct turn {  // one process's rows, sent from the child to the parent in one message
   float ceil_gbs;
-  row r[18];
+  row r[3 * 3 * ENGINES];
 };
 struct hello {  // what each process sends the other, with its VMM fd alongside (SCM_RIGHTS)
   cudaIpcMemHandle_t ipc;
@@ -157,9 +164,10 @@ static int recv_with_fd(int s, void* p, size_t n) {
 /// One process's view: its stream, the three buffers as it sees them, and the byte each source half holds.
 struct ctx {
   int sms = 0;
-  cudaStream_t st{};
-  cudaEvent_t a{}, b{};
+  cudaStream_t st{}, ce{};  // ce: the hybrids' copy-engine half
+  cudaEvent_t a{}, b{}, fork{}, join{};
   op* ops = nullptr;
+  op* kernel_ops = nullptr;  // the hybrids' kernel half
   char* base[3]{};
   unsigned char fill[3]{};
   pieces pc;
@@ -175,6 +183,21 @@ static float ceiling(ctx& c) {
   return static_cast<float>((1ull << 30) / (best * 1e-3) / 1e9);
 }
 
+/// The bulk (TMA) engines: stages x chunk, blocks per SM as shared memory allows (228 KiB an SM).
+template <int S, uint32_t CHUNK>
+static void bulk_run(ctx& c, size_t n, uint64_t tiles, int per_sm) {
+  constexpr int bytes = kbulk_smem<S, CHUNK>();
+  CK(cudaFuncSetAttribute(kbulk<S, CHUNK>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const int blocks = static_cast<int>(std::min<uint64_t>(tiles, static_cast<uint64_t>(c.sms) * per_sm));
+  kbulk<S, CHUNK><<<blocks, 32, bytes, c.st>>>(c.ops, static_cast<int>(n), tiles);
+  CK(cudaGetLastError());
+}
+static void bulk_launch(int eng, ctx& c, size_t n, uint64_t tiles) {
+  if (eng == 2) bulk_run<4, 32768>(c, n, tiles, 1);
+  if (eng == 3) bulk_run<3, 32768>(c, n, tiles, 2);
+  if (eng == 4) bulk_run<6, 16384>(c, n, tiles, 2);
+}
+
 /// Copies the pieces from the source half of base[src] to the destination half of base[dst] with engine eng.
 static row measure(ctx& c, int src, int dst, int eng) {
   row r{src, dst, eng, 0, 0, 0};
@@ -188,14 +211,44 @@ static row measure(ctx& c, int src, int dst, int eng) {
         op{reinterpret_cast<const uint4*>(s + p.at[k]), reinterpret_cast<uint4*>(d + p.at[k]), tiles, p.size[k] / 16});
     tiles += (p.size[k] + tile - 1) / tile;
   }
+  // the hybrids: pieces go to the copy engines (one cudaMemcpyAsync each, on a second stream) while their bytes are
+  // under the share, the others to the kernel, both at once
+  const double share = eng == 6 ? 0.25 : eng == 7 ? 0.5 : 0;
+  std::vector<size_t> to_ce;
+  std::vector<op> kops;
+  uint64_t ce_bytes = 0, ktiles = 0;
+  for (size_t k = 0; k < p.size.size(); ++k) {
+    if (share > 0 && ce_bytes + p.size[k] / 2 <= share * p.bytes) {
+      to_ce.push_back(k);
+      ce_bytes += p.size[k];
+      continue;
+    }
+    kops.push_back(op{ops[k].s, ops[k].d, ktiles, ops[k].vecs});
+    ktiles += (p.size[k] + tile - 1) / tile;
+  }
   CK(cudaMemsetAsync(d, 0, p.span, c.st));
   CK(cudaMemcpyAsync(c.ops, ops.data(), ops.size() * sizeof(op), cudaMemcpyHostToDevice, c.st));
+  if (!kops.empty())
+    CK(cudaMemcpyAsync(c.kernel_ops, kops.data(), kops.size() * sizeof(op), cudaMemcpyHostToDevice, c.st));
   CK(cudaStreamSynchronize(c.st));
   const int blocks = static_cast<int>(std::min<uint64_t>(tiles, static_cast<uint64_t>(c.sms) * BPS));
+  const int kblocks = static_cast<int>(std::min<uint64_t>(ktiles, static_cast<uint64_t>(c.sms) * BPS));
   auto issue = [&] {
-    if (eng == 0) {
+    if (eng == 5) {
+      CK(cudaMemcpyAsync(d, s, p.at.back() + p.size.back(), cudaMemcpyDeviceToDevice, c.st));
+    } else if (eng >= 6) {
+      CK(cudaEventRecord(c.fork, c.st));
+      CK(cudaStreamWaitEvent(c.ce, c.fork, 0));
+      for (size_t k : to_ce) CK(cudaMemcpyAsync(d + p.at[k], s + p.at[k], p.size[k], cudaMemcpyDeviceToDevice, c.ce));
+      kcopy<U, PLAIN><<<kblocks, T, 0, c.st>>>(c.kernel_ops, static_cast<int>(kops.size()), ktiles);
+      CK(cudaGetLastError());
+      CK(cudaEventRecord(c.join, c.ce));
+      CK(cudaStreamWaitEvent(c.st, c.join, 0));
+    } else if (eng == 0) {
       kcopy<U, PLAIN><<<blocks, T, 0, c.st>>>(c.ops, static_cast<int>(ops.size()), tiles);
       CK(cudaGetLastError());
+    } else if (eng >= 2) {
+      bulk_launch(eng, c, ops.size(), tiles);
     } else {
       for (size_t k = 0; k < p.size.size(); ++k)
         CK(cudaMemcpyAsync(d + p.at[k], s + p.at[k], p.size[k], cudaMemcpyDeviceToDevice, c.st));
@@ -211,14 +264,14 @@ static row measure(ctx& c, int src, int dst, int eng) {
   return r;
 }
 
-/// This process's turn: its ceiling, then the 18 rows.
+/// This process's turn: its ceiling, then the rows.
 static turn play(ctx& c) {
   turn t{};
   t.ceil_gbs = ceiling(c);
   int n = 0;
   for (int src = 0; src < 3; ++src)
     for (int dst = 0; dst < 3; ++dst)
-      for (int eng = 0; eng < 2; ++eng) t.r[n++] = measure(c, src, dst, eng);
+      for (int eng = 0; eng < ENGINES; ++eng) t.r[n++] = measure(c, src, dst, eng);
   return t;
 }
 
@@ -293,6 +346,10 @@ static void run(int s, bool parent, pid_t child) {
   CK(cudaEventCreate(&c.a));
   CK(cudaEventCreate(&c.b));
   CK(cudaMalloc(&c.ops, c.pc.size.size() * sizeof(op)));
+  CK(cudaMalloc(&c.kernel_ops, c.pc.size.size() * sizeof(op)));
+  CK(cudaStreamCreateWithFlags(&c.ce, cudaStreamNonBlocking));
+  CK(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&c.join, cudaEventDisableTiming));
   auto unmap_peer = [&] {
     CK(cudaIpcCloseMemHandle(ipc));
     DK(d.unmap(vpeer, in.vmm_bytes));
