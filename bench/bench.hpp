@@ -460,6 +460,9 @@ struct config {
   /// --split: after each row's refits, as many of one tensor alone (subset versions, same session):
   /// the refit's fixed cost, and what the rest of the row's time moves its bytes at.
   bool split = false;
+  /// --announce: before each refit's new weights are made (the trainer's step), the streamer
+  /// announces it (streamer::announce): receivers of this host wait for it awake. Rows +announce.
+  bool announce = false;
   /// GPU copy engines to compare (one row each); host_shm always copies with memcpy.
   std::vector<copy_engine> engines{copy_engine::automatic};
   /// The receiver's engine for each entry of `engines` ("--engine pack/apply"; same when not given).

@@ -147,6 +147,9 @@ void add_sweep_options(CLI::App& app, config& c, cli_text& t) {
   app.add_flag("--split", c.split,
                "after each row, as many refits of its smallest tensor alone (subset versions, same session): a "
                "line under the row gives the fixed cost of a refit and the rest's speed against the floor");
+  app.add_flag("--announce", c.announce,
+               "before each refit's new weights are made, the streamer announces it (streamer::announce): its "
+               "receivers wait for it spinning instead of asleep (engine +announce)");
   app.add_option("--control-lane", c.lane,
                  "1: requests to a receiver of this host go through the shared-memory control lane it offers "
                  "(streamer_options::control_lane); 0: through ZeroMQ (engine +zmq)")

@@ -260,6 +260,7 @@ class group_runner {
     const int total = c_.warmup + c_.iters;
     for (int it = 0; it < total; ++it) {
       const std::uint64_t v = g_.version++;
+      if (c_.announce) (void)s.announce();  // as a trainer would, before its step makes the weights
       if (!first_) refresh_sources(v);
       first_ = false;
       const auto t0 = clock::now();
@@ -292,6 +293,7 @@ class group_runner {
     // Requests through ZeroMQ (--control-lane 0, or no lane offered): labelled, since a small
     // refit's fixed cost differs.
     if (!lane) r.engine += "+zmq";
+    if (c_.announce) r.engine += "+announce";
     if (nccl_ && c_.twin) r.engine += "+twin";
     if (c_.vmm_sources && !nccl_) r.engine += "+vmm-src";
     if (c_.dests != dest_memory::torch && !nccl_) r.engine += fmt::format("+{}-dst", to_string(c_.dests));
@@ -319,6 +321,8 @@ class group_runner {
                                           reused_receiver_hint(e)));
       }
       const double ms = ms_since(t0);
+      // The next refit announced before this one is checked (as the row's are before their new weights).
+      if (c_.announce) (void)s.announce();
       double apply_ms = -1, pause_ms = -1;
       const std::int64_t wrong_now = check_receivers(v, apply_ms, pause_ms);
       if (verify_) r.wrong += wrong_now;

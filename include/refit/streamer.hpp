@@ -1,6 +1,7 @@
 // refit — the policy side: packs tensors into ping-pong buffers and streams them to a receiver.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -266,6 +267,17 @@ class REFIT_API streamer {
   /// Same, over a callback that yields the tensors one at a time.
   refit_stats refit(std::uint64_t version, const std::function<std::optional<tensor_ref>()>& next,
                     refit_scope scope = refit_scope::whole);
+
+  /// Says that a refit follows within `hold` (at most 10 s), so that the receivers are awake for
+  /// it: call it where the next version's weights are known to come soon (at the start of the
+  /// optimizer step), then refit() as usual. A receiver between versions sleeps once its spin
+  /// ends (500 us), and a request to a sleeping receiver pays its wake-up: 45–130 us a refit on
+  /// the H200 machine (bench/probes/wake.cpp), a third of a small model's refit. Told, each
+  /// receiver of this host (reached through its control lane) waits spinning instead — a CPU core
+  /// of its host busy — until the refit's first request comes or `hold` has passed. Receivers on
+  /// other hosts are not told. Returns how many receivers were told (0 before the first refit:
+  /// the session, with its lanes, begins there). Never blocks; never throws.
+  std::size_t announce(std::chrono::milliseconds hold = std::chrono::milliseconds{1000}) noexcept;
 
   /// Ends the session politely (BYE); the receiver unmaps the buffers. Safe to call twice; the
   /// destructor calls it and swallows errors.

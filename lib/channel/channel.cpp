@@ -498,6 +498,7 @@ std::optional<std::string> rep_channel::take() {
       return std::nullopt;
     }
     if (!msg) return std::nullopt;
+    lane_->request_taken();
     if (!lane_heard_) {
       lane_->remove_files();  // the streamer has it open: nobody else needs the files
       lane_heard_ = true;
@@ -657,13 +658,21 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
       if (c->server_) t = std::min(t, c->server_->next_timer());
     return t;
   };
+  // Until when a streamer's announcement (lane::announce: a request comes soon) holds the wait
+  // spinning, whatever `spin` says; at most the deadline.
+  const auto held = [&] {
+    auto t = clock::time_point{};
+    for (lane* l : lanes) t = std::max(t, l->awake_until());
+    return std::min(deadline, t);
+  };
   auto spin_until = std::min(deadline, clock::now() + spin);
   std::uint32_t turn = 0;
   for (;;) {
     for (rep_channel* c : channels)
       if (c->server_) c->server_->pump();
     if (const auto k = ready(false)) return k;
-    if (clock::now() < spin_until) {
+    const auto now = clock::now();
+    if (now < spin_until || now < held()) {
       // Spinning: a lane is asked at every turn, the sockets at every eighth when there is one (a
       // system call).
       if ((lanes.empty() || turn++ % 8 == 0) && poll_once(channels, clock::now(), false, st))
@@ -690,6 +699,12 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
 
 void req_channel::wake_receiver() noexcept {
   if (lane_) lane_->wake_peer();
+}
+
+bool req_channel::announce(std::chrono::milliseconds hold) noexcept {
+  if (!lane_) return false;
+  lane_->announce(hold);
+  return true;
 }
 
 bool req_channel::receiver_asleep() const noexcept { return lane_ && lane_->peer_asleep(); }

@@ -198,6 +198,10 @@ class req_channel {
   /// server VM) overlaps the wait instead of adding to the request's round trip. Nothing without
   /// a lane. Never throws, never waits.
   void wake_receiver() noexcept;
+  /// A request follows within `hold` (lane::announce): the receiver stops sleeping and waits for it
+  /// spinning until it comes or `hold` has passed. False (nothing done) without a lane: a receiver
+  /// on another host is not told. Never throws, never waits.
+  bool announce(std::chrono::milliseconds hold) noexcept;
   /// True while the receiver waits asleep on the lane's doorbell; false without a lane.
   [[nodiscard]] bool receiver_asleep() const noexcept;
 

@@ -49,7 +49,7 @@ void observed() noexcept {}
 #endif
 
 constexpr std::uint64_t magic = 0x6e616c2d74696665ull;  // "efit-lan"
-constexpr std::uint64_t layout_version = 1;
+constexpr std::uint64_t layout_version = 2;             // 2: announced
 constexpr std::size_t nonce_bytes = 16;
 
 std::string errno_text(int e) { return fmt::format("{} (errno {})", std::strerror(e), e); }
@@ -172,7 +172,10 @@ struct lane::segment {
   std::array<std::uint8_t, nonce_bytes> nonce;
   flag sleeping[2];  ///< by side: that end waits on its doorbell
   flag closed;       ///< the receiver closed the lane (its session was replaced, or it ended)
-  direction to[2];   ///< by side: messages to that end
+  /// The streamer's last announcement (lane::announce): its number (from 1) times 2^16, plus the
+  /// milliseconds it holds the receiver awake (below 2^16). One word: read whole or not at all.
+  counter announced;
+  direction to[2];  ///< by side: messages to that end
 
   static constexpr std::size_t data_offset = 4096;
   static constexpr std::size_t total_bytes = data_offset + 2 * slot_bytes;
@@ -372,6 +375,30 @@ void lane::ring_peer() noexcept {
   if (!peer_asleep()) return;
   const char one = 1;
   (void)!::write(peer_bell_, &one, 1);  // a full FIFO (EAGAIN) has rung already
+}
+
+void lane::announce(std::chrono::milliseconds hold) noexcept {
+  if (me_ != side::streamer) return;
+  const auto ms = static_cast<std::uint64_t>(
+      std::clamp<std::int64_t>(hold.count(), 0, std::chrono::milliseconds(announce_max).count()));
+  announce_unchecked((++announced_ << 16) | ms);
+}
+
+void lane::announce_unchecked(std::uint64_t word) noexcept {
+  store(seg_->announced.value, word);
+  ring_peer();
+}
+
+lane::clock::time_point lane::awake_until() noexcept {
+  if (me_ != side::receiver) return awake_until_;
+  const std::uint64_t word = load(seg_->announced.value, std::memory_order_relaxed);
+  if (word >> 16 != announced_) {
+    // Whatever the streamer wrote: at most 2^16 - 1 ms from the field, and at most announce_max.
+    announced_ = word >> 16;
+    awake_until_ =
+        clock::now() + std::min<std::chrono::milliseconds>(std::chrono::milliseconds(word & 0xffff), announce_max);
+  }
+  return awake_until_;
 }
 
 template <class Pred>

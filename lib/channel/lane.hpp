@@ -110,6 +110,22 @@ class lane {
   /// True while the peer waits asleep on its doorbell (armed): a message now pays its wake-up.
   [[nodiscard]] bool peer_asleep() const noexcept;
 
+  /// The most an announcement holds a receiver awake, whatever the streamer asked.
+  static constexpr std::chrono::seconds announce_max{10};
+  /// Streamer: says a request follows within `hold` (at most announce_max; whole milliseconds):
+  /// the receiver, told at once (its doorbell rung when it sleeps), waits for requests spinning
+  /// instead of sleeping until one comes or `hold` has passed (awake_until()). Never throws.
+  void announce(std::chrono::milliseconds hold) noexcept;
+  /// Receiver: until when the streamer's last announcement holds this end awake (a time passed
+  /// when there is none, or once a request was taken since: receive_taken()). A new announcement
+  /// is seen here, and its hold counts from the first look. A load when nothing changed.
+  [[nodiscard]] clock::time_point awake_until() noexcept;
+  /// Streamer: writes `word` as the announcement (its number times 2^16 plus milliseconds) and
+  /// rings; no check. Tests write what a broken peer would.
+  void announce_unchecked(std::uint64_t word) noexcept;
+  /// Receiver: a request was taken; the announcement it answered holds this end awake no more.
+  void request_taken() noexcept { awake_until_ = clock::time_point{}; }
+
   /// Posts one chunk to the peer with these header fields and `data` in the slot (at most
   /// slot_bytes of it), counting it `posts` times posted; no check, no wait. send() posts each
   /// chunk through it once the slot is free; tests post what a broken peer would.
@@ -159,6 +175,8 @@ class lane {
   /// deadline. (A child the receiver forks inherits the read end; the deadline then applies.)
   int life_ = -1;
   bool gone_ = false;                 ///< streamer: the receiver's process has ended
+  std::uint64_t announced_ = 0;       ///< streamer: announcements made; receiver: the last one seen
+  clock::time_point awake_until_{};   ///< receiver: see awake_until()
   std::shared_ptr<fd_link> fds_;      ///< shared: whoever takes the link keeps it past the lane
   std::string dir_;                   ///< receiver: the directory, until removed
   std::pair<dev_t, ino_t> dir_id_{};  ///< receiver: the directory's device and inode

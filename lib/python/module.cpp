@@ -640,6 +640,17 @@ class py_streamer {
     st.reset();
   }
 
+  /// streamer::announce: `hold` in seconds (at most 10); how many receivers were told.
+  std::size_t announce(double hold) {
+    if (closed_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
+    if (!(hold >= 0) || hold > 10)
+      throw error(errc::invalid_argument,
+                  "announce(hold=" + std::string(py::str(py::float_(hold))) +
+                      "): hold is in seconds, from 0 to 10 (a receiver waits spinning for that long at most)");
+    if (!st_) return 0;
+    return st_->announce(std::chrono::milliseconds(static_cast<std::int64_t>(hold * 1000 + 0.5)));
+  }
+
   /// The transport in use: the one given, or the one "auto" chose (None before the first refit).
   std::optional<std::string> transport() const {
     if (automatic_ && !st_ && !chosen_) return std::nullopt;
@@ -985,6 +996,7 @@ PYBIND11_MODULE(_refit, m) {
                              "refit (None before it)")
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
+      .def("announce", &py_streamer::announce, py::arg("hold") = 1.0)
       .def("close", &py_streamer::close);
 
   m.def("_set_error_types", [](py::object refit_error, py::object refit_timeout) {

@@ -67,6 +67,13 @@ refit_stats streamer::refit(std::uint64_t version, const std::function<std::opti
   return refit(version, source, scope);
 }
 
+std::size_t streamer::announce(std::chrono::milliseconds hold) noexcept {
+  if (!impl_ || !impl_->in_session) return 0;
+  std::size_t told = 0;
+  for (channel::req_channel& c : impl_->channels) told += c.announce(hold) ? 1 : 0;
+  return told;
+}
+
 void streamer::close() noexcept {
   if (!impl_ || !impl_->in_session) return;
   // A polite goodbye to every receiver, each with a short deadline of its own: a dead or slow one

@@ -30,11 +30,29 @@ def test_requests_go_through_the_control_lane_unless_either_side_says_no(table_p
     spec = spec_of(mixed_state(1))
     job, endpoint = table_peer(spec, control_lane=receiver_lane)
     with streamer(endpoint, control_lane=streamer_lane) as st:
-        for version in (1, 2):
+        assert st.announce() == 0  # no session before the first refit: nobody to tell
+        for version in (1, 2, 3):
             state = mixed_state(version)
             stats = st.refit(version, state)
             assert stats.control_lane is (streamer_lane and receiver_lane)
             assert job.request("state") == state_bytes(state), f"version {version}"
+            # The next version announced: told through the lane only; it arrives all the same.
+            assert st.announce(0.5) == (1 if streamer_lane and receiver_lane else 0)
+    job.stop()
+
+
+def test_announce_refuses_a_hold_outside_0_to_10_seconds_and_a_closed_streamer(table_peer):
+    spec = spec_of(mixed_state(1))
+    job, endpoint = table_peer(spec)
+    st = streamer(endpoint)
+    for hold in (-1.0, 10.5, float("nan")):
+        with pytest.raises(refit.RefitError, match="hold is in seconds, from 0 to 10") as e:
+            st.announce(hold)
+        assert e.value.code == refit.Errc.invalid_argument
+    st.close()
+    with pytest.raises(refit.RefitError, match="closed") as e:
+        st.announce()
+    assert e.value.code == refit.Errc.invalid_argument
     job.stop()
 
 

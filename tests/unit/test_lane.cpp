@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "channel/channel.hpp"
 #include "channel/lane.hpp"
@@ -447,4 +448,84 @@ TEST_CASE("the lane of a receiver killed before its streamer opened it is remove
   to_live.send("stop");
   CHECK(live.wait(20s) == 0);
   CHECK_FALSE(std::filesystem::exists(live_dir));
+}
+
+TEST_CASE("an announcement holds the receiver awake for its hold from its first look, until a request is taken",
+          "[lane]") {
+  auto rx = lane::create();
+  auto tx = lane::open(rx->offer());
+  CHECK(rx->awake_until() <= lane::clock::now());  // none yet
+  auto before = lane::clock::now();
+  tx->announce(200ms);
+  const auto held = rx->awake_until();
+  CHECK(held >= before + 200ms);
+  CHECK(held <= lane::clock::now() + 200ms);
+  CHECK(rx->awake_until() == held);  // the same announcement: its hold counts from the first look
+  rx->request_taken();
+  CHECK(rx->awake_until() <= lane::clock::now());  // answered: no longer held, and not again
+  // A streamer asking for an hour gets announce_max; so does a peer writing the field's most
+  // (2^16 - 1 ms, 65 s) itself.
+  before = lane::clock::now();
+  tx->announce(std::chrono::hours(1));
+  auto capped = rx->awake_until();
+  CHECK(capped >= before + lane::announce_max);
+  CHECK(capped <= lane::clock::now() + lane::announce_max);
+  before = lane::clock::now();
+  tx->announce_unchecked((std::uint64_t{99} << 16) | 0xffff);
+  capped = rx->awake_until();
+  CHECK(capped >= before + lane::announce_max);
+  CHECK(capped <= lane::clock::now() + lane::announce_max);
+  // Zero holds nobody.
+  before = lane::clock::now();
+  tx->announce(0ms);
+  const auto zero = rx->awake_until();
+  CHECK(zero >= before);
+  CHECK(zero <= lane::clock::now());
+}
+
+TEST_CASE("an announced receiver waits awake past its spin, the request ends that, and so does the hold's end",
+          "[lane][channel]") {
+  const auto ep = refit::test::temp_endpoint();
+  {
+    rep_channel rep(ep);
+    req_channel req(rep.endpoint());
+    join_by_lane(rep, req);
+    req_channel plain(rep.endpoint());  // through ZeroMQ: nobody to tell
+    CHECK_FALSE(plain.announce(1s));
+    std::vector<std::string> got;  // recorded by the thread, checked after it (Catch is not thread-safe)
+    std::thread server([&] {
+      for (int k = 0; k < 2; ++k) {
+        const auto m = rep.receive(20s, false);  // between versions: no spin, asleep at once
+        if (!m) return;
+        got.push_back(*m);
+        rep.reply("re:" + *m);
+      }
+    });
+    const auto until = [](auto pred) {
+      const auto end = lane::clock::now() + 20s;
+      while (!pred() && lane::clock::now() < end) std::this_thread::yield();
+      return pred();
+    };
+    REQUIRE(until([&] { return req.receiver_asleep(); }));
+    REQUIRE(req.announce(60s));
+    CHECK(until([&] { return !req.receiver_asleep(); }));
+    // Held: it does not go back to sleep (a wake without a hold would, at once: it waits with no spin).
+    bool slept = false;
+    for (int k = 0; k < 20000 && !slept; ++k) {
+      slept = req.receiver_asleep();
+      std::this_thread::yield();
+    }
+    CHECK_FALSE(slept);
+    CHECK(req.request("BEGIN", 20s, "BEGIN") == "re:BEGIN");
+    // The request ended the hold: waiting for the next one, it sleeps (long before 60 s).
+    CHECK(until([&] { return req.receiver_asleep(); }));
+    // A short hold ends by itself.
+    REQUIRE(req.announce(30ms));
+    CHECK(until([&] { return !req.receiver_asleep(); }));
+    CHECK(until([&] { return req.receiver_asleep(); }));
+    CHECK(req.request("END", 20s, "END") == "re:END");
+    server.join();
+    CHECK(got == std::vector<std::string>{"BEGIN", "END"});
+  }
+  refit::channel::remove_private_endpoint(ep);
 }

@@ -334,11 +334,14 @@ TEST_CASE("requests go through the control lane unless the streamer or the recei
   auto o = stream_options(ep, 2, 4 * mib);
   o.control_lane = streamer_lane;
   refit::streamer s(o);
-  for (std::uint64_t v = 1; v <= 2; ++v) {
+  CHECK(s.announce() == 0);  // no session yet: nobody to tell
+  for (std::uint64_t v = 1; v <= 3; ++v) {
     const host_tensors data(metas, v);
     const auto stats = s.refit(v, data.refs);
     CHECK(stats.control_lane == (streamer_lane && receiver_lane));
     CHECK(rx.next_report() == outcome("committed", v, false));
+    // The next refit announced: told through the lane only; it arrives all the same.
+    CHECK(s.announce() == (streamer_lane && receiver_lane ? 1u : 0u));
   }
   s.close();
   CHECK(rx.stop() == 0);

@@ -710,6 +710,18 @@ class Streamer(_refit.Streamer):
         """
         return super().refit(version, tensors, stream=stream, subset=subset)
 
+    def announce(self, hold: float = 1.0) -> int:
+        """Says that a refit follows within ``hold`` seconds (at most 10), so that the receivers are
+        awake for it: call it when the next version is known to come soon (before the optimizer
+        step), then ``refit()`` as usual. A receiver between versions sleeps, and waking it costs a
+        refit 45–130 µs (a third of a small model's refit on an H200); told, each receiver on this
+        host waits spinning (a CPU core busy) until the refit begins or ``hold`` has passed.
+        Receivers on other hosts are not told. Returns how many receivers were told: 0 before the
+        first refit, which begins the session. Raises RefitError (``Errc.invalid_argument``) for a
+        ``hold`` outside 0..10 or a closed streamer.
+        """
+        return super().announce(hold)
+
     def __enter__(self) -> "Streamer":
         return self
 
