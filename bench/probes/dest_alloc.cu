@@ -1,4 +1,4 @@
-// bench/probes/dest_alloc.cu [llama3-8b|experts] [bulk] — how the allocations behind a model's tensors change the copy
+// bench/probes/dest_alloc.cu [llama3-8b|experts] [bulk|engines] — how the allocations behind a model's tensors change the copy
 // kernel's speed into and out of another process's memory. ipc_matrix.cu copies 1 GiB between single allocations; an
 // engine's weights are 16 GB or more, allocated one way or another. Here a whole model is copied from one source
 // cudaMalloc: llama3-8b (291 bf16 tensors, 16.06 GB), or `experts`, 5,120 tensors of 768 x 2048 bf16 (3 MiB each,
@@ -19,6 +19,8 @@
 // one warm-up, then 5 timed whole-model copies (cudaEvents around all launches); median and best ms, and ratio = the
 // bench's floor / median, the floor being one 16.06 GB local cudaMemcpyAsync by the parent (best of 3). Every row
 // checks the first and last byte of every tensor afterwards (BAD when they differ from the source).
+// With `engines`, only the pushes into the other process's torch, one and 8 GiB layouts, once by each way of moving the bytes named at
+// `engines` below (the copy kernel, the copy engines on 1-4 streams, both at once split by tensor size).
 // Built and run by tools/gpu-check BUNDLE probes (stage probe-dest-alloc); by hand:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o dest_alloc bench/probes/dest_alloc.cu && ./dest_alloc
 #include <cuda_runtime.h>
@@ -126,11 +128,30 @@ static std::string name_of(char kind) {
 }
 
 static bool use_bulk = false;  // bulk_copy.cuh's kbulk<4, 32 KiB>, a block per SM, for kcopy
+// only the pushes into the other's torch, one and 8 GiB layouts, by each of `engines`
+static bool engines_mode = false;
+
+/// `engines`: how the bytes move, for the rows of that mode (push into the other's torch layout).
+///   kernel     the copy kernel alone, as every other row
+///   ceN        the copy engines: one cudaMemcpyAsync per tensor, tensors dealt round-robin to N streams
+///   mixT-N     tensors of T MiB or more to the copy engines (N streams), the others to the kernel on its own
+///              stream, all at once
+struct engine {
+  const char* name;
+  int streams;           // copy-engine streams; 0: kernel alone
+  uint64_t ce_from = 0;  // bytes from which a tensor goes to the copy engines
+};
+constexpr engine engines[] = {
+    {"kernel", 0},           {"ce1", 1}, {"ce2", 2}, {"ce4", 4}, {"mix16-2", 2, 16 << 20}, {"mix64-2", 2, 64 << 20},
+    {"mix64-1", 1, 64 << 20}};
+constexpr int max_streams = 4;
 
 struct ctx {
   model m;
   int sms = 0;
   cudaStream_t st{};
+  cudaStream_t ce[max_streams]{};
+  cudaEvent_t fork{}, join[max_streams]{};
   cudaEvent_t a{}, b{};
   op* ops = nullptr;  // device op list, room for every tensor
 };
@@ -142,24 +163,39 @@ struct result {
 
 /// Copies the model from `src` (one buffer, the model's offsets) to the tensors at `dst` in >= 1 GiB launches;
 /// times REPS copies after one warm-up, then checks the first and last byte of each tensor against `fill`.
-static result copy_model(ctx& c, const char* src, const std::vector<char*>& dst, unsigned char fill) {
+static result copy_model(ctx& c, const char* src, const std::vector<char*>& dst, unsigned char fill,
+                         const engine& how = engines[0]) {
   std::vector<op> host;
   std::vector<std::pair<size_t, uint64_t>> launches;  // first op, tiles
   uint64_t tiles = 0, held = 0;
   size_t first = 0;
+  std::vector<size_t> to_ce;  // tensors the copy engines take
   for (size_t k = 0; k < c.m.size.size(); ++k) {
+    if (how.streams > 0 && c.m.size[k] >= how.ce_from) {
+      to_ce.push_back(k);
+      if (k + 1 == c.m.size.size() && held > 0) launches.emplace_back(first, tiles);
+      continue;
+    }
     host.push_back(
         op{reinterpret_cast<const uint4*>(src + c.m.at[k]), reinterpret_cast<uint4*>(dst[k]), tiles, c.m.size[k] / 16});
     tiles += (c.m.size[k] + tile - 1) / tile;
     held += c.m.size[k];
     if (held >= launch_bytes || k + 1 == c.m.size.size()) {
       launches.emplace_back(first, tiles);
-      first = k + 1;
+      first = host.size();
       tiles = held = 0;
     }
   }
-  CK(cudaMemcpy(c.ops, host.data(), host.size() * sizeof(op), cudaMemcpyHostToDevice));
+  if (!host.empty()) CK(cudaMemcpy(c.ops, host.data(), host.size() * sizeof(op), cudaMemcpyHostToDevice));
   auto issue = [&] {
+    if (how.streams > 0) {
+      CK(cudaEventRecord(c.fork, c.st));
+      for (int k = 0; k < how.streams; ++k) CK(cudaStreamWaitEvent(c.ce[k], c.fork, 0));
+      for (size_t j = 0; j < to_ce.size(); ++j) {
+        const size_t k = to_ce[j];
+        CK(cudaMemcpyAsync(dst[k], src + c.m.at[k], c.m.size[k], cudaMemcpyDeviceToDevice, c.ce[j % how.streams]));
+      }
+    }
     for (size_t l = 0; l < launches.size(); ++l) {
       const size_t end = l + 1 < launches.size() ? launches[l + 1].first : host.size();
       const uint64_t t = launches[l].second;
@@ -174,6 +210,10 @@ static result copy_model(ctx& c, const char* src, const std::vector<char*>& dst,
       }
     }
     CK(cudaGetLastError());
+    for (int k = 0; k < how.streams; ++k) {
+      CK(cudaEventRecord(c.join[k], c.ce[k]));
+      CK(cudaStreamWaitEvent(c.st, c.join[k], 0));
+    }
   };
   for (size_t k = 0; k < dst.size(); ++k) CK(cudaMemsetAsync(dst[k], 0, c.m.size[k], c.st));
   result r;
@@ -219,6 +259,11 @@ static void setup(ctx& c) {
   CK(cudaEventCreate(&c.a));
   CK(cudaEventCreate(&c.b));
   CK(cudaMalloc(&c.ops, c.m.size.size() * sizeof(op)));
+  for (int k = 0; k < max_streams; ++k) {
+    CK(cudaStreamCreateWithFlags(&c.ce[k], cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&c.join[k], cudaEventDisableTiming));
+  }
+  CK(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming));
   CK(cudaFuncSetAttribute(kbulk<4, 32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, kbulk_smem<4, 32768>()));
 }
 
@@ -277,6 +322,7 @@ int main(int argc, char** argv) {
   for (int k = 1; k < argc; ++k) {
     experts |= std::string(argv[k]) == "experts";
     use_bulk |= std::string(argv[k]) == "bulk";
+    engines_mode |= std::string(argv[k]) == "engines";
   }
   int sv[2];  // SOCK_SEQPACKET: a message arrives whole; a process that ends ends the other's next read
   if (socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv)) return 1;
@@ -315,6 +361,7 @@ int main(int argc, char** argv) {
   printf("%-36s %9s %8s %8s %6s\n", "row (who: source -> destinations)", "median_ms", "best_ms", "GB/s", "ratio");
   bool bad = false;
   for (char kind : layouts) {  // local destinations
+    if (engines_mode) break;
     allocated a = allocate(plan(c.m, kind), 0x33);
     const result r = copy_model(c, src, a.tensors, 0x11);
     print("push: local -> local " + name_of(kind) + " (" + std::to_string(a.allocs.size()) + ")", r, floor, c.m);
@@ -322,6 +369,7 @@ int main(int argc, char** argv) {
     a.release();
   }
   for (char kind : layouts) {  // the child's, mapped here
+    if (engines_mode && kind != 't' && kind != 'o' && kind != '8') continue;
     const layout l = plan(c.m, kind);
     put(s, kind);
     std::vector<cudaIpcMemHandle_t> h(l.alloc_bytes.size());
@@ -330,9 +378,14 @@ int main(int argc, char** argv) {
     for (size_t k = 0; k < h.size(); ++k)
       CK(cudaIpcOpenMemHandle(reinterpret_cast<void**>(&mapped[k]), h[k], cudaIpcMemLazyEnablePeerAccess));
     for (size_t k = 0; k < l.alloc.size(); ++k) tensors.push_back(mapped[l.alloc[k]] + l.offset[k]);
-    const result r = copy_model(c, src, tensors, 0x11);
-    print("push: local -> ipc " + name_of(kind) + " (" + std::to_string(h.size()) + ")", r, floor, c.m);
-    bad |= r.bad;
+    for (const engine& e : engines) {
+      if (!engines_mode && e.streams > 0) break;
+      const result r = copy_model(c, src, tensors, 0x11, e);
+      print("push: local -> ipc " + name_of(kind) + " (" + std::to_string(h.size()) + ")" +
+                (engines_mode ? std::string(" ") + e.name : std::string()),
+            r, floor, c.m);
+      bad |= r.bad;
+    }
     for (char* p : mapped) CK(cudaIpcCloseMemHandle(p));
     put(s, 'f');
   }
