@@ -288,12 +288,16 @@ void enable_peer_access(int device, int peer) {
 }
 #endif
 
-std::unique_ptr<copier> make_copier(engine e, int device, milliseconds timeout) {
+std::uint64_t offload_for(copy_engine requested) noexcept {
+  return requested == copy_engine::automatic ? offload_from_automatic : 0;
+}
+
+std::unique_ptr<copier> make_copier(engine e, int device, milliseconds timeout, std::uint64_t offload_from) {
   if (e == engine::cpu) return std::make_unique<cpu_copier>();
 #if REFIT_HAVE_CUDA
-  return make_cuda_copier(e, device, timeout);
+  return make_cuda_copier(e, device, timeout, offload_from);
 #else
-  (void)device, (void)timeout;
+  (void)device, (void)timeout, (void)offload_from;
   throw error(errc::invalid_argument,
               fmt::format("copy engine {} needs CUDA, and this refit was built without it", to_string(e)));
 #endif

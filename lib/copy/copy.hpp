@@ -27,6 +27,9 @@ struct op {
   std::uint64_t rows = 1;
   std::uint64_t src_pitch = 0;
   std::uint64_t dst_pitch = 0;
+  /// Never handed to the copy engines (make_copier's offload_from): its destination lies in memory
+  /// they write slowly (see engines_slow_above).
+  bool kernel_only = false;
 
   op() = default;
   op(const void* s, void* d, std::uint64_t n) noexcept : src(s), dst(d), bytes(n) {}
@@ -152,11 +155,36 @@ bool append_route(std::span<const plan::run> runs, std::uint64_t from, std::uint
 /// transports, memcpy on the CPU.
 engine choose(engine preferred, copy_engine requested) noexcept;
 
+/// The contiguous copies the kernel engine hands to the copy engines when the choice is refit's
+/// (copy_engine::automatic): those of at least 16 MiB. A copy engine moves a large range at the
+/// device-copy speed, where the kernel's tiles reach ~0.90 of it; each copy costs it a few
+/// microseconds more, and below a few MiB it is much slower than the kernel. llama3-8b's tensors
+/// into another process's torch-allocated weights on an H200: the kernel alone 0.904 of a local
+/// cudaMemcpyAsync, tensors of 16 MiB or more on two copy-engine streams beside it 0.987, of 64
+/// MiB 0.975, every tensor on four streams 0.977; 3 MiB tensors by copy engines 0.34-0.40, by the
+/// kernel 0.96 (bench/probes/dest_alloc.cu engines;
+/// bench/results/2026-11-29-h200-copy-engines-announce.txt).
+inline constexpr std::uint64_t offload_from_automatic = std::uint64_t{16} << 20;
+/// A cudaMalloc allocation larger than this is written by the kernel alone (copy::op::kernel_only):
+/// the copy engines write one of 16 GB, mapped from another process, at 0.67-0.74 of the floor
+/// where the kernel reaches 0.82 (its tensors in allocations of 8 GiB: 0.98 with the copy engines);
+/// why that mapping is slow is not known (bench/probes/dest_alloc.cu engines;
+/// bench/results/2026-11-29-h200-copy-engines-announce.txt).
+inline constexpr std::uint64_t engines_slow_above = std::uint64_t{8} << 30;
+
+/// offload_from_automatic when `requested` leaves the engine to refit, else 0 (none handed over).
+std::uint64_t offload_for(copy_engine requested) noexcept;
+
 /// Throws refit::error(invalid_argument) for a GPU engine in a build without CUDA.
 /// `device` is the CUDA ordinal GPU engines work on. `timeout` bounds the one host wait a GPU
 /// engine may do (the kernel engine reusing an op-list slot whose upload is still queued behind
-/// work of a peer); past it, run() throws errc::timeout.
-std::unique_ptr<copier> make_copier(engine e, int device = 0, milliseconds timeout = milliseconds{60000});
+/// work of a peer); past it, run() throws errc::timeout. `offload_from` (kernel engine only; 0:
+/// none): in a batch where such copies hold at least half the bytes, each op of one row and at
+/// least that many bytes goes to the copy engines, dealt in turn to two streams of the copier's own, which start after the work enqueued on run()'s stream so
+/// far and which that stream waits for after the batch's kernel: the batch runs at once on both,
+/// in stream order with everything else.
+std::unique_ptr<copier> make_copier(engine e, int device = 0, milliseconds timeout = milliseconds{60000},
+                                    std::uint64_t offload_from = 0);
 
 /// Lets kernels on CUDA device `device` read and write memory of device `peer`
 /// (cudaDeviceEnablePeerAccess), once per pair per process; nothing when they are the same.

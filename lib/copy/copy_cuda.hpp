@@ -8,8 +8,8 @@
 
 namespace refit::copy {
 
-/// kernel, memcpy_batch or memcpy_each on CUDA device `device`.
-std::unique_ptr<copier> make_cuda_copier(engine e, int device, milliseconds timeout);
+/// kernel, memcpy_batch or memcpy_each on CUDA device `device` (offload_from: see make_copier).
+std::unique_ptr<copier> make_cuda_copier(engine e, int device, milliseconds timeout, std::uint64_t offload_from);
 
 /// copy::checksum() of device memory on CUDA device `device` (synchronous).
 std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device);

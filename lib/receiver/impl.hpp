@@ -333,7 +333,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
 
   // ---------------------------------------------------------------- table.cpp
   std::vector<wire::conversion> conversions() const;
-  std::optional<std::string> memory_gone() const;
+  std::optional<std::string> memory_gone();
 
   // ---------------------------------------------------------------- refit.cpp
   receiver_event on_begin(const wire::begin& b);

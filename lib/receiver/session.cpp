@@ -221,8 +221,8 @@ void receiver::impl::open_session(const wire::hello& h) {
   for (std::size_t i = 0; i < ln->sink->count(); ++i)
     sizes.push_back(ln->direct || ln->in_place ? transport::direct_batch_bytes : ln->sink->buffer_bytes(i));
   ln->tracker.emplace(std::move(sizes), wire::max_entries, grouped());
-  ln->copier =
-      copy::make_copier(copy::choose(ln->sink->engine(), options.engine), options.device, options.idle_timeout);
+  ln->copier = copy::make_copier(copy::choose(ln->sink->engine(), options.engine), options.device, options.idle_timeout,
+                                 copy::offload_for(options.engine));
   ln->peer = h.peer;
   ln->owned = true;
   ln->owner = ln->channel.peer_id();

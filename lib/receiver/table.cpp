@@ -154,10 +154,11 @@ std::vector<wire::conversion> receiver::impl::conversions() const {
 
 /// Why a registered CUDA destination cannot be written any more (its allocation was freed, or
 /// is not the one it was registered in), or nullopt. Asked at every HELLO: engines capture CUDA
-/// graphs over their weights, so refit writes only where they were registered.
-std::optional<std::string> receiver::impl::memory_gone() const {
-  for (const auto& [name, slots] : table) {
-    for (const slot& sl : slots) {
+/// graphs over their weights, so refit writes only where they were registered. Notes on the way
+/// which destinations lie in allocations the copy engines write slowly (slot::kernel_only).
+std::optional<std::string> receiver::impl::memory_gone() {
+  for (auto& [name, slots] : table) {
+    for (slot& sl : slots) {
       const plan::destination& d = sl.dest;
       if (d.dev.kind != device_kind::cuda || sl.foot.empty()) continue;
       std::optional<copy::allocation> a;
@@ -176,6 +177,7 @@ std::optional<std::string> receiver::impl::memory_gone() const {
             "where a parameter was registered; register the parameters again (clear_parameters, "
             "add_parameter) after the engine reallocates them",
             name, describe(d.meta), d.dev.index, a ? "in another allocation" : "not allocated any more (freed)");
+      sl.kernel_only = a->bytes > copy::engines_slow_above;
     }
   }
   return std::nullopt;

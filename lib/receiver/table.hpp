@@ -26,6 +26,9 @@ struct slot {
   /// that last wrote it there (impl::stage_serial), so that apply_prepared() copies each once.
   std::uint64_t stage_at = 0;
   std::uint64_t staged_in = 0;
+  /// Its CUDA allocation is larger than copy::engines_slow_above: its copies go by the kernel
+  /// (copy::op::kernel_only). Set at every HELLO, with the check that the allocation is still there.
+  bool kernel_only = false;
 
   /// Makes runs() those of a source of this dtype and shape. Throws errc::apply when it does not fit.
   void route(dtype type, const std::vector<std::int64_t>& shape) { (void)routes.get(dest, type, shape); }

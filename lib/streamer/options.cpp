@@ -121,7 +121,8 @@ streamer::impl::impl(streamer_options o) : options(std::move(o)) {
   so.direct = options.direct && can.writes_in_place;
   so.twin = options.nccl_twin;
   buffers = transport::make_source(so);
-  copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device, options.timeout);
+  copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device, options.timeout,
+                             copy::offload_for(options.engine));
   if (options.delta.enable)
     base = std::make_unique<delta::base_store>(
         options.delta.memory == delta_memory::device ? delta::memory::device : delta::memory::host,

@@ -310,7 +310,8 @@ class cuda_ipc_source final : public source {
                                              meta.name, whose()));
       for (target& d : it->second) {
         try {
-          out.push_back(routed{static_cast<std::byte*>(d.dest.data), d.routes.get(d.dest, meta.type, meta.shape)});
+          out.push_back(routed{static_cast<std::byte*>(d.dest.data), d.routes.get(d.dest, meta.type, meta.shape), 0,
+                               d.kernel_only});
         } catch (const error& e) {
           throw error(e.code(), fmt::format("{} ({} destination; direct cuda_ipc session: nothing was written)",
                                             e.what(), whose()));
@@ -537,6 +538,7 @@ class cuda_ipc_source final : public source {
   struct target {
     plan::destination dest;
     plan::route_cache routes;
+    bool kernel_only = false;  ///< in a cudaMalloc allocation larger than copy::engines_slow_above
   };
   struct receiver_targets {
     std::vector<std::string> gpus;    ///< the UUIDs of the GPUs its weights are on (its offer's 'G' record)
@@ -591,6 +593,7 @@ class cuda_ipc_source final : public source {
         throw error(errc::protocol, fmt::format("direct offer: record {}: {}", k, e.what()));
       }
       plan::destination d = destination_of(r, device::cuda(device_));
+      bool kernel_only = false;
       if (r.allocation != wire::dest_record::no_allocation) {  // none: nothing to write
         if (r.allocation >= out.mapped.size())
           throw error(errc::protocol, fmt::format("direct offer: tensor record {} names allocation {} of {}", k,
@@ -608,8 +611,9 @@ class cuda_ipc_source final : public source {
                                                   "{}",
                                                   r.name, r.offset, r.offset + extent, r.allocation, m.bytes));
         d.data = m.data() + r.offset;
+        kernel_only = m.ipc.handle() != nullptr && m.bytes > copy::engines_slow_above;
       }
-      out.targets[d.meta.name].push_back(target{std::move(d), {}});
+      out.targets[d.meta.name].push_back(target{std::move(d), {}, kernel_only});
       ++count;
     }
     REFIT_INFO("cuda_ipc: direct session: {} destinations of {} tensors in {} allocations of a receiver's weights",

@@ -79,6 +79,9 @@ struct routed {
   std::byte* base = nullptr;
   std::span<const plan::run> runs;
   std::size_t receiver = 0;
+  /// The destination lies in memory the copy engines write slowly: its copies go by the kernel
+  /// (copy::op::kernel_only).
+  bool kernel_only = false;
 };
 
 /// What a transport can do: the streamer and the receiver ask this instead of testing for a kind.

@@ -462,7 +462,9 @@ std::vector<refit::copy::op> random_ops(std::mt19937_64& rng, const std::byte* s
   return ops;
 }
 
-void copy_engine_body(refit::copy::engine engine) {
+/// `offload_from`: the kernel engine's copies of at least that many bytes go to the copy engines
+/// (make_copier); 0: none.
+void copy_engine_body(refit::copy::engine engine, std::uint64_t offload_from = 0) {
   refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
   constexpr std::uint64_t src_bytes = 64 * mib + 13;
   constexpr std::uint64_t dst_bytes = 256 * mib;
@@ -478,7 +480,10 @@ void copy_engine_body(refit::copy::engine engine) {
 
   const auto* s = static_cast<const std::byte*>(src.handle());
   auto* d = static_cast<std::byte*>(dst.handle());
-  const auto ops = random_ops(rng, s, src_bytes, d, dst_bytes, 4000);
+  auto ops = random_ops(rng, s, src_bytes, d, dst_bytes, 4000);
+  // With copy engines: every third op is marked for the kernel alone (copy::op::kernel_only).
+  if (offload_from != 0)
+    for (std::size_t k = 0; k < ops.size(); k += 3) ops[k].kernel_only = true;
   expect(ops.size() > 2700, "only " + std::to_string(ops.size()) + " ops fit");
   std::size_t multi_row = 0;
   for (const auto& o : ops) {
@@ -490,7 +495,7 @@ void copy_engine_body(refit::copy::engine engine) {
   expect(multi_row > 40, "only " + std::to_string(multi_row) + " ops with several rows");
 
   refit::cuda::stream stream(cudaStreamNonBlocking);
-  auto copier = refit::copy::make_copier(engine, 0);
+  auto copier = refit::copy::make_copier(engine, 0, refit::milliseconds{60000}, offload_from);
   expect(copier->kind() == engine, "make_copier made another engine");
   // Uneven calls, without waiting in between: more calls than the kernel's ring has slots, lists
   // on each edge of the kernel's by-value sizes (16, 64 and 448 ops: passed in the launch; 449 and
@@ -506,10 +511,16 @@ void copy_engine_body(refit::copy::engine engine) {
   const refit::copy::op nothing[] = {refit::copy::op{s, d, 0}, refit::copy::op{s + 1, d + 1, 0}};
   copier->run(nothing, stream.handle());
   copier->run(std::span<const refit::copy::op>(ops).subspan(at), stream.handle());
+  // What the stream does next comes after every copy (those on the copy engines' streams too):
+  // the destination is read on it before any host wait.
+  refit::cuda::device_buffer after(dst_bytes);
+  refit::check_cuda(cudaMemcpyAsync(after.handle(), dst.handle(), dst_bytes, cudaMemcpyDeviceToDevice, stream.handle()),
+                    "cudaMemcpyAsync(the destination, on the copier's stream)");
   refit::check_cuda(cudaStreamSynchronize(stream.handle()), "cudaStreamSynchronize");
+  if (engine == refit::copy::engine::kernel) expect(copier->idle(), "the kernel engine is not idle after its stream");
 
   std::vector<std::uint8_t> got(dst_bytes);
-  refit::check_cuda(cudaMemcpy(got.data(), dst.handle(), dst_bytes, cudaMemcpyDeviceToHost), "download");
+  refit::check_cuda(cudaMemcpy(got.data(), after.handle(), dst_bytes, cudaMemcpyDeviceToHost), "download");
   const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
   expect(w == want.end(), std::string(refit::copy::to_string(engine)) + ": byte " + std::to_string(w - want.begin()) +
                               " of the destination is " + std::to_string(*g) + ", expected " + std::to_string(*w));
@@ -543,6 +554,10 @@ TEST_CASE("each GPU copy engine copies thousands of random misaligned ops bit-ex
     rt::child c([engine] { copy_engine_body(engine); });
     CHECK(c.wait(300s) == 0);
   }
+  // The kernel engine handing its copies of 64 KiB and more (a fifth of them) to the copy engines,
+  // as it does those of 16 MiB and more when the engine is automatic.
+  rt::child c([] { copy_engine_body(refit::copy::engine::kernel, 64 * kib); });
+  CHECK(c.wait(300s) == 0);
 }
 
 TEST_CASE("the device checksum equals the CPU checksum for any size and offset", "[cuda_ipc][copy]") {
