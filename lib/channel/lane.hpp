@@ -25,7 +25,8 @@
 // until the slot is free, writes a chunk (a message longer than the slot is sent in order, chunk
 // by chunk), then counts it posted; the reader copies it and counts it taken. The request/reply
 // discipline of the channel stays as it is: one request, then its reply. Every field read from the
-// segment is checked, since the other process writes it.
+// segment is checked, since the other process writes it. Beside the slots, one word carries the
+// streamer's announcements (announce(): a request comes soon, wait for it awake).
 #pragma once
 
 #include <sys/types.h>

@@ -1,7 +1,8 @@
 // refit — moving bytes: pack (sources → buffer) and apply (buffer → destinations).
 //
 // Layer 5. One call per batch: on the CPU a memcpy per op; on the GPU one batched launch per batch
-// (a vectorised copy kernel over a device-side op list, or cudaMemcpyBatchAsync).
+// (a vectorised copy kernel over a device-side op list, with a batch's large copies on the copy
+// engines beside it when the engine is automatic; or cudaMemcpyBatchAsync).
 #pragma once
 
 #include <cstdint>

@@ -45,6 +45,24 @@ void join_by_lane(rep_channel& rep, req_channel& req) {
   rep.attach_lane(std::move(rx));
 }
 
+/// A receiver's channel and a streamer's joined by a lane, and another streamer's through ZeroMQ.
+struct lane_pair {
+  explicit lane_pair(const std::string& endpoint) : rep(endpoint), req(rep.endpoint()), plain(rep.endpoint()) {
+    join_by_lane(rep, req);
+  }
+  rep_channel rep;
+  req_channel req;
+  req_channel plain;
+};
+
+/// Asks `pred` (yielding between asks) until it holds or 20 s have passed; its last answer.
+template <class Pred>
+bool eventually(Pred pred) {
+  const auto end = lane::clock::now() + 20s;
+  while (!pred() && lane::clock::now() < end) std::this_thread::yield();
+  return pred();
+}
+
 }  // namespace
 
 TEST_CASE("a lane carries messages both ways, shorter and longer than its slot", "[lane]") {
@@ -208,12 +226,11 @@ TEST_CASE("a receiver woken without a request wakes, takes no request from it, s
           "[lane][channel]") {
   const auto ep = refit::test::temp_endpoint();
   {
-    rep_channel rep(ep);
-    req_channel req(rep.endpoint());
-    join_by_lane(rep, req);
-    req_channel plain(rep.endpoint());  // through ZeroMQ: nothing to wake, never an error
-    plain.wake_receiver();
-    CHECK_FALSE(plain.receiver_asleep());
+    lane_pair p(ep);
+    rep_channel& rep = p.rep;
+    req_channel& req = p.req;
+    p.plain.wake_receiver();  // through ZeroMQ: nothing to wake, never an error
+    CHECK_FALSE(p.plain.receiver_asleep());
     std::optional<std::string> got;
     std::thread server([&] {
       got = rep.receive(20s, true);  // in a version: spins, then sleeps on the doorbell
@@ -222,15 +239,10 @@ TEST_CASE("a receiver woken without a request wakes, takes no request from it, s
     // The receiver goes to sleep once its spin ends; the wake takes it out of its sleep without a
     // request (it spins again, then sleeps again: the wake is no request). How much the wake saves
     // END is measured by refit-bench (bench/results/2026-11-28-h200-direct-allocations-wake.txt).
-    const auto until = [](auto pred) {
-      const auto end = lane::clock::now() + 20s;
-      while (!pred() && lane::clock::now() < end) std::this_thread::yield();
-      return pred();
-    };
-    REQUIRE(until([&] { return req.receiver_asleep(); }));
+    REQUIRE(eventually([&] { return req.receiver_asleep(); }));
     req.wake_receiver();
-    CHECK(until([&] { return !req.receiver_asleep(); }));
-    CHECK(until([&] { return req.receiver_asleep(); }));
+    CHECK(eventually([&] { return !req.receiver_asleep(); }));
+    CHECK(eventually([&] { return req.receiver_asleep(); }));
     CHECK_FALSE(got.has_value());
     CHECK(req.request("END", 20s, "END") == "re:END");
     server.join();
@@ -487,12 +499,11 @@ TEST_CASE("an announced receiver waits awake past its spin, the request ends tha
           "[lane][channel]") {
   const auto ep = refit::test::temp_endpoint();
   {
-    rep_channel rep(ep);
-    req_channel req(rep.endpoint());
-    join_by_lane(rep, req);
-    req_channel plain(rep.endpoint());  // through ZeroMQ: nobody to tell
-    CHECK_FALSE(plain.announce(1s));
-    std::vector<std::string> got;  // recorded by the thread, checked after it (Catch is not thread-safe)
+    lane_pair p(ep);
+    rep_channel& rep = p.rep;
+    req_channel& req = p.req;
+    CHECK_FALSE(p.plain.announce(1s));  // through ZeroMQ: nobody to tell
+    std::vector<std::string> got;       // recorded by the thread, checked after it (Catch is not thread-safe)
     std::thread server([&] {
       for (int k = 0; k < 2; ++k) {
         const auto m = rep.receive(20s, false);  // between versions: no spin, asleep at once
@@ -501,14 +512,9 @@ TEST_CASE("an announced receiver waits awake past its spin, the request ends tha
         rep.reply("re:" + *m);
       }
     });
-    const auto until = [](auto pred) {
-      const auto end = lane::clock::now() + 20s;
-      while (!pred() && lane::clock::now() < end) std::this_thread::yield();
-      return pred();
-    };
-    REQUIRE(until([&] { return req.receiver_asleep(); }));
+    REQUIRE(eventually([&] { return req.receiver_asleep(); }));
     REQUIRE(req.announce(60s));
-    CHECK(until([&] { return !req.receiver_asleep(); }));
+    CHECK(eventually([&] { return !req.receiver_asleep(); }));
     // Held: it does not go back to sleep (a wake without a hold would, at once: it waits with no spin).
     bool slept = false;
     for (int k = 0; k < 20000 && !slept; ++k) {
@@ -518,11 +524,11 @@ TEST_CASE("an announced receiver waits awake past its spin, the request ends tha
     CHECK_FALSE(slept);
     CHECK(req.request("BEGIN", 20s, "BEGIN") == "re:BEGIN");
     // The request ended the hold: waiting for the next one, it sleeps (long before 60 s).
-    CHECK(until([&] { return req.receiver_asleep(); }));
+    CHECK(eventually([&] { return req.receiver_asleep(); }));
     // A short hold ends by itself.
     REQUIRE(req.announce(30ms));
-    CHECK(until([&] { return !req.receiver_asleep(); }));
-    CHECK(until([&] { return req.receiver_asleep(); }));
+    CHECK(eventually([&] { return !req.receiver_asleep(); }));
+    CHECK(eventually([&] { return req.receiver_asleep(); }));
     CHECK(req.request("END", 20s, "END") == "re:END");
     server.join();
     CHECK(got == std::vector<std::string>{"BEGIN", "END"});
