@@ -59,6 +59,7 @@ void add_parts(const std::vector<slot>& slots, const wire::entry& e, std::vector
     for (const plan::run& r : pieces) {
       scatter.unpack.emplace_back(ops.size(), scatter.bytes);
       ops.emplace_back(nullptr, static_cast<std::byte*>(sl.dest.data) + r.dst, r.width, r.rows, r.width, r.dst_pitch);
+      ops.back().kernel_only = sl.kernel_only;
       scatter.bytes += r.width * r.rows;
     }
   }

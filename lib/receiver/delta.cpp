@@ -160,7 +160,10 @@ void receiver::impl::apply_delta_device(const wire::batch& b, const std::byte* b
     delta::cuda::add_range_terms(first, e.tensor_offset, e.bytes, total, weight, true, ws, stream);
     delta::cuda::add_range_terms(from, e.tensor_offset, e.bytes, total, weight, false, ws, stream);
     ops.clear();
-    for (slot& sl : slots) ops.emplace_back(from, static_cast<std::byte*>(sl.dest.data) + e.tensor_offset, e.bytes);
+    for (slot& sl : slots) {
+      ops.emplace_back(from, static_cast<std::byte*>(sl.dest.data) + e.tensor_offset, e.bytes);
+      ops.back().kernel_only = sl.kernel_only;
+    }
     ln->copier->run(ops, stream);
   }
   delta::cuda::launch_applies(ws);  // before end_read() hands the buffer back

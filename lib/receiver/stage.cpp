@@ -209,6 +209,7 @@ void receiver::impl::stage_delta(const wire::batch& b) {
     staged_log.push_back(staged_entry{at, e.bytes, e.kind == wire::entry_kind::patch, e.span, e.tensor_offset,
                                       *checked_nbytes(e.type, e.shape), itemsize(e.type), &slots, e.name});
     ops.emplace_back(base + e.buffer_offset, log + at, e.bytes);
+    ops.back().kernel_only = true;  // into the stage: the kernel alone (see add_staged)
     log_used = at + e.bytes;
   }
   const std::span<const staged_entry> batch = std::span(staged_log).subspan(first);
