@@ -201,6 +201,8 @@ def run_row(torch, refit, manifest, args, path: str, buffer_mb: float) -> Dict[s
         with st:
             for it in range(args.warmup + args.iters):
                 version = it + 1
+                if args.announce:
+                    st.announce()  # before the new weights are made, as a trainer before its step
                 fill(torch, tensors, args.seed * 1000003 + version)
                 if cuda:
                     torch.cuda.synchronize()
@@ -229,6 +231,7 @@ def run_row(torch, refit, manifest, args, path: str, buffer_mb: float) -> Dict[s
             "transport": transport, "model": manifest["name"], "path": path, "api": "python",
             "buffer_mb": buffer_mb, "receivers": nrecv, "tensors": stats[0].tensors, "bytes": nbytes,
             "iters": args.iters, "direct": stats[0].direct, "arena": bool(getattr(args, "arena", False)),
+            "announce": bool(getattr(args, "announce", False)),
             "time_ms": {"median": statistics.median(times) * 1e3, "min": min(times) * 1e3, "max": max(times) * 1e3},
             "gbps": nbytes / statistics.median(times) / 1e9,
             "source_ms": statistics.median(s.source_seconds for s in stats) * 1e3,
@@ -264,6 +267,8 @@ def cpp_row(args, model: str, path: str, buffer_mb: float) -> Optional[Dict[str,
                "--seed", str(args.seed), "--timeout-ms", str(int(args.timeout * 1000)), "--json", out, "-q"]
         if nccl_shares_gpus(args):
             cmd.append("--nccl-share-gpus")  # refit-bench shares GPUs only when told
+        if args.announce:
+            cmd.append("--announce")
         log("C++ row: " + " ".join(cmd))
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 or not os.path.exists(out):
@@ -315,6 +320,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--arena", action="store_true",
                     help="the streamer's tensors as views of one allocation (as refit-bench's), not one each")
+    ap.add_argument("--announce", action="store_true",
+                    help="Streamer.announce() before each refit's new weights are made (refit-bench --announce)")
     ap.add_argument("--compare", action="store_true", help="run refit-bench (C++) on the same rows in this call")
     ap.add_argument("--json", help="write the rows and the preamble to FILE")
     args = ap.parse_args(argv)
