@@ -45,11 +45,11 @@ void join_by_lane(rep_channel& rep, req_channel& req) {
   rep.attach_lane(std::move(rx));
 }
 
-/// A receiver's channel and a streamer's joined by a lane, and another streamer's through ZeroMQ.
+/// A receiver's channel on a private endpoint (removed after the channels close) and a streamer's
+/// joined to it by a lane, and another streamer's through ZeroMQ.
 struct lane_pair {
-  explicit lane_pair(const std::string& endpoint) : rep(endpoint), req(rep.endpoint()), plain(rep.endpoint()) {
-    join_by_lane(rep, req);
-  }
+  lane_pair() : rep(ep.name), req(rep.endpoint()), plain(rep.endpoint()) { join_by_lane(rep, req); }
+  refit::test::scoped_endpoint ep;  // first: gone last
   rep_channel rep;
   req_channel req;
   req_channel plain;
@@ -224,31 +224,27 @@ TEST_CASE("wait_any sees a request on a lane among several channels", "[lane][ch
 
 TEST_CASE("a receiver woken without a request wakes, takes no request from it, sleeps again and answers the next",
           "[lane][channel]") {
-  const auto ep = refit::test::temp_endpoint();
-  {
-    lane_pair p(ep);
-    rep_channel& rep = p.rep;
-    req_channel& req = p.req;
-    p.plain.wake_receiver();  // through ZeroMQ: nothing to wake, never an error
-    CHECK_FALSE(p.plain.receiver_asleep());
-    std::optional<std::string> got;
-    std::thread server([&] {
-      got = rep.receive(20s, true);  // in a version: spins, then sleeps on the doorbell
-      if (got) rep.reply("re:" + *got);
-    });
-    // The receiver goes to sleep once its spin ends; the wake takes it out of its sleep without a
-    // request (it spins again, then sleeps again: the wake is no request). How much the wake saves
-    // END is measured by refit-bench (bench/results/2026-11-28-h200-direct-allocations-wake.txt).
-    REQUIRE(eventually([&] { return req.receiver_asleep(); }));
-    req.wake_receiver();
-    CHECK(eventually([&] { return !req.receiver_asleep(); }));
-    CHECK(eventually([&] { return req.receiver_asleep(); }));
-    CHECK_FALSE(got.has_value());
-    CHECK(req.request("END", 20s, "END") == "re:END");
-    server.join();
-    CHECK(got == std::optional<std::string>("END"));
-  }
-  refit::channel::remove_private_endpoint(ep);
+  lane_pair p;
+  rep_channel& rep = p.rep;
+  req_channel& req = p.req;
+  p.plain.wake_receiver();  // through ZeroMQ: nothing to wake, never an error
+  CHECK_FALSE(p.plain.receiver_asleep());
+  std::optional<std::string> got;
+  std::thread server([&] {
+    got = rep.receive(20s, true);  // in a version: spins, then sleeps on the doorbell
+    if (got) rep.reply("re:" + *got);
+  });
+  // The receiver goes to sleep once its spin ends; the wake takes it out of its sleep without a
+  // request (it spins again, then sleeps again: the wake is no request). How much the wake saves
+  // END is measured by refit-bench (bench/results/2026-11-28-h200-direct-allocations-wake.txt).
+  REQUIRE(eventually([&] { return req.receiver_asleep(); }));
+  req.wake_receiver();
+  CHECK(eventually([&] { return !req.receiver_asleep(); }));
+  CHECK(eventually([&] { return req.receiver_asleep(); }));
+  CHECK_FALSE(got.has_value());
+  CHECK(req.request("END", 20s, "END") == "re:END");
+  server.join();
+  CHECK(got == std::optional<std::string>("END"));
 }
 
 TEST_CASE("a streamer whose lane the receiver closed sends its next request through ZeroMQ", "[lane][channel]") {
@@ -497,41 +493,37 @@ TEST_CASE("an announcement holds the receiver awake for its hold from its first 
 
 TEST_CASE("an announced receiver waits awake past its spin, the request ends that, and so does the hold's end",
           "[lane][channel]") {
-  const auto ep = refit::test::temp_endpoint();
-  {
-    lane_pair p(ep);
-    rep_channel& rep = p.rep;
-    req_channel& req = p.req;
-    CHECK_FALSE(p.plain.announce(1s));  // through ZeroMQ: nobody to tell
-    std::vector<std::string> got;       // recorded by the thread, checked after it (Catch is not thread-safe)
-    std::thread server([&] {
-      for (int k = 0; k < 2; ++k) {
-        const auto m = rep.receive(20s, false);  // between versions: no spin, asleep at once
-        if (!m) return;
-        got.push_back(*m);
-        rep.reply("re:" + *m);
-      }
-    });
-    REQUIRE(eventually([&] { return req.receiver_asleep(); }));
-    REQUIRE(req.announce(60s));
-    CHECK(eventually([&] { return !req.receiver_asleep(); }));
-    // Held: it does not go back to sleep (a wake without a hold would, at once: it waits with no spin).
-    bool slept = false;
-    for (int k = 0; k < 20000 && !slept; ++k) {
-      slept = req.receiver_asleep();
-      std::this_thread::yield();
+  lane_pair p;
+  rep_channel& rep = p.rep;
+  req_channel& req = p.req;
+  CHECK_FALSE(p.plain.announce(1s));  // through ZeroMQ: nobody to tell
+  std::vector<std::string> got;       // recorded by the thread, checked after it (Catch is not thread-safe)
+  std::thread server([&] {
+    for (int k = 0; k < 2; ++k) {
+      const auto m = rep.receive(20s, false);  // between versions: no spin, asleep at once
+      if (!m) return;
+      got.push_back(*m);
+      rep.reply("re:" + *m);
     }
-    CHECK_FALSE(slept);
-    CHECK(req.request("BEGIN", 20s, "BEGIN") == "re:BEGIN");
-    // The request ended the hold: waiting for the next one, it sleeps (long before 60 s).
-    CHECK(eventually([&] { return req.receiver_asleep(); }));
-    // A short hold ends by itself.
-    REQUIRE(req.announce(30ms));
-    CHECK(eventually([&] { return !req.receiver_asleep(); }));
-    CHECK(eventually([&] { return req.receiver_asleep(); }));
-    CHECK(req.request("END", 20s, "END") == "re:END");
-    server.join();
-    CHECK(got == std::vector<std::string>{"BEGIN", "END"});
+  });
+  REQUIRE(eventually([&] { return req.receiver_asleep(); }));
+  REQUIRE(req.announce(60s));
+  CHECK(eventually([&] { return !req.receiver_asleep(); }));
+  // Held: it does not go back to sleep (a wake without a hold would, at once: it waits with no spin).
+  bool slept = false;
+  for (int k = 0; k < 20000 && !slept; ++k) {
+    slept = req.receiver_asleep();
+    std::this_thread::yield();
   }
-  refit::channel::remove_private_endpoint(ep);
+  CHECK_FALSE(slept);
+  CHECK(req.request("BEGIN", 20s, "BEGIN") == "re:BEGIN");
+  // The request ended the hold: waiting for the next one, it sleeps (long before 60 s).
+  CHECK(eventually([&] { return req.receiver_asleep(); }));
+  // A short hold ends by itself.
+  REQUIRE(req.announce(30ms));
+  CHECK(eventually([&] { return !req.receiver_asleep(); }));
+  CHECK(eventually([&] { return req.receiver_asleep(); }));
+  CHECK(req.request("END", 20s, "END") == "re:END");
+  server.join();
+  CHECK(got == std::vector<std::string>{"BEGIN", "END"});
 }
