@@ -36,13 +36,6 @@ std::size_t non_empty(std::span<const op> ops) noexcept {
       std::count_if(ops.begin(), ops.end(), [](const op& o) { return o.bytes != 0 && o.rows != 0; }));
 }
 
-/// One launch of the copy kernel per run(). A list of at most kernel::inline_ops_max ops goes in
-/// the launch's parameters. A longer one reaches the device through a ring of
-/// slots, each a page-locked host array and a device array: run() fills a slot's host array,
-/// copies it to the slot's device array on the caller's stream and launches the kernel after it.
-/// A slot comes round again after `ring` calls; by then its host array's upload has normally
-/// finished (otherwise run() waits for that one copy), and the stream waits (on the device, not
-/// the host) for the kernel that last read its device array, in case that ran on another stream.
 /// Conversion on the GPU, shared by every CUDA engine: the converting copies and scale passes
 /// (one launch each, kernels in copy_kernel.cu) and the scratch arena of the scales. Plain copies
 /// stay with each engine's run(), untouched.
@@ -143,6 +136,15 @@ class cuda_copier : public copier {
   int max_blocks_ = 0;
 };
 
+/// One launch of the copy kernel per run(). A list of at most kernel::inline_ops_max ops goes in
+/// the launch's parameters. A longer one reaches the device through a ring of
+/// slots, each a page-locked host array and a device array: run() fills a slot's host array,
+/// copies it to the slot's device array on the caller's stream and launches the kernel after it.
+/// A slot comes round again after `ring` calls; by then its host array's upload has normally
+/// finished (otherwise run() waits for that one copy), and the stream waits (on the device, not
+/// the host) for the kernel that last read its device array, in case that ran on another stream.
+/// With offload_from, a batch mostly of large copies gives those to the copy engines on two
+/// streams of its own beside the launch (make_copier).
 class kernel_copier final : public cuda_copier {
  public:
   kernel_copier(int device, milliseconds timeout, std::uint64_t offload_from)
@@ -172,6 +174,38 @@ class kernel_copier final : public cuda_copier {
     slot& sl = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
     std::array<bool, sides> used{};
+    try {
+      enqueue(ops, used, sl, s);
+    } catch (...) {
+      // The stream still waits for the copies already on the copy engines: what the caller does
+      // after the failure (drain, abort) must not overtake them.
+      for (std::size_t k = 0; k < sides; ++k)
+        if (used[k] && cudaEventRecord(sides_[k].joined.handle(), sides_[k].stream.handle()) == cudaSuccess)
+          (void)cudaStreamWaitEvent(s, sides_[k].joined.handle(), 0);
+      throw;
+    }
+    for (std::size_t k = 0; k < sides; ++k) {
+      if (!used[k]) continue;
+      check_cuda(cudaEventRecord(sides_[k].joined.handle(), sides_[k].stream.handle()),
+                 "cudaEventRecord(after copy-engine copies)");
+      check_cuda(cudaStreamWaitEvent(s, sides_[k].joined.handle(), 0), "cudaStreamWaitEvent(copy-engine copies)");
+    }
+    check_cuda(cudaEventRecord(sl.consumed.handle(), s), "cudaEventRecord(copy kernel)");
+  }
+
+  [[nodiscard]] engine kind() const noexcept override { return engine::kernel; }
+
+  bool idle() noexcept override { return done(1); }
+  bool queue_short() noexcept override { return done(2); }
+
+ private:
+  static constexpr std::size_t initial_capacity = 1024;  // ops; 64 KiB per array
+  static constexpr std::size_t sides = 2;                // copy-engine streams
+  struct slot;
+
+  /// The batch's large copies on the copy-engine streams (`used`: those that took some, after
+  /// waiting for the work on `s` so far) when worth it, and the rest by one launch on `s`.
+  void enqueue(std::span<const op> ops, std::array<bool, sides>& used, slot& sl, cudaStream_t s) {
     std::span<const op> rest = ops;
     if (offload_from_ != 0 && worth_offloading(ops)) {
       check_cuda(cudaEventRecord(fork_.handle(), s), "cudaEventRecord(before copy-engine copies)");
@@ -191,24 +225,7 @@ class kernel_copier final : public cuda_copier {
       rest = kernel_ops_;
     }
     launch(rest, sl, s);
-    for (std::size_t k = 0; k < sides; ++k) {
-      if (!used[k]) continue;
-      check_cuda(cudaEventRecord(sides_[k].joined.handle(), sides_[k].stream.handle()),
-                 "cudaEventRecord(after copy-engine copies)");
-      check_cuda(cudaStreamWaitEvent(s, sides_[k].joined.handle(), 0), "cudaStreamWaitEvent(copy-engine copies)");
-    }
-    check_cuda(cudaEventRecord(sl.consumed.handle(), s), "cudaEventRecord(copy kernel)");
   }
-
-  [[nodiscard]] engine kind() const noexcept override { return engine::kernel; }
-
-  bool idle() noexcept override { return done(1); }
-  bool queue_short() noexcept override { return done(2); }
-
- private:
-  static constexpr std::size_t initial_capacity = 1024;  // ops; 64 KiB per array
-  static constexpr std::size_t sides = 2;                // copy-engine streams
-  struct slot;
 
   [[nodiscard]] bool offloaded(const op& o) const noexcept {
     return o.rows == 1 && !o.kernel_only && o.bytes >= offload_from_ &&
