@@ -118,7 +118,7 @@ class lane {
   /// instead of sleeping until one comes or `hold` has passed (awake_until()). Never throws.
   void announce(std::chrono::milliseconds hold) noexcept;
   /// Receiver: until when the streamer's last announcement holds this end awake (a time passed
-  /// when there is none, or once a request was taken since: receive_taken()). A new announcement
+  /// when there is none, or once a request was taken since: request_taken()). A new announcement
   /// is seen here, and its hold counts from the first look. A load when nothing changed.
   [[nodiscard]] clock::time_point awake_until() noexcept;
   /// Streamer: writes `word` as the announcement (its number times 2^16 plus milliseconds) and

@@ -249,11 +249,13 @@ bool append_convert_route(std::span<const plan::run> runs, std::uint64_t from, s
 }
 
 bool append_route(std::span<const plan::run> runs, std::uint64_t from, std::uint64_t bytes, const std::byte* src,
-                  std::byte* dst, std::vector<op>& ops, std::vector<plan::run>& scratch) {
+                  std::byte* dst, std::vector<op>& ops, std::vector<plan::run>& scratch, bool kernel_only) {
   scratch.clear();
   for (const plan::run& r : runs) plan::clip(r, from, from + bytes, scratch);
-  for (const plan::run& r : scratch)
+  for (const plan::run& r : scratch) {
     ops.emplace_back(src + (r.src - from), dst + r.dst, r.width, r.rows, r.src_pitch, r.dst_pitch);
+    ops.back().kernel_only = kernel_only;
+  }
   return !scratch.empty();
 }
 

@@ -147,10 +147,11 @@ class copier {
 
 /// Appends the copies that move source bytes [from, from + bytes) along `runs` (plan::route of
 /// one destination) into that destination, whose first byte is `dst`; `src` points at source byte
-/// `from` (in a staging buffer, or in the tensor itself): one op per clipped run. Returns whether
-/// any op was appended. `scratch` is only reused between calls, to spare an allocation.
+/// `from` (in a staging buffer, or in the tensor itself): one op per clipped run, each marked
+/// `kernel_only` as asked (op::kernel_only). Returns whether any op was appended. `scratch` is only
+/// reused between calls, to spare an allocation.
 bool append_route(std::span<const plan::run> runs, std::uint64_t from, std::uint64_t bytes, const std::byte* src,
-                  std::byte* dst, std::vector<op>& ops, std::vector<plan::run>& scratch);
+                  std::byte* dst, std::vector<op>& ops, std::vector<plan::run>& scratch, bool kernel_only = false);
 
 /// The engine to use for buffers whose transport prefers `preferred`: the user's choice on GPU
 /// transports, memcpy on the CPU.

@@ -228,8 +228,7 @@ class kernel_copier final : public cuda_copier {
   }
 
   [[nodiscard]] bool offloaded(const op& o) const noexcept {
-    return o.rows == 1 && !o.kernel_only && o.bytes >= offload_from_ &&
-           o.bytes <= std::numeric_limits<std::size_t>::max();
+    return o.rows == 1 && !o.kernel_only && o.bytes >= offload_from_;
   }
 
   /// Whether the batch's large copies hold at least half its bytes: a batch of mostly small

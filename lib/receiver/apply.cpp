@@ -143,12 +143,10 @@ void receiver::impl::add_staged(std::vector<slot>& slots, const wire::entry& e, 
   }
   for (slot& sl : slots) {
     std::byte* const into = staged() ? stage_for(sl) : static_cast<std::byte*>(sl.dest.data);
-    const std::size_t first = ops.size();
-    const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), into, ops, pieces);
     // Not into an allocation the copy engines write slowly, nor into the stage (receiver_options::
     // stage: one allocation as large as the version, not measured with them): the kernel alone.
-    if (sl.kernel_only || staged())
-      for (std::size_t k = first; k < ops.size(); ++k) ops[k].kernel_only = true;
+    const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), into, ops, pieces,
+                                           sl.kernel_only || staged());
     if (copies && where == device_kind::cuda && !(sl.dest.dev == ln->sink->where()) &&
         ln->copier->kind() == copy::engine::kernel)
       copy::enable_peer_access(ln->sink->where().index, sl.dest.dev.index);

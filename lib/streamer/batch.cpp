@@ -208,12 +208,9 @@ void streamer::impl::batch_writer::add(const tensor_ref& t, const placement& p,
   if (t.dev.kind == device_kind::cuda && !(t.dev == where) && st.copier->kind() == copy::engine::kernel)
     copy::enable_peer_access(where.index, t.dev.index);
   if (direct) {
-    for (const transport::routed& target : targets) {
-      const std::size_t first = ops.size();
-      copy::append_route(target.runs, p.entry.tensor_offset, p.entry.bytes, from, target.base, ops, pieces);
-      if (target.kernel_only)
-        for (std::size_t k = first; k < ops.size(); ++k) ops[k].kernel_only = true;
-    }
+    for (const transport::routed& target : targets)
+      copy::append_route(target.runs, p.entry.tensor_offset, p.entry.bytes, from, target.base, ops, pieces,
+                         target.kernel_only);
     note_direct(p.entry.bytes);
     return;
   }
