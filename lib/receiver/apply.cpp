@@ -143,10 +143,12 @@ void receiver::impl::add_staged(std::vector<slot>& slots, const wire::entry& e, 
   }
   for (slot& sl : slots) {
     std::byte* const into = staged() ? stage_for(sl) : static_cast<std::byte*>(sl.dest.data);
-    // Not into an allocation the copy engines write slowly, nor into the stage (receiver_options::
-    // stage: one allocation as large as the version, not measured with them): the kernel alone.
-    const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), into, ops, pieces,
-                                           sl.kernel_only || staged());
+    // Not into an allocation the copy engines write slowly, nor from a streamer's allocation they
+    // read slowly, nor into the stage (receiver_options::stage: one allocation as large as the
+    // version, not measured with them): the kernel alone.
+    const bool copies =
+        copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), into, ops, pieces,
+                           sl.kernel_only || staged() || (e.source != 0 && ln->sink->source_kernel_only(e.source)));
     if (copies && where == device_kind::cuda && !(sl.dest.dev == ln->sink->where()) &&
         ln->copier->kind() == copy::engine::kernel)
       copy::enable_peer_access(ln->sink->where().index, sl.dest.dev.index);

@@ -904,7 +904,10 @@ class cuda_ipc_sink final : public sink {
           throw error(errc::transport, fmt::format("cuda_ipc: source {} maps {} bytes where the streamer announced "
                                                    "{}",
                                                    index, a ? a->bytes : 0, claimed));
-        it = sources_.emplace(record, mapped_source{peer_memory{std::move(map), {}, claimed}, false}).first;
+        it = sources_
+                 .emplace(record, mapped_source{peer_memory{std::move(map), {}, claimed}, false,
+                                                a->bytes > copy::engines_slow_above})
+                 .first;
       }
       it->second.read = true;
       numbered_.push_back(&it->second);
@@ -922,6 +925,13 @@ class cuda_ipc_sink final : public sink {
       throw error(errc::protocol, fmt::format("cuda_ipc: an entry reads bytes [{}, {} + {}) of source {}, which has {}",
                                               offset, offset, bytes, index, m.bytes));
     return m.data() + offset;
+  }
+
+  /// A trainer's weights in one 16 GB cudaMalloc, read in place by a staged receiver: the copy
+  /// engines took llama3-8b's large tensors from it more slowly than the kernel alone
+  /// (bench/results/2026-11-29-h200-small-refit-timeline.txt).
+  [[nodiscard]] bool source_kernel_only(std::uint32_t index) const noexcept override {
+    return index != 0 && index <= numbered_.size() && numbered_[index - 1]->kernel_only;
   }
 
   void end_sources() noexcept override {
@@ -986,7 +996,8 @@ class cuda_ipc_sink final : public sink {
   /// An allocation of the streamer that entries read in place, mapped here.
   struct mapped_source {
     peer_memory mem;
-    bool read = false;  ///< by the refit in progress (or the last one)
+    bool read = false;         ///< by the refit in progress (or the last one)
+    bool kernel_only = false;  ///< a cudaMalloc allocation the copy engines read slowly (source_kernel_only)
   };
 
   /// map_sources() of a VMM record: the span is mapped from the descriptors that follow through the

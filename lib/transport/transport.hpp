@@ -358,6 +358,13 @@ class sink {
     throw error(errc::protocol, "an entry reads source " + std::to_string(index) +
                                     " of the streamer in place, which this transport cannot map");
   }
+  /// Whether source `index` (announced: source_data) is memory the copy engines read slowly: a
+  /// cudaMalloc allocation larger than copy::engines_slow_above, whose copies then go by the kernel
+  /// alone (copy::op::kernel_only).
+  [[nodiscard]] virtual bool source_kernel_only(std::uint32_t index) const noexcept {
+    (void)index;
+    return false;
+  }
   /// The link that carries file descriptors from the streamer in this session (the control lane's),
   /// or null when there is none. Ignored by default.
   virtual void link(std::shared_ptr<channel::fd_link> fds) { (void)fds; }
