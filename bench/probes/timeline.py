@@ -72,13 +72,13 @@ def detail(streamer: str, receivers: list, log: str = "") -> None:
     mine = load(streamer)
     logged = log_lines(log) if log else []
     # A refit starts when its BEGIN is posted (the streamer's debug line says when the replies came, and after how
-    # long); without a log, at the call that launched its empty kernel (the device's work names the call's
-    # correlation id), which a streamer skips when the replies come at once.
+    # long); without a log, at the call that launched its empty kernel (copier::prime: the device's work names the
+    # call's correlation id).
     begun = re.compile(r"BEGIN of .*version \d+: answered by \d+ receiver\(s\) in (\d+) us")
     starts = [t - int(m.group(1)) * 1000 for t, _e, _k, text, _g, _c, _p in logged if (m := begun.search(text))]
     if not starts:
         primes = {corr for _s, _e, kind, name, _g, corr, _t in mine if kind == "K" and "nothing" in name}
-        starts = [s for s, _e, kind, _n, corr, _c, _t in mine if kind in "RD" and corr in primes and "aunch" in _n]
+        starts = [s for s, _e, kind, call, corr, _c, _t in mine if kind in "RD" and corr in primes and "aunch" in call]
     starts = sorted(set(starts))
     if len(starts) < 2:
         sys.exit("timeline.py --detail: fewer than two refits found (record the calls with CUPTI_API=1, or give the "
@@ -97,11 +97,11 @@ def detail(streamer: str, receivers: list, log: str = "") -> None:
         if copies:
             windows.append((max(c[1] for c in copies) - lo, lo, hi))
     spans = sorted(w[0] for w in windows)
-    print(f"{len(windows)} refits: BEGIN (or the priming call) -> last copy's end, median {statistics.median(spans) / 1e3:.1f} us "
-          f"(min {spans[0] / 1e3:.1f}, max {spans[-1] / 1e3:.1f})")
+    print(f"{len(windows)} refits: BEGIN (or the priming call) -> last copy's end, median "
+          f"{statistics.median(spans) / 1e3:.1f} us (min {spans[0] / 1e3:.1f}, max {spans[-1] / 1e3:.1f})")
     span, lo, hi = sorted(windows)[len(windows) // 2]
-    print(f"the median refit, every call and device work from {-100} us to the last copy + 200 us "
-          f"(S streamer, R receiver; calls: start +duration; repeats folded):")
+    print("the median refit, every call and device work from -100 us to the last copy + 200 us "
+          "(S streamer, R receiver; calls: start +duration; repeats folded):")
     last = None
     for who, start, end, kind, name, grid, corr, stream in tagged:
         if start < lo - 100_000 or start > lo + span + 200_000:
