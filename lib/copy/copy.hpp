@@ -165,7 +165,10 @@ engine choose(engine preferred, copy_engine requested) noexcept;
 /// cudaMemcpyAsync, tensors of 16 MiB or more on two copy-engine streams beside it 0.987, of 64
 /// MiB 0.975, every tensor on four streams 0.977; 3 MiB tensors by copy engines 0.34-0.40, by the
 /// kernel 0.96 (bench/probes/dest_alloc.cu engines;
-/// bench/results/2026-11-29-h200-copy-engines-announce.txt).
+/// bench/results/2026-11-29-h200-copy-engines-announce.txt). Between two addresses of one GPU that
+/// "copy engine" is cudaMemcpyAsync as the driver runs it, which does not run beside a kernel (a
+/// kernel launched meanwhile starts as it ends: bench/results/2026-11-29-h200-small-refit-timeline.txt):
+/// what it adds is its speed on large ranges, not bandwidth beside the kernel's.
 inline constexpr std::uint64_t offload_from_automatic = std::uint64_t{16} << 20;
 /// A cudaMalloc allocation larger than this is written by the kernel alone (copy::op::kernel_only):
 /// the copy engines write one of 16 GB, mapped from another process, at 0.67-0.74 of the floor
@@ -182,9 +185,10 @@ std::uint64_t offload_for(copy_engine requested) noexcept;
 /// engine may do (the kernel engine reusing an op-list slot whose upload is still queued behind
 /// work of a peer); past it, run() throws errc::timeout. `offload_from` (kernel engine only; 0:
 /// none): in a batch where such copies hold at least half the bytes, each op of one row and at
-/// least that many bytes goes to the copy engines, dealt in turn to two streams of the copier's own, which start after the work enqueued on run()'s stream so
-/// far and which that stream waits for after the batch's kernel: the batch runs at once on both,
-/// in stream order with everything else.
+/// least that many bytes goes to the copy engines, dealt in turn to two streams of the copier's own,
+/// which start after the work enqueued on run()'s stream so far and which that stream waits for
+/// after the batch's kernel: in stream order with everything else (on one GPU those copies and the
+/// kernel run one after the other, not at once: see offload_from_automatic).
 std::unique_ptr<copier> make_copier(engine e, int device = 0, milliseconds timeout = milliseconds{60000},
                                     std::uint64_t offload_from = 0);
 
