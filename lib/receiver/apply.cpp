@@ -141,14 +141,14 @@ void receiver::impl::add_staged(std::vector<slot>& slots, const wire::entry& e, 
     segments->push_back(transport::segment{into + e.tensor_offset, 0, e.bytes});
     return;
   }
+  // Not from a streamer's allocation the copy engines read slowly, nor into one they write slowly, nor
+  // into the stage (receiver_options::stage: one allocation as large as the version, not measured
+  // with them): the kernel alone.
+  const bool kernel_only = staged() || (e.source != 0 && ln->sink->source_kernel_only(e.source));
   for (slot& sl : slots) {
     std::byte* const into = staged() ? stage_for(sl) : static_cast<std::byte*>(sl.dest.data);
-    // Not into an allocation the copy engines write slowly, nor from a streamer's allocation they
-    // read slowly, nor into the stage (receiver_options::stage: one allocation as large as the
-    // version, not measured with them): the kernel alone.
-    const bool copies =
-        copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), into, ops, pieces,
-                           sl.kernel_only || staged() || (e.source != 0 && ln->sink->source_kernel_only(e.source)));
+    const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), into, ops, pieces,
+                                           kernel_only || sl.kernel_only);
     if (copies && where == device_kind::cuda && !(sl.dest.dev == ln->sink->where()) &&
         ln->copier->kind() == copy::engine::kernel)
       copy::enable_peer_access(ln->sink->where().index, sl.dest.dev.index);

@@ -231,7 +231,7 @@ def run_row(torch, refit, manifest, args, path: str, buffer_mb: float) -> Dict[s
             "transport": transport, "model": manifest["name"], "path": path, "api": "python",
             "buffer_mb": buffer_mb, "receivers": nrecv, "tensors": stats[0].tensors, "bytes": nbytes,
             "iters": args.iters, "direct": stats[0].direct, "arena": bool(getattr(args, "arena", False)),
-            "announce": bool(getattr(args, "announce", False)),
+            "announce": args.announce,
             "time_ms": {"median": statistics.median(times) * 1e3, "min": min(times) * 1e3, "max": max(times) * 1e3},
             "gbps": nbytes / statistics.median(times) / 1e9,
             "source_ms": statistics.median(s.source_seconds for s in stats) * 1e3,
