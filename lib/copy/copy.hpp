@@ -118,6 +118,16 @@ class copier {
  public:
   virtual ~copier() = default;
   virtual void run(std::span<const op> ops, void* stream) = 0;
+  /// Like run(), except that nothing later on `stream` waits for these copies until join(stream):
+  /// they start after the work enqueued on `stream` so far, beside the copies of this copier's
+  /// earlier run_beside() calls. For copies whose destinations no other copy writes and whose
+  /// sources nothing writes before join() (a direct session's writes: the kernel engine starts
+  /// each launch while the one before finishes its last, partly idle wave). Engines without
+  /// streams of their own run().
+  virtual void run_beside(std::span<const op> ops, void* stream) { run(ops, stream); }
+  /// Makes the work enqueued on `stream` from now on wait for every copy of run_beside(); run()
+  /// does it first by itself.
+  virtual void join(void* stream) { (void)stream; }
   /// Converting copies, like run(). Engines without conversion throw errc::invalid_argument.
   virtual void convert(std::span<const convert_op> ops, void* stream) = 0;
   /// Scale passes (the source's memory where this engine reads, the outputs where it writes), in

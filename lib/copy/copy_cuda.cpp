@@ -165,12 +165,59 @@ class kernel_copier final : public cuda_copier {
   /// The batch's large copies to the copy engines (see make_copier's offload_from), the rest by
   /// one launch of the kernel, at once; then the kernel's stream waits for both.
   void run(std::span<const op> ops, void* stream) override {
+    join(stream);
+    run_on(ops, static_cast<cudaStream_t>(stream));
+  }
+
+  /// The batch on the next of two streams of this copier's, after the work on `stream` so far:
+  /// consecutive launches alternate between them, so a launch's blocks take the SMs its
+  /// predecessor's last wave leaves idle (on one stream, each launch waits for the last block of
+  /// the one before, and every launch boundary cost a small refit ~5 us:
+  /// bench/results/2026-11-29-h200-small-refit-timeline.txt).
+  void run_beside(std::span<const op> ops, void* stream) override {
+    if (non_empty(ops) == 0) return;
+    device_guard guard(device_);
+    if (!lane_fork_.handle()) {
+      lane_fork_ = cuda::event(cudaEventDisableTiming);
+      for (lane& l : lanes_) l = lane{cuda::stream(cudaStreamNonBlocking), cuda::event(cudaEventDisableTiming), false};
+    }
+    lane& l = lanes_[lane_turn_++ % lanes_.size()];
+    check_cuda(cudaEventRecord(lane_fork_.handle(), static_cast<cudaStream_t>(stream)),
+               "cudaEventRecord(before copies beside the stream)");
+    check_cuda(cudaStreamWaitEvent(l.stream.handle(), lane_fork_.handle(), 0),
+               "cudaStreamWaitEvent(copies beside the stream)");
+    l.unjoined = true;
+    run_on(ops, l.stream.handle());
+  }
+
+  void join(void* stream) override {
+    for (lane& l : lanes_) {
+      if (!l.unjoined) continue;
+      device_guard guard(device_);
+      check_cuda(cudaEventRecord(l.joined.handle(), l.stream.handle()), "cudaEventRecord(after copies beside)");
+      check_cuda(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), l.joined.handle(), 0),
+                 "cudaStreamWaitEvent(copies beside the stream)");
+      l.unjoined = false;
+    }
+  }
+
+  [[nodiscard]] engine kind() const noexcept override { return engine::kernel; }
+
+  // Launches beside each other (run_beside) may end out of order: the last two are asked.
+  bool idle() noexcept override { return done(1) && done(2); }
+  bool queue_short() noexcept override { return done(2) && done(3); }
+
+ private:
+  static constexpr std::size_t initial_capacity = 1024;  // ops; 64 KiB per array
+  static constexpr std::size_t sides = 2;                // copy-engine streams
+  struct slot;
+
+  void run_on(std::span<const op> ops, cudaStream_t s) {
     const std::size_t count = non_empty(ops);
     if (count == 0) return;
     if (count > std::numeric_limits<std::uint32_t>::max())
       throw error(errc::invalid_argument, fmt::format("a batch of {} copies is too many for one launch", count));
     device_guard guard(device_);
-    const auto s = static_cast<cudaStream_t>(stream);
     slot& sl = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
     std::array<bool, sides> used{};
@@ -192,16 +239,6 @@ class kernel_copier final : public cuda_copier {
     }
     check_cuda(cudaEventRecord(sl.consumed.handle(), s), "cudaEventRecord(copy kernel)");
   }
-
-  [[nodiscard]] engine kind() const noexcept override { return engine::kernel; }
-
-  bool idle() noexcept override { return done(1); }
-  bool queue_short() noexcept override { return done(2); }
-
- private:
-  static constexpr std::size_t initial_capacity = 1024;  // ops; 64 KiB per array
-  static constexpr std::size_t sides = 2;                // copy-engine streams
-  struct slot;
 
   /// The batch's large copies on the copy-engine streams (`used`: those that took some, after
   /// waiting for the work on `s` so far) when worth it, and the rest by one launch on `s`.
@@ -364,6 +401,16 @@ class kernel_copier final : public cuda_copier {
   std::array<side, sides> sides_;
   std::size_t turn_ = 0;        ///< the next copy-engine copy's stream: turn_ % sides
   std::vector<op> kernel_ops_;  ///< the rest of a batch some of whose copies went to the copy engines
+
+  /// A stream of run_beside()'s, and the event join() has the caller's stream wait on.
+  struct lane {
+    cuda::stream stream;
+    cuda::event joined;
+    bool unjoined = false;  ///< holds copies the caller's stream does not wait for yet
+  };
+  cuda::event lane_fork_;  ///< recorded on run_beside()'s stream before each call; made at the first
+  std::array<lane, 2> lanes_;
+  std::size_t lane_turn_ = 0;
 };
 
 /// cudaMemcpyBatchAsync: one call per run(). The runtime refuses the legacy default stream for

@@ -65,7 +65,12 @@ void streamer::impl::batch_writer::run_ops() {
     });
     st.peer_copier().run(peer_ops, st.buffers->stream());
   }
-  st.copier->run(ops, st.buffers->stream());
+  // A direct session's launches run beside each other (each destination is written once, and
+  // nothing rewrites a source before END): joined before the stream drains (end_tensors).
+  if (direct && !st.peer_engine())
+    st.copier->run_beside(ops, st.buffers->stream());
+  else
+    st.copier->run(ops, st.buffers->stream());
   fused.clear();
   jobs.clear();
   cops.clear();

@@ -224,8 +224,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     // state_dict's conversion, a generator's all-gather), copying the first tensors overlaps
     // gathering the next ones. They are launched when the device has finished what was launched
     // before but the last (asked every direct_check_bytes, without waiting), so a fast source
-    // still makes a few large launches (each ends in a partly idle wave of the copy kernel: 64 MiB
-    // launches throughout cost llama3-8b 14% on an H100).
+    // still makes a few large launches (each ends in a partly idle wave of the copy kernel, which
+    // the next launch fills only when it runs beside: copier::run_beside; 64 MiB launches in order
+    // throughout cost llama3-8b 14% on an H100).
     // A launch also waits until what it carries is at least a quarter of what this refit launched
     // before (at most direct_launch_cap): launches grow as the refit goes on, instead of staying at
     // the check's size when the device keeps up with the planning (qwen3-30b-a3b's 18,867 tensors

@@ -180,7 +180,10 @@ void streamer::impl::send_tensors(std::uint64_t version, tensor_source& source, 
   forget_failed_delta(how, scratch);
   sent_names.clear();
   order.begin(how != sending::subset);
-  copier->reset_scratch();  // the last refit's copies are complete (END drained them)
+  // The last refit's copies are complete (END drained them), or were abandoned: what this one
+  // enqueues comes after them all.
+  copier->join(buffers->stream());
+  copier->reset_scratch();
   for (;;) {
     auto ts = clock::now();
     std::optional<tensor_ref> t = source.next();
@@ -281,6 +284,7 @@ void streamer::impl::end_tensors(batch_writer& w, sending how, std::uint64_t* ch
   // Direct writes must be complete before the receiver commits: it never waits on them itself.
   if (w.direct) {
     const auto tp = clock::now();
+    copier->join(buffers->stream());
     wake_before_end();
     buffers->drain();
     w.stats.pack_seconds += seconds_since(tp);

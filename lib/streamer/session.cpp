@@ -42,6 +42,11 @@ std::string new_secret() {
 /// Forgets the session: the next refit says HELLO again.
 void streamer::impl::drop_session() noexcept {
   in_session = false;
+  try {
+    if (copier && buffers) copier->join(buffers->stream());  // direct writes still running come first
+  } catch (const std::exception& e) {
+    REFIT_DEBUG("joining the copies of the session dropped: {}", e.what());
+  }
   buffers->close_session();
 }
 

@@ -463,8 +463,10 @@ std::vector<refit::copy::op> random_ops(std::mt19937_64& rng, const std::byte* s
 }
 
 /// `offload_from`: the kernel engine's copies of at least that many bytes go to the copy engines
-/// (make_copier); 0: none.
-void copy_engine_body(refit::copy::engine engine, std::uint64_t offload_from = 0) {
+/// (make_copier); 0: none. `beside`: the calls are run_beside() (one run() among them), joined
+/// before the destination is read, and the source is written on the copier's stream just before
+/// them (copies that did not wait for it would read zeros).
+void copy_engine_body(refit::copy::engine engine, std::uint64_t offload_from = 0, bool beside = false) {
   refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
   constexpr std::uint64_t src_bytes = 64 * mib + 13;
   constexpr std::uint64_t dst_bytes = 256 * mib;
@@ -474,7 +476,10 @@ void copy_engine_body(refit::copy::engine engine, std::uint64_t offload_from = 0
   for (auto& b : src_host) b = static_cast<std::uint8_t>(rng());
   refit::cuda::device_buffer src(src_bytes);
   refit::cuda::device_buffer dst(dst_bytes);
-  refit::check_cuda(cudaMemcpy(src.handle(), src_host.data(), src_bytes, cudaMemcpyHostToDevice), "upload");
+  refit::cuda::device_buffer src_later(beside ? src_bytes : 1);
+  refit::check_cuda(cudaMemcpy((beside ? src_later : src).handle(), src_host.data(), src_bytes, cudaMemcpyHostToDevice),
+                    "upload");
+  if (beside) refit::check_cuda(cudaMemset(src.handle(), 0, src_bytes), "cudaMemset(source)");
   refit::check_cuda(cudaMemset(dst.handle(), 0xab, dst_bytes), "cudaMemset");
   std::vector<std::uint8_t> want(dst_bytes, 0xab);
 
@@ -502,15 +507,26 @@ void copy_engine_body(refit::copy::engine engine, std::uint64_t offload_from = 0
   // more uploaded), one call larger than a slot's first capacity, an empty call and one of
   // zero-byte ops only.
   const std::size_t cuts[] = {1, 7, 16, 17, 64, 65, 448, 449, 1200, 0, 3, 300, 2, 1, 40, 9};
+  if (beside)
+    refit::check_cuda(
+        cudaMemcpyAsync(src.handle(), src_later.handle(), src_bytes, cudaMemcpyDeviceToDevice, stream.handle()),
+        "cudaMemcpyAsync(the source, on the copier's stream)");
+  const auto run = [&](std::span<const refit::copy::op> part, bool in_order = false) {
+    if (beside && !in_order)
+      copier->run_beside(part, stream.handle());
+    else
+      copier->run(part, stream.handle());
+  };
   std::size_t at = 0;
-  for (const auto n : cuts) {
-    const auto take = std::min(n, ops.size() - at);
-    copier->run(std::span<const refit::copy::op>(ops).subspan(at, take), stream.handle());
+  for (std::size_t k = 0; k < std::size(cuts); ++k) {
+    const auto take = std::min(cuts[k], ops.size() - at);
+    run(std::span<const refit::copy::op>(ops).subspan(at, take), k == 10);  // run() after some run_beside()
     at += take;
   }
   const refit::copy::op nothing[] = {refit::copy::op{s, d, 0}, refit::copy::op{s + 1, d + 1, 0}};
-  copier->run(nothing, stream.handle());
-  copier->run(std::span<const refit::copy::op>(ops).subspan(at), stream.handle());
+  run(nothing);
+  run(std::span<const refit::copy::op>(ops).subspan(at));
+  if (beside) copier->join(stream.handle());
   // What the stream does next comes after every copy (those on the copy engines' streams too):
   // the destination is read on it before any host wait.
   refit::cuda::device_buffer after(dst_bytes);
@@ -557,6 +573,19 @@ TEST_CASE("each GPU copy engine copies thousands of random misaligned ops bit-ex
   // The kernel engine handing its copies of 64 KiB and more (a fifth of them) to the copy engines,
   // as it does those of 16 MiB and more when the engine is automatic.
   rt::child c([] { copy_engine_body(refit::copy::engine::kernel, 64 * kib); });
+  CHECK(c.wait(300s) == 0);
+}
+
+TEST_CASE("copies run beside the stream start after its work and are complete once joined", "[cuda_ipc][copy]") {
+  // Every engine (those without streams of their own run them in order), and the kernel engine
+  // with copy engines beside its launches.
+  for (const auto engine :
+       {refit::copy::engine::kernel, refit::copy::engine::memcpy_batch, refit::copy::engine::memcpy_each}) {
+    INFO("engine " << refit::copy::to_string(engine));
+    rt::child c([engine] { copy_engine_body(engine, 0, true); });
+    CHECK(c.wait(300s) == 0);
+  }
+  rt::child c([] { copy_engine_body(refit::copy::engine::kernel, 64 * kib, true); });
   CHECK(c.wait(300s) == 0);
 }
 
