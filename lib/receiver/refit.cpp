@@ -269,7 +269,12 @@ receiver_event receiver::impl::finish_refit() {
     if (refit_delta) check_delta(*ln->held);
     check_complete(version);
     const auto td = clock::now();
-    for (lane& l : lanes) l.sink->drain();
+    // A direct lane's receiver enqueued nothing on its sink's stream in this refit (the streamer
+    // wrote the bytes and drained its own stream before END; end_session() drained any earlier
+    // session's work): its drain would only query an idle stream, on END's path (12.7 us in a
+    // timeline on an H200 VM: bench/results/2026-11-29-h200-direct-launches-beside.txt).
+    for (lane& l : lanes)
+      if (!l.direct) l.sink->drain();
     drain_seconds = seconds_since(td);
   } catch (const error& ex) {
     return fail_refit(ex.code(), ex.what());
