@@ -85,6 +85,21 @@ def test_record_writes_the_measured_ratios(tmp_path):
     assert rows[0]["recorded"].endswith(" test cpu")
 
 
+def test_a_run_not_recorded_yet_runs_prints_its_ratios_and_flags_only_wrong_values(tmp_path):
+    base = baseline(tmp_path, {})  # the run "fake" without rows: added, not recorded on any machine
+    r = run(tmp_path, base, "a=0.42")
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "engine=a " in x)
+    assert line.split()[-3:] == ["0.420", "NOT", "RECORDED"], line
+    assert "# not recorded yet (tools/bench-compare --record --only fake on this machine): fake" in r.stdout
+    r = run(tmp_path, base, "a=0.42", wrong=2)
+    assert r.returncode == 1
+    assert "engine=a buffer_mb=64.0 layout=plain: ratio 0.420, not recorded: WRONG VALUES (2)" in r.stdout
+    r = run(tmp_path, base, "a=0.42", "--record", "--only", "fake")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [row["ratio"] for row in json.loads(base.read_text())["runs"][0]["rows"]] == [0.42]
+
+
 def test_bad_use_exits_2(tmp_path):
     r = run(tmp_path, baseline(tmp_path, {"a": 0.8}), "a=0.8", "--only", "nope")
     assert r.returncode == 2
