@@ -43,7 +43,9 @@ std::string new_secret() {
 void streamer::impl::drop_session() noexcept {
   in_session = false;
   try {
-    if (copier && buffers) copier->join(buffers->stream());  // direct writes still running come first
+    // The stream (and what a later drain waits for) follows the direct writes still running, as
+    // when they ran on it. It does not hold the unmapping below: close_session() waits for nothing.
+    if (copier && buffers) copier->join(buffers->stream());
   } catch (const std::exception& e) {
     REFIT_DEBUG("joining the copies of the session dropped: {}", e.what());
   }
