@@ -120,6 +120,7 @@ streamer::impl::impl(streamer_options o) : options(std::move(o)) {
   so.receivers = endpoints.size();
   so.direct = options.direct && can.writes_in_place;
   so.twin = options.nccl_twin;
+  so.timeout = options.timeout;
   buffers = transport::make_source(so);
   copier = copy::make_copier(copy::choose(buffers->engine(), options.engine), options.device, options.timeout,
                              copy::offload_for(options.engine));

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 #include <optional>
@@ -142,6 +143,19 @@ class ipc_event : public unique_handle<cudaEvent_t, cuda::detail::destroy_event>
   }
 };
 
+/// Waits, polling, until `e` has completed; false when `timeout` passed first. Throws
+/// refit::error(cuda) for an error the event reports (`what` names it).
+bool event_completed(cudaEvent_t e, milliseconds timeout, const std::function<std::string()>& what) {
+  cudaError_t status = cudaErrorNotReady;
+  (void)poll_until(deadline::after(timeout), [&] {
+    status = cudaEventQuery(e);
+    return status != cudaErrorNotReady;
+  });
+  if (status == cudaErrorNotReady) return false;
+  check_cuda(status, what);
+  return true;
+}
+
 void check_index(std::size_t i, std::size_t count, std::string_view call) {
   if (i >= count)
     throw error(errc::internal, fmt::format("cuda_ipc {}: buffer {} out of range ({} buffers)", call, i, count));
@@ -189,7 +203,7 @@ peer_memory map_chunks(const std::vector<channel::unique_fd>& fds, const vmm_spa
 class cuda_ipc_source final : public source {
  public:
   explicit cuda_ipc_source(const source_options& options)
-      : device_(options.device), bytes_(options.bytes), want_direct_(options.direct) {
+      : device_(options.device), bytes_(options.bytes), want_direct_(options.direct), timeout_(options.timeout) {
     device_guard guard(device_);
     uuid_ = device_uuid(device_);
     buffers_.reserve(options.count);
@@ -252,6 +266,7 @@ class cuda_ipc_source final : public source {
 
   void session_accepted(std::span<const wire::ok> replies) override {
     direct_ = false;
+    hand_over_ = false;
     receivers_.clear();
     vmm_held_.clear();
     vmm_announced_.clear();
@@ -269,7 +284,12 @@ class cuda_ipc_source final : public source {
                                   "parameter table, or use nccl",
                                   k, replies.size()));
     } else if (!want_direct_ || !offered(replies.front())) {
-      return;  // staged through the buffers
+      // Staged through the buffers: a receiver on this GPU says so (sink::attach).
+      hand_over_ = std::find(replies.front().handles.begin(), replies.front().handles.end(), "G" + uuid_) !=
+                   replies.front().handles.end();
+      if (hand_over_)
+        REFIT_INFO("cuda_ipc: the receiver shares cuda:{}: the two hand the GPU over at each batch", device_);
+      return;
     }
     // Each receiver offered its weights: map each allocation once for the session.
     device_guard guard(device_);
@@ -288,6 +308,7 @@ class cuda_ipc_source final : public source {
   void close_session() noexcept override {
     direct_ = false;
     elsewhere_ = false;
+    hand_over_ = false;
     receivers_.clear();  // cudaIpcCloseMemHandle: nothing of a receiver stays mapped
     links_.clear();
     vmm_held_.clear();
@@ -326,9 +347,21 @@ class cuda_ipc_source final : public source {
   void begin_pack(std::size_t i) override {
     check_index(i, buffers_.size(), "begin_pack");
     device_guard guard(device_);
+    // Where the receiver shares this GPU, the packing is enqueued only once its reads of the
+    // buffer have completed: see the sink's wait_for_packing.
+    if (hand_over_) wait_for_reads(i);
     // A never-recorded event is complete: the first pack of each buffer does not wait.
     check_cuda(cudaStreamWaitEvent(stream_.handle(), applied_[i].handle(), 0),
                [&] { return fmt::format("cudaStreamWaitEvent(pack stream, applied[{}])", i); });
+  }
+
+  /// Waits until the receiver's reads of buffer i (its applied event) have completed. Throws
+  /// errc::timeout past the timeout: a receiver that died or hangs with its reads queued.
+  void wait_for_reads(std::size_t i) const {
+    if (!event_completed(applied_[i].handle(), timeout_, [&] { return fmt::format("cudaEventQuery(applied[{}])", i); }))
+      throw error(errc::timeout, fmt::format("the receiver's reads of cuda_ipc buffer {} did not complete within {} "
+                                             "ms (is the generation process alive?)",
+                                             i, timeout_.count()));
   }
 
   /// The applied event of buffer i is recorded by the receiver before it replies to the batch.
@@ -547,6 +580,8 @@ class cuda_ipc_source final : public source {
   };
   std::vector<receiver_targets> receivers_;  ///< direct sessions: one per receiver, in order
   bool elsewhere_ = false;                   ///< peers_elsewhere(), set when the session's offers are mapped
+  bool hand_over_ = false;  ///< a staged session whose receiver shares this GPU (begin_pack waits on the host)
+  milliseconds timeout_;
 
   /// Maps what one receiver's direct offer describes (must be under a device_guard).
   receiver_targets map_offer(const wire::ok& reply, std::size_t receiver) const {
@@ -653,7 +688,7 @@ class cuda_ipc_sink final : public sink {
 
   [[nodiscard]] std::string_view name() const noexcept override { return transport_name; }
 
-  void attach(const wire::hello& h, wire::ok& /*reply*/) override {
+  void attach(const wire::hello& h, wire::ok& reply) override {
     detach();
     if (h.transport != transport_name)
       throw error(errc::protocol,
@@ -717,6 +752,10 @@ class cuda_ipc_sink final : public sink {
     packed_ = std::move(packed);
     applied_ = std::move(applied);
     stream_ = std::move(stream);
+    same_gpu_ = h.device_uuid == own_uuid;
+    // The GPU this receiver reads on: a streamer on the same one hands it over at each batch
+    // (wait_for_packing). A direct offer replaces the records with its own.
+    reply.handles = {"G" + own_uuid};
     attached_ = true;
     REFIT_INFO("cuda_ipc: mapped {} buffers from {} on device {}: {} (streamer {}, receiver {})", maps_.size(), h.peer,
                device_, h.device_uuid == own_uuid ? "same GPU" : "peer GPU", uuid_text(h.device_uuid),
@@ -840,6 +879,7 @@ class cuda_ipc_sink final : public sink {
     applied_.clear();
     stream_ = cuda::stream();
     attached_ = false;
+    same_gpu_ = false;
   }
 
   [[nodiscard]] bool attached() const noexcept override { return attached_; }
@@ -858,6 +898,7 @@ class cuda_ipc_sink final : public sink {
   void begin_read(std::size_t i) override {
     check_index(i, maps_.size(), "begin_read");
     device_guard guard(device_);
+    if (same_gpu_) wait_for_packing(i);
     check_cuda(cudaStreamWaitEvent(stream_.handle(), packed_[i].handle(), 0),
                [&] { return fmt::format("cudaStreamWaitEvent(apply stream, packed[{}])", i); });
   }
@@ -982,6 +1023,20 @@ class cuda_ipc_sink final : public sink {
     bool switched_ = false;
   };
 
+  /// On the streamer's own GPU, the reads of buffer i are enqueued only once its packing has
+  /// completed. The two processes' contexts time-slice that GPU, and a context whose stream waits
+  /// on the other's event keeps the GPU until its time slice ends: reads queued behind the next
+  /// batch's packing held it ~2 ms after every pair of batches, so a staged llama3-8b took 158 ms
+  /// where the device needs 15 (bench/results/2026-11-29-h200-staged-same-gpu.txt). A stream with
+  /// nothing left to run hands the GPU back at once. Throws errc::timeout when the packing does
+  /// not complete within the timeout (a streamer that died or hangs with work queued).
+  void wait_for_packing(std::size_t i) const {
+    if (!event_completed(packed_[i].handle(), timeout_, [&] { return fmt::format("cudaEventQuery(packed[{}])", i); }))
+      throw error(errc::timeout, fmt::format("the streamer's packing of cuda_ipc buffer {} did not complete within "
+                                             "{} ms (is the policy process alive?); nothing was committed",
+                                             i, timeout_.count()));
+  }
+
   /// Waits for the apply stream, at most `timeout_` (a peer that died with work queued must not
   /// hang this process): cudaSuccess, an error, or cudaErrorNotReady when time ran out.
   cudaError_t wait_for_stream() const noexcept {
@@ -1085,6 +1140,7 @@ class cuda_ipc_sink final : public sink {
   int device_;
   milliseconds timeout_;
   bool attached_ = false;
+  bool same_gpu_ = false;  ///< the streamer's buffers are on this receiver's GPU (wait_for_packing)
   std::vector<ipc_mapping> maps_;
   std::vector<std::uint64_t> sizes_;
   std::vector<ipc_event> packed_;

@@ -9,6 +9,7 @@
 // these calls no-ops.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -115,6 +116,8 @@ struct source_options {
   bool direct = false;
   /// nccl: a twin communicator per session (streamer_options::nccl_twin).
   bool twin = false;
+  /// The longest a host wait on the receivers' GPU work may take (streamer_options::timeout).
+  std::chrono::milliseconds timeout{30000};
 };
 
 /// Streamer side: owns the buffers.

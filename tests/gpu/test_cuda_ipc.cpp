@@ -16,10 +16,12 @@ TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cu
 
 #else
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -44,6 +46,7 @@ TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cu
 #include "copy/copy.hpp"
 #include "copy/cuda_check.hpp"
 #include "copy/cuda_handles.hpp"
+#include "copy/driver.hpp"
 #include "copy/vmm.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
@@ -222,6 +225,58 @@ void serve_until_bye(refit::receiver& r, const std::function<void(std::uint64_t)
 /// Blocks the calling process until it is killed (no sleep: pause() returns only on a signal).
 [[noreturn]] void block_forever() {
   for (;;) ::pause();
+}
+
+/// Holds a stream: what is enqueued on it after the gate runs only once open() is called (the stream
+/// waits, on the device, for a flag in mapped host memory: cuStreamWaitValue32), so that a test
+/// decides when a process's GPU work completes. No host function: one that blocks may stall the
+/// process's other CUDA calls. Must outlive the stream's work.
+class stream_gate {
+ public:
+  explicit stream_gate(void* stream) {
+    refit::check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&flag_), sizeof *flag_, cudaHostAllocMapped),
+                      "cudaHostAlloc(the gate)");
+    *flag_ = 0;
+    void* on_device = nullptr;
+    refit::check_cuda(cudaHostGetDevicePointer(&on_device, flag_, 0), "cudaHostGetDevicePointer(the gate)");
+    using wait_fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+    static const auto wait = refit::copy::driver_entry<wait_fn>("cuStreamWaitValue32");
+    expect(wait != nullptr, "the driver has no cuStreamWaitValue32");
+    const CUresult r =
+        wait(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(on_device), 1, CU_STREAM_WAIT_VALUE_GEQ);
+    expect(r == CUDA_SUCCESS, "cuStreamWaitValue32 failed: " + std::to_string(static_cast<int>(r)));
+  }
+  ~stream_gate() {
+    open();
+    (void)cudaFreeHost(flag_);
+  }
+  stream_gate(const stream_gate&) = delete;
+  stream_gate& operator=(const stream_gate&) = delete;
+  void open() noexcept { std::atomic_ref<std::uint32_t>(*flag_).store(1, std::memory_order_release); }
+
+ private:
+  std::uint32_t* flag_ = nullptr;
+};
+
+/// The code and message of the refit::error `f` throws (errc::internal and "no error" when none).
+std::pair<refit::errc, std::string> error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const refit::error& e) {
+    return {e.code(), e.what()};
+  }
+  return {refit::errc::internal, "no error"};
+}
+
+/// A thread that calls `open` once `signal` brings a line, or stays silent for 60 s, or is gone.
+std::thread opens_on(rt::signal_pipe& signal, std::function<void()> open) {
+  return std::thread([&signal, open = std::move(open)] {
+    try {
+      (void)signal.try_receive(60s);
+    } catch (const std::exception&) {  // the other process is gone: open all the same
+    }
+    open();
+  });
 }
 
 // ------------------------------------------------------------------------ the two sides
@@ -1768,6 +1823,137 @@ TEST_CASE("a streamer killed mid-refit leaves the receiver's version and marks i
   }
   stop.send("stop");
   CHECK(rx.wait(60s) == 0);
+}
+
+TEST_CASE(
+    "on the streamer's GPU, a staged receiver reads a batch only once it is packed: a packing that never completes "
+    "fails the refit with a timeout and leaves the weights untouched, and the next refit lands bit-exact",
+    "[cuda_ipc][faults]") {
+  // The two processes share the GPU: the receiver enqueues its reads of a buffer only once the
+  // streamer's packing of it has completed (a read queued behind it would hold the GPU). Here the
+  // first tensor's producer stream holds the first batch's packing until the receiver has failed.
+  const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
+  const auto ep = rt::temp_endpoint();
+  rt::signal_pipe failed;  // receiver → streamer
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        device_tensors weights(metas, 0);
+        weights.upload(7);
+        refit::receiver r(receive_options(ep, 0, fault_timeout));
+        weights.register_with(r);
+        ready.send("ready");
+        int failures = 0;
+        int commits = 0;
+        for (auto e = r.serve_one(60s); e != refit::receiver_event::bye; e = r.serve_one(60s)) {
+          expect(e != refit::receiver_event::idle && e != refit::receiver_event::refused,
+                 "receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
+          if (e == refit::receiver_event::aborted) {
+            ++failures;
+            expect(r.last_error().find("the streamer's packing of cuda_ipc buffer 0 did not complete within 2000 "
+                                       "ms") != std::string::npos,
+                   "receiver: " + r.last_error());
+            expect(!r.dirty(), "dirty after a refit whose only batch read nothing");
+            expect(!r.committed_version(), "a version committed");
+            expect(weights.mismatch(7).empty(), "the weights changed: " + weights.mismatch(7));
+            failed.send("failed");
+          } else if (e == refit::receiver_event::committed) {
+            ++commits;
+            expect(r.committed_version() == std::optional<std::uint64_t>(2), "committed another version than 2");
+            expect(weights.mismatch(2).empty(), "after version 2: " + weights.mismatch(2));
+          }
+        }
+        expect(failures == 1 && commits == 1,
+               std::to_string(failures) + " failures, " + std::to_string(commits) + " commits");
+      },
+      [&] {
+        device_tensors weights(metas, 0);
+        auto o = stream_options(ep, 0, relaxed);
+        o.direct = false;
+        o.share_tensors = false;  // every tensor packed into the buffers
+        refit::streamer s(o);
+        weights.upload(1);
+        refit::cuda::stream producer(cudaStreamNonBlocking);
+        stream_gate gate(producer.handle());
+        auto refs = weights.refs();
+        refs.front().stream = producer.handle();
+        std::thread opener = opens_on(failed, [&] { gate.open(); });
+        const auto [code, what] = error_of([&] { s.refit(1, refs); });
+        opener.join();
+        expect(code == refit::errc::timeout, "the first refit: " + what);
+        expect(what.find("the streamer's packing of cuda_ipc buffer 0 did not complete within 2000 ms") !=
+                   std::string::npos,
+               "the first refit: " + what);
+        refit::check_cuda(cudaStreamSynchronize(producer.handle()), "the producer stream");
+        weights.upload(2);
+        const auto stats = s.refit(2, weights.refs());
+        expect(!stats.direct && stats.shared_bytes == 0, "version 2 did not travel through the buffers");
+        s.close();
+      });
+}
+
+TEST_CASE(
+    "on the receiver's GPU, a staged streamer packs a buffer again only once the receiver's reads of it have "
+    "completed: reads that never complete fail the refit with a timeout, and the next refit lands bit-exact",
+    "[cuda_ipc][faults]") {
+  // The receiver's batch callback holds its stream at the first batch, so its reads of buffer 0
+  // never complete while the gate is shut: the streamer's third batch (buffer 0 again) must not
+  // be packed over them, and the streamer's timeout ends the wait.
+  const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
+  const auto ep = rt::temp_endpoint();
+  rt::signal_pipe failed;  // streamer → receiver
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        device_tensors own(metas, 0);
+        std::unordered_map<std::string, std::size_t> index;
+        for (std::size_t i = 0; i < metas.size(); ++i) index.emplace(metas[i].name, i);
+        std::optional<stream_gate> gate;
+        std::atomic<stream_gate*> shut{nullptr};  // the gate, for the thread that opens it
+        refit::receiver r(receive_options(ep, 0, relaxed));
+        r.on_batch([&](std::span<const refit::tensor_view> views, void* stream) {
+          if (!gate) shut.store(&gate.emplace(stream));
+          for (const auto& v : views)
+            if (v.bytes != 0)
+              refit::check_cuda(cudaMemcpyAsync(own.data(index.at(v.meta->name)) + v.offset, v.data, v.bytes,
+                                                cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)),
+                                "callback cudaMemcpyAsync");
+        });
+        std::thread opener = opens_on(failed, [&] {
+          if (stream_gate* g = shut.load()) g->open();
+        });
+        ready.send("ready");
+        int aborts = 0;
+        int commits = 0;
+        for (auto e = r.serve_one(60s); e != refit::receiver_event::bye; e = r.serve_one(60s)) {
+          expect(e != refit::receiver_event::idle && e != refit::receiver_event::refused,
+                 "receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
+          if (e == refit::receiver_event::aborted) ++aborts;
+          if (e == refit::receiver_event::committed) {
+            ++commits;
+            expect(r.committed_version() == std::optional<std::uint64_t>(2), "committed another version than 2");
+            expect(own.mismatch(2).empty(), "callback sink after version 2: " + own.mismatch(2));
+          }
+        }
+        opener.join();
+        expect(aborts == 1 && commits == 1,
+               std::to_string(aborts) + " aborts, " + std::to_string(commits) + " commits");
+      },
+      [&] {
+        device_tensors weights(metas, 0);
+        auto o = stream_options(ep, 0, fault_timeout);
+        o.direct = false;
+        o.share_tensors = false;
+        refit::streamer s(o);
+        weights.upload(1);
+        const auto [code, what] = error_of([&] { s.refit(1, weights.refs()); });
+        failed.send("failed");
+        expect(code == refit::errc::timeout, "the first refit: " + what);
+        expect(
+            what.find("the receiver's reads of cuda_ipc buffer 0 did not complete within 2000 ms") != std::string::npos,
+            "the first refit: " + what);
+        weights.upload(2);
+        s.refit(2, weights.refs());
+        s.close();
+      });
 }
 
 TEST_CASE("a thousand refits in one cuda_ipc session grow neither device memory, descriptors nor mappings",
