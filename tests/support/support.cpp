@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -221,9 +222,14 @@ void before_fork() {
 
 child::child(const std::function<void()>& body) {
   before_fork();
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error(std::string("fork failed: ") + std::strerror(errno));
   if (pid == 0) {
+    // A suite killed at its time limit takes its children with it: none is left holding the GPU
+    // or a port (the parent may already be gone by the time the request is made).
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(3);
     int code = 0;
     if (nccl_shares_gpus()) ::setenv("NCCL_HOSTID", ("refit-test-" + std::to_string(::getpid())).c_str(), 1);
     try {
