@@ -80,7 +80,10 @@ struct streamer_options {
   /// A transport added to refit from its own file (lib/transport/README.md), by the name it
   /// registered; when not empty it replaces `transport`.
   std::string transport_name;
-  std::size_t buffer_count = 2;               ///< ping-pong: at least 2
+  /// Ping-pong buffers: at least 2. A staged session whose receiver shares this GPU hands the GPU
+  /// over once per buffer_count batches: 4 took llama3-8b staged through 2 × 256 MiB from 26.7 to
+  /// 21.9 ms on an H200 (bench/results/2026-11-29-h200-staged-same-gpu.txt).
+  std::size_t buffer_count = 2;
   std::uint64_t buffer_bytes = 256ull << 20;  ///< capacity of each buffer
   std::uint64_t alignment = 256;              ///< power of two; entry offsets are multiples
   /// Keep tensors that fit a buffer whole (see plan_options::keep_whole).
