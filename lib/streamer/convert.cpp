@@ -68,6 +68,12 @@ void streamer::impl::send_converted(batch_writer& w, planner& pl, const tensor_r
       w.direct ? buffers->routes(sent.meta) : std::vector<transport::routed>{};
   const std::vector<transport::routed> scale_targets =
       w.direct && scale ? buffers->routes(scale->meta) : std::vector<transport::routed>{};
+  if (scale && c.q == quant::block128 && part == nullptr && send_striped(w, pl, t, sent, *scale)) {
+    stats.tensors += 1;
+    stats.bytes += bytes;
+    send_scale(w, pl, *scale, {}, stats);
+    return;
+  }
   const std::vector<placement> placed = pl.add(w.planned++, bytes);
   if (t.stream != nullptr) w.streams.push_back(t.stream);
 
@@ -120,6 +126,47 @@ copy::fused_job streamer::impl::staged_fused_job(const tensor_ref& t, tensor_ref
   j.scale_pitch = (j.cols + 127) / 128;
   scale.data = j.scale;
   return j;
+}
+
+/// A staged block128 tensor `t` (2-d, whole) larger than a buffer: placed as stripes of whole rows
+/// of 128 × 128 blocks, each fitting an empty buffer, so that every stripe takes the one pass
+/// (copy::fused_job over its rows) and writes its blocks' scales into the scale tensor's scratch.
+/// Split at the buffers' ends instead, it took the two-pass way, which converted llama3-8b's
+/// embedding and lm_head at a fraction of the fused pass's speed
+/// (bench/results/2026-11-29-h200-staged-same-gpu.txt). `sent` is `t` as sent (f8_e4m3); `scale`
+/// gets its data. Returns false, having placed nothing, where stripes do not apply (a direct
+/// session, a tensor that fits a buffer, not 2-d, a stripe of 128 rows larger than a buffer, or
+/// a planner that splits tensors anywhere).
+bool streamer::impl::send_striped(batch_writer& w, planner& pl, const tensor_ref& t, const tensor_ref& sent,
+                                  tensor_ref& scale) {
+  const plan_options& po = pl.options();
+  const auto& shape = t.meta.shape;
+  if (w.direct || !po.keep_whole || shape.size() != 2 || t.meta.numel() == 0) return false;
+  const auto rows = static_cast<std::uint64_t>(shape[0]);
+  const auto cols = static_cast<std::uint64_t>(shape[1]);
+  const std::uint64_t block_row = 128 * cols;  // bytes of f8_e4m3 codes
+  if (rows * cols <= po.buffer_bytes || block_row > po.buffer_bytes) return false;
+  const std::uint64_t stripe_rows = po.buffer_bytes / block_row * 128;
+  copy::fused_job whole = staged_fused_job(t, scale);
+  const std::size_t index = w.planned++;
+  if (t.stream != nullptr) w.streams.push_back(t.stream);
+  const std::uint64_t item = itemsize(t.meta.type);
+  for (std::uint64_t r0 = 0; r0 < rows; r0 += stripe_rows) {
+    const std::uint64_t n = std::min(stripe_rows, rows - r0);
+    const std::vector<placement> placed = pl.add(index, n * cols);
+    if (placed.size() != 1)
+      throw error(errc::internal, fmt::format("tensor {}: a stripe of {} rows was split over {} batches",
+                                              describe(t.meta), n, placed.size()));
+    placement p = placed.front();
+    p.entry.tensor_offset = r0 * cols;
+    while (w.first_batch + p.batch > w.seq) w.flush();
+    copy::fused_job j = whole;
+    j.src = static_cast<const std::byte*>(t.data) + r0 * cols * item;
+    j.rows = n;
+    j.scale = whole.scale + r0 / 128 * whole.scale_pitch;
+    w.add_fused(sent, p, j, t.dev);
+  }
+  return true;
 }
 
 /// Queues the scale pass of a quantised tensor `t` that takes the two-pass way: its scales
