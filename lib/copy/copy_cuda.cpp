@@ -330,13 +330,8 @@ class kernel_copier final : public cuda_copier {
   /// Waits for `e` on the host, at most timeout_: the work before it may wait on a peer's event
   /// (the other process's apply or pack), and a dead peer's event may never complete.
   void wait(cudaEvent_t e, std::string_view what) const {
-    const bool done = poll_until(deadline::after(timeout_), [&] {
-      const cudaError_t state = cudaEventQuery(e);
-      if (state != cudaSuccess && state != cudaErrorNotReady)
-        check_cuda(state, fmt::format("cudaEventQuery({})", what));
-      return state == cudaSuccess;
-    });
-    if (!done)
+    if (!device_work_done(
+            timeout_, [&] { return cudaEventQuery(e); }, [&] { return fmt::format("cudaEventQuery({})", what); }))
       throw error(errc::timeout, fmt::format("{} on device {} did not complete within {} ms: the GPU work before "
                                              "it waits on the peer process, which may have died",
                                              what, device_, timeout_.count()));
@@ -598,14 +593,7 @@ namespace {
 /// Polls `done` (a cudaStreamQuery or cudaEventQuery) until it says the work finished, at most `timeout`.
 template <class Query>
 void wait_device(int device, milliseconds timeout, Query&& query) {
-  const auto until = deadline::after(timeout);
-  const bool done = poll_until(until, [&] {
-    const cudaError_t status = query();
-    if (status == cudaErrorNotReady) return false;
-    check_cuda(status, "the device stage's copies");
-    return true;
-  });
-  if (!done)
+  if (!device_work_done(timeout, query, "the device stage's copies"))
     throw error(errc::timeout, fmt::format("the device stage's copies on cuda:{} did not finish within {} ms", device,
                                            timeout.count()));
 }

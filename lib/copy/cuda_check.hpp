@@ -6,10 +6,12 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <chrono>
 #include <concepts>
 #include <source_location>
 #include <string_view>
 
+#include "copy/wait.hpp"
 #include "refit/error.hpp"
 
 namespace refit {
@@ -29,6 +31,20 @@ template <std::invocable F>
 void check_cuda(cudaError_t status, F&& describe, std::source_location where = std::source_location::current()) {
   if (status == cudaSuccess) return;
   check_cuda(status, std::string_view(describe()), where);
+}
+
+/// Polls `query` (a cudaEventQuery or cudaStreamQuery) until it reports the work done, at most
+/// `timeout` (copy/wait.hpp: a dead peer's work may never complete): true when done, false when the
+/// time ran out. Throws like check_cuda, with `what` (text, or a callable making it), for any
+/// other status.
+template <class Query, class What>
+bool device_work_done(std::chrono::milliseconds timeout, Query&& query, What&& what) {
+  return poll_until(deadline::after(timeout), [&] {
+    const cudaError_t status = query();
+    if (status == cudaErrorNotReady) return false;
+    check_cuda(status, what);
+    return true;
+  });
 }
 
 /// Makes `device` current for the scope and restores the previous current device after it. The

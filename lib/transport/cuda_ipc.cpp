@@ -19,7 +19,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <set>
 #include <optional>
@@ -142,19 +141,6 @@ class ipc_event : public unique_handle<cudaEvent_t, cuda::detail::destroy_event>
     return e;
   }
 };
-
-/// Waits, polling, until `e` has completed; false when `timeout` passed first. Throws
-/// refit::error(cuda) for an error the event reports (`what` names it).
-bool event_completed(cudaEvent_t e, milliseconds timeout, const std::function<std::string()>& what) {
-  cudaError_t status = cudaErrorNotReady;
-  (void)poll_until(deadline::after(timeout), [&] {
-    status = cudaEventQuery(e);
-    return status != cudaErrorNotReady;
-  });
-  if (status == cudaErrorNotReady) return false;
-  check_cuda(status, what);
-  return true;
-}
 
 void check_index(std::size_t i, std::size_t count, std::string_view call) {
   if (i >= count)
@@ -358,7 +344,9 @@ class cuda_ipc_source final : public source {
   /// Waits until the receiver's reads of buffer i (its applied event) have completed. Throws
   /// errc::timeout past the timeout: a receiver that died or hangs with its reads queued.
   void wait_for_reads(std::size_t i) const {
-    if (!event_completed(applied_[i].handle(), timeout_, [&] { return fmt::format("cudaEventQuery(applied[{}])", i); }))
+    if (!device_work_done(
+            timeout_, [&] { return cudaEventQuery(applied_[i].handle()); },
+            [&] { return fmt::format("cudaEventQuery(applied[{}])", i); }))
       throw error(errc::timeout, fmt::format("the receiver's reads of cuda_ipc buffer {} did not complete within {} "
                                              "ms (is the generation process alive?)",
                                              i, timeout_.count()));
@@ -1031,7 +1019,9 @@ class cuda_ipc_sink final : public sink {
   /// nothing left to run hands the GPU back at once. Throws errc::timeout when the packing does
   /// not complete within the timeout (a streamer that died or hangs with work queued).
   void wait_for_packing(std::size_t i) const {
-    if (!event_completed(packed_[i].handle(), timeout_, [&] { return fmt::format("cudaEventQuery(packed[{}])", i); }))
+    if (!device_work_done(
+            timeout_, [&] { return cudaEventQuery(packed_[i].handle()); },
+            [&] { return fmt::format("cudaEventQuery(packed[{}])", i); }))
       throw error(errc::timeout, fmt::format("the streamer's packing of cuda_ipc buffer {} did not complete within "
                                              "{} ms (is the policy process alive?); nothing was committed",
                                              i, timeout_.count()));
