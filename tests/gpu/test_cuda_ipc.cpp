@@ -310,9 +310,13 @@ void table_receiver(const std::string& endpoint, const std::vector<refit::tensor
 }
 
 /// Receiver child with a callback sink that copies every view into its own device buffers on the
-/// stream it is given, and checks them at every commit.
+/// stream it is given, and checks them at every commit. `before_batch`, when given, runs first in
+/// each batch's callback (with its stream); `on_aborted`, when given, at each abort (which then
+/// does not fail the receiver).
 void callback_receiver(const std::string& endpoint, const std::vector<refit::tensor_meta>& metas, int device,
-                       const std::vector<std::uint64_t>& versions, rt::signal_pipe& ready) {
+                       const std::vector<std::uint64_t>& versions, rt::signal_pipe& ready,
+                       const std::function<void(void*)>& before_batch = {},
+                       const std::function<void()>& on_aborted = {}) {
   device_tensors own(metas, device);
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < metas.size(); ++i) index.emplace(metas[i].name, i);
@@ -321,6 +325,7 @@ void callback_receiver(const std::string& endpoint, const std::vector<refit::ten
 
   refit::receiver r(receive_options(endpoint, device, relaxed));
   r.on_batch([&](std::span<const refit::tensor_view> views, void* stream) {
+    if (before_batch) before_batch(stream);
     if (stream == nullptr && problem.empty()) problem = "the callback got no stream on cuda_ipc";
     for (const auto& v : views) {
       expect(v.meta != nullptr, "a view without metadata");
@@ -353,7 +358,7 @@ void callback_receiver(const std::string& endpoint, const std::vector<refit::ten
         expect(m.empty(), "callback sink: " + m);
         ++next;
       },
-      [&] { std::fill(arrived.begin(), arrived.end(), 0); });
+      [&] { std::fill(arrived.begin(), arrived.end(), 0); }, on_aborted);
   expect(next == versions.size(),
          std::to_string(next) + " of " + std::to_string(versions.size()) + " versions committed");
 }
@@ -1844,24 +1849,24 @@ TEST_CASE(
         ready.send("ready");
         int failures = 0;
         int commits = 0;
-        for (auto e = r.serve_one(60s); e != refit::receiver_event::bye; e = r.serve_one(60s)) {
-          expect(e != refit::receiver_event::idle && e != refit::receiver_event::refused,
-                 "receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
-          if (e == refit::receiver_event::aborted) {
-            ++failures;
-            expect(r.last_error().find("the streamer's packing of cuda_ipc buffer 0 did not complete within 2000 "
-                                       "ms") != std::string::npos,
-                   "receiver: " + r.last_error());
-            expect(!r.dirty(), "dirty after a refit whose only batch read nothing");
-            expect(!r.committed_version(), "a version committed");
-            expect(weights.mismatch(7).empty(), "the weights changed: " + weights.mismatch(7));
-            failed.send("failed");
-          } else if (e == refit::receiver_event::committed) {
-            ++commits;
-            expect(r.committed_version() == std::optional<std::uint64_t>(2), "committed another version than 2");
-            expect(weights.mismatch(2).empty(), "after version 2: " + weights.mismatch(2));
-          }
-        }
+        serve_until_bye(
+            r,
+            [&](std::uint64_t v) {
+              ++commits;
+              expect(v == 2, "committed version " + std::to_string(v) + ", expected 2");
+              expect(weights.mismatch(2).empty(), "after version 2: " + weights.mismatch(2));
+            },
+            {},
+            [&] {
+              ++failures;
+              expect(r.last_error().find("the streamer's packing of cuda_ipc buffer 0 did not complete within 2000 "
+                                         "ms") != std::string::npos,
+                     "receiver: " + r.last_error());
+              expect(!r.dirty(), "dirty after a refit whose only batch read nothing");
+              expect(!r.committed_version(), "a version committed");
+              expect(weights.mismatch(7).empty(), "the weights changed: " + weights.mismatch(7));
+              failed.send("failed");
+            });
         expect(failures == 1 && commits == 1,
                std::to_string(failures) + " failures, " + std::to_string(commits) + " commits");
       },
@@ -1903,39 +1908,21 @@ TEST_CASE(
   rt::signal_pipe failed;  // streamer → receiver
   two_processes(
       [&](rt::signal_pipe& ready) {
-        device_tensors own(metas, 0);
-        std::unordered_map<std::string, std::size_t> index;
-        for (std::size_t i = 0; i < metas.size(); ++i) index.emplace(metas[i].name, i);
         std::optional<stream_gate> gate;
         std::atomic<stream_gate*> shut{nullptr};  // the gate, for the thread that opens it
-        refit::receiver r(receive_options(ep, 0, relaxed));
-        r.on_batch([&](std::span<const refit::tensor_view> views, void* stream) {
-          if (!gate) shut.store(&gate.emplace(stream));
-          for (const auto& v : views)
-            if (v.bytes != 0)
-              refit::check_cuda(cudaMemcpyAsync(own.data(index.at(v.meta->name)) + v.offset, v.data, v.bytes,
-                                                cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)),
-                                "callback cudaMemcpyAsync");
-        });
         std::thread opener = opens_on(failed, [&] {
           if (stream_gate* g = shut.load()) g->open();
         });
-        ready.send("ready");
         int aborts = 0;
-        int commits = 0;
-        for (auto e = r.serve_one(60s); e != refit::receiver_event::bye; e = r.serve_one(60s)) {
-          expect(e != refit::receiver_event::idle && e != refit::receiver_event::refused,
-                 "receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
-          if (e == refit::receiver_event::aborted) ++aborts;
-          if (e == refit::receiver_event::committed) {
-            ++commits;
-            expect(r.committed_version() == std::optional<std::uint64_t>(2), "committed another version than 2");
-            expect(own.mismatch(2).empty(), "callback sink after version 2: " + own.mismatch(2));
-          }
-        }
+        // Only version 2 commits, every byte of it checked as the callback copied it.
+        callback_receiver(
+            ep, metas, 0, {2}, ready,
+            [&](void* stream) {
+              if (!gate) shut.store(&gate.emplace(stream));
+            },
+            [&] { ++aborts; });
         opener.join();
-        expect(aborts == 1 && commits == 1,
-               std::to_string(aborts) + " aborts, " + std::to_string(commits) + " commits");
+        expect(aborts == 1, std::to_string(aborts) + " aborts");
       },
       [&] {
         device_tensors weights(metas, 0);
