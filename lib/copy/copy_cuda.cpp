@@ -485,6 +485,7 @@ class each_copier final : public cuda_copier {
 }  // namespace
 
 std::unique_ptr<copier> make_cuda_copier(engine e, int device, milliseconds timeout, std::uint64_t offload_from) {
+  load_kernels(device);
   switch (e) {
     case engine::kernel: return std::make_unique<kernel_copier>(device, timeout, offload_from);
     case engine::memcpy_batch: return std::make_unique<batch_copier>(device);
@@ -492,6 +493,16 @@ std::unique_ptr<copier> make_cuda_copier(engine e, int device, milliseconds time
     case engine::cpu: break;
   }
   throw error(errc::invalid_argument, fmt::format("copy engine {} is not a CUDA engine", to_string(e)));
+}
+
+void load_kernels(int device) {
+  static std::mutex mutex;
+  static std::set<int> loaded;
+  const std::lock_guard lock(mutex);
+  if (loaded.contains(device)) return;
+  device_guard guard(device);
+  check_cuda(kernel::load_all(), [&] { return fmt::format("loading refit's copy kernels on device {}", device); });
+  loaded.insert(device);
 }
 
 std::uint64_t cuda_checksum(const void* p, std::uint64_t bytes, int device) {

@@ -697,6 +697,44 @@ cudaError_t launch_copy_inline(const device_op* ops, std::uint32_t count, std::u
   return cudaErrorInvalidValue;
 }
 
+cudaError_t load_all() noexcept {
+  const void* const kernels[] = {
+      reinterpret_cast<const void*>(&nothing),
+      reinterpret_cast<const void*>(&copy_tiles),
+      reinterpret_cast<const void*>(&copy_tiles_inline<16>),
+      reinterpret_cast<const void*>(&copy_tiles_inline<64>),
+      reinterpret_cast<const void*>(&copy_tiles_inline<inline_ops_max>),
+      reinterpret_cast<const void*>(&checksum_words),
+      reinterpret_cast<const void*>(&convert_flat<cvt::f32, cvt::f32>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::f32, cvt::bf16>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::f32, cvt::f16>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::f32, cvt::f8_e4m3>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::bf16, cvt::f32>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::bf16, cvt::bf16>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::bf16, cvt::f16>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::bf16, cvt::f8_e4m3>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::f16, cvt::f32>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::f16, cvt::bf16>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::f16, cvt::f16>),
+      reinterpret_cast<const void*>(&convert_flat<cvt::f16, cvt::f8_e4m3>),
+      reinterpret_cast<const void*>(&convert_elements),
+      reinterpret_cast<const void*>(&block_scales),
+      reinterpret_cast<const void*>(&tensor_amax),
+      reinterpret_cast<const void*>(&tensor_finish),
+      reinterpret_cast<const void*>(&fused_block128),
+      reinterpret_cast<const void*>(&fused_block128_vec<cvt::bf16>),
+      reinterpret_cast<const void*>(&fused_block128_vec<cvt::f16>),
+      reinterpret_cast<const void*>(&fused_block128_vec<cvt::f32>),
+      reinterpret_cast<const void*>(&fused_block128_tiles<cvt::bf16>),
+      reinterpret_cast<const void*>(&fused_block128_tiles<cvt::f16>),
+  };
+  for (const void* k : kernels) {
+    cudaFuncAttributes a{};
+    if (const cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launch_checksum(const void* p, std::uint64_t bytes, unsigned long long* result, int blocks,
                             cudaStream_t stream) noexcept {
   (void)cudaGetLastError();

@@ -78,6 +78,13 @@ cudaError_t launch_copy_inline(const device_op* ops, std::uint32_t count, std::u
 /// Enqueues a kernel of one thread that does nothing on `stream` (copier::prime). Returns
 /// cudaGetLastError() after the launch.
 cudaError_t launch_nothing(cudaStream_t stream) noexcept;
+/// Loads every kernel of this file into the current device's context (cudaFuncGetAttributes of
+/// each). Under CUDA's lazy loading (the default since CUDA 12.2) a kernel is otherwise loaded at
+/// its first launch, and loading may wait for the context's other work: a first launch in the
+/// middle of a refit then waits for whatever the process's own streams are blocked on (a
+/// producer stream held by another process's progress, say), which may be this very refit.
+/// Returns the first error.
+cudaError_t load_all() noexcept;
 /// Enqueues the checksum reduction of copy::checksum() over `bytes` bytes at `p` into `*result`
 /// (device memory, must be zero before), with `blocks` blocks, on `stream`. Every term but the
 /// `+ bytes` is computed on the device. Returns cudaGetLastError() after the launch.

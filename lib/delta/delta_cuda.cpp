@@ -45,6 +45,8 @@ struct workspace::impl {
 
 workspace::workspace(int device) : device_(device) {
   device_guard guard(device);
+  // Loaded now rather than at their first launch, in the middle of a refit (see kernel::load_all).
+  check_cuda(kernel::load_all(), [&] { return fmt::format("loading refit's delta kernels on device {}", device); });
   impl_ = new impl;
   check_cuda(cudaMemset(impl_->terms.handle(), 0, sizeof(unsigned long long)), "delta workspace: cudaMemset");
 }

@@ -486,4 +486,17 @@ cudaError_t launch_range_terms(const void* p, std::uint64_t off, std::uint64_t n
   return cudaGetLastError();
 }
 
+cudaError_t load_all() noexcept {
+  const void* const kernels[] = {
+      reinterpret_cast<const void*>(&count_kernel), reinterpret_cast<const void*>(&scan_kernel),
+      reinterpret_cast<const void*>(&write_kernel), reinterpret_cast<const void*>(&check_kernel),
+      reinterpret_cast<const void*>(&apply_kernel), reinterpret_cast<const void*>(&range_kernel),
+  };
+  for (const void* k : kernels) {
+    cudaFuncAttributes a{};
+    if (const cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace refit::delta::kernel

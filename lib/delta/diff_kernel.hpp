@@ -135,4 +135,8 @@ cudaError_t launch_apply(const apply_list& list, unsigned long long* terms, cuda
 cudaError_t launch_range_terms(const void* p, std::uint64_t off, std::uint64_t n, std::uint64_t total,
                                std::uint64_t weight, bool negate, unsigned long long* terms, cudaStream_t stream);
 
+/// Loads every kernel of this file into the current device's context, as copy::kernel::load_all()
+/// does for the copy kernels (why: see there). Returns the first error.
+cudaError_t load_all() noexcept;
+
 }  // namespace refit::delta::kernel
