@@ -309,7 +309,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// The host diff's threads and scratch, made at the first host diff (options.delta.threads).
   std::unique_ptr<delta::host_differ> host_differ;
 #if REFIT_HAVE_CUDA
-  std::unique_ptr<delta::cuda::workspace> device_delta;  ///< the device diff's scratch, made when first needed
+  std::unique_ptr<delta::cuda::workspace> device_delta;  ///< the device diff's scratch (made with a delta streamer)
   delta::cuda::workspace& device_workspace();
 #endif
 

@@ -128,6 +128,11 @@ streamer::impl::impl(streamer_options o) : options(std::move(o)) {
     base = std::make_unique<delta::base_store>(
         options.delta.memory == delta_memory::device ? delta::memory::device : delta::memory::host,
         options.delta.max_bytes, options.device);
+#if REFIT_HAVE_CUDA
+  // The device diff's workspace loads its kernels when made: now, not in the first delta refit,
+  // where loading could wait for a producer stream held behind that refit (copy::kernel::load_all).
+  if (options.delta.enable && copier->kind() != copy::engine::cpu) (void)device_workspace();
+#endif
 }
 
 }  // namespace refit
