@@ -10,6 +10,9 @@
 // misaligned modulo 16 (the usual case: the plan aligns buffer offsets to 256 and allocators align
 // tensors), after a short head of single bytes and before a short tail; 8-, 4- and 1-byte elements
 // otherwise. Sixteen independent loads per thread are in flight before the first store.
+//
+// Every kernel of this file (each instantiation of a template) is listed in load_all(), which
+// loads them when a copier is made, never at a first launch mid-refit: a new kernel goes there too.
 #include <cstdint>
 #include <cstring>
 #include <type_traits>

@@ -7,6 +7,9 @@
 // place every patch before it is written), pass 2 writes each chunk's changes at its slot, in
 // order, with a scan over the warp's lanes. Both passes read base and next once, a warp per chunk
 // with 16-byte loads; the checksum terms are summed per warp and added once per warp.
+//
+// Every kernel of this file is listed in load_all() (loaded when a workspace is made, never at a
+// first launch mid-refit): a new kernel goes there too.
 #include <cstdint>
 
 #include "delta/diff_kernel.hpp"

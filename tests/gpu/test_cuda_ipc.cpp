@@ -1837,6 +1837,9 @@ TEST_CASE(
   // The two processes share the GPU: the receiver enqueues its reads of a buffer only once the
   // streamer's packing of it has completed (a read queued behind it would hold the GPU). Here the
   // first tensor's producer stream holds the first batch's packing until the receiver has failed.
+  // The streamer's first kernel launch comes after the gate shuts: had it loaded the kernel then
+  // (CUDA's lazy loading), the load would wait for the held stream and no BATCH would ever go
+  // (copy::load_kernels; bench/results/2026-11-29-h200-kernel-loading.txt).
   const auto metas = rt::mixed_model(300, 3 * buffer_bytes);
   const auto ep = rt::temp_endpoint();
   rt::signal_pipe failed;  // receiver → streamer
