@@ -85,6 +85,32 @@ def test_record_writes_the_measured_ratios(tmp_path):
     assert rows[0]["recorded"].endswith(" test cpu")
 
 
+def test_from_reads_the_runs_an_earlier_out_kept_and_records_them_with_their_date(tmp_path):
+    base = baseline(tmp_path, {"x": 0.80})
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    rows = [{"transport": "host_shm", "model": "m", "engine": "x", "buffer_mb": 64.0, "layout": "plain",
+             "ratio": 0.7, "time_ms": {"median": 14.0}, "wrong": 0}]
+    (kept / "fake.json").write_text(json.dumps({"preamble": {"gpus": ["GPU 0: H200", "GPU 1: H200"],
+                                                             "date": "2026-01-02 03:04:05 UTC"}, "rows": rows}))
+    # No refit-bench at all: nothing runs. A run without a kept file is skipped, whatever GPUs it needs.
+    env = dict(os.environ, PATH="/usr/bin:/bin")
+    cmd = [sys.executable, str(TOOL), "--bench", str(tmp_path / "none"), "--baseline", str(base), "--from", str(kept)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert r.returncode == 1, r.stdout + r.stderr  # 0.80 -> 0.70: flagged
+    assert "engine=x buffer_mb=64.0 layout=plain: ratio 0.700, recorded 0.800" in r.stdout
+    assert f"# skipped: needs-gpus (no {kept / 'needs-gpus.json'})" in r.stdout
+    r = subprocess.run([*cmd, "--record", "--only", "fake"], capture_output=True, text=True, env=env, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads(base.read_text())["runs"][0]["rows"]
+    assert (row["ratio"], row["recorded"]) == (0.7, "2026-01-02 2 x GPU 0: H200, GPU 1: H200")
+    r = subprocess.run([*cmd[:-1], str(tmp_path / "nowhere")], capture_output=True, text=True, env=env, timeout=60,
+                       check=False)
+    assert r.returncode == 2
+    assert "no folder" in r.stderr
+
+
 def test_a_run_not_recorded_yet_runs_prints_its_ratios_and_flags_only_wrong_values(tmp_path):
     base = baseline(tmp_path, {})  # the run "fake" without rows: added, not recorded on any machine
     r = run(tmp_path, base, "a=0.42")
