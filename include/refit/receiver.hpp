@@ -28,9 +28,9 @@ enum class stage_kind : std::uint8_t {
   /// spare GPU memory: the apply is the copy kernel reading host memory, ~1.1 x the H2D floor).
   host,
   /// Memory of the engine's GPU the receiver owns: the same as host, for a parameter table on one
-  /// GPU over the CUDA transports (cuda_ipc, whose direct writes then go through its buffers, and
-  /// nccl, whose dense entries are received straight into the stage); apply_prepared() is one launch
-  /// of the copy kernel, on the engine's stream when it gives one. Needs a build with CUDA.
+  /// GPU over the CUDA transports (cuda_ipc, whose direct writes then go into the stage, and nccl,
+  /// whose dense entries are received straight into it); apply_prepared() is one launch of the copy
+  /// kernel, on the engine's stream when it gives one. Needs a build with CUDA.
   device,
 };
 REFIT_API std::string_view to_string(stage_kind k) noexcept;
@@ -86,8 +86,10 @@ struct receiver_options {
   /// receiver::apply_prepared()). With stage_kind::host the receiver takes whole versions and subsets
   /// into a parameter table of host memory over host_shm; with stage_kind::device into a parameter
   /// table on one GPU over cuda_ipc and nccl (errc::invalid_argument in a build without CUDA). A
-  /// staged receiver offers its weights to no streamer (cuda_ipc direct and nccl in place go through
-  /// the buffers instead); it refuses a callback sink (on_batch: errc::invalid_argument), and a
+  /// staged receiver offers its weights to no streamer: a device stage offers itself instead, so a
+  /// cuda_ipc streamer that writes directly (the default; the only way it serves several TP ranks)
+  /// writes each tensor's copy in the stage, and nccl in place and the rest go through the buffers
+  /// into it. It refuses a callback sink (on_batch: errc::invalid_argument), and a
   /// session of another kind or a table elsewhere at BEGIN (errc::invalid_argument). A delta is
   /// staged as its patches: each batch's patches are copied into the stage, checked there and their
   /// checksum terms taken against the weights (only read), so END proves the version; apply_prepared()
@@ -96,8 +98,8 @@ struct receiver_options {
   /// The most memory (host, or the GPU's for a device stage) the stage may take, 0: what the
   /// version needs. The stage holds a copy of
   /// every registered destination's bytes (from its first byte to its last, each rounded up to 64
-  /// bytes): the parameter table's bytes, allocated at the first BEGIN after the table changed and
-  /// kept. A BEGIN whose version needs more is refused before anything is written
+  /// bytes): the parameter table's bytes, allocated at the first BEGIN after the table changed (a
+  /// device stage offered to a cuda_ipc streamer: at its HELLO) and kept. A BEGIN whose version needs more is refused before anything is written
   /// (errc::invalid_argument saying both byte counts).
   std::uint64_t stage_bytes = 0;
 };

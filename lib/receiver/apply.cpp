@@ -95,7 +95,13 @@ std::vector<copy::op> receiver::impl::table_ops(const wire::batch& b, const std:
   for (std::size_t k = 0; k < b.entries.size(); ++k) {
     const wire::entry& e = b.entries[k];
     std::vector<slot>& slots = check_entry(b, k, where);
-    if (e.bytes == 0 || check_only) continue;
+    if (e.bytes == 0) continue;
+    if (check_only) {
+      // Written into the stage by the streamer: apply_prepared() copies these destinations.
+      if (ln->into_stage)
+        for (slot& sl : slots) (void)stage_for(sl);
+      continue;
+    }
     if (segments != nullptr && ln->parts)
       add_parts(slots, e, ops, *segments, pieces, scatter);
     else

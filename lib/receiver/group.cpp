@@ -67,7 +67,7 @@ receiver_event receiver::impl::join_refit(const wire::begin& b) {
   }
   ln->deferred.reset();
   ln->failed.reset();
-  if (ln->direct) is_dirty.store(true);
+  if (ln->direct && !ln->into_stage) is_dirty.store(true);
   reply_ok();
   return receiver_event::begin;
 }

@@ -153,7 +153,10 @@ struct lane {
   std::unique_ptr<copy::copier> copier;
   std::optional<wire::refit_tracker> tracker;
   std::string peer;
-  bool direct = false;                   ///< the streamer writes straight into the table (cuda_ipc direct)
+  bool direct = false;  ///< the streamer writes straight into the table (cuda_ipc direct)
+  /// With `direct`: a device-staged receiver offered its stage, not its weights (stage_offer()): the
+  /// streamer writes each destination's copy in the stage, and apply_prepared() alone writes the weights.
+  bool into_stage = false;
   bool in_place = false;                 ///< every entry is received straight into the table (nccl)
   bool parts = false;                    ///< in place, each destination's own bytes only (sink::parts)
   bool laid_out = false;                 ///< the session's HELLO asked for a layout from the table (direct, in place)
@@ -394,6 +397,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::optional<std::string> stage_refusal(const wire::begin& b);
   std::optional<std::string> stage_misfit(std::uint64_t version) const;
   std::optional<std::string> allocate_stage(std::uint64_t version);
+  std::vector<plan::destination> stage_offer();
   [[nodiscard]] std::byte* stage_base() const noexcept;
   void lay_out_stage();
   std::byte* stage_for(slot& sl);

@@ -113,8 +113,8 @@ receiver_event receiver::impl::begin_refit(const wire::begin& b) {
     log_used = 0;
   }
   ln->deferred.reset();
-  // Direct writes start as soon as the streamer has this reply.
-  if (ln->direct) is_dirty.store(true);
+  // Direct writes start as soon as the streamer has this reply (into the weights, unless into the stage).
+  if (ln->direct && !ln->into_stage) is_dirty.store(true);
   reply_ok();
   return receiver_event::begin;
 }
@@ -197,7 +197,7 @@ receiver_event receiver::impl::on_batch(const wire::batch& b) {
   }
   if (ln->direct) {
     // The streamer has written the bytes already; what is left is the manifest, checked above.
-    is_dirty.store(true);
+    if (!ln->into_stage) is_dirty.store(true);
     reply_ok();
   } else if (ln->sink->asynchronous()) {
     try {

@@ -116,6 +116,7 @@ void receiver::impl::end_session() noexcept {
   ln->owner.clear();
   ln->secret.clear();
   ln->direct = false;
+  ln->into_stage = false;
   ln->in_place = false;
   ln->parts = false;
   ln->laid_out = false;
@@ -241,10 +242,18 @@ void receiver::impl::open_session(const wire::hello& h) {
 /// received straight into it (in place), or staged in the buffers (neither).
 void receiver::impl::offer_placement(const wire::hello& h, wire::ok& reply) {
   // A staged receiver's weights are written by apply_prepared() alone: it offers them to no
-  // streamer, whose batches then come through the buffers into the stage (cuda_ipc direct and nccl
-  // in place fall back to that by themselves).
+  // streamer. A device stage is offered in their place (stage_offer()): a cuda_ipc streamer that asks
+  // for direct writes writes the stage, which is how one streamer serves several staged TP ranks.
+  // Otherwise the batches come through the buffers into the stage (cuda_ipc direct and nccl in place
+  // fall back to that by themselves).
   if (staged()) {
-    ln->direct = ln->parts = false;
+    ln->direct = ln->parts = ln->into_stage = false;
+    if (const std::vector<plan::destination> stage_dests = stage_offer();
+        !stage_dests.empty() && ln->sink->offer_direct(h, stage_dests, reply)) {
+      ln->direct = ln->into_stage = true;
+      ln->in_place = false;
+      return;
+    }
     // Offered no destination, a transport declines and makes the buffers the batches come through
     // (nccl makes its receive buffers here).
     ln->in_place = ln->sink->offer_in_place(h, {}, reply);

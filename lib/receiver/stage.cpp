@@ -82,6 +82,13 @@ std::optional<std::string> receiver::impl::stage_refusal(const wire::begin& b) {
   if (callback)  // on_batch refuses a staged receiver; kept for a callback set before a bug
     return fmt::format("version {}: a staged receiver applies into a parameter table, not a callback", b.version);
   if (auto misfit = stage_misfit(b.version)) return misfit;
+  if (ln->into_stage && (stage_generation != sink_generation || !device_stage || device_stage->bytes() < stage_need))
+    // Never reached: a new table renews the session (check_begin), and only allocate_stage() frees the
+    // stage the streamer was given at HELLO. Refused rather than moved under the streamer's writes.
+    return fmt::format(
+        "version {}: the stage offered to {} at HELLO is no longer the one laid out; nothing was "
+        "written: the streamer must say HELLO again",
+        b.version, who(*ln));
   if (stage_generation != sink_generation) lay_out_stage();
   if (options.stage_bytes != 0 && stage_need > options.stage_bytes)
     return fmt::format(
@@ -99,7 +106,7 @@ std::optional<std::string> receiver::impl::stage_refusal(const wire::begin& b) {
 std::optional<std::string> receiver::impl::stage_misfit(std::uint64_t version) const {
   const device where = ln->sink->where();
   const bool fits = options.stage == stage_kind::device ? where.kind == device_kind::cuda : true;
-  if (!fits || ln->direct || ln->in_place || ln->parts)
+  if (!fits || (ln->direct && !ln->into_stage) || ln->in_place || ln->parts)
     return fmt::format(
         "version {}: receiver_options::stage = {} takes sessions that bring their bytes through buffers ({}), not "
         "this {} session{}; use stage = {} for it",
@@ -119,6 +126,42 @@ std::optional<std::string> receiver::impl::stage_misfit(std::uint64_t version) c
             where.kind == device_kind::cuda ? fmt::format("cuda:{}", where.index) : "the host", printable(name),
             sl.dest.dev.kind == device_kind::cuda ? fmt::format("cuda:{}", sl.dest.dev.index) : "the host");
   return std::nullopt;
+}
+
+/// The destinations a device stage offers a streamer for direct writes at HELLO (cuda_ipc): each
+/// registered destination's copy in the stage (slot::stage_at: same views, from its first byte), in
+/// the table's order, the stage laid out and allocated for the table as it is. Empty (the session
+/// then brings its bytes through buffers) for a host stage, a callback, a table not all on the
+/// sink's GPU, a stage larger than receiver_options::stage_bytes or that cannot be allocated, or a
+/// prepared version that waits for apply_prepared() in a stage that would have to be laid out anew.
+/// The stage keeps its place for the session: a new table renews the session (check_begin()).
+std::vector<plan::destination> receiver::impl::stage_offer() {
+  std::vector<plan::destination> dests;
+  if (options.stage != stage_kind::device || callback || table.empty() || ln->sink->where().kind != device_kind::cuda ||
+      stage_misfit(0))
+    return dests;
+  std::lock_guard lock(stage_mutex);
+  const bool placed = stage_generation == sink_generation && device_stage && device_stage->bytes() >= stage_need &&
+                      device_stage->device() == ln->sink->where().index;
+  if (ready && !placed) return dests;  // the prepared version's bytes stay where they are
+  if (!ready) {
+    if (stage_generation != sink_generation) lay_out_stage();
+    if (options.stage_bytes != 0 && stage_need > options.stage_bytes) return dests;  // BEGIN says why
+    if (const auto why = allocate_stage(0)) {
+      REFIT_INFO("no stage to offer {} for direct writes (its batches come through buffers): {}", who(*ln), *why);
+      return dests;
+    }
+  }
+  dests.reserve(table.size());
+  for (const auto& [name, slots] : table)
+    for (const slot& sl : slots) {
+      plan::destination d = sl.dest;
+      d.data = stage_base() + sl.stage_at;
+      d.alloc = d.data;  // its copy's bytes, and no others (the copies lie side by side)
+      d.alloc_bytes = plan::check_view(sl.dest).bytes;
+      dests.push_back(std::move(d));
+    }
+  return dests;
 }
 
 /// Makes the stage hold at least stage_need bytes (kept, grown when the table grows); why not, or

@@ -807,12 +807,17 @@ TEST_CASE(
     "a staged cuda_ipc receiver (a device stage, or a host stage in page-locked memory) keeps its weights "
     "untouched until apply_prepared, which lands each version bit-exact on its own stream or the engine's",
     "[cuda_ipc][stage]") {
-  // The streamer asks for direct writes (the default); a staged receiver offers its weights to no one,
-  // so every version comes through the buffers (and the streamer's tensors read in place) into the stage.
+  // A staged receiver offers its weights to no one. A device stage offers itself: a streamer that asks
+  // for direct writes (the default) writes the stage. With direct writes turned off, and into a host
+  // stage (page-locked host memory, which no other process maps), every version comes through the
+  // buffers (and the streamer's tensors read in place) into the stage.
   const auto metas = rt::mixed_model(300, 3 * buffer_bytes, 3);
   const std::vector<std::uint64_t> versions = {1, 2, 3, 4};
-  for (const auto kind : {refit::stage_kind::device, refit::stage_kind::host}) {
-    INFO("stage = " << refit::to_string(kind));
+  for (const auto& [kind, force_staged] :
+       {std::pair{refit::stage_kind::device, false}, std::pair{refit::stage_kind::device, true},
+        std::pair{refit::stage_kind::host, false}}) {
+    INFO("stage = " << refit::to_string(kind) << (force_staged ? ", direct writes off" : ""));
+    const path want = kind == refit::stage_kind::device && !force_staged ? path::direct : path::staged;
     const auto ep = rt::temp_endpoint();
     two_processes(
         [&](rt::signal_pipe& ready) {
@@ -849,7 +854,7 @@ TEST_CASE(
           }
           expect(next == versions.size(), std::to_string(next) + " versions applied");
         },
-        [&] { streamer_of(ep, metas, 0, versions, path::staged); });
+        [&] { streamer_of(ep, metas, 0, versions, want, force_staged); });
   }
 }
 
@@ -1329,6 +1334,159 @@ TEST_CASE("one cuda_ipc streamer on cuda:0 writes TP rank 1 on cuda:1 directly o
     return;
   }
   tp_refits(1);
+}
+
+/// Receiver child: TP rank `rank` of `layout` on `device`, its engine memory zeros at first, staged
+/// on the device (receiver_options::stage), serving until BYE. Reports each version it prepared
+/// ("prepared V, weights W": W "ok" while its engine memory still holds the version it applied before,
+/// and "dirty" if it says so), then applies it on its own stream ("applied V ok", or where it differs);
+/// an aborted version as "aborted, weights W". With `block_in`, it stops at its first BATCH of that
+/// version, reports "blocked" and waits to be killed.
+void staged_tp_rank(const tp_layout& layout, int rank, int device, const std::string& endpoint,
+                    refit::milliseconds idle, rt::signal_pipe& reports, std::optional<std::uint64_t> block_in = {}) {
+  refit::check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  const std::uint64_t bytes = tp_layout::total * 2;
+  refit::cuda::device_buffer engine(bytes);
+  refit::check_cuda(cudaMemset(engine.handle(), 0, bytes), "cudaMemset(engine)");
+  auto o = receive_options(endpoint, device, idle);
+  o.stage = refit::stage_kind::device;
+  refit::receiver r(o);
+  layout.register_with(r, rank, static_cast<std::uint16_t*>(engine.handle()), bytes, device);
+  std::uint64_t in = 0;  // the version of the last BEGIN
+  r.on_begin([&](std::uint64_t v) { in = v; });
+  std::uint64_t applied = 0;
+  const auto holds = [&](std::uint64_t v) {
+    std::vector<std::uint16_t> got(tp_layout::total);
+    refit::check_cuda(cudaMemcpy(got.data(), engine.handle(), bytes, cudaMemcpyDeviceToHost), "download");
+    const auto want = v == 0 ? std::vector<std::uint16_t>(tp_layout::total, 0) : layout.image(rank, v);
+    const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
+    return (w == want.end() ? std::string("ok") : "differ at element " + std::to_string(w - want.begin())) +
+           (r.dirty() ? " dirty" : "");
+  };
+  reports.send("ready");
+  for (;;) {
+    switch (r.serve_one(100ms)) {
+      case refit::receiver_event::bye: return;
+      case refit::receiver_event::batch:
+        if (block_in && in == *block_in) {
+          reports.send("blocked");
+          block_forever();
+        }
+        break;
+      case refit::receiver_event::prepared: {
+        const std::uint64_t v = r.prepared_version().value_or(0);
+        reports.send("prepared " + std::to_string(v) + ", weights " + holds(applied));
+        expect(r.apply_prepared() == v, "apply_prepared() applied another version");
+        applied = v;
+        reports.send("applied " + std::to_string(v) + " " + holds(v));
+        break;
+      }
+      case refit::receiver_event::aborted: reports.send("aborted, weights " + holds(applied)); break;
+      case refit::receiver_event::refused: throw std::runtime_error("receiver refused: " + r.last_error());
+      default: break;
+    }
+  }
+}
+
+/// The GPU of TP rank 1 in the staged TP tests: cuda:1 where there is one, so that the ranks' stages
+/// are written across GPUs; cuda:0 otherwise.
+int second_rank_gpu() { return rt::cuda_device_count() >= 2 ? 1 : 0; }
+
+TEST_CASE(
+    "one cuda_ipc streamer writes two device-staged TP ranks' stages directly, engine-wide: each rank's weights "
+    "stay untouched until it applies, then hold its shards bit-exact",
+    "[cuda_ipc][layout][tp][stage]") {
+  const tp_layout layout;
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  rt::signal_pipe reports0, reports1;
+  rt::child rx0([&] { staged_tp_rank(layout, 0, 0, eps[0], relaxed, reports0); });
+  REQUIRE(reports0.receive(60s) == "ready");
+  rt::child rx1([&] { staged_tp_rank(layout, 1, second_rank_gpu(), eps[1], relaxed, reports1); });
+  REQUIRE(reports1.receive(60s) == "ready");
+  rt::child tx([&] {
+    device_tensors source(layout.sources, 0);
+    auto o = stream_options(eps[0], 0, relaxed);
+    o.receivers = eps;
+    o.atomic = true;
+    refit::streamer s(o);
+    for (const std::uint64_t v : {1, 2, 3}) {
+      source.upload(v);
+      const auto stats = s.refit(v, source.refs());
+      expect(stats.direct, "version " + std::to_string(v) + " was not written directly into the stages");
+      expect(stats.commit_seconds > 0, "no COMMIT round trip measured");
+    }
+    s.close();
+  });
+  for (const std::uint64_t v : {1, 2, 3})
+    for (auto* reports : {&reports0, &reports1}) {
+      CHECK(reports->receive(60s) == "prepared " + std::to_string(v) + ", weights ok");
+      CHECK(reports->receive(60s) == "applied " + std::to_string(v) + " ok");
+    }
+  CHECK(tx.wait(120s) == 0);
+  CHECK(rx0.wait(60s) == 0);
+  CHECK(rx1.wait(60s) == 0);
+}
+
+TEST_CASE(
+    "a device-staged TP rank killed in the middle of an engine-wide cuda_ipc version leaves the other rank's "
+    "weights on the old version, clean; a new rank and the survivor take the next version together",
+    "[cuda_ipc][layout][tp][stage][faults]") {
+  const tp_layout layout;
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  rt::signal_pipe reports0, reports1;
+  // The survivor's idle timeout is long: the streamer's ABORT, not its own deadline, ends version 2.
+  rt::child survivor([&] { staged_tp_rank(layout, 0, 0, eps[0], relaxed, reports0); });
+  REQUIRE(reports0.receive(60s) == "ready");
+  auto victim = std::make_unique<rt::child>(
+      [&] { staged_tp_rank(layout, 1, second_rank_gpu(), eps[1], fault_timeout, reports1, 2); });
+  REQUIRE(reports1.receive(60s) == "ready");
+  rt::signal_pipe outcome, go;
+  rt::child tx([&] {
+    device_tensors source(layout.sources, 0);
+    auto o = stream_options(eps[0], 0, fault_timeout);
+    o.receivers = eps;
+    o.atomic = true;
+    refit::streamer s(o);
+    source.upload(1);
+    expect(s.refit(1, source.refs()).direct, "version 1 was not written directly into the stages");
+    source.upload(2);
+    std::string line = "committed";
+    try {
+      s.refit(2, source.refs());
+    } catch (const refit::error& e) {
+      line = rt::code_name(e.code()) + ": " + e.what();
+    }
+    outcome.send(line);
+    expect(go.receive(60s) == "go", "no go");
+    source.upload(3);
+    expect(s.refit(3, source.refs()).direct, "version 3 was not written directly into the stages");
+    s.close();
+  });
+  for (auto* reports : {&reports0, &reports1}) {
+    REQUIRE(reports->receive(60s) == "prepared 1, weights ok");
+    REQUIRE(reports->receive(60s) == "applied 1 ok");
+  }
+  REQUIRE(reports1.receive(60s) == "blocked");
+  victim->kill();
+  const std::string line = outcome.receive(60s);
+  INFO("the streamer's version 2: " << line);
+  CHECK((line.starts_with("timeout: ") || line.starts_with("peer: ")));
+  CHECK(line.find(eps[1]) != std::string::npos);
+  // Part of version 2 may be in the survivor's stage; its weights are version 1's, bit for bit, clean.
+  CHECK(reports0.receive(60s) == "aborted, weights ok");
+
+  // A new rank 1 (its weights zeros) on the dead one's endpoint: version 3 reaches both.
+  victim =
+      std::make_unique<rt::child>([&] { staged_tp_rank(layout, 1, second_rank_gpu(), eps[1], relaxed, reports1); });
+  REQUIRE(reports1.receive(60s) == "ready");
+  go.send("go");
+  CHECK(reports0.receive(60s) == "prepared 3, weights ok");  // still version 1's until it applies
+  CHECK(reports0.receive(60s) == "applied 3 ok");
+  CHECK(reports1.receive(60s) == "prepared 3, weights ok");  // its zeros
+  CHECK(reports1.receive(60s) == "applied 3 ok");
+  CHECK(tx.wait(120s) == 0);
+  CHECK(survivor.wait(60s) == 0);
+  CHECK(victim->wait(60s) == 0);
 }
 
 TEST_CASE("a cuda_ipc streamer with two receivers refuses to stage: one with a callback sink fails the HELLO",
