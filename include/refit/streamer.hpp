@@ -196,7 +196,7 @@ struct refit_stats {
   double source_seconds = 0;       ///< in the tensor source's next()
   double pack_seconds = 0;         ///< enqueuing (cuda) or doing (cpu) the copies into buffers
   double wait_seconds = 0;         ///< waiting for the receiver's replies
-  bool direct = false;             ///< written straight into the receiver's weights (cuda_ipc direct, nccl in place)
+  bool direct = false;             ///< into the weights or device stage (cuda_ipc direct), in place (nccl)
   std::uint64_t shared_bytes = 0;  ///< of `bytes`, read by the receiver where they are (share_tensors)
   /// nccl in place with receivers of views (a parts session): the bytes sent, every receiver's
   /// parts together (a receiver of a TP shard takes only its slice; a tensor two destinations take

@@ -880,7 +880,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_readonly("source_seconds", &refit_stats::source_seconds, "in the tensor source (a generator's gathers)")
       .def_readonly("pack_seconds", &refit_stats::pack_seconds)
       .def_readonly("wait_seconds", &refit_stats::wait_seconds)
-      .def_readonly("direct", &refit_stats::direct, "written straight into the receiver's weights")
+      .def_readonly("direct", &refit_stats::direct,
+                    "written straight into the receiver's weights (or its device stage)")
       .def_readonly("shared_bytes", &refit_stats::shared_bytes,
                     "bytes the receiver read where they are in the streamer's memory (share_tensors)")
       .def_readonly("parts_bytes", &refit_stats::parts_bytes,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import refit
-from conftest import SERVE_LIMIT, _STOP, need_gpus, rank_gpu
+from conftest import SERVE_LIMIT, _STOP, cuda_devices, need_gpus, rank_gpu, serve_loop, state_bytes
 from test_gpu import fixed_ids, gpu_streamer, llama, logits, use_device
 
 
@@ -124,3 +124,53 @@ def test_an_engine_generating_without_pause_runs_every_step_on_one_whole_version
         f"{transport} {size}: {len(out['steps'])} steps, {busy_steps} during transfers "
         f"({busy_steps / busy_s if busy_s else 0:.0f}/s) against {idle_steps / idle_s if idle_s else 0:.0f}/s idle"
     )
+
+
+def staged_tp_rank(chan, device: int, tp_rank: int):
+    """Job: TP rank ``tp_rank`` of 2 on ``device``, device-staged: half of "col"'s rows, half of
+    "row"'s columns (a strided slice of the source) and all of "norm". Commands: ``state`` (its
+    weights as they are), ``prepared`` (the version waiting in the stage), ``apply`` (on torch's
+    current stream; returns the version applied)."""
+    torch.cuda.set_device(device)
+    held = {
+        "col": torch.zeros(6, 16, dtype=torch.bfloat16, device=f"cuda:{device}"),
+        "row": torch.zeros(10, 4, dtype=torch.float32, device=f"cuda:{device}"),
+        "norm": torch.zeros(9, dtype=torch.float32, device=f"cuda:{device}"),
+    }
+    with refit.Receiver(device=device, stage="device") as rx:
+        rx.add_parameter("col", held["col"], source_slice=(0, 6 * tp_rank, 6))
+        rx.add_parameter("row", held["row"], source_slice=(1, 4 * tp_rank, 4))
+        rx.add_parameter("norm", held["norm"])
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {"state": lambda: state_bytes(held), "prepared": lambda: rx.prepared_version,
+                                     "apply": rx.apply})
+
+
+def test_one_cuda_ipc_trainer_writes_two_device_staged_tp_ranks_and_each_applies_the_whole_version(ranks):
+    """Engine-wide versions to two TP ranks (on two GPUs where there are two), each staged on its
+    GPU: the trainer writes each rank's stage directly; each rank's weights stay as they were until
+    it applies, and then hold its slices of the version, bit for bit."""
+    need_gpus(1)
+    gpus = min(2, cuda_devices())
+    jobs = [p.run(staged_tp_rank, j % gpus, j) for j, p in enumerate(ranks(2))]
+    endpoints = [job.recv() for job in jobs]
+    torch.cuda.set_device(0)
+    zeros = {"col": torch.zeros(6, 16, dtype=torch.bfloat16), "row": torch.zeros(10, 4), "norm": torch.zeros(9)}
+    before = [state_bytes(zeros)] * 2
+    with refit.Streamer(None, transport="cuda_ipc", receivers=endpoints, device=0, atomic=True, timeout=30.0) as st:
+        for version in (1, 2):
+            g = torch.Generator().manual_seed(version)
+            whole = {"col": torch.randn(12, 16, generator=g).to(torch.bfloat16), "row": torch.randn(10, 8, generator=g),
+                     "norm": torch.randn(9, generator=g)}
+            stats = st.refit(version, {k: v.to("cuda:0") for k, v in whole.items()})
+            assert stats.direct and stats.commit_seconds > 0
+            for j, job in enumerate(jobs):
+                assert job.request("prepared") == version
+                assert job.request("state") == before[j], f"TP rank {j}: weights changed before apply()"
+                assert job.request("apply") == version
+                expect = {"col": whole["col"][6 * j:6 * j + 6], "row": whole["row"][:, 4 * j:4 * j + 4].contiguous(),
+                          "norm": whole["norm"]}
+                before[j] = state_bytes(expect)
+                assert job.request("state") == before[j], f"TP rank {j}, version {version}"
+    for job in jobs:
+        job.stop()

@@ -546,7 +546,7 @@ class Streamer(_refit.Streamer):
             them, or, in place to receivers that registered views (TP ranks' shards with
             ``source_slice``, fused or stacked tensors), sends each only the bytes its views take,
             straight into them (``RefitStats.parts_bytes``); cuda_ipc writes each one's parameter
-            table directly (TP ranks of one host).
+            table directly, or its device stage (TP ranks of one host).
         buffer_bytes, buffers: the ping-pong staging buffers (capacity of each, how many).
         direct: write straight into the receiver's weights where it can (cuda_ipc direct, nccl in
             place); False always stages.
