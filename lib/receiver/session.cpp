@@ -247,11 +247,10 @@ void receiver::impl::offer_placement(const wire::hello& h, wire::ok& reply) {
   // Otherwise the batches come through the buffers into the stage (cuda_ipc direct and nccl in place
   // fall back to that by themselves).
   if (staged()) {
-    ln->direct = ln->parts = ln->into_stage = false;
+    ln->direct = ln->in_place = ln->parts = ln->into_stage = false;
     if (const std::vector<plan::destination> stage_dests = stage_offer();
         !stage_dests.empty() && ln->sink->offer_direct(h, stage_dests, reply)) {
       ln->direct = ln->into_stage = true;
-      ln->in_place = false;
       return;
     }
     // Offered no destination, a transport declines and makes the buffers the batches come through
