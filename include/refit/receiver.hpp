@@ -29,8 +29,8 @@ enum class stage_kind : std::uint8_t {
   host,
   /// Memory of the engine's GPU the receiver owns: the same as host, for a parameter table on one
   /// GPU over the CUDA transports (cuda_ipc, whose direct writes then go into the stage, and nccl,
-  /// whose dense entries are received straight into it); apply_prepared() is one launch of the copy
-  /// kernel, on the engine's stream when it gives one. Needs a build with CUDA.
+  /// which receives into it in place); apply_prepared() is one launch of the copy kernel, on the
+  /// engine's stream when it gives one. Needs a build with CUDA.
   device,
 };
 REFIT_API std::string_view to_string(stage_kind k) noexcept;
@@ -88,8 +88,8 @@ struct receiver_options {
   /// table on one GPU over cuda_ipc and nccl (errc::invalid_argument in a build without CUDA). A
   /// staged receiver offers its weights to no streamer: a device stage offers itself instead, so a
   /// cuda_ipc streamer that writes directly (the default; the only way it serves several TP ranks)
-  /// writes each tensor's copy in the stage, and nccl in place and the rest go through the buffers
-  /// into it. It refuses a callback sink (on_batch: errc::invalid_argument), and a
+  /// writes each tensor's copy in the stage, and nccl in place receives into it (a TP rank only its
+  /// parts); the rest goes through the buffers into it. It refuses a callback sink (on_batch: errc::invalid_argument), and a
   /// session of another kind or a table elsewhere at BEGIN (errc::invalid_argument). A delta is
   /// staged as its patches: each batch's patches are copied into the stage, checked there and their
   /// checksum terms taken against the weights (only read), so END proves the version; apply_prepared()

@@ -43,23 +43,28 @@ struct scatter_plan {
 /// Entry `e` of a parts session: each destination's bytes of the entry, in table order (none where
 /// it takes nothing): received straight into it where they are one range of it, else into the
 /// sink's scatter memory, packed run by run as the streamer sends them, and copied into place.
-void add_parts(const std::vector<slot>& slots, const wire::entry& e, std::vector<copy::op>& ops,
-               std::vector<transport::segment>& segments, std::vector<plan::run>& pieces, scatter_plan& scatter) {
-  for (const slot& sl : slots) {
+/// `into(slot)`: where the destination's first byte is written (the weights, or its copy in the
+/// stage); `kernel_only`: the unpacking copies go to the kernel alone (into the stage).
+template <class Into>
+void add_parts(std::vector<slot>& slots, const wire::entry& e, Into&& into, bool kernel_only,
+               std::vector<copy::op>& ops, std::vector<transport::segment>& segments, std::vector<plan::run>& pieces,
+               scatter_plan& scatter) {
+  for (slot& sl : slots) {
     pieces.clear();
     for (const plan::run& r : sl.runs()) plan::clip(r, e.tensor_offset, e.tensor_offset + e.bytes, pieces);
     if (pieces.empty()) continue;
+    std::byte* const base = into(sl);
     const std::uint64_t n = plan::bytes_of(pieces);
     if (const auto at = plan::contiguous(pieces, false)) {
-      segments.push_back(transport::segment{static_cast<std::byte*>(sl.dest.data) + *at, 0, n});
+      segments.push_back(transport::segment{base + *at, 0, n});
       continue;
     }
     scatter.scattered.push_back(segments.size());
     segments.push_back(transport::segment{nullptr, scatter.bytes, n});
     for (const plan::run& r : pieces) {
       scatter.unpack.emplace_back(ops.size(), scatter.bytes);
-      ops.emplace_back(nullptr, static_cast<std::byte*>(sl.dest.data) + r.dst, r.width, r.rows, r.width, r.dst_pitch);
-      ops.back().kernel_only = sl.kernel_only;
+      ops.emplace_back(nullptr, base + r.dst, r.width, r.rows, r.width, r.dst_pitch);
+      ops.back().kernel_only = kernel_only || sl.kernel_only;
       scatter.bytes += r.width * r.rows;
     }
   }
@@ -103,7 +108,9 @@ std::vector<copy::op> receiver::impl::table_ops(const wire::batch& b, const std:
       continue;
     }
     if (segments != nullptr && ln->parts)
-      add_parts(slots, e, ops, *segments, pieces, scatter);
+      add_parts(
+          slots, e, [&](slot& sl) { return ln->into_stage ? stage_for(sl) : static_cast<std::byte*>(sl.dest.data); },
+          ln->into_stage, ops, *segments, pieces, scatter);
     else
       add_staged(slots, e, base, where, ops, segments, pieces);
   }

@@ -154,8 +154,9 @@ struct lane {
   std::optional<wire::refit_tracker> tracker;
   std::string peer;
   bool direct = false;  ///< the streamer writes straight into the table (cuda_ipc direct)
-  /// With `direct`: a device-staged receiver offered its stage, not its weights (stage_offer()): the
-  /// streamer writes each destination's copy in the stage, and apply_prepared() alone writes the weights.
+  /// With `direct` or `in_place`: a device-staged receiver offered its stage, not its weights
+  /// (stage_offer()): each destination's copy in the stage is written (by the streamer, or received in
+  /// place), and apply_prepared() alone writes the weights.
   bool into_stage = false;
   bool in_place = false;                 ///< every entry is received straight into the table (nccl)
   bool parts = false;                    ///< in place, each destination's own bytes only (sink::parts)

@@ -243,19 +243,22 @@ void receiver::impl::open_session(const wire::hello& h) {
 void receiver::impl::offer_placement(const wire::hello& h, wire::ok& reply) {
   // A staged receiver's weights are written by apply_prepared() alone: it offers them to no
   // streamer. A device stage is offered in their place (stage_offer()): a cuda_ipc streamer that asks
-  // for direct writes writes the stage, which is how one streamer serves several staged TP ranks.
-  // Otherwise the batches come through the buffers into the stage (cuda_ipc direct and nccl in place
-  // fall back to that by themselves).
+  // for direct writes writes the stage, and nccl in place receives into it, which is how one streamer
+  // serves several staged TP ranks (nccl: each only its parts). Otherwise the batches come through
+  // the buffers into the stage.
   if (staged()) {
     ln->direct = ln->in_place = ln->parts = ln->into_stage = false;
-    if (const std::vector<plan::destination> stage_dests = stage_offer();
-        !stage_dests.empty() && ln->sink->offer_direct(h, stage_dests, reply)) {
+    const std::vector<plan::destination> stage_dests = stage_offer();
+    if (!stage_dests.empty() && ln->sink->offer_direct(h, stage_dests, reply)) {
       ln->direct = ln->into_stage = true;
       return;
     }
-    // Offered no destination, a transport declines and makes the buffers the batches come through
-    // (nccl makes its receive buffers here).
-    ln->in_place = ln->sink->offer_in_place(h, {}, reply);
+    // nccl receives into the stage in place (each TP rank only its parts); offered no destination, a
+    // transport declines and makes the buffers the batches come through (nccl makes its receive
+    // buffers here).
+    ln->in_place = ln->sink->offer_in_place(h, stage_dests, reply);
+    ln->into_stage = ln->in_place;
+    ln->parts = ln->in_place && ln->sink->parts();
     return;
   }
   std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place

@@ -106,7 +106,7 @@ std::optional<std::string> receiver::impl::stage_refusal(const wire::begin& b) {
 std::optional<std::string> receiver::impl::stage_misfit(std::uint64_t version) const {
   const device where = ln->sink->where();
   const bool fits = options.stage == stage_kind::device ? where.kind == device_kind::cuda : true;
-  if (!fits || (ln->direct && !ln->into_stage) || ln->in_place || ln->parts)
+  if (!fits || ((ln->direct || ln->in_place || ln->parts) && !ln->into_stage))
     return fmt::format(
         "version {}: receiver_options::stage = {} takes sessions that bring their bytes through buffers ({}), not "
         "this {} session{}; use stage = {} for it",
@@ -128,7 +128,7 @@ std::optional<std::string> receiver::impl::stage_misfit(std::uint64_t version) c
   return std::nullopt;
 }
 
-/// The destinations a device stage offers a streamer for direct writes at HELLO (cuda_ipc): each
+/// The destinations a device stage offers a streamer at HELLO (cuda_ipc direct writes, nccl in place): each
 /// registered destination's copy in the stage (slot::stage_at: same views, from its first byte), in
 /// the table's order, the stage laid out and allocated for the table as it is. Empty (the session
 /// then brings its bytes through buffers) for a host stage, a callback, a table not all on the

@@ -1428,6 +1428,51 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "one nccl streamer sends two device-staged TP ranks only their parts, received into their stages in place, "
+    "engine-wide: each rank's weights stay untouched until it applies, then hold its shards bit-exact",
+    "[nccl][layout][tp][stage]") {
+  if (!rt::nccl_ranks(3)) {
+    WARN("no nccl or no GPU: the nccl staged TP test did not run");
+    return;
+  }
+  const tp_layout layout;
+  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  rt::signal_pipe reports0, reports1;
+  rt::child rx0([&] { staged_tp_rank(layout, 0, rt::gpu_of(1), eps[0], relaxed, reports0); });
+  REQUIRE(reports0.receive(60s) == "ready");
+  rt::child rx1([&] { staged_tp_rank(layout, 1, rt::gpu_of(2), eps[1], relaxed, reports1); });
+  REQUIRE(reports1.receive(60s) == "ready");
+  rt::child tx([&] {
+    device_tensors source(layout.sources, 0);
+    auto o = stream_options(eps[0], 0, relaxed);
+    o.receivers = eps;
+    o.transport = refit::transport_kind::nccl;
+    o.atomic = true;
+    refit::streamer s(o);
+    std::uint64_t total = 0;
+    for (const auto& m : layout.sources) total += m.nbytes();
+    for (const std::uint64_t v : {1, 2}) {
+      source.upload(v);
+      const auto stats = s.refit(v, source.refs());
+      expect(stats.direct, "version " + std::to_string(v) + " was not received in place");
+      // Each rank its halves, both the whole norm: every byte once, the norm twice.
+      const std::uint64_t want = total + layout.sources[4].nbytes();
+      expect(stats.parts_bytes == want,
+             "parts_bytes " + std::to_string(stats.parts_bytes) + ", not " + std::to_string(want));
+    }
+    s.close();
+  });
+  for (const std::uint64_t v : {1, 2})
+    for (auto* reports : {&reports0, &reports1}) {
+      CHECK(reports->receive(60s) == "prepared " + std::to_string(v) + ", weights ok");
+      CHECK(reports->receive(60s) == "applied " + std::to_string(v) + " ok");
+    }
+  CHECK(tx.wait(120s) == 0);
+  CHECK(rx0.wait(60s) == 0);
+  CHECK(rx1.wait(60s) == 0);
+}
+
+TEST_CASE(
     "a device-staged TP rank killed in the middle of an engine-wide cuda_ipc version leaves the other rank's "
     "weights on the old version, clean; a new rank and the survivor take the next version together",
     "[cuda_ipc][layout][tp][stage][faults]") {

@@ -503,10 +503,10 @@ TEST_CASE(
   for (auto* rx : {&rx1, &rx2}) REQUIRE(rx->next_report() == "ready");
   streamer_child tx(eps, metas, relaxed, true, 0, buffer_bytes, 2, false, /*atomic=*/true);
   for (std::uint64_t v : {1u, 2u}) {
-    // A staged rank takes no entry in place: buffer-sized batches, each dense entry received
-    // straight into the stage.
+    // Each staged rank offers its stage in place of its weights: every entry is received straight
+    // into the stage, in 1 GiB batches.
     const std::string report = tx.refit(v);
-    CHECK(without_batches(report) == ok_line(v, metas, false));
+    CHECK(without_batches(report) == ok_line(v, metas, true));
     for (auto* rx : {&rx1, &rx2}) {
       CHECK(rx->next_report() == "prepared " + std::to_string(v) + " weights ok");
       CHECK(rx->next_report() == outcome("committed", v, false));
@@ -569,7 +569,9 @@ TEST_CASE(
                                                                .prefill = 1,
                                                                .stage = refit::stage_kind::device});
   for (auto* rx : {&survivor, victim.get()}) REQUIRE(rx->next_report() == "ready");
-  streamer_child tx(eps, metas, fault_timeout, true, 0, buffer_bytes, 2, false, /*atomic=*/true);
+  // Buffered (direct off): buffer-sized batches, so the victim stops in the middle of version 2, each
+  // dense entry received straight into the stage.
+  streamer_child tx(eps, metas, fault_timeout, /*direct=*/false, 0, buffer_bytes, 2, false, /*atomic=*/true);
   REQUIRE(without_batches(tx.refit(1)) == ok_line(1, metas, false));
   for (auto* rx : {&survivor, victim.get()}) {
     REQUIRE(rx->next_report() == "prepared 1 weights ok");

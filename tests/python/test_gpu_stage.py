@@ -126,12 +126,12 @@ def test_an_engine_generating_without_pause_runs_every_step_on_one_whole_version
     )
 
 
-def staged_tp_rank(chan, device: int, tp_rank: int):
+def staged_tp_rank(chan, device: int, tp_rank: int, nccl: bool, shared: bool):
     """Job: TP rank ``tp_rank`` of 2 on ``device``, device-staged: half of "col"'s rows, half of
     "row"'s columns (a strided slice of the source) and all of "norm". Commands: ``state`` (its
     weights as they are), ``prepared`` (the version waiting in the stage), ``apply`` (on torch's
     current stream; returns the version applied)."""
-    torch.cuda.set_device(device)
+    use_device(device, nccl, shared)
     held = {
         "col": torch.zeros(6, 16, dtype=torch.bfloat16, device=f"cuda:{device}"),
         "row": torch.zeros(10, 4, dtype=torch.float32, device=f"cuda:{device}"),
@@ -146,24 +146,34 @@ def staged_tp_rank(chan, device: int, tp_rank: int):
                                      "apply": rx.apply})
 
 
-def test_one_cuda_ipc_trainer_writes_two_device_staged_tp_ranks_and_each_applies_the_whole_version(ranks):
-    """Engine-wide versions to two TP ranks (on two GPUs where there are two), each staged on its
-    GPU: the trainer writes each rank's stage directly; each rank's weights stay as they were until
-    it applies, and then hold its slices of the version, bit for bit."""
-    need_gpus(1)
-    gpus = min(2, cuda_devices())
-    jobs = [p.run(staged_tp_rank, j % gpus, j) for j, p in enumerate(ranks(2))]
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
+def test_one_trainer_writes_two_device_staged_tp_ranks_and_each_applies_the_whole_version(ranks, nccl_ranks, transport):
+    """Engine-wide versions to two TP ranks (on GPUs of their own where there are enough), each
+    staged on its GPU: a cuda_ipc trainer writes each rank's stage directly, nccl sends each rank
+    only its parts, received into its stage in place; each rank's weights stay as they were until it
+    applies, and then hold its slices of the version, bit for bit."""
+    nccl = transport == "nccl"
+    if nccl:
+        shared = nccl_ranks(3)
+        devices = [rank_gpu(1), rank_gpu(2)]
+    else:
+        need_gpus(1)
+        shared = False
+        devices = [0, 1 % min(2, cuda_devices())]
+    jobs = [p.run(staged_tp_rank, devices[j], j, nccl, shared) for j, p in enumerate(ranks(2))]
     endpoints = [job.recv() for job in jobs]
     torch.cuda.set_device(0)
     zeros = {"col": torch.zeros(6, 16, dtype=torch.bfloat16), "row": torch.zeros(10, 4), "norm": torch.zeros(9)}
     before = [state_bytes(zeros)] * 2
-    with refit.Streamer(None, transport="cuda_ipc", receivers=endpoints, device=0, atomic=True, timeout=30.0) as st:
+    with refit.Streamer(None, transport=transport, receivers=endpoints, device=0, atomic=True, timeout=30.0) as st:
         for version in (1, 2):
             g = torch.Generator().manual_seed(version)
             whole = {"col": torch.randn(12, 16, generator=g).to(torch.bfloat16), "row": torch.randn(10, 8, generator=g),
                      "norm": torch.randn(9, generator=g)}
             stats = st.refit(version, {k: v.to("cuda:0") for k, v in whole.items()})
             assert stats.direct and stats.commit_seconds > 0
+            # nccl: each rank's 6 rows of "col" (192 bytes), 4 columns of "row" (160) and "norm" (36).
+            assert stats.parts_bytes == (2 * (192 + 160 + 36) if nccl else 0)
             for j, job in enumerate(jobs):
                 assert job.request("prepared") == version
                 assert job.request("state") == before[j], f"TP rank {j}: weights changed before apply()"

@@ -214,7 +214,8 @@ class Receiver(_refit.Receiver):
             on the engine's GPU, for parameters on one GPU over cuda_ipc and nccl; :meth:`apply`
             is then one launch of refit's copy kernel on torch's current stream (no host wait).
             A cuda_ipc trainer writes a device stage directly (its default), as it would the
-            weights, so one trainer serves the device-staged receivers of several TP ranks.
+            weights, and nccl receives into it in place, so one trainer serves the device-staged
+            receivers of several TP ranks (over nccl each receives only its parts).
         stage_bytes: the most memory the stage may take; 0 (default): what a version needs (the
             registered parameters' bytes). A version that needs more is refused before anything
             is written (``Errc.invalid_argument``, saying both byte counts).
