@@ -158,6 +158,8 @@ struct lane {
   /// (stage_offer()): each destination's copy in the stage is written (by the streamer, or received in
   /// place), and apply_prepared() alone writes the weights.
   bool into_stage = false;
+  /// The device stage this lane's streamer was offered for direct writes (and maps), if any.
+  const copy::device_area* offered_stage = nullptr;
   bool in_place = false;                 ///< every entry is received straight into the table (nccl)
   bool parts = false;                    ///< in place, each destination's own bytes only (sink::parts)
   bool laid_out = false;                 ///< the session's HELLO asked for a layout from the table (direct, in place)
@@ -282,8 +284,11 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::mutex stage_mutex;
   std::unique_ptr<std::byte[]> stage;               ///< stage_kind::host
   std::unique_ptr<copy::device_area> device_stage;  ///< a CUDA table's stage: device (or page-locked) memory
-  bool stage_cuda = false;                          ///< the stage in use is `device_stage` (not `stage`)
-  std::unique_ptr<copy::copier> stage_copier;       ///< the device stage's copies into the weights
+  /// Device stages replaced while a lane's streamer was offered them (retire_stage()): the serving
+  /// thread frees each once no lane's session was (release_retired_stages(), at end_session()).
+  std::vector<std::unique_ptr<copy::device_area>> retired_stages;
+  bool stage_cuda = false;                     ///< the stage in use is `device_stage` (not `stage`)
+  std::unique_ptr<copy::copier> stage_copier;  ///< the device stage's copies into the weights
   std::unique_ptr<delta::worker_pool>
       stage_pool;                    ///< a host stage's apply threads (delta_threads), made when first needed
   std::uint64_t stage_capacity = 0;  ///< bytes allocated at `stage`
@@ -399,6 +404,8 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::optional<std::string> stage_misfit(std::uint64_t version) const;
   std::optional<std::string> allocate_stage(std::uint64_t version);
   std::vector<plan::destination> stage_offer();
+  void retire_stage();
+  void release_retired_stages() noexcept;
   [[nodiscard]] std::byte* stage_base() const noexcept;
   void lay_out_stage();
   std::byte* stage_for(slot& sl);

@@ -117,6 +117,8 @@ void receiver::impl::end_session() noexcept {
   ln->secret.clear();
   ln->direct = false;
   ln->into_stage = false;
+  ln->offered_stage = nullptr;
+  release_retired_stages();
   ln->in_place = false;
   ln->parts = false;
   ln->laid_out = false;
@@ -251,6 +253,7 @@ void receiver::impl::offer_placement(const wire::hello& h, wire::ok& reply) {
     const std::vector<plan::destination> stage_dests = stage_offer();
     if (!stage_dests.empty() && ln->sink->offer_direct(h, stage_dests, reply)) {
       ln->direct = ln->into_stage = true;
+      ln->offered_stage = device_stage.get();  // the streamer maps it: kept while this session lasts
       return;
     }
     // nccl receives into the stage in place (each TP rank only its parts); offered no destination, a

@@ -143,10 +143,18 @@ std::vector<plan::destination> receiver::impl::stage_offer() {
   std::lock_guard lock(stage_mutex);
   const bool placed = stage_generation == sink_generation && device_stage && device_stage->bytes() >= stage_need &&
                       device_stage->device() == ln->sink->where().index;
-  if (ready && !placed) return dests;  // the prepared version's bytes stay where they are
+  if (ready && !placed) {  // the prepared version's bytes stay where they are
+    REFIT_INFO("no stage to offer {}: version {} waits in it for apply_prepared(), laid out for the table before",
+               who(*ln), ready->version);
+    return dests;
+  }
   if (!ready) {
     if (stage_generation != sink_generation) lay_out_stage();
-    if (options.stage_bytes != 0 && stage_need > options.stage_bytes) return dests;  // BEGIN says why
+    if (options.stage_bytes != 0 && stage_need > options.stage_bytes) {
+      REFIT_INFO("no stage to offer {}: it needs {} bytes, more than receiver_options::stage_bytes ({})", who(*ln),
+                 stage_need, options.stage_bytes);
+      return dests;
+    }
     if (const auto why = allocate_stage(0)) {
       REFIT_INFO("no stage to offer {} for direct writes (its batches come through buffers): {}", who(*ln), *why);
       return dests;
@@ -182,7 +190,7 @@ std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version)
       }
     }
     if (device_stage && device_stage->bytes() >= stage_need && device_stage->device() == dev) return std::nullopt;
-    device_stage.reset();
+    retire_stage();
     try {
       device_stage = std::make_unique<copy::device_area>(std::max<std::uint64_t>(stage_need, 1), dev, pinned);
       if (!stage_copier) stage_copier = copy::make_copier(copy::engine::kernel, dev, options.idle_timeout);
@@ -203,6 +211,24 @@ std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version)
   }
   stage_capacity = stage_need;
   return std::nullopt;
+}
+
+/// Lets go of the device stage: freed, or kept (retired_stages) while a lane's streamer was offered it
+/// for direct writes and may still map it: freeing memory another process maps through CUDA IPC is
+/// undefined (a group's other streamers unmap only at their own next HELLO).
+void receiver::impl::retire_stage() {
+  if (!device_stage) return;
+  const copy::device_area* const area = device_stage.get();
+  if (std::any_of(lanes.begin(), lanes.end(), [&](const lane& l) { return l.offered_stage == area; }))
+    retired_stages.push_back(std::move(device_stage));
+  device_stage.reset();
+}
+
+/// Frees the retired stages no lane's session was offered any more.
+void receiver::impl::release_retired_stages() noexcept {
+  std::erase_if(retired_stages, [&](const std::unique_ptr<copy::device_area>& area) {
+    return std::none_of(lanes.begin(), lanes.end(), [&](const lane& l) { return l.offered_stage == area.get(); });
+  });
 }
 
 /// The stage's first byte: host memory, or the CUDA area's (device memory, or page-locked host memory).

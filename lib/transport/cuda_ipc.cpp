@@ -266,8 +266,8 @@ class cuda_ipc_source final : public source {
           throw error(errc::invalid_argument,
                       fmt::format("cuda_ipc serves several receivers only by writing straight into their weights, but "
                                   "receiver {} of {} did not offer its parameter table (a callback sink, a table not "
-                                  "all in CUDA memory, or memory it cannot export): give every receiver a CUDA "
-                                  "parameter table, or use nccl",
+                                  "all in CUDA memory, memory it cannot export, or a stage it could not offer: its log "
+                                  "says why): give every receiver a CUDA parameter table, or use nccl",
                                   k, replies.size()));
     } else if (!want_direct_ || !offered(replies.front())) {
       // Staged through the buffers: a receiver on this GPU says so (sink::attach).
