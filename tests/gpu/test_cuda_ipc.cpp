@@ -1392,32 +1392,42 @@ void staged_tp_rank(const tp_layout& layout, int rank, int device, const std::st
 /// are written across GPUs; cuda:0 otherwise.
 int second_rank_gpu() { return rt::cuda_device_count() >= 2 ? 1 : 0; }
 
-TEST_CASE(
-    "one cuda_ipc streamer writes two device-staged TP ranks' stages directly, engine-wide: each rank's weights "
-    "stay untouched until it applies, then hold its shards bit-exact",
-    "[cuda_ipc][layout][tp][stage]") {
+/// One streamer on cuda:0 and two device-staged TP ranks, engine-wide, versions 1 to 3: cuda_ipc writes
+/// each rank's stage directly (rank 1 on cuda:1 where there is one), nccl sends each rank only its
+/// parts, received into its stage in place (ranks on gpu_of(1), gpu_of(2)). Each rank must report
+/// every version prepared with its weights untouched, then applied bit-exact.
+void staged_tp_refits(bool nccl) {
   const tp_layout layout;
   const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
+  const std::vector<std::uint64_t> versions = {1, 2, 3};
   rt::signal_pipe reports0, reports1;
-  rt::child rx0([&] { staged_tp_rank(layout, 0, 0, eps[0], relaxed, reports0); });
+  rt::child rx0([&] { staged_tp_rank(layout, 0, nccl ? rt::gpu_of(1) : 0, eps[0], relaxed, reports0); });
   REQUIRE(reports0.receive(60s) == "ready");
-  rt::child rx1([&] { staged_tp_rank(layout, 1, second_rank_gpu(), eps[1], relaxed, reports1); });
+  rt::child rx1(
+      [&] { staged_tp_rank(layout, 1, nccl ? rt::gpu_of(2) : second_rank_gpu(), eps[1], relaxed, reports1); });
   REQUIRE(reports1.receive(60s) == "ready");
   rt::child tx([&] {
     device_tensors source(layout.sources, 0);
     auto o = stream_options(eps[0], 0, relaxed);
     o.receivers = eps;
+    if (nccl) o.transport = refit::transport_kind::nccl;
     o.atomic = true;
     refit::streamer s(o);
-    for (const std::uint64_t v : {1, 2, 3}) {
+    std::uint64_t total = 0;
+    for (const auto& m : layout.sources) total += m.nbytes();
+    // nccl: each rank its halves, both the whole norm: every byte once, the norm twice.
+    const std::uint64_t parts = nccl ? total + layout.sources[4].nbytes() : 0;
+    for (const std::uint64_t v : versions) {
       source.upload(v);
       const auto stats = s.refit(v, source.refs());
-      expect(stats.direct, "version " + std::to_string(v) + " was not written directly into the stages");
+      expect(stats.direct, "version " + std::to_string(v) + " was not written (received) straight into the stages");
       expect(stats.commit_seconds > 0, "no COMMIT round trip measured");
+      expect(stats.parts_bytes == parts,
+             "parts_bytes " + std::to_string(stats.parts_bytes) + ", not " + std::to_string(parts));
     }
     s.close();
   });
-  for (const std::uint64_t v : {1, 2, 3})
+  for (const std::uint64_t v : versions)
     for (auto* reports : {&reports0, &reports1}) {
       CHECK(reports->receive(60s) == "prepared " + std::to_string(v) + ", weights ok");
       CHECK(reports->receive(60s) == "applied " + std::to_string(v) + " ok");
@@ -1428,6 +1438,13 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "one cuda_ipc streamer writes two device-staged TP ranks' stages directly, engine-wide: each rank's weights "
+    "stay untouched until it applies, then hold its shards bit-exact",
+    "[cuda_ipc][layout][tp][stage]") {
+  staged_tp_refits(false);
+}
+
+TEST_CASE(
     "one nccl streamer sends two device-staged TP ranks only their parts, received into their stages in place, "
     "engine-wide: each rank's weights stay untouched until it applies, then hold its shards bit-exact",
     "[nccl][layout][tp][stage]") {
@@ -1435,41 +1452,7 @@ TEST_CASE(
     WARN("no nccl or no GPU: the nccl staged TP test did not run");
     return;
   }
-  const tp_layout layout;
-  const std::vector<std::string> eps = {rt::temp_endpoint(), rt::temp_endpoint()};
-  rt::signal_pipe reports0, reports1;
-  rt::child rx0([&] { staged_tp_rank(layout, 0, rt::gpu_of(1), eps[0], relaxed, reports0); });
-  REQUIRE(reports0.receive(60s) == "ready");
-  rt::child rx1([&] { staged_tp_rank(layout, 1, rt::gpu_of(2), eps[1], relaxed, reports1); });
-  REQUIRE(reports1.receive(60s) == "ready");
-  rt::child tx([&] {
-    device_tensors source(layout.sources, 0);
-    auto o = stream_options(eps[0], 0, relaxed);
-    o.receivers = eps;
-    o.transport = refit::transport_kind::nccl;
-    o.atomic = true;
-    refit::streamer s(o);
-    std::uint64_t total = 0;
-    for (const auto& m : layout.sources) total += m.nbytes();
-    for (const std::uint64_t v : {1, 2}) {
-      source.upload(v);
-      const auto stats = s.refit(v, source.refs());
-      expect(stats.direct, "version " + std::to_string(v) + " was not received in place");
-      // Each rank its halves, both the whole norm: every byte once, the norm twice.
-      const std::uint64_t want = total + layout.sources[4].nbytes();
-      expect(stats.parts_bytes == want,
-             "parts_bytes " + std::to_string(stats.parts_bytes) + ", not " + std::to_string(want));
-    }
-    s.close();
-  });
-  for (const std::uint64_t v : {1, 2})
-    for (auto* reports : {&reports0, &reports1}) {
-      CHECK(reports->receive(60s) == "prepared " + std::to_string(v) + ", weights ok");
-      CHECK(reports->receive(60s) == "applied " + std::to_string(v) + " ok");
-    }
-  CHECK(tx.wait(120s) == 0);
-  CHECK(rx0.wait(60s) == 0);
-  CHECK(rx1.wait(60s) == 0);
+  staged_tp_refits(true);
 }
 
 TEST_CASE(
