@@ -731,6 +731,10 @@ cudaError_t load_all() noexcept {
       reinterpret_cast<const void*>(&fused_block128_tiles<cvt::bf16>),
       reinterpret_cast<const void*>(&fused_block128_tiles<cvt::f16>),
   };
+  return load_each(kernels);
+}
+
+cudaError_t load_each(std::span<const void* const> kernels) noexcept {
   for (const void* k : kernels) {
     cudaFuncAttributes a{};
     if (const cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <span>
 
 #include "copy/convert.hpp"
 
@@ -85,6 +86,9 @@ cudaError_t launch_nothing(cudaStream_t stream) noexcept;
 /// producer stream held by another process's progress, say), which may be this very refit.
 /// Returns the first error.
 cudaError_t load_all() noexcept;
+/// Loads each of `kernels` (the host stubs of __global__ functions) into the current device's
+/// context: cudaFuncGetAttributes of each. The first error, or cudaSuccess (the load_all()s).
+cudaError_t load_each(std::span<const void* const> kernels) noexcept;
 /// Enqueues the checksum reduction of copy::checksum() over `bytes` bytes at `p` into `*result`
 /// (device memory, must be zero before), with `blocks` blocks, on `stream`. Every term but the
 /// `+ bytes` is computed on the device. Returns cudaGetLastError() after the launch.

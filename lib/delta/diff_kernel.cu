@@ -12,6 +12,7 @@
 // first launch mid-refit): a new kernel goes there too.
 #include <cstdint>
 
+#include "copy/copy_kernel.hpp"
 #include "delta/diff_kernel.hpp"
 
 namespace refit::delta::kernel {
@@ -495,11 +496,7 @@ cudaError_t load_all() noexcept {
       reinterpret_cast<const void*>(&write_kernel), reinterpret_cast<const void*>(&check_kernel),
       reinterpret_cast<const void*>(&apply_kernel), reinterpret_cast<const void*>(&range_kernel),
   };
-  for (const void* k : kernels) {
-    cudaFuncAttributes a{};
-    if (const cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return copy::kernel::load_each(kernels);
 }
 
 }  // namespace refit::delta::kernel
