@@ -109,8 +109,7 @@ std::vector<copy::op> receiver::impl::table_ops(const wire::batch& b, const std:
     }
     if (segments != nullptr && ln->parts)
       add_parts(
-          slots, e, [&](slot& sl) { return ln->into_stage ? stage_for(sl) : static_cast<std::byte*>(sl.dest.data); },
-          ln->into_stage, ops, *segments, pieces, scatter);
+          slots, e, [this](slot& sl) { return write_target(sl); }, staged(), ops, *segments, pieces, scatter);
     else
       add_staged(slots, e, base, where, ops, segments, pieces);
   }
@@ -150,8 +149,7 @@ void receiver::impl::add_staged(std::vector<slot>& slots, const wire::entry& e, 
   // Received straight into the weights, or into a device stage (never into page-locked host memory).
   if (segments != nullptr && slots.size() == 1 && plan::is_plain(only.dest) && only.dest.dev == ln->sink->where() &&
       (!staged() || options.stage == stage_kind::device)) {
-    std::byte* const into = staged() ? stage_for(only) : static_cast<std::byte*>(only.dest.data);
-    segments->push_back(transport::segment{into + e.tensor_offset, 0, e.bytes});
+    segments->push_back(transport::segment{write_target(only) + e.tensor_offset, 0, e.bytes});
     return;
   }
   // Not from a streamer's allocation the copy engines read slowly, nor into one they write slowly, nor
@@ -159,9 +157,8 @@ void receiver::impl::add_staged(std::vector<slot>& slots, const wire::entry& e, 
   // with them): the kernel alone.
   const bool kernel_only = staged() || (e.source != 0 && ln->sink->source_kernel_only(e.source));
   for (slot& sl : slots) {
-    std::byte* const into = staged() ? stage_for(sl) : static_cast<std::byte*>(sl.dest.data);
-    const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), into, ops, pieces,
-                                           kernel_only || sl.kernel_only);
+    const bool copies = copy::append_route(sl.runs(), e.tensor_offset, e.bytes, entry_data(e, base), write_target(sl),
+                                           ops, pieces, kernel_only || sl.kernel_only);
     if (copies && where == device_kind::cuda && !(sl.dest.dev == ln->sink->where()) &&
         ln->copier->kind() == copy::engine::kernel)
       copy::enable_peer_access(ln->sink->where().index, sl.dest.dev.index);

@@ -402,13 +402,15 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   std::optional<receiver_event> check_stage(const wire::begin& b);
   std::optional<std::string> stage_refusal(const wire::begin& b);
   std::optional<std::string> stage_misfit(std::uint64_t version) const;
-  std::optional<std::string> allocate_stage(std::uint64_t version);
+  std::optional<std::string> fit_stage(std::string_view what);
+  std::optional<std::string> allocate_stage(std::string_view what);
   std::vector<plan::destination> stage_offer();
   void retire_stage();
   void release_retired_stages() noexcept;
   [[nodiscard]] std::byte* stage_base() const noexcept;
   void lay_out_stage();
   std::byte* stage_for(slot& sl);
+  std::byte* write_target(slot& sl);
   [[nodiscard]] std::uint64_t stage_size() const noexcept;
   void stage_delta(const wire::batch& b);
   void apply_log(const prepared_state& p, void* stream);

@@ -246,33 +246,24 @@ void receiver::impl::offer_placement(const wire::hello& h, wire::ok& reply) {
   // A staged receiver's weights are written by apply_prepared() alone: it offers them to no
   // streamer. A device stage is offered in their place (stage_offer()): a cuda_ipc streamer that asks
   // for direct writes writes the stage, and nccl in place receives into it, which is how one streamer
-  // serves several staged TP ranks (nccl: each only its parts). Otherwise the batches come through
-  // the buffers into the stage.
+  // serves several staged TP ranks (nccl: each only its parts). Offered no destination (a callback
+  // sink, a stage that cannot be offered), a transport declines and makes the buffers the batches
+  // come through (nccl makes its receive buffers here).
+  ln->direct = ln->in_place = ln->parts = ln->into_stage = false;
+  std::vector<plan::destination> dests;
   if (staged()) {
-    ln->direct = ln->in_place = ln->parts = ln->into_stage = false;
-    const std::vector<plan::destination> stage_dests = stage_offer();
-    if (!stage_dests.empty() && ln->sink->offer_direct(h, stage_dests, reply)) {
-      ln->direct = ln->into_stage = true;
-      ln->offered_stage = device_stage.get();  // the streamer maps it: kept while this session lasts
-      return;
-    }
-    // nccl receives into the stage in place (each TP rank only its parts); offered no destination, a
-    // transport declines and makes the buffers the batches come through (nccl makes its receive
-    // buffers here).
-    ln->in_place = ln->sink->offer_in_place(h, stage_dests, reply);
-    ln->into_stage = ln->in_place;
-    ln->parts = ln->in_place && ln->sink->parts();
-    return;
-  }
-  std::vector<plan::destination> dests;  // none for a callback sink: it cannot be written in place
-  if (!callback) {
+    dests = stage_offer();
+  } else if (!callback) {
     dests.reserve(table.size());
     for (const auto& [name, slots] : table)
       for (const slot& sl : slots) dests.push_back(sl.dest);
-    ln->direct = ln->sink->offer_direct(h, dests, reply);
   }
+  ln->direct = !dests.empty() && ln->sink->offer_direct(h, dests, reply);
   ln->in_place = !ln->direct && ln->sink->offer_in_place(h, dests, reply);
   ln->parts = ln->in_place && ln->sink->parts();
+  ln->into_stage = staged() && (ln->direct || ln->in_place);
+  // A streamer that writes the stage maps it: it is kept while this session lasts (retire_stage()).
+  if (ln->into_stage && ln->direct) ln->offered_stage = device_stage.get();
 }
 
 /// A control lane for the session HELLO `h` starts, when its streamer asked for one, runs on this

@@ -89,14 +89,21 @@ std::optional<std::string> receiver::impl::stage_refusal(const wire::begin& b) {
         "version {}: the stage offered to {} at HELLO is no longer the one laid out; nothing was "
         "written: the streamer must say HELLO again",
         b.version, who(*ln));
+  return fit_stage(fmt::format("version {}", b.version));
+}
+
+/// Lays the stage out for the table as it is (if it changed) and allocates it; why it cannot be
+/// (more bytes than receiver_options::stage_bytes, an allocation that fails), saying it of `what`
+/// (the version it is for), or nullopt. Holds `stage_mutex`.
+std::optional<std::string> receiver::impl::fit_stage(std::string_view what) {
   if (stage_generation != sink_generation) lay_out_stage();
   if (options.stage_bytes != 0 && stage_need > options.stage_bytes)
     return fmt::format(
-        "version {} needs a stage of {} bytes (a copy of the {} registered destinations' bytes), more than "
+        "{} needs a stage of {} bytes (a copy of the {} registered destinations' bytes), more than "
         "receiver_options::stage_bytes ({} bytes); nothing was written: raise stage_bytes (0: what the "
         "version needs) or register fewer parameters",
-        b.version, stage_need, table.size(), options.stage_bytes);
-  return allocate_stage(b.version);
+        what, stage_need, table.size(), options.stage_bytes);
+  return allocate_stage(what);
 }
 
 /// Why this session cannot bring version `version` into the stage, or nullopt: a host stage takes
@@ -148,18 +155,11 @@ std::vector<plan::destination> receiver::impl::stage_offer() {
                who(*ln), ready->version);
     return dests;
   }
-  if (!ready) {
-    if (stage_generation != sink_generation) lay_out_stage();
-    if (options.stage_bytes != 0 && stage_need > options.stage_bytes) {
-      REFIT_INFO("no stage to offer {}: it needs {} bytes, more than receiver_options::stage_bytes ({})", who(*ln),
-                 stage_need, options.stage_bytes);
+  if (!ready)
+    if (const auto why = fit_stage("the next version")) {
+      REFIT_INFO("no stage to offer {} (its batches come through buffers): {}", who(*ln), *why);
       return dests;
     }
-    if (const auto why = allocate_stage(0)) {
-      REFIT_INFO("no stage to offer {} for direct writes (its batches come through buffers): {}", who(*ln), *why);
-      return dests;
-    }
-  }
   dests.reserve(table.size());
   for (const auto& [name, slots] : table)
     for (const slot& sl : slots) {
@@ -172,9 +172,9 @@ std::vector<plan::destination> receiver::impl::stage_offer() {
   return dests;
 }
 
-/// Makes the stage hold at least stage_need bytes (kept, grown when the table grows); why not, or
-/// nullopt.
-std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version) {
+/// Makes the stage hold at least stage_need bytes (kept, grown when the table grows); why not (said of
+/// `what`), or nullopt.
+std::optional<std::string> receiver::impl::allocate_stage(std::string_view what) {
   // A device stage, or a host stage of a table on a GPU: page-locked host memory the copy kernel
   // reaches (a CUDA area either way, with its own stream).
   stage_cuda = ln->sink->where().kind == device_kind::cuda;
@@ -186,7 +186,7 @@ std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version)
       try {
         device_stage->wait_readers(options.idle_timeout);
       } catch (const error& e) {
-        return fmt::format("version {}: {}; nothing was written", version, e.what());
+        return fmt::format("{}: {}; nothing was written", what, e.what());
       }
     }
     if (device_stage && device_stage->bytes() >= stage_need && device_stage->device() == dev) return std::nullopt;
@@ -196,7 +196,7 @@ std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version)
       if (!stage_copier) stage_copier = copy::make_copier(copy::engine::kernel, dev, options.idle_timeout);
     } catch (const error& e) {
       device_stage.reset();
-      return fmt::format("version {}: {}; nothing was written", version, e.what());
+      return fmt::format("{}: {}; nothing was written", what, e.what());
     }
     return std::nullopt;
   }
@@ -206,8 +206,7 @@ std::optional<std::string> receiver::impl::allocate_stage(std::uint64_t version)
   try {
     stage = std::make_unique_for_overwrite<std::byte[]>(stage_need);
   } catch (const std::bad_alloc&) {
-    return fmt::format("version {}: the stage of {} bytes could not be allocated (out of host memory)", version,
-                       stage_need);
+    return fmt::format("{}: the stage of {} bytes could not be allocated (out of host memory)", what, stage_need);
   }
   stage_capacity = stage_need;
   return std::nullopt;
@@ -320,6 +319,12 @@ std::byte* receiver::impl::stage_for(slot& sl) {
     staged_slots.push_back(&sl);
   }
   return stage_base() + sl.stage_at;
+}
+
+/// Where the batch being checked writes destination `sl`: its weights, or a staged receiver's copy
+/// of them in the stage (stage_for()).
+std::byte* receiver::impl::write_target(slot& sl) {
+  return staged() ? stage_for(sl) : static_cast<std::byte*>(sl.dest.data);
 }
 
 /// Every lane's END checked out (finish_refit()), or an engine-wide version's COMMIT came
