@@ -8,12 +8,16 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -458,17 +462,37 @@ class py_receiver {
 // ----------------------------------------------------------------------------- streamer
 
 /// The tensors of one refit and what keeps them alive until refit() returns.
+///
+/// A container of many tensors (a state_dict) is read by a thread of the source's own
+/// (start_reader()): reading a tensor through the binding costs ~1-2 us under the GIL (torch's
+/// attributes), which the refit's thread then spends planning and launching the copies of the
+/// tensors before it instead of waiting on it. A generator, and a container of fewer than
+/// reader_from pairs, are read on the refit's thread, in visits: a generator may gather its next
+/// tensor on that thread's CUDA device and stream, which another thread does not have.
 class python_tensors final : public tensor_source {
  public:
+  /// Containers of at least this many pairs are read by a thread of their own.
+  static constexpr Py_ssize_t reader_from = 64;
+
   python_tensors(const py::object& stream, int default_device) : default_device_(default_device) {
     if (stream.is_none()) return;
     const py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
     const auto h = handle.cast<std::uintptr_t>();
     given_stream_ = h == 0 ? reinterpret_cast<void*>(std::uintptr_t{1}) : reinterpret_cast<void*>(h);
   }
+  python_tensors(const python_tensors&) = delete;
+  python_tensors& operator=(const python_tensors&) = delete;
+  ~python_tensors() override {
+    if (!reader_.joinable()) return;
+    // Only where refit() failed to join it: the reader needs the GIL to finish.
+    py::gil_scoped_release nogil;
+    stop_reader();
+  }
 
-  /// Reads one (name, tensor) pair. Needs the GIL.
-  tensor_ref take(const py::handle& pair) {
+  /// Reads one (name, tensor) pair. Needs the GIL. On the reader thread, a CUDA tensor on a device
+  /// whose current torch stream the refit's thread has not read comes back with `resolve` set:
+  /// torch's current stream is the calling thread's, so that thread reads it (next()).
+  tensor_ref take(const py::handle& pair, bool on_reader, bool& resolve) {
     PyObject* p = pair.ptr();
     if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2)
       throw py::type_error("refit(): tensors must be a mapping of name to tensor or (name, tensor) pairs; got a " +
@@ -490,7 +514,13 @@ class python_tensors final : public tensor_source {
     if (sharded)
       r.shard = tensor_shard{value.attr("global_shape").cast<std::vector<std::int64_t>>(),
                              value.attr("dim").cast<int>(), value.attr("start").cast<std::int64_t>()};
-    if (r.dev.kind == device_kind::cuda) r.stream = stream_of(r.dev.index);
+    resolve = false;
+    if (r.dev.kind == device_kind::cuda) {
+      if (on_reader && !known_stream(r.dev.index))
+        resolve = true;
+      else
+        r.stream = stream_of(r.dev.index);
+    }
     keep_.push_back(std::move(b.keep));
     return r;
   }
@@ -507,14 +537,47 @@ class python_tensors final : public tensor_source {
     visit_ = 1;
   }
 
+  /// For a container of `pairs` pairs (at least reader_from), starts the reader thread on what
+  /// is left of it, after reading its first pair here (so that its device's stream is known). A
+  /// thread that cannot be made leaves the reading to next(). Needs the GIL; stop_reader() must
+  /// run, without it, before refit() returns.
+  void start_reader(Py_ssize_t pairs) {
+    if (pairs < reader_from) return;
+    if (next_ == ready_.size() && !done_ && !failed_) {
+      ready_.clear();
+      next_ = 0;
+      fill();
+    }
+    if (done_ || failed_) return;
+    try {
+      reader_ = std::thread([this] { read_rest(); });
+      reading_ = true;
+    } catch (const std::system_error&) {
+      // Read on the refit's thread instead.
+    }
+  }
+
+  /// Ends the reader thread (at once: it stops at its next pair) and joins it. Without the GIL.
+  void stop_reader() noexcept {
+    if (!reader_.joinable()) return;
+    stop_.store(true, std::memory_order_relaxed);
+    reader_.join();
+  }
+
   std::optional<tensor_ref> next() override {
+    if (next_ == ready_.size() && reading_) take_read();
     if (next_ == ready_.size()) {
       if (failed_) throw error(errc::invalid_argument, failure_message_);
       if (done_) return std::nullopt;
       ready_.clear();
+      resolve_.clear();
       next_ = 0;
       fill();
       if (ready_.empty()) return next();
+    }
+    if (next_ < resolve_.size() && resolve_[next_]) {
+      py::gil_scoped_acquire gil;
+      ready_[next_].stream = stream_of(ready_[next_].dev.index);
     }
     return std::move(ready_[next_++]);
   }
@@ -555,18 +618,114 @@ class python_tensors final : public tensor_source {
           done_ = true;
           return;
         }
-        ready_.push_back(take(*iterator_));
+        bool resolve = false;
+        ready_.push_back(take(*iterator_, false, resolve));
         ++iterator_;
       }
     } catch (py::error_already_set& e) {
-      failure_message_ = "the tensor source raised " + describe(e);
-      failure_ = std::make_unique<py::error_already_set>(std::move(e));
-      failed_ = true;
+      fail(std::move(e), false);
     } catch (const py::builtin_exception& e) {
-      failure_message_ = e.what();
-      failure_ = std::make_unique<py::error_already_set>(capture(e));
-      failed_ = true;
+      fail(e, false);
     }
+  }
+
+  /// The reader thread: every pair left, each handed over as it is read (read_), the GIL let go
+  /// every reader_from pairs so that the program's other threads run. Ends at the iterator's end,
+  /// a failure, stop_reader(), or a tensor whose stream the refit's thread must read (next()
+  /// reads the pairs after it).
+  void read_rest() noexcept {
+    try {
+      py::gil_scoped_acquire gil;
+      bool ended = false;
+      for (Py_ssize_t n = 1; !ended && !stop_.load(std::memory_order_relaxed); ++n) {
+        if (n % reader_from == 0) {
+          py::gil_scoped_release let_go;
+        }
+        bool resolve = false;
+        std::optional<tensor_ref> r;
+        try {
+          if (iterator_ == py::iterator::sentinel()) {
+            ended = true;
+          } else {
+            r = take(*iterator_, true, resolve);
+            ++iterator_;
+          }
+        } catch (py::error_already_set& e) {
+          fail(std::move(e), true);
+        } catch (const py::builtin_exception& e) {
+          fail(e, true);
+        }
+        std::lock_guard lock(mutex_);
+        if (r) {
+          read_.push_back(std::move(*r));
+          read_resolve_.push_back(resolve);
+        }
+        if (ended) done_read_ = true;
+        if (failed_read_ || resolve) break;
+      }
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      if (!failed_read_ && !done_read_) {
+        failed_read_ = true;
+        reader_failure_ = "the tensor source's reader thread failed";
+      }
+    }
+    std::lock_guard lock(mutex_);
+    finished_ = true;
+  }
+
+  /// next() on the refit's thread, while the reader runs: takes what it has read so far, waiting
+  /// for its next pair when there is none yet. Once the reader has finished, what it left (the
+  /// iterator's end, a failure, the rest of the pairs) becomes this thread's.
+  void take_read() {
+    for (;;) {
+      {
+        std::lock_guard lock(mutex_);
+        if (!read_.empty()) {
+          ready_.swap(read_);
+          resolve_.swap(read_resolve_);
+          read_.clear();
+          read_resolve_.clear();
+          next_ = 0;
+          return;
+        }
+        if (finished_) {
+          reading_ = false;
+          if (done_read_) done_ = true;
+          if (failed_read_) {
+            failed_ = true;
+            failure_message_ = reader_failure_;
+          }
+          break;
+        }
+      }
+      std::this_thread::yield();
+    }
+    stop_reader();  // finished: joins at once
+    ready_.clear();
+    resolve_.clear();
+    next_ = 0;
+  }
+
+  /// Keeps a Python exception of the source (GIL held): `on_reader`, under mutex_ for next() to
+  /// see; on the refit's thread, directly.
+  void fail(py::error_already_set&& e, bool on_reader) {
+    std::string message = "the tensor source raised " + describe(e);
+    record_failure(std::move(message), std::make_unique<py::error_already_set>(std::move(e)), on_reader);
+  }
+  void fail(const py::builtin_exception& e, bool on_reader) {
+    record_failure(e.what(), std::make_unique<py::error_already_set>(capture(e)), on_reader);
+  }
+  void record_failure(std::string message, std::unique_ptr<py::error_already_set> kept, bool on_reader) {
+    failure_ = std::move(kept);
+    if (on_reader) {
+      std::lock_guard lock(mutex_);
+      reader_failure_ = std::move(message);
+      failed_read_ = true;
+      return;
+    }
+    failure_message_ = std::move(message);
+    failed_ = true;
   }
 
   static py::error_already_set capture(const py::builtin_exception& e) {
@@ -581,6 +740,10 @@ class python_tensors final : public tensor_source {
     const package_types& t = package();
     if (t.shard && Py_TYPE(value.ptr()) == reinterpret_cast<PyTypeObject*>(t.shard.ptr())) return true;
     return has_attr(value, t.shard_marker);
+  }
+
+  [[nodiscard]] bool known_stream(int index) const {
+    return given_stream_ != nullptr || index == last_device_ || streams_.contains(index);
   }
 
   void* stream_of(int index) {
@@ -603,11 +766,24 @@ class python_tensors final : public tensor_source {
   std::size_t ahead_ = 1;
   std::size_t visit_ = 1;  ///< pairs the next visit reads
   std::vector<tensor_ref> ready_;
+  std::vector<bool> resolve_;  ///< per ready_ entry: its stream is read by next() (reader thread)
   std::size_t next_ = 0;
   bool done_ = false;
   bool failed_ = false;
   std::string failure_message_;
   std::unique_ptr<py::error_already_set> failure_;
+
+  // The reader thread and what it hands over (under mutex_).
+  std::thread reader_;
+  bool reading_ = false;  ///< next() takes from the reader (the refit's thread only)
+  std::atomic<bool> stop_{false};
+  std::mutex mutex_;
+  std::vector<tensor_ref> read_;
+  std::vector<bool> read_resolve_;
+  bool done_read_ = false;
+  bool failed_read_ = false;
+  bool finished_ = false;
+  std::string reader_failure_;
 };
 
 /// What a streamer made with transport="auto" runs on: cuda_ipc for tensors on a GPU of this
@@ -660,20 +836,32 @@ class py_streamer {
   refit_stats refit(std::uint64_t version, const py::object& tensors, const py::object& stream, bool subset) {
     if (closed_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
     python_tensors source(stream, device_);
-    // Containers (a state_dict, a list of pairs) are read 64 pairs per visit under the GIL, while
-    // the streamer moves the bytes of the ones before: the conversion overlaps the transfer.
+    // Containers (a state_dict, a list of pairs) are read while the streamer moves the bytes of
+    // the tensors before: by the source's reader thread from python_tensors::reader_from pairs,
+    // else 64 pairs per visit under the GIL.
     // "items" is asked once, by an interned name (a list of pairs makes no AttributeError).
     static const auto* items = new py::str("items");  // never destroyed: see world()
     const bool mapping = has_attr(tensors, *items);
     const bool container = mapping || PyList_Check(tensors.ptr()) || PyTuple_Check(tensors.ptr());
     const py::object pairs = mapping ? tensors.attr(*items)() : tensors;
+    Py_ssize_t count = 0;
+    if (container) {
+      count = PyObject_Length(pairs.ptr());
+      if (count < 0) throw py::error_already_set();
+    }
     source.pull_from(py::iter(pairs), container ? 64 : 1);
     if (!st_) choose(source);
     streamer& s = *st_;
+    source.start_reader(count);
     try {
       refit_stats stats;
       {
         py::gil_scoped_release nogil;
+        // Joined here, without the GIL, whether the refit returns or throws.
+        struct join_reader {
+          python_tensors& source;
+          ~join_reader() { source.stop_reader(); }
+        } joined{source};
         stats = s.refit(version, source, subset ? refit_scope::subset : refit_scope::whole);
       }
       source.release();

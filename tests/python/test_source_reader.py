@@ -1,0 +1,120 @@
+"""A container of many tensors (a state_dict, a list of pairs) is read by a thread of the source's
+own while the streamer moves the tensors before: every tensor still arrives bit-exact, in any
+container, and a bad tensor deep inside one fails the refit with the same error as anywhere
+else, the source's own exception raised again as it is, nothing committed."""
+
+import re
+
+import pytest
+import torch
+
+import refit
+from conftest import spec_of, state_bytes, streamer
+
+#: More than the binding's python_tensors::reader_from (64), so the reader thread reads them.
+MANY = 300
+
+
+def many_state(version: int):
+    """MANY tensors of varied shapes and dtypes, different bytes each version."""
+    g = torch.Generator().manual_seed(version)
+    state = {}
+    for i in range(MANY):
+        shape = (1 + i % 7, 3 + i % 5)
+        t = torch.randn(shape, generator=g)
+        state[f"layer.{i}.w"] = t.to(torch.bfloat16) if i % 3 == 0 else t
+    return state
+
+
+@pytest.fixture
+def served(table_peer):
+    """A receiver of many_state()'s table that committed version 1 from a dict."""
+    state = many_state(1)
+    job, endpoint = table_peer(spec_of(state))
+    with streamer(endpoint) as st:
+        st.refit(1, state)
+        assert job.request("state") == state_bytes(state)
+        yield job, st
+        # Nothing of a refused refit reached the receiver: version 2 is still free, and the
+        # reader of the next refit starts afresh.
+        after = many_state(2)
+        st.refit(2, after)
+        assert job.request("state") == state_bytes(after)
+    job.stop()
+
+
+@pytest.mark.parametrize("container", ["dict", "list", "tuple", "items"])
+def test_every_tensor_of_a_large_container_arrives_bit_exact_version_after_version(table_peer, container):
+    job, endpoint = table_peer(spec_of(many_state(1)))
+    as_container = {
+        "dict": lambda s: s,
+        "list": lambda s: list(s.items()),
+        "tuple": lambda s: tuple(s.items()),
+        "items": lambda s: s.items(),  # a view: no items() of its own, iterated as pairs
+    }[container]
+    with streamer(endpoint) as st:
+        for version in (1, 2, 3):
+            state = many_state(version)
+            stats = st.refit(version, as_container(state))
+            assert stats.tensors == MANY
+            assert job.request("state") == state_bytes(state)
+    job.stop()
+
+
+def test_a_non_contiguous_tensor_deep_in_a_state_dict_is_refused_naming_it(served):
+    job, st = served
+    state = many_state(5)
+    state["layer.200.w"] = torch.zeros(4, 8)[:, ::2]
+    with pytest.raises(ValueError, match=re.escape(
+            "tensor 'layer.200.w' is not contiguous: refit reads dense row-major tensors (pass tensor.contiguous())")):
+        st.refit(2, state)
+
+
+def test_an_unsupported_dtype_deep_in_a_list_is_refused_naming_it(served):
+    job, st = served
+    pairs = list(many_state(5).items())
+    pairs[250] = ("layer.250.w", torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=re.escape(
+            "tensor 'layer.250.w' has dtype torch.complex64, which refit does not carry")):
+        st.refit(2, pairs)
+
+
+def test_a_pair_that_is_not_a_pair_deep_in_a_list_is_refused(served):
+    job, st = served
+    pairs = list(many_state(5).items())
+    pairs[100] = ("layer.100.w",)
+    with pytest.raises(TypeError, match=re.escape(
+            "refit(): tensors must be a mapping of name to tensor or (name, tensor) pairs; got a tuple")):
+        st.refit(2, pairs)
+
+
+class SourceBroke(RuntimeError):
+    """What a tensor of the test raises when the binding reads it."""
+
+
+class Exploding(torch.Tensor):
+    """A tensor subclass whose dtype cannot be read."""
+
+    @property
+    def dtype(self):
+        raise SourceBroke("dtype of tensor 180 is gone")
+
+
+def test_an_exception_a_tensor_raises_deep_in_a_state_dict_is_raised_again_as_it_is(served):
+    job, st = served
+    state = many_state(5)
+    state["layer.180.w"] = state["layer.180.w"].as_subclass(Exploding)
+    with pytest.raises(SourceBroke, match="dtype of tensor 180 is gone"):
+        st.refit(2, state)
+
+
+def test_a_failed_refit_of_a_large_state_dict_leaves_the_streamer_usable_for_the_next(served):
+    job, st = served
+    state = many_state(5)
+    state["layer.299.w"] = torch.zeros(4, 8)[:, ::2]  # the very last pair
+    with pytest.raises(ValueError, match=re.escape("tensor 'layer.299.w' is not contiguous")):
+        st.refit(2, state)
+    state["layer.299.w"] = torch.zeros(4, 8)[:, ::2].contiguous()
+    with pytest.raises(refit.RefitError, match="layer.299.w") as refused:  # a shape the receiver does not hold
+        st.refit(2, state)
+    assert refused.value.code == refit.Errc.apply
