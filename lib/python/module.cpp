@@ -11,7 +11,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -461,9 +463,58 @@ class py_receiver {
 
 // ----------------------------------------------------------------------------- streamer
 
+/// The thread that reads a streamer's large containers (python_tensors::start_reader): made at its
+/// first such refit and kept until close(), since a thread made and joined per refit cost a
+/// refit ~0.1 ms on an H200 VM (the Python API's qwen2.5-0.5b direct row). Between jobs it waits
+/// holding no Python state, so that it ends cleanly whenever its streamer is closed.
+class reader_thread {
+ public:
+  reader_thread() : thread_([this] { loop(); }) {}
+  reader_thread(const reader_thread&) = delete;
+  reader_thread& operator=(const reader_thread&) = delete;
+  /// Without the GIL: the last job has finished (python_tensors::stop_reader).
+  ~reader_thread() {
+    {
+      std::lock_guard lock(mutex_);
+      quit_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
+  }
+
+  void post(std::function<void()> job) {
+    {
+      std::lock_guard lock(mutex_);
+      job_ = std::move(job);
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return quit_ || job_; });
+        if (!job_) return;
+        job = std::move(job_);
+        job_ = nullptr;
+      }
+      job();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::function<void()> job_;
+  bool quit_ = false;
+  std::thread thread_;  // last: it starts once the members above exist
+};
+
 /// The tensors of one refit and what keeps them alive until refit() returns.
 ///
-/// A container of many tensors (a state_dict) is read by a thread of the source's own
+/// A container of many tensors (a state_dict) is read by the streamer's reader thread
 /// (start_reader()): reading a tensor through the binding costs ~1-2 us under the GIL (torch's
 /// attributes), which the refit's thread then spends planning and launching the copies of the
 /// tensors before it instead of waiting on it. A generator, and a container of fewer than
@@ -483,16 +534,16 @@ class python_tensors final : public tensor_source {
   python_tensors(const python_tensors&) = delete;
   python_tensors& operator=(const python_tensors&) = delete;
   ~python_tensors() override {
-    if (!reader_.joinable()) return;
-    // Only where refit() failed to join it: the reader needs the GIL to finish.
+    if (!posted_) return;
+    // Only where refit() did not stop it: the reader needs the GIL to finish.
     py::gil_scoped_release nogil;
     stop_reader();
   }
 
   /// Reads one (name, tensor) pair. Needs the GIL. On the reader thread, a CUDA tensor on a device
-  /// whose current torch stream the refit's thread has not read comes back with `resolve` set:
-  /// torch's current stream is the calling thread's, so that thread reads it (next()).
-  tensor_ref take(const py::handle& pair, bool on_reader, bool& resolve) {
+  /// whose current torch stream the refit's thread has not read sets `elsewhere` and is not kept:
+  /// torch's current stream is the calling thread's, so the reader leaves the pair to that thread.
+  tensor_ref take(const py::handle& pair, bool on_reader, bool& elsewhere) {
     PyObject* p = pair.ptr();
     if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2)
       throw py::type_error("refit(): tensors must be a mapping of name to tensor or (name, tensor) pairs; got a " +
@@ -514,13 +565,9 @@ class python_tensors final : public tensor_source {
     if (sharded)
       r.shard = tensor_shard{value.attr("global_shape").cast<std::vector<std::int64_t>>(),
                              value.attr("dim").cast<int>(), value.attr("start").cast<std::int64_t>()};
-    resolve = false;
-    if (r.dev.kind == device_kind::cuda) {
-      if (on_reader && !known_stream(r.dev.index))
-        resolve = true;
-      else
-        r.stream = stream_of(r.dev.index);
-    }
+    elsewhere = r.dev.kind == device_kind::cuda && on_reader && !known_stream(r.dev.index);
+    if (elsewhere) return r;
+    if (r.dev.kind == device_kind::cuda) r.stream = stream_of(r.dev.index);
     keep_.push_back(std::move(b.keep));
     return r;
   }
@@ -537,11 +584,10 @@ class python_tensors final : public tensor_source {
     visit_ = 1;
   }
 
-  /// For a container of `pairs` pairs (at least reader_from), starts the reader thread on what
-  /// is left of it, after reading its first pair here (so that its device's stream is known). A
-  /// thread that cannot be made leaves the reading to next(). Needs the GIL; stop_reader() must
-  /// run, without it, before refit() returns.
-  void start_reader(Py_ssize_t pairs) {
+  /// For a container of `pairs` pairs (at least reader_from), has `thread` read what is left of
+  /// it, after reading its first pair here (so that its device's stream is known). Needs the
+  /// GIL; stop_reader() must run, without it, before refit() returns.
+  void start_reader(Py_ssize_t pairs, reader_thread& thread) {
     if (pairs < reader_from) return;
     if (next_ == ready_.size() && !done_ && !failed_) {
       ready_.clear();
@@ -549,19 +595,24 @@ class python_tensors final : public tensor_source {
       fill();
     }
     if (done_ || failed_) return;
-    try {
-      reader_ = std::thread([this] { read_rest(); });
-      reading_ = true;
-    } catch (const std::system_error&) {
-      // Read on the refit's thread instead.
-    }
+    thread.post([this] { read_rest(); });
+    posted_ = true;
+    reading_ = true;
   }
 
-  /// Ends the reader thread (at once: it stops at its next pair) and joins it. Without the GIL.
+  /// Ends the reading (at once: the reader stops at its next pair) and waits until the reader
+  /// is done with this source. Without the GIL.
   void stop_reader() noexcept {
-    if (!reader_.joinable()) return;
+    if (!posted_) return;
     stop_.store(true, std::memory_order_relaxed);
-    reader_.join();
+    for (;;) {
+      {
+        std::lock_guard lock(mutex_);
+        if (finished_) break;
+      }
+      std::this_thread::yield();
+    }
+    posted_ = false;
   }
 
   std::optional<tensor_ref> next() override {
@@ -570,14 +621,9 @@ class python_tensors final : public tensor_source {
       if (failed_) throw error(errc::invalid_argument, failure_message_);
       if (done_) return std::nullopt;
       ready_.clear();
-      resolve_.clear();
       next_ = 0;
       fill();
       if (ready_.empty()) return next();
-    }
-    if (next_ < resolve_.size() && resolve_[next_]) {
-      py::gil_scoped_acquire gil;
-      ready_[next_].stream = stream_of(ready_[next_].dev.index);
     }
     return std::move(ready_[next_++]);
   }
@@ -618,8 +664,8 @@ class python_tensors final : public tensor_source {
           done_ = true;
           return;
         }
-        bool resolve = false;
-        ready_.push_back(take(*iterator_, false, resolve));
+        bool elsewhere = false;
+        ready_.push_back(take(*iterator_, false, elsewhere));
         ++iterator_;
       }
     } catch (py::error_already_set& e) {
@@ -629,26 +675,29 @@ class python_tensors final : public tensor_source {
     }
   }
 
-  /// The reader thread: every pair left, each handed over as it is read (read_), the GIL let go
+  /// The reader's job: every pair left, each handed over as it is read (read_), the GIL let go
   /// every reader_from pairs so that the program's other threads run. Ends at the iterator's end,
-  /// a failure, stop_reader(), or a tensor whose stream the refit's thread must read (next()
-  /// reads the pairs after it).
+  /// a failure, stop_reader(), or a pair on a GPU whose torch stream only the refit's thread can
+  /// read (left as the iterator's current pair: next() reads it, and the pairs after it).
   void read_rest() noexcept {
     try {
       py::gil_scoped_acquire gil;
-      bool ended = false;
-      for (Py_ssize_t n = 1; !ended && !stop_.load(std::memory_order_relaxed); ++n) {
+      for (Py_ssize_t n = 1; !stop_.load(std::memory_order_relaxed); ++n) {
         if (n % reader_from == 0) {
           py::gil_scoped_release let_go;
         }
-        bool resolve = false;
+        bool ended = false;
+        bool elsewhere = false;
         std::optional<tensor_ref> r;
         try {
           if (iterator_ == py::iterator::sentinel()) {
             ended = true;
           } else {
-            r = take(*iterator_, true, resolve);
-            ++iterator_;
+            r = take(*iterator_, true, elsewhere);
+            if (elsewhere)
+              r.reset();  // the pair stays the iterator's current one, for next()
+            else
+              ++iterator_;
           }
         } catch (py::error_already_set& e) {
           fail(std::move(e), true);
@@ -656,12 +705,15 @@ class python_tensors final : public tensor_source {
           fail(e, true);
         }
         std::lock_guard lock(mutex_);
-        if (r) {
-          read_.push_back(std::move(*r));
-          read_resolve_.push_back(resolve);
-        }
+        if (r) read_.push_back(std::move(*r));
         if (ended) done_read_ = true;
-        if (failed_read_ || resolve) break;
+        // Told before this thread lets go of its Python state (the GIL's release and the state's
+        // end run after): the refit's thread need not wait for that. Nothing of this source is
+        // touched after.
+        if (ended || failed_read_ || elsewhere) {
+          finished_ = true;
+          return;
+        }
       }
     } catch (...) {
       std::lock_guard lock(mutex_);
@@ -683,9 +735,7 @@ class python_tensors final : public tensor_source {
         std::lock_guard lock(mutex_);
         if (!read_.empty()) {
           ready_.swap(read_);
-          resolve_.swap(read_resolve_);
           read_.clear();
-          read_resolve_.clear();
           next_ = 0;
           return;
         }
@@ -701,9 +751,8 @@ class python_tensors final : public tensor_source {
       }
       std::this_thread::yield();
     }
-    stop_reader();  // finished: joins at once
+    stop_reader();  // finished: returns at once
     ready_.clear();
-    resolve_.clear();
     next_ = 0;
   }
 
@@ -766,7 +815,6 @@ class python_tensors final : public tensor_source {
   std::size_t ahead_ = 1;
   std::size_t visit_ = 1;  ///< pairs the next visit reads
   std::vector<tensor_ref> ready_;
-  std::vector<bool> resolve_;  ///< per ready_ entry: its stream is read by next() (reader thread)
   std::size_t next_ = 0;
   bool done_ = false;
   bool failed_ = false;
@@ -774,12 +822,11 @@ class python_tensors final : public tensor_source {
   std::unique_ptr<py::error_already_set> failure_;
 
   // The reader thread and what it hands over (under mutex_).
-  std::thread reader_;
+  bool posted_ = false;   ///< the reader has this source's job (until stop_reader())
   bool reading_ = false;  ///< next() takes from the reader (the refit's thread only)
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
   std::vector<tensor_ref> read_;
-  std::vector<bool> read_resolve_;
   bool done_read_ = false;
   bool failed_read_ = false;
   bool finished_ = false;
@@ -810,10 +857,12 @@ class py_streamer {
 
   void close() {
     closed_ = true;
-    if (!st_) return;
+    if (!st_ && !reader_) return;
     std::unique_ptr<streamer> st = std::move(st_);
-    py::gil_scoped_release nogil;  // BYE waits up to 1 s for a reply
+    std::unique_ptr<reader_thread> reader = std::move(reader_);
+    py::gil_scoped_release nogil;  // BYE waits up to 1 s for a reply; the reader's end is joined
     st.reset();
+    reader.reset();
   }
 
   /// streamer::announce: `hold` in seconds (at most 10); how many receivers were told.
@@ -852,7 +901,14 @@ class py_streamer {
     source.pull_from(py::iter(pairs), container ? 64 : 1);
     if (!st_) choose(source);
     streamer& s = *st_;
-    source.start_reader(count);
+    if (count >= python_tensors::reader_from) {
+      try {
+        if (!reader_) reader_ = std::make_unique<reader_thread>();
+        source.start_reader(count, *reader_);
+      } catch (const std::system_error&) {
+        // No thread to be had: the refit's thread reads the pairs.
+      }
+    }
     try {
       refit_stats stats;
       {
@@ -903,6 +959,7 @@ class py_streamer {
   }
 
   std::unique_ptr<streamer> st_;
+  std::unique_ptr<reader_thread> reader_;  ///< reads large containers; made by the first refit of one
   int device_ = 0;
   streamer_options options_;
   bool automatic_ = false;
