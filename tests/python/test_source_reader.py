@@ -61,31 +61,28 @@ def test_every_tensor_of_a_large_container_arrives_bit_exact_version_after_versi
     job.stop()
 
 
-def test_a_non_contiguous_tensor_deep_in_a_state_dict_is_refused_naming_it(served):
-    job, st = served
-    state = many_state(5)
-    state["layer.200.w"] = torch.zeros(4, 8)[:, ::2]
-    with pytest.raises(ValueError, match=re.escape(
-            "tensor 'layer.200.w' is not contiguous: refit reads dense row-major tensors (pass tensor.contiguous())")):
-        st.refit(2, state)
+BAD_PAIRS = {
+    # where, what it becomes, the error
+    "non-contiguous": (200, ("layer.200.w", torch.zeros(4, 8)[:, ::2]), ValueError,
+                       "tensor 'layer.200.w' is not contiguous: refit reads dense row-major tensors "
+                       "(pass tensor.contiguous())"),
+    "dtype": (250, ("layer.250.w", torch.zeros(4, dtype=torch.complex64)), TypeError,
+              "tensor 'layer.250.w' has dtype torch.complex64, which refit does not carry"),
+    "not-a-pair": (100, ("layer.100.w",), TypeError,
+                   "refit(): tensors must be a mapping of name to tensor or (name, tensor) pairs; got a tuple"),
+}
 
 
-def test_an_unsupported_dtype_deep_in_a_list_is_refused_naming_it(served):
+@pytest.mark.parametrize(
+    "bad,container",
+    [(bad, c) for bad in BAD_PAIRS for c in ("dict", "list") if not (bad == "not-a-pair" and c == "dict")])
+def test_a_bad_pair_deep_in_a_large_container_is_refused_with_its_error(served, bad, container):
     job, st = served
+    at, pair, kind, message = BAD_PAIRS[bad]
     pairs = list(many_state(5).items())
-    pairs[250] = ("layer.250.w", torch.zeros(4, dtype=torch.complex64))
-    with pytest.raises(TypeError, match=re.escape(
-            "tensor 'layer.250.w' has dtype torch.complex64, which refit does not carry")):
-        st.refit(2, pairs)
-
-
-def test_a_pair_that_is_not_a_pair_deep_in_a_list_is_refused(served):
-    job, st = served
-    pairs = list(many_state(5).items())
-    pairs[100] = ("layer.100.w",)
-    with pytest.raises(TypeError, match=re.escape(
-            "refit(): tensors must be a mapping of name to tensor or (name, tensor) pairs; got a tuple")):
-        st.refit(2, pairs)
+    pairs[at] = pair
+    with pytest.raises(kind, match=re.escape(message)):
+        st.refit(2, dict(pairs) if container == "dict" else pairs)
 
 
 class SourceBroke(RuntimeError):
