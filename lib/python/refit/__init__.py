@@ -699,7 +699,9 @@ class Streamer(_refit.Streamer):
         applied. Tensors are read in place (no copy) and must stay unchanged until this returns;
         the streamer keeps a reference to each. CUDA tensors are read after the work enqueued so
         far on torch's current stream of their device (or on ``stream``), never with a device
-        synchronisation. The GIL is released while bytes move.
+        synchronisation. The GIL is released while bytes move; a container of 64 pairs or more
+        is read meanwhile by a thread of this streamer's own (kept until ``close()``), which takes
+        the GIL while it reads and lets go of it every 64 pairs.
 
         Raises TypeError/ValueError naming a bad tensor (unsupported dtype, not contiguous),
         RefitError with the receiver's code (``Errc.apply`` for a shape or dtype mismatch), or
