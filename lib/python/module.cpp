@@ -6,6 +6,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -466,10 +467,13 @@ class py_receiver {
 /// The thread that reads a streamer's large containers (python_tensors::start_reader): made at its
 /// first such refit and kept until close(), since a thread made and joined per refit cost a
 /// refit ~0.1 ms on an H200 VM (the Python API's qwen2.5-0.5b direct row). Between jobs it waits
-/// holding no Python state, so that it ends cleanly whenever its streamer is closed.
+/// holding no Python state, so that it ends cleanly whenever its streamer is closed. A process
+/// forked from the one that made it has no such thread, only a copy of its state (a condition
+/// variable with a waiter, which would never let itself be destroyed): there it is left alone,
+/// never destroyed (forget()).
 class reader_thread {
  public:
-  reader_thread() : thread_([this] { loop(); }) {}
+  reader_thread() : owner_(::getpid()), thread_([this] { loop(); }) {}
   reader_thread(const reader_thread&) = delete;
   reader_thread& operator=(const reader_thread&) = delete;
   /// Without the GIL: the last job has finished (python_tensors::stop_reader).
@@ -481,6 +485,9 @@ class reader_thread {
     wake_.notify_one();
     thread_.join();
   }
+
+  /// Whether this process made the thread (not a child forked since).
+  [[nodiscard]] bool owned() const noexcept { return owner_ == ::getpid(); }
 
   void post(std::function<void()> job) {
     {
@@ -509,6 +516,7 @@ class reader_thread {
   std::condition_variable wake_;
   std::function<void()> job_;
   bool quit_ = false;
+  pid_t owner_;
   std::thread thread_;  // last: it starts once the members above exist
 };
 
@@ -859,6 +867,7 @@ class py_streamer {
     closed_ = true;
     if (!st_ && !reader_) return;
     std::unique_ptr<streamer> st = std::move(st_);
+    forget_foreign_reader();
     std::unique_ptr<reader_thread> reader = std::move(reader_);
     py::gil_scoped_release nogil;  // BYE waits up to 1 s for a reply; the reader's end is joined
     st.reset();
@@ -903,6 +912,7 @@ class py_streamer {
     streamer& s = *st_;
     if (count >= python_tensors::reader_from) {
       try {
+        forget_foreign_reader();
         if (!reader_) reader_ = std::make_unique<reader_thread>();
         source.start_reader(count, *reader_);
       } catch (const std::system_error&) {
@@ -929,6 +939,12 @@ class py_streamer {
   }
 
  private:
+  /// In a child forked since the reader was made: that reader is the parent's, and is left as it
+  /// is (reader_thread); the child makes its own when it needs one.
+  void forget_foreign_reader() noexcept {
+    if (reader_ && !reader_->owned()) (void)reader_.release();
+  }
+
   void make() {
     streamer_options o = options_;
     try {

@@ -3,6 +3,7 @@ own while the streamer moves the tensors before: every tensor still arrives bit-
 container, and a bad tensor deep inside one fails the refit with the same error as anywhere
 else, the source's own exception raised again as it is, nothing committed."""
 
+import multiprocessing
 import re
 
 import pytest
@@ -115,3 +116,22 @@ def test_a_failed_refit_of_a_large_state_dict_leaves_the_streamer_usable_for_the
     with pytest.raises(refit.RefitError, match="layer.299.w") as refused:  # a shape the receiver does not hold
         st.refit(2, state)
     assert refused.value.code == refit.Errc.apply
+
+
+def test_a_child_forked_after_a_large_refit_closes_its_copy_of_the_streamer_and_the_parent_goes_on(table_peer):
+    state = many_state(1)
+    job, endpoint = table_peer(spec_of(state))
+    with streamer(endpoint) as st:
+        st.refit(1, state)  # the streamer's reader thread runs from here on
+        # The child has a copy of the reader's state but not its thread: closing must not wait for it.
+        child = multiprocessing.get_context("fork").Process(target=st.close)
+        child.start()
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+            pytest.fail("a forked child hung closing its copy of the streamer")
+        assert child.exitcode == 0
+        after = many_state(2)
+        st.refit(2, after)
+        assert job.request("state") == state_bytes(after)
+    job.stop()
