@@ -548,9 +548,11 @@ class python_tensors final : public tensor_source {
     stop_reader();
   }
 
-  /// Reads one (name, tensor) pair. Needs the GIL. On the reader thread, a CUDA tensor on a device
-  /// whose current torch stream the refit's thread has not read sets `elsewhere` and is not kept:
-  /// torch's current stream is the calling thread's, so the reader leaves the pair to that thread.
+  /// Reads one (name, tensor) pair. Needs the GIL. On the reader thread, a pair the refit's thread
+  /// must read sets `elsewhere` and is not kept: one whose value is not a plain torch tensor (a
+  /// subclass, a Shard, a DLPack array: reading those runs Python that may depend on the calling
+  /// thread's state, such as torch's function modes), or a CUDA tensor on a device whose current
+  /// torch stream that thread has not read (torch's current stream is per thread).
   tensor_ref take(const py::handle& pair, bool on_reader, bool& elsewhere) {
     PyObject* p = pair.ptr();
     if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2)
@@ -561,6 +563,10 @@ class python_tensors final : public tensor_source {
     if (!PyUnicode_Check(key.ptr()))
       throw py::type_error("refit(): a tensor name must be a str, got " +
                            std::string(py::str(py::type::handle_of(key).attr("__name__"))));
+    if (on_reader && !world().is_plain_tensor(value)) {
+      elsewhere = true;
+      return {};
+    }
     Py_ssize_t length = 0;
     const char* utf8 = PyUnicode_AsUTF8AndSize(key.ptr(), &length);
     if (utf8 == nullptr) throw py::error_already_set();
@@ -685,8 +691,8 @@ class python_tensors final : public tensor_source {
 
   /// The reader's job: every pair left, each handed over as it is read (read_), the GIL let go
   /// every reader_from pairs so that the program's other threads run. Ends at the iterator's end,
-  /// a failure, stop_reader(), or a pair on a GPU whose torch stream only the refit's thread can
-  /// read (left as the iterator's current pair: next() reads it, and the pairs after it).
+  /// a failure, stop_reader(), or a pair the refit's thread must read (take(): left as the
+  /// iterator's current pair, next() reads it and the pairs after it).
   void read_rest() noexcept {
     try {
       py::gil_scoped_acquire gil;

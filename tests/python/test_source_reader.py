@@ -5,6 +5,7 @@ else, the source's own exception raised again as it is, nothing committed."""
 
 import multiprocessing
 import re
+import threading
 
 import pytest
 import torch
@@ -116,6 +117,34 @@ def test_a_failed_refit_of_a_large_state_dict_leaves_the_streamer_usable_for_the
     with pytest.raises(refit.RefitError, match="layer.299.w") as refused:  # a shape the receiver does not hold
         st.refit(2, state)
     assert refused.value.code == refit.Errc.apply
+
+
+class Watched(torch.Tensor):
+    """A tensor subclass that notes the thread its dtype is read on."""
+
+    threads = []
+
+    @property
+    def dtype(self):
+        Watched.threads.append(threading.get_ident())
+        return super().dtype
+
+
+def test_what_is_not_a_plain_tensor_deep_in_a_state_dict_is_read_on_the_calling_thread_and_arrives(table_peer):
+    state = many_state(1)
+    job, endpoint = table_peer(spec_of(state))
+    sent = dict(state)
+    sent["layer.150.w"] = state["layer.150.w"].as_subclass(Watched)
+    sent["layer.151.w"] = state["layer.151.w"].numpy()  # through DLPack
+    sent["layer.152.w"] = state["layer.152.w"].as_subclass(Watched)
+    Watched.threads.clear()
+    with streamer(endpoint) as st:
+        st.refit(1, sent)
+    # Its Python (here the subclass's dtype) ran where refit() was called, as it would without
+    # the reader: torch's function modes and current device are per thread.
+    assert Watched.threads == [threading.get_ident()] * 2
+    assert job.request("state") == state_bytes(state)
+    job.stop()
 
 
 def test_a_child_forked_after_a_large_refit_closes_its_copy_of_the_streamer_and_the_parent_goes_on(table_peer):
