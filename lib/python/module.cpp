@@ -525,12 +525,13 @@ class reader_thread {
 /// A container of many tensors (a state_dict) is read by the streamer's reader thread
 /// (start_reader()): reading a tensor through the binding costs ~1-2 us under the GIL (torch's
 /// attributes), which the refit's thread then spends planning and launching the copies of the
-/// tensors before it instead of waiting on it. A generator, and a container of fewer than
-/// reader_from pairs, are read on the refit's thread, in visits: a generator may gather its next
-/// tensor on that thread's CUDA device and stream, which another thread does not have.
+/// tensors before it instead of waiting on it. The reader takes plain torch tensors only (take()).
+/// A generator, a container of fewer than reader_from pairs, and what the reader leaves are read
+/// on the refit's thread, in visits: a generator may gather its next tensor on that thread's CUDA
+/// device and stream, which another thread does not have.
 class python_tensors final : public tensor_source {
  public:
-  /// Containers of at least this many pairs are read by a thread of their own.
+  /// Containers of at least this many pairs are read by the streamer's reader thread.
   static constexpr Py_ssize_t reader_from = 64;
 
   python_tensors(const py::object& stream, int default_device) : default_device_(default_device) {
