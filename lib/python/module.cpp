@@ -902,18 +902,22 @@ class py_streamer {
     if (closed_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
     python_tensors source(stream, device_);
     // Containers (a state_dict, a list of pairs) are read while the streamer moves the bytes of
-    // the tensors before: by the source's reader thread from python_tensors::reader_from pairs,
-    // else 64 pairs per visit under the GIL.
+    // the tensors before: by the streamer's reader thread (below) from python_tensors::reader_from
+    // pairs, else 64 pairs per visit under the GIL.
     // "items" is asked once, by an interned name (a list of pairs makes no AttributeError).
     static const auto* items = new py::str("items");  // never destroyed: see world()
     const bool mapping = has_attr(tensors, *items);
     const bool container = mapping || PyList_Check(tensors.ptr()) || PyTuple_Check(tensors.ptr());
     const py::object pairs = mapping ? tensors.attr(*items)() : tensors;
-    Py_ssize_t count = 0;
-    if (container) {
-      count = PyObject_Length(pairs.ptr());
-      if (count < 0) throw py::error_already_set();
-    }
+    // The reader thread takes a dict (an OrderedDict: what state_dict() returns), a list or a
+    // tuple, exactly those types, whose iteration runs no Python of the caller's: a Mapping of
+    // the caller's may gather each tensor as it is asked for, on the calling thread's device and
+    // stream, so it is read on that thread.
+    static const auto* ordered = new py::object(py::module_::import("collections").attr("OrderedDict"));
+    PyObject* const t = tensors.ptr();
+    const bool builtin = PyDict_CheckExact(t) || PyList_CheckExact(t) || PyTuple_CheckExact(t) ||
+                         Py_TYPE(t) == reinterpret_cast<PyTypeObject*>(ordered->ptr());
+    const Py_ssize_t count = builtin ? PyObject_Length(t) : 0;
     source.pull_from(py::iter(pairs), container ? 64 : 1);
     if (!st_) choose(source);
     streamer& s = *st_;

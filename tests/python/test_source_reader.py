@@ -3,6 +3,8 @@ own while the streamer moves the tensors before: every tensor still arrives bit-
 container, and a bad tensor deep inside one fails the refit with the same error as anywhere
 else, the source's own exception raised again as it is, nothing committed."""
 
+import collections
+import collections.abc
 import multiprocessing
 import re
 import threading
@@ -45,14 +47,15 @@ def served(table_peer):
     job.stop()
 
 
-@pytest.mark.parametrize("container", ["dict", "list", "tuple", "items"])
+@pytest.mark.parametrize("container", ["dict", "ordereddict", "list", "tuple", "items"])
 def test_every_tensor_of_a_large_container_arrives_bit_exact_version_after_version(table_peer, container):
     job, endpoint = table_peer(spec_of(many_state(1)))
     as_container = {
         "dict": lambda s: s,
+        "ordereddict": collections.OrderedDict,  # what state_dict() returns
         "list": lambda s: list(s.items()),
         "tuple": lambda s: tuple(s.items()),
-        "items": lambda s: s.items(),  # a view: no items() of its own, iterated as pairs
+        "items": lambda s: s.items(),  # a view: iterated as pairs, on the calling thread
     }[container]
     with streamer(endpoint) as st:
         for version in (1, 2, 3):
@@ -143,6 +146,41 @@ def test_what_is_not_a_plain_tensor_deep_in_a_state_dict_is_read_on_the_calling_
     # Its Python (here the subclass's dtype) ran where refit() was called, as it would without
     # the reader: torch's function modes and current device are per thread.
     assert Watched.threads == [threading.get_ident()] * 2
+    assert job.request("state") == state_bytes(state)
+    job.stop()
+
+
+class LazyState(collections.abc.Mapping):
+    """A mapping of the caller's that makes each tensor when it is asked for (as one that gathers
+    shards would), noting the thread; items() of the second kind is a generator, without len()."""
+
+    def __init__(self, state, generator_items=False):
+        self.state, self.threads, self.generator_items = state, [], generator_items
+
+    def __getitem__(self, name):
+        self.threads.append(threading.get_ident())
+        return self.state[name].clone()
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self):
+        return len(self.state)
+
+    def items(self):
+        if self.generator_items:
+            return ((name, self[name]) for name in self.state)
+        return super().items()
+
+
+@pytest.mark.parametrize("generator_items", [False, True], ids=["items-view", "items-generator"])
+def test_a_large_mapping_of_the_callers_is_read_on_the_calling_thread_and_arrives(table_peer, generator_items):
+    state = many_state(1)
+    job, endpoint = table_peer(spec_of(state))
+    lazy = LazyState(state, generator_items)
+    with streamer(endpoint) as st:
+        st.refit(1, lazy)
+    assert lazy.threads == [threading.get_ident()] * MANY
     assert job.request("state") == state_bytes(state)
     job.stop()
 

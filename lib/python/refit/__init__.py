@@ -699,10 +699,11 @@ class Streamer(_refit.Streamer):
         applied. Tensors are read in place (no copy) and must stay unchanged until this returns;
         the streamer keeps a reference to each. CUDA tensors are read after the work enqueued so
         far on torch's current stream of their device (or on ``stream``), never with a device
-        synchronisation. The GIL is released while bytes move; a container of 64 pairs or more
-        is read meanwhile by a thread of this streamer's own (kept until ``close()``), which takes
-        the GIL while it reads and lets go of it every 64 pairs, up to the first pair that is not
-        a plain torch tensor (that one and the rest are read on the calling thread).
+        synchronisation. The GIL is released while bytes move; a dict, list or tuple of 64 pairs
+        or more is read meanwhile by a thread of this streamer's own (kept until ``close()``),
+        which takes the GIL while it reads and lets go of it every 64 pairs, up to the first pair
+        that is not a plain torch tensor (that one and the rest are read on the calling thread,
+        as are generators and mappings of other types).
 
         Raises TypeError/ValueError naming a bad tensor (unsupported dtype, not contiguous),
         RefitError with the receiver's code (``Errc.apply`` for a shape or dtype mismatch), or
