@@ -470,7 +470,7 @@ class py_receiver {
 /// holding no Python state, so that it ends cleanly whenever its streamer is closed. A process
 /// forked from the one that made it has no such thread, only a copy of its state (a condition
 /// variable with a waiter, which would never let itself be destroyed): there it is left alone,
-/// never destroyed (forget()).
+/// never destroyed (py_streamer::forget_foreign_reader()).
 class reader_thread {
  public:
   reader_thread() : owner_(::getpid()), thread_([this] { loop(); }) {}
