@@ -525,7 +525,8 @@ class reader_thread {
 /// A container of many tensors (a state_dict) is read by the streamer's reader thread
 /// (start_reader()): reading a tensor through the binding costs ~1-2 us under the GIL (torch's
 /// attributes), which the refit's thread then spends planning and launching the copies of the
-/// tensors before it instead of waiting on it. The reader takes plain torch tensors only (take()).
+/// tensors before it instead of waiting on it. The reader takes plain torch tensors (and Shards
+/// of them) only: reader_takes().
 /// A generator, a container of fewer than reader_from pairs, and what the reader leaves are read
 /// on the refit's thread, in visits: a generator may gather its next tensor on that thread's CUDA
 /// device and stream, which another thread does not have.
@@ -550,10 +551,9 @@ class python_tensors final : public tensor_source {
   }
 
   /// Reads one (name, tensor) pair. Needs the GIL. On the reader thread, a pair the refit's thread
-  /// must read sets `elsewhere` and is not kept: one whose value is not a plain torch tensor (a
-  /// subclass, a Shard, a DLPack array: reading those runs Python that may depend on the calling
-  /// thread's state, such as torch's function modes), or a CUDA tensor on a device whose current
-  /// torch stream that thread has not read (torch's current stream is per thread).
+  /// must read sets `elsewhere` and is not kept: one the reader does not take (reader_takes()), or
+  /// a CUDA tensor on a device whose current torch stream that thread has not read (torch's
+  /// current stream is per thread).
   tensor_ref take(const py::handle& pair, bool on_reader, bool& elsewhere) {
     PyObject* p = pair.ptr();
     if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2)
@@ -564,7 +564,7 @@ class python_tensors final : public tensor_source {
     if (!PyUnicode_Check(key.ptr()))
       throw py::type_error("refit(): a tensor name must be a str, got " +
                            std::string(py::str(py::type::handle_of(key).attr("__name__"))));
-    if (on_reader && !world().is_plain_tensor(value)) {
+    if (on_reader && !reader_takes(value)) {
       elsewhere = true;
       return {};
     }
@@ -795,6 +795,25 @@ class python_tensors final : public tensor_source {
   static py::error_already_set capture(const py::builtin_exception& e) {
     e.set_error();
     return py::error_already_set();
+  }
+
+  /// What the reader thread takes: a plain torch tensor, or a refit.Shard of one (exactly that type:
+  /// its attributes are slots). Reading anything else (a tensor subclass, a DLPack array, another
+  /// Shard-like object) may run Python that depends on the calling thread's state (torch's
+  /// function modes, its device).
+  static bool reader_takes(py::handle value) {
+    if (world().is_plain_tensor(value)) return true;
+    const package_types& t = package();
+    if (!t.shard || Py_TYPE(value.ptr()) != reinterpret_cast<PyTypeObject*>(t.shard.ptr())) return false;
+    static const auto* tensor = new py::str("tensor");  // never destroyed: see world()
+    PyObject* inner = PyObject_GetAttr(value.ptr(), tensor->ptr());
+    if (inner == nullptr) {
+      PyErr_Clear();  // the refit's thread reads it again, and raises
+      return false;
+    }
+    const bool plain = world().is_plain_tensor(inner);
+    Py_DECREF(inner);
+    return plain;
   }
 
   /// A refit.Shard (exactly, as the package registered it), or any object that says it is one

@@ -150,6 +150,21 @@ def test_what_is_not_a_plain_tensor_deep_in_a_state_dict_is_read_on_the_calling_
     job.stop()
 
 
+def test_shards_in_a_large_state_dict_arrive_bit_exact_and_a_subclass_inside_one_is_read_on_the_calling_thread(
+        table_peer):
+    state = many_state(1)
+    job, endpoint = table_peer(spec_of(state))
+    sent = {name: refit.Shard(t, t.shape, 0, 0) for name, t in state.items()}  # each the whole tensor
+    sent["layer.200.w"] = refit.Shard(state["layer.200.w"].as_subclass(Watched), state["layer.200.w"].shape, 0, 0)
+    Watched.threads.clear()
+    with streamer(endpoint) as st:
+        stats = st.refit(1, sent)
+    assert stats.tensors == MANY
+    assert Watched.threads == [threading.get_ident()]
+    assert job.request("state") == state_bytes(state)
+    job.stop()
+
+
 class LazyState(collections.abc.Mapping):
     """A mapping of the caller's that makes each tensor when it is asked for (as one that gathers
     shards would), noting the thread; items() of the second kind is a generator, without len()."""

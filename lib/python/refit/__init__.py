@@ -702,8 +702,8 @@ class Streamer(_refit.Streamer):
         synchronisation. The GIL is released while bytes move; a dict, list or tuple of 64 pairs
         or more is read meanwhile by a thread of this streamer's own (kept until ``close()``),
         which takes the GIL while it reads and lets go of it every 64 pairs, up to the first pair
-        that is not a plain torch tensor (that one and the rest are read on the calling thread,
-        as are generators and mappings of other types).
+        that is not a plain torch tensor or a ``Shard`` of one (that one and the rest are read on
+        the calling thread, as are generators and mappings of other types).
 
         Raises TypeError/ValueError naming a bad tensor (unsupported dtype, not contiguous),
         RefitError with the receiver's code (``Errc.apply`` for a shape or dtype mismatch), or
