@@ -1,7 +1,9 @@
-"""A container of many tensors (a state_dict, a list of pairs) is read by a thread of the source's
-own while the streamer moves the tensors before: every tensor still arrives bit-exact, in any
-container, and a bad tensor deep inside one fails the refit with the same error as anywhere
-else, the source's own exception raised again as it is, nothing committed."""
+"""A dict, list or tuple of many tensors (a state_dict) is read by the streamer's reader thread
+while the streamer moves the tensors before: every tensor still arrives bit-exact, in any
+container; a bad pair deep inside one fails the refit with the same error as anywhere else, the
+source's own exception raised again as it is, nothing committed; whatever may run the caller's
+Python (a tensor subclass, a Mapping of the caller's) is read on the calling thread; and a child
+forked after the reader was made closes its copy of the streamer without waiting for it."""
 
 import collections
 import collections.abc
