@@ -568,6 +568,7 @@ class python_tensors final : public tensor_source {
       elsewhere = true;
       return {};
     }
+    if (!on_reader && ready_.empty()) first_taken_ = reader_takes(value);
     Py_ssize_t length = 0;
     const char* utf8 = PyUnicode_AsUTF8AndSize(key.ptr(), &length);
     if (utf8 == nullptr) throw py::error_already_set();
@@ -609,7 +610,9 @@ class python_tensors final : public tensor_source {
       next_ = 0;
       fill();
     }
-    if (done_ || failed_) return;
+    // A container whose first pair the reader would not take (a state_dict of tensor
+    // subclasses, such as FSDP2's DTensors) is read here throughout.
+    if (done_ || failed_ || !first_taken_) return;
     thread.post([this] { read_rest(); });
     posted_ = true;
     reading_ = true;
@@ -856,8 +859,9 @@ class python_tensors final : public tensor_source {
   std::unique_ptr<py::error_already_set> failure_;
 
   // The reader thread and what it hands over (under mutex_).
-  bool posted_ = false;   ///< the reader has this source's job (until stop_reader())
-  bool reading_ = false;  ///< next() takes from the reader (the refit's thread only)
+  bool first_taken_ = false;  ///< the first pair read here is one the reader takes (reader_takes())
+  bool posted_ = false;       ///< the reader has this source's job (until stop_reader())
+  bool reading_ = false;      ///< next() takes from the reader (the refit's thread only)
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
   std::vector<tensor_ref> read_;
