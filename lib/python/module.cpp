@@ -605,17 +605,12 @@ class python_tensors final : public tensor_source {
   /// GIL; stop_reader() must run, without it, before refit() returns.
   void start_reader(Py_ssize_t pairs, reader_thread& thread) {
     if (pairs < reader_from) return;
-    if (next_ == ready_.size() && !done_ && !failed_) {
-      ready_.clear();
-      next_ = 0;
-      fill();
-    }
+    fill_if_taken();
     // A container whose first pair the reader would not take (a state_dict of tensor
     // subclasses, such as FSDP2's DTensors) is read here throughout.
     if (done_ || failed_ || !first_taken_) return;
     thread.post([this] { read_rest(); });
     posted_ = true;
-    reading_ = true;
   }
 
   /// Ends the reading (at once: the reader stops at its next pair) and waits until the reader
@@ -634,12 +629,10 @@ class python_tensors final : public tensor_source {
   }
 
   std::optional<tensor_ref> next() override {
-    if (next_ == ready_.size() && reading_) take_read();
+    if (next_ == ready_.size() && posted_) take_read();
     if (next_ == ready_.size()) {
       if (failed_) throw error(errc::invalid_argument, failure_message_);
       if (done_) return std::nullopt;
-      ready_.clear();
-      next_ = 0;
       fill();
       if (ready_.empty()) return next();
     }
@@ -648,11 +641,7 @@ class python_tensors final : public tensor_source {
   /// The device of the first tensor, read ahead (it is still the first one next() returns); None
   /// for no tensors. A source that fails before its first tensor raises here. Needs the GIL.
   std::optional<device> first_device() {
-    if (next_ == ready_.size() && !done_ && !failed_) {
-      ready_.clear();
-      next_ = 0;
-      fill();
-    }
+    fill_if_taken();
     if (next_ < ready_.size()) return ready_[next_].dev;
     raise_source_failure();
     return std::nullopt;
@@ -669,10 +658,17 @@ class python_tensors final : public tensor_source {
   void release() { keep_.clear(); }
 
  private:
-  /// Reads up to `ahead_` pairs; a Python exception is kept (raised again once refit() failed: a
-  /// generator's own exception reaches the caller unchanged) and reported to the streamer after
-  /// the pairs read before it.
+  /// fill(), when every pair read has been taken and the source may have more.
+  void fill_if_taken() {
+    if (next_ == ready_.size() && !done_ && !failed_) fill();
+  }
+
+  /// Replaces the pairs read (all taken) with up to `ahead_` more; a Python exception is kept
+  /// (raised again once refit() failed: a generator's own exception reaches the caller unchanged)
+  /// and reported to the streamer after the pairs read before it.
   void fill() {
+    ready_.clear();
+    next_ = 0;
     py::gil_scoped_acquire gil;
     try {
       const std::size_t want = visit_;
@@ -758,7 +754,6 @@ class python_tensors final : public tensor_source {
           return;
         }
         if (finished_) {
-          reading_ = false;
           if (done_read_) done_ = true;
           if (failed_read_) {
             failed_ = true;
@@ -770,8 +765,6 @@ class python_tensors final : public tensor_source {
       std::this_thread::yield();
     }
     stop_reader();  // finished: returns at once
-    ready_.clear();
-    next_ = 0;
   }
 
   /// Keeps a Python exception of the source (GIL held): `on_reader`, under mutex_ for next() to
@@ -860,8 +853,7 @@ class python_tensors final : public tensor_source {
 
   // The reader thread and what it hands over (under mutex_).
   bool first_taken_ = false;  ///< the first pair read here is one the reader takes (reader_takes())
-  bool posted_ = false;       ///< the reader has this source's job (until stop_reader())
-  bool reading_ = false;      ///< next() takes from the reader (the refit's thread only)
+  bool posted_ = false;       ///< the reader has this source's job: next() takes from it (until stop_reader())
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
   std::vector<tensor_ref> read_;
