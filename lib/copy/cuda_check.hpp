@@ -36,15 +36,19 @@ void check_cuda(cudaError_t status, F&& describe, std::source_location where = s
 /// Polls `query` (a cudaEventQuery or cudaStreamQuery) until it reports the work done, at most
 /// `timeout` (copy/wait.hpp: a dead peer's work may never complete): true when done, false when the
 /// time ran out. Throws like check_cuda, with `what` (text, or a callable making it), for any
-/// other status.
+/// other status. Spins `spin` before it sleeps between polls (copy/wait.hpp).
 template <class Query, class What>
-bool device_work_done(std::chrono::milliseconds timeout, Query&& query, What&& what) {
-  return poll_until(deadline::after(timeout), [&] {
-    const cudaError_t status = query();
-    if (status == cudaErrorNotReady) return false;
-    check_cuda(status, what);
-    return true;
-  });
+bool device_work_done(std::chrono::milliseconds timeout, Query&& query, What&& what,
+                      std::chrono::milliseconds spin = backoff::default_spin) {
+  return poll_until(
+      deadline::after(timeout),
+      [&] {
+        const cudaError_t status = query();
+        if (status == cudaErrorNotReady) return false;
+        check_cuda(status, what);
+        return true;
+      },
+      spin);
 }
 
 /// Makes `device` current for the scope and restores the previous current device after it. The

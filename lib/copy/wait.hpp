@@ -31,10 +31,13 @@ struct deadline {
   }
 };
 
-/// The pause between two polls: spins (yielding) for its first 3 ms, then sleeps in growing steps
-/// up to a millisecond.
+/// The pause between two polls: spins (yielding) for its first 3 ms (or `spin`), then sleeps in
+/// growing steps up to a millisecond.
 class backoff {
  public:
+  static constexpr std::chrono::milliseconds default_spin{3};
+  explicit backoff(std::chrono::milliseconds spin = default_spin)
+      : spin_until_(std::chrono::steady_clock::now() + spin) {}
   void pause() noexcept {
     if (std::chrono::steady_clock::now() < spin_until_) {
       std::this_thread::yield();
@@ -45,7 +48,7 @@ class backoff {
   }
 
  private:
-  std::chrono::steady_clock::time_point spin_until_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(3);
+  std::chrono::steady_clock::time_point spin_until_;
   std::chrono::microseconds sleep_{20};
 };
 
@@ -53,8 +56,8 @@ class backoff {
 /// of false (then returns false), pausing with a backoff between asks. `done` may throw (an error
 /// seen while polling): the exception passes through. The caller words the timeout.
 template <class Done>
-bool poll_until(const deadline& until, Done&& done) {
-  backoff b;
+bool poll_until(const deadline& until, Done&& done, std::chrono::milliseconds spin = backoff::default_spin) {
+  backoff b(spin);
   for (;;) {
     if (done()) return true;
     if (until.passed()) return false;

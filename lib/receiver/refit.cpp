@@ -269,12 +269,15 @@ receiver_event receiver::impl::finish_refit() {
     if (refit_delta) check_delta(*ln->held);
     check_complete(version);
     const auto td = clock::now();
-    // A direct lane's receiver enqueued nothing on its sink's stream in this refit (the streamer
-    // wrote the bytes and drained its own stream before END; end_session() drained any earlier
-    // session's work): its drain would only query an idle stream, on END's path (12.7 us in a
-    // timeline on an H200 VM: bench/results/2026-11-29-h200-direct-launches-beside.txt).
+    // A direct lane's receiver enqueued nothing on its sink's stream in this refit (end_session()
+    // drained any earlier session's work): its drain would only query an idle stream, on END's
+    // path (12.7 us in a timeline on an H200 VM: bench/results/2026-11-29-h200-direct-launches-beside.txt).
+    // What it waits for are the streamer's writes, which END may overtake (sink::await_writes).
     for (lane& l : lanes)
-      if (!l.direct) l.sink->drain();
+      if (l.direct)
+        l.sink->await_writes();
+      else
+        l.sink->drain();
     drain_seconds = seconds_since(td);
   } catch (const error& ex) {
     return fail_refit(ex.code(), ex.what());

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/log.hpp"
 #include "streamer/impl.hpp"
 
 namespace refit {
@@ -60,6 +61,15 @@ void streamer::impl::wake_before_end() {
     if (copier->queue_short())
       for (channel::req_channel& c : channels) c.wake_receiver();
     std::this_thread::yield();
+  }
+}
+
+/// drain() where a failure is already being reported: its own error is only logged.
+void streamer::impl::drain_quietly() noexcept {
+  try {
+    buffers->drain();
+  } catch (const std::exception& e) {
+    REFIT_WARN("draining the stream after a failed refit: {}", e.what());
   }
 }
 

@@ -363,6 +363,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                   std::span<const transport::routed> targets, std::uint64_t* checksum, bool& keep);
   void end_tensors(batch_writer& w, sending how, std::uint64_t* checksum);
   void wake_before_end();
+  void drain_quietly() noexcept;
 };
 
 }  // namespace refit

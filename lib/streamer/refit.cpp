@@ -48,10 +48,17 @@ refit_stats streamer::impl::run(std::uint64_t version, tensor_source& source, re
   wire::end e{version, stats.tensors, stats.bytes, stats.batches, std::nullopt, options.atomic};
   if (keep) e.checksum = checksum;
   const auto tw = clock::now();
-  if (options.atomic) {
-    end_engine_wide(e, stats);
-  } else {
-    request(e, fmt::format("END of version {}", version));
+  try {
+    if (options.atomic) {
+      end_engine_wide(e, stats);
+    } else {
+      request(e, fmt::format("END of version {}", version));
+    }
+  } catch (...) {
+    // A direct session's last copies may still read the source (END left while they ran): they
+    // are complete before refit() throws, as they are when it returns.
+    if (buffers->direct()) drain_quietly();
+    throw;
   }
   buffers->refit_committed();
   stats.wait_seconds += seconds_since(tw);
@@ -281,12 +288,17 @@ void streamer::impl::end_tensors(batch_writer& w, sending how, std::uint64_t* ch
     w.launch_direct();  // the last piece of the manifest went without launching its copies
   take_device_terms(how, checksum);
 
-  // Direct writes must be complete before the receiver commits: it never waits on them itself.
+  // Direct writes must be complete before the receivers commit. Where the transport lets them wait
+  // for the writes themselves (cuda_ipc), END leaves right after the last launch and its round
+  // trip overlaps the copies queued; else (and for the copy engines, whose queue this side does
+  // not pace) this side drains first.
   if (w.direct) {
     const auto tp = clock::now();
     copier->join(buffers->stream());
-    wake_before_end();
-    buffers->drain();
+    if (peer_engine() || !buffers->hand_over_writes()) {
+      wake_before_end();
+      buffers->drain();
+    }
     w.stats.pack_seconds += seconds_since(tp);
   }
   if (flight) {

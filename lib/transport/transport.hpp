@@ -232,6 +232,11 @@ class source {
   virtual void entries(std::size_t i, std::span<const segment> batch) { (void)i, (void)batch; }
   /// Waits until all local work of this refit is complete.
   virtual void drain() = 0;
+  /// A direct session, after its last write is enqueued: marks the writes so far for the
+  /// receivers, which wait for them themselves at END before they commit (sink::await_writes),
+  /// so END's round trip overlaps the last copies. False (the default) where the transport cannot:
+  /// the streamer then drains before END.
+  [[nodiscard]] virtual bool hand_over_writes() { return false; }
 
   /// Where a receiver can read bytes of the streamer's own memory itself (see share()).
   struct shared {
@@ -340,6 +345,10 @@ class sink {
   virtual void end_read(std::size_t i) = 0;
   /// Waits until every read and copy enqueued so far is complete (END, before committing).
   virtual void drain() = 0;
+  /// A direct session's END, before committing: waits until the writes the streamer marked before
+  /// END (source::hand_over_writes) are complete, at most the receiver's timeout (errc::timeout:
+  /// nothing may be committed). Nothing by default.
+  virtual void await_writes() {}
 
   /// True when this sink can read the streamer's memory where it is (source::share): it maps what
   /// batches announce, and a wire::batch::ready batch needs no begin_read().

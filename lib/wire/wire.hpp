@@ -30,7 +30,7 @@ namespace refit::wire {
 /// Bumped on every incompatible change of the format below. A new message type is not one: a
 /// receiver that does not know it refuses it as malformed (an older receiver answers ABORT with
 /// ERROR and aborts the refit all the same), and a streamer never receives a request.
-inline constexpr std::uint32_t protocol_version = 11;
+inline constexpr std::uint32_t protocol_version = 12;
 
 /// Limits that bound what a decoder accepts (hostile input must not allocate without bound).
 inline constexpr std::size_t max_message_bytes = 64u << 20;

@@ -692,11 +692,10 @@ TEST_CASE("three refits of mixed dtypes over cuda_ipc on one GPU land bit-exact 
 }
 
 TEST_CASE("a direct cuda_ipc refit commits only once the streamer's writes have landed", "[cuda_ipc]") {
-  // Four tensors of 1 GiB, whose last copies run for milliseconds after they are enqueued: what
+  // Four tensors of 1 GiB, whose last copies run for milliseconds after they are enqueued, and END
+  // leaves while they run (the receiver waits for the streamer's event before it commits): what
   // the receiver holds at the commit must be the whole version (its checksum, taken at once on its
-  // own stream, that of a buffer filled with the version's byte), however END is ordered after
-  // them (measured: the receiver waiting for the streamer's event at END was slower than the
-  // streamer draining before END, 1.53 against 1.28 ms for qwen2.5-0.5b on the H100).
+  // own stream, that of a buffer filled with the version's byte).
   constexpr std::uint64_t gib = 1ull << 30;
   const std::vector<refit::tensor_meta> metas = {{"a", refit::dtype::u8, {std::int64_t(gib)}},
                                                  {"b", refit::dtype::u8, {std::int64_t(gib)}},
@@ -730,6 +729,95 @@ TEST_CASE("a direct cuda_ipc refit commits only once the streamer's writes have 
           const auto stats = s.refit(v, weights.refs());
           expect(stats.direct, "version " + std::to_string(v) + " was not written directly");
         }
+        s.close();
+      });
+}
+
+TEST_CASE(
+    "a direct cuda_ipc streamer whose marked writes do not complete fails END with a timeout; nothing is committed, "
+    "and the next streamer commits bit-exact",
+    "[cuda_ipc][hostile]") {
+  // A streamer of its own: HELLO asking for direct writes, BEGIN, the manifest, then packed[0]
+  // recorded behind a host function that holds its stream until this side lets it go, and END. The
+  // receiver (idle timeout 1 s, which bounds its wait for the writes) must answer END with a
+  // timeout rather than commit or hang; the hold ends only once that answer is in.
+  const auto ep = rt::temp_endpoint();
+  const refit::tensor_meta w{"w", refit::dtype::bf16, {4096}};
+  two_processes(
+      [&](rt::signal_pipe& ready) {
+        refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+        device_tensors engine({w}, 0);
+        engine.upload(7);
+        refit::receiver r(receive_options(ep, 0, 1000ms));
+        engine.register_with(r);
+        ready.send("ready");
+        int aborts = 0;
+        std::vector<std::uint64_t> commits;
+        for (auto e = r.serve_one(60s); e != refit::receiver_event::bye; e = r.serve_one(60s)) {
+          expect(e != refit::receiver_event::idle, "receiver: no message for 60 s");
+          expect(e != refit::receiver_event::refused, "receiver: refused: " + r.last_error());
+          if (e == refit::receiver_event::aborted) {
+            ++aborts;
+            expect(r.last_error().find("the streamer's direct writes did not complete within 1000 ms") !=
+                       std::string::npos,
+                   "last_error: " + r.last_error());
+            expect(!r.committed_version().has_value(), "a version was committed");
+          }
+          if (e == refit::receiver_event::committed) commits.push_back(*r.committed_version());
+        }
+        expect(aborts == 1, std::to_string(aborts) + " aborts");
+        expect(commits == std::vector<std::uint64_t>{2}, std::to_string(commits.size()) + " commits");
+        expect(engine.mismatch(2).empty(), "weights after version 2: " + engine.mismatch(2));
+      },
+      [&] {
+        refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+        refit::transport::source_options o;
+        o.name = "cuda_ipc";
+        o.bytes = 1 * mib;
+        o.direct = true;
+        const auto src = refit::transport::make_source(o);
+        refit::wire::hello h;
+        src->open_session(h);
+        h.secret = "0123456789abcdef";
+        refit::channel::req_channel ch(ep);
+        const auto ask = [&](const std::string& bytes, const char* what) {
+          return refit::wire::decode(ch.request(bytes, relaxed, what));
+        };
+        const auto hello = ask(refit::wire::encode(h), "HELLO");
+        const auto* ok = std::get_if<refit::wire::ok>(&hello);
+        expect(ok != nullptr && ok->mode == refit::wire::session_mode::in_place, "HELLO: no direct offer");
+        src->session_accepted(std::span<const refit::wire::ok>(ok, 1));
+        expect(src->direct(), "the source did not take the offer");
+        const auto expect_ok = [&](const refit::wire::message& m, const char* what) {
+          const auto* e = std::get_if<refit::wire::error>(&m);
+          expect(e == nullptr, std::string(what) + ": " + (e ? e->message : ""));
+        };
+        expect_ok(ask(refit::wire::encode(refit::wire::begin{1, false, std::nullopt}, h.secret), "BEGIN"), "BEGIN");
+        refit::wire::batch b{1, 0, 0, {{"w", refit::dtype::bf16, {4096}, 0, w.nbytes(), 0}}};
+        expect_ok(ask(refit::wire::encode(b, h.secret), "BATCH"), "BATCH");
+        static std::atomic<bool> release{false};
+        refit::check_cuda(cudaLaunchHostFunc(
+                              static_cast<cudaStream_t>(src->stream()),
+                              [](void*) {
+                                while (!release.load()) std::this_thread::yield();
+                              },
+                              nullptr),
+                          "cudaLaunchHostFunc");
+        expect(src->hand_over_writes(), "the source did not mark its writes");
+        const auto end =
+            ask(refit::wire::encode(refit::wire::end{1, 1, w.nbytes(), 1, std::nullopt, false}, h.secret), "END");
+        release.store(true);
+        const auto* e = std::get_if<refit::wire::error>(&end);
+        expect(e != nullptr && e->code == refit::errc::timeout, "END was not refused with a timeout");
+        expect(e->message.find("the streamer's direct writes did not complete within 1000 ms (is the policy process "
+                               "alive?); nothing was committed") != std::string::npos,
+               "END: " + e->message);
+        src->drain();
+        // A real streamer takes the receiver over (a new session) and commits bit-exact.
+        device_tensors source({w}, 0);
+        source.upload(2);
+        refit::streamer s(stream_options(ep, 0, relaxed));
+        s.refit(2, source.refs());
         s.close();
       });
 }

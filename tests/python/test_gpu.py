@@ -157,6 +157,34 @@ def test_cuda_ipc_state_dict_arrives_bit_exact(peer, one_gpu, direct):
     job.stop()
 
 
+def spread_state(version: int, devices: int):
+    """300 tensors (more than the binding reads on the refit's thread) dealt round the GPUs."""
+    g = torch.Generator().manual_seed(2000 + version)
+    return {
+        f"layer.{i}.w": torch.randn(3 + i % 5, 8, generator=g).to(f"cuda:{i % devices}") for i in range(300)
+    }
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_a_large_state_dict_spread_over_two_gpus_arrives_bit_exact(peer, direct):
+    # The binding's reader thread takes the tensors on the streamer's GPU; the first one on the
+    # other GPU (whose torch stream only the calling thread may know) and the rest after it are
+    # read on the calling thread: every tensor still arrives, version after version.
+    need_gpus(2)
+    torch.cuda.set_device(0)
+    job = peer.run(gpu_table, spec_of(spread_state(1, 2)), 0, False)
+    endpoint = job.recv()
+    with gpu_streamer(endpoint, "cuda_ipc", direct=direct, buffer_bytes=64 << 10) as st:
+        for version in (1, 2, 3):
+            state = spread_state(version, 2)
+            stats = st.refit(version, state)
+            assert stats.tensors == 300
+            assert job.request("state") == state_bytes(state), f"version {version}"
+            assert job.request("status")["committed_version"] == version
+    assert stats.direct is direct
+    job.stop()
+
+
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "packed"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 def test_cuda_ipc_through_on_tensor_arrives_bit_exact(peer, one_gpu, direct, share):

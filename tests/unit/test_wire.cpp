@@ -410,11 +410,13 @@ TEST_CASE("decode reports a protocol version mismatch with both versions", "[wir
   check_mismatch(message(BEGIN, {U(1)}, 8), 8);    // the release before paired nccl sessions
   check_mismatch(message(BEGIN, {U(1)}, 9), 9);    // the release before session secrets
   check_mismatch(message(BEGIN, {U(1)}, 10), 10);  // the release before engine-wide versions (END's hold)
-  check_mismatch(message(BEGIN, {U(1)}, 13), 13);
+  check_mismatch(message(BEGIN, {U(1)}, 11), 11);  // the release whose direct receivers committed on the
+                                                   // streamer's word (it drained before END)
+  check_mismatch(message(BEGIN, {U(1)}, 14), 14);
   check_mismatch(message(BEGIN, {U(1)}, 0), 0);
   // A future version may have other fields and other types: the version is checked first.
-  check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 12), 12);
-  check_mismatch(message(99, {}, 12), 12);
+  check_mismatch(message(BEGIN, {S("x"), U(1), U(2)}, 13), 13);
+  check_mismatch(message(99, {}, 13), 13);
 }
 
 TEST_CASE("decode rejects unknown message types", "[wire]") {
