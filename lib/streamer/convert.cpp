@@ -14,11 +14,21 @@ namespace refit {
 /// asked, or the source already has the dtype asked for, or a cast from a dtype refit does not
 /// convert: the receiver refuses it). Throws errc::apply for a quantisation of such a source,
 /// errc::invalid_argument for block128 of a tensor of rank < 2.
-const wire::conversion* streamer::impl::conversion_for(const tensor_ref& t) const {
+const wire::conversion* streamer::impl::conversion_for(const tensor_ref& t, route_memo* memo) const {
   if (conversions.empty()) return nullptr;
-  const auto it = conversions.find(t.meta.name);
-  if (it == conversions.end()) return nullptr;
-  const wire::conversion& c = it->second;
+  const wire::conversion* found = nullptr;
+  if (memo != nullptr && memo->conversion_session == session_number) {
+    found = memo->conversion;  // conversions is made once per session: its elements stay put
+  } else {
+    const auto it = conversions.find(t.meta.name);
+    if (it != conversions.end()) found = &it->second;
+    if (memo != nullptr) {
+      memo->conversion_session = session_number;
+      memo->conversion = found;
+    }
+  }
+  if (found == nullptr) return nullptr;
+  const wire::conversion& c = *found;
   if (c.type == t.meta.type && c.q == quant::none) return nullptr;
   const std::string asked = c.q == quant::none ? std::string(to_string(c.type))
                                                : fmt::format("{} quantised per {}", to_string(c.type),

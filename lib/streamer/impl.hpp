@@ -169,8 +169,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   static constexpr std::uint64_t direct_check_bytes = 16ull << 20;
   static constexpr std::uint64_t direct_launch_cap = 256ull << 20;
   /// Entries of a direct session's manifest before a piece of it may be sent (see send_tensors):
-  /// a receiver checks an entry in about a microsecond, cold, and a piece costs a round trip.
+  /// a receiver checks an entry in about a microsecond, cold, and a piece costs a round trip. A
+  /// long manifest's pieces grow with it (an eighth of the tensors sent, up to the max): each piece
+  /// costs both sides an encode, a decode and a reply, and the last one is checked before END.
   static constexpr std::size_t direct_manifest_entries = 32;
+  static constexpr std::size_t direct_manifest_entries_max = 128;
   /// Bytes of tensors a batch the receiver reads in place covers at most (unless a buffer is
   /// larger): large enough that a batch's round trip is small beside its copies, small enough that
   /// the receiver's work on one batch overlaps the streamer's on the next (H100: llama3-8b 13.2 ms
@@ -301,6 +304,11 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     dtype type = dtype::u8;
     std::vector<std::int64_t> shape;
     std::vector<transport::routed> routes;
+    /// The receivers' conversion of the name (an element of `conversions`, or null), looked up in
+    /// session `conversion_session` (0: not yet): a lookup in a table of every float destination's
+    /// name cost qwen3-30b-a3b's streamer ~0.4 of its host time per tensor.
+    std::uint64_t conversion_session = 0;
+    const wire::conversion* conversion = nullptr;
   };
   /// The last refit's tensors in the order they came (see wire::yield_order): a refit of the same
   /// tensors in the same order checks their names and finds their routes without a lookup.
@@ -343,7 +351,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void check_in_place(const tensor_ref& t, std::uint64_t bytes, std::uint64_t version) const;
 
   // convert.cpp
-  const wire::conversion* conversion_for(const tensor_ref& t) const;
+  const wire::conversion* conversion_for(const tensor_ref& t, route_memo* memo) const;
   void send_converted(batch_writer& w, planner& pl, const tensor_ref& t, const wire::conversion& c, refit_stats& stats,
                       const shard_place* part = nullptr);
   copy::fused_job staged_fused_job(const tensor_ref& t, tensor_ref& scale);

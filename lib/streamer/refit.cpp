@@ -217,7 +217,8 @@ void streamer::impl::send_tensor(batch_writer& w, planner& pl, tensor_ref& t, se
   w.stats.tensor_bytes += bytes;
   std::optional<shard_place> part;
   const std::uint64_t shift = to_whole(t, bytes, how, part);
-  if (const wire::conversion* c = conversion_for(t)) {
+  route_memo* memo = slot != nullptr ? &slot->data : nullptr;
+  if (const wire::conversion* c = conversion_for(t, memo)) {
     if (how == sending::delta)
       throw error(errc::invalid_argument,
                   fmt::format("tensor {}: the receivers ask for it converted, and a delta version patches the "
@@ -233,14 +234,16 @@ void streamer::impl::send_tensor(batch_writer& w, planner& pl, tensor_ref& t, se
   std::span<const transport::routed> targets;
   std::vector<transport::routed> found;
   if (w.direct) {
-    route_memo* memo = slot != nullptr ? &slot->data : nullptr;
     if (memo != nullptr && memo->session == session_number && memo->type == t.meta.type &&
         std::ranges::equal(memo->shape, t.meta.shape)) {
       targets = memo->routes;
     } else {
       found = buffers->routes(t.meta);
       if (memo != nullptr) {
-        *memo = route_memo{session_number, t.meta.type, t.meta.shape, std::move(found)};
+        memo->session = session_number;
+        memo->type = t.meta.type;
+        memo->shape = t.meta.shape;
+        memo->routes = std::move(found);
         targets = memo->routes;
       } else {
         targets = found;
@@ -272,7 +275,9 @@ void streamer::impl::send_as_is(batch_writer& w, planner& pl, const tensor_ref& 
   // A direct session's manifest goes in pieces, each sent once the receiver has answered the
   // one before: its checks of one piece overlap this side's work on the next, and only the
   // last piece's are left when the source ends.
-  if (w.direct && w.entries.size() >= direct_manifest_entries && replies_ready()) {
+  const std::size_t piece =
+      std::clamp<std::size_t>(w.stats.tensors / 8, direct_manifest_entries, direct_manifest_entries_max);
+  if (w.direct && w.entries.size() >= piece && replies_ready()) {
     w.flush(false);
     pl = planner(pl.options());  // the planner's open batch went with it
     w.first_batch = w.seq;
@@ -309,7 +314,7 @@ void streamer::impl::end_tensors(batch_writer& w, sending how, std::uint64_t* ch
 }
 
 std::optional<tensor_ref> streamer::impl::read_ahead::next() {
-  if (next_ < ahead_.size()) return ahead_[next_++];
+  if (next_ < ahead_.size()) return std::move(ahead_[next_++]);  // read once: its name and shape move on
   if (failed_) std::rethrow_exception(std::exchange(failed_, nullptr));
   if (ended_) return std::nullopt;
   return inner_.next();

@@ -105,7 +105,11 @@ class yield_order {
     if (following_) {
       following_ = false;
       for (std::size_t k = 0; k < at_; ++k) (void)set.insert(slots_[k].name);
-      next_.assign(std::make_move_iterator(slots_.begin()), std::make_move_iterator(slots_.begin() + at_));
+      // Moved one by one: std::move's algorithm over slots, emitted out of line for some Data,
+      // would be a weak symbol of librefit.so named after refit's type (tests/consumer/check_exports.sh).
+      next_.clear();
+      next_.reserve(at_);
+      for (std::size_t k = 0; k < at_; ++k) next_.push_back(std::move(slots_[k]));
       moved_ = true;
     }
     if (!set.insert(name)) {
