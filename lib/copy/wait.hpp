@@ -5,7 +5,9 @@
 // with a clear error, never a hang. The pause between polls: spin (yielding) for the first 3 ms,
 // then sleep in doubling steps from 20 us up to 1 ms. The last waits of a refit are on its
 // critical path, where a sleep overshoots by the timer's slack, so short waits spin; long ones
-// (communicator set-up, hundreds of ms) need no microsecond reaction and sleep.
+// (communicator set-up, hundreds of ms) need no microsecond reaction and sleep. A wait that is on
+// the critical path for longer (a direct receiver's END, waiting for the streamer's last copies:
+// cuda_ipc's await_writes) asks for a longer spin.
 // bench/results holds the runs that chose these numbers. No CUDA or NCCL header is needed here.
 #pragma once
 
