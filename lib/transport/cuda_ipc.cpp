@@ -826,7 +826,6 @@ class cuda_ipc_sink final : public sink {
     records.push_back(std::move(where));
     reply.handles = std::move(records);
     reply.mode = wire::session_mode::in_place;
-    direct_ = true;
     REFIT_INFO("cuda_ipc: offering {} destinations in {} allocations ({} VMM chunks) for direct writes by {}",
                table.size(), allocations.size(), chunks.size(), h.peer);
     return true;
@@ -881,7 +880,6 @@ class cuda_ipc_sink final : public sink {
     stream_ = cuda::stream();
     attached_ = false;
     same_gpu_ = false;
-    direct_ = false;
   }
 
   [[nodiscard]] bool attached() const noexcept override { return attached_; }
@@ -1010,11 +1008,9 @@ class cuda_ipc_sink final : public sink {
   /// left to wait for is the copies it had queued (milliseconds at most, as the streamer paces its
   /// launches by the device): spun through, as the streamer's own drain did, not slept.
   void await_writes() override {
-    if (!direct_ || packed_.empty()) return;
+    if (packed_.empty()) return;
     device_guard guard(device_);
-    if (!device_work_done(
-            timeout_, [&] { return cudaEventQuery(packed_[0].handle()); },
-            "cudaEventQuery(packed[0]: the streamer's direct writes)", writes_spin))
+    if (!packed_complete(0, writes_spin))
       throw error(errc::timeout, fmt::format("the streamer's direct writes did not complete within {} ms (is the "
                                              "policy process alive?); nothing was committed",
                                              timeout_.count()));
@@ -1050,12 +1046,18 @@ class cuda_ipc_sink final : public sink {
   /// nothing left to run hands the GPU back at once. Throws errc::timeout when the packing does
   /// not complete within the timeout (a streamer that died or hangs with work queued).
   void wait_for_packing(std::size_t i) const {
-    if (!device_work_done(
-            timeout_, [&] { return cudaEventQuery(packed_[i].handle()); },
-            [&] { return fmt::format("cudaEventQuery(packed[{}])", i); }))
+    if (!packed_complete(i))
       throw error(errc::timeout, fmt::format("the streamer's packing of cuda_ipc buffer {} did not complete within "
                                              "{} ms (is the policy process alive?); nothing was committed",
                                              i, timeout_.count()));
+  }
+
+  /// Asks packed[i] from the host until it has completed (true) or the timeout has passed (false),
+  /// spinning `spin` before it sleeps between asks (copy/wait.hpp).
+  bool packed_complete(std::size_t i, std::chrono::milliseconds spin = backoff::default_spin) const {
+    return device_work_done(
+        timeout_, [&] { return cudaEventQuery(packed_[i].handle()); },
+        [&] { return fmt::format("cudaEventQuery(packed[{}])", i); }, spin);
   }
 
   /// Waits for the apply stream, at most `timeout_` (a peer that died with work queued must not
@@ -1162,7 +1164,6 @@ class cuda_ipc_sink final : public sink {
   milliseconds timeout_;
   bool attached_ = false;
   bool same_gpu_ = false;  ///< the streamer's buffers are on this receiver's GPU (wait_for_packing)
-  bool direct_ = false;    ///< this session writes straight into the weights (offer_direct granted it)
   std::vector<ipc_mapping> maps_;
   std::vector<std::uint64_t> sizes_;
   std::vector<ipc_event> packed_;
