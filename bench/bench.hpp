@@ -443,10 +443,11 @@ struct config {
   /// nccl: ranks may share GPUs (--nccl-share-gpus): every bench process claims a host of its own
   /// (NCCL_HOSTID), so NCCL connects ranks on one GPU through its network transport over loopback.
   bool nccl_share_gpus = false;
-  bool keep_whole = true;  ///< streamer_options::keep_whole (--keep-whole)
-  bool share = true;       ///< streamer_options::share_tensors (--share-tensors)
-  bool lane = true;        ///< streamer_options::control_lane (--control-lane)
-  bool twin = false;       ///< streamer_options::nccl_twin (--nccl-twin)
+  std::string nccl_library;  ///< --nccl-library: exported as REFIT_NCCL_LIBRARY (spawned ranks inherit it)
+  bool keep_whole = true;    ///< streamer_options::keep_whole (--keep-whole)
+  bool share = true;         ///< streamer_options::share_tensors (--share-tensors)
+  bool lane = true;          ///< streamer_options::control_lane (--control-lane)
+  bool twin = false;         ///< streamer_options::nccl_twin (--nccl-twin)
   /// cuda_ipc: the streamer's tensors in 20 MiB VMM chunks exportable as descriptors, as torch's
   /// expandable segments hold them (--source-memory vmm), instead of one cudaMalloc.
   bool vmm_sources = false;

@@ -228,6 +228,10 @@ void add_placement_options(CLI::App& app, config& c, cli_text& t) {
                "every bench process claims an NCCL host of its own (NCCL_HOSTID), so NCCL connects them through "
                "its network transport over loopback; its figures (and its ceiling) are that transport's, not "
                "NVLink's. For nccl on a one-GPU machine");
+  app.add_option("--nccl-library", c.nccl_library,
+                 "nccl: the libnccl.so file this process and every rank it spawns load (REFIT_NCCL_LIBRARY; "
+                 "default: the loader's libnccl.so.2, include/refit/nccl.hpp). Peers of other NCCL versions are "
+                 "refused at HELLO");
   app.add_option("--path", t.paths,
                  "cuda_ipc: direct (the streamer writes into the receiver's weights, one copy), "
                  "staged (through the ping-pong buffers, two copies); nccl: direct (in place: 1 GiB "
@@ -565,6 +569,7 @@ int bench_main(int argc, const char* const* argv) {
     const auto c = parse_args(argc, argv, code);
     if (!c) return code;
     claim_nccl_host(c->nccl_share_gpus);
+    if (!c->nccl_library.empty()) ::setenv("REFIT_NCCL_LIBRARY", c->nccl_library.c_str(), 1);
     return run(*c, std::cout);
   } catch (const error& e) {
     std::cout.flush();

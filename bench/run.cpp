@@ -20,6 +20,7 @@
 #include "bench/roles.hpp"
 #include "config/config.hpp"
 #include "refit/error.hpp"
+#include "refit/nccl.hpp"
 #include "transport/transport.hpp"
 
 namespace refit::bench {
@@ -166,6 +167,10 @@ std::vector<std::unique_ptr<transport_path>> resolve_paths(const config& c, std:
                                                       "transport over loopback, ceiling included (not NVLink figures)"
                                                     : "one GPU each",
                                   nvls ? nvls : "(unset)"));
+      notes.push_back(
+          fmt::format("nccl: {} (every process the bench spawns loads the same: --nccl-library, "
+                      "REFIT_NCCL_LIBRARY)",
+                      describe(nccl_library())));
     }
   }
   if (c.convert)

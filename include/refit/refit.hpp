@@ -3,6 +3,7 @@
 
 #include "refit/error.hpp"
 #include "refit/model.hpp"
+#include "refit/nccl.hpp"
 #include "refit/options.hpp"
 #include "refit/plan.hpp"
 #include "refit/receiver.hpp"

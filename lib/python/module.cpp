@@ -28,6 +28,7 @@
 
 #include "refit/error.hpp"
 #include "refit/model.hpp"
+#include "refit/nccl.hpp"
 #include "refit/options.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
@@ -1287,6 +1288,19 @@ PYBIND11_MODULE(_refit, m) {
       .def("announce", &py_streamer::announce, py::arg("hold") = 1.0)
       .def("close", &py_streamer::close);
 
+  // Which NCCL the nccl transport loads (include/refit/nccl.hpp); refit/__init__.py prefers torch's.
+  m.def("nccl_library", [] {
+    const nccl_library_info i = refit::nccl_library();
+    py::dict d;
+    d["available"] = i.available;
+    d["path"] = i.path;
+    d["version"] = i.version;
+    d["chosen_by"] = i.chosen_by;
+    d["error"] = i.error;
+    return d;
+  });
+  m.def("use_nccl_library", &refit::use_nccl_library, py::arg("path"));
+  m.def("_prefer_nccl_library", &refit::prefer_nccl_library, py::arg("path"));
   m.def("_set_error_types", [](py::object refit_error, py::object refit_timeout) {
     package().refit_error = std::move(refit_error);
     package().refit_timeout = std::move(refit_timeout);

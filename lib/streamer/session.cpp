@@ -82,7 +82,12 @@ void streamer::impl::ensure_session() {
       buffers->hello_for(k, mine);
       return wire::message(std::move(mine));
     };
-    const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout); });
+    const auto answered = [this] {  // some receiver replied to HELLO already (join() says why it asks)
+      for (std::size_t k = 0; k < channels.size(); ++k)
+        if (flight && flight->sent[k] && channels[k].reply_ready()) return true;
+      return false;
+    };
+    const auto oks = request(hello_to, "HELLO", [&] { buffers->join(options.timeout, answered); });
     conversions = merge_conversions(oks);
     // The lanes first: memory shared as descriptors (VMM weights offered for direct writes, and
     // this side's VMM tensors later) needs each lane's descriptor link.

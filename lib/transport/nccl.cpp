@@ -61,6 +61,7 @@
 // Ending. A communicator is always ended with ncclCommAbort, also after a clean session:
 // ncclCommFinalize waits for every rank, and the ranks leave at different times; aborting a
 // quiescent communicator is local and quick.
+#include "transport/nccl_library.hpp"
 #include "transport/nccl_session.hpp"
 #include "transport/registry.hpp"
 
@@ -187,10 +188,16 @@ class communicator {
  public:
   communicator() noexcept = default;
 
+  /// Thrown when `give_up` said to stop waiting for the other ranks (the half-made communicator
+  /// aborted).
+  struct abandoned {};
+
   /// Joins as `rank` of `nranks` on CUDA device `device`, waiting until `until`. Throws
   /// errc::nccl when NCCL fails, errc::timeout (message ends with `late`) when the other ranks do
-  /// not all join in time; the half-made communicator is aborted either way.
-  communicator(int nranks, const ncclUniqueId& id, int rank, int device, const deadline& until, std::string_view late)
+  /// not all join in time, `abandoned` as soon as `give_up` (when given) returns true; the
+  /// half-made communicator is aborted in every case.
+  communicator(int nranks, const ncclUniqueId& id, int rank, int device, const deadline& until, std::string_view late,
+               const std::function<bool()>& give_up = {})
       : device_(device) {
     const std::string what = fmt::format("ncclCommInitRankConfig (rank {} of {}, cuda:{})", rank, nranks, device);
     device_guard guard(device);
@@ -202,7 +209,15 @@ class communicator {
     try {
       if (started != ncclSuccess && started != ncclInProgress) throw nccl_error(started, what, c);
       if (c == nullptr) throw error(errc::nccl, fmt::format("{} returned no communicator", what));
-      wait_ready(c, until, what, late);
+      if (!give_up) {
+        wait_ready(c, until, what, late);
+      } else if (!poll_until(until, [&] {
+                   if (give_up()) throw abandoned{};
+                   return comm_state(c, what) != ncclInProgress;
+                 })) {
+        throw error(errc::timeout,
+                    fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
+      }
     } catch (...) {
       abort();  // on this device, while the guard holds it
       throw;
@@ -630,12 +645,13 @@ class nccl_source final : public source {
 
   void hello_for(std::size_t k, wire::hello& h) const override {
     if (!id_) throw error(errc::internal, "nccl: hello_for() without open_session()");
-    h.session = encode_nccl_session(nccl_session{bytes_of(*id_), static_cast<std::uint32_t>(k + 1),
-                                                 static_cast<std::uint32_t>(receivers_ + 1), true, paired_,
-                                                 twin_id_ ? bytes_of(*twin_id_) : std::string()});
+    const nccl_library_info& nccl = require_nccl();
+    h.session = encode_nccl_session(nccl_session{
+        bytes_of(*id_), static_cast<std::uint32_t>(k + 1), static_cast<std::uint32_t>(receivers_ + 1), true, paired_,
+        twin_id_ ? bytes_of(*twin_id_) : std::string(), static_cast<std::uint32_t>(nccl.version), nccl.path});
   }
 
-  void join(milliseconds timeout) override {
+  void join(milliseconds timeout, const std::function<bool()>& answered) override {
     if (!id_) throw error(errc::internal, "nccl: join() without open_session()");
     timeout_ = timeout;
     const auto t0 = clock::now();
@@ -649,7 +665,10 @@ class nccl_source final : public source {
     std::uint64_t twin_bytes = 0;
     try {
       auto guard = use_device(device_, "streamer");
-      comm_ = communicator(nranks, *id_, 0, device_, until, late);
+      // A receiver answers HELLO only once the communicator is complete, or when it refused the
+      // session (another NCCL version, a bad HELLO): then stop waiting for it, and let its
+      // reply say why (session_accepted() is never reached).
+      comm_ = communicator(nranks, *id_, 0, device_, until, late, answered);
       // The warm-up broadcast (see the top of this file). Its bytes are whatever the scratch holds.
       broadcast(comm_, scratch_.handle(), warm_up_bytes(bytes_), comm_stream_.handle(), until.remaining(),
                 "the warm-up broadcast (ncclBroadcast)", late);
@@ -664,6 +683,10 @@ class nccl_source final : public source {
       if (paired_)
         twin_bytes =
             join_twin(twin_, twin_stream_, nranks, *twin_id_, 0, device_, scratch_, warm_up_bytes(bytes_), until, late);
+    } catch (const communicator::abandoned&) {
+      end_comm();
+      REFIT_DEBUG("nccl: a receiver answered HELLO before the communicator was complete: set-up abandoned");
+      return;
     } catch (const error& e) {
       end_comm();
       throw error(e.code(), fmt::format("nccl: the streamer (rank 0 of {} on cuda:{}) could not set up the session: {}",
@@ -976,6 +999,12 @@ class nccl_sink final : public sink {
     if (h.transport != transport_name)
       throw error(errc::protocol, fmt::format("nccl: HELLO names transport '{}'", h.transport));
     const nccl_session session = decode_nccl_session(h.session);
+    const nccl_library_info& nccl = require_nccl();
+    if (session.nccl_version != static_cast<std::uint32_t>(nccl.version))
+      throw error(errc::nccl,
+                  fmt::format("nccl: this receiver refuses the session of {} before making a communicator: {}", h.peer,
+                              nccl_mismatch(nccl.version, nccl.path, static_cast<int>(session.nccl_version),
+                                            session.nccl_path, "the streamer uses")));
     if (h.buffers.empty() || h.buffers.size() > wire::max_buffers)
       throw error(errc::protocol,
                   fmt::format("nccl: HELLO announces {} buffers (1..{})", h.buffers.size(), wire::max_buffers));
@@ -1230,10 +1259,12 @@ class nccl_sink final : public sink {
 };
 
 std::unique_ptr<source> make_nccl_source(const source_options& options) {
+  (void)require_nccl();  // which NCCL, before any call into it: a clear error when there is none
   return std::make_unique<nccl_source>(options);
 }
 
 std::unique_ptr<sink> make_nccl_sink(int device, milliseconds timeout) {
+  (void)require_nccl();
   return std::make_unique<nccl_sink>(device, timeout);
 }
 

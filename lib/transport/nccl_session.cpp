@@ -32,26 +32,35 @@ std::string encode_nccl_session(const nccl_session& s) {
     twin.resize(nccl_session::id_bytes, '\0');
     out += twin;
   }
-  return out;
+  const std::string path = s.nccl_path.substr(0, nccl_session::max_path_bytes);
+  put_u32(out, s.nccl_version);
+  put_u32(out, static_cast<std::uint32_t>(path.size()));
+  return out + path;
 }
 
 nccl_session decode_nccl_session(std::string_view bytes) {
   constexpr std::size_t size = nccl_session::id_bytes + 12;
   const std::uint32_t flags = bytes.size() >= size ? get_u32(bytes.substr(nccl_session::id_bytes + 8)) : 0;
   const bool paired = (flags & 2u) != 0;
-  const std::size_t expected = paired ? size + nccl_session::id_bytes : size;
-  if (bytes.size() != expected)
+  const std::size_t fixed = paired ? size + nccl_session::id_bytes : size;
+  const std::uint64_t path_bytes = bytes.size() >= fixed + 8 ? get_u32(bytes.substr(fixed + 4)) : 0;
+  const std::uint64_t expected = fixed + 8 + path_bytes;
+  if (bytes.size() != expected || path_bytes > nccl_session::max_path_bytes)
     throw error(errc::protocol,
                 fmt::format("nccl: HELLO's session data is {} bytes, but an nccl session is {} (a 128-byte "
-                            "ncclUniqueId, rank, nranks, flags{}): the streamer was built against another NCCL",
-                            bytes.size(), expected, paired ? ", the twin's ncclUniqueId" : ""));
+                            "ncclUniqueId, rank, nranks, flags{}, the NCCL version, a path of {} bytes, at most {}): "
+                            "the streamer is an older refit, or was built against another NCCL",
+                            bytes.size(), expected, paired ? ", the twin's ncclUniqueId" : "", path_bytes,
+                            nccl_session::max_path_bytes));
   nccl_session s;
   s.id.assign(bytes.substr(0, nccl_session::id_bytes));
   s.rank = get_u32(bytes.substr(nccl_session::id_bytes));
   s.nranks = get_u32(bytes.substr(nccl_session::id_bytes + 4));
   s.parts = (flags & 1u) != 0;
   s.paired = paired;
-  if (paired) s.twin_id.assign(bytes.substr(size));
+  if (paired) s.twin_id.assign(bytes.substr(size, nccl_session::id_bytes));
+  s.nccl_version = get_u32(bytes.substr(fixed));
+  s.nccl_path.assign(bytes.substr(fixed + 8));
   if (s.nranks < 2 || s.rank < 1 || s.rank >= s.nranks || s.nranks > static_cast<std::uint32_t>(INT_MAX))
     throw error(errc::protocol,
                 fmt::format("nccl: HELLO gives this receiver rank {} of {}: a receiver's rank is 1..nranks-1", s.rank,

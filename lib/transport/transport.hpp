@@ -146,8 +146,10 @@ class source {
   virtual void hello_for(std::size_t k, wire::hello& h) const { (void)k, (void)h; }
   /// Called after HELLO went to every receiver and before their replies are awaited: transports
   /// whose set-up needs every process at once (nccl: ncclCommInitRank) do it here, within
-  /// `timeout`. Throws refit::error (nccl, timeout) and leaves nothing half-built.
-  virtual void join(milliseconds timeout) { (void)timeout; }
+  /// `timeout`. `answered()` is true once some receiver replied: one that refused the session
+  /// (nccl: it loaded another NCCL) never joins, so the set-up returns then, built or not, and the
+  /// reply says why. Throws refit::error (nccl, timeout) and leaves nothing half-built.
+  virtual void join(milliseconds timeout, const std::function<bool()>& answered) { (void)timeout, (void)answered; }
   /// Every receiver replied OK to HELLO (`replies`, one per receiver, in order): everything is
   /// mapped (host_shm unlinks its segments).
   virtual void session_accepted(std::span<const wire::ok> replies) = 0;

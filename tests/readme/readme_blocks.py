@@ -41,6 +41,7 @@ import sys
 LANGS = {  # info-string word -> (language, file extension)
     'cpp': ('cpp', 'cpp'), 'c++': ('cpp', 'cpp'), 'cxx': ('cpp', 'cpp'),
     'python': ('python', 'py'), 'py': ('python', 'py'),
+    'sh': ('sh', 'sh'), 'bash': ('sh', 'sh'),  # only file=NAME blocks are written (the install lines)
 }
 MODES = {'fragment', 'continues'}
 FILE_NAME = re.compile(r'^file=([A-Za-z0-9_.-]+)$')
@@ -166,7 +167,7 @@ def render_python(blocks, prelude):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('readme')
-    ap.add_argument('--lang', choices=['cpp', 'python'], default='cpp')
+    ap.add_argument('--lang', choices=['cpp', 'python', 'sh'], default='cpp')
     ap.add_argument('--prelude', help='file put before every fragment block')
     ap.add_argument('--out', required=True, help='directory for block_LINE.cpp / .py')
     args = ap.parse_args(argv)
@@ -176,8 +177,11 @@ def main(argv=None):
         print(f'readme_blocks.py: {e}', file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    render, ext = (render_cpp, 'cpp') if args.lang == 'cpp' else (render_python, 'py')
+    render, ext = {'cpp': (render_cpp, 'cpp'), 'python': (render_python, 'py'),
+                   'sh': (lambda blocks, _: '\n'.join(t for _, t in blocks[0].lines) + '\n', 'sh')}[args.lang]
     for blocks in groups:
+        if args.lang == 'sh' and blocks[0].file is None:
+            continue  # a shell block the reader types is an example; file=NAME ones are run
         name = blocks[0].file or f'block_{blocks[0].line}.{ext}'
         path = os.path.join(args.out, name)
         with open(path, 'w', encoding='utf-8') as f:

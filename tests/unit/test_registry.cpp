@@ -66,7 +66,8 @@ TEST_CASE("the registry holds the built transports and refuses malformed or repe
 }
 
 TEST_CASE("nccl session data round-trips and every malformed one is refused with what is wrong", "[registry]") {
-  const auto session = [](std::uint32_t rank, std::uint32_t nranks, bool parts = false, std::string twin = {}) {
+  const std::string path = "/opt/nccl/libnccl.so.2";  // 22 bytes
+  const auto session = [&](std::uint32_t rank, std::uint32_t nranks, bool parts = false, std::string twin = {}) {
     tr::nccl_session s;
     s.id = std::string(128, '\x3c');
     s.rank = rank;
@@ -74,10 +75,13 @@ TEST_CASE("nccl session data round-trips and every malformed one is refused with
     s.parts = parts;
     s.paired = !twin.empty();
     s.twin_id = std::move(twin);
+    s.nccl_version = 22809;
+    s.nccl_path = path;
     return s;
   };
   const std::string bytes = tr::encode_nccl_session(session(2, 5, true));
-  CHECK(bytes.size() == 140);
+  CHECK(bytes.size() == 140 + 8 + 22);
+  CHECK(bytes.substr(140, 8) == std::string("\x19\x59\0\0\x16\0\0\0", 8));  // 22809, 22
   const auto back = tr::decode_nccl_session(bytes);
   CHECK(back.id == std::string(128, '\x3c'));
   CHECK(back.rank == 2);
@@ -85,19 +89,26 @@ TEST_CASE("nccl session data round-trips and every malformed one is refused with
   CHECK(back.parts);
   CHECK(!back.paired);
   CHECK(back.twin_id.empty());
+  CHECK(back.nccl_version == 22809);
+  CHECK(back.nccl_path == path);
   CHECK(!tr::decode_nccl_session(tr::encode_nccl_session(session(1, 2))).parts);
-  // A paired session (flag bit 1) carries the twin communicator's id after the flags.
+  // A paired session (flag bit 1) carries the twin communicator's id after the flags, then the NCCL.
   const std::string twin(128, '\x7e');
   const std::string paired_bytes = tr::encode_nccl_session(session(1, 2, false, twin));
-  CHECK(paired_bytes.size() == 268);
+  CHECK(paired_bytes.size() == 268 + 8 + 22);
   CHECK(paired_bytes.substr(136, 4) == std::string("\x02\0\0\0", 4));
   const auto paired = tr::decode_nccl_session(paired_bytes);
   CHECK(paired.paired);
   CHECK(!paired.parts);
   CHECK(paired.twin_id == twin);
   CHECK(paired.id == std::string(128, '\x3c'));
+  CHECK((paired.nccl_version == 22809 && paired.nccl_path == path));
   const auto both = tr::decode_nccl_session(tr::encode_nccl_session(session(1, 2, true, twin)));
   CHECK((both.paired && both.parts && both.twin_id == twin));
+  // A path longer than max_path_bytes is cut to it (it is only ever printed).
+  auto long_path = session(1, 2);
+  long_path.nccl_path = std::string(3000, 'p');
+  CHECK(tr::decode_nccl_session(tr::encode_nccl_session(long_path)).nccl_path == std::string(1024, 'p'));
 
   const auto refused = [](const std::string& b) {
     const auto f = failure_of([&] { (void)tr::decode_nccl_session(b); });
@@ -105,19 +116,27 @@ TEST_CASE("nccl session data round-trips and every malformed one is refused with
     CHECK(f->code == "protocol");
     return f->message;
   };
-  CHECK(refused(bytes.substr(0, 139)) ==
-        "nccl: HELLO's session data is 139 bytes, but an nccl session is 140 (a 128-byte ncclUniqueId, rank, nranks, "
-        "flags): the streamer was built against another NCCL");
-  CHECK(refused(bytes.substr(0, 136)).find("is 136 bytes") != std::string::npos);  // an older refit's
-  CHECK(refused(bytes + "x").find("is 141 bytes") != std::string::npos);
+  CHECK(refused(bytes.substr(0, 169)) ==
+        "nccl: HELLO's session data is 169 bytes, but an nccl session is 170 (a 128-byte ncclUniqueId, rank, nranks, "
+        "flags, the NCCL version, a path of 22 bytes, at most 1024): the streamer is an older refit, or was built "
+        "against another NCCL");
+  // An older refit's: no NCCL version and path.
+  CHECK(refused(bytes.substr(0, 140)) ==
+        "nccl: HELLO's session data is 140 bytes, but an nccl session is 148 (a 128-byte ncclUniqueId, rank, nranks, "
+        "flags, the NCCL version, a path of 0 bytes, at most 1024): the streamer is an older refit, or was built "
+        "against another NCCL");
+  CHECK(refused(bytes.substr(0, 136)).find("is 136 bytes") != std::string::npos);
+  CHECK(refused(bytes + "x").find("is 171 bytes, but an nccl session is 170") != std::string::npos);
   CHECK(refused("").find("is 0 bytes") != std::string::npos);
+  // A path length past the limit, even with the bytes there.
+  std::string huge = bytes.substr(0, 144) + std::string("\x01\x04\0\0", 4) + std::string(1025, 'p');
+  CHECK(refused(huge).find("a path of 1025 bytes, at most 1024") != std::string::npos);
   // Paired without the twin's id, or with a short one.
   CHECK(refused(paired_bytes.substr(0, 140)) ==
-        "nccl: HELLO's session data is 140 bytes, but an nccl session is 268 (a 128-byte ncclUniqueId, rank, nranks, "
-        "flags, the twin's ncclUniqueId): the streamer was built against another NCCL");
-  CHECK(refused(paired_bytes.substr(0, 267)).find("is 267 bytes, but an nccl session is 268") != std::string::npos);
-  // An unpaired session with 128 more bytes.
-  CHECK(refused(bytes + twin).find("is 268 bytes, but an nccl session is 140") != std::string::npos);
+        "nccl: HELLO's session data is 140 bytes, but an nccl session is 276 (a 128-byte ncclUniqueId, rank, nranks, "
+        "flags, the twin's ncclUniqueId, the NCCL version, a path of 0 bytes, at most 1024): the streamer is an older "
+        "refit, or was built against another NCCL");
+  CHECK(refused(paired_bytes.substr(0, 297)).find("is 297 bytes, but an nccl session is 298") != std::string::npos);
   const auto with = [&](std::uint32_t rank, std::uint32_t nranks) {
     return tr::encode_nccl_session(session(rank, nranks));
   };

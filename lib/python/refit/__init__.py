@@ -40,6 +40,57 @@ except ImportError:  # pragma: no cover - exercised where torch is absent
 
 _refit._set_error_types(RefitError, RefitTimeout)
 
+
+def _torchs_nccl() -> Optional[str]:
+    """The libnccl.so.2 of the ``nvidia-nccl`` wheel torch brings, found without importing torch."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return None
+    for d in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(d, "lib", "libnccl.so.2")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+# One NCCL per process, whatever the import order: refit loads NCCL at its first nccl session, the
+# one the process has loaded already (torch's, once torch is imported), else torch's wheel's (so that
+# a torch imported later shares it), else the system's. REFIT_NCCL_LIBRARY or use_nccl_library()
+# name another. nccl_library() says which was taken.
+_torch_nccl = _torchs_nccl()
+if _torch_nccl is not None:
+    _refit._prefer_nccl_library(_torch_nccl)
+
+
+def nccl_library() -> dict:
+    """Which NCCL refit's nccl transport uses, loading it now if it is not yet.
+
+    Returns a dict: ``available`` (bool), ``path`` (the file loaded), ``version`` (``22809`` for
+    2.28.9), ``chosen_by`` (``"loaded in this process"``, ``"REFIT_NCCL_LIBRARY"``, ...) and
+    ``error`` (why none is available). Peers whose versions differ refuse each other at HELLO, with
+    both versions in the message.
+
+    Example::
+
+        >>> import torch, refit
+        >>> refit.nccl_library()["path"]   # torch's own: .../nvidia/nccl/lib/libnccl.so.2
+    """
+    return _refit.nccl_library()
+
+
+def use_nccl_library(path: str) -> None:
+    """Names the NCCL to load (before the first nccl session; the same as REFIT_NCCL_LIBRARY).
+
+    Raises RefitError (``Errc.invalid_argument``) when another NCCL is in use already or ``path``
+    cannot be loaded.
+    """
+    _refit.use_nccl_library(path)
+
+
 __version__ = _refit.__version__
 __all__ = [
     "Errc",
@@ -54,7 +105,9 @@ __all__ = [
     "RouteTable",
     "Streamer",
     "View",
+    "nccl_library",
     "record",
+    "use_nccl_library",
 ]
 
 try:  # torch is optional: without it, views are numpy arrays and sources any DLPack producer
