@@ -443,6 +443,7 @@ struct config {
   /// nccl: ranks may share GPUs (--nccl-share-gpus): every bench process claims a host of its own
   /// (NCCL_HOSTID), so NCCL connects ranks on one GPU through its network transport over loopback.
   bool nccl_share_gpus = false;
+  bool memory = false;       ///< --memory: each row's extra memory per side in the table (the JSON has it always)
   std::string nccl_library;  ///< --nccl-library: exported as REFIT_NCCL_LIBRARY (spawned ranks inherit it)
   bool keep_whole = true;    ///< streamer_options::keep_whole (--keep-whole)
   bool share = true;         ///< streamer_options::share_tensors (--share-tensors)
@@ -589,6 +590,14 @@ struct row {
   }
 
   [[nodiscard]] std::uint64_t buffer_memory() const noexcept { return buffer_bytes * buffers; }
+
+  /// The memory refit itself held beyond the weights during the row (refit::memory_in_use()'s
+  /// peaks), per side: the streamer's (this process), the largest of the receivers'. -1: unknown
+  /// (a receiver started by hand does not say).
+  struct side_memory {
+    std::int64_t device = -1, pinned = -1, host = -1;
+  };
+  side_memory streamer_memory, receiver_memory;
 };
 
 /// Median of a non-empty list (mean of the middle two for an even count).
@@ -609,6 +618,8 @@ void write_row(std::ostream& out, const row& r);
 /// The footer: wrong values ("OK" / "FAILED") and the average throughput.
 /// `failed`: the run ended with an error (printed after the table), so its 0 wrong values are no OK.
 void write_footer(std::ostream& out, const std::vector<row>& rows, bool failed = false);
+/// --memory: a "# memory" line per row, each side's peaks (the JSON rows' "memory" always has them).
+void write_memory(std::ostream& out, const std::vector<row>& rows);
 nlohmann::json to_json(const preamble& p, const std::vector<row>& rows);
 /// Throughput against buffer size (log2 axis), one series per (transport, model), with each
 /// transport's staged limit (ceiling / 2) and ceiling. A self-contained SVG document.

@@ -228,6 +228,10 @@ void add_placement_options(CLI::App& app, config& c, cli_text& t) {
                "every bench process claims an NCCL host of its own (NCCL_HOSTID), so NCCL connects them through "
                "its network transport over loopback; its figures (and its ceiling) are that transport's, not "
                "NVLink's. For nccl on a one-GPU machine");
+  app.add_flag("--memory", c.memory,
+               "after the table, each row's extra memory per side: the peaks of what refit held beyond the weights "
+               "(device, page-locked, pageable host), the streamer's and the largest receiver's (the JSON rows' "
+               "\"memory\" has them always)");
   app.add_option("--nccl-library", c.nccl_library,
                  "nccl: the libnccl.so file this process and every rank it spawns load (REFIT_NCCL_LIBRARY; "
                  "default: the loader's libnccl.so.2, include/refit/nccl.hpp). Peers of other NCCL versions are "

@@ -172,6 +172,23 @@ void write_footer(std::ostream& out, const std::vector<row>& rows, bool failed) 
   out.flush();
 }
 
+/// One side's memory in a JSON row: bytes per kind, null where unknown.
+static nlohmann::json side_json(const row::side_memory& m) {
+  const auto bytes = [](std::int64_t v) { return v < 0 ? nlohmann::json(nullptr) : nlohmann::json(v); };
+  return {{"device", bytes(m.device)}, {"pinned", bytes(m.pinned)}, {"host", bytes(m.host)}};
+}
+
+void write_memory(std::ostream& out, const std::vector<row>& rows) {
+  const auto mib = [](std::int64_t v) { return v < 0 ? std::string("?") : fmt::format("{:.1f}", v / 1048576.0); };
+  out << "# memory (MiB, peaks of what refit held beyond the weights; receiver: the largest of them):\n"
+         "#   transport model buffers engine: streamer device/pinned/host | receiver device/pinned/host\n";
+  for (const row& r : rows)
+    out << fmt::format("#   {} {} {} x {:g} MiB {}: {}/{}/{} | {}/{}/{}\n", r.transport, r.model, r.buffers,
+                       r.buffer_bytes / 1048576.0, r.engine, mib(r.streamer_memory.device),
+                       mib(r.streamer_memory.pinned), mib(r.streamer_memory.host), mib(r.receiver_memory.device),
+                       mib(r.receiver_memory.pinned), mib(r.receiver_memory.host));
+}
+
 nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
   nlohmann::json j;
   auto& pj = j["preamble"];
@@ -206,33 +223,35 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
   double sum = 0;
   for (const auto& r : rows) {
     auto opt = [](double v) { return v < 0 ? nlohmann::json(nullptr) : nlohmann::json(v); };
-    rj.push_back({{"transport", r.transport},
-                  {"receivers", r.receivers},
-                  {"model", r.model},
-                  {"engine", r.engine},
-                  {"layout", r.layout},
-                  {"buffer_bytes", r.buffer_bytes},
-                  {"buffer_mb", static_cast<double>(r.buffer_bytes) / (1 << 20)},
-                  {"buffers", r.buffers},
-                  {"buffer_memory_bytes", r.buffer_memory()},
-                  {"tensors", r.tensors},
-                  {"bytes", r.bytes},
-                  {"batches", r.batches},
-                  {"iters", r.iters},
-                  {"time_ms", {{"median", r.median_ms}, {"min", r.min_ms}, {"max", r.max_ms}}},
-                  {"gbps", r.gbps},
-                  {"ceiling_gbps", r.ceiling_gbps},
-                  {"floor_ms", r.floor_ms},
-                  {"ratio", r.ratio},
-                  {"source_ms", r.source_ms},
-                  {"pack_ms", r.pack_ms},
-                  {"wait_ms", r.wait_ms},
-                  {"apply_ms", opt(r.apply_ms)},
-                  {"pause_ms", opt(r.pause_ms)},
-                  {"commit_ms", opt(r.commit_ms)},
-                  {"wrong", r.wrong < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.wrong)},
-                  {"fixed_ms", opt(r.fixed_ms)},
-                  {"rest_ratio", r.fixed_ms < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.rest_ratio())}});
+    rj.push_back(
+        {{"transport", r.transport},
+         {"receivers", r.receivers},
+         {"model", r.model},
+         {"engine", r.engine},
+         {"layout", r.layout},
+         {"buffer_bytes", r.buffer_bytes},
+         {"buffer_mb", static_cast<double>(r.buffer_bytes) / (1 << 20)},
+         {"buffers", r.buffers},
+         {"buffer_memory_bytes", r.buffer_memory()},
+         {"tensors", r.tensors},
+         {"bytes", r.bytes},
+         {"batches", r.batches},
+         {"iters", r.iters},
+         {"time_ms", {{"median", r.median_ms}, {"min", r.min_ms}, {"max", r.max_ms}}},
+         {"gbps", r.gbps},
+         {"ceiling_gbps", r.ceiling_gbps},
+         {"floor_ms", r.floor_ms},
+         {"ratio", r.ratio},
+         {"source_ms", r.source_ms},
+         {"pack_ms", r.pack_ms},
+         {"wait_ms", r.wait_ms},
+         {"apply_ms", opt(r.apply_ms)},
+         {"pause_ms", opt(r.pause_ms)},
+         {"commit_ms", opt(r.commit_ms)},
+         {"wrong", r.wrong < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.wrong)},
+         {"fixed_ms", opt(r.fixed_ms)},
+         {"rest_ratio", r.fixed_ms < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.rest_ratio())},
+         {"memory", {{"streamer", side_json(r.streamer_memory)}, {"receiver", side_json(r.receiver_memory)}}}});
     sum += r.gbps;
   }
   j["wrong"] = total_wrong(rows);

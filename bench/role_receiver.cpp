@@ -25,6 +25,7 @@
 #include "bench/spawn.hpp"
 #include "channel/channel.hpp"
 #include "model/text.hpp"
+#include "refit/memory.hpp"
 #include "refit/error.hpp"
 #include "refit/receiver.hpp"
 
@@ -160,6 +161,10 @@ json committed_line(const config& c, const manifest& m, const engine_layout& lay
             {"checksums", std::move(sums)}};
   if (c.layout.tp > 1) line["rank"] = c.rank;
   if (c.stage != stage_kind::none) line["pause_ms"] = st.pause_seconds * 1e3;
+  // What refit held at most since the last commit (this refit): the bench's memory columns.
+  const memory_usage held = memory_in_use();
+  line["memory"] = {{"device", held.device_peak}, {"pinned", held.pinned_peak}, {"host", held.host_peak}};
+  reset_memory_peaks();
   return line;
 }
 

@@ -29,6 +29,7 @@
 #include "bench/spawn.hpp"
 #include "channel/channel.hpp"
 #include "model/text.hpp"
+#include "refit/memory.hpp"
 #include "refit/error.hpp"
 #include "refit/streamer.hpp"
 #include "transport/transport.hpp"
@@ -114,6 +115,7 @@ class group_runner {
   }
 
  private:
+  row::side_memory receiver_memory_;  ///< the row so far: take_memory()
   [[nodiscard]] std::string who(std::size_t k) const {
     return several_ ? fmt::format("{} {} of {} (GPU {}, pid {})", tp_ ? "rank" : "receiver", k, children_.size(),
                                   devices_[k], children_[k]->pid())
@@ -248,9 +250,24 @@ class group_runner {
     return r;
   }
 
+  /// The largest of the receivers' memory peaks (their committed lines' "memory") in the row.
+  void take_memory(const json& line) {
+    const auto it = line.find("memory");
+    if (it == line.end() || !it->is_object()) return;
+    const auto most = [&](std::int64_t& into, const char* key) {
+      const auto v = it->find(key);
+      if (v != it->end() && v->is_number_unsigned()) into = std::max(into, v->get<std::int64_t>());
+    };
+    most(receiver_memory_.device, "device");
+    most(receiver_memory_.pinned, "pinned");
+    most(receiver_memory_.host, "host");
+  }
+
   /// One row: warm-up and counted refits with one streamer, then the row's statistics.
   row run_row(std::size_t nbuf, double mb, bool want_direct) {
     const streamer_options so = options_for(nbuf, mb, want_direct);
+    reset_memory_peaks();  // the row's streamer from here (the sources are the caller's: not counted)
+    receiver_memory_ = {};
     streamer s(so);
     row r = row_head(so);
     row_samples samples;
@@ -288,6 +305,10 @@ class group_runner {
       if (c_.atomic) samples.commit.push_back(st.commit_seconds * 1e3);
     }
     if (c_.split) r.fixed_ms = fixed_cost(s, mb, nbuf, r);
+    const memory_usage held = memory_in_use();
+    r.streamer_memory = {static_cast<std::int64_t>(held.device_peak), static_cast<std::int64_t>(held.pinned_peak),
+                         static_cast<std::int64_t>(held.host_peak)};
+    r.receiver_memory = receiver_memory_;
     s.close();
     finish_row(r, samples, went_direct, shared);
     // Requests through ZeroMQ (--control-lane 0, or no lane offered): labelled, since a small
@@ -382,6 +403,7 @@ class group_runner {
       wrong_now += count_wrong(c_, line, v, g_.m, expects_[expect_of_[k]].sums, who(k), label, printed, ranks_[k]);
       apply_ms = std::max(apply_ms, line.value("apply_ms", -1.0));
       pause_ms = std::max(pause_ms, line.value("pause_ms", -1.0));
+      take_memory(line);
     }
     if (report_) {
       const json line = ask_report(v, milliseconds(c_.timeout_ms));

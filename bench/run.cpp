@@ -318,6 +318,7 @@ int run(const config& c, std::ostream& out) {
     throw;
   }
   write_footer(out, rows);
+  if (c.memory) write_memory(out, rows);
   write_outputs(c, p, rows);
   return total_wrong(rows) > 0 ? 1 : 0;
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "refit/error.hpp"
+#include "refit/memory.hpp"
 #include "refit/model.hpp"
 #include "refit/nccl.hpp"
 #include "refit/options.hpp"

@@ -14,6 +14,7 @@
 
 #include "copy/cuda_check.hpp"
 #include "copy/unique_handle.hpp"
+#include "model/memory.hpp"
 
 namespace refit::cuda {
 namespace detail {
@@ -22,17 +23,21 @@ inline void free_host(void* p) noexcept { (void)cudaFreeHost(p); }
 inline void destroy_event(cudaEvent_t e) noexcept { (void)cudaEventDestroy(e); }
 inline void destroy_stream(cudaStream_t s) noexcept { (void)cudaStreamDestroy(s); }
 
-/// Memory released by `Free`, and its size; a move leaves the source empty and 0 bytes.
-template <auto Free>
+/// Memory released by `Free`, and its size, counted as `Kind` (include/refit/memory.hpp) while
+/// held; a move leaves the source empty and 0 bytes.
+template <auto Free, ::refit::memory::kind Kind>
 class memory {
  public:
   memory() noexcept = default;
-  memory(void* p, std::uint64_t bytes) noexcept : p_(p), bytes_(p != nullptr ? bytes : 0) {}
-  memory(memory&& o) noexcept : p_(std::move(o.p_)), bytes_(std::exchange(o.bytes_, 0)) {}
+  memory(void* p, std::uint64_t bytes) noexcept
+      : p_(p), bytes_(p != nullptr ? bytes : 0), charge_(Kind, p != nullptr ? bytes : 0) {}
+  memory(memory&& o) noexcept
+      : p_(std::move(o.p_)), bytes_(std::exchange(o.bytes_, 0)), charge_(std::move(o.charge_)) {}
   memory& operator=(memory&& o) noexcept {
     if (this != &o) {
       p_ = std::move(o.p_);
       bytes_ = std::exchange(o.bytes_, 0);
+      charge_ = std::move(o.charge_);
     }
     return *this;
   }
@@ -44,11 +49,12 @@ class memory {
  private:
   unique_handle<void*, Free> p_;
   std::uint64_t bytes_ = 0;
+  ::refit::memory::charge charge_;
 };
 }  // namespace detail
 
 /// cudaMalloc'd memory on the current device.
-class device_buffer : public detail::memory<detail::free_device> {
+class device_buffer : public detail::memory<detail::free_device, ::refit::memory::kind::device> {
  public:
   device_buffer() noexcept = default;
   explicit device_buffer(std::uint64_t bytes) : memory(allocate(bytes), bytes) {}
@@ -65,7 +71,7 @@ class device_buffer : public detail::memory<detail::free_device> {
 };
 
 /// cudaMallocHost'd (page-locked) host memory.
-class pinned_buffer : public detail::memory<detail::free_host> {
+class pinned_buffer : public detail::memory<detail::free_host, ::refit::memory::kind::pinned> {
  public:
   pinned_buffer() noexcept = default;
   explicit pinned_buffer(std::uint64_t bytes) : memory(allocate(bytes), bytes) {}

@@ -59,14 +59,17 @@ std::unique_ptr<std::byte, base_store::freer> base_store::allocate(std::uint64_t
     if (rc != cudaSuccess)
       throw error(errc::cuda, fmt::format("cannot allocate {} bytes of cuda:{} memory for the delta base: {}", n,
                                           device_, cudaGetErrorString(rc)));
-    return {static_cast<std::byte*>(p), freer{allocator::device}};
+    return {static_cast<std::byte*>(p),
+            freer{allocator::device, refit::memory::charge(refit::memory::kind::device, n)}};
   }
   // Page-locked, so that a GPU diff reads it directly; plain memory where CUDA cannot (no device).
   if (cudaHostAlloc(&p, n, cudaHostAllocDefault) == cudaSuccess)
-    return {static_cast<std::byte*>(p), freer{allocator::pinned}};
+    return {static_cast<std::byte*>(p),
+            freer{allocator::pinned, refit::memory::charge(refit::memory::kind::pinned, n)}};
   (void)cudaGetLastError();
 #endif
-  return {static_cast<std::byte*>(::operator new[](n, std::align_val_t{256})), freer{allocator::plain}};
+  return {static_cast<std::byte*>(::operator new[](n, std::align_val_t{256})),
+          freer{allocator::plain, refit::memory::charge(refit::memory::kind::host, n)}};
 }
 
 base_store::tensor* base_store::find(const std::string& name) noexcept {

@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "model/memory.hpp"
 #include "refit/model.hpp"
 
 namespace refit::delta {
@@ -73,6 +74,7 @@ class base_store {
   enum class allocator : std::uint8_t { plain, pinned, device };
   struct freer {
     allocator how = allocator::plain;
+    ::refit::memory::charge counted;  ///< the block's bytes, counted while the block is held (include/refit/memory.hpp)
     void operator()(std::byte* p) const noexcept;
   };
   std::unique_ptr<std::byte, freer> allocate(std::uint64_t bytes);

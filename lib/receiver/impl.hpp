@@ -69,6 +69,7 @@
 #include "model/log.hpp"
 #include "model/text.hpp"
 #include "plan/route.hpp"
+#include "model/memory.hpp"
 #include "receiver/table.hpp"
 #include "transport/transport.hpp"
 #include "wire/wire.hpp"
@@ -283,6 +284,7 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   // take it too).
   std::mutex stage_mutex;
   std::unique_ptr<std::byte[]> stage;               ///< stage_kind::host
+  ::refit::memory::charge stage_counted;            ///< its bytes (include/refit/memory.hpp)
   std::unique_ptr<copy::device_area> device_stage;  ///< a CUDA table's stage: device (or page-locked) memory
   /// Device stages replaced while a lane's streamer was offered them (retire_stage()): the serving
   /// thread frees each once no lane's session was (release_retired_stages(), at end_session()).

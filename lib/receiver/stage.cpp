@@ -202,9 +202,11 @@ std::optional<std::string> receiver::impl::allocate_stage(std::string_view what)
   }
   if (stage_capacity >= stage_need) return std::nullopt;
   stage.reset();
+  stage_counted.reset();
   stage_capacity = 0;
   try {
     stage = std::make_unique_for_overwrite<std::byte[]>(stage_need);
+    stage_counted = ::refit::memory::charge(::refit::memory::kind::host, stage_need);
   } catch (const std::bad_alloc&) {
     return fmt::format("{}: the stage of {} bytes could not be allocated (out of host memory)", what, stage_need);
   }

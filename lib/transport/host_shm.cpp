@@ -51,6 +51,7 @@
 #include "channel/unique_fd.hpp"
 #include "copy/bus_guard.hpp"
 #include "model/log.hpp"
+#include "model/memory.hpp"
 #include "refit/error.hpp"
 
 namespace refit::transport {
@@ -248,7 +249,8 @@ class shm_segment {
         name_(std::exchange(o.name_, {})),
         fd_(std::move(o.fd_)),
         data_(std::exchange(o.data_, nullptr)),
-        size_(std::exchange(o.size_, 0)) {}
+        size_(std::exchange(o.size_, 0)),
+        counted_(std::move(o.counted_)) {}
   shm_segment& operator=(shm_segment&& o) noexcept {
     if (this != &o) {
       release();
@@ -257,6 +259,7 @@ class shm_segment {
       fd_ = std::move(o.fd_);
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
+      counted_ = std::move(o.counted_);
     }
     return *this;
   }
@@ -302,6 +305,7 @@ class shm_segment {
     if (p == MAP_FAILED) throw fail("map", errno);
     data_ = static_cast<std::byte*>(p);
     size_ = bytes;
+    counted_ = memory::charge(memory::kind::host, bytes);
   }
 
   void release() noexcept {
@@ -309,6 +313,7 @@ class shm_segment {
     if (data_ != nullptr) ::munmap(data_, size_);
     data_ = nullptr;
     size_ = 0;
+    counted_.reset();
   }
 
   std::string handle_;
@@ -316,6 +321,7 @@ class shm_segment {
   unique_fd fd_;      ///< a memfd's, until unlinked
   std::byte* data_ = nullptr;
   std::uint64_t size_ = 0;
+  memory::charge counted_;  ///< size_, while mapped (include/refit/memory.hpp)
 };
 
 // ------------------------------------------------------------------------------------ receiver's checks
@@ -444,6 +450,7 @@ class shm_mapping {
     }
     data_ = static_cast<const std::byte*>(p);
     size_ = expected;
+    counted_ = memory::charge(memory::kind::host, expected);
     try {
       guard_ = std::make_unique<copy::peer_memory>(data_, size_, handle, index);
     } catch (...) {
@@ -456,13 +463,17 @@ class shm_mapping {
   shm_mapping(const shm_mapping&) = delete;
   shm_mapping& operator=(const shm_mapping&) = delete;
   shm_mapping(shm_mapping&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), guard_(std::move(o.guard_)) {}
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        guard_(std::move(o.guard_)),
+        counted_(std::move(o.counted_)) {}
   shm_mapping& operator=(shm_mapping&& o) noexcept {
     if (this != &o) {
       release();
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
       guard_ = std::move(o.guard_);
+      counted_ = std::move(o.counted_);
     }
     return *this;
   }
@@ -487,10 +498,12 @@ class shm_mapping {
     if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
     data_ = nullptr;
     size_ = 0;
+    counted_.reset();
   }
   const std::byte* data_ = nullptr;
   std::uint64_t size_ = 0;
   std::unique_ptr<copy::peer_memory> guard_;
+  memory::charge counted_;  ///< size_, while mapped (include/refit/memory.hpp)
 };
 
 // ------------------------------------------------------------------------------------ source

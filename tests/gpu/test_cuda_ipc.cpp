@@ -48,6 +48,7 @@ TEST_CASE("the cuda_ipc transport is not built: its GPU tests are skipped", "[cu
 #include "copy/cuda_handles.hpp"
 #include "copy/driver.hpp"
 #include "copy/vmm.hpp"
+#include "refit/memory.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
 #include "refit/version.hpp"
@@ -634,6 +635,41 @@ TEST_CASE("each GPU copy engine copies thousands of random misaligned ops bit-ex
   // as it does those of 16 MiB and more when the engine is automatic.
   rt::child c([] { copy_engine_body(refit::copy::engine::kernel, 64 * kib); });
   CHECK(c.wait(300s) == 0);
+}
+
+TEST_CASE("a cuda_ipc source holds count x buffer_bytes of device memory and none once closed", "[cuda_ipc][memory]") {
+  // README.md's memory table, cuda_ipc staged, the streamer's side: its ping-pong buffers (and a
+  // receiver that maps them holds no device memory of its own for them: a mapping is not an
+  // allocation). Counted by refit::memory_in_use(), which the driver's view must agree with.
+  rt::child c([] {
+    refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+    refit::check_cuda(cudaFree(nullptr), "cudaFree(nullptr)");  // the context, before the baseline
+    const refit::memory_usage before = refit::memory_in_use();
+    std::size_t free_before = 0, free_during = 0, total = 0;
+    refit::check_cuda(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo");
+    {
+      refit::transport::source_options o;
+      o.name = "cuda_ipc";
+      o.count = 3;
+      o.bytes = 64 * mib;
+      const auto src = refit::transport::make_source(o);
+      refit::wire::hello h;
+      src->open_session(h);
+      const refit::memory_usage during = refit::memory_in_use();
+      const std::uint64_t held = during.device - before.device;
+      expect(held >= 3 * 64 * mib && held <= 3 * 64 * mib + 8 * mib,
+             "device memory held by a 3 x 64 MiB session: " + std::to_string(held));
+      expect(during.pinned == before.pinned, "pinned memory: " + std::to_string(during.pinned - before.pinned));
+      refit::check_cuda(cudaMemGetInfo(&free_during, &total), "cudaMemGetInfo");
+      expect(free_before - free_during >= 3 * 64 * mib,
+             "the driver sees " + std::to_string(free_before - free_during) + " bytes taken");
+      src->close_session();
+    }
+    const refit::memory_usage after = refit::memory_in_use();
+    expect(after.device == before.device, "left after the source: " + std::to_string(after.device - before.device));
+    expect(after.device_peak >= before.device + 3 * 64 * mib, "peak " + std::to_string(after.device_peak));
+  });
+  CHECK(c.wait(120s) == 0);
 }
 
 TEST_CASE("copies run beside the stream start after its work and are complete once joined", "[cuda_ipc][copy]") {

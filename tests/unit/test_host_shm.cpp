@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "copy/copy.hpp"
+#include "refit/memory.hpp"
 #include "support/support.hpp"
 #include "transport/transport.hpp"
 #include "wire/wire.hpp"
@@ -291,6 +292,46 @@ TEST_CASE("a host_shm sink in the same process reads what the source wrote", "[h
   CHECK_FALSE(sink->attached());
   CHECK(sink->data(0) == nullptr);
   src->close_session();
+}
+
+TEST_CASE(
+    "host_shm holds count x buffer_bytes on each side, the receiver while a session lasts, the streamer until it ends",
+    "[host_shm][memory]") {
+  // The formula of README.md's memory table for host_shm: the streamer's segments (for as long as
+  // the streamer lives) and the receiver's mappings of them (for as long as the session does),
+  // count × buffer_bytes each.
+  const std::uint64_t bytes = (1u << 20) + 4096;
+  const refit::memory_usage before = refit::memory_in_use();
+  {
+    auto src = tr::make_source(shm_options(3, bytes));
+    refit::wire::hello h;
+    src->open_session(h);
+    CHECK(refit::memory_in_use().host == before.host + 3 * bytes);
+    auto sink = tr::make_sink("host_shm", 0);
+    refit::wire::ok reply;
+    sink->attach(h, reply);
+    src->session_accepted({&reply, 1});
+    const refit::memory_usage during = refit::memory_in_use();
+    CHECK(during.host == before.host + 6 * bytes);
+    CHECK(during.host_peak >= during.host);
+    CHECK(during.device == before.device);
+    CHECK(during.pinned == before.pinned);
+    sink->detach();
+    CHECK(refit::memory_in_use().host == before.host + 3 * bytes);
+    src->close_session();
+    // The streamer keeps its segments (unlinked, so nothing is left in /dev/shm) until its next
+    // session makes fresh ones, or it is destroyed.
+    CHECK(refit::memory_in_use().host == before.host + 3 * bytes);
+    // A second session replaces them: the same again at most, not more.
+    refit::reset_memory_peaks();
+    src->open_session(h);
+    sink->attach(h, reply);
+    src->session_accepted({&reply, 1});
+    CHECK(refit::memory_in_use().host_peak == before.host + 6 * bytes);
+    sink->detach();
+    src->close_session();
+  }
+  CHECK(refit::memory_in_use().host == before.host);
 }
 
 TEST_CASE("each host_shm session gets fresh segment names", "[host_shm]") {
