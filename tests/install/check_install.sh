@@ -9,7 +9,7 @@
 #           engine.cpp and trainer.cpp compiled and run with the lines of that block.
 #
 # Both run with the CUDA toolkit off PATH (a user's box has no nvcc), HOME in a scratch directory,
-# from the checkout's root. The two processes must print the same fingerprint for each of the
+# from a copy of the checkout's files (what git tracks, and new files it does not ignore). The two processes must print the same fingerprint for each of the
 # three versions. tools/dev test runs both (CI: .ci/run).
 set -euo pipefail
 
@@ -19,17 +19,30 @@ tmp=$(mktemp -d "${TMPDIR:-/tmp}/refit-install.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/home" "$tmp/blocks" "$tmp/run"
 
+# The checkout as it is now (tracked and untracked files, not what git ignores), copied: the blocks
+# run from the copy, so that edits made meanwhile cannot reach a half-done build, and the copy's
+# build directories go with it.
+src="$tmp/checkout"
+mkdir -p "$src"
+(cd "$root" && git ls-files -co --exclude-standard -z | tar --null --ignore-failed-read -cf - -T - 2>/dev/null) |
+  tar -xf - -C "$src"
+
 for lang in sh python cpp; do
   /usr/bin/python3 "$root/tests/readme/readme_blocks.py" --lang "$lang" --out "$tmp/blocks" "$root/README.md" >/dev/null
 done
-plain_path=$(printf '%s' "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd: -)
+# No CUDA toolkit: its directories off PATH, and an nvcc first on PATH that fails (some boxes link
+# one into /usr/local/bin), so that Meson finds none.
+mkdir -p "$tmp/no-cuda"
+printf '#!/bin/sh\necho "nvcc: not on this box (tests/install/check_install.sh)" >&2\nexit 127\n' >"$tmp/no-cuda/nvcc"
+chmod +x "$tmp/no-cuda/nvcc"
+plain_path="$tmp/no-cuda:$(printf '%s' "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd: -)"
 
 # run_block NAME — the README's block NAME, in bash with errexit, as a user pasting it would see it stop.
 run_block() {
   [[ -f "$tmp/blocks/$1" ]] || { echo "check_install.sh: README.md has no block marked file=$1" >&2; exit 1; }
   echo "== README.md, $1:"
   sed 's/^/   /' "$tmp/blocks/$1"
-  (cd "$root" && env HOME="$tmp/home" PATH="$plain_path" bash -euo pipefail "$tmp/blocks/$1")
+  (cd "$src" && env HOME="$tmp/home" PATH="$plain_path" bash -euo pipefail "$tmp/blocks/$1")
 }
 
 # same_fingerprints ENGINE_OUT TRAINER_OUT — three versions, the same fingerprint on both sides.
@@ -78,7 +91,6 @@ case $what in
   cpp)
     # The library alone, from the checkout into ~/.local; the programs then compiled as the C++
     # example says (its `c++` lines), with the block's exports, where the programs are saved.
-    rm -rf "$root/build-lib"
     run_block install-cpp.sh
     exports=$(grep -E '^export ' "$tmp/blocks/install-cpp.sh" || true)
     compiles=$(grep -E '^c\+\+ ' "$tmp/blocks/run-cpp.sh" || true)
@@ -86,8 +98,8 @@ case $what in
     cp "$tmp/blocks/engine.cpp" "$tmp/blocks/trainer.cpp" "$tmp/run/"
     echo "== in the programs' directory:"; sed 's/^/   /' <<<"$exports"$'\n'"$compiles"
     (cd "$tmp/run" && env HOME="$tmp/home" PATH="$plain_path" bash -euo pipefail -c "$exports"$'\n'"$compiles")
-    pair bash -c "$exports; exec ./engine \"\$1\"" engine -- bash -c "$exports; exec ./trainer \"\$1\"" trainer
-    rm -rf "$root/build-lib"
+    # (A newline after the exports: the README's line ends with a comment.)
+    pair bash -c "$exports"$'\n''exec ./engine "$1"' engine -- bash -c "$exports"$'\n''exec ./trainer "$1"' trainer
     ;;
   *) echo "usage: check_install.sh python|cpp" >&2; exit 2 ;;
 esac
