@@ -421,7 +421,7 @@ void receiver::impl::copy_stage(const prepared_state& p, void* stream) {
 /// (a patch's values at its indices, a span's bytes), nothing else; its terms were taken at its batch.
 /// A CUDA stage: the patch apply kernel (up to kernel::max_applies patches a launch) and one copy
 /// kernel launch for the spans, on `stream` without waiting, or on the stage's stream and waited for.
-void receiver::impl::apply_log(const prepared_state& p, void* stream) {
+void receiver::impl::apply_log(const prepared_state& p, [[maybe_unused]] void* stream) {  // used only with CUDA
   const std::byte* log = stage_base();
 #if REFIT_HAVE_CUDA
   if (stage_cuda) {
