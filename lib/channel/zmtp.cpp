@@ -391,7 +391,7 @@ event decoder::header_done() {
 /// request's body given a buffer (NULL), or the whole message marked to skip.
 event decoder::message_frame(bool more, std::uint64_t size) {
   if (size > max_body_)
-    return fail(fmt::format("a frame of {} bytes, over the limit of {} (wire::max_message_bytes)", size, max_body_));
+    return fail(fmt::format("a frame of {} bytes, over the limit of {} (the largest request a streamer sends)", size, max_body_));
   ++frames_;
   // A REQ's request is [empty delimiter, MORE][body, last]: the first frame that breaks that shape
   // makes the whole message one to skip, whatever follows.
