@@ -774,8 +774,7 @@ void req_channel::connect() {
       // libzmq's I/O thread; send() empties it.
       static std::atomic<std::uint64_t> monitors{0};
       const std::string at = fmt::format("inproc://refit-handshake-{}", monitors.fetch_add(1));
-      if (zmq_socket_monitor(s->handle(), at.c_str(), ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0)
-        throw zmq::error_t();
+      if (zmq_socket_monitor(s->handle(), at.c_str(), ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0) throw zmq::error_t();
       monitor = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::pair);
       monitor->set(zmq::sockopt::linger, 0);
       monitor->set(zmq::sockopt::rcvhwm, 0);
@@ -846,7 +845,8 @@ std::shared_ptr<fd_link> req_channel::fds() const { return lane_ ? lane_->fds() 
 namespace {
 std::string refusal_message(const std::string& endpoint, const curve_keys& curve, std::string_view what, int status) {
   return fmt::format(
-      "the receiver at {} refused this streamer's CURVE key (its CURVE handshake failed, status {}): {} never reached it. "
+      "the receiver at {} refused this streamer's CURVE key (its CURVE handshake failed, status {}): {} never reached "
+      "it. "
       "Either the streamer's public key {} is not among the receiver's receiver_options.curve.allowed_clients, "
       "or streamer_options.curve.server_key ({}) is not the receiver's public key",
       endpoint, status, what, curve.public_key, curve.server_key);

@@ -391,7 +391,8 @@ event decoder::header_done() {
 /// request's body given a buffer (NULL), or the whole message marked to skip.
 event decoder::message_frame(bool more, std::uint64_t size) {
   if (size > max_body_)
-    return fail(fmt::format("a frame of {} bytes, over the limit of {} (the largest request a streamer sends)", size, max_body_));
+    return fail(fmt::format("a frame of {} bytes, over the limit of {} (the largest request a streamer sends)", size,
+                            max_body_));
   ++frames_;
   // A REQ's request is [empty delimiter, MORE][body, last]: the first frame that breaks that shape
   // makes the whole message one to skip, whatever follows.
@@ -632,7 +633,7 @@ std::string decoder::seal(std::uint8_t flags, std::string_view payload) {
 /// client reports as ZMQ_EVENT_HANDSHAKE_FAILED_AUTH (any other reason text it ignores), so that a
 /// streamer says at once that its key was refused instead of waiting for a reply (req_channel).
 event decoder::refuse_key(std::string why) {
-  output_ += command("ERROR", std::string_view("\x03" "400", 4));
+  output_ += command("ERROR", refused_key_error);
   return fail(std::move(why));
 }
 

@@ -81,6 +81,11 @@ std::uint64_t held_peak() noexcept;
 /// For tests: the peak starts again from what is held now.
 void reset_held_peak() noexcept;
 
+/// The data of the ERROR a CURVE client gets when the receiver refuses it (a key not allowed, or a
+/// HELLO for another server key): the ZAP status 400 (one length byte, then "400") as its reason,
+/// which libzmq reports as ZMQ_EVENT_HANDSHAKE_FAILED_AUTH (a reason of any other text it ignores).
+inline constexpr std::string_view refused_key_error{"\003400", 4};
+
 /// A CURVE server's keys, 32 bytes each: its long-term pair, and the clients' long-term public keys
 /// it accepts (empty: any client that holds the server's public key).
 struct curve_server_keys {
@@ -100,8 +105,8 @@ struct options {
   /// a read that could pass it, the connections stalled longest in an unfinished request are closed,
   /// oldest first, until it fits, and the reading connection itself when no other can go.
   std::uint64_t held_budget = default_held_budget;
-  std::chrono::milliseconds handshake{10000};        ///< greeting and READY must be done within
-  std::chrono::milliseconds heartbeat_ivl{1000};     ///< a PING after this long without a frame
+  std::chrono::milliseconds handshake{10000};     ///< greeting and READY must be done within
+  std::chrono::milliseconds heartbeat_ivl{1000};  ///< a PING after this long without a frame
   /// A connection that sent no complete frame or command this long after a PING is closed; a ZMTP
   /// 3.0 peer (no PING) only when it stopped in the middle of a frame or message.
   std::chrono::milliseconds heartbeat_timeout{10000};

@@ -523,7 +523,7 @@ class shm_mapping {
   const std::byte* data_ = nullptr;
   std::uint64_t size_ = 0;
   std::unique_ptr<copy::peer_memory> guard_;
-  unique_fd fd_;         ///< a named segment's, for check_size(); none for a sealed memfd
+  unique_fd fd_;  ///< a named segment's, for check_size(); none for a sealed memfd
   std::string handle_;
 };
 
