@@ -845,10 +845,10 @@ std::shared_ptr<fd_link> req_channel::fds() const { return lane_ ? lane_->fds() 
 namespace {
 std::string refusal_message(const std::string& endpoint, const curve_keys& curve, std::string_view what, int status) {
   return fmt::format(
-      "the receiver at {} refused this streamer's CURVE key (its CURVE handshake failed, status {}): {} never reached "
-      "it. "
-      "Either the streamer's public key {} is not among the receiver's receiver_options.curve.allowed_clients, "
-      "or streamer_options.curve.server_key ({}) is not the receiver's public key",
+      "the receiver at {} refused this streamer's CURVE key (its CURVE handshake failed, status {}): {} never "
+      "reached it. Either the streamer's public key {} is not among the receiver's "
+      "receiver_options.curve.allowed_clients, or streamer_options.curve.server_key ({}) is not the receiver's "
+      "public key",
       endpoint, status, what, curve.public_key, curve.server_key);
 }
 }  // namespace
@@ -861,7 +861,9 @@ void req_channel::send(std::string_view bytes, std::chrono::milliseconds timeout
                             "plan_options::max_entries (its entries, or their names, are too many for one BATCH)",
                             what, bytes.size(), zmtp::max_request_bytes));
   if (!socket_) connect();
-  (void)take_refusal();  // what failed between requests, before this one: the next handshake says anew
+  // A refusal heard before this request may be stale (the receiver restarted since, with this key
+  // allowed): forgotten, the next handshake (reconnect_ivl_max at most away) says anew.
+  (void)take_refusal();
   const auto start = clock::now();
   const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
   if (lane_) {
