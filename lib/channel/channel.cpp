@@ -769,9 +769,9 @@ void req_channel::connect() {
     std::unique_ptr<zmq::socket_t> monitor;
     if (!curve_.server_key.empty()) {
       // A receiver that refuses the key says so (ZMTP ERROR "400"); libzmq turns that into this
-      // event and reconnects, and REQ itself would only wait. The monitor's pipe has no limit
-      // (RCVHWM 0), so that a socket that fails while nobody asks (between refits) never blocks
-      // libzmq's I/O thread; send() empties it.
+      // event and gives the connection up, and REQ itself would only wait. One event per socket
+      // (it does not reconnect after it), in a pipe without limit (RCVHWM 0), so that libzmq's
+      // I/O thread never waits for this side to read it.
       static std::atomic<std::uint64_t> monitors{0};
       const std::string at = fmt::format("inproc://refit-handshake-{}", monitors.fetch_add(1));
       if (zmq_socket_monitor(s->handle(), at.c_str(), ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0) throw zmq::error_t();
@@ -861,9 +861,11 @@ void req_channel::send(std::string_view bytes, std::chrono::milliseconds timeout
                             "plan_options::max_entries (its entries, or their names, are too many for one BATCH)",
                             what, bytes.size(), zmtp::max_request_bytes));
   if (!socket_) connect();
-  // A refusal heard before this request may be stale (the receiver restarted since, with this key
-  // allowed): forgotten, the next handshake (reconnect_ivl_max at most away) says anew.
-  (void)take_refusal();
+  // libzmq does not reconnect a socket whose handshake failed (a protocol error ends its session):
+  // a refusal heard since the socket connected, before this request, holds for it. The socket is
+  // rebuilt (request_failure), so the next request tries the receiver anew.
+  if (const auto status = take_refusal())
+    throw request_failure(*this, errc::unauthorized, refusal_message(endpoint_, curve_, what, *status));
   const auto start = clock::now();
   const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
   if (lane_) {
