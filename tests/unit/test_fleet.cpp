@@ -80,7 +80,8 @@ class fleet_receiver {
     proc_->kill();
     alive_ = false;
   }
-  /// "<version|none> <check>".
+  /// "<version|none> <check>": check is "ok" when every byte holds the committed version's
+  /// pattern, "dirty" after a version aborted part-written, "-" with nothing committed.
   std::string state() {
     in_->send("state");
     const std::string line = out_->receive(step_wait);
@@ -113,7 +114,8 @@ class fleet_receiver {
       while (const auto c = in_->try_receive(0ms)) {
         if (*c == "stop") return;
         const auto v = r.committed_version();
-        out_->send("state " + (v ? std::to_string(*v) + " " + check_table(metas, bytes, *v) : "none -"));
+        const std::string check = r.dirty() ? "dirty" : v ? check_table(metas, bytes, *v) : "-";
+        out_->send("state " + (v ? std::to_string(*v) : "none") + " " + check);
       }
     }
   }
@@ -135,7 +137,8 @@ struct version_done {
 /// The streamer in a child, driven by commands.
 class fleet_streamer {
  public:
-  fleet_streamer(std::vector<std::string> endpoints, bool drop) : endpoints_(std::move(endpoints)), drop_(drop) {
+  fleet_streamer(std::vector<std::string> endpoints, bool drop, std::size_t min_receivers = 1)
+      : endpoints_(std::move(endpoints)), drop_(drop), min_(min_receivers) {
     proc_ = std::make_unique<rt::child>([this] { run(); });
   }
   ~fleet_streamer() {
@@ -180,6 +183,7 @@ class fleet_streamer {
     auto o = rt::host_shm_streamer(endpoints_.front(), 16u << 10, reply_timeout);
     o.receivers = endpoints_;
     if (drop_) o.on_receiver_failure = refit::receiver_failure::drop;
+    o.min_receivers = min_;
     refit::streamer s(o);
     for (;;) {
       std::istringstream is(in_.receive(std::chrono::seconds(120)));
@@ -228,6 +232,7 @@ class fleet_streamer {
 
   std::vector<std::string> endpoints_;
   bool drop_;
+  std::size_t min_;
   rt::signal_pipe in_, out_;
   std::unique_ptr<rt::child> proc_;  // last: forks once the rest exists
 };
@@ -331,6 +336,30 @@ TEST_CASE("without drop, a receiver killed between versions fails the version as
   REQUIRE(st.refit(3).ok);
   CHECK(b.state() == state_of(3));
   b.stop();
+}
+
+TEST_CASE("with drop, a version that leaves fewer than min_receivers fails and the one left does not commit it",
+          "[fleet]") {
+  std::vector<rt::scoped_endpoint> eps(3);
+  fleet_receiver a(eps[0].name), b(eps[1].name), c(eps[2].name);
+  fleet_streamer st({eps[0].name, eps[1].name, eps[2].name}, true, 2);
+  REQUIRE(st.refit(1).ok);
+  a.kill();
+  auto d = st.refit(2);
+  REQUIRE(d.ok);
+  CHECK(d.dropped.size() == 1);
+  d = st.refit(3, 2, [&] { b.kill(); });
+  REQUIRE_FALSE(d.ok);
+  CHECK_THAT(d.error, Catch::Contains("1 receiver(s) left after dropping " + eps[1].name +
+                                      ", fewer than min_receivers = 2"));
+  // It aborted version 3: committed_version unchanged, its weights dirty when a batch had landed.
+  const std::string left = c.state();
+  CHECK((left == "2 ok" || left == "2 dirty"));
+  d = st.refit(4);
+  REQUIRE_FALSE(d.ok);
+  CHECK(d.error == " invalid_argument refit() with 1 receiver(s) left, fewer than min_receivers = 2: add_receiver() "
+                   "first");
+  c.stop();
 }
 
 TEST_CASE("a chaos of receivers killed, restarted, added and removed never stalls a version nor commits one wrong",
