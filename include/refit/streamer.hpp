@@ -282,6 +282,10 @@ class REFIT_API streamer {
   /// (errc::apply when its sink failed, errc::incomplete when its manifest was not satisfied, ...),
   /// errc::timeout when it did not answer within options.timeout (the socket is rebuilt and the
   /// next refit starts a new session). After any error the receiver has not committed `version`.
+  /// With streamer_options::on_receiver_failure = drop, a receiver that fails is dropped instead
+  /// (refit_stats::dropped) and the others commit; refit() then throws only when fewer than
+  /// min_receivers are left (the failure's code; the ones left are told ABORT), or, before
+  /// anything is sent, errc::invalid_argument when that many were not left to begin with.
   ///
   /// Every tensor must have a name, at most wire limits of rank and name length, memory of the
   /// transport's kind (host for host_shm, CUDA otherwise) and a pointer unless it has no elements

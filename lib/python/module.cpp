@@ -1206,8 +1206,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_property_readonly("code", [](const dropped_receiver& d) { return static_cast<int>(d.code); })
       .def_readonly("reason", &dropped_receiver::reason)
       .def("__repr__", [](const dropped_receiver& d) {
-        return "DroppedReceiver(endpoint=" + std::string(py::repr(py::str(d.endpoint))) + ", code=" +
-               std::string(to_string(d.code)) + ")";
+        return "DroppedReceiver(endpoint=" + std::string(py::repr(py::str(d.endpoint))) +
+               ", code=" + std::string(to_string(d.code)) + ")";
       });
   py::class_<refit_stats>(m, "RefitStats", "Figures of one refit, as the streamer saw it.")
       .def_readonly("version", &refit_stats::version)
@@ -1314,18 +1314,16 @@ PYBIND11_MODULE(_refit, m) {
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::uint64_t delta_batch_bytes,
                        std::size_t group_rank, std::size_t group_size, bool share_tensors, bool control_lane,
-                       bool nccl_twin, bool atomic, const std::string& on_receiver_failure,
-                       std::size_t min_receivers) {
+                       bool nccl_twin, bool atomic, const std::string& on_receiver_failure, std::size_t min_receivers) {
              streamer_options o = streamer_options_from(
                  std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
                  std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
-                 delta_max_bytes, delta_threads, delta_batch_bytes, group_rank, group_size, share_tensors,
-                 control_lane, nccl_twin, atomic);
+                 delta_max_bytes, delta_threads, delta_batch_bytes, group_rank, group_size, share_tensors, control_lane,
+                 nccl_twin, atomic);
              if (on_receiver_failure == "drop")
                o.on_receiver_failure = receiver_failure::drop;
              else if (on_receiver_failure != "fail")
-               throw py::value_error("on_receiver_failure must be 'fail' or 'drop'; got '" + on_receiver_failure +
-                                     "'");
+               throw py::value_error("on_receiver_failure must be 'fail' or 'drop'; got '" + on_receiver_failure + "'");
              o.min_receivers = min_receivers;
              return std::make_unique<py_streamer>(std::move(o), transport == "auto");
            }),

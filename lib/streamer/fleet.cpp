@@ -73,9 +73,8 @@ void streamer::impl::remove_receiver(std::string_view endpoint) {
   check_can_change("remove_receiver()");
   const auto it = std::ranges::find(endpoints, endpoint);
   if (it == endpoints.end())
-    throw error(errc::invalid_argument,
-                fmt::format("remove_receiver({}): no such receiver is served (receivers(): {})", endpoint,
-                            fmt::join(endpoints, ", ")));
+    throw error(errc::invalid_argument, fmt::format("remove_receiver({}): no such receiver is served (receivers(): {})",
+                                                    endpoint, fmt::join(endpoints, ", ")));
   if (endpoints.size() == 1)
     throw error(errc::invalid_argument,
                 fmt::format("remove_receiver({}): it is the last receiver; close() the streamer instead", endpoint));

@@ -47,12 +47,9 @@ refit::milliseconds version_bound(std::size_t failed_requests) {
 constexpr std::chrono::seconds step_wait{30};  // backstop for one line from a child
 
 std::vector<tensor_meta> fleet_model() {
-  return {{"embed", dtype::bf16, {64, 32}},
-          {"q", dtype::f32, {16, 16}},
-          {"k", dtype::f32, {16, 16}},
-          {"norm", dtype::f32, {40}},
-          {"empty", dtype::f16, {0, 8}},
-          {"big", dtype::bf16, {160, 128}}};  // 40 KiB: chunks through 16 KiB buffers
+  return {{"embed", dtype::bf16, {64, 32}}, {"q", dtype::f32, {16, 16}},
+          {"k", dtype::f32, {16, 16}},      {"norm", dtype::f32, {40}},
+          {"empty", dtype::f16, {0, 8}},    {"big", dtype::bf16, {160, 128}}};  // 40 KiB: chunks through 16 KiB buffers
 }
 
 /// Every byte of a table against `version`'s pattern: "ok", or where the first differs.
@@ -256,9 +253,10 @@ std::vector<std::string> shm_leftovers(const std::set<pid_t>& pids) {
 
 }  // namespace
 
-TEST_CASE("with drop, receivers killed between and during versions are dropped, the others commit bit-exact, and "
-          "one restarted and added back catches up",
-          "[fleet]") {
+TEST_CASE(
+    "with drop, receivers killed between and during versions are dropped, the others commit bit-exact, and "
+    "one restarted and added back catches up",
+    "[fleet]") {
   std::vector<rt::scoped_endpoint> eps(4);
   std::vector<std::unique_ptr<fleet_receiver>> rx;
   std::vector<std::string> names;
@@ -296,9 +294,11 @@ TEST_CASE("with drop, receivers killed between and during versions are dropped, 
   REQUIRE(d.ok);
   CHECK(d.dropped.empty());
   CHECK(d.ms < 1000.0);
-  CHECK(st.command("add " + names[2]).rfind("invalid_argument add_receiver(" + names[2] + "): that receiver is "
-                                            "served already",
-                                            0) == 0);
+  CHECK(st.command("add " + names[2])
+            .rfind("invalid_argument add_receiver(" + names[2] +
+                       "): that receiver is "
+                       "served already",
+                   0) == 0);
 
   // Restarted and added back: it holds the next version.
   rx[0]->start();
@@ -314,8 +314,8 @@ TEST_CASE("with drop, receivers killed between and during versions are dropped, 
   REQUIRE(d.ok);
   CHECK(rx[3]->state() == state_of(5));
   for (std::size_t k : {0, 2}) CHECK(rx[k]->state() == state_of(6));
-  CHECK(st.command("remove " + names[3]).rfind("invalid_argument remove_receiver(" + names[3] + "): no such receiver",
-                                               0) == 0);
+  CHECK(st.command("remove " + names[3])
+            .rfind("invalid_argument remove_receiver(" + names[3] + "): no such receiver", 0) == 0);
   for (auto& r : rx)
     if (r->alive()) r->stop();
 }
@@ -350,15 +350,16 @@ TEST_CASE("with drop, a version that leaves fewer than min_receivers fails and t
   CHECK(d.dropped.size() == 1);
   d = st.refit(3, 2, [&] { b.kill(); });
   REQUIRE_FALSE(d.ok);
-  CHECK_THAT(d.error, Catch::Contains("1 receiver(s) left after dropping " + eps[1].name +
-                                      ", fewer than min_receivers = 2"));
+  CHECK_THAT(d.error,
+             Catch::Contains("1 receiver(s) left after dropping " + eps[1].name + ", fewer than min_receivers = 2"));
   // It aborted version 3: committed_version unchanged, its weights dirty when a batch had landed.
   const std::string left = c.state();
   CHECK((left == "2 ok" || left == "2 dirty"));
   d = st.refit(4);
   REQUIRE_FALSE(d.ok);
-  CHECK(d.error == " invalid_argument refit() with 1 receiver(s) left, fewer than min_receivers = 2: add_receiver() "
-                   "first");
+  CHECK(d.error ==
+        " invalid_argument refit() with 1 receiver(s) left, fewer than min_receivers = 2: add_receiver() "
+        "first");
   c.stop();
 }
 
@@ -450,8 +451,9 @@ TEST_CASE("a chaos of receivers killed, restarted, added and removed never stall
       if (rx[k]->alive()) CHECK(rx[k]->state() == (holds[k] ? state_of(*holds[k]) : std::string("none -")));
   }
   WARN("chaos: " << versions << " versions, " << kills << " killed between versions, " << mid << " during one, "
-                 << joins << " added, " << leaves << " removed; slowest version " << slowest << " ms, slowest with one failure " << slowest_one
-                 << " ms (reply timeout " << reply_timeout.count() << " ms)");
+                 << joins << " added, " << leaves << " removed; slowest version " << slowest
+                 << " ms, slowest with one failure " << slowest_one << " ms (reply timeout " << reply_timeout.count()
+                 << " ms)");
   for (auto& r : rx)
     if (r->alive()) r->stop();
   CHECK(shm_leftovers(pids).empty());
