@@ -206,6 +206,14 @@ struct streamer_options {
   /// With `drop`: refit() fails (the code and message of the last failure, and how many are left)
   /// when fewer receivers than this are left; the ones left are told ABORT. At least 1.
   std::size_t min_receivers = 1;
+  /// With `drop`: a receiver dropped is tried again at the start of later versions (its endpoint
+  /// added back, as add_receiver() does): at the next version, then, while it keeps failing, after
+  /// 2, 4, ... up to 64 versions; it is served again once it answers (a restarted engine on the same
+  /// endpoint catches up at that version). Each try of an endpoint nobody serves costs that version
+  /// one reply timeout (its HELLO) and names it in refit_stats::dropped again; every try makes each
+  /// receiver's session anew. add_receiver() and remove_receiver() of the endpoint end its tries.
+  /// false: a dropped receiver comes back only by add_receiver().
+  bool rejoin = false;
 };
 
 /// A receiver dropped from a version (streamer_options::on_receiver_failure = drop).

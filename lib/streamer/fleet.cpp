@@ -61,6 +61,7 @@ void streamer::impl::add_receiver(std::string endpoint) {
     throw error(errc::invalid_argument,
                 fmt::format("add_receiver({}): the {} transport serves at most {} receivers per streamer", endpoint,
                             buffers->name(), can.max_receivers));
+  std::erase_if(rejoins, [&](const rejoining& r) { return r.endpoint == endpoint; });
   if (!channels.empty()) channels.emplace_back(endpoint, options.curve);
   endpoints.push_back(std::move(endpoint));
   if (in_session) membership_changed = true;
@@ -72,6 +73,8 @@ void streamer::impl::add_receiver(std::string endpoint) {
 void streamer::impl::remove_receiver(std::string_view endpoint) {
   check_can_change("remove_receiver()");
   const auto it = std::ranges::find(endpoints, endpoint);
+  const auto tried = std::erase_if(rejoins, [&](const rejoining& r) { return r.endpoint == endpoint; });
+  if (it == endpoints.end() && tried != 0) return;  // dropped, and no longer tried again
   if (it == endpoints.end())
     throw error(errc::invalid_argument, fmt::format("remove_receiver({}): no such receiver is served (receivers(): {})",
                                                     endpoint, fmt::join(endpoints, ", ")));
@@ -116,6 +119,7 @@ void streamer::impl::drop_failed(std::vector<failure>& failures, std::vector<wir
     REFIT_WARN("dropping {} ({}): {}", who(f.receiver), to_string(f.code), f.message);
     tell_dropped(f.receiver, f);
     dropped.push_back({endpoints[f.receiver], f.code, f.message});
+    if (options.rejoin) queue_rejoin(endpoints[f.receiver]);
     gone.push_back(f.receiver);
   }
   if (gone.empty()) return;
@@ -156,6 +160,40 @@ void streamer::impl::forget_receiver(std::size_t k) noexcept {
     channels.erase(channels.begin() + static_cast<std::ptrdiff_t>(k));
   }
   endpoints.erase(endpoints.begin() + static_cast<std::ptrdiff_t>(k));
+}
+
+/// streamer_options::rejoin: `endpoint` was dropped; it is tried at the next version, or, when
+/// that was a try, after twice as many versions as before.
+void streamer::impl::queue_rejoin(const std::string& endpoint) {
+  for (rejoining& r : rejoins)
+    if (r.endpoint == endpoint) {
+      r.backoff = std::min(r.backoff * 2, max_rejoin_backoff);
+      r.wait = r.backoff;
+      return;
+    }
+  rejoins.push_back({endpoint, 0, 1});
+}
+
+/// At the start of a version: the dropped receivers due for a try are served again (their HELLO
+/// at this version's session).
+void streamer::impl::try_rejoins() {
+  for (rejoining& r : rejoins) {
+    if (r.wait > 0) {
+      --r.wait;
+      continue;
+    }
+    if (std::ranges::find(endpoints, r.endpoint) != endpoints.end() || endpoints.size() >= can.max_receivers) continue;
+    REFIT_INFO("trying the dropped receiver {} again (rejoin)", r.endpoint);
+    if (!channels.empty()) channels.emplace_back(r.endpoint, options.curve);
+    endpoints.push_back(r.endpoint);
+    if (in_session) membership_changed = true;
+  }
+}
+
+/// After a version committed: the receivers tried again that took it are no longer tried.
+void streamer::impl::forget_rejoined() noexcept {
+  std::erase_if(rejoins,
+                [&](const rejoining& r) { return std::ranges::find(endpoints, r.endpoint) != endpoints.end(); });
 }
 
 }  // namespace refit

@@ -74,6 +74,15 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   bool membership_changed = false;
   /// The receivers the refit under way dropped (refit_stats::dropped).
   std::vector<dropped_receiver> dropped;
+  /// A receiver dropped that is tried again (streamer_options::rejoin): `wait` versions from now,
+  /// then after twice `backoff` if it fails again.
+  struct rejoining {
+    std::string endpoint;
+    std::uint64_t wait = 0;
+    std::uint64_t backoff = 1;
+  };
+  static constexpr std::uint64_t max_rejoin_backoff = 64;
+  std::vector<rejoining> rejoins;
 
   explicit impl(streamer_options o);
 
@@ -117,6 +126,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void drop_failed(std::vector<failure>& failures, std::vector<wire::ok>& oks);
   void tell_dropped(std::size_t k, const failure& f) noexcept;
   void forget_receiver(std::size_t k) noexcept;
+  void queue_rejoin(const std::string& endpoint);
+  void try_rejoins();
+  void forget_rejoined() noexcept;
 
   // post.cpp: one request to every receiver at a time.
   std::vector<wire::ok> request(const std::function<wire::message(std::size_t)>& make, const std::string& what,

@@ -98,6 +98,10 @@ void validate(const streamer_options& o) {
     throw error(errc::invalid_argument,
                 "streamer_options.on_receiver_failure is drop with group_size > 1: the ranks of a group would drop "
                 "receivers each on its own; use fail");
+  if (o.rejoin && o.on_receiver_failure != receiver_failure::drop)
+    throw error(
+        errc::invalid_argument,
+        "streamer_options.rejoin tries dropped receivers again, but on_receiver_failure is fail: set it to drop");
   if (o.min_receivers == 0)
     throw error(errc::invalid_argument,
                 "streamer_options.min_receivers is 0: a version needs at least one receiver to commit it");

@@ -134,8 +134,8 @@ struct version_done {
 /// The streamer in a child, driven by commands.
 class fleet_streamer {
  public:
-  fleet_streamer(std::vector<std::string> endpoints, bool drop, std::size_t min_receivers = 1)
-      : endpoints_(std::move(endpoints)), drop_(drop), min_(min_receivers) {
+  fleet_streamer(std::vector<std::string> endpoints, bool drop, std::size_t min_receivers = 1, bool rejoin = false)
+      : endpoints_(std::move(endpoints)), drop_(drop), min_(min_receivers), rejoin_(rejoin) {
     proc_ = std::make_unique<rt::child>([this] { run(); });
   }
   ~fleet_streamer() {
@@ -181,6 +181,7 @@ class fleet_streamer {
     o.receivers = endpoints_;
     if (drop_) o.on_receiver_failure = refit::receiver_failure::drop;
     o.min_receivers = min_;
+    o.rejoin = rejoin_;
     refit::streamer s(o);
     for (;;) {
       std::istringstream is(in_.receive(std::chrono::seconds(120)));
@@ -230,6 +231,7 @@ class fleet_streamer {
   std::vector<std::string> endpoints_;
   bool drop_;
   std::size_t min_;
+  bool rejoin_;
   rt::signal_pipe in_, out_;
   std::unique_ptr<rt::child> proc_;  // last: forks once the rest exists
 };
@@ -361,6 +363,39 @@ TEST_CASE("with drop, a version that leaves fewer than min_receivers fails and t
         " invalid_argument refit() with 1 receiver(s) left, fewer than min_receivers = 2: add_receiver() "
         "first");
   c.stop();
+}
+
+TEST_CASE("with rejoin, a dropped receiver is tried again with a backoff and a restarted one catches up", "[fleet]") {
+  std::vector<rt::scoped_endpoint> eps(2);
+  fleet_receiver a(eps[0].name), b(eps[1].name);
+  fleet_streamer st({eps[0].name, eps[1].name}, true, 1, true);
+  REQUIRE(st.refit(1).ok);
+  a.kill();
+  auto d = st.refit(2);
+  REQUIRE(d.ok);
+  REQUIRE(d.dropped.size() == 1);
+  // Tried at the next version: still dead, dropped again (one reply timeout at its HELLO).
+  d = st.refit(3);
+  REQUIRE(d.ok);
+  CHECK(d.ms < static_cast<double>(version_bound(1).count()));
+  REQUIRE(d.dropped.size() == 1);
+  CHECK(d.dropped[0].rfind(eps[0].name + ":", 0) == 0);
+  a.start();
+  // Then after two versions: not asked at 4 and 5, served again at 6.
+  for (std::uint64_t v : {4, 5}) {
+    d = st.refit(v);
+    REQUIRE(d.ok);
+    CHECK(d.dropped.empty());
+    CHECK(a.state() == "none -");
+  }
+  d = st.refit(6);
+  REQUIRE(d.ok);
+  CHECK(d.dropped.empty());
+  CHECK(a.state() == state_of(6));
+  CHECK(b.state() == state_of(6));
+  CHECK(st.command("remove " + eps[0].name) == "ok " + eps[1].name);
+  a.stop();
+  b.stop();
 }
 
 TEST_CASE("a chaos of receivers killed, restarted, added and removed never stalls a version nor commits one wrong",

@@ -620,6 +620,10 @@ class Streamer(_refit.Streamer):
             (endpoint, code, reason) and a warning is logged at once. ``add_receiver()`` takes a
             restarted engine back. ``st.receivers`` lists the endpoints served.
         min_receivers: with ``"drop"``, ``refit()`` raises when fewer receivers than this are left.
+        rejoin: with ``"drop"``, a dropped receiver is tried again at the next version, then after
+            2, 4, ... up to 64 versions while it keeps failing, and served again once it answers
+            (a restarted engine on the same endpoint catches up then). Each try of an endpoint
+            nobody serves costs that version one ``timeout`` and lists it in ``dropped`` again.
 
     Example::
 
@@ -665,6 +669,7 @@ class Streamer(_refit.Streamer):
         atomic: bool = False,
         on_receiver_failure: str = "fail",
         min_receivers: int = 1,
+        rejoin: bool = False,
     ) -> None:
         if endpoint is None:
             if not receivers:
@@ -701,6 +706,7 @@ class Streamer(_refit.Streamer):
             atomic=atomic,
             on_receiver_failure=on_receiver_failure,
             min_receivers=min_receivers,
+            rejoin=rejoin,
         )
 
     def add_receiver(self, endpoint: str) -> None:
