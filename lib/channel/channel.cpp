@@ -5,11 +5,13 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <map>
 #include <set>
@@ -665,6 +667,15 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
     for (lane* l : lanes) t = std::max(t, l->awake_until());
     return std::min(deadline, t);
   };
+  // A connection that ends (a streamer's process gone) ends the wait: the receiver asks at once
+  // whether its session's owner is still connected.
+  const auto ended = [&] {
+    std::uint64_t n = 0;
+    for (rep_channel* c : channels)
+      if (c->server_) n += c->server_->ended();
+    return n;
+  };
+  const std::uint64_t ended_before = ended();
   auto spin_until = std::min(deadline, clock::now() + spin);
   std::uint32_t turn = 0;
   for (;;) {
@@ -690,7 +701,7 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
     if (const auto k = ready(true)) return k;
     if (any)
       if (const auto k = lane_hung_up()) return k;  // take() reports it
-    if (clock::now() >= deadline) return std::nullopt;
+    if (clock::now() >= deadline || ended() != ended_before) return std::nullopt;
     // Woken with nothing to take: a streamer saying a request comes soon (req_channel::
     // wake_receiver), so spin again: it then finds this side awake.
     if (any && spin.count() > 0) spin_until = std::min(deadline, clock::now() + spin);
@@ -765,6 +776,7 @@ req_channel::req_channel(req_channel&&) noexcept = default;
 req_channel& req_channel::operator=(req_channel&&) noexcept = default;
 
 void req_channel::connect() {
+  static std::atomic<std::uint64_t> monitors{0};
   try {
     auto s = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::req);
     s->set(zmq::sockopt::linger, 0);
@@ -772,11 +784,73 @@ void req_channel::connect() {
     s->set(zmq::sockopt::reconnect_ivl_max, reconnect_ivl_max_ms);
     s->set(zmq::sockopt::maxmsgsize, max_message_bytes);
     set_curve_client(*s, curve_);
+    // Watched before it connects, so that no event is missed: await_listener() reads them.
+    const std::string watch = fmt::format("inproc://refit-req-monitor-{}-{}", ::getpid(), monitors++);
+    if (zmq_socket_monitor(s->handle(), watch.c_str(),
+                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_DISCONNECTED) != 0)
+      throw zmq::error_t();
+    auto m = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::pair);
+    m->set(zmq::sockopt::linger, 0);
+    m->connect(watch);
     s->connect(endpoint_);
+    monitor_ = std::move(m);
     socket_ = std::move(s);
+    connected_ = refused_ = false;
   } catch (const zmq::error_t& e) {
     throw error(errc::io, fmt::format("cannot connect to the receiver at {}: {}", endpoint_, zmq_reason(e)));
   }
+}
+
+void req_channel::read_monitor(std::chrono::milliseconds wait) {
+  if (!monitor_) return;
+  const auto deadline = clock::now() + wait;
+  for (;;) {
+    zmq::message_t head;
+    zmq::message_t address;
+    const auto left = std::max(0, remaining_ms(deadline));
+    if (!poll_until(*monitor_, ZMQ_POLLIN, clock::now() + std::chrono::milliseconds(left),
+                    std::chrono::microseconds{0}) ||
+        !monitor_->recv(head, zmq::recv_flags::dontwait))
+      return;
+    if (head.more()) (void)monitor_->recv(address, zmq::recv_flags::dontwait);
+    if (head.size() < sizeof(std::uint16_t)) continue;
+    std::uint16_t event = 0;
+    std::memcpy(&event, head.data(), sizeof(event));
+    if (event == ZMQ_EVENT_CONNECTED) connected_ = true, refused_ = false;
+    if (event == ZMQ_EVENT_DISCONNECTED) connected_ = false;
+    if (event == ZMQ_EVENT_CONNECT_RETRIED) connected_ = false, refused_ = true;
+    if (connected_) wait = std::chrono::milliseconds{0};  // drain what is queued, then go
+  }
+}
+
+std::string req_channel::refused_reason() const {
+  if (endpoint_.starts_with("ipc://")) {
+    const std::string path = endpoint_.substr(6);
+    struct stat st{};
+    if (::stat(path.c_str(), &st) != 0)
+      return fmt::format("the socket file {} does not exist: is the generation process running, and is this the "
+                         "endpoint it printed (Receiver.endpoint)? A private endpoint is removed when its receiver "
+                         "closes",
+                         path);
+    if (!S_ISSOCK(st.st_mode)) return fmt::format("{} is not a socket: pass the receiver's endpoint as it is", path);
+    return fmt::format("nothing listens on the socket {}: the receiver that made it is gone (a file a killed "
+                       "process left behind); start the generation process again",
+                       path);
+  }
+  return "the connection was refused: is the generation process running and bound to that address and port?";
+}
+
+void req_channel::await_listener(std::chrono::milliseconds refused_after) {
+  if (!socket_) connect();
+  read_monitor(std::chrono::milliseconds{0});
+  if (connected_ || !refused_) return;  // up, or still being attempted: the reply timeout decides
+  const auto start = clock::now();
+  while (!connected_ && clock::now() - start < refused_after)
+    read_monitor(std::chrono::ceil<std::chrono::milliseconds>(refused_after - (clock::now() - start)));
+  if (connected_) return;
+  throw error(errc::peer, fmt::format("cannot reach the receiver at {} (waited {} ms): {}", endpoint_,
+                                      std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count(),
+                                      refused_reason()));
 }
 
 void req_channel::reset() {

@@ -1062,7 +1062,12 @@ void server::count_drop(std::uint64_t frames) {
 }
 
 void server::sweep() {
-  std::erase_if(conns_, [](const auto& entry) { return entry.second->closing; });
+  ended_ += std::erase_if(conns_, [](const auto& entry) { return entry.second->closing; });
+}
+
+bool server::connected(const std::string& peer) const noexcept {
+  const auto it = conns_.find(peer);
+  return it != conns_.end() && !it->second->closing;
 }
 
 }  // namespace refit::channel::zmtp
