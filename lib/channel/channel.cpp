@@ -844,10 +844,13 @@ void req_channel::await_listener(std::chrono::milliseconds refused_after) {
   if (!socket_) connect();
   read_monitor(std::chrono::milliseconds{0});
   if (connected_ || !refused_) return;  // up, or still being attempted: the reply timeout decides
+  // Tried afresh: the socket's retries have backed off to a second by now, and a receiver bound
+  // meanwhile would be found only at the next one. Nothing is in flight before a HELLO.
+  connect();
   const auto start = clock::now();
   while (!connected_ && clock::now() - start < refused_after)
     read_monitor(std::chrono::ceil<std::chrono::milliseconds>(refused_after - (clock::now() - start)));
-  if (connected_) return;
+  if (connected_ || !refused_) return;
   throw error(errc::peer, fmt::format("cannot reach the receiver at {} (waited {} ms): {}", endpoint_,
                                       std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count(),
                                       refused_reason()));

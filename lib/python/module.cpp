@@ -43,6 +43,8 @@
 namespace refit::python {
 namespace {
 
+void python_spelling(std::string& m);
+
 using std::chrono::milliseconds;
 
 tensor_world& world() {
@@ -384,6 +386,7 @@ class py_receiver {
   std::optional<std::string> last_error() {
     std::string e = rx().last_error();
     if (e.empty() || (error_before_commit_ && *error_before_commit_ == e)) return std::nullopt;
+    python_spelling(e);
     return e;
   }
 

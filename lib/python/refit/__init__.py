@@ -443,7 +443,14 @@ class Receiver(_refit.Receiver):
         """Waits up to ``timeout`` seconds for one message and handles it; returns what happened
         (an :class:`Event`). The GIL is released while waiting and applying. A refit superseded
         by a new HELLO or BEGIN is reported as ``Event.aborted``; the message that superseded it
-        is handled by the next call."""
+        is handled by the next call. A trainer that closed its streamer gives ``Event.bye``; one
+        whose process died (or that reset its socket after a failure) gives ``Event.lost`` as soon
+        as its connection ends (within milliseconds on one host; a trainer killed mid-version gives
+        ``Event.aborted`` first). An engine serving one trainer loops until either::
+
+            while rx.serve_one(timeout=1.0) not in (refit.Event.bye, refit.Event.lost):
+                pass
+        """
         return Event(super().serve_one(timeout))
 
     def on_begin(self, fn: Optional[Callable[[int], None]]):
