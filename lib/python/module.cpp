@@ -1116,7 +1116,7 @@ std::string keyword_for(std::string_view field, std::string_view sub) {
 /// turns all of them, present and future, into the Python API's terms.
 void python_spelling(std::string& m) {
   static const std::regex option(R"(\b(receiver|streamer)_options(?:\.|::)([a-z_]+)(?:\.([a-z_]+))?)");
-  static const std::regex millis(R"(\b([0-9]+) ms\b)");
+  static const std::regex millis(R"((^|[^0-9.])([0-9]+) ms\b)");  // whole numbers: "0.5 ms" stays
   std::string out;
   auto from = m.cbegin();
   for (std::sregex_iterator it(m.begin(), m.end(), option), end; it != end; ++it) {
@@ -1131,7 +1131,8 @@ void python_spelling(std::string& m) {
   for (std::sregex_iterator it(out.begin(), out.end(), millis), end; it != end; ++it) {
     const std::smatch& k = *it;
     m.append(from, k[0].first);
-    const double seconds = std::stod(k[1].str()) / 1000;
+    m += k[1].str();
+    const double seconds = std::stod(k[2].str()) / 1000;
     char text[32];
     std::snprintf(text, sizeof(text), "%g s", seconds);
     m += text;
