@@ -826,16 +826,18 @@ void req_channel::read_monitor(std::chrono::milliseconds wait) {
 std::string req_channel::refused_reason() const {
   if (endpoint_.starts_with("ipc://")) {
     const std::string path = endpoint_.substr(6);
-    struct stat st{};
+    struct stat st {};
     if (::stat(path.c_str(), &st) != 0)
-      return fmt::format("the socket file {} does not exist: is the generation process running, and is this the "
-                         "endpoint it printed (Receiver.endpoint)? A private endpoint is removed when its receiver "
-                         "closes",
-                         path);
+      return fmt::format(
+          "the socket file {} does not exist: is the generation process running, and is this the "
+          "endpoint it printed (Receiver.endpoint)? A private endpoint is removed when its receiver "
+          "closes",
+          path);
     if (!S_ISSOCK(st.st_mode)) return fmt::format("{} is not a socket: pass the receiver's endpoint as it is", path);
-    return fmt::format("nothing listens on the socket {}: the receiver that made it is gone (a file a killed "
-                       "process left behind); start the generation process again",
-                       path);
+    return fmt::format(
+        "nothing listens on the socket {}: the receiver that made it is gone (a file a killed "
+        "process left behind); start the generation process again",
+        path);
   }
   return "the connection was refused: is the generation process running and bound to that address and port?";
 }
@@ -851,9 +853,10 @@ void req_channel::await_listener(std::chrono::milliseconds refused_after) {
   while (!connected_ && clock::now() - start < refused_after)
     read_monitor(std::chrono::ceil<std::chrono::milliseconds>(refused_after - (clock::now() - start)));
   if (connected_ || !refused_) return;
-  throw error(errc::peer, fmt::format("cannot reach the receiver at {} (waited {} ms): {}", endpoint_,
-                                      std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count(),
-                                      refused_reason()));
+  throw error(errc::peer,
+              fmt::format("cannot reach the receiver at {} (waited {} ms): {}", endpoint_,
+                          std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count(),
+                          refused_reason()));
 }
 
 void req_channel::reset() {

@@ -108,9 +108,7 @@ class rep_channel {
   /// process at its other end ended or closed its socket (its kernel closes the connection), or
   /// when the ZMTP server closed it (heartbeats unanswered: a host gone). Always true on a libzmq
   /// socket, which does not say.
-  [[nodiscard]] bool connected(const std::string& peer) const noexcept {
-    return !server_ || server_->connected(peer);
-  }
+  [[nodiscard]] bool connected(const std::string& peer) const noexcept { return !server_ || server_->connected(peer); }
   /// Connections that have ended on this channel so far (0 with libzmq): connected() need be
   /// asked again only when it changed.
   [[nodiscard]] std::uint64_t ended() const noexcept { return server_ ? server_->ended() : 0; }

@@ -128,9 +128,10 @@ std::optional<receiver_event> receiver::impl::lost_streamers() {
                   errc::peer);
       return receiver_event::aborted;
     }
-    REFIT_WARN("the streamer {} is gone without BYE: its connection to {} closed (its process ended, or it reset "
-               "its socket after a failure of its own); its session is dropped and a new streamer may connect",
-               who(l), l.channel.endpoint());
+    REFIT_WARN(
+        "the streamer {} is gone without BYE: its connection to {} closed (its process ended, or it reset "
+        "its socket after a failure of its own); its session is dropped and a new streamer may connect",
+        who(l), l.channel.endpoint());
     end_session();
     l.ended_seen = ended;
     return receiver_event::lost;
