@@ -819,7 +819,7 @@ void req_channel::read_monitor(std::chrono::milliseconds wait) {
     if (event == ZMQ_EVENT_CONNECTED) connected_ = true, refused_ = false;
     if (event == ZMQ_EVENT_DISCONNECTED) connected_ = false;
     if (event == ZMQ_EVENT_CONNECT_RETRIED) connected_ = false, refused_ = true;
-    if (connected_) wait = std::chrono::milliseconds{0};  // drain what is queued, then go
+    if (connected_ || refused_) wait = std::chrono::milliseconds{0};  // drain what is queued, then go
   }
 }
 
@@ -845,10 +845,11 @@ std::string req_channel::refused_reason() const {
 void req_channel::await_listener(std::chrono::milliseconds refused_after) {
   if (!socket_) connect();
   read_monitor(std::chrono::milliseconds{0});
-  if (connected_ || !refused_) return;  // up, or still being attempted: the reply timeout decides
-  // Tried afresh: the socket's retries have backed off to a second by now, and a receiver bound
-  // meanwhile would be found only at the next one. Nothing is in flight before a HELLO.
-  connect();
+  if (connected_) return;
+  // Tried afresh when refused: the socket's retries have backed off to a second by now, and a
+  // receiver bound meanwhile would be found only at the next one. Nothing is in flight before a
+  // HELLO. Not refused yet: the first attempt's outcome is awaited as long.
+  if (refused_) connect();
   const auto start = clock::now();
   while (!connected_ && clock::now() - start < refused_after)
     read_monitor(std::chrono::ceil<std::chrono::milliseconds>(refused_after - (clock::now() - start)));

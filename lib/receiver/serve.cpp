@@ -43,7 +43,8 @@ receiver_event receiver::impl::step(milliseconds wait) {
     return supersede_or_dispatch(std::move(m));
   }
   if (const auto aborted = enforce_deadlines(wait)) return *aborted;
-  if (const auto lost = lost_streamers()) return *lost;
+  // Asked once nothing is waiting: a request already here (a HELLO replacing the session from a new
+  // connection) is handled first. The wait ends when a connection does.
   const auto request = receive(wait);
   if (!request) {
     if (streamer_gone()) return receiver_event::aborted;
