@@ -1146,7 +1146,12 @@ void server::enforce_budget(connection& reading) {
 }
 
 void server::sweep() {
-  std::erase_if(conns_, [](const auto& entry) { return entry.second->closing; });
+  ended_ += std::erase_if(conns_, [](const auto& entry) { return entry.second->closing; });
+}
+
+bool server::connected(const std::string& peer) const noexcept {
+  const auto it = conns_.find(peer);
+  return it != conns_.end() && !it->second->closing;
 }
 
 }  // namespace refit::channel::zmtp
