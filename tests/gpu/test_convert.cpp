@@ -208,6 +208,67 @@ void kernels_body() {
   }
 }
 
+/// The row formats (channel, mxfp8) on the GPU against the CPU engine (which the unit tests hold
+/// to the specifications' reference): the row scale kernel, then converting copies cut into
+/// pieces, and a strided copy (a column shard [32, cols) of every row, as a TP shard's route).
+void row_formats_body() {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+  auto gpu = refit::copy::make_copier(refit::copy::engine::kernel, 0);
+  auto cpu = refit::copy::make_copier(refit::copy::engine::cpu);
+  for (const dtype from : {dtype::bf16, dtype::f32, dtype::f16})
+    for (const quant q : {quant::channel, quant::mxfp8})
+      for (const std::size_t cols : {std::size_t{260}, std::size_t{70}, std::size_t{1}}) {
+        const std::size_t rows = 300;
+        const host_source src = make_source(from, rows, cols, 31);
+        const auto dsrc = upload(src.bytes);
+        const std::vector<std::int64_t> shape{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
+        const std::uint64_t groups = *refit::checked_numel(refit::scale_shape(q, shape));
+        const std::uint64_t scale_bytes = groups * refit::itemsize(refit::scale_dtype(q));
+        const std::string what = std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) +
+                                 " cols " + std::to_string(cols);
+        // The CPU engine's answer.
+        std::vector<std::uint8_t> want_scale(scale_bytes), want(rows * cols);
+        std::vector<float> host_mul(groups);
+        const refit::copy::scale_job host_job{src.bytes.data(), from, shape, q, want_scale.data(), host_mul.data()};
+        cpu->scales(std::span(&host_job, 1), nullptr);
+        const auto host_cv = refit::copy::conversion_of(from, dtype::f8_e4m3, q, shape, host_mul.data());
+        const refit::copy::convert_op host_op{src.bytes.data(), want.data(), rows * cols, 1, 0, 0, 0, host_cv};
+        cpu->convert(std::span(&host_op, 1), nullptr);
+        // The GPU's.
+        float* scale = gpu->scratch(groups);
+        float* mul = gpu->scratch(groups);
+        const refit::copy::scale_job job{dsrc.handle(), from, shape, q, scale, mul};
+        gpu->scales(std::span(&job, 1), nullptr);
+        expect(download(scale, scale_bytes) == want_scale, what + ": scales differ");
+        const auto cv = refit::copy::conversion_of(from, dtype::f8_e4m3, q, shape, mul);
+        const std::uint64_t n = rows * cols;
+        for (const std::uint64_t piece : {std::uint64_t{77}, std::uint64_t{1} << 20}) {
+          refit::cuda::device_buffer out(n);
+          std::vector<refit::copy::convert_op> ops;
+          for (std::uint64_t e = 0; e < n; e += piece)
+            ops.push_back(refit::copy::convert_op{
+                static_cast<const std::byte*>(dsrc.handle()) + e * refit::itemsize(from),
+                static_cast<std::byte*>(out.handle()) + e, std::min(piece, n - e), 1, 0, 0, e, cv});
+          gpu->convert(ops, nullptr);
+          const auto diff = first_difference(download(out.handle(), n), want);
+          expect(diff.empty(), what + " pieces of " + std::to_string(piece) + ": " + diff);
+        }
+        if (cols > 32) {
+          const std::uint64_t width = cols - 32;
+          refit::cuda::device_buffer out(rows * width);
+          const refit::copy::convert_op op{static_cast<const std::byte*>(dsrc.handle()) + 32 * refit::itemsize(from),
+                                           out.handle(), width, rows, cols, width, 32, cv};
+          gpu->convert(std::span(&op, 1), nullptr);
+          std::vector<std::uint8_t> want_shard;
+          for (std::size_t r = 0; r < rows; ++r)
+            for (std::size_t c = 32; c < cols; ++c) want_shard.push_back(want[r * cols + c]);
+          const auto diff = first_difference(download(out.handle(), rows * width), want_shard);
+          expect(diff.empty(), what + " column shard: " + diff);
+        }
+        gpu->reset_scratch();
+      }
+}
+
 // ------------------------------------------------------------------------------ end to end
 
 /// Sources: w_block bf16 [300, 260] → fp8 block128 (dense); w_shard bf16 [256, 300] → fp8
@@ -342,6 +403,12 @@ void end_to_end(bool direct) {
 TEST_CASE("the CUDA scale passes, converting copies and fused kernel match the reference bit for bit",
           "[convert][copy]") {
   rt::child c(kernels_body);
+  CHECK(c.wait(300s) == 0);
+}
+
+TEST_CASE("the CUDA row scale kernel and converting copies quantise per channel and to MXFP8 like the CPU engine",
+          "[convert][copy][quant]") {
+  rt::child c(row_formats_body);
   CHECK(c.wait(300s) == 0);
 }
 
