@@ -70,14 +70,14 @@ class cuda_copier : public copier {
                    [&] { return fmt::format("per-tensor scale kernels ({} elements, device {})", n, device_); });
       } else if (j.q == quant::channel || j.q == quant::mxfp8) {
         const std::uint64_t rows = c.cols == 0 ? 0 : n / c.cols;
-        check_cuda(kernel::launch_row_scales(j.src, from, static_cast<std::uint8_t>(j.q), rows, c.cols, j.scale, j.mul,
-                                             s),
-                   [&] { return fmt::format("row scale kernel ({} elements, device {})", n, device_); });
+        check_cuda(
+            kernel::launch_row_scales(j.src, from, static_cast<std::uint8_t>(j.q), rows, c.cols, j.scale, j.mul, s),
+            [&] { return fmt::format("row scale kernel ({} elements, device {})", n, device_); });
       } else {
         const std::uint64_t lead = c.rows * c.cols == 0 ? 0 : n / (c.rows * c.cols);
-        check_cuda(kernel::launch_block_scales(j.src, from, lead, c.rows, c.cols, static_cast<float*>(j.scale), j.mul,
-                                               s),
-                   [&] { return fmt::format("block scale kernel ({} elements, device {})", n, device_); });
+        check_cuda(
+            kernel::launch_block_scales(j.src, from, lead, c.rows, c.cols, static_cast<float*>(j.scale), j.mul, s),
+            [&] { return fmt::format("block scale kernel ({} elements, device {})", n, device_); });
       }
     }
   }

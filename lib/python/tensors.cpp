@@ -181,7 +181,7 @@ tensor_world::tensor_world() : torch_(py::none()) {
       {"float64", dtype::f64},
       {"float8_e4m3fn", dtype::f8_e4m3},
       {"float8_e5m2", dtype::f8_e5m2},
-      {"float8_e8m0fnu", dtype::f8_e8m0},       // torch 2.7+: MX scales
+      {"float8_e8m0fnu", dtype::f8_e8m0},      // torch 2.7+: MX scales
       {"float4_e2m1fn_x2", dtype::f4_e2m1x2},  // torch 2.8+: two e2m1 a byte
       {"uint16", dtype::u16},
       {"uint32", dtype::u32},

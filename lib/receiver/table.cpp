@@ -109,12 +109,12 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout) {
                             what, to_string(d.q), to_string(d.meta.type)));
   const std::size_t rank = d.meta.shape.size();
   if (rank < min_rank(d.q))
-    throw error(errc::invalid_argument,
-                fmt::format("{} asks for quant {}, which quantises {}: it needs at least {} dimension{}, not {}", what,
-                            to_string(d.q),
-                            d.q == quant::block128 ? "128 × 128 blocks of the last two dimensions"
-                                                   : "along the last dimension",
-                            min_rank(d.q), min_rank(d.q) == 1 ? "" : "s", rank));
+    throw error(
+        errc::invalid_argument,
+        fmt::format("{} asks for quant {}, which quantises {}: it needs at least {} dimension{}, not {}", what,
+                    to_string(d.q),
+                    d.q == quant::block128 ? "128 × 128 blocks of the last two dimensions" : "along the last dimension",
+                    min_rank(d.q), min_rank(d.q) == 1 ? "" : "s", rank));
   const auto scale_numel = checked_numel(scale_shape(d.q, d.meta.shape));
   if (d.scale == nullptr && scale_numel.value_or(0) != 0)
     throw error(errc::invalid_argument,

@@ -61,8 +61,8 @@ const wire::conversion* streamer::impl::conversion_for(const tensor_ref& t, rout
   }
   if (t.meta.shape.size() < min_rank(c.q))
     throw error(errc::invalid_argument,
-                fmt::format("tensor {}: the receiver asks for {}, which needs at least {} dimension{}", describe(t.meta),
-                            asked, min_rank(c.q), min_rank(c.q) == 1 ? "" : "s"));
+                fmt::format("tensor {}: the receiver asks for {}, which needs at least {} dimension{}",
+                            describe(t.meta), asked, min_rank(c.q), min_rank(c.q) == 1 ? "" : "s"));
   return &c;
 }
 

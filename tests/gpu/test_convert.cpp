@@ -257,7 +257,13 @@ void row_formats_body() {
           const std::uint64_t width = cols - 32;
           refit::cuda::device_buffer out(rows * width);
           const refit::copy::convert_op op{static_cast<const std::byte*>(dsrc.handle()) + 32 * refit::itemsize(from),
-                                           out.handle(), width, rows, cols, width, 32, cv};
+                                           out.handle(),
+                                           width,
+                                           rows,
+                                           cols,
+                                           width,
+                                           32,
+                                           cv};
           gpu->convert(std::span(&op, 1), nullptr);
           std::vector<std::uint8_t> want_shard;
           for (std::size_t r = 0; r < rows; ++r)

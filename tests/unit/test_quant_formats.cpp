@@ -181,8 +181,8 @@ expected cpu_quantise(const source_tensor& src, dtype from, quant q, const std::
   std::vector<refit::copy::convert_op> ops;
   for (std::uint64_t e = 0; e < n; e += piece) {
     const std::uint64_t count = std::min(piece, n - e);
-    ops.push_back(refit::copy::convert_op{src.bytes.data() + e * refit::itemsize(from), out.q.data() + e, count, 1, 0,
-                                          0, e, cv});
+    ops.push_back(
+        refit::copy::convert_op{src.bytes.data() + e * refit::itemsize(from), out.q.data() + e, count, 1, 0, 0, e, cv});
   }
   copier->convert(ops, nullptr);
   return out;
@@ -264,9 +264,9 @@ TEST_CASE("the CPU engine quantises stacked 3-d tensors, rank-1 tensors and sing
           "[convert][quant]") {
   const dtype from = GENERATE(dtype::bf16, dtype::f32);
   INFO(refit::to_string(from));
-  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{2, 6, 33}, std::vector<std::int64_t>{50},
-                                                 std::vector<std::int64_t>{1}, std::vector<std::int64_t>{1, 1},
-                                                 std::vector<std::int64_t>{5, 1}}) {
+  for (const std::vector<std::int64_t>& shape :
+       {std::vector<std::int64_t>{2, 6, 33}, std::vector<std::int64_t>{50}, std::vector<std::int64_t>{1},
+        std::vector<std::int64_t>{1, 1}, std::vector<std::int64_t>{5, 1}}) {
     const auto n = static_cast<std::size_t>(*refit::checked_numel(shape));
     const auto cols = static_cast<std::size_t>(shape.back());
     const source_tensor src = make_source(from, edge_values(n / cols, cols, 3));
@@ -293,7 +293,7 @@ TEST_CASE("the CPU engine quantises to MXFP8 bit for bit like the reference, sho
   INFO(first);
   CHECK(got.scale == want.scale);
   REQUIRE(got.scale.size() == rows * ((cols + 31) / 32));
-  CHECK(got.scale[0] == 0);  // the all-zero row's blocks
+  CHECK(got.scale[0] == 0);                                          // the all-zero row's blocks
   CHECK(std::count(got.scale.begin(), got.scale.end(), 0xff) == 0);  // never NaN
 }
 
@@ -367,8 +367,9 @@ TEST_CASE("row-format registrations are checked: scale, rank and slices on block
         "register the destination as f8_e4m3, not bf16");
   auto unknown = d;
   unknown.q = static_cast<quant>(5);
-  CHECK(registration_error(unknown) == "invalid_argument: add_parameter: 'w' (w f8_e4m3[64, 100]) has an unknown "
-                                       "quant (code 5)");
+  CHECK(registration_error(unknown) ==
+        "invalid_argument: add_parameter: 'w' (w f8_e4m3[64, 100]) has an unknown "
+        "quant (code 5)");
   refit::dest_layout shard;
   auto mx = d;
   mx.q = quant::mxfp8;
@@ -438,8 +439,8 @@ void serve_formats(const std::string& endpoint, const formats_model& m, rt::sign
   o.endpoint = endpoint;
   o.idle_timeout = 5000ms;
   refit::receiver r(o);
-  std::vector<std::uint8_t> q_ch(64 * 100), s_ch(64 * 4), q_mx(48 * 70), s_mx(48 * 3), q_big(256 * 200),
-      s_big(256 * 7), q_shard(16 * 38), s_shard(16 * 2), q_rows(20 * 30), s_rows(20 * 4);
+  std::vector<std::uint8_t> q_ch(64 * 100), s_ch(64 * 4), q_mx(48 * 70), s_mx(48 * 3), q_big(256 * 200), s_big(256 * 7),
+      q_shard(16 * 38), s_shard(16 * 2), q_rows(20 * 30), s_rows(20 * 4);
   const auto fp8 = [](const char* name, std::vector<std::int64_t> shape, std::vector<std::uint8_t>& mem,
                       std::vector<std::uint8_t>& scale, quant q) {
     refit::tensor_dest d{{name, dtype::f8_e4m3, std::move(shape)}, mem.data(), refit::device::cpu()};
@@ -455,7 +456,7 @@ void serve_formats(const std::string& endpoint, const formats_model& m, rt::sign
   rows.slice = refit::source_slice{0, 10, 20};
   r.add_parameter(fp8("w_mx_shard", {16, 38}, q_shard, s_shard, quant::mxfp8), cols);
   r.add_parameter(fp8("w_ch_rows", {20, 30}, q_rows, s_rows, quant::channel), rows);
-  const std::vector<const void*> addresses{q_ch.data(), s_ch.data(), q_mx.data(), s_mx.data(), q_big.data(),
+  const std::vector<const void*> addresses{q_ch.data(),  s_ch.data(),    q_mx.data(),    s_mx.data(),   q_big.data(),
                                            s_big.data(), q_shard.data(), s_shard.data(), q_rows.data(), s_rows.data()};
 
   for (int v = 0; v < 2; ++v) {
@@ -495,7 +496,7 @@ void serve_formats(const std::string& endpoint, const formats_model& m, rt::sign
     const expected cr = channel_reference(m.get("w_ch_rows").t[v].values, 30);
     check("w_ch_rows", std::equal(q_rows.begin(), q_rows.end(), cr.q.begin() + 10 * 30));
     check("w_ch_rows scale", std::equal(s_rows.begin(), s_rows.end(), cr.scale.begin() + 10 * 4));
-    const std::vector<const void*> now{q_ch.data(),  s_ch.data(),  q_mx.data(),    s_mx.data(),    q_big.data(),
+    const std::vector<const void*> now{q_ch.data(),  s_ch.data(),    q_mx.data(),    s_mx.data(),   q_big.data(),
                                        s_big.data(), q_shard.data(), s_shard.data(), q_rows.data(), s_rows.data()};
     check("an address", now == addresses);
     result.send("v" + std::to_string(v + 1) + " " + problems);

@@ -659,8 +659,7 @@ TEST_CASE("an OK may ask for f8_e4m3 per channel and as mxfp8, never for the sca
                     "convert[0] ('w'): quant is mxfp8 for dtype bf16");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::f8_e8m0), 4)})), errc::protocol,
                     "convert[0] ('w'): dtype is f8_e8m0: refit converts only to f32, bf16, f16 and f8_e4m3");
-  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::f4_e2m1x2), 0)})),
-                    errc::protocol,
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::f4_e2m1x2), 0)})), errc::protocol,
                     "convert[0] ('w'): dtype is f4_e2m1x2: refit converts only to f32, bf16, f16 and f8_e4m3");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", 17, 0)})), errc::protocol,
                     "convert[0] ('w'): dtype has unknown code 17; the peer runs a newer refit or is broken");
