@@ -535,7 +535,7 @@ void row_end_to_end(bool direct) {
 TEST_CASE("cuda_ipc refits, staged and direct, write per-channel and MXFP8 weights and scales bit-exact",
           "[convert][cuda_ipc][quant]") {
   const bool direct = GENERATE(false, true);
-  INFO(direct ? "direct" : "staged");
+  INFO((direct ? "direct" : "staged"));
   row_end_to_end(direct);
 }
 
