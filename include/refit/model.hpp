@@ -32,11 +32,13 @@ enum class dtype : std::uint8_t {
   u16 = 12,
   u32 = 13,
   u64 = 14,
+  f8_e8m0 = 15,    ///< OCP E8M0: an unsigned power-of-two exponent, bias 127, 0xFF = NaN (torch float8_e8m0fnu)
+  f4_e2m1x2 = 16,  ///< two OCP e2m1 values a byte, element 2k in the low nibble (torch float4_e2m1fn_x2)
 };
 
 /// Bytes per element.
 REFIT_API std::size_t itemsize(dtype t) noexcept;
-/// Canonical lower-case name: "bool", "u8", ..., "bf16", "f8_e4m3".
+/// Canonical lower-case name: "bool", "u8", ..., "bf16", "f8_e4m3", "f8_e8m0", "f4_e2m1x2".
 REFIT_API std::string_view to_string(dtype t) noexcept;
 /// Parses a canonical name, a safetensors name ("BF16", "F8_E4M3", "BOOL") or a torch name
 /// ("bfloat16", "float16", "float32", "int64", "uint8", "float8_e4m3fn", ...). nullopt if unknown.
@@ -117,36 +119,66 @@ struct source_slice {
 };
 
 /// How a destination of dtype f8_e4m3 is quantised from its source (tensor_dest::q). The numeric
-/// values are the wire codes and never change.
+/// values are the wire codes and never change. A format is data: its groups (the whole tensor, or
+/// blocks of block_rows × block_cols of the last two dimensions), the dtype of its scale tensor
+/// and the rule that makes a group's scale (block_rows, block_cols, scale_dtype below).
 ///
 /// The exact definition, bit for bit (DeepGEMM's `per_block_cast_to_fp8`, and its per-tensor form):
 /// - every source element x (f32, bf16 or f16) is first widened to f32 (exactly);
-/// - a group is the whole tensor (`tensor`) or one 128 × 128 block of its last two dimensions
-///   (`block128`; leading dimensions index separate grids; blocks at the right and bottom edges may
-///   be partial); amax = max |x| over the group's finite elements (NaN and ±inf are ignored), then
-///   amax = max(amax, 1e-4f);
-/// - s = 448.0f / amax (f32 division, rounded to nearest); q = e4m3(x · s), the product in f32,
-///   then rounded to the nearest e4m3fn value (ties to even, subnormals included) and saturated:
-///   |x · s| ≥ 448 gives ±448 (so ±inf gives ±448); NaN gives 0x7F; -0 gives 0x80;
-/// - the scale tensor holds scale_inv = amax / 448.0f (f32) per group: shape {1} for `tensor`,
+/// - a group is the whole tensor (`tensor`), one 128 × 128 block of its last two dimensions
+///   (`block128`), one row of its last dimension (`channel`: one scale per index of dimension -2,
+///   the output channel of a [out, in] weight, compressed-tensors' "channel" strategy), or 32
+///   consecutive elements of a row (`mxfp8`, OCP Microscaling v1.0 MXFP8: blocks along the last,
+///   reduction, dimension). Leading dimensions index separate grids; blocks at the right and
+///   bottom edges may be partial (a row of 40 has an mxfp8 block of 32 and one of 8);
+/// - amax = max |x| over the group's finite elements (NaN and ±inf are ignored, in every format);
+/// - f32 scales (`tensor`, `block128`, `channel`): amax = max(amax, 1e-4f); s = 448.0f / amax (f32
+///   division, rounded to nearest); the scale tensor holds scale_inv = amax / 448.0f (f32);
+/// - E8M0 scales (`mxfp8`, OCP v1.0 §6.3): X = 2^(floor(log2(amax)) - 8) (8: e4m3's largest
+///   exponent), its code e = floor(log2(amax)) - 8 + 127 clamped to [0, 254] (an all-zero or
+///   all-non-finite block, amax 0, and every amax below 2^-119 give 0x00, X = 2^-127; 0xFF, NaN,
+///   is never written); s = 1 / X, exact (a power of two);
+/// - q = e4m3(x · s), the product in f32, then rounded to the nearest e4m3fn value (ties to even,
+///   subnormals included) and saturated: |x · s| ≥ 448 gives ±448 (so ±inf gives ±448, and an
+///   mxfp8 block's largest elements, up to 2^9 · X, saturate as OCP's conversion does); NaN gives
+///   0x7F; -0 gives 0x80;
+/// - the scale tensor is dense row-major: shape {1} for `tensor`;
 ///   shape[:-2] + {ceil(rows / 128), ceil(cols / 128)} for `block128` (rows, cols: the last two
-///   dimensions), dense row-major.
-/// For finite inputs this is what `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` gives.
+///   dimensions); shape[:-1] + {ceil(cols / block_cols)} for the row formats, so {out, 1} for
+///   `channel` of [out, in] (compressed-tensors' weight_scale) and {out, ceil(in / 32)} for `mxfp8`.
+/// For finite inputs `tensor`/`block128`/`channel` are what
+/// `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` gives.
 /// Casts among f32, bf16 and f16 (quant none, another destination dtype) round to nearest even
 /// (NaN becomes the canonical quiet NaN: 0x7FC0 in bf16, 0x7E00 in f16; f16 overflows to ±inf).
+/// A peer of an older refit refuses the codes it does not know (`channel`, `mxfp8`) by name in
+/// HELLO's validation; the protocol version is unchanged.
 enum class quant : std::uint8_t {
   none = 0,      ///< no quantisation (a plain copy, or a cast among f32 / bf16 / f16)
-  tensor = 1,    ///< f8_e4m3 with one scale for the whole tensor
-  block128 = 2,  ///< f8_e4m3 with one scale per 128 × 128 block of the last two dimensions
+  tensor = 1,    ///< f8_e4m3 with one f32 scale for the whole tensor
+  block128 = 2,  ///< f8_e4m3 with one f32 scale per 128 × 128 block of the last two dimensions
+  channel = 3,   ///< f8_e4m3 with one f32 scale per row (output channel) of the last two dimensions
+  mxfp8 = 4,     ///< f8_e4m3 with one f8_e8m0 scale per 32 elements of a row (OCP MXFP8)
 };
-/// "none", "tensor", "block128".
+/// "none", "tensor", "block128", "channel", "mxfp8".
 REFIT_API std::string_view to_string(quant q) noexcept;
-/// Parses "none", "tensor" (also "per_tensor"), "block128" (also "block"); nullopt if unknown.
+/// Parses "none", "tensor" (also "per_tensor"), "block128" (also "block"), "channel" (also
+/// "per_channel"), "mxfp8" (also "mx"); nullopt if unknown.
 REFIT_API std::optional<quant> parse_quant(std::string_view name) noexcept;
 /// The quant with this wire code, nullopt if none.
 REFIT_API std::optional<quant> quant_from_code(std::uint64_t code) noexcept;
 /// The shape of the scale tensor of a `q`-quantised tensor of `shape` ({} for quant::none).
 REFIT_API std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> shape);
+/// The dtype of the scale tensor of `q`: f32, or f8_e8m0 for mxfp8 (f32 for none, unused).
+REFIT_API dtype scale_dtype(quant q) noexcept;
+/// Rows of the last-two-dims matrix that one group of `q` spans: 128 for block128, 1 for channel and
+/// mxfp8, 0 (all of them) for tensor and none.
+REFIT_API std::uint64_t block_rows(quant q) noexcept;
+/// Columns that one group of `q` spans: 128 for block128, 32 for mxfp8, 0 (the whole row) for
+/// channel, tensor and none.
+REFIT_API std::uint64_t block_cols(quant q) noexcept;
+/// The fewest dimensions a tensor quantised as `q` has: 2 for block128, 1 for channel and mxfp8,
+/// 0 otherwise.
+REFIT_API std::size_t min_rank(quant q) noexcept;
 /// Appended to a tensor's name to name its scale tensor on the wire and in the receiver's table
 /// ("\x1fscale_inv": a control character, so no user name collides; add_parameter refuses names
 /// that contain it).
@@ -162,15 +194,15 @@ inline constexpr std::string_view scale_suffix = "\x1fscale_inv";
 ///
 /// Conversion: `meta.type` is the destination's dtype and may differ from the source's: a cast
 /// among f32, bf16 and f16, or f8_e4m3 quantised as `q` says (see refit::quant for the exact
-/// definition), with its scales written to `scale` (f32, on the same device as `data`, dense, of
-/// scale_shape(q, shape): for a view with a slice, the part of the scale grid its slice takes). The
+/// definition), with its scales written to `scale` (of scale_dtype(q), on the same device as `data`,
+/// dense, of scale_shape(q, shape): for a view with a slice, the part of the scale grid its slice takes). The
 /// streamer converts once, before the bytes leave it, so every transport carries converted bytes.
 struct tensor_dest {
   tensor_meta meta;
   void* data = nullptr;
   device dev{};
   quant q = quant::none;  ///< f8_e4m3 destinations only: how to quantise
-  void* scale = nullptr;  ///< f32 scale_inv of a quantised destination (see above)
+  void* scale = nullptr;  ///< the scale tensor of a quantised destination (see above)
 };
 
 /// A destination in the engine's own layout (receiver::add_parameter(dest, layout)): a view into a

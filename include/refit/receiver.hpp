@@ -293,14 +293,16 @@ class REFIT_API receiver {
   ///
   /// Conversion (see tensor_dest and refit::quant): a destination whose dtype differs from its
   /// source's is converted by the streamer before the bytes leave it (casts among f32, bf16, f16;
-  /// f8_e4m3 quantised per tensor or per 128 × 128 block, its scale_inv written to `dest.scale`).
+  /// f8_e4m3 quantised per tensor, per 128 × 128 block, per channel or as mxfp8, its scales — of
+  /// scale_dtype(q) — written to `dest.scale`).
   /// The receiver asks for it in its reply to HELLO; a streamer serving several receivers refuses
   /// the session (errc::invalid_argument) when two ask one tensor as different things. Also throws
   /// errc::invalid_argument for: a quant on a destination that is not f8_e4m3; a quantised
-  /// destination without a scale, or a scale without a quant; block128 on fewer than 2
-  /// dimensions; a block128 slice along one of the last two dimensions starting off a multiple of
-  /// 128 (blocks are the global tensor's; one ending off a multiple of 128 before the source's end
-  /// fails its refit with errc::apply); a scale that shares bytes with its destination; a name
+  /// destination without a scale, or a scale without a quant; fewer dimensions than
+  /// min_rank(q) (2 for block128, 1 for channel and mxfp8); a block128 slice along one of the last
+  /// two dimensions, or an mxfp8 slice along the last, starting off a multiple of 128 (32) (blocks
+  /// are the global tensor's; one ending off a block edge before the source's end fails its refit
+  /// with errc::apply); a scale that shares bytes with its destination; a name
   /// containing "\x1f" (reserved: the scale travels as name + scale_suffix); a second
   /// destination of one source with another quant.
   void add_parameter(const tensor_dest& dest, const dest_layout& layout);

@@ -1,5 +1,7 @@
 // refit — element conversions of the converting copies: f32 / bf16 / f16 casts and f8_e4m3
-// quantisation (per tensor, per 128 × 128 block). The exact definition is refit::quant's
+// quantisation (per tensor, per 128 × 128 block, per row, per 32 elements of a row with an E8M0
+// scale). A format is data: its block shape (group_rows, group_cols) and its scale rule
+// (write_scale); every path finds a group and makes its scale the same way. The exact definition is refit::quant's
 // (include/refit/model.hpp); this file is its one implementation, shared by the CPU engine
 // (copy.cpp) and the CUDA kernels (copy_kernel.cu), so both produce the same bits.
 //
@@ -29,9 +31,16 @@ inline constexpr std::uint8_t f8_e4m3 = 10;
 inline constexpr std::uint8_t quant_none = 0;
 inline constexpr std::uint8_t quant_tensor = 1;
 inline constexpr std::uint8_t quant_block128 = 2;
+inline constexpr std::uint8_t quant_channel = 3;
+inline constexpr std::uint8_t quant_mxfp8 = 4;
+inline constexpr std::uint8_t f8_e8m0 = 15;
 
-/// Side of a quantisation block.
+/// Side of a quantisation block (block128).
 inline constexpr std::uint64_t block = 128;
+/// Elements of an MX block (OCP Microscaling v1.0: k = 32).
+inline constexpr std::uint64_t mx_block = 32;
+/// e4m3's largest exponent (448 = 1.75 · 2^8): OCP's emax_elem.
+inline constexpr int e4m3_emax = 8;
 /// The largest finite e4m3fn value, the target of amax.
 inline constexpr float e4m3_max = 448.0f;
 /// amax is clamped to at least this (an all-zero group gets a finite scale).
@@ -154,16 +163,38 @@ struct conversion {
   std::uint64_t cols = 1;  ///< last dimension
 };
 
-/// The group (index into the scale tensor) of element e of the tensor.
+/// Rows of the last-two-dims matrix that one group of quantisation q spans (refit::block_rows;
+/// `rows` for the whole-tensor and unquantised cases).
+REFIT_HOST_DEVICE std::uint64_t group_rows(std::uint8_t q, std::uint64_t rows) {
+  return q == quant_block128 ? block : q == quant_channel || q == quant_mxfp8 ? 1 : rows;
+}
+
+/// Columns that one group of quantisation q spans (refit::block_cols; `cols`: the whole row).
+REFIT_HOST_DEVICE std::uint64_t group_cols(std::uint8_t q, std::uint64_t cols) {
+  return q == quant_block128 ? block : q == quant_mxfp8 ? mx_block : cols;
+}
+
+/// The group (index into the scale tensor) of element e of the tensor: the grid of
+/// group_rows × group_cols blocks of each matrix of its last two dimensions, row-major, matrices
+/// one after another (one group for the whole tensor: quant tensor, none).
 REFIT_HOST_DEVICE std::uint64_t group_of(const conversion& c, std::uint64_t e) {
-  if (c.q != quant_block128) return 0;
+  if (c.q != quant_block128 && c.q != quant_channel && c.q != quant_mxfp8) return 0;
+  const std::uint64_t br = group_rows(c.q, c.rows);
+  const std::uint64_t bc = group_cols(c.q, c.cols);
   const std::uint64_t row = e / c.cols;
   const std::uint64_t col = e - row * c.cols;
   const std::uint64_t lead = row / c.rows;
   const std::uint64_t r = row - lead * c.rows;
-  const std::uint64_t grid_rows = (c.rows + block - 1) / block;
-  const std::uint64_t grid_cols = (c.cols + block - 1) / block;
-  return (lead * grid_rows + r / block) * grid_cols + col / block;
+  const std::uint64_t grid_rows = (c.rows + br - 1) / br;
+  const std::uint64_t grid_cols = (c.cols + bc - 1) / bc;
+  return (lead * grid_rows + r / br) * grid_cols + col / bc;
+}
+
+/// Elements from column `col` on that share its group, at most to the end of the row.
+REFIT_HOST_DEVICE std::uint64_t group_stretch(const conversion& c, std::uint64_t col) {
+  const std::uint64_t bc = group_cols(c.q, c.cols);
+  const std::uint64_t to_edge = bc - col % bc;
+  return to_edge < c.cols - col ? to_edge : c.cols - col;
 }
 
 /// Stores x (already widened to f32) as element i of `dst` of type c.to; `mul` is the group's
@@ -179,5 +210,42 @@ REFIT_HOST_DEVICE void store(void* dst, std::uint8_t to, std::uint64_t i, float 
 
 /// amax of a group, given the largest counted |x| seen (0 if none): clamped to amax_floor.
 REFIT_HOST_DEVICE float clamp_amax(float amax) { return amax < amax_floor ? amax_floor : amax; }
+
+/// floor(log2(a)) of a finite a > 0, from its bits (subnormals included); -150 for 0.
+REFIT_HOST_DEVICE int floor_log2(float a) {
+  const std::uint32_t u = bits_of(a) & 0x7fffffffu;
+  if (u >= 0x00800000u) return static_cast<int>(u >> 23) - 127;
+  int top = -1;
+  for (std::uint32_t m = u; m != 0; m >>= 1) ++top;
+  return top < 0 ? -150 : top - 149;
+}
+
+/// The E8M0 code of an MX block's shared scale (OCP Microscaling v1.0, §6.3): X =
+/// 2^(floor(log2(amax)) - emax_elem), its biased exponent clamped to [0, 254] (0xFF is NaN and never
+/// written; an amax of 0 gives 0).
+REFIT_HOST_DEVICE std::uint8_t e8m0_of(float amax) {
+  const int e = floor_log2(amax) - e4m3_emax + 127;
+  return static_cast<std::uint8_t>(e < 0 ? 0 : e > 254 ? 254 : e);
+}
+
+/// 1 / X of an E8M0 code (0..254): 2^(127 - code), exact in f32 (2^-127 is a subnormal).
+REFIT_HOST_DEVICE float e8m0_multiplier(std::uint8_t code) {
+  return code <= 253 ? float_of(static_cast<std::uint32_t>(254 - code) << 23) : float_of(1u << 22);
+}
+
+/// Writes the scale of group g of quantisation q, whose largest counted |x| is `amax`: into
+/// `scale` (of the format's scale dtype: E8M0 codes for mxfp8, f32 scale_inv = amax / 448
+/// otherwise) and the multiplier s into mul[g] (when mul is not null).
+REFIT_HOST_DEVICE void write_scale(std::uint8_t q, float amax, void* scale, float* mul, std::uint64_t g) {
+  if (q == quant_mxfp8) {
+    const std::uint8_t code = e8m0_of(amax);
+    if (scale != nullptr) static_cast<std::uint8_t*>(scale)[g] = code;
+    if (mul != nullptr) mul[g] = e8m0_multiplier(code);
+    return;
+  }
+  const float a = clamp_amax(amax);
+  if (scale != nullptr) static_cast<float*>(scale)[g] = a / e4m3_max;
+  if (mul != nullptr) mul[g] = e4m3_max / a;
+}
 
 }  // namespace refit::copy::cvt

@@ -23,7 +23,10 @@ static_assert(cvt::f16 == static_cast<std::uint8_t>(dtype::f16) &&
               cvt::f8_e4m3 == static_cast<std::uint8_t>(dtype::f8_e4m3));
 static_assert(cvt::quant_none == static_cast<std::uint8_t>(quant::none) &&
               cvt::quant_tensor == static_cast<std::uint8_t>(quant::tensor) &&
-              cvt::quant_block128 == static_cast<std::uint8_t>(quant::block128));
+              cvt::quant_block128 == static_cast<std::uint8_t>(quant::block128) &&
+              cvt::quant_channel == static_cast<std::uint8_t>(quant::channel) &&
+              cvt::quant_mxfp8 == static_cast<std::uint8_t>(quant::mxfp8));
+static_assert(cvt::f8_e8m0 == static_cast<std::uint8_t>(dtype::f8_e8m0));
 
 namespace {
 
@@ -58,14 +61,14 @@ stretch_fn stretch_for(std::uint8_t from, std::uint8_t to) {
 void convert_row(const convert_op& o, const void* src, void* dst, std::uint64_t e, std::uint64_t n) {
   const cvt::conversion& c = o.cv;
   const stretch_fn run = stretch_for(c.from, c.to);
-  if (c.q != cvt::quant_block128) {
+  if (c.q == cvt::quant_none || c.q == cvt::quant_tensor) {
     run(src, dst, 0, n, c.q == cvt::quant_tensor ? c.mul[0] : 1.0f);
     return;
   }
-  // Blocks change every 128 columns: look the group up once per stretch.
+  // Groups change at block edges and row ends: look the group up once per stretch.
   for (std::uint64_t i = 0; i < n;) {
     const std::uint64_t col = (e + i) % c.cols;
-    const std::uint64_t stretch = std::min(n - i, std::min(cvt::block - col % cvt::block, c.cols - col));
+    const std::uint64_t stretch = std::min(n - i, cvt::group_stretch(c, col));
     run(src, dst, i, i + stretch, c.mul[cvt::group_of(c, e + i)]);
     i += stretch;
   }
@@ -86,8 +89,7 @@ void cpu_scales(const scale_job& j) {
     for (float& g : amax) g = m;
   } else {
     for (std::uint64_t e = 0; e < n;) {
-      const std::uint64_t col = e % c.cols;
-      const std::uint64_t stretch = std::min(cvt::block - col % cvt::block, c.cols - col);
+      const std::uint64_t stretch = cvt::group_stretch(c, e % c.cols);
       float& m = amax[cvt::group_of(c, e)];
       for (std::uint64_t k = e; k < e + stretch; ++k) {
         const float a = std::fabs(cvt::load(j.src, from, k));
@@ -96,11 +98,7 @@ void cpu_scales(const scale_job& j) {
       e += stretch;
     }
   }
-  for (std::uint64_t g = 0; g < groups; ++g) {
-    const float a = cvt::clamp_amax(amax[g]);
-    j.scale_inv[g] = a / cvt::e4m3_max;
-    j.mul[g] = cvt::e4m3_max / a;
-  }
+  for (std::uint64_t g = 0; g < groups; ++g) cvt::write_scale(c.q, amax[g], j.scale, j.mul, g);
 }
 
 /// The CPU engine's copies of a batch (`ops` points at a std::span<const op>). Run inside
@@ -144,7 +142,7 @@ class cpu_copier final : public copier {
       const std::vector<std::int64_t> shape{static_cast<std::int64_t>(j.lead), static_cast<std::int64_t>(j.rows),
                                             static_cast<std::int64_t>(j.cols)};
       const std::uint64_t groups = *checked_numel(scale_shape(quant::block128, shape));
-      std::vector<float> inv(groups), mul(groups);
+      std::vector<float> inv(groups), mul(groups);  // block128: f32 scales
       cpu_scales(scale_job{j.src, j.from, shape, quant::block128, inv.data(), mul.data()});
       const cvt::conversion c = conversion_of(j.from, dtype::f8_e4m3, quant::block128, shape, mul.data());
       const std::uint64_t si = cvt::item(c.from);

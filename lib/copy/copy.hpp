@@ -60,14 +60,15 @@ struct convert_op {
 };
 
 /// The scale pass of a quantised tensor (source `src` of `from` with `shape`, quantised as `q`):
-/// for every group, scale_inv = amax / 448 (what the scale tensor holds) and mul = 448 / amax
-/// (what convert_op::cv.mul points at), each numel(scale_shape(q, shape)) floats.
+/// for every group, its scale (what the scale tensor holds: f32 scale_inv = amax / 448, or an E8M0
+/// code for mxfp8; cvt::write_scale) and its multiplier s (what convert_op::cv.mul points at),
+/// numel(scale_shape(q, shape)) of each.
 struct scale_job {
   const void* src = nullptr;
   dtype from = dtype::f32;
   std::vector<std::int64_t> shape;
   quant q = quant::tensor;
-  float* scale_inv = nullptr;
+  void* scale = nullptr;  ///< the scale tensor, of scale_dtype(q)
   float* mul = nullptr;
 };
 

@@ -66,12 +66,18 @@ class cuda_copier : public copier {
       if (j.q == quant::tensor) {
         const std::uint64_t wanted = std::max<std::uint64_t>(1, n / (kernel::convert_threads * 16));
         const int blocks = static_cast<int>(std::min<std::uint64_t>(wanted, static_cast<std::uint64_t>(max_blocks())));
-        check_cuda(kernel::launch_tensor_scale(j.src, from, n, j.scale_inv, j.mul, blocks, s),
+        check_cuda(kernel::launch_tensor_scale(j.src, from, n, static_cast<float*>(j.scale), j.mul, blocks, s),
                    [&] { return fmt::format("per-tensor scale kernels ({} elements, device {})", n, device_); });
+      } else if (j.q == quant::channel || j.q == quant::mxfp8) {
+        const std::uint64_t rows = c.cols == 0 ? 0 : n / c.cols;
+        check_cuda(
+            kernel::launch_row_scales(j.src, from, static_cast<std::uint8_t>(j.q), rows, c.cols, j.scale, j.mul, s),
+            [&] { return fmt::format("row scale kernel ({} elements, device {})", n, device_); });
       } else {
         const std::uint64_t lead = c.rows * c.cols == 0 ? 0 : n / (c.rows * c.cols);
-        check_cuda(kernel::launch_block_scales(j.src, from, lead, c.rows, c.cols, j.scale_inv, j.mul, s),
-                   [&] { return fmt::format("block scale kernel ({} elements, device {})", n, device_); });
+        check_cuda(
+            kernel::launch_block_scales(j.src, from, lead, c.rows, c.cols, static_cast<float*>(j.scale), j.mul, s),
+            [&] { return fmt::format("block scale kernel ({} elements, device {})", n, device_); });
       }
     }
   }

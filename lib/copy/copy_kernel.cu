@@ -282,8 +282,11 @@ __global__ void __launch_bounds__(convert_threads) convert_elements(convert_args
   const std::uint64_t total = a.count * a.rows;
   const std::uint32_t si = cvt::item(c.from);
   const std::uint32_t di = cvt::item(c.to);
-  const std::uint64_t grid_rows = (c.rows + cvt::block - 1) / cvt::block;
-  const std::uint64_t grid_cols = (c.cols + cvt::block - 1) / cvt::block;
+  const std::uint64_t br = cvt::group_rows(c.q, c.rows);
+  const std::uint64_t bc = cvt::group_cols(c.q, c.cols);
+  const std::uint64_t grid_rows = (c.rows + br - 1) / br;
+  const std::uint64_t grid_cols = (c.cols + bc - 1) / bc;
+  const bool grouped = c.q == cvt::quant_block128 || c.q == cvt::quant_channel || c.q == cvt::quant_mxfp8;
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x * per;
   for (std::uint64_t base = (static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * per; base < total;
        base += stride) {
@@ -308,8 +311,8 @@ __global__ void __launch_bounds__(convert_threads) convert_elements(convert_args
       float mul = 1.0f;
       if (c.q == cvt::quant_tensor)
         mul = __ldg(c.mul);
-      else if (c.q == cvt::quant_block128)
-        mul = __ldg(c.mul + (lead * grid_rows + rr / cvt::block) * grid_cols + col / cvt::block);
+      else if (grouped)
+        mul = __ldg(c.mul + (lead * grid_rows + rr / br) * grid_cols + col / bc);
       const auto* srow = static_cast<const unsigned char*>(a.src) + r * a.src_pitch * si;
       auto* drow = static_cast<unsigned char*>(a.dst) + r * a.dst_pitch * di;
       cvt::store(drow, c.to, k, cvt::load(srow, c.from, k), mul);
@@ -326,9 +329,7 @@ __global__ void __launch_bounds__(convert_threads) convert_elements(convert_args
 }
 
 __device__ __forceinline__ void write_scale(float amax, float* inv, float* mul, std::uint64_t g) {
-  const float a = cvt::clamp_amax(amax);
-  inv[g] = a / cvt::e4m3_max;
-  if (mul != nullptr) mul[g] = cvt::e4m3_max / a;
+  cvt::write_scale(cvt::quant_block128, amax, inv, mul, g);
 }
 
 /// One block per 128 × 128 block: (blockIdx.x, blockIdx.y, blockIdx.z) = (column block, row
@@ -350,6 +351,23 @@ __global__ void __launch_bounds__(convert_threads)
   if (threadIdx.x == 0)
     write_scale(m, inv, mul,
                 (static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
+}
+
+/// The scale pass of a row format (channel, mxfp8): one block per group of `per_group` elements
+/// (the last group of a row may be shorter), a reduction over its elements, then thread 0 writes
+/// its scale and multiplier (cvt::write_scale). blockIdx.x is the group within its row, blockIdx.y
+/// the row (rows counted over all matrices).
+__global__ void __launch_bounds__(convert_threads)
+    row_scales(const void* src, std::uint8_t from, std::uint8_t q, std::uint64_t cols, std::uint64_t per_group,
+               void* scale, float* mul) {
+  const std::uint64_t c0 = static_cast<std::uint64_t>(blockIdx.x) * per_group;
+  const std::uint64_t n = cols - c0 < per_group ? cols - c0 : per_group;
+  const std::uint64_t first = static_cast<std::uint64_t>(blockIdx.y) * cols + c0;
+  float m = 0.0f;
+  for (std::uint64_t i = threadIdx.x; i < n; i += convert_threads) take(m, cvt::load(src, from, first + i));
+  m = block_max(m);
+  if (threadIdx.x == 0)
+    cvt::write_scale(q, m, scale, mul, static_cast<std::uint64_t>(blockIdx.y) * gridDim.x + blockIdx.x);
 }
 
 __global__ void __launch_bounds__(convert_threads)
@@ -614,7 +632,7 @@ cudaError_t launch_convert(const convert_args& a, int max_blocks, cudaStream_t s
   if (total == 0) return cudaSuccess;
   const std::uint64_t wanted = (total + 8 * convert_threads - 1) / (8 * convert_threads);
   const auto blocks = static_cast<int>(wanted < static_cast<std::uint64_t>(max_blocks) ? wanted : max_blocks);
-  if (a.rows == 1 && a.cv.q != cvt::quant_block128)
+  if (a.rows == 1 && (a.cv.q == cvt::quant_none || a.cv.q == cvt::quant_tensor))
     launch_flat(a, blocks, stream);
   else
     convert_elements<<<blocks, convert_threads, 0, stream>>>(a);
@@ -628,6 +646,29 @@ cudaError_t launch_block_scales(const void* src, std::uint8_t from, std::uint64_
   const dim3 grid(static_cast<unsigned>((cols + cvt::block - 1) / cvt::block),
                   static_cast<unsigned>((rows + cvt::block - 1) / cvt::block), static_cast<unsigned>(lead));
   block_scales<<<grid, convert_threads, 0, stream>>>(src, from, rows, cols, scale_inv, mul);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_row_scales(const void* src, std::uint8_t from, std::uint8_t q, std::uint64_t rows,
+                              std::uint64_t cols, void* scale, float* mul, cudaStream_t stream) noexcept {
+  (void)cudaGetLastError();
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const std::uint64_t per_group = cvt::group_cols(q, cols);
+  if (rows > 65535) {
+    // gridDim.y is at most 65,535: launch the rows in slices.
+    for (std::uint64_t r0 = 0; r0 < rows; r0 += 65535) {
+      const std::uint64_t n = rows - r0 < 65535 ? rows - r0 : 65535;
+      const std::uint64_t groups = (cols + per_group - 1) / per_group;
+      const std::uint64_t scale_item = q == cvt::quant_mxfp8 ? 1 : 4;
+      const cudaError_t e =
+          launch_row_scales(static_cast<const unsigned char*>(src) + r0 * cols * cvt::item(from), from, q, n, cols,
+                            static_cast<unsigned char*>(scale) + r0 * groups * scale_item, mul + r0 * groups, stream);
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
+  const dim3 grid(static_cast<unsigned>((cols + per_group - 1) / per_group), static_cast<unsigned>(rows));
+  row_scales<<<grid, convert_threads, 0, stream>>>(src, from, q, cols, per_group, scale, mul);
   return cudaGetLastError();
 }
 
@@ -722,6 +763,7 @@ cudaError_t load_all() noexcept {
       reinterpret_cast<const void*>(&convert_flat<cvt::f16, cvt::f8_e4m3>),
       reinterpret_cast<const void*>(&convert_elements),
       reinterpret_cast<const void*>(&block_scales),
+      reinterpret_cast<const void*>(&row_scales),
       reinterpret_cast<const void*>(&tensor_amax),
       reinterpret_cast<const void*>(&tensor_finish),
       reinterpret_cast<const void*>(&fused_block128),

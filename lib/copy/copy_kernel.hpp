@@ -120,6 +120,12 @@ cudaError_t launch_convert(const convert_args& a, int max_blocks, cudaStream_t s
 cudaError_t launch_block_scales(const void* src, std::uint8_t from, std::uint64_t lead, std::uint64_t rows,
                                 std::uint64_t cols, float* scale_inv, float* mul, cudaStream_t stream) noexcept;
 
+/// Enqueues the scale pass of a row format (channel, mxfp8) of `rows` rows (over all matrices)
+/// of `cols` elements of type `from` at `src`: one block per group writes its scale (f32 or
+/// E8M0, of scale_dtype(q)) and its multiplier mul[g] (refit::quant).
+cudaError_t launch_row_scales(const void* src, std::uint8_t from, std::uint8_t q, std::uint64_t rows,
+                              std::uint64_t cols, void* scale, float* mul, cudaStream_t stream) noexcept;
+
 /// Enqueues the scale pass of a per-tensor quantisation of `n` elements (a reduction with
 /// `blocks` blocks, then one thread writing scale_inv[0] and mul[0]).
 cudaError_t launch_tensor_scale(const void* src, std::uint8_t from, std::uint64_t n, float* scale_inv, float* mul,

@@ -18,7 +18,7 @@ struct dtype_info {
   std::string_view name;
 };
 
-constexpr std::array<dtype_info, 15> dtypes = {{
+constexpr std::array<dtype_info, 17> dtypes = {{
     {dtype::bool_, 1, "bool"},
     {dtype::u8, 1, "u8"},
     {dtype::i8, 1, "i8"},
@@ -34,6 +34,8 @@ constexpr std::array<dtype_info, 15> dtypes = {{
     {dtype::u16, 2, "u16"},
     {dtype::u32, 4, "u32"},
     {dtype::u64, 8, "u64"},
+    {dtype::f8_e8m0, 1, "f8_e8m0"},
+    {dtype::f4_e2m1x2, 1, "f4_e2m1x2"},
 }};
 
 // Other spellings: safetensors (upper case of ours, plus BOOL), torch and numpy names.
@@ -41,7 +43,7 @@ struct alias {
   std::string_view name;
   dtype type;
 };
-constexpr std::array<alias, 22> aliases = {{
+constexpr std::array<alias, 25> aliases = {{
     {"bfloat16", dtype::bf16},
     {"float16", dtype::f16},
     {"half", dtype::f16},
@@ -60,6 +62,9 @@ constexpr std::array<alias, 22> aliases = {{
     {"float8_e4m3fn", dtype::f8_e4m3},
     {"float8_e5m2", dtype::f8_e5m2},
     {"f8_e4m3fn", dtype::f8_e4m3},
+    {"float8_e8m0fnu", dtype::f8_e8m0},
+    {"f8_e8m0fnu", dtype::f8_e8m0},
+    {"float4_e2m1fn_x2", dtype::f4_e2m1x2},
     {"boolean", dtype::bool_},
     {"short", dtype::i16},
     {"int", dtype::i32},
@@ -108,6 +113,8 @@ std::string_view to_string(quant q) noexcept {
     case quant::none: return "none";
     case quant::tensor: return "tensor";
     case quant::block128: return "block128";
+    case quant::channel: return "channel";
+    case quant::mxfp8: return "mxfp8";
   }
   return "?";
 }
@@ -116,11 +123,13 @@ std::optional<quant> parse_quant(std::string_view name) noexcept {
   if (name == "none") return quant::none;
   if (name == "tensor" || name == "per_tensor") return quant::tensor;
   if (name == "block128" || name == "block") return quant::block128;
+  if (name == "channel" || name == "per_channel") return quant::channel;
+  if (name == "mxfp8" || name == "mx") return quant::mxfp8;
   return std::nullopt;
 }
 
 std::optional<quant> quant_from_code(std::uint64_t code) noexcept {
-  if (code <= static_cast<std::uint64_t>(quant::block128)) return static_cast<quant>(code);
+  if (code <= static_cast<std::uint64_t>(quant::mxfp8)) return static_cast<quant>(code);
   return std::nullopt;
 }
 
@@ -133,8 +142,51 @@ std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> sha
       for (std::size_t k = s.size() >= 2 ? s.size() - 2 : 0; k < s.size(); ++k) s[k] = (s[k] + 127) / 128;
       return s;
     }
+    case quant::channel:
+    case quant::mxfp8: {
+      std::vector<std::int64_t> s(shape.begin(), shape.end());
+      if (s.empty()) return {1};
+      const auto b = static_cast<std::int64_t>(block_cols(q));
+      s.back() = b == 0 ? 1 : (s.back() + b - 1) / b;
+      return s;
+    }
   }
   return {};
+}
+
+dtype scale_dtype(quant q) noexcept { return q == quant::mxfp8 ? dtype::f8_e8m0 : dtype::f32; }
+
+std::uint64_t block_rows(quant q) noexcept {
+  switch (q) {
+    case quant::block128: return 128;
+    case quant::channel:
+    case quant::mxfp8: return 1;
+    case quant::none:
+    case quant::tensor: break;
+  }
+  return 0;
+}
+
+std::uint64_t block_cols(quant q) noexcept {
+  switch (q) {
+    case quant::block128: return 128;
+    case quant::mxfp8: return 32;
+    case quant::none:
+    case quant::tensor:
+    case quant::channel: break;
+  }
+  return 0;
+}
+
+std::size_t min_rank(quant q) noexcept {
+  switch (q) {
+    case quant::block128: return 2;
+    case quant::channel:
+    case quant::mxfp8: return 1;
+    case quant::none:
+    case quant::tensor: break;
+  }
+  return 0;
 }
 
 std::optional<std::uint64_t> checked_numel(std::span<const std::int64_t> shape) noexcept {

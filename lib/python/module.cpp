@@ -227,23 +227,29 @@ class py_receiver {
     if (quant_name) {
       const auto parsed = parse_quant(*quant_name);
       if (!parsed)
-        throw py::value_error("tensor '" + name + "': quant must be 'tensor', 'block128' or 'none', not '" +
+        throw py::value_error("tensor '" + name +
+                              "': quant must be 'tensor', 'block128', 'channel', 'mxfp8' or 'none', not '" +
                               *quant_name + "'");
       q = *parsed;
     }
     std::optional<borrowed_tensor> sb;
     if (!scale.is_none()) {
       sb = world().borrow(scale, name + " (scale)");
-      if (sb->meta.type != dtype::f32)
-        throw py::type_error("tensor '" + name + "': scale must be float32, not " +
-                             std::string(to_string(sb->meta.type)));
+      // A scale of the format's dtype, or its bytes as uint8 (torch without float8_e8m0fnu).
+      const dtype want_type = scale_dtype(q);
+      if (sb->meta.type != want_type && !(want_type == dtype::f8_e8m0 && sb->meta.type == dtype::u8))
+        throw py::type_error("tensor '" + name + "': scale must be " +
+                             std::string(want_type == dtype::f32
+                                             ? "float32"
+                                             : "float8_e8m0fnu (or its bytes as uint8) for quant 'mxfp8'") +
+                             ", not " + std::string(to_string(sb->meta.type)));
       if (!(sb->dev == b.dev))
         throw py::value_error("tensor '" + name + "': scale must be on the destination's device");
       const auto want = scale_shape(q, b.meta.shape);
       if (q != refit::quant::none && sb->meta.numel() != checked_numel(want).value_or(0))
         throw py::value_error("tensor '" + name + "': scale has " + std::to_string(sb->meta.numel()) +
                               " elements, but quant '" + std::string(to_string(q)) + "' of this destination needs " +
-                              std::to_string(checked_numel(want).value_or(0)) + " (scale_inv of shape " +
+                              std::to_string(checked_numel(want).value_or(0)) + " (scales of shape " +
                               std::string(py::str(py::cast(want))) + ")");
     }
     dest_layout layout;

@@ -20,6 +20,8 @@ enum : std::uint8_t {
   code_bool = 6,
   code_f8_e4m3fn = 10,
   code_f8_e5m2 = 12,
+  code_f8_e8m0fnu = 14,  // DLPack 1.1 kDLFloat8_e8m0fnu
+  code_f4_e2m1fn = 17,   // kDLFloat4_e2m1fn: torch exports float4_e2m1fn_x2 as bits 4, lanes 2
 };
 struct device {
   std::int32_t kind;
@@ -47,6 +49,9 @@ struct managed_tensor {
 }  // namespace dl
 
 std::optional<dtype> from_dl(dl::data_type t) noexcept {
+  // Two e2m1 values a byte: torch's DLPack export of float4_e2m1fn_x2 (torch/csrc/utils/dlpack or
+  // aten DLConvertor: kDLFloat4_e2m1fn, bits 4, lanes 2); one byte of the x2 dtype per element.
+  if (t.code == dl::code_f4_e2m1fn && t.bits == 4 && t.lanes == 2) return dtype::f4_e2m1x2;
   if (t.lanes != 1) return std::nullopt;
   switch (t.code) {
     case dl::code_bool: return t.bits == 8 ? std::optional(dtype::bool_) : std::nullopt;
@@ -76,6 +81,7 @@ std::optional<dtype> from_dl(dl::data_type t) noexcept {
     case dl::code_bfloat: return t.bits == 16 ? std::optional(dtype::bf16) : std::nullopt;
     case dl::code_f8_e4m3fn: return t.bits == 8 ? std::optional(dtype::f8_e4m3) : std::nullopt;
     case dl::code_f8_e5m2: return t.bits == 8 ? std::optional(dtype::f8_e5m2) : std::nullopt;
+    case dl::code_f8_e8m0fnu: return t.bits == 8 ? std::optional(dtype::f8_e8m0) : std::nullopt;
     default: return std::nullopt;
   }
 }
@@ -175,6 +181,8 @@ tensor_world::tensor_world() : torch_(py::none()) {
       {"float64", dtype::f64},
       {"float8_e4m3fn", dtype::f8_e4m3},
       {"float8_e5m2", dtype::f8_e5m2},
+      {"float8_e8m0fnu", dtype::f8_e8m0},      // torch 2.7+: MX scales
+      {"float4_e2m1fn_x2", dtype::f4_e2m1x2},  // torch 2.8+: two e2m1 a byte
       {"uint16", dtype::u16},
       {"uint32", dtype::u32},
       {"uint64", dtype::u64},

@@ -19,16 +19,18 @@ void route_converted(slot& sl, const wire::entry& e) {
                             "({}): the streamer did not convert it (an older refit?)",
                             e.name, to_string(e.type), to_string(d.meta.type), to_string(d.q)));
   sl.route(e.type, e.shape);
-  if (d.q != quant::block128 || !d.slice) return;
+  if (d.q == quant::none || d.q == quant::tensor || !d.slice) return;
   const auto dim = static_cast<std::size_t>(d.slice->dim);
-  if (dim + 2 < e.shape.size() || d.slice->length % 128 == 0) return;
+  const auto b = static_cast<std::int64_t>(receiver_detail::slice_block(d.q, e.shape.size(), dim));
+  if (b <= 1 || d.slice->length % b == 0) return;
   const std::int64_t end = d.slice->start + d.slice->length;
   if (end != e.shape[dim])
     throw error(errc::apply,
                 fmt::format("tensor '{}': the destination takes [{}:{}] of dimension {} of a source of {} there; "
-                            "block128 scales are computed over the global tensor's 128 × 128 blocks, so a shard "
-                            "must end on a block boundary (a multiple of 128) or at the source's end, not at {}",
-                            e.name, d.slice->start, end, dim, e.shape[dim], end));
+                            "{} scales are computed over the global tensor's {}, so a shard must end on a "
+                            "block boundary (a multiple of {}) or at the source's end, not at {}",
+                            e.name, d.slice->start, end, dim, e.shape[dim], to_string(d.q),
+                            receiver_detail::blocks_of(d.q), b, end));
 }
 
 /// A parts session's parts that do not land in one range of their destination: their segments,

@@ -79,17 +79,27 @@ std::optional<plan::destination> table_t::overlapping(const slot& s, std::uintpt
   return std::nullopt;
 }
 
+std::string_view blocks_of(quant q) {
+  return q == quant::mxfp8 ? "MX blocks of 32 elements of a row" : "128 × 128 blocks";
+}
+
+std::uint64_t slice_block(quant q, std::size_t rank, std::size_t dim) {
+  if (dim + 1 == rank) return block_cols(q) != 0 ? block_cols(q) : q == quant::channel ? 0 : 1;
+  if (dim + 2 == rank && block_rows(q) > 1) return block_rows(q);
+  return 1;
+}
+
 void check_conversion(const tensor_dest& d, const dest_layout& layout) {
   const std::string what = fmt::format("add_parameter: '{}' ({})", d.meta.name, describe(d.meta));
   if (d.q == quant::none) {
     if (d.scale != nullptr)
       throw error(errc::invalid_argument,
                   fmt::format("{} has a scale but no quant: a scale belongs to an f8_e4m3 destination quantised per "
-                              "tensor or per 128 × 128 block (set quant)",
+                              "tensor or per 128 × 128 block, channel or MX block of 32 (set quant)",
                               what));
     return;
   }
-  if (static_cast<std::uint8_t>(d.q) > static_cast<std::uint8_t>(quant::block128))
+  if (static_cast<std::uint8_t>(d.q) > static_cast<std::uint8_t>(quant::mxfp8))
     throw error(errc::invalid_argument,
                 fmt::format("{} has an unknown quant (code {})", what, static_cast<unsigned>(d.q)));
   if (d.meta.type != dtype::f8_e4m3)
@@ -98,36 +108,41 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout) {
                             "not {}",
                             what, to_string(d.q), to_string(d.meta.type)));
   const std::size_t rank = d.meta.shape.size();
-  if (d.q == quant::block128 && rank < 2)
-    throw error(errc::invalid_argument,
-                fmt::format("{} asks for quant block128, which quantises 128 × 128 blocks of the last two dimensions: "
-                            "it needs at least 2 dimensions, not {}",
-                            what, rank));
+  if (rank < min_rank(d.q))
+    throw error(
+        errc::invalid_argument,
+        fmt::format("{} asks for quant {}, which quantises {}: it needs at least {} dimension{}, not {}", what,
+                    to_string(d.q),
+                    d.q == quant::block128 ? "128 × 128 blocks of the last two dimensions" : "along the last dimension",
+                    min_rank(d.q), min_rank(d.q) == 1 ? "" : "s", rank));
   const auto scale_numel = checked_numel(scale_shape(d.q, d.meta.shape));
   if (d.scale == nullptr && scale_numel.value_or(0) != 0)
     throw error(errc::invalid_argument,
-                fmt::format("{} is quantised ({}) but has no scale: pass its f32 scale_inv tensor of shape [{}]", what,
-                            to_string(d.q), fmt::join(scale_shape(d.q, d.meta.shape), ", ")));
-  if (d.q == quant::block128 && layout.slice && layout.slice->dim >= 0 &&
-      static_cast<std::size_t>(layout.slice->dim) + 2 >= rank && layout.slice->start % 128 != 0)
+                fmt::format("{} is quantised ({}) but has no scale: pass its {} tensor of shape [{}]", what,
+                            to_string(d.q), scale_dtype(d.q) == dtype::f32 ? "f32 scale_inv" : "f8_e8m0 scale",
+                            fmt::join(scale_shape(d.q, d.meta.shape), ", ")));
+  if (!layout.slice || layout.slice->dim < 0) return;
+  const auto dim = static_cast<std::size_t>(layout.slice->dim);
+  const std::uint64_t b = slice_block(d.q, rank, dim);
+  if (b > 1 && layout.slice->start % static_cast<std::int64_t>(b) != 0)
     // Blocks are those of the global tensor: a shard starting inside one would need the amax of
     // elements it does not hold.
     throw error(errc::invalid_argument,
-                fmt::format("{}: block128 scales are computed over the global tensor's 128 × 128 blocks, so a slice "
-                            "of dimension {} must start on a block boundary (a multiple of 128); this one starts at "
-                            "{}",
-                            what, layout.slice->dim, layout.slice->start));
+                fmt::format("{}: {} scales are computed over the global tensor's {}, so a slice of dimension {} "
+                            "must start on a block boundary (a multiple of {}); this one starts at {}",
+                            what, to_string(d.q), blocks_of(d.q), layout.slice->dim, b, layout.slice->start));
 }
 
 plan::destination scale_destination(const tensor_dest& d, const dest_layout& layout) {
   plan::destination s;
-  s.meta = tensor_meta{d.meta.name + std::string(scale_suffix), dtype::f32, scale_shape(d.q, d.meta.shape)};
+  s.meta = tensor_meta{d.meta.name + std::string(scale_suffix), scale_dtype(d.q), scale_shape(d.q, d.meta.shape)};
   s.data = d.scale;
   s.dev = d.dev;
-  if (d.q == quant::block128 && layout.slice) {
+  if (d.q != quant::tensor && layout.slice) {
     source_slice sl = *layout.slice;
     const auto dim = static_cast<std::size_t>(sl.dim);
-    if (dim + 2 >= d.meta.shape.size()) sl.start /= 128;
+    const std::uint64_t b = slice_block(d.q, d.meta.shape.size(), dim);
+    sl.start = b == 0 ? 0 : sl.start / static_cast<std::int64_t>(b);
     sl.length = s.meta.shape[dim];
     s.slice = sl;
   }

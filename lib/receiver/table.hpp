@@ -97,8 +97,18 @@ class table_t {
 /// errc::invalid_argument naming the tensor.
 void check_conversion(const tensor_dest& d, const dest_layout& layout);
 
-/// The hidden destination of a quantised destination's scales: dense f32 at `d.scale`, taking the
-/// part of the source's scale grid that the destination's slice takes of the source.
+/// The hidden destination of a quantised destination's scales: dense, of scale_dtype(d.q), at
+/// `d.scale`, taking the part of the source's scale grid that the destination's slice takes of the
+/// source.
 plan::destination scale_destination(const tensor_dest& d, const dest_layout& layout);
+
+/// The size of the groups of `q` along dimension `dim` of a tensor of `rank` dimensions, where a
+/// slice along it must start (and end, unless at the source's end) on a group's edge: 128 for the
+/// last two dimensions of block128, 32 for the last of mxfp8; 1 where groups do not span it
+/// (leading dimensions, channel's rows); 0 where one group spans all of it (channel's row, which
+/// a slice takes whole: its one scale is the global row's).
+std::uint64_t slice_block(quant q, std::size_t rank, std::size_t dim);
+/// The blocks of `q` (block128, mxfp8), for messages: "128 × 128 blocks", ...
+std::string_view blocks_of(quant q);
 
 }  // namespace refit::receiver_detail

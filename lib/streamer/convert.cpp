@@ -1,5 +1,6 @@
-// refit — tensors the receivers asked for as another dtype: casts on the way, fp8 e4m3 per tensor
-// (a scale pass, then converting copies) or per 128 × 128 block (one fused pass where it can).
+// refit — tensors the receivers asked for as another dtype: casts on the way, fp8 e4m3 per tensor,
+// per row or per MX block of 32 (a scale pass, then converting copies) or per 128 × 128 block (one
+// fused pass where it can).
 #include <fmt/format.h>
 
 #include <optional>
@@ -9,6 +10,22 @@
 #include "streamer/impl.hpp"
 
 namespace refit {
+
+namespace {
+
+/// What one group of `q` is, for messages: "tensor", "128 × 128 block", ...
+std::string_view group_name(quant q) {
+  switch (q) {
+    case quant::block128: return "128 × 128 block";
+    case quant::channel: return "row (output channel)";
+    case quant::mxfp8: return "MX block of 32 (mxfp8)";
+    case quant::none:
+    case quant::tensor: break;
+  }
+  return "tensor";
+}
+
+}  // namespace
 
 /// The conversion the receivers asked for `t`, or nullptr when it is sent as it is (nothing
 /// asked, or the source already has the dtype asked for, or a cast from a dtype refit does not
@@ -31,8 +48,7 @@ const wire::conversion* streamer::impl::conversion_for(const tensor_ref& t, rout
   const wire::conversion& c = *found;
   if (c.type == t.meta.type && c.q == quant::none) return nullptr;
   const std::string asked = c.q == quant::none ? std::string(to_string(c.type))
-                                               : fmt::format("{} quantised per {}", to_string(c.type),
-                                                             c.q == quant::tensor ? "tensor" : "128 × 128 block");
+                                               : fmt::format("{} quantised per {}", to_string(c.type), group_name(c.q));
   if (t.meta.type != dtype::f32 && t.meta.type != dtype::bf16 && t.meta.type != dtype::f16) {
     // A cast asked of an integer or f64 source: sent as it is, the receiver refuses the dtype
     // (errc::apply) as it always did. A quantisation: refused here, naming both.
@@ -43,10 +59,10 @@ const wire::conversion* streamer::impl::conversion_for(const tensor_ref& t, rout
                     "f16, not from {}: send it as {} or register the destination as {}",
                     describe(t.meta), asked, to_string(t.meta.type), to_string(c.type), to_string(t.meta.type)));
   }
-  if (c.q == quant::block128 && t.meta.shape.size() < 2)
-    throw error(
-        errc::invalid_argument,
-        fmt::format("tensor {}: the receiver asks for {}, which needs at least 2 dimensions", describe(t.meta), asked));
+  if (t.meta.shape.size() < min_rank(c.q))
+    throw error(errc::invalid_argument,
+                fmt::format("tensor {}: the receiver asks for {}, which needs at least {} dimension{}",
+                            describe(t.meta), asked, min_rank(c.q), min_rank(c.q) == 1 ? "" : "s"));
   return &c;
 }
 
@@ -64,14 +80,14 @@ void streamer::impl::send_converted(batch_writer& w, planner& pl, const tensor_r
                 fmt::format("tensor {} is sent as a shard (elements [{}, {})), but the receiver asks for it "
                             "quantised to f8_e4m3 per {}, which needs the amax of the whole tensor: send it whole, "
                             "or register the destination as a cast (bf16)",
-                            describe(t.meta), part->first, part->first + part->count,
-                            c.q == quant::tensor ? "tensor" : "128 × 128 block"));
+                            describe(t.meta), part->first, part->first + part->count, group_name(c.q)));
   const std::uint64_t bytes = part != nullptr ? part->count * itemsize(c.type) : sent.meta.nbytes();
   const std::uint64_t shift = part != nullptr ? part->first * itemsize(c.type) : 0;
   std::optional<tensor_ref> scale;
   if (c.q != quant::none) {
     scale.emplace();
-    scale->meta = tensor_meta{t.meta.name + std::string(scale_suffix), dtype::f32, scale_shape(c.q, t.meta.shape)};
+    scale->meta =
+        tensor_meta{t.meta.name + std::string(scale_suffix), scale_dtype(c.q), scale_shape(c.q, t.meta.shape)};
     scale->dev = buffers->where();
   }
   const std::vector<transport::routed> targets =
@@ -180,7 +196,8 @@ bool streamer::impl::send_striped(batch_writer& w, planner& pl, const tensor_ref
 }
 
 /// Queues the scale pass of a quantised tensor `t` that takes the two-pass way: its scales
-/// (scale_inv, sent as `scale`) and its multipliers into scratch; returns the multipliers, which
+/// (of scale_dtype(c.q), sent as `scale`; a float of scratch each holds an E8M0 code too) and its
+/// multipliers into scratch; returns the multipliers, which
 /// the converting copies read.
 const float* streamer::impl::queue_scale_pass(batch_writer& w, const tensor_ref& t, const wire::conversion& c,
                                               tensor_ref& scale) {

@@ -546,8 +546,9 @@ std::vector<conversion> decode_conversions(reader& r, const object& o) {
     if (!q) r.fail("quant", fmt::format("has unknown code {}; the peer runs a newer refit or is broken", qcode));
     c.q = *q;
     if ((c.type == dtype::f8_e4m3) != (c.q != quant::none))
-      r.fail("quant", fmt::format("is {} for dtype {}: f8_e4m3 needs tensor or block128, other dtypes none",
-                                  to_string(c.q), to_string(c.type)));
+      r.fail("quant",
+             fmt::format("is {} for dtype {}: f8_e4m3 needs tensor, block128, channel or mxfp8, other dtypes none",
+                         to_string(c.q), to_string(c.type)));
     out.push_back(std::move(c));
     if (!seen.insert(out.back().name).second) r.fail("name", "is listed twice");
   }

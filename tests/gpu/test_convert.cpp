@@ -208,6 +208,73 @@ void kernels_body() {
   }
 }
 
+/// The row formats (channel, mxfp8) on the GPU against the CPU engine (which the unit tests hold
+/// to the specifications' reference): the row scale kernel, then converting copies cut into
+/// pieces, and a strided copy (a column shard [32, cols) of every row, as a TP shard's route).
+void row_formats_body() {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+  auto gpu = refit::copy::make_copier(refit::copy::engine::kernel, 0);
+  auto cpu = refit::copy::make_copier(refit::copy::engine::cpu);
+  for (const dtype from : {dtype::bf16, dtype::f32, dtype::f16})
+    for (const quant q : {quant::channel, quant::mxfp8})
+      for (const std::size_t cols : {std::size_t{260}, std::size_t{70}, std::size_t{1}}) {
+        const std::size_t rows = 300;
+        const host_source src = make_source(from, rows, cols, 31);
+        const auto dsrc = upload(src.bytes);
+        const std::vector<std::int64_t> shape{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
+        const std::uint64_t groups = *refit::checked_numel(refit::scale_shape(q, shape));
+        const std::uint64_t scale_bytes = groups * refit::itemsize(refit::scale_dtype(q));
+        const std::string what = std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) +
+                                 " cols " + std::to_string(cols);
+        // The CPU engine's answer.
+        std::vector<std::uint8_t> want_scale(scale_bytes), want(rows * cols);
+        std::vector<float> host_mul(groups);
+        const refit::copy::scale_job host_job{src.bytes.data(), from, shape, q, want_scale.data(), host_mul.data()};
+        cpu->scales(std::span(&host_job, 1), nullptr);
+        const auto host_cv = refit::copy::conversion_of(from, dtype::f8_e4m3, q, shape, host_mul.data());
+        const refit::copy::convert_op host_op{src.bytes.data(), want.data(), rows * cols, 1, 0, 0, 0, host_cv};
+        cpu->convert(std::span(&host_op, 1), nullptr);
+        // The GPU's.
+        float* scale = gpu->scratch(groups);
+        float* mul = gpu->scratch(groups);
+        const refit::copy::scale_job job{dsrc.handle(), from, shape, q, scale, mul};
+        gpu->scales(std::span(&job, 1), nullptr);
+        expect(download(scale, scale_bytes) == want_scale, what + ": scales differ");
+        const auto cv = refit::copy::conversion_of(from, dtype::f8_e4m3, q, shape, mul);
+        const std::uint64_t n = rows * cols;
+        for (const std::uint64_t piece : {std::uint64_t{77}, std::uint64_t{1} << 20}) {
+          refit::cuda::device_buffer out(n);
+          std::vector<refit::copy::convert_op> ops;
+          for (std::uint64_t e = 0; e < n; e += piece)
+            ops.push_back(refit::copy::convert_op{
+                static_cast<const std::byte*>(dsrc.handle()) + e * refit::itemsize(from),
+                static_cast<std::byte*>(out.handle()) + e, std::min(piece, n - e), 1, 0, 0, e, cv});
+          gpu->convert(ops, nullptr);
+          const auto diff = first_difference(download(out.handle(), n), want);
+          expect(diff.empty(), what + " pieces of " + std::to_string(piece) + ": " + diff);
+        }
+        if (cols > 32) {
+          const std::uint64_t width = cols - 32;
+          refit::cuda::device_buffer out(rows * width);
+          const refit::copy::convert_op op{static_cast<const std::byte*>(dsrc.handle()) + 32 * refit::itemsize(from),
+                                           out.handle(),
+                                           width,
+                                           rows,
+                                           cols,
+                                           width,
+                                           32,
+                                           cv};
+          gpu->convert(std::span(&op, 1), nullptr);
+          std::vector<std::uint8_t> want_shard;
+          for (std::size_t r = 0; r < rows; ++r)
+            for (std::size_t c = 32; c < cols; ++c) want_shard.push_back(want[r * cols + c]);
+          const auto diff = first_difference(download(out.handle(), rows * width), want_shard);
+          expect(diff.empty(), what + " column shard: " + diff);
+        }
+        gpu->reset_scratch();
+      }
+}
+
 // ------------------------------------------------------------------------------ end to end
 
 /// Sources: w_block bf16 [300, 260] → fp8 block128 (dense); w_shard bf16 [256, 300] → fp8
@@ -337,11 +404,150 @@ void end_to_end(bool direct) {
   CHECK(rx.wait(60s) == 0);
 }
 
+/// A row format's expected bytes, from the CPU engine (held to the specifications' reference by
+/// the unit tests): codes and the scale tensor's bytes.
+struct row_expected {
+  std::vector<std::uint8_t> q, scale;
+};
+
+row_expected cpu_rows(const host_source& src, dtype from, quant q, const std::vector<std::int64_t>& shape) {
+  auto cpu = refit::copy::make_copier(refit::copy::engine::cpu);
+  const std::uint64_t n = *refit::checked_numel(shape);
+  const std::uint64_t groups = *refit::checked_numel(refit::scale_shape(q, shape));
+  row_expected out;
+  out.q.resize(n);
+  out.scale.resize(groups * refit::itemsize(refit::scale_dtype(q)));
+  std::vector<float> mul(groups);
+  const refit::copy::scale_job job{src.bytes.data(), from, shape, q, out.scale.data(), mul.data()};
+  cpu->scales(std::span(&job, 1), nullptr);
+  const auto cv = refit::copy::conversion_of(from, dtype::f8_e4m3, q, shape, mul.data());
+  const refit::copy::convert_op op{src.bytes.data(), out.q.data(), n, 1, 0, 0, 0, cv};
+  cpu->convert(std::span(&op, 1), nullptr);
+  return out;
+}
+
+/// Row formats end to end: w_ch bf16 [300, 260] per channel; w_mx f32 [64, 70] MXFP8 (a short
+/// last block); w_mx_shard bf16 [256, 300] MXFP8, columns [32, 300) (a TP shard); w_mx_big bf16
+/// [1024, 1024] MXFP8 (several staged batches).
+struct row_model {
+  host_source ch = make_source(dtype::bf16, 300, 260, 41);
+  host_source mx = make_source(dtype::f32, 64, 70, 42);
+  host_source shard = make_source(dtype::bf16, 256, 300, 43);
+  host_source big = make_source(dtype::bf16, 1024, 1024, 44);
+};
+
+void row_receiver_body(const std::string& ep, rt::signal_pipe& ready) {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+  const row_model m;
+  refit::receiver_options o;
+  o.endpoint = ep;
+  o.idle_timeout = 30000ms;
+  refit::receiver r(o);
+  refit::cuda::device_buffer q_ch(300 * 260), s_ch(300 * 4), q_mx(64 * 70), s_mx(64 * 3), q_shard(256 * 268),
+      s_shard(256 * 9), q_big(1024 * 1024), s_big(1024 * 32);
+  const auto fp8 = [](const char* name, std::vector<std::int64_t> shape, refit::cuda::device_buffer& q,
+                      refit::cuda::device_buffer& s, quant qu) {
+    refit::tensor_dest d{{name, dtype::f8_e4m3, std::move(shape)}, q.handle(), refit::device::cuda(0)};
+    d.q = qu;
+    d.scale = s.handle();
+    return d;
+  };
+  r.add_parameter(fp8("w_ch", {300, 260}, q_ch, s_ch, quant::channel));
+  r.add_parameter(fp8("w_mx", {64, 70}, q_mx, s_mx, quant::mxfp8));
+  refit::dest_layout slice;
+  slice.slice = refit::source_slice{1, 32, 268};
+  r.add_parameter(fp8("w_mx_shard", {256, 268}, q_shard, s_shard, quant::mxfp8), slice);
+  r.add_parameter(fp8("w_mx_big", {1024, 1024}, q_big, s_big, quant::mxfp8));
+  const row_expected ch = cpu_rows(m.ch, dtype::bf16, quant::channel, {300, 260});
+  const row_expected mx = cpu_rows(m.mx, dtype::f32, quant::mxfp8, {64, 70});
+  const row_expected sh = cpu_rows(m.shard, dtype::bf16, quant::mxfp8, {256, 300});
+  const row_expected big = cpu_rows(m.big, dtype::bf16, quant::mxfp8, {1024, 1024});
+  std::vector<std::uint8_t> want_shard, want_shard_scale;
+  for (std::size_t row = 0; row < 256; ++row) {
+    for (std::size_t c = 32; c < 300; ++c) want_shard.push_back(sh.q[row * 300 + c]);
+    for (std::size_t b = 1; b < 10; ++b) want_shard_scale.push_back(sh.scale[row * 10 + b]);
+  }
+  ready.send("ready");
+  int commits = 0;
+  for (auto last = std::chrono::steady_clock::now();;) {
+    const auto e = r.serve_one(100ms);
+    if (e == refit::receiver_event::bye) break;
+    expect(e != refit::receiver_event::aborted && e != refit::receiver_event::refused, "receiver: " + r.last_error());
+    if (e == refit::receiver_event::idle) {
+      expect(std::chrono::steady_clock::now() - last < 60s, "receiver: no message for 60 s");
+      continue;
+    }
+    last = std::chrono::steady_clock::now();
+    if (e != refit::receiver_event::committed) continue;
+    ++commits;
+    const auto check = [](const void* p, const std::vector<std::uint8_t>& want, const char* what) {
+      const auto d = first_difference(download(p, want.size()), want);
+      expect(d.empty(), std::string(what) + ": " + d);
+    };
+    check(q_ch.handle(), ch.q, "w_ch");
+    check(s_ch.handle(), ch.scale, "w_ch scales");
+    check(q_mx.handle(), mx.q, "w_mx");
+    check(s_mx.handle(), mx.scale, "w_mx scales");
+    check(q_shard.handle(), want_shard, "w_mx_shard");
+    check(s_shard.handle(), want_shard_scale, "w_mx_shard scales");
+    check(q_big.handle(), big.q, "w_mx_big");
+    check(s_big.handle(), big.scale, "w_mx_big scales");
+  }
+  expect(commits == 2, std::to_string(commits) + " commits");
+}
+
+void row_streamer_body(const std::string& ep, bool direct) {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+  const row_model m;
+  const auto c = upload(m.ch.bytes), x = upload(m.mx.bytes), s = upload(m.shard.bytes), g = upload(m.big.bytes);
+  const std::vector<refit::tensor_ref> refs{
+      {{"w_ch", dtype::bf16, {300, 260}}, c.handle(), refit::device::cuda(0), nullptr},
+      {{"w_mx", dtype::f32, {64, 70}}, x.handle(), refit::device::cuda(0), nullptr},
+      {{"w_mx_shard", dtype::bf16, {256, 300}}, s.handle(), refit::device::cuda(0), nullptr},
+      {{"w_mx_big", dtype::bf16, {1024, 1024}}, g.handle(), refit::device::cuda(0), nullptr}};
+  refit::streamer_options o;
+  o.endpoint = ep;
+  o.transport = refit::transport_kind::cuda_ipc;
+  o.buffer_bytes = 256 << 10;
+  o.direct = direct;
+  o.timeout = 30000ms;
+  refit::streamer st(o);
+  for (std::uint64_t v : {1, 2}) {
+    const auto stats = st.refit(v, refs);
+    expect(stats.direct == direct, direct ? "the refit was staged" : "the refit was direct");
+    expect(stats.tensors == 2 * refs.size(), "stats.tensors " + std::to_string(stats.tensors));
+  }
+  st.close();
+}
+
+void row_end_to_end(bool direct) {
+  const auto ep = rt::temp_endpoint();
+  rt::signal_pipe ready;
+  rt::child rx([&] { row_receiver_body(ep, ready); });
+  REQUIRE(ready.receive(60s) == "ready");
+  rt::child tx([&] { row_streamer_body(ep, direct); });
+  CHECK(tx.wait(180s) == 0);
+  CHECK(rx.wait(60s) == 0);
+}
+
 }  // namespace
+
+TEST_CASE("cuda_ipc refits, staged and direct, write per-channel and MXFP8 weights and scales bit-exact",
+          "[convert][cuda_ipc][quant]") {
+  const bool direct = GENERATE(false, true);
+  INFO((direct ? "direct" : "staged"));
+  row_end_to_end(direct);
+}
 
 TEST_CASE("the CUDA scale passes, converting copies and fused kernel match the reference bit for bit",
           "[convert][copy]") {
   rt::child c(kernels_body);
+  CHECK(c.wait(300s) == 0);
+}
+
+TEST_CASE("the CUDA row scale kernel and converting copies quantise per channel and to MXFP8 like the CPU engine",
+          "[convert][copy][quant]") {
+  rt::child c(row_formats_body);
   CHECK(c.wait(300s) == 0);
 }
 

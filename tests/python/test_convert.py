@@ -161,10 +161,11 @@ def test_bad_conversion_registrations_raise_naming_the_tensor():
     with refit.Receiver() as rx:
         w = torch.zeros(256, 256, dtype=torch.uint8)
         s = torch.zeros(2, 2)
-        with pytest.raises(ValueError, match="'w': quant must be 'tensor', 'block128' or 'none', not 'blocks'"):
+        with pytest.raises(ValueError, match="'w': quant must be 'tensor', 'block128', 'channel', 'mxfp8' or 'none', "
+                                             "not 'blocks'"):
             rx.add_parameter("w", w, scale=s, quant="blocks", dtype="f8_e4m3")
         with pytest.raises(ValueError, match="'w': scale has 1 elements, but quant 'block128' of this destination "
-                                             r"needs 4 \(scale_inv of shape \[2, 2\]\)"):
+                                             r"needs 4 \(scales of shape \[2, 2\]\)"):
             rx.add_parameter("w", w, scale=torch.zeros(1), quant="block128", dtype="f8_e4m3")
         with pytest.raises(TypeError, match="'w': scale must be float32, not f64"):
             rx.add_parameter("w", w, scale=s.double(), quant="block128", dtype="f8_e4m3")
@@ -181,3 +182,98 @@ def test_bad_conversion_registrations_raise_naming_the_tensor():
             rx.add_parameter("w", w[:, :128], source_slice=(1, 64, 128), scale=torch.zeros(2, 1),
                              quant="block128", dtype="f8_e4m3")
         rx.add_parameter("w", w, scale=s, quant="block128", dtype="f8_e4m3")  # and the good one passes
+
+
+# ------------------------------------------------------------------------------ per channel and MXFP8
+
+def quantise_channel(x: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
+    """x (2-d) → (codes, scale_inv [rows, 1]): one group per row, as block128's rule."""
+    v = x.float().numpy()
+    a = np.abs(v)
+    a = np.where(np.isfinite(a), a, np.float32(0))
+    amax = np.maximum(a.max(axis=1, keepdims=True, initial=0), np.float32(1e-4))
+    mul = np.float32(448.0) / amax
+    return e4m3((v * mul).astype(np.float32)), amax / np.float32(448.0)
+
+
+def quantise_mxfp8(x: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
+    """x (2-d) → (codes, E8M0 codes [rows, ceil(cols / 32)]): OCP MX v1.0, X = 2^(floor(log2(amax)) - 8)."""
+    v = x.float().numpy().astype(np.float64)
+    rows, cols = v.shape
+    nb = math.ceil(cols / 32)
+    codes = np.zeros((rows, cols), np.uint8)
+    scales = np.zeros((rows, nb), np.uint8)
+    for r in range(rows):
+        for b in range(nb):
+            blk = v[r, b * 32:(b + 1) * 32]
+            fin = np.abs(blk[np.isfinite(blk)])
+            amax = fin.max(initial=0.0)
+            e = 0 if amax == 0 else min(max(math.floor(math.log2(amax)) - 8 + 127, 0), 254)
+            scales[r, b] = e
+            codes[r, b * 32:(b + 1) * 32] = e4m3((blk / 2.0 ** (e - 127)).astype(np.float32))
+    return codes, scales
+
+
+def row_state(version: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + version)
+    ch = torch.randn(64, 100, generator=g) * torch.exp2(torch.randint(-10, 10, (64, 100), generator=g).float())
+    ch[3] = 0  # an all-zero row
+    ch[4, 0], ch[4, 1] = float("nan"), float("inf")
+    mx = torch.randn(48, 70, generator=g) * torch.exp2(torch.randint(-20, 20, (48, 70), generator=g).float())
+    mx[0, 32:64] = 0  # an all-zero block
+    mx[1, 0], mx[1, 2] = float("-inf"), float("nan")
+    return {"w_ch": ch.to(torch.bfloat16), "w_mx": mx}
+
+
+def serve_row_formats(chan) -> None:
+    """Job: weights quantised per channel and as MXFP8 with their scales (uint8: torch 1.13 has no
+    float8_e8m0fnu), registered once; ``state`` answers their bytes and addresses."""
+    dests = {
+        "w_ch": torch.zeros(64, 100, dtype=torch.uint8),
+        "w_ch.scale": torch.zeros(64, 1),
+        "w_mx": torch.zeros(48, 70, dtype=torch.uint8),
+        "w_mx.scale": torch.zeros(48, 3, dtype=torch.uint8),
+    }
+    with refit.Receiver() as rx:
+        rx.add_parameter("w_ch", dests["w_ch"], scale=dests["w_ch.scale"], quant="channel", dtype="f8_e4m3")
+        rx.add_parameter("w_mx", dests["w_mx"], scale=dests["w_mx.scale"], quant="mxfp8", dtype="f8_e4m3")
+        chan.send(rx.endpoint)
+        return serve_loop(rx, chan, {"state": lambda: {k: (v.data_ptr(), v.numpy().tobytes())
+                                                        for k, v in dests.items()}})
+
+
+def test_two_refits_write_per_channel_and_mxfp8_weights_and_scales_in_place_bit_for_bit(peer):
+    job = peer.run(serve_row_formats)
+    endpoint = job.recv()
+    with streamer(endpoint, buffer_bytes=16 << 10) as st:
+        seen = []
+        for version in (1, 2):
+            state = row_state(version)
+            stats = st.refit(version, state)
+            assert stats.tensors == 4  # two weights, two scale tensors
+            got = job.request("state")
+            seen.append({k: p for k, (p, _) in got.items()})
+            q, inv = quantise_channel(state["w_ch"])
+            assert got["w_ch"][1] == q.tobytes()
+            assert got["w_ch.scale"][1] == inv.tobytes()
+            assert inv[3, 0] == np.float32(1e-4) / np.float32(448)
+            q, e = quantise_mxfp8(state["w_mx"])
+            assert got["w_mx"][1] == q.tobytes()
+            assert got["w_mx.scale"][1] == e.tobytes()
+            assert e[0, 1] == 0
+    job.stop()
+    assert seen[0] == seen[1]  # the addresses never moved
+
+
+def test_row_format_registrations_check_the_scale_dtype_and_size():
+    with refit.Receiver() as rx:
+        w = torch.zeros(64, 100, dtype=torch.uint8)
+        with pytest.raises(TypeError, match="'w': scale must be float8_e8m0fnu \\(or its bytes as uint8\\) for "
+                                            "quant 'mxfp8', not f32"):
+            rx.add_parameter("w", w, scale=torch.zeros(64, 4), quant="mxfp8", dtype="f8_e4m3")
+        with pytest.raises(TypeError, match="'w': scale must be float32, not u8"):
+            rx.add_parameter("w", w, scale=torch.zeros(64, 1, dtype=torch.uint8), quant="channel", dtype="f8_e4m3")
+        with pytest.raises(ValueError, match="'w': scale has 64 elements, but quant 'mxfp8' of this destination "
+                                             r"needs 256 \(scales of shape \[64, 4\]\)"):
+            rx.add_parameter("w", w, scale=torch.zeros(64, 1, dtype=torch.uint8), quant="mxfp8", dtype="f8_e4m3")
+        rx.add_parameter("w", w, scale=torch.zeros(64, 4, dtype=torch.uint8), quant="mxfp8", dtype="f8_e4m3")

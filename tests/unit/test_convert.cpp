@@ -392,7 +392,7 @@ TEST_CASE("every bad converting registration is refused with its reason", "[conv
   scale_only.q = quant::none;
   CHECK(registration_error(scale_only) ==
         "invalid_argument: add_parameter: 'w' (w f8_e4m3[256, 384]) has a scale but no quant: a scale belongs to an "
-        "f8_e4m3 destination quantised per tensor or per 128 × 128 block (set quant)");
+        "f8_e4m3 destination quantised per tensor or per 128 × 128 block, channel or MX block of 32 (set quant)");
   auto reserved = d;
   reserved.meta.name = std::string("w") + std::string(refit::scale_suffix);
   CHECK(registration_error(reserved) ==

@@ -32,16 +32,18 @@ TEST_CASE("itemsize knows every dtype", "[model]") {
   CHECK(refit::itemsize(dtype::u16) == 2);
   CHECK(refit::itemsize(dtype::u32) == 4);
   CHECK(refit::itemsize(dtype::u64) == 8);
+  CHECK(refit::itemsize(dtype::f8_e8m0) == 1);
+  CHECK(refit::itemsize(dtype::f4_e2m1x2) == 1);  // two elements a byte
 }
 
 TEST_CASE("every dtype round-trips through its canonical name and its wire code", "[model]") {
-  for (std::uint64_t code = 0; code <= 14; ++code) {
+  for (std::uint64_t code = 0; code <= 16; ++code) {
     const auto t = refit::dtype_from_code(code);
     REQUIRE(t);
     CHECK(static_cast<std::uint64_t>(*t) == code);
     CHECK(refit::parse_dtype(refit::to_string(*t)) == t);
   }
-  CHECK_FALSE(refit::dtype_from_code(15));
+  CHECK_FALSE(refit::dtype_from_code(17));
   CHECK_FALSE(refit::dtype_from_code(std::numeric_limits<std::uint64_t>::max()));
 }
 
@@ -61,6 +63,44 @@ TEST_CASE("parse_dtype accepts canonical, safetensors and torch names", "[model]
   CHECK(refit::parse_dtype("float8_e4m3fn") == dtype::f8_e4m3);
   CHECK(refit::parse_dtype("float8_e5m2") == dtype::f8_e5m2);
   CHECK(refit::parse_dtype("torch.bfloat16") == dtype::bf16);
+  CHECK(refit::parse_dtype("f8_e8m0") == dtype::f8_e8m0);
+  CHECK(refit::parse_dtype("F8_E8M0") == dtype::f8_e8m0);
+  CHECK(refit::parse_dtype("float8_e8m0fnu") == dtype::f8_e8m0);
+  CHECK(refit::parse_dtype("torch.float8_e8m0fnu") == dtype::f8_e8m0);
+  CHECK(refit::parse_dtype("f4_e2m1x2") == dtype::f4_e2m1x2);
+  CHECK(refit::parse_dtype("float4_e2m1fn_x2") == dtype::f4_e2m1x2);
+}
+
+TEST_CASE("every quant names its groups, its scale dtype and the shape of its scale tensor", "[model]") {
+  using refit::quant;
+  for (std::uint64_t code = 0; code <= 4; ++code) {
+    const auto q = refit::quant_from_code(code);
+    REQUIRE(q);
+    CHECK(refit::parse_quant(refit::to_string(*q)) == q);
+  }
+  CHECK_FALSE(refit::quant_from_code(5));
+  CHECK(refit::parse_quant("per_channel") == quant::channel);
+  CHECK(refit::parse_quant("mx") == quant::mxfp8);
+  CHECK(refit::to_string(quant::channel) == "channel");
+  CHECK(refit::to_string(quant::mxfp8) == "mxfp8");
+  CHECK(refit::scale_dtype(quant::channel) == dtype::f32);
+  CHECK(refit::scale_dtype(quant::mxfp8) == dtype::f8_e8m0);
+  CHECK(refit::scale_dtype(quant::block128) == dtype::f32);
+  using shape = std::vector<std::int64_t>;
+  CHECK(refit::scale_shape(quant::channel, shape{4096, 1000}) == shape{4096, 1});
+  CHECK(refit::scale_shape(quant::channel, shape{8, 64, 100}) == shape{8, 64, 1});
+  CHECK(refit::scale_shape(quant::channel, shape{100}) == shape{1});
+  CHECK(refit::scale_shape(quant::mxfp8, shape{4096, 1000}) == shape{4096, 32});  // 1000 = 31 · 32 + 8
+  CHECK(refit::scale_shape(quant::mxfp8, shape{8, 3, 64}) == shape{8, 3, 2});
+  CHECK(refit::scale_shape(quant::mxfp8, shape{1}) == shape{1});
+  CHECK(refit::scale_shape(quant::block128, shape{300, 260}) == shape{3, 3});
+  CHECK(refit::block_rows(quant::channel) == 1);
+  CHECK(refit::block_cols(quant::channel) == 0);
+  CHECK(refit::block_rows(quant::mxfp8) == 1);
+  CHECK(refit::block_cols(quant::mxfp8) == 32);
+  CHECK(refit::min_rank(quant::mxfp8) == 1);
+  CHECK(refit::min_rank(quant::block128) == 2);
+  CHECK(refit::min_rank(quant::tensor) == 0);
 }
 
 TEST_CASE("parse_dtype returns nullopt for unknown names", "[model]") {

@@ -24,6 +24,7 @@ using namespace std::chrono_literals;
 namespace wire = refit::wire;
 using refit::dtype;
 using refit::errc;
+using refit::quant;
 
 namespace {
 
@@ -624,16 +625,44 @@ TEST_CASE("decode rejects every bad conversion an OK asks for", "[wire]") {
                     "convert[0] ('w'): dtype has unknown code 99");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::i32), 0)})), errc::protocol,
                     "convert[0] ('w'): dtype is i32: refit converts only to f32, bf16, f16 and f8_e4m3");
-  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 3)})), errc::protocol,
-                    "convert[0] ('w'): quant has unknown code 3");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 5)})), errc::protocol,
+                    "convert[0] ('w'): quant has unknown code 5; the peer runs a newer refit or is broken");
   CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f8), S("block128")})})), errc::protocol,
                     "convert[0] ('w'): quant must be an unsigned integer, got str");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 0)})), errc::protocol,
-                    "convert[0] ('w'): quant is none for dtype f8_e4m3: f8_e4m3 needs tensor or block128");
+                    "convert[0] ('w'): quant is none for dtype f8_e4m3: f8_e4m3 needs tensor, block128, channel or "
+                    "mxfp8, other dtypes none");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", bf16, 1)})), errc::protocol,
                     "convert[0] ('w'): quant is tensor for dtype bf16");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 2), conv("w", bf16, 0)})), errc::protocol,
                     "convert[1] ('w'): name is listed twice");
+}
+
+TEST_CASE("an OK may ask for f8_e4m3 per channel and as mxfp8, never for the scale or packed dtypes", "[wire]") {
+  const auto ok_with = [](std::vector<field> list) {
+    return message(OK, {NIL(), T(false), ARR({}), U(0), ARR(std::move(list)), B("")});
+  };
+  const auto conv = [](std::string name, std::uint64_t type, std::uint64_t q) {
+    return ARR({S(std::move(name)), U(type), U(q)});
+  };
+  constexpr auto f8 = static_cast<std::uint64_t>(dtype::f8_e4m3);
+  constexpr auto bf16 = static_cast<std::uint64_t>(dtype::bf16);
+  const auto decoded = wire::decode(ok_with({conv("a", f8, 3), conv("b", f8, 4)}));
+  const auto& o = std::get<wire::ok>(decoded);
+  REQUIRE(o.convert.size() == 2);
+  CHECK(o.convert[0] == wire::conversion{"a", dtype::f8_e4m3, quant::channel});
+  CHECK(o.convert[1] == wire::conversion{"b", dtype::f8_e4m3, quant::mxfp8});
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", bf16, 3)})), errc::protocol,
+                    "convert[0] ('w'): quant is channel for dtype bf16: f8_e4m3 needs tensor, block128, channel or "
+                    "mxfp8, other dtypes none");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", bf16, 4)})), errc::protocol,
+                    "convert[0] ('w'): quant is mxfp8 for dtype bf16");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::f8_e8m0), 4)})), errc::protocol,
+                    "convert[0] ('w'): dtype is f8_e8m0: refit converts only to f32, bf16, f16 and f8_e4m3");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::f4_e2m1x2), 0)})), errc::protocol,
+                    "convert[0] ('w'): dtype is f4_e2m1x2: refit converts only to f32, bf16, f16 and f8_e4m3");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", 17, 0)})), errc::protocol,
+                    "convert[0] ('w'): dtype has unknown code 17; the peer runs a newer refit or is broken");
 }
 
 TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {
@@ -764,8 +793,8 @@ TEST_CASE("decode rejects empty and over-long tensor names", "[wire]") {
 }
 
 TEST_CASE("decode rejects an unknown dtype code", "[wire]") {
-  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 15, {1}, 0, 1, 0)}))), errc::protocol,
-                    "entry 0 ('x'): dtype has unknown code 15");
+  CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("x", 17, {1}, 0, 1, 0)}))), errc::protocol,
+                    "entry 0 ('x'): dtype has unknown code 17");
   CHECK_REFIT_ERROR(wire::decode(message(BATCH, batch_fields({entry("y", 1ull << 60, {1}, 0, 1, 0)}))), errc::protocol,
                     "unknown code 1152921504606846976");
 }

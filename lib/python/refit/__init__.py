@@ -402,13 +402,25 @@ class Receiver(_refit.Receiver):
             s = torch.empty(32, 32, dtype=torch.float32, device="cuda")
             rx.add_parameter("o_proj.weight", w, scale=s, quant="block128")
 
+        ``quant="channel"`` keeps one float32 scale per row (output channel) of the last two
+        dimensions, shape ``[rows, 1]`` (compressed-tensors' "channel" ``weight_scale``), by the
+        same rule. ``quant="mxfp8"`` is OCP MXFP8: one E8M0 scale per 32 elements of a row (the
+        last block of a row may be shorter), shape ``[rows, ceil(cols/32)]``, of dtype
+        ``torch.float8_e8m0fnu`` (torch 2.7+) or its bytes as uint8; X = 2^(floor(log2(amax)) - 8),
+        elements x / X rounded to nearest even and saturated to ±448::
+
+            w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn, device="cuda")
+            s = torch.empty(4096, 128, dtype=torch.float8_e8m0fnu, device="cuda")
+            rx.add_parameter("o_proj.weight", w, scale=s, quant="mxfp8")
+
         Torch without float8 dtypes (before 2.1): pass a uint8 tensor and ``dtype="f8_e4m3"``,
         which reads its bytes as e4m3. A block128 shard (``source_slice`` along one of the last
-        two dimensions) must start on a multiple of 128 and end on one or at the source's end.
-        Raises ValueError for a bad ``quant``/``dtype`` name or a scale of the wrong size or
-        device, TypeError for a scale that is not float32, RefitError(invalid_argument) for a
-        quant without an f8_e4m3 destination or a scale, a scale without quant, or a shard
-        starting inside a block."""
+        two dimensions) must start on a multiple of 128 and end on one or at the source's end;
+        an mxfp8 shard along the last dimension likewise on multiples of 32. Raises ValueError
+        for a bad ``quant``/``dtype`` name or a scale of the wrong size or device, TypeError for a
+        scale of the wrong dtype (float32; float8_e8m0fnu or uint8 for mxfp8),
+        RefitError(invalid_argument) for a quant without an f8_e4m3 destination or a scale, a
+        scale without quant, or a shard starting inside a block."""
         super().add_parameter(name, tensor, source_slice, scale=scale, quant=quant, dtype=dtype)
 
     def add_parameters(self, params: Tensors) -> None:
