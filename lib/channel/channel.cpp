@@ -809,9 +809,8 @@ void req_channel::read_monitor(std::chrono::milliseconds wait) {
     zmq::message_t head;
     zmq::message_t address;
     const auto left = std::max(0, remaining_ms(deadline));
-    zmq::pollitem_t item{monitor_->handle(), 0, ZMQ_POLLIN, 0};
-    if (!poll_any(std::span<zmq::pollitem_t>(&item, 1), clock::now() + std::chrono::milliseconds(left),
-                  std::chrono::microseconds{0}) ||
+    if (!poll_until(*monitor_, ZMQ_POLLIN, clock::now() + std::chrono::milliseconds(left),
+                    std::chrono::microseconds{0}) ||
         !monitor_->recv(head, zmq::recv_flags::dontwait))
       return;
     while (head.more() && monitor_->recv(address, zmq::recv_flags::dontwait) && address.more()) {
