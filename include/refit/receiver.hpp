@@ -138,16 +138,6 @@ enum class receiver_event : std::uint8_t {
   /// and its streamer heard OK; the weights are untouched until the engine calls apply_prepared()
   /// (prepared_version() says which version waits; on_prepared has run).
   prepared,
-  /// The session's streamer is gone without BYE: the connection its HELLO came by has ended. Its
-  /// process ended (SIGKILL, OOM: its kernel closed the socket, seen within milliseconds on one
-  /// host and across hosts alike), its host stopped answering ZMTP heartbeats (~10 s), or the
-  /// streamer reset its socket after a failure of its own (it says HELLO again at its next
-  /// refit). The session is dropped (as by BYE), so that a new streamer may connect; a refit in
-  /// progress is reported aborted first (last_error() names the streamer), and this event comes
-  /// from the next call. Logged at warn. Only endpoints refit's own ZMTP server binds (ipc:// paths,
-  /// numeric tcp:// addresses) tell; a libzmq-served endpoint (a host or interface name) never
-  /// reports it.
-  lost,
 };
 REFIT_API std::string_view to_string(receiver_event e) noexcept;
 

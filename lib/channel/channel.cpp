@@ -5,14 +5,12 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <array>
-#include <atomic>
 #include <bit>
 #include <map>
 #include <set>
@@ -661,15 +659,6 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
     for (lane* l : lanes) t = std::max(t, l->awake_until());
     return std::min(deadline, t);
   };
-  // A connection that ends (a streamer's process gone) ends the wait: the receiver asks at once
-  // whether its session's owner is still connected.
-  const auto ended = [&] {
-    std::uint64_t n = 0;
-    for (rep_channel* c : channels)
-      if (c->server_) n += c->server_->ended();
-    return n;
-  };
-  const std::uint64_t ended_before = ended();
   auto spin_until = std::min(deadline, clock::now() + spin);
   std::uint32_t turn = 0;
   for (;;) {
@@ -695,7 +684,7 @@ std::optional<std::size_t> rep_channel::wait_ready(std::span<rep_channel* const>
     if (const auto k = ready(true)) return k;
     if (any)
       if (const auto k = lane_hung_up()) return k;  // take() reports it
-    if (clock::now() >= deadline || ended() != ended_before) return std::nullopt;
+    if (clock::now() >= deadline) return std::nullopt;
     // Woken with nothing to take: a streamer saying a request comes soon (req_channel::
     // wake_receiver), so spin again: it then finds this side awake.
     if (any && spin.count() > 0) spin_until = std::min(deadline, clock::now() + spin);
@@ -770,7 +759,6 @@ req_channel::req_channel(req_channel&&) noexcept = default;
 req_channel& req_channel::operator=(req_channel&&) noexcept = default;
 
 void req_channel::connect() {
-  static std::atomic<std::uint64_t> monitors{0};
   try {
     auto s = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::req);
     s->set(zmq::sockopt::linger, 0);
@@ -778,91 +766,26 @@ void req_channel::connect() {
     s->set(zmq::sockopt::reconnect_ivl_max, reconnect_ivl_max_ms);
     s->set(zmq::sockopt::maxmsgsize, max_message_bytes);
     set_curve_client(*s, curve_);
-    // One monitor, watching before the socket connects so that no event is missed: whether
-    // anything listens at the endpoint (await_listener()), and, with CURVE, a receiver that refuses
-    // this streamer's key (ZMTP ERROR "400", which libzmq turns into HANDSHAKE_FAILED_AUTH and
-    // answers by giving the connection up, where REQ itself would only wait). A pipe without limit
-    // (RCVHWM 0), so that libzmq's I/O thread never waits for this side to read it.
-    const std::string watch = fmt::format("inproc://refit-req-monitor-{}-{}", ::getpid(), monitors++);
-    if (zmq_socket_monitor(s->handle(), watch.c_str(),
-                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_DISCONNECTED |
-                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0)
-      throw zmq::error_t();
-    auto m = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::pair);
-    m->set(zmq::sockopt::linger, 0);
-    m->set(zmq::sockopt::rcvhwm, 0);
-    m->connect(watch);
+    std::unique_ptr<zmq::socket_t> monitor;
+    if (!curve_.server_key.empty()) {
+      // A receiver that refuses the key says so (ZMTP ERROR "400"); libzmq turns that into this
+      // event and gives the connection up, and REQ itself would only wait. One event per socket
+      // (it does not reconnect after it), in a pipe without limit (RCVHWM 0), so that libzmq's
+      // I/O thread never waits for this side to read it.
+      static std::atomic<std::uint64_t> monitors{0};
+      const std::string at = fmt::format("inproc://refit-handshake-{}", monitors.fetch_add(1));
+      if (zmq_socket_monitor(s->handle(), at.c_str(), ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0) throw zmq::error_t();
+      monitor = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::pair);
+      monitor->set(zmq::sockopt::linger, 0);
+      monitor->set(zmq::sockopt::rcvhwm, 0);
+      monitor->connect(at);
+    }
     s->connect(endpoint_);
-    monitor_ = std::move(m);
+    monitor_ = std::move(monitor);
     socket_ = std::move(s);
-    connected_ = refused_ = false;
-    auth_refusal_.reset();
   } catch (const zmq::error_t& e) {
     throw error(errc::io, fmt::format("cannot connect to the receiver at {}: {}", endpoint_, zmq_reason(e)));
   }
-}
-
-void req_channel::read_monitor(std::chrono::milliseconds wait) {
-  if (!monitor_) return;
-  const auto deadline = clock::now() + wait;
-  for (;;) {
-    zmq::message_t head;
-    zmq::message_t address;
-    const auto left = std::max(0, remaining_ms(deadline));
-    if (!poll_until(*monitor_, ZMQ_POLLIN, clock::now() + std::chrono::milliseconds(left),
-                    std::chrono::microseconds{0}) ||
-        !monitor_->recv(head, zmq::recv_flags::dontwait))
-      return;
-    while (head.more() && monitor_->recv(address, zmq::recv_flags::dontwait) && address.more()) {
-    }
-    if (head.size() < 6) continue;
-    std::uint16_t event = 0;
-    std::uint32_t value = 0;
-    std::memcpy(&event, head.data(), sizeof(event));
-    std::memcpy(&value, static_cast<const char*>(head.data()) + 2, sizeof value);
-    if (event == ZMQ_EVENT_CONNECTED) connected_ = true, refused_ = false;
-    if (event == ZMQ_EVENT_DISCONNECTED) connected_ = false;
-    if (event == ZMQ_EVENT_CONNECT_RETRIED) connected_ = false, refused_ = true;
-    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) auth_refusal_ = static_cast<int>(value);
-    if (connected_ || refused_ || auth_refusal_) wait = std::chrono::milliseconds{0};  // drain what is queued, then go
-  }
-}
-
-std::string req_channel::refused_reason() const {
-  if (endpoint_.starts_with("ipc://")) {
-    const std::string path = endpoint_.substr(6);
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0)
-      return fmt::format(
-          "the socket file {} does not exist: is the generation process running, and is this the "
-          "endpoint it printed (Receiver.endpoint)? A private endpoint is removed when its receiver "
-          "closes",
-          path);
-    if (!S_ISSOCK(st.st_mode)) return fmt::format("{} is not a socket: pass the receiver's endpoint as it is", path);
-    return fmt::format(
-        "nothing listens on the socket {}: the receiver that made it is gone (a file a killed "
-        "process left behind); start the generation process again",
-        path);
-  }
-  return "the connection was refused: is the generation process running and bound to that address and port?";
-}
-
-void req_channel::await_listener(std::chrono::milliseconds refused_after) {
-  if (!socket_) connect();
-  read_monitor(std::chrono::milliseconds{0});
-  if (connected_) return;
-  // Tried afresh when refused: the socket's retries have backed off to a second by now, and a
-  // receiver bound meanwhile would be found only at the next one. Nothing is in flight before a
-  // HELLO. Not refused yet: the first attempt's outcome is awaited as long.
-  if (refused_) connect();
-  const auto start = clock::now();
-  while (!connected_ && clock::now() - start < refused_after)
-    read_monitor(std::chrono::ceil<std::chrono::milliseconds>(refused_after - (clock::now() - start)));
-  if (connected_ || !refused_) return;
-  throw error(errc::peer,
-              fmt::format("cannot reach the receiver at {} (waited {} ms): {}", endpoint_,
-                          std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start).count(),
-                          refused_reason()));
 }
 
 void req_channel::reset() {
@@ -874,8 +797,21 @@ void req_channel::reset() {
 }
 
 std::optional<int> req_channel::take_refusal() {
-  read_monitor(std::chrono::milliseconds{0});
-  return auth_refusal_;
+  std::optional<int> refused;
+  if (!monitor_) return refused;
+  zmq::message_t head;
+  while (monitor_->recv(head, zmq::recv_flags::dontwait)) {
+    zmq::message_t address;  // the event's second frame: the endpoint
+    while (head.more() && monitor_->recv(address, zmq::recv_flags::dontwait) && address.more()) {
+    }
+    if (head.size() < 6) continue;
+    std::uint16_t event = 0;
+    std::uint32_t value = 0;
+    std::memcpy(&event, head.data(), sizeof event);
+    std::memcpy(&value, static_cast<const char*>(head.data()) + 2, sizeof value);
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) refused = static_cast<int>(value);
+  }
+  return refused;
 }
 
 namespace {

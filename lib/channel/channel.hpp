@@ -104,14 +104,6 @@ class rep_channel {
   /// True (once) when the lane's streamer was found gone (see lane::streamer_gone()): its process
   /// ended or it closed the lane. The lane is dropped then; its session cannot go on through it.
   [[nodiscard]] bool lane_gone() noexcept { return std::exchange(lane_gone_, false); }
-  /// True while connection `peer` (a peer_id() of an earlier request) is open: false once the
-  /// process at its other end ended or closed its socket (its kernel closes the connection), or
-  /// when the ZMTP server closed it (heartbeats unanswered: a host gone). Always true on a libzmq
-  /// socket, which does not say.
-  [[nodiscard]] bool connected(const std::string& peer) const noexcept { return !server_ || server_->connected(peer); }
-  /// Connections that have ended on this channel so far (0 with libzmq): connected() need be
-  /// asked again only when it changed.
-  [[nodiscard]] std::uint64_t ended() const noexcept { return server_ ? server_->ended() : 0; }
   /// Requests dropped unanswered because their envelope was not a REQ's (for tests and logs).
   [[nodiscard]] std::uint64_t dropped() const noexcept { return server_ ? server_->dropped() : dropped_; }
   /// Connections the ZMTP server closed (protocol errors, stalls, over the limit); 0 with libzmq.
@@ -120,8 +112,7 @@ class rep_channel {
   [[nodiscard]] std::size_t connections() const noexcept { return server_ ? server_->connections() : 0; }
 
   /// Waits up to `wait` until one of `channels` has a request; returns its index (the first ready
-  /// one in order), nullopt when none came. `soon` as for receive(). This wait and receive()'s
-  /// also end early, with nullopt, when a connection ends (see connected()).
+  /// one in order), nullopt when none came. `soon` as for receive().
   static std::optional<std::size_t> wait_any(std::span<rep_channel* const> channels, std::chrono::milliseconds wait,
                                              bool soon = false);
 
@@ -218,34 +209,18 @@ class req_channel {
   /// How many times the socket was rebuilt (for tests and logs).
   [[nodiscard]] std::size_t resets() const noexcept { return resets_; }
 
-  /// Before a HELLO: returns once the socket is connected to something listening at the endpoint.
-  /// When ZeroMQ has found nobody there (an ipc:// socket file missing, or one a receiver that died
-  /// left behind; a tcp:// port refused), it waits up to `refused_after` for a receiver that is
-  /// slow to bind, then throws refit::error(errc::peer) naming the endpoint and what to check, where
-  /// the HELLO would have waited its whole reply timeout. A connection still being attempted (a
-  /// host that does not answer) is left to that timeout.
-  void await_listener(std::chrono::milliseconds refused_after);
-
  private:
   void connect();
-  /// Reads the socket monitor's events for up to `wait`: connected_, refused_ and auth_refusal_ as
-  /// they say.
-  void read_monitor(std::chrono::milliseconds wait);
-  [[nodiscard]] std::string refused_reason() const;
-  /// The ZAP status (400) of a CURVE handshake the receiver refused since the socket was made, if
-  /// one came (read_monitor() without waiting first).
+  /// Reads the handshake events the monitor holds (none without CURVE); the ZAP status (400) of a
+  /// CURVE handshake the receiver refused, if one came. Never waits.
   std::optional<int> take_refusal();
   std::string endpoint_;
   curve_keys curve_;
-  /// A PAIR socket that hears socket_'s connection events and failed handshakes
-  /// (zmq_socket_monitor): nobody listening, or a receiver that refuses this streamer's CURVE key,
-  /// is reported at once, not as a timeout. Declared before socket_: the socket goes first, then
-  /// what listens to it.
+  /// CURVE: a PAIR socket that hears socket_'s failed handshakes (zmq_socket_monitor), so that a
+  /// receiver that refuses this streamer's key is reported at once, not as a timeout. Declared
+  /// before socket_: the socket goes first, then what listens to it.
   std::unique_ptr<zmq::socket_t> monitor_;
   std::unique_ptr<zmq::socket_t> socket_;
-  bool connected_ = false;           ///< a connection is up (the last event said so)
-  bool refused_ = false;             ///< a connection attempt failed since the last one up
-  std::optional<int> auth_refusal_;  ///< the status of a CURVE handshake refused since connect()
   std::unique_ptr<lane> lane_;
   std::size_t resets_ = 0;
 };

@@ -1146,12 +1146,7 @@ void server::enforce_budget(connection& reading) {
 }
 
 void server::sweep() {
-  ended_ += std::erase_if(conns_, [](const auto& entry) { return entry.second->closing; });
-}
-
-bool server::connected(const std::string& peer) const noexcept {
-  const auto it = conns_.find(peer);
-  return it != conns_.end() && !it->second->closing;
+  std::erase_if(conns_, [](const auto& entry) { return entry.second->closing; });
 }
 
 }  // namespace refit::channel::zmtp

@@ -291,12 +291,6 @@ class server {
   [[nodiscard]] std::uint64_t closed() const noexcept { return closed_; }
   /// Connections open now.
   [[nodiscard]] std::size_t connections() const noexcept { return conns_.size(); }
-  /// True while connection `peer` (an id take() gave) is open: false once its peer hung up (its
-  /// process ended, or it closed its socket) or the server closed it.
-  [[nodiscard]] bool connected(const std::string& peer) const noexcept;
-  /// Connections that have ended so far, whoever ended them: a wait beside this server ends when
-  /// it changes, so that its owner looks at its peers (connected()) at once.
-  [[nodiscard]] std::uint64_t ended() const noexcept { return ended_; }
 
  private:
   struct connection;
@@ -329,7 +323,6 @@ class server {
   std::vector<std::uint8_t> scratch_;
   std::uint64_t dropped_ = 0;
   std::uint64_t closed_ = 0;
-  std::uint64_t ended_ = 0;  ///< see ended()
 };
 
 }  // namespace refit::channel::zmtp

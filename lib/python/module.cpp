@@ -13,13 +13,11 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
-#include <cstdio>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -43,8 +41,6 @@
 
 namespace refit::python {
 namespace {
-
-void python_spelling(std::string& m);
 
 using std::chrono::milliseconds;
 
@@ -393,7 +389,6 @@ class py_receiver {
   std::optional<std::string> last_error() {
     std::string e = rx().last_error();
     if (e.empty() || (error_before_commit_ && *error_before_commit_ == e)) return std::nullopt;
-    python_spelling(e);
     return e;
   }
 
@@ -403,9 +398,7 @@ class py_receiver {
   /// callback is raised here — once the streamer has been told that the refit failed, which the
   /// receiver does in its reply to the streamer's next message.
   void after(receiver_event e, milliseconds wait) {
-    if (e == receiver_event::committed || e == receiver_event::bye || e == receiver_event::lost ||
-        e == receiver_event::hello)
-      retired_.clear();
+    if (e == receiver_event::committed || e == receiver_event::bye || e == receiver_event::hello) retired_.clear();
     if (e == receiver_event::committed) error_before_commit_ = rx().last_error();
     if (e == receiver_event::aborted || e == receiver_event::refused) error_before_commit_.reset();
     if (!interrupt_) return;
@@ -1148,53 +1141,11 @@ void replace_all(std::string& m, std::string_view from, std::string_view to) {
     m.replace(at, from.size(), to);
 }
 
-/// The keyword argument of refit.Receiver or refit.Streamer that sets C++ option `field` (with
-/// `sub`, a field of that option's struct: delta_options, curve_keys).
-std::string keyword_for(std::string_view field, std::string_view sub) {
-  if (field == "buffer_count") return "buffers=";
-  if (field == "transport_name") return "transport=";
-  if (field == "delta") return sub.empty() || sub == "enable" ? "delta=" : "delta_" + std::string(sub) + "=";
-  if (!sub.empty()) return std::string(field) + "['" + std::string(sub) + "']";
-  return std::string(field) + "=";
-}
-
-/// Every C++ option a message names, as the Python keyword argument that sets it
-/// ("receiver_options.idle_timeout" -> "refit.Receiver's idle_timeout="), and every duration in
-/// seconds, as Python takes them ("60000 ms" -> "60 s"): C++ messages speak C++, and one rule here
-/// turns all of them, present and future, into the Python API's terms.
-void python_spelling(std::string& m) {
-  static const std::regex option(R"(\b(receiver|streamer)_options(?:\.|::)([a-z_]+)(?:\.([a-z_]+))?)");
-  static const std::regex millis(R"((^|[^0-9.])([0-9]+) ms\b)");  // whole numbers: "0.5 ms" stays
-  std::string out;
-  auto from = m.cbegin();
-  for (std::sregex_iterator it(m.begin(), m.end(), option), end; it != end; ++it) {
-    const std::smatch& k = *it;
-    out.append(from, k[0].first);
-    out += (k[1] == "receiver" ? "refit.Receiver's " : "refit.Streamer's ") + keyword_for(k[2].str(), k[3].str());
-    from = k[0].second;
-  }
-  out.append(from, m.cend());
-  m.clear();
-  from = out.cbegin();
-  for (std::sregex_iterator it(out.begin(), out.end(), millis), end; it != end; ++it) {
-    const std::smatch& k = *it;
-    m.append(from, k[0].first);
-    m += k[1].str();
-    const double seconds = std::stod(k[2].str()) / 1000;
-    char text[32];
-    std::snprintf(text, sizeof(text), "%g s", seconds);
-    m += text;
-    from = k[0].second;
-  }
-  m.append(from, out.cend());
-}
-
 /// A C++ error's message as a Python user reads it: the binding's names for what C++ calls
 /// options and functions, and the hint a Python caller needs. Returns the code to raise with:
 /// a receiver whose process ended is a dead peer, not a deadline (see the last case).
 errc for_python(errc code, std::string& m) {
   m = without_source_locations(std::move(m));
-  python_spelling(m);
   replace_all(m, "(or options.token)", "(or token= of refit.Receiver and refit.Streamer)");
   replace_all(m, "register parameters (add_parameter) or a callback (on_batch) first",
               "register parameters (rx.add_parameter / rx.add_parameters) or a callback (rx.on_tensor / rx.on_batch) "

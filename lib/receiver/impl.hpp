@@ -204,8 +204,6 @@ struct lane {
   bool owned = false;
   std::string owner;
   std::string secret;
-  /// channel.ended() when the owner was last found connected: the next look waits for a change.
-  std::uint64_t ended_seen = 0;
 
   lane(std::size_t r, const std::string& endpoint, const curve_keys& curve, bool allow_insecure)
       : rank(r), channel(endpoint, curve, allow_insecure) {}
@@ -435,7 +433,6 @@ struct __attribute__((visibility("hidden"))) receiver::impl {
   receiver_event step(milliseconds wait);
   std::optional<receiver_event> enforce_deadlines(milliseconds& wait);
   bool streamer_gone();
-  std::optional<receiver_event> lost_streamers();
   std::optional<std::string> receive(milliseconds wait);
   receiver_event handle(const std::string& bytes);
   receiver_event supersede_or_dispatch(wire::message m);

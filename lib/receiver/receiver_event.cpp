@@ -16,7 +16,6 @@ std::string_view to_string(receiver_event e) noexcept {
     case receiver_event::refused: return "refused";
     case receiver_event::ended: return "ended";
     case receiver_event::prepared: return "prepared";
-    case receiver_event::lost: return "lost";
   }
   return "?";
 }

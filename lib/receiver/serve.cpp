@@ -43,13 +43,8 @@ receiver_event receiver::impl::step(milliseconds wait) {
     return supersede_or_dispatch(std::move(m));
   }
   if (const auto aborted = enforce_deadlines(wait)) return *aborted;
-  // Asked once nothing is waiting: a request already here (a HELLO replacing the session from a new
-  // connection) is handled first. The wait ends when a connection does.
   const auto request = receive(wait);
-  if (!request) {
-    if (streamer_gone()) return receiver_event::aborted;
-    return lost_streamers().value_or(receiver_event::idle);
-  }
+  if (!request) return streamer_gone() ? receiver_event::aborted : receiver_event::idle;
   const auto received = clock::now();
   const receiver_event e = handle(*request);
   REFIT_DEBUG("{} handled in {:.0f} us ({} bytes)", to_string(e),
@@ -104,40 +99,6 @@ bool receiver::impl::streamer_gone() {
     aborted = true;
   }
   return aborted;
-}
-
-/// Ends the session of a lane whose streamer is gone without BYE (receiver_event::lost): the
-/// connection its HELLO came by has ended, so no request of that session can come any more
-/// (stranger() refuses every other connection). Between versions the README's loop would otherwise
-/// serve an empty endpoint forever, and mid-version the weights would stay dirty until the idle
-/// timeout. A refit in progress is aborted first (reported as aborted; the next call reports lost).
-std::optional<receiver_event> receiver::impl::lost_streamers() {
-  for (lane& l : lanes) {
-    if (!l.owned || l.owner.empty() || l.pending || l.waiting) continue;
-    const std::uint64_t ended = l.channel.ended();
-    if (ended == l.ended_seen) continue;
-    if (l.channel.connected(l.owner)) {
-      l.ended_seen = ended;
-      continue;
-    }
-    ln = &l;
-    if (l.in_refit() && group_version) {
-      abort_refit(fmt::format("the streamer {} is gone during version {}: its connection closed (its process "
-                              "ended, or it reset its socket), noticed at once instead of after "
-                              "receiver_options.idle_timeout ({} ms)",
-                              who(l), *group_version, options.idle_timeout.count()),
-                  errc::peer);
-      return receiver_event::aborted;
-    }
-    REFIT_WARN(
-        "the streamer {} is gone without BYE: its connection to {} closed (its process ended, or it reset "
-        "its socket after a failure of its own); its session is dropped and a new streamer may connect",
-        who(l), l.channel.endpoint());
-    end_session();
-    l.ended_seen = ended;
-    return receiver_event::lost;
-  }
-  return std::nullopt;
 }
 
 /// Waits up to `wait` for a request on any lane that is not holding one (a held END must be

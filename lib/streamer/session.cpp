@@ -80,9 +80,6 @@ void streamer::impl::ensure_session() {
   // HELLO starts a session afresh, through ZeroMQ: the receiver makes a new lane for it.
   for (channel::req_channel& c : channels) c.attach_lane(nullptr);
   try {
-    // Nobody listening (no socket file, a refused port) is said at once, not at HELLO's timeout;
-    // a receiver binding meanwhile gets a moment.
-    for (channel::req_channel& c : channels) c.await_listener(std::min(options.timeout, milliseconds{1000}));
     const auto hello_to = [&](std::size_t k) {
       wire::hello mine = h;
       buffers->hello_for(k, mine);

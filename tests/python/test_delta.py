@@ -167,7 +167,7 @@ def test_delta_options_are_checked():
     # (A build without CUDA refuses cuda_ipc itself first.)
     with pytest.raises(refit.RefitError, match="needs the host_shm transport|cuda_ipc is not built into this refit"):
         refit.Streamer("ipc:///nowhere", transport="cuda_ipc", delta=True)
-    with pytest.raises(refit.RefitError, match="refit.Streamer.s delta_threads= is 257: the host diff takes at most 256 threads"):
+    with pytest.raises(refit.RefitError, match="delta.threads is 257: the host diff takes at most 256 threads"):
         refit.Streamer("ipc:///nowhere", transport="host_shm", delta=True, delta_threads=257)
     with pytest.raises(refit.RefitError, match="delta_threads is 257: a host delta is applied on at most 256 threads"):
         refit.Receiver(delta_threads=257)

@@ -227,35 +227,6 @@ def test_a_non_contiguous_source_raises_value_error_naming_it(served, bad):
     assert_still_at_version_1(job, st)
 
 
-@pytest.mark.parametrize("form", ["dict", "list"])
-def test_a_non_contiguous_tensor_of_a_dict_or_list_is_refused_before_begin(served, form):
-    job, st = served
-    state = good_state(2)
-    state[NAME] = torch.zeros(16, 8).t()  # the second of three: streamed, the first would be written
-    tensors = state if form == "dict" else list(state.items())
-    before = job.request("events")
-    with pytest.raises(ValueError) as failure:
-        st.refit(2, tensors)
-    text = str(failure.value)
-    assert f"tensor '{NAME}' is not contiguous (shape (8, 16), stride (1, 8))" in text
-    assert "call .contiguous()" in text and "Nothing was sent" in text
-    status = job.request("status")
-    assert status["committed_version"] == 1
-    assert status["dirty"] is False  # no BEGIN reached the engine
-    assert job.request("events") == before  # the engine heard nothing
-    assert_still_at_version_1(job, st)
-
-
-def test_a_non_contiguous_tensor_of_a_generator_is_found_as_it_comes_naming_it(served):
-    job, st = served
-    state = good_state(2)
-    state[NAME] = torch.zeros(16, 8).t()
-    with pytest.raises(ValueError, match=f"'{NAME}' is not contiguous.*tensor.contiguous"):
-        st.refit(2, ((k, v) for k, v in state.items()))
-    assert job.request("status")["committed_version"] == 1  # failed mid-stream: not committed
-    assert_still_at_version_1(job, st)
-
-
 @pytest.mark.parametrize(
     "bad",
     [torch.zeros(8, 16, dtype=torch.complex64), np.zeros((8, 16), np.complex64)],

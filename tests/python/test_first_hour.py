@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-import pickle
 import threading
-import traceback
 
 import pytest
 import torch
@@ -128,35 +126,6 @@ def test_a_dead_receiver_seen_through_the_lane_is_errc_peer():
     assert "start a new one" in text
     # A real deadline stays a timeout.
     assert _refit._python_message(int(refit.Errc.timeout), "no reply within 30000 ms")[0] == refit.Errc.timeout
-
-
-def test_cpp_option_names_and_milliseconds_read_as_pythons_keywords_and_seconds():
-    _, text = _refit._python_message(
-        int(refit.Errc.peer), "gone, noticed instead of after receiver_options.idle_timeout (60000 ms)")
-    assert text == "gone, noticed instead of after refit.Receiver's idle_timeout= (60 s)"
-    _, text = _refit._python_message(
-        int(refit.Errc.timeout), "no reply to HELLO within 1500 ms (waited 1502 ms): raise streamer_options::timeout")
-    assert text == "no reply to HELLO within 1.5 s (waited 1.502 s): raise refit.Streamer's timeout="
-    # C++ names that differ from the keyword, and fields of an option's struct.
-    assert _refit._python_message(1, "streamer_options.buffer_count 1")[1] == "refit.Streamer's buffers= 1"
-    assert _refit._python_message(1, "streamer_options.delta.max_bytes")[1] == "refit.Streamer's delta_max_bytes="
-    assert _refit._python_message(1, "receiver_options.curve.secret_key")[1] == "refit.Receiver's curve['secret_key']"
-    # Text that only looks alike stays.
-    assert _refit._python_message(1, "items (5 msgs) at 0.5 ms")[1] == "items (5 msgs) at 0.5 ms"
-
-
-def test_tracebacks_name_the_exceptions_as_refit_exports_them():
-    for cls in (refit.RefitError, refit.RefitTimeout, refit.Errc, refit.Event):
-        assert cls.__module__ == "refit"
-        assert getattr(refit, cls.__name__) is cls
-    assert f"{refit.RefitTimeout.__module__}.{refit.RefitTimeout.__qualname__}" == "refit.RefitTimeout"
-    e = pickle.loads(pickle.dumps(refit.RefitTimeout("late", int(refit.Errc.timeout))))
-    assert type(e) is refit.RefitTimeout and e.code == refit.Errc.timeout
-    assert pickle.loads(pickle.dumps(refit.Event.lost)) is refit.Event.lost
-    try:
-        raise refit.RefitError("x", 5)
-    except refit.RefitError:
-        assert traceback.format_exc().rstrip().endswith("refit.RefitError: x")
 
 
 def test_a_wrong_token_names_the_python_argument(served):

@@ -173,7 +173,7 @@ def test_a_shard_without_a_group_is_refused_before_anything_moves():
         with pytest.raises(refit.RefitError) as failure:
             st.refit(1, {"w": refit.Shard(torch.ones(4, 4), (8, 4), 0, 0)})
         assert failure.value.code == refit.Errc.invalid_argument
-        assert "this streamer is alone (refit.Streamer's group_size= 1)" in str(failure.value)
+        assert "this streamer is alone (streamer_options::group_size 1)" in str(failure.value)
         # A whole tensor given as its own only shard goes as it is.
         st.refit(2, {"w": refit.Shard(torch.ones(8, 4), (8, 4))})
     assert rx.committed_version == 2

@@ -1,9 +1,6 @@
 // Faults between processes: a peer killed mid-refit, a peer that is not there yet, a stranger.
 // Every failure must arrive within its deadline with the right code, and the survivor must go on
 // to commit the next refit bit-exactly.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -318,8 +315,7 @@ TEST_CASE(
   CHECK(r.committed_version() == std::optional<std::uint64_t>(1));
   CHECK(r.dirty());
   CHECK_THAT(r.last_error(), Catch::Contains("no message from the streamer") ||
-                                 Catch::Contains("is gone during version 2: its control lane closed") ||
-                                 Catch::Contains("is gone during version 2: its connection closed"));
+                                 Catch::Contains("is gone during version 2: its control lane closed"));
 
   // A new streamer process: its refit commits and the weights are clean again.
   to_s2.send("go");
@@ -331,7 +327,7 @@ TEST_CASE(
   CHECK(s2.wait(20s) == 0);
 }
 
-TEST_CASE("a streamer whose receiver is not there yet fails with errc::peer within a second, then refits once it is",
+TEST_CASE("a streamer whose receiver is not there yet fails with errc::timeout in time, then refits once it is",
           "[faults]") {
   const auto metas = rt::mixed_model(30, 0);
   const scoped_endpoint endpoint;
@@ -344,11 +340,9 @@ TEST_CASE("a streamer whose receiver is not there yet fails with errc::peer with
   const auto f = failure_of([&] { s.refit(1, v1.refs); });
   const auto elapsed = since(start);
   REQUIRE(f);
-  // Nobody listens (no socket file): said after the second a receiver binding meanwhile gets, not
-  // at HELLO's reply timeout.
-  CHECK(f->code == code_name(refit::errc::peer));
-  CHECK_THAT(f->message, Catch::Contains(ep) && Catch::Contains("does not exist"));
-  CHECK(elapsed < 1s + slack);
+  CHECK(f->code == code_name(refit::errc::timeout));
+  CHECK_THAT(f->message, Catch::Contains(ep));
+  CHECK(elapsed < streamer_timeout + slack);
 
   rx.go();
   REQUIRE(rx.next_report() == "ready");
@@ -357,89 +351,6 @@ TEST_CASE("a streamer whose receiver is not there yet fails with errc::peer with
 
   s.close();
   CHECK(rx.stop() == 0);
-}
-
-TEST_CASE("a streamer killed between refits is reported lost within a second, and the next streamer commits",
-          "[faults]") {
-  // Between versions no deadline runs: only the end of the streamer's connection tells.
-  const bool lane = GENERATE(true, false);
-  INFO("control_lane " << lane);
-  const auto metas = rt::mixed_model(30, 0);
-  const scoped_endpoint endpoint;
-  const std::string& ep = endpoint.name;
-  // Both streamers are forked before this process opens any socket.
-  rt::signal_pipe from_s1;
-  rt::child s1([&] {
-    refit::streamer_options o = stream_options(ep, 256 * kib);
-    o.control_lane = lane;
-    refit::streamer s(o);
-    const host_tensors v1(metas, 1);
-    s.refit(1, v1.refs);
-    from_s1.send("committed");
-    for (;;) ::pause();  // between refits until SIGKILL
-  });
-  rt::signal_pipe to_s2;
-  rt::child s2([&] {
-    if (to_s2.receive(60s) != "go") throw std::runtime_error("streamer 2: expected go");
-    refit::streamer s(stream_options(ep, 256 * kib));
-    const host_tensors v2(metas, 2);
-    s.refit(2, v2.refs);
-    s.close();
-  });
-
-  refit::receiver_options ro = receive_options(ep);
-  ro.idle_timeout = 60s;  // not what notices it
-  refit::receiver r(ro);
-  table t(metas);
-  t.register_in(r);
-  REQUIRE(serve_until(r, refit::receiver_event::committed, 20s));
-  REQUIRE(from_s1.receive(20s) == "committed");
-
-  const auto killed = clock_type::now();
-  s1.kill();
-  CHECK(s1.wait(5s) == -SIGKILL);
-  REQUIRE(serve_until(r, refit::receiver_event::lost, 10s));
-  const auto lost_after = since(killed);
-  CHECK(lost_after < 1s);
-  CHECK(r.committed_version() == std::optional<std::uint64_t>(1));
-  CHECK_FALSE(r.dirty());
-  CHECK(t.check(1) == "ok");
-  // Reported once: the session is gone, and the receiver waits for the next streamer.
-  CHECK(r.serve_one(100ms) == refit::receiver_event::idle);
-
-  to_s2.send("go");
-  REQUIRE(serve_until(r, refit::receiver_event::committed, 20s));
-  CHECK(r.committed_version() == std::optional<std::uint64_t>(2));
-  CHECK(t.check(2) == "ok");
-  REQUIRE(serve_until(r, refit::receiver_event::bye, 20s));
-  CHECK(s2.wait(20s) == 0);
-}
-
-TEST_CASE("a streamer whose tcp port is refused fails with errc::peer within a second, naming the endpoint",
-          "[faults]") {
-  // A port nobody listens on: bound (so the system gives one) and closed without listening.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  const std::string ep = "tcp://127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
-  ::close(fd);
-
-  refit::streamer_options o = stream_options(ep, 256 * kib);
-  o.timeout = 30s;  // HELLO's deadline is not what reports it
-  refit::streamer s(o);
-  const host_tensors v1(rt::mixed_model(4, 0), 1);
-  const auto start = clock_type::now();
-  const auto f = failure_of([&] { s.refit(1, v1.refs); });
-  const auto elapsed = since(start);
-  REQUIRE(f);
-  CHECK(f->code == code_name(refit::errc::peer));
-  CHECK_THAT(f->message, Catch::Contains(ep) && Catch::Contains("refused"));
-  CHECK(elapsed < 1s + slack);
 }
 
 TEST_CASE("a receiver restarted between two refits takes the next refit of the same streamer", "[faults]") {

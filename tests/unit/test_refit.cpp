@@ -95,7 +95,6 @@ std::string event_name(refit::receiver_event e) {
     case refit::receiver_event::refused: return "refused";
     case refit::receiver_event::ended: return "ended";
     case refit::receiver_event::prepared: return "prepared";
-    case refit::receiver_event::lost: return "lost";
   }
   return "unknown";
 }

@@ -169,29 +169,6 @@ def _check_endpoint(endpoint: Any, what: str) -> None:
         )
 
 
-def _refuse_not_contiguous(tensors: Any) -> None:
-    """A dict, list or tuple is known whole before BEGIN: a tensor in it that is not contiguous is
-    refused here, before anything is sent (found while streaming, it would fail the version with
-    the engine's weights partly written). A generator's tensors are checked as they come."""
-    if _torch is None or not isinstance(tensors, (Mapping, list, tuple)):
-        return
-    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
-    tensor_type = _torch.Tensor
-    for pair in pairs:
-        try:
-            name, t = pair
-        except (TypeError, ValueError):
-            return  # not a pair: the native reader says what is wrong with it
-        if isinstance(t, Shard):
-            t = t.tensor
-        if isinstance(t, tensor_type) and not t.is_contiguous():
-            raise ValueError(
-                f"tensor {name!r} is not contiguous (shape {tuple(t.shape)}, stride {tuple(t.stride())}): refit "
-                "reads dense row-major tensors; call .contiguous() on it (e.g. {k: v.contiguous() for k, v in "
-                "state.items()}). Nothing was sent: the engine's weights are untouched"
-            )
-
-
 def _device_index(device: Any) -> int:
     """The CUDA ordinal of ``device`` (int, "cuda:1", torch.device); the current CUDA device
     (or 0) for None."""
@@ -509,14 +486,7 @@ class Receiver(_refit.Receiver):
         """Waits up to ``timeout`` seconds for one message and handles it; returns what happened
         (an :class:`Event`). The GIL is released while waiting and applying. A refit superseded
         by a new HELLO or BEGIN is reported as ``Event.aborted``; the message that superseded it
-        is handled by the next call. A trainer that closed its streamer gives ``Event.bye``; one
-        whose process died (or that reset its socket after a failure) gives ``Event.lost`` as soon
-        as its connection ends (within milliseconds on one host; a trainer killed mid-version gives
-        ``Event.aborted`` first). An engine serving one trainer loops until either::
-
-            while rx.serve_one(timeout=1.0) not in (refit.Event.bye, refit.Event.lost):
-                pass
-        """
+        is handled by the next call."""
         return Event(super().serve_one(timeout))
 
     def on_begin(self, fn: Optional[Callable[[int], None]]):
@@ -848,7 +818,6 @@ class Streamer(_refit.Streamer):
         committed a whole version (or whose weights are dirty) refuses with
         ``Errc.needs_whole`` before anything is written.
         """
-        _refuse_not_contiguous(tensors)
         return super().refit(version, tensors, stream=stream, subset=subset)
 
     def announce(self, hold: float = 1.0) -> int:

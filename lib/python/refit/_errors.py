@@ -52,11 +52,6 @@ class Event(_Named):
     #: a staged receiver (``Receiver(stage="host")``): the version is whole in the stage, its
     #: streamer heard OK, the weights wait for :meth:`Receiver.apply`
     prepared = 9
-    #: the session's streamer is gone without BYE (its process ended, or it reset its socket after
-    #: a failure of its own): the session is dropped, a new streamer may connect. A refit in
-    #: progress is reported ``aborted`` first. An engine serving one trainer stops at ``bye`` or
-    #: ``lost``
-    lost = 10
 
 
 class RefitError(Exception):
@@ -87,10 +82,3 @@ class RefitError(Exception):
 class RefitTimeout(RefitError, TimeoutError):
     """A deadline passed while waiting for the peer (``code`` is ``Errc.timeout``): the peer is
     dead or stuck. The next refit starts a new session."""
-
-
-# Raised from refit, documented as refit.RefitError: a traceback names them so, not by the private
-# module that defines them (refit._errors.RefitError).
-for _cls in (Errc, Event, RefitError, RefitTimeout):
-    _cls.__module__ = "refit"
-del _cls
