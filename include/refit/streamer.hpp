@@ -69,12 +69,21 @@ enum class refit_scope : std::uint8_t {
   subset = 1,
 };
 
+/// What a version does when one of its receivers fails (streamer_options::on_receiver_failure).
+enum class receiver_failure : std::uint8_t {
+  /// The version fails for every receiver: refit() throws naming each one that failed (see refit()).
+  fail = 0,
+  /// The receiver that failed leaves the version and the streamer; the others go on and commit.
+  drop = 1,
+};
+
 struct streamer_options {
   /// The receiver's endpoint: "ipc:///path" or "tcp://host:port" (what receiver::endpoint() says).
   std::string endpoint;
   /// The endpoints of every receiver (nccl: rank k+1 is receivers[k]; cuda_ipc: receivers of this
-  /// host, each written directly); when empty, `endpoint` is the one receiver. host_shm serves
-  /// exactly one receiver per streamer.
+  /// host, each written directly); when empty, `endpoint` is the one receiver. host_shm serves up
+  /// to 64 receivers, which map the same buffers. streamer::add_receiver() and remove_receiver()
+  /// change the list between versions.
   std::vector<std::string> receivers;
   transport_kind transport = transport_kind::host_shm;
   /// A transport added to refit from its own file (lib/transport/README.md), by the name it
@@ -184,6 +193,34 @@ struct streamer_options {
   /// every rank said COMMIT (one rank's ABORT, or its silence for three quarters of another's reply
   /// timeout, discards it everywhere); each rank's COMMIT is answered when the last arrives.
   bool atomic = false;
+  /// What a receiver failing during a version does to the others. `fail` (the default): the version
+  /// fails for all of them and refit() throws (see refit()). `drop`: a receiver that is gone, stays
+  /// silent past `timeout`, refuses a request or fails its checks leaves that version and this
+  /// streamer (it is told ABORT when it can still hear; a restarted engine comes back by
+  /// add_receiver()); the others go on and commit the version, refit() returns, and
+  /// refit_stats::dropped names each one dropped (a warning is logged at once). An engine-wide
+  /// version (`atomic`) is COMMITted to the receivers left when every one of them prepared it.
+  /// host_shm only: over cuda_ipc and nccl a session holds every receiver's share of the transport
+  /// (mapped weights, one communicator), so a failure ends it for all (errc::invalid_argument).
+  receiver_failure on_receiver_failure = receiver_failure::fail;
+  /// With `drop`: refit() fails (the code and message of the last failure, and how many are left)
+  /// when fewer receivers than this are left; the ones left are told ABORT. At least 1.
+  std::size_t min_receivers = 1;
+  /// With `drop`: a receiver dropped is tried again at the start of later versions (its endpoint
+  /// added back, as add_receiver() does): at the next version, then, while it keeps failing, after
+  /// 2, 4, ... up to 64 versions; it is served again once it answers (a restarted engine on the same
+  /// endpoint catches up at that version). Each try of an endpoint nobody serves costs that version
+  /// one reply timeout (its HELLO) and names it in refit_stats::dropped again; every try makes each
+  /// receiver's session anew. add_receiver() and remove_receiver() of the endpoint end its tries.
+  /// false: a dropped receiver comes back only by add_receiver().
+  bool rejoin = false;
+};
+
+/// A receiver dropped from a version (streamer_options::on_receiver_failure = drop).
+struct dropped_receiver {
+  std::string endpoint;
+  errc code = errc::peer;  ///< errc::timeout for a silent one, errc::peer for one gone, else what it said
+  std::string reason;      ///< the error, as refit() would have thrown it
 };
 
 /// Figures of one refit.
@@ -216,6 +253,9 @@ struct refit_stats {
   /// An engine-wide version (streamer_options::atomic): COMMIT's round trip, from every receiver
   /// prepared to every receiver committed; part of `seconds`.
   double commit_seconds = 0;
+  /// The receivers this version dropped (streamer_options::on_receiver_failure = drop), in the
+  /// order they failed; none of them committed it, and none is asked again.
+  std::vector<dropped_receiver> dropped;
 };
 
 /// Yields the tensors of one refit one at a time, so that the caller can gather tensor k+1 while
@@ -250,6 +290,10 @@ class REFIT_API streamer {
   /// (errc::apply when its sink failed, errc::incomplete when its manifest was not satisfied, ...),
   /// errc::timeout when it did not answer within options.timeout (the socket is rebuilt and the
   /// next refit starts a new session). After any error the receiver has not committed `version`.
+  /// With streamer_options::on_receiver_failure = drop, a receiver that fails is dropped instead
+  /// (refit_stats::dropped) and the others commit; refit() then throws only when fewer than
+  /// min_receivers are left (the failure's code; the ones left are told ABORT), or, before
+  /// anything is sent, errc::invalid_argument when that many were not left to begin with.
   ///
   /// Every tensor must have a name, at most wire limits of rank and name length, memory of the
   /// transport's kind (host for host_shm, CUDA otherwise) and a pointer unless it has no elements
@@ -285,6 +329,23 @@ class REFIT_API streamer {
   /// Ends the session politely (BYE); the receiver unmaps the buffers. Safe to call twice; the
   /// destructor calls it and swallows errors.
   void close() noexcept;
+
+  /// Adds the receiver at `endpoint` from the next version on: that version's BEGIN opens its
+  /// session (HELLO), and it gets the version whole (on a delta streamer: a delta when it holds the
+  /// base, else the version whole, for every receiver, as refit_stats::whole_after_refusal says).
+  /// The other receivers' sessions go on untouched where the transport lets a receiver join an open
+  /// session (host_shm's sealed buffers); elsewhere (named host_shm segments, cuda_ipc) every
+  /// receiver's session is made anew at the next version. Throws errc::invalid_argument during a
+  /// refit (from a tensor source), for an endpoint already served, an empty one, one past the
+  /// transport's receivers, in a group of streamers (group_size > 1), or over nccl, whose
+  /// communicator has every receiver as a rank.
+  void add_receiver(std::string endpoint);
+  /// Stops serving the receiver at `endpoint`: it is told BYE (it keeps its last committed version
+  /// and serves on) and the next version goes to the others. Throws errc::invalid_argument during a
+  /// refit, for an endpoint not served, for the last receiver, in a group of streamers, or over nccl.
+  void remove_receiver(std::string_view endpoint);
+  /// The endpoints served now, in order (what the next version goes to).
+  [[nodiscard]] std::vector<std::string> receivers() const;
 
   [[nodiscard]] const streamer_options& options() const noexcept;
 

@@ -914,6 +914,47 @@ class py_streamer {
     return st_->announce(std::chrono::milliseconds(static_cast<std::int64_t>(hold * 1000 + 0.5)));
   }
 
+  /// streamer::add_receiver; before transport="auto" made the streamer, the list it will be made with.
+  void add_receiver(const std::string& endpoint) {
+    if (closed_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
+    if (st_) {
+      py::gil_scoped_release nogil;
+      st_->add_receiver(endpoint);
+      return;
+    }
+    std::vector<std::string> list = receivers();
+    if (std::ranges::find(list, endpoint) != list.end())
+      throw error(errc::invalid_argument, "add_receiver(" + endpoint + "): that receiver is served already");
+    list.push_back(endpoint);
+    options_.receivers = std::move(list);
+  }
+
+  /// streamer::remove_receiver (BYE waits up to 1 s for its reply, without the GIL).
+  void remove_receiver(const std::string& endpoint) {
+    if (closed_) throw error(errc::invalid_argument, "this refit.Streamer is closed");
+    if (st_) {
+      py::gil_scoped_release nogil;
+      st_->remove_receiver(endpoint);
+      return;
+    }
+    std::vector<std::string> list = receivers();
+    const auto it = std::ranges::find(list, endpoint);
+    if (it == list.end())
+      throw error(errc::invalid_argument, "remove_receiver(" + endpoint + "): no such receiver is served");
+    if (list.size() == 1)
+      throw error(errc::invalid_argument,
+                  "remove_receiver(" + endpoint + "): it is the last receiver; close() the streamer instead");
+    list.erase(it);
+    options_.receivers = std::move(list);
+    options_.endpoint = options_.receivers.front();
+  }
+
+  /// The endpoints the next version goes to.
+  std::vector<std::string> receivers() const {
+    if (st_) return st_->receivers();
+    return options_.receivers.empty() ? std::vector<std::string>{options_.endpoint} : options_.receivers;
+  }
+
   /// The transport in use: the one given, or the one "auto" chose (None before the first refit).
   std::optional<std::string> transport() const {
     if (automatic_ && !st_ && !chosen_) return std::nullopt;
@@ -1165,6 +1206,16 @@ PYBIND11_MODULE(_refit, m) {
   m.doc() = "refit's native core (use the refit package, not this module)";
   m.attr("__version__") = REFIT_PY_VERSION;
 
+  py::class_<dropped_receiver>(m, "DroppedReceiver",
+                               "A receiver a version dropped (on_receiver_failure='drop'): its endpoint, the error "
+                               "code (an int of Errc) and the reason.")
+      .def_readonly("endpoint", &dropped_receiver::endpoint)
+      .def_property_readonly("code", [](const dropped_receiver& d) { return static_cast<int>(d.code); })
+      .def_readonly("reason", &dropped_receiver::reason)
+      .def("__repr__", [](const dropped_receiver& d) {
+        return "DroppedReceiver(endpoint=" + std::string(py::repr(py::str(d.endpoint))) +
+               ", code=" + std::string(to_string(d.code)) + ")";
+      });
   py::class_<refit_stats>(m, "RefitStats", "Figures of one refit, as the streamer saw it.")
       .def_readonly("version", &refit_stats::version)
       .def_readonly("tensors", &refit_stats::tensors)
@@ -1186,6 +1237,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_readonly("subset", &refit_stats::subset, "sent as a subset (subset=True, or a delta)")
       .def_readonly("delta", &refit_stats::delta, "sent as patches against version `base`")
       .def_readonly("base", &refit_stats::base, "the delta's base version")
+      .def_readonly("dropped", &refit_stats::dropped,
+                    "the receivers this version dropped (on_receiver_failure='drop'), a list of DroppedReceiver")
       .def_readonly("whole_after_refusal", &refit_stats::whole_after_refusal,
                     "a receiver refused the delta (it did not hold the base): sent whole")
       .def_readonly("tensor_bytes", &refit_stats::tensor_bytes, "bytes of the tensors given (bytes: what moved)")
@@ -1268,14 +1321,20 @@ PYBIND11_MODULE(_refit, m) {
                        const std::string& layout, bool delta, const std::string& delta_memory_name,
                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::uint64_t delta_batch_bytes,
                        std::size_t group_rank, std::size_t group_size, bool share_tensors, bool control_lane,
-                       bool nccl_twin, bool atomic) {
-             return std::make_unique<py_streamer>(
-                 streamer_options_from(std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers,
-                                       direct, timeout, std::move(token), device, curve, alignment, keep_whole, engine,
-                                       layout, delta, delta_memory_name, delta_max_bytes, delta_threads,
-                                       delta_batch_bytes, group_rank, group_size, share_tensors, control_lane,
-                                       nccl_twin, atomic),
-                 transport == "auto");
+                       bool nccl_twin, bool atomic, const std::string& on_receiver_failure, std::size_t min_receivers,
+                       bool rejoin) {
+             streamer_options o = streamer_options_from(
+                 std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
+                 std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
+                 delta_max_bytes, delta_threads, delta_batch_bytes, group_rank, group_size, share_tensors, control_lane,
+                 nccl_twin, atomic);
+             if (on_receiver_failure == "drop")
+               o.on_receiver_failure = receiver_failure::drop;
+             else if (on_receiver_failure != "fail")
+               throw py::value_error("on_receiver_failure must be 'fail' or 'drop'; got '" + on_receiver_failure + "'");
+             o.min_receivers = min_receivers;
+             o.rejoin = rejoin;
+             return std::make_unique<py_streamer>(std::move(o), transport == "auto");
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "auto", py::arg("receivers") = py::none(),
            py::arg("buffer_bytes") = std::uint64_t{256} << 20, py::arg("buffers") = 2, py::arg("direct") = true,
@@ -1285,13 +1344,17 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("delta_memory") = "host", py::arg("delta_max_bytes") = std::uint64_t{64} << 30,
            py::arg("delta_threads") = 0, py::arg("delta_batch_bytes") = 0, py::arg("group_rank") = 0,
            py::arg("group_size") = 1, py::arg("share_tensors") = true, py::arg("control_lane") = true,
-           py::arg("nccl_twin") = false, py::arg("atomic") = false)
+           py::arg("nccl_twin") = false, py::arg("atomic") = false, py::arg("on_receiver_failure") = "fail",
+           py::arg("min_receivers") = 1, py::arg("rejoin") = false)
       .def_property_readonly("transport", &py_streamer::transport,
                              "the transport in use: the one given, or the one transport='auto' chose at the first "
                              "refit (None before it)")
       .def("refit", &py_streamer::refit, py::arg("version"), py::arg("tensors"), py::kw_only(),
            py::arg("stream") = py::none(), py::arg("subset") = false)
       .def("announce", &py_streamer::announce, py::arg("hold") = 1.0)
+      .def("add_receiver", &py_streamer::add_receiver, py::arg("endpoint"))
+      .def("remove_receiver", &py_streamer::remove_receiver, py::arg("endpoint"))
+      .def_property_readonly("receivers", &py_streamer::receivers)
       .def("close", &py_streamer::close);
 
   // Which NCCL the nccl transport loads (include/refit/nccl.hpp); refit/__init__.py prefers torch's.

@@ -449,6 +449,8 @@ void receiver::impl::apply_log(const prepared_state& p, [[maybe_unused]] void* s
     device_stage->synchronize(options.idle_timeout);
     return;
   }
+#else
+  (void)stream;  // a host stage is written on this thread
 #endif
   if (!stage_patcher) stage_patcher = std::make_unique<delta::host_patcher>(options.delta_threads);
   std::vector<std::byte*> dests;

@@ -10,6 +10,7 @@
 //   direct.cpp   writes into the receivers' memory: direct copies, peer engines, in-place parts
 //   convert.cpp  tensors the receivers asked converted (casts, fp8 scales, fused block128)
 //   delta.cpp    a delta version: diffs against the base, patches placed, the base kept
+//   fleet.cpp    the receivers changing: added and removed between versions, dropped on failure
 // Each member function is documented where it is defined.
 #pragma once
 
@@ -67,6 +68,21 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   /// The delta base (streamer_options::delta), or null.
   std::unique_ptr<delta::base_store> base;
   bool warned_base_bound = false;
+  /// The version of the refit under way (add_receiver and remove_receiver are refused meanwhile).
+  std::optional<std::uint64_t> version_in_progress;
+  /// The receivers changed in a way the open session cannot follow: the next version opens a new one.
+  bool membership_changed = false;
+  /// The receivers the refit under way dropped (refit_stats::dropped).
+  std::vector<dropped_receiver> dropped;
+  /// A receiver dropped that is tried again (streamer_options::rejoin): `wait` versions from now,
+  /// then after twice `backoff` if it fails again.
+  struct rejoining {
+    std::string endpoint;
+    std::uint64_t wait = 0;
+    std::uint64_t backoff = 1;
+  };
+  static constexpr std::uint64_t max_rejoin_backoff = 64;
+  std::vector<rejoining> rejoins;
 
   explicit impl(streamer_options o);
 
@@ -89,6 +105,7 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     std::size_t receiver;
     errc code;
     std::string message;
+    bool answered = false;  ///< the receiver answered ERROR (it heard the request, and knows)
   };
   struct in_flight {
     std::string what;
@@ -99,6 +116,19 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     bool session_lost = false;
   };
   std::optional<in_flight> flight;
+
+  // fleet.cpp: the receivers changing.
+  void check_receivers_left() const;
+  void check_can_change(std::string_view what) const;
+  void add_receiver(std::string endpoint);
+  void remove_receiver(std::string_view endpoint);
+  [[nodiscard]] bool droppable(const failure& f) const noexcept;
+  void drop_failed(std::vector<failure>& failures, std::vector<wire::ok>& oks);
+  void tell_dropped(std::size_t k, const failure& f) noexcept;
+  void forget_receiver(std::size_t k) noexcept;
+  void queue_rejoin(const std::string& endpoint);
+  void try_rejoins();
+  void forget_rejoined() noexcept;
 
   // post.cpp: one request to every receiver at a time.
   std::vector<wire::ok> request(const std::function<wire::message(std::size_t)>& make, const std::string& what,

@@ -89,6 +89,22 @@ void validate(const streamer_options& o) {
                 fmt::format("streamer_options: group_rank {} of group_size {}: the size must be in [1, {}] and the "
                             "rank below it",
                             o.group_rank, o.group_size, wire::max_group_size));
+  if (o.on_receiver_failure == receiver_failure::drop && !can.peers_apart)
+    throw error(errc::invalid_argument,
+                fmt::format("streamer_options.on_receiver_failure is drop, but a {} session holds every receiver's "
+                            "share of the transport, so one failing ends it for all: use host_shm, or fail",
+                            name));
+  if (o.on_receiver_failure == receiver_failure::drop && o.group_size > 1)
+    throw error(errc::invalid_argument,
+                "streamer_options.on_receiver_failure is drop with group_size > 1: the ranks of a group would drop "
+                "receivers each on its own; use fail");
+  if (o.rejoin && o.on_receiver_failure != receiver_failure::drop)
+    throw error(
+        errc::invalid_argument,
+        "streamer_options.rejoin tries dropped receivers again, but on_receiver_failure is fail: set it to drop");
+  if (o.min_receivers == 0)
+    throw error(errc::invalid_argument,
+                "streamer_options.min_receivers is 0: a version needs at least one receiver to commit it");
   if (o.group_size > 1 && o.delta.enable)
     throw error(errc::invalid_argument,
                 "streamer_options.delta with group_size > 1: a group of streamers sends whole versions (each rank's "

@@ -106,7 +106,7 @@ std::vector<wire::ok> streamer::impl::collect() {
       if (const auto* ok = std::get_if<wire::ok>(&reply)) {
         oks[k] = *ok;
       } else if (const auto* err = std::get_if<wire::error>(&reply)) {
-        failures.push_back({k, err->code, fmt::format("{} refused {}: {}", who(k), what, err->message)});
+        failures.push_back({k, err->code, fmt::format("{} refused {}: {}", who(k), what, err->message), true});
       } else {
         channels[k].reset();
         session_lost = true;
@@ -126,14 +126,18 @@ std::vector<wire::ok> streamer::impl::collect() {
                               : fmt::format("bad reply from {} to {}: {}", who(k), what, printable(e.what()))});
     }
   }
+  const std::size_t asked = channels.size();
+  drop_failed(failures, oks);
   if (failures.empty()) {
     REFIT_DEBUG("{}: answered by {} receiver(s) in {:.0f} us", what, channels.size(), seconds_since(f.started) * 1e6);
     return oks;
   }
+  // Only the failures left can have lost the session (a receiver dropped took its part with it).
+  session_lost = session_lost && std::ranges::any_of(failures, [](const failure& x) { return !x.answered; });
   receivers_failed = true;
   if (session_lost || can.session_dies_on_error) drop_session();
   if (failures.size() == 1) throw error(failures.front().code, failures.front().message);
-  std::string message = fmt::format("{} of {} receivers failed {}:", failures.size(), channels.size(), what);
+  std::string message = fmt::format("{} of {} receivers failed {}:", failures.size(), asked, what);
   for (const auto& fl : failures) message += fmt::format("\n  - {}", fl.message);
   throw error(failures.front().code, message);
 }

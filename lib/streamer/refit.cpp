@@ -20,6 +20,14 @@ namespace refit {
 
 refit_stats streamer::impl::run(std::uint64_t version, tensor_source& source, refit_scope scope) {
   const auto t0 = clock::now();
+  try_rejoins();
+  check_receivers_left();
+  dropped.clear();
+  version_in_progress = version;
+  struct ended {
+    std::optional<std::uint64_t>& v;
+    ~ended() { v.reset(); }
+  } in_progress{version_in_progress};
   ensure_session();
   refit_stats stats;
   stats.version = version;
@@ -68,6 +76,8 @@ refit_stats streamer::impl::run(std::uint64_t version, tensor_source& source, re
   if (keep) base->commit(version, checksum);
   if (base) stats.base_bytes = base->bytes();
   stats.seconds = seconds_since(t0);
+  stats.dropped = std::move(dropped);
+  forget_rejoined();
   REFIT_INFO("version {} committed: {} tensors, {:.3f} GB in {} batches, {:.2f} ms", version, stats.tensors,
              static_cast<double>(stats.bytes) / 1e9, stats.batches, stats.seconds * 1e3);
   return stats;

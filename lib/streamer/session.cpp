@@ -59,9 +59,12 @@ std::string streamer::impl::who(std::size_t k) const {
 }
 
 void streamer::impl::ensure_session() {
+  // A receiver joined since the session opened: it needs a HELLO, and the buffers of this one are
+  // unlinked (see fleet.cpp), so every receiver gets a new session.
+  if (in_session && membership_changed) drop_session();
   if (in_session) return;
-  if (channels.empty())
-    for (const auto& ep : endpoints) channels.emplace_back(ep, options.curve);
+  membership_changed = false;
+  while (channels.size() < endpoints.size()) channels.emplace_back(endpoints[channels.size()], options.curve);
   wire::hello h;
   h.token = token;
   secret = new_secret();

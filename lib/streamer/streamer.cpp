@@ -90,6 +90,18 @@ void streamer::close() noexcept {
   impl_->drop_session();
 }
 
+void streamer::add_receiver(std::string endpoint) {
+  if (!impl_) throw error(errc::invalid_argument, "add_receiver() on a moved-from streamer");
+  impl_->add_receiver(std::move(endpoint));
+}
+
+void streamer::remove_receiver(std::string_view endpoint) {
+  if (!impl_) throw error(errc::invalid_argument, "remove_receiver() on a moved-from streamer");
+  impl_->remove_receiver(endpoint);
+}
+
+std::vector<std::string> streamer::receivers() const { return impl_ ? impl_->endpoints : std::vector<std::string>{}; }
+
 const streamer_options& streamer::options() const noexcept { return impl_->options; }
 
 }  // namespace refit

@@ -699,5 +699,6 @@ std::unique_ptr<sink> make_host_shm_sink(int, milliseconds) { return std::make_u
 // always staged through the shared segments: each receiver maps them read-only and finishes with a
 // buffer before it answers the batch after it, and the streamer reuses a buffer only once every
 // receiver has answered.
-REFIT_TRANSPORT(host_shm, {refit::transport::transport_name, refit::transport::capabilities{64},
-                           refit::transport::make_host_shm_source, refit::transport::make_host_shm_sink});
+REFIT_TRANSPORT(host_shm,
+                {refit::transport::transport_name, refit::transport::capabilities{64, false, false, false, true},
+                 refit::transport::make_host_shm_source, refit::transport::make_host_shm_sink});

@@ -1273,5 +1273,6 @@ std::unique_ptr<sink> make_nccl_sink(int device, milliseconds timeout) {
 }  // namespace refit::transport
 
 // The registration. A failure at any rank ends the collective everywhere; receives in place when granted.
-REFIT_TRANSPORT(nccl, {refit::transport::transport_name, refit::transport::capabilities{1u << 16, false, true, true},
+REFIT_TRANSPORT(nccl, {refit::transport::transport_name,
+                       refit::transport::capabilities{1u << 16, false, true, true, false, true},
                        refit::transport::make_nccl_source, refit::transport::make_nccl_sink});

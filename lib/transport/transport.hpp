@@ -97,6 +97,13 @@ struct capabilities {
   /// Can write in place, without buffers, when the receivers grant session_mode::in_place
   /// (streamer_options::direct asks for it): cuda_ipc direct, nccl in place.
   bool writes_in_place = false;
+  /// Each receiver's part of a session is its own, or shared read-only (host_shm's buffers, which
+  /// every receiver maps and the streamer reuses once all have answered): one may leave an open
+  /// session, or fail during a version, without the others' session changing.
+  bool peers_apart = false;
+  /// The source is made for its receivers and cannot serve another set (nccl: one communicator of
+  /// receivers + 1 ranks, made with the streamer): the receivers cannot change.
+  bool fixed_receivers = false;
 };
 /// The capabilities of the transport registered under `name` (see registry.hpp); defaults (one
 /// receiver, buffers only) for a name nothing registered.

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Unio
 
 from ._errors import Errc, Event, RefitError, RefitTimeout
 from . import _refit
-from ._refit import ReceiverStats, RefitStats, View
+from ._refit import DroppedReceiver, ReceiverStats, RefitStats, View
 try:  # refit.record needs torch; without it the rest of refit works
     from .record import Route, RouteTable, record
 except ImportError:  # pragma: no cover - exercised where torch is absent
@@ -93,6 +93,7 @@ def use_nccl_library(path: str) -> None:
 
 __version__ = _refit.__version__
 __all__ = [
+    "DroppedReceiver",
     "Errc",
     "Event",
     "Receiver",
@@ -677,6 +678,17 @@ class Streamer(_refit.Streamer):
             everywhere). One more round trip per refit (``RefitStats.commit_seconds``). A
             sharded trainer (``group_size > 1``): every rank sets it; a receiver commits only
             once every rank said COMMIT.
+        on_receiver_failure: ``"fail"`` (default): a receiver that fails fails the version for
+            all. ``"drop"`` (host_shm): a receiver that dies, stays silent past ``timeout``,
+            refuses a batch or fails its checks leaves the version and this streamer; the others
+            commit it, ``refit()`` returns, ``RefitStats.dropped`` names each one dropped
+            (endpoint, code, reason) and a warning is logged at once. ``add_receiver()`` takes a
+            restarted engine back. ``st.receivers`` lists the endpoints served.
+        min_receivers: with ``"drop"``, ``refit()`` raises when fewer receivers than this are left.
+        rejoin: with ``"drop"``, a dropped receiver is tried again at the next version, then after
+            2, 4, ... up to 64 versions while it keeps failing, and served again once it answers
+            (a restarted engine on the same endpoint catches up then). Each try of an endpoint
+            nobody serves costs that version one ``timeout`` and lists it in ``dropped`` again.
 
     Example::
 
@@ -720,6 +732,9 @@ class Streamer(_refit.Streamer):
         control_lane: bool = True,
         nccl_twin: bool = False,
         atomic: bool = False,
+        on_receiver_failure: str = "fail",
+        min_receivers: int = 1,
+        rejoin: bool = False,
     ) -> None:
         if endpoint is None:
             if not receivers:
@@ -754,7 +769,30 @@ class Streamer(_refit.Streamer):
             control_lane=control_lane,
             nccl_twin=nccl_twin,
             atomic=atomic,
+            on_receiver_failure=on_receiver_failure,
+            min_receivers=min_receivers,
+            rejoin=rejoin,
         )
+
+    def add_receiver(self, endpoint: str) -> None:
+        """Serves the receiver at ``endpoint`` from the next version on: that version opens its
+        session and sends it the version whole (a delta streamer: whole to every receiver when it
+        holds no base). Between refits only; raises RefitError (``Errc.invalid_argument``) during
+        one (from a generator), for an endpoint served already, or over nccl.
+
+        Example::
+
+            st.add_receiver(restarted_engine_endpoint)
+            st.refit(step, model.state_dict())   # it holds this version when refit returns
+        """
+        _check_endpoint(endpoint, "endpoint")
+        super().add_receiver(endpoint)
+
+    def remove_receiver(self, endpoint: str) -> None:
+        """Stops serving the receiver at ``endpoint``: it is told goodbye and keeps its last
+        committed version; the next version goes to the others. Between refits only; raises
+        RefitError (``Errc.invalid_argument``) for an endpoint not served or the last receiver."""
+        super().remove_receiver(endpoint)
 
     def refit(self, version: int, tensors: Tensors, *, stream: Any = None, subset: bool = False) -> RefitStats:
         """Streams ``tensors`` as ``version`` and returns once the receiver committed it.

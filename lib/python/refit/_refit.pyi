@@ -21,12 +21,18 @@ class RefitStats:
     delta: bool
     base: int
     whole_after_refusal: bool
+    dropped: List[DroppedReceiver]
     tensor_bytes: int
     elements: int
     changed: int
     base_bytes: int
     diff_seconds: float
     commit_seconds: float
+
+class DroppedReceiver:
+    endpoint: str
+    code: int
+    reason: str
 
 class ReceiverStats:
     version: int
@@ -105,7 +111,12 @@ class Streamer:
                  keep_whole: bool = True, engine: str = "automatic", layout: str = "", delta: bool = False,
                  delta_memory: str = "host", delta_max_bytes: int = ..., delta_threads: int = 0,
                  delta_batch_bytes: int = 0, group_rank: int = 0, group_size: int = 1, share_tensors: bool = True,
-                 control_lane: bool = True, nccl_twin: bool = False, atomic: bool = False) -> None: ...
+                 control_lane: bool = True, nccl_twin: bool = False, atomic: bool = False,
+                 on_receiver_failure: str = "fail", min_receivers: int = 1, rejoin: bool = False) -> None: ...
+    def add_receiver(self, endpoint: str) -> None: ...
+    def remove_receiver(self, endpoint: str) -> None: ...
+    @property
+    def receivers(self) -> List[str]: ...
     def refit(self, version: int, tensors: Union[Mapping[str, Any], Iterable[Tuple[str, Any]]], *,
               stream: Any = None, subset: bool = False) -> RefitStats: ...
     def announce(self, hold: float = 1.0) -> int: ...

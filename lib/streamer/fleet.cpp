@@ -1,0 +1,199 @@
+// refit — the streamer's receivers changing: added and removed between versions, dropped when they
+// fail during one (streamer_options::on_receiver_failure). A failure with `drop` is a removal forced
+// by a deadline or a refusal: the receiver leaves the version and the streamer at once, and the
+// request goes on with the others. What the session can follow without being made anew is the
+// transport's to say (transport::capabilities::peers_apart): on host_shm a receiver leaves without
+// the others noticing; one that joins needs a HELLO, and host_shm's buffers are unlinked once every
+// receiver of a session mapped them, so a join opens a new session for all at the next version.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "channel/lane.hpp"
+#include "model/log.hpp"
+#include "streamer/impl.hpp"
+
+namespace refit {
+
+/// Throws errc::invalid_argument when the receivers cannot change now (`what`: the call).
+void streamer::impl::check_can_change(std::string_view what) const {
+  if (version_in_progress)
+    throw error(errc::invalid_argument,
+                fmt::format("{} during a refit (from its tensor source): the receivers change between versions; "
+                            "call it before or after refit()",
+                            what));
+  if (options.group_size > 1)
+    throw error(errc::invalid_argument,
+                fmt::format("{} in a group of streamers (group_size {}): every rank serves the same receivers; make "
+                            "the group anew with the new receivers",
+                            what, options.group_size));
+  if (can.fixed_receivers)
+    throw error(errc::invalid_argument,
+                fmt::format("{} on the {} transport: its communicator was made with every receiver as a rank; make "
+                            "a new streamer with the new receivers",
+                            what, buffers->name()));
+}
+
+/// Before a refit: throws errc::invalid_argument when no receiver is left, or (with `drop`) fewer
+/// than min_receivers.
+void streamer::impl::check_receivers_left() const {
+  if (endpoints.empty())
+    throw error(errc::invalid_argument, "refit() without receivers: every one was dropped; add_receiver() first");
+  if (options.on_receiver_failure == receiver_failure::drop && endpoints.size() < options.min_receivers)
+    throw error(errc::invalid_argument,
+                fmt::format("refit() with {} receiver(s) left, fewer than min_receivers = {}: add_receiver() first",
+                            endpoints.size(), options.min_receivers));
+}
+
+/// streamer::add_receiver: the receiver joins at the next version's BEGIN (its HELLO).
+void streamer::impl::add_receiver(std::string endpoint) {
+  check_can_change("add_receiver()");
+  if (endpoint.empty())
+    throw error(errc::invalid_argument, "add_receiver(): the endpoint is empty: pass the receiver's endpoint()");
+  if (std::ranges::find(endpoints, endpoint) != endpoints.end())
+    throw error(errc::invalid_argument, fmt::format("add_receiver({}): that receiver is served already", endpoint));
+  if (endpoints.size() >= can.max_receivers)
+    throw error(errc::invalid_argument,
+                fmt::format("add_receiver({}): the {} transport serves at most {} receivers per streamer", endpoint,
+                            buffers->name(), can.max_receivers));
+  std::erase_if(rejoins, [&](const rejoining& r) { return r.endpoint == endpoint; });
+  if (!channels.empty()) channels.emplace_back(endpoint, options.curve);
+  endpoints.push_back(std::move(endpoint));
+  if (in_session) membership_changed = true;
+  REFIT_INFO("receiver {} added: it joins at the next version ({} receivers)", endpoints.back(), endpoints.size());
+}
+
+/// streamer::remove_receiver: BYE to it (it keeps its last committed version), and the next
+/// version goes to the others.
+void streamer::impl::remove_receiver(std::string_view endpoint) {
+  check_can_change("remove_receiver()");
+  const auto it = std::ranges::find(endpoints, endpoint);
+  const auto tried = std::erase_if(rejoins, [&](const rejoining& r) { return r.endpoint == endpoint; });
+  if (it == endpoints.end() && tried != 0) return;  // dropped, and no longer tried again
+  if (it == endpoints.end())
+    throw error(errc::invalid_argument, fmt::format("remove_receiver({}): no such receiver is served (receivers(): {})",
+                                                    endpoint, fmt::join(endpoints, ", ")));
+  if (endpoints.size() == 1)
+    throw error(errc::invalid_argument,
+                fmt::format("remove_receiver({}): it is the last receiver; close() the streamer instead", endpoint));
+  const auto k = static_cast<std::size_t>(it - endpoints.begin());
+  if (in_session && k < channels.size()) {
+    try {
+      channels[k].request(wire::encode(wire::bye{}, secret), std::min(options.timeout, milliseconds{1000}), "BYE");
+    } catch (const std::exception& e) {
+      REFIT_DEBUG("BYE to {} not answered: {}", who(k), e.what());
+    }
+  }
+  REFIT_INFO("receiver {} removed ({} left)", endpoint, endpoints.size() - 1);
+  forget_receiver(k);
+  if (in_session && !can.peers_apart) membership_changed = true;
+}
+
+/// With `drop`: a receiver whose failure leaves it out. Not the refusals the streamer itself answers
+/// (a delta it holds no base for: sent whole; a restarted receiver without our session: HELLO again),
+/// nor a failure of this side's transport (HELLO's join).
+bool streamer::impl::droppable(const failure& f) const noexcept {
+  if (f.receiver >= channels.size()) return false;
+  if (!f.answered) return true;  // gone, silent, or an answer that is no answer
+  return f.code != errc::needs_whole && f.code != errc::peer && f.code != errc::unauthorized;
+}
+
+/// With `drop`, after a request's replies are in: every receiver whose failure is droppable() leaves
+/// the streamer (its reply taken out of `oks`, its failure out of `failures`, a warning logged at
+/// once, refit_stats::dropped told). Throws the last such failure when fewer than min_receivers are
+/// left.
+void streamer::impl::drop_failed(std::vector<failure>& failures, std::vector<wire::ok>& oks) {
+  if (options.on_receiver_failure != receiver_failure::drop) return;
+  std::vector<std::size_t> gone;
+  std::vector<failure> kept;
+  for (failure& f : failures) {
+    if (!droppable(f)) {
+      kept.push_back(std::move(f));
+      continue;
+    }
+    REFIT_WARN("dropping {} ({}): {}", who(f.receiver), to_string(f.code), f.message);
+    tell_dropped(f.receiver, f);
+    dropped.push_back({endpoints[f.receiver], f.code, f.message});
+    if (options.rejoin) queue_rejoin(endpoints[f.receiver]);
+    gone.push_back(f.receiver);
+  }
+  if (gone.empty()) return;
+  std::ranges::sort(gone, std::greater<>());
+  for (const std::size_t k : gone) {
+    forget_receiver(k);
+    if (k < oks.size()) oks.erase(oks.begin() + static_cast<std::ptrdiff_t>(k));
+  }
+  for (failure& f : kept)
+    f.receiver -= static_cast<std::size_t>(std::ranges::count_if(gone, [&](std::size_t k) { return k < f.receiver; }));
+  failures = std::move(kept);
+  if (endpoints.size() >= options.min_receivers) return;
+  const dropped_receiver& last = dropped.back();
+  throw error(last.code, fmt::format("{} receiver(s) left after dropping {}, fewer than min_receivers = {}: {}",
+                                     endpoints.size(), last.endpoint, options.min_receivers, last.reason));
+}
+
+/// A receiver dropped that may still hear (its control lane is open: it did not answer in time)
+/// is told ABORT, within 100 ms each way; one that answered ERROR has aborted the version itself,
+/// and one that is gone hears nothing. Closing its channel then closes the lane, at which a
+/// receiver aborts too.
+void streamer::impl::tell_dropped(std::size_t k, const failure& f) noexcept {
+  if (f.answered || k >= channels.size() || !channels[k].has_lane() || !version_in_progress) return;
+  try {
+    const std::string what = fmt::format("ABORT of version {}", *version_in_progress);
+    channels[k].send(wire::encode(wire::abort{*version_in_progress, f.code, "dropped: " + f.message}, secret),
+                     milliseconds{100}, what);
+    (void)channels[k].receive(milliseconds{100}, what);
+  } catch (const std::exception& e) {
+    REFIT_DEBUG("ABORT to the dropped {} not heard: {}", who(k), e.what());
+  }
+}
+
+/// Receiver k is no longer served: its channel (and control lane) closed, its endpoint forgotten.
+void streamer::impl::forget_receiver(std::size_t k) noexcept {
+  if (k < channels.size()) {
+    channels[k].attach_lane(nullptr);
+    channels.erase(channels.begin() + static_cast<std::ptrdiff_t>(k));
+  }
+  endpoints.erase(endpoints.begin() + static_cast<std::ptrdiff_t>(k));
+}
+
+/// streamer_options::rejoin: `endpoint` was dropped; it is tried at the next version, or, when
+/// that was a try, after twice as many versions as before.
+void streamer::impl::queue_rejoin(const std::string& endpoint) {
+  for (rejoining& r : rejoins)
+    if (r.endpoint == endpoint) {
+      r.backoff = std::min(r.backoff * 2, max_rejoin_backoff);
+      r.wait = r.backoff;
+      return;
+    }
+  rejoins.push_back({endpoint, 0, 1});
+}
+
+/// At the start of a version: the dropped receivers due for a try are served again (their HELLO
+/// at this version's session).
+void streamer::impl::try_rejoins() {
+  for (rejoining& r : rejoins) {
+    if (r.wait > 0) {
+      --r.wait;
+      continue;
+    }
+    if (std::ranges::find(endpoints, r.endpoint) != endpoints.end() || endpoints.size() >= can.max_receivers) continue;
+    REFIT_INFO("trying the dropped receiver {} again (rejoin)", r.endpoint);
+    if (!channels.empty()) channels.emplace_back(r.endpoint, options.curve);
+    endpoints.push_back(r.endpoint);
+    if (in_session) membership_changed = true;
+  }
+}
+
+/// After a version committed: the receivers tried again that took it are no longer tried.
+void streamer::impl::forget_rejoined() noexcept {
+  std::erase_if(rejoins,
+                [&](const rejoining& r) { return std::ranges::find(endpoints, r.endpoint) != endpoints.end(); });
+}
+
+}  // namespace refit
