@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <array>
 #include <bit>
 #include <map>
@@ -29,13 +28,12 @@
 namespace refit::channel {
 namespace {
 
-// wire::max_message_bytes, a reply's limit (a request's is zmtp::max_request_bytes); not included
-// to keep the channel below the wire layer.
+// wire::max_message_bytes; not included to keep the channel below the wire layer.
 constexpr std::int64_t max_message_bytes = std::int64_t{64} << 20;
 constexpr int reply_send_timeout_ms = 1000;
 /// The receiver's socket: requests queued per connection before ZeroMQ stops reading that
 /// connection (a REQ streamer has one in flight; a peer that pipelines more waits), so that one
-/// connection holds at most this many messages of zmtp::max_request_bytes, plus the frame it is sending.
+/// connection holds at most this many messages of max_message_bytes, plus the frame it is sending.
 constexpr int receiver_rcvhwm = 4;
 /// ZMTP heartbeats: a connection that answers no PING for heartbeat_timeout_ms (a dead host, a
 /// peer stuck half-way through a frame) is dropped with what it holds; a handshake must end within
@@ -92,6 +90,13 @@ std::optional<std::size_t> poll_any(std::span<zmq::pollitem_t> items, clock::tim
       if (clock::now() >= deadline) return std::nullopt;
     }
   }
+}
+
+/// Polls `socket` for `events` until `deadline` (see poll_any). True when ready.
+bool poll_until(zmq::socket_t& socket, short events, clock::time_point deadline,
+                std::chrono::microseconds spin = std::chrono::microseconds{0}) {
+  zmq::pollitem_t item{socket.handle(), 0, events, 0};  // on the stack: every receive() passes here
+  return poll_any({&item, 1}, deadline, spin).has_value();
 }
 
 void set_curve_server(zmq::socket_t& s, const curve_keys& curve) {
@@ -364,6 +369,7 @@ void rep_channel::open(std::string_view endpoint, const curve_keys& curve, bool 
   // (an interface or host name, an abstract ipc name) stays with libzmq's ROUTER.
   if (zmtp::server::handles(target)) {
     zmtp::options limits = o;
+    limits.max_body = static_cast<std::uint64_t>(max_message_bytes);
     if (!curve.secret_key.empty()) limits.curve = server_keys(curve);
     try {
       server_ = std::make_unique<zmtp::server>(target, limits);
@@ -382,7 +388,7 @@ void rep_channel::open_zmq(const std::string& target, const curve_keys& curve, b
   try {
     socket_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::router);
     socket_->set(zmq::sockopt::linger, 0);
-    socket_->set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(zmtp::max_request_bytes));
+    socket_->set(zmq::sockopt::maxmsgsize, max_message_bytes);
     socket_->set(zmq::sockopt::rcvhwm, receiver_rcvhwm);
     socket_->set(zmq::sockopt::heartbeat_ivl, heartbeat_ivl_ms);
     socket_->set(zmq::sockopt::heartbeat_timeout, heartbeat_timeout_ms);
@@ -766,22 +772,7 @@ void req_channel::connect() {
     s->set(zmq::sockopt::reconnect_ivl_max, reconnect_ivl_max_ms);
     s->set(zmq::sockopt::maxmsgsize, max_message_bytes);
     set_curve_client(*s, curve_);
-    std::unique_ptr<zmq::socket_t> monitor;
-    if (!curve_.server_key.empty()) {
-      // A receiver that refuses the key says so (ZMTP ERROR "400"); libzmq turns that into this
-      // event and gives the connection up, and REQ itself would only wait. One event per socket
-      // (it does not reconnect after it), in a pipe without limit (RCVHWM 0), so that libzmq's
-      // I/O thread never waits for this side to read it.
-      static std::atomic<std::uint64_t> monitors{0};
-      const std::string at = fmt::format("inproc://refit-handshake-{}", monitors.fetch_add(1));
-      if (zmq_socket_monitor(s->handle(), at.c_str(), ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0) throw zmq::error_t();
-      monitor = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::pair);
-      monitor->set(zmq::sockopt::linger, 0);
-      monitor->set(zmq::sockopt::rcvhwm, 0);
-      monitor->connect(at);
-    }
     s->connect(endpoint_);
-    monitor_ = std::move(monitor);
     socket_ = std::move(s);
   } catch (const zmq::error_t& e) {
     throw error(errc::io, fmt::format("cannot connect to the receiver at {}: {}", endpoint_, zmq_reason(e)));
@@ -791,27 +782,8 @@ void req_channel::connect() {
 void req_channel::reset() {
   lane_.reset();
   socket_.reset();
-  monitor_.reset();
   ++resets_;
   connect();
-}
-
-std::optional<int> req_channel::take_refusal() {
-  std::optional<int> refused;
-  if (!monitor_) return refused;
-  zmq::message_t head;
-  while (monitor_->recv(head, zmq::recv_flags::dontwait)) {
-    zmq::message_t address;  // the event's second frame: the endpoint
-    while (head.more() && monitor_->recv(address, zmq::recv_flags::dontwait) && address.more()) {
-    }
-    if (head.size() < 6) continue;
-    std::uint16_t event = 0;
-    std::uint32_t value = 0;
-    std::memcpy(&event, head.data(), sizeof event);
-    std::memcpy(&value, static_cast<const char*>(head.data()) + 2, sizeof value);
-    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) refused = static_cast<int>(value);
-  }
-  return refused;
 }
 
 namespace {
@@ -842,30 +814,8 @@ void req_channel::attach_lane(std::unique_ptr<lane> l) { lane_ = std::move(l); }
 
 std::shared_ptr<fd_link> req_channel::fds() const { return lane_ ? lane_->fds() : nullptr; }
 
-namespace {
-std::string refusal_message(const std::string& endpoint, const curve_keys& curve, std::string_view what, int status) {
-  return fmt::format(
-      "the receiver at {} refused this streamer's CURVE key (its CURVE handshake failed, status {}): {} never "
-      "reached it. Either the streamer's public key {} is not among the receiver's "
-      "receiver_options.curve.allowed_clients, or streamer_options.curve.server_key ({}) is not the receiver's "
-      "public key",
-      endpoint, status, what, curve.public_key, curve.server_key);
-}
-}  // namespace
-
 void req_channel::send(std::string_view bytes, std::chrono::milliseconds timeout, std::string_view what) {
-  // Refused here with what to do, rather than by the receiver at the frame's header, unanswered.
-  if (bytes.size() > zmtp::max_request_bytes)
-    throw error(errc::invalid_argument,
-                fmt::format("{} is {} bytes, more than the {} a receiver takes in one request: lower "
-                            "plan_options::max_entries (its entries, or their names, are too many for one BATCH)",
-                            what, bytes.size(), zmtp::max_request_bytes));
   if (!socket_) connect();
-  // libzmq does not reconnect a socket whose handshake failed (a protocol error ends its session):
-  // a refusal heard since the socket connected, before this request, holds for it. The socket is
-  // rebuilt (request_failure), so the next request tries the receiver anew.
-  if (const auto status = take_refusal())
-    throw request_failure(*this, errc::unauthorized, refusal_message(endpoint_, curve_, what, *status));
   const auto start = clock::now();
   const auto deadline = start + std::max(timeout, std::chrono::milliseconds(0));
   if (lane_) {
@@ -925,20 +875,10 @@ std::string req_channel::receive(std::chrono::milliseconds timeout, std::string_
   }
   try {
     zmq::message_t msg;
-    std::array<zmq::pollitem_t, 2> items{zmq::pollitem_t{socket_->handle(), 0, ZMQ_POLLIN, 0},
-                                         zmq::pollitem_t{monitor_ ? monitor_->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
-    const std::span<zmq::pollitem_t> polled(items.data(), monitor_ ? 2 : 1);
-    for (;;) {
-      const auto ready = poll_any(polled, deadline, spin_before_blocking);
-      if (ready == std::size_t{1}) {
-        if (const auto status = take_refusal())
-          throw request_failure(*this, errc::unauthorized, refusal_message(endpoint_, curve_, what, *status));
-        continue;
-      }
-      if (!ready || !socket_->recv(msg, zmq::recv_flags::dontwait))
-        throw request_failure(*this, errc::timeout, timeout_message("no reply from", endpoint_, what, timeout, start));
-      return msg.to_string();
-    }
+    if (!poll_until(*socket_, ZMQ_POLLIN, deadline, spin_before_blocking) ||
+        !socket_->recv(msg, zmq::recv_flags::dontwait))
+      throw request_failure(*this, errc::timeout, timeout_message("no reply from", endpoint_, what, timeout, start));
+    return msg.to_string();
   } catch (const zmq::error_t& e) {
     throw request_failure(*this, errc::io,
                           fmt::format("receiving the reply to {} from the receiver at {} failed: {}; the session "

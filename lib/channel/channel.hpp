@@ -211,15 +211,8 @@ class req_channel {
 
  private:
   void connect();
-  /// Reads the handshake events the monitor holds (none without CURVE); the ZAP status (400) of a
-  /// CURVE handshake the receiver refused, if one came. Never waits.
-  std::optional<int> take_refusal();
   std::string endpoint_;
   curve_keys curve_;
-  /// CURVE: a PAIR socket that hears socket_'s failed handshakes (zmq_socket_monitor), so that a
-  /// receiver that refuses this streamer's key is reported at once, not as a timeout. Declared
-  /// before socket_: the socket goes first, then what listens to it.
-  std::unique_ptr<zmq::socket_t> monitor_;
   std::unique_ptr<zmq::socket_t> socket_;
   std::unique_ptr<lane> lane_;
   std::size_t resets_ = 0;

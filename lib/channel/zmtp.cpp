@@ -51,20 +51,6 @@ options defaults;
 
 std::atomic<std::uint64_t> next_connection{1};
 
-/// What the request bodies of every server's connections hold together (held_total()), and its peak.
-std::atomic<std::uint64_t> held_now{0};
-std::atomic<std::uint64_t> held_most{0};
-/// The most one read of a connection adds to what it holds: the bytes read (read_chunk), and a body
-/// under map_from reserved whole at its first bytes.
-constexpr std::uint64_t read_growth = read_chunk + map_from;
-
-void add_held(std::uint64_t n) noexcept {
-  const std::uint64_t total = held_now.fetch_add(n) + n;
-  std::uint64_t most = held_most.load();
-  while (total > most && !held_most.compare_exchange_weak(most, total)) {
-  }
-}
-
 bool iequals(std::string_view a, std::string_view b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
            return (x >= 'A' && x <= 'Z' ? x + 32 : x) == (y >= 'A' && y <= 'Z' ? y + 32 : y);
@@ -88,10 +74,6 @@ void append_frame_header(std::string& out, std::uint64_t size, std::uint8_t flag
 }
 
 }  // namespace
-
-std::uint64_t held_total() noexcept { return held_now.load(); }
-std::uint64_t held_peak() noexcept { return held_most.load(); }
-void reset_held_peak() noexcept { held_most.store(held_now.load()); }
 
 options default_options() {
   const std::lock_guard lock(defaults_mutex);
@@ -202,11 +184,7 @@ class decoder::body_buffer {
   [[nodiscard]] std::uint8_t* data() noexcept {
     return reinterpret_cast<std::uint8_t*>(announced_ < map_from ? small_.data() : static_cast<char*>(map_));
   }
-  /// The memory it takes: a small body's capacity; of a mapping, the pages written (the rest of what
-  /// was mapped for growth is address space, not memory).
-  [[nodiscard]] std::size_t held() const noexcept {
-    return announced_ < map_from ? small_.capacity() : (size_ + 4095) / 4096 * 4096;
-  }
+  [[nodiscard]] std::size_t held() const noexcept { return announced_ < map_from ? small_.capacity() : mapped_; }
 
  private:
   void grow(std::size_t need) {
@@ -391,8 +369,7 @@ event decoder::header_done() {
 /// request's body given a buffer (NULL), or the whole message marked to skip.
 event decoder::message_frame(bool more, std::uint64_t size) {
   if (size > max_body_)
-    return fail(fmt::format("a frame of {} bytes, over the limit of {} (the largest request a streamer sends)", size,
-                            max_body_));
+    return fail(fmt::format("a frame of {} bytes, over the limit of {} (wire::max_message_bytes)", size, max_body_));
   ++frames_;
   // A REQ's request is [empty delimiter, MORE][body, last]: the first frame that breaks that shape
   // makes the whole message one to skip, whatever follows.
@@ -543,7 +520,7 @@ event decoder::curve_hello(std::string_view cmd) {
   std::array<std::uint8_t, 64> zeros{};
   if (crypto_box_open_easy(zeros.data(), h + 120, 80, nonce.data(), c.client_short.data(), c.keys->secret_key.data()) !=
       0)
-    return refuse_key(
+    return fail(
         "its CURVE HELLO does not open with this receiver's key: the streamer holds another server key "
         "(streamer_options.curve.server_key must be this receiver's public key)");
   if (!std::all_of(zeros.begin(), zeros.end(), [](std::uint8_t b) { return b == 0; }))
@@ -595,8 +572,7 @@ event decoder::curve_initiate(std::string_view cmd) {
   client_key_ = z85_of(client);
   if (!c.keys->allowed.empty() && std::none_of(c.keys->allowed.begin(), c.keys->allowed.end(),
                                                [&](const auto& k) { return sodium_memcmp(k.data(), client, 32) == 0; }))
-    return refuse_key(
-        fmt::format("its CURVE public key {} is not in receiver_options.curve.allowed_clients", client_key_));
+    return fail(fmt::format("its CURVE public key {} is not in receiver_options.curve.allowed_clients", client_key_));
   if (crypto_box_beforenm(c.shared.data(), c.client_short.data(), c.short_secret.data()) != 0)
     return fail("its CURVE short-term key makes no shared key");
   const std::string_view metadata(reinterpret_cast<const char*>(plain.data()) + 128, plain.size() - 128);
@@ -628,15 +604,6 @@ std::string decoder::seal(std::uint8_t flags, std::string_view payload) {
   return out + body;
 }
 
-/// A CURVE client this receiver does not take (another server key, a key not allowed): told so
-/// before it is closed, with ZMTP 3.1's ERROR and the ZAP status 400 as its reason, which a libzmq
-/// client reports as ZMQ_EVENT_HANDSHAKE_FAILED_AUTH (any other reason text it ignores), so that a
-/// streamer says at once that its key was refused instead of waiting for a reply (req_channel).
-event decoder::refuse_key(std::string why) {
-  output_ += command("ERROR", refused_key_error);
-  return fail(std::move(why));
-}
-
 event decoder::fail(std::string why) {
   state_ = state::failed;
   reason_ = std::move(why);
@@ -664,20 +631,17 @@ std::size_t decoder::held_bytes() const noexcept {
 // ------------------------------------------------------------------------------------ server
 
 struct server::connection {
-  connection(std::uint64_t n, unique_fd f, std::uint64_t max_body, std::shared_ptr<const curve_server_keys> curve,
+  connection(std::string i, unique_fd f, std::uint64_t max_body, std::shared_ptr<const curve_server_keys> curve,
              clock::time_point now)
-      : id(fmt::format("zmtp-{}", n)),
-        serial(n),
+      : id(std::move(i)),
         fd(std::move(f)),
         dec(max_body, std::move(curve)),
         accepted(now),
         last_heard(now),
         last_write(now) {}
   std::string id;
-  std::uint64_t serial;  ///< the order connections were accepted in (the budget's tie-break)
   unique_fd fd;
   decoder dec;
-  std::uint64_t accounted = 0;  ///< what of held_now is this connection's (account())
   clock::time_point accepted;
   clock::time_point last_heard;  ///< the last complete frame or command (or when reading resumed)
   clock::time_point last_ping{};
@@ -728,7 +692,6 @@ server::server(const std::string& endpoint, const options& o) : options_(o), scr
 }
 
 server::~server() {
-  for (auto& [id, c] : conns_) held_now.fetch_sub(std::exchange(c->accounted, 0));
   conns_.clear();
   listener_.reset();
   if (ipc_path_.empty()) return;
@@ -805,13 +768,10 @@ void server::pump() {
   const auto now = clock::now();
   for (auto& [id, c] : conns_) {
     if (c->ahead.empty() || !c->reading()) continue;
-    enforce_budget(*c);
-    if (c->closing) continue;
     std::string bytes = std::exchange(c->ahead, std::string());
     std::size_t used = 0;
     consume(*c, {reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()}, used, now);
     if (used < bytes.size() && !c->closing) c->ahead = bytes.substr(used);
-    account(*c);
   }
   sweep();
 }
@@ -889,10 +849,10 @@ void server::accept_all(clock::time_point now) {
       const int on = 1;
       ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);  // requests are small and awaited
     }
-    auto c = std::make_unique<connection>(next_connection.fetch_add(1), std::move(fd), options_.max_body,
-                                          options_.curve, now);
+    std::string id = fmt::format("zmtp-{}", next_connection.fetch_add(1));
+    auto c = std::make_unique<connection>(id, std::move(fd), options_.max_body, options_.curve, now);
     connection& ref = *c;
-    conns_.emplace(ref.id, std::move(c));
+    conns_.emplace(std::move(id), std::move(c));
     // NULL: READY at once; CURVE: READY ends the handshake, after the peer's INITIATE.
     queue(ref, options_.curve ? greeting(true) : greeting() + ready_frame("ROUTER"), now);
   }
@@ -901,8 +861,6 @@ void server::accept_all(clock::time_point now) {
 void server::read_from(connection& c, clock::time_point now) {
   std::size_t budget = read_budget;
   while (c.reading() && budget > 0) {
-    enforce_budget(c);
-    if (c.closing) return;
     const ssize_t n = ::recv(c.fd.get(), scratch_.data(), std::min(scratch_.size(), budget), 0);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
@@ -917,9 +875,7 @@ void server::read_from(connection& c, clock::time_point now) {
     budget -= static_cast<std::size_t>(n);
     std::size_t used = 0;
     const std::span<const std::uint8_t> bytes(scratch_.data(), static_cast<std::size_t>(n));
-    const bool open = consume(c, bytes, used, now);
-    account(c);
-    if (!open) return;
+    if (!consume(c, bytes, used, now)) return;
     if (used < bytes.size()) c.ahead.assign(reinterpret_cast<const char*>(bytes.data()) + used, bytes.size() - used);
   }
 }
@@ -1040,7 +996,6 @@ std::optional<std::string> server::take(std::string& peer) {
     if (it == conns_.end() || !it->second->request) continue;  // closed since
     connection& c = *it->second;
     std::optional<std::string> out = std::exchange(c.request, std::nullopt);
-    account(c);
     // Its silence while it waited was ours: its heartbeat clock starts again.
     c.last_heard = clock::now();
     c.ping_deadline.reset();
@@ -1091,7 +1046,6 @@ void server::close(connection& c, std::string_view why) {
   if (c.closing) return;
   c.closing = true;
   c.request.reset();
-  account(c);  // what it holds goes with it at the next sweep()
   if (why.empty()) return;
   ++closed_;
   if (std::has_single_bit(closed_))  // 1, 2, 4, ...: a flood does not flood the log
@@ -1105,44 +1059,6 @@ void server::count_drop(std::uint64_t frames) {
         "dropped a message of {} frame(s) on {} that is not a request (a REQ's is a delimiter and one "
         "body frame); {} dropped so far",
         frames, endpoint_, dropped_);
-}
-
-/// Brings this connection's share of held_now up to date: its body as it arrives, and a complete
-/// request not yet taken (nothing once it is closing).
-void server::account(connection& c) {
-  const std::uint64_t now =
-      c.closing ? 0 : c.dec.held_bytes() + (c.request ? static_cast<std::uint64_t>(c.request->capacity()) : 0);
-  if (now >= c.accounted)
-    add_held(now - c.accounted);
-  else
-    held_now.fetch_sub(c.accounted - now);
-  c.accounted = now;
-}
-
-/// Before `reading` is read: makes room for what one read can add (read_growth) under the budget.
-/// The connections in the middle of a request that made no progress for longest go first (a peer
-/// that sent half a frame and stalled, whichever connection it is); complete requests waiting to
-/// be taken are never closed here, and when no connection of this server can go, `reading` does.
-void server::enforce_budget(connection& reading) {
-  const auto fits = [&] { return held_now.load() + read_growth <= options_.held_budget; };
-  while (!fits()) {
-    connection* oldest = nullptr;
-    for (auto& [id, c] : conns_) {
-      if (c->closing || c->request || c->accounted == 0 || !c->dec.mid_message()) continue;
-      if (oldest == nullptr || std::pair(c->last_heard, c->serial) < std::pair(oldest->last_heard, oldest->serial))
-        oldest = c.get();
-    }
-    if (oldest == nullptr) {
-      close(reading, fmt::format("no room for its request: requests of other connections hold {} bytes, the "
-                                 "budget of {} for every connection together",
-                                 held_now.load(), options_.held_budget));
-      return;
-    }
-    close(*oldest, fmt::format("it stalled longest in an unfinished request ({} bytes held), and the receiver's "
-                               "connections together hold {} bytes of the budget of {}",
-                               oldest->accounted, held_now.load(), options_.held_budget));
-    if (oldest == &reading) return;
-  }
 }
 
 void server::sweep() {

@@ -26,10 +26,7 @@
 //                    not) + the replies and heartbeats queued for it (a connection is not read while
 //                    its reply is unsent) + a read-ahead of at most read_chunk bytes (only when a peer
 //                    sent a second message before its first was taken) + a few hundred bytes of state;
-//   in total:        the bodies of every connection of every server of the process together stay
-//                    under options::held_budget (held_total(); the oldest stalled connection is closed
-//                    first when a read would pass it) + per connection its queue, read-ahead and state
-//                    + one read buffer (read_chunk) per server.
+//   in total:        max_connections x that + one read buffer (read_chunk) per server.
 // Specs: ZMTP 3.0 (rfc.zeromq.org/spec/23) and 3.1 (spec/37: PING/PONG).
 #pragma once
 
@@ -60,32 +57,6 @@ inline constexpr std::size_t max_command_bytes = 8 << 10;
 /// The greeting's length (ZMTP 3.x).
 inline constexpr std::size_t greeting_bytes = 64;
 
-/// The largest request body the receiver takes: a frame (or CURVE box) whose header announces more
-/// is refused at its header, before a byte of it is kept. The largest request refit sends is a BATCH
-/// of wire::max_batch_entries (65536) entries, each at most ~240 bytes on the wire with a name of up
-/// to 128 bytes and a shape of wire::max_rank (8) dimensions: 15.7 MB (a direct session's manifest,
-/// one entry per tensor, is such a BATCH; qwen3-30b-a3b's 18,867 tensors take 2 MB). HELLO is under
-/// 1 MiB (64 buffers of three 4 KiB handles), every other request under 64 KiB. The streamer
-/// refuses to send a larger request (req_channel::send: lower plan_options::max_entries), so a
-/// peer that announces more is not a refit streamer. wire::max_message_bytes (64 MiB) stays what
-/// a decoder accepts, and a reply's limit.
-inline constexpr std::uint64_t max_request_bytes = std::uint64_t{16} << 20;
-/// What the bodies of unfinished (and of complete, not yet taken) requests of every connection of
-/// every server in the process may hold together: eight request bodies of the largest size.
-inline constexpr std::uint64_t default_held_budget = std::uint64_t{128} << 20;
-
-/// The bytes the request bodies of every server's connections in this process hold now (what
-/// options::held_budget bounds), and the most they held since reset_held_peak().
-std::uint64_t held_total() noexcept;
-std::uint64_t held_peak() noexcept;
-/// For tests: the peak starts again from what is held now.
-void reset_held_peak() noexcept;
-
-/// The data of the ERROR a CURVE client gets when the receiver refuses it (a key not allowed, or a
-/// HELLO for another server key): the ZAP status 400 (one length byte, then "400") as its reason,
-/// which libzmq reports as ZMQ_EVENT_HANDSHAKE_FAILED_AUTH (a reason of any other text it ignores).
-inline constexpr std::string_view refused_key_error{"\003400", 4};
-
 /// A CURVE server's keys, 32 bytes each: its long-term pair, and the clients' long-term public keys
 /// it accepts (empty: any client that holds the server's public key).
 struct curve_server_keys {
@@ -99,14 +70,10 @@ inline constexpr std::uint64_t curve_overhead = 8 + 8 + 16 + 1;
 
 /// A server's limits and intervals. The defaults are the receiver's; tests shorten the intervals.
 struct options {
-  std::uint64_t max_body = max_request_bytes;  ///< a request's body
-  std::size_t max_connections = 256;           ///< more are accepted and closed at once
-  /// The bodies every server of the process holds together (held_total()) stay at most this: before
-  /// a read that could pass it, the connections stalled longest in an unfinished request are closed,
-  /// oldest first, until it fits, and the reading connection itself when no other can go.
-  std::uint64_t held_budget = default_held_budget;
-  std::chrono::milliseconds handshake{10000};     ///< greeting and READY must be done within
-  std::chrono::milliseconds heartbeat_ivl{1000};  ///< a PING after this long without a frame
+  std::uint64_t max_body = std::uint64_t{64} << 20;  ///< a request's body (wire::max_message_bytes)
+  std::size_t max_connections = 256;                 ///< more are accepted and closed at once
+  std::chrono::milliseconds handshake{10000};        ///< greeting and READY must be done within
+  std::chrono::milliseconds heartbeat_ivl{1000};     ///< a PING after this long without a frame
   /// A connection that sent no complete frame or command this long after a PING is closed; a ZMTP
   /// 3.0 peer (no PING) only when it stopped in the middle of a frame or message.
   std::chrono::milliseconds heartbeat_timeout{10000};
@@ -201,7 +168,6 @@ class decoder {
   event curve_hello(std::string_view cmd);
   event curve_initiate(std::string_view cmd);
   event sealed_done();
-  event refuse_key(std::string why);
   event fail(std::string why);
 
   std::uint64_t max_body_;
@@ -303,8 +269,6 @@ class server {
   void close(connection& c, std::string_view why);
   std::string command_to(connection& c, std::string_view name, std::string_view data);
   void count_drop(std::uint64_t frames);
-  void account(connection& c);
-  void enforce_budget(connection& reading);
   void sweep();
   void bind_ipc(const std::string& path);
   void bind_tcp(const std::string& host, const std::string& port);

@@ -189,7 +189,6 @@ receiver_event receiver::impl::on_batch(const wire::batch& b) {
                                                   "memory in a delta version, whose entries travel in the buffer",
                                                   b.seq, e.name));
     ln->sink->map_sources(b.sources);
-    if (!ln->direct) ln->sink->check_readable(b.buffer);
     if (!callback)
       ops = table_ops(b, ln->sink->data(b.buffer), ln->sink->moves_entries() && !ln->direct ? &segments : nullptr,
                       ln->direct || refit_delta);

@@ -115,13 +115,11 @@ std::vector<wire::ok> streamer::impl::collect() {
                                         wire::to_string(wire::type_of(reply)))});
       }
     } catch (const error& e) {
-      // A timeout or a refused CURVE key (the channel rebuilt itself, and says why), or a reply
-      // that does not decode.
-      const bool channel_said = e.code() == errc::timeout || e.code() == errc::unauthorized;
-      if (!channel_said) channels[k].reset();
+      // A timeout (the channel rebuilt itself) or a reply that does not decode.
+      if (e.code() != errc::timeout) channels[k].reset();
       session_lost = true;
       failures.push_back({k, e.code(),
-                          channel_said
+                          e.code() == errc::timeout
                               ? std::string(e.what())
                               : fmt::format("bad reply from {} to {}: {}", who(k), what, printable(e.what()))});
     }

@@ -438,7 +438,7 @@ class shm_mapping {
  public:
   shm_mapping(const std::string& handle, std::uint64_t expected, std::size_t index) {
     const auto memfd = parse_memfd_handle(handle);
-    unique_fd fd = memfd ? open_memfd(handle, *memfd) : open_named(handle);
+    const unique_fd fd = memfd ? open_memfd(handle, *memfd) : open_named(handle);
     const struct stat st = stat_of(fd.get(), handle);
     check_object(st, handle, expected);
     if (memfd) check_seals(fd.get(), handle);
@@ -457,11 +457,7 @@ class shm_mapping {
       release();
       throw;
     }
-    if (!memfd) {
-      unlink_if_same(handle, st);
-      fd_ = std::move(fd);  // kept to ask its size at every batch (check_size)
-      handle_ = handle;
-    }
+    if (!memfd) unlink_if_same(handle, st);
   }
   ~shm_mapping() { release(); }
   shm_mapping(const shm_mapping&) = delete;
@@ -470,9 +466,7 @@ class shm_mapping {
       : data_(std::exchange(o.data_, nullptr)),
         size_(std::exchange(o.size_, 0)),
         guard_(std::move(o.guard_)),
-        counted_(std::move(o.counted_)),
-        fd_(std::move(o.fd_)),
-        handle_(std::move(o.handle_)) {}
+        counted_(std::move(o.counted_)) {}
   shm_mapping& operator=(shm_mapping&& o) noexcept {
     if (this != &o) {
       release();
@@ -480,8 +474,6 @@ class shm_mapping {
       size_ = std::exchange(o.size_, 0);
       guard_ = std::move(o.guard_);
       counted_ = std::move(o.counted_);
-      fd_ = std::move(o.fd_);
-      handle_ = std::move(o.handle_);
     }
     return *this;
   }
@@ -490,27 +482,6 @@ class shm_mapping {
   /// Throws refit::error(transport) when a read of this buffer took a SIGBUS (it shrank).
   void check() const {
     if (guard_ && guard_->fault()) throw error(errc::transport, "host_shm: " + guard_->fault_message());
-  }
-  /// A named segment (sealed memfds cannot change size): throws refit::error(transport) when it no
-  /// longer has the size it was mapped with. Its streamer, which still holds it, can truncate it at
-  /// any time: asked of the descriptor kept open, before a batch's reply and before any byte of the
-  /// batch is read, so that the BATCH is refused itself rather than read as zeros by a callback or
-  /// faulted in the copier after its OK. (A truncation after this check is the SIGBUS guard's.)
-  void check_size(std::size_t index) const {
-    if (!fd_) return;
-    struct stat st {};
-    if (::fstat(fd_.get(), &st) != 0) {
-      const int e = errno;
-      throw error(errc::transport, fmt::format("host_shm: cannot stat shared memory {} (buffer {}): {}; the refit "
-                                               "was aborted",
-                                               handle_, index, errno_text(e)));
-    }
-    if (st.st_size < 0 || static_cast<std::uint64_t>(st.st_size) != size_)
-      throw error(errc::transport,
-                  fmt::format("host_shm: the streamer's shared memory {} (buffer {}) has {} bytes, not the {} it "
-                              "was mapped with: the streamer truncated it (it is broken or hostile); the batch was "
-                              "refused before any byte of it was read and the refit was aborted",
-                              handle_, index, static_cast<long long>(st.st_size), size_));
   }
 
  private:
@@ -528,14 +499,11 @@ class shm_mapping {
     data_ = nullptr;
     size_ = 0;
     counted_.reset();
-    fd_.reset();
   }
   const std::byte* data_ = nullptr;
   std::uint64_t size_ = 0;
   std::unique_ptr<copy::peer_memory> guard_;
   memory::charge counted_;  ///< size_, while mapped (include/refit/memory.hpp)
-  unique_fd fd_;  ///< a named segment's, for check_size(); none for a sealed memfd
-  std::string handle_;
 };
 
 // ------------------------------------------------------------------------------------ source
@@ -668,9 +636,6 @@ class host_shm_sink final : public sink {
 
   // A read of buffer i that took a SIGBUS outside the copier's guard (a batch callback, the host
   // delta apply) read zeros from then on: the batch fails here, and so does every later one.
-  void check_readable(std::size_t i) const override {
-    if (i < mappings_.size()) mappings_[i].check_size(i);
-  }
   void begin_read(std::size_t i) override { check(i); }
   void end_read(std::size_t i) override { check(i); }
   void drain() override {

@@ -348,11 +348,6 @@ class sink {
   /// Where each entry of the batch in buffer i lands (see segment). Throws refit::error(internal)
   /// for a segment outside buffer i.
   virtual void entries(std::size_t i, std::span<const segment> batch) { (void)i, (void)batch; }
-  /// When a BATCH that reads buffer i has passed its checks, before its reply (which a sink that is
-  /// not asynchronous() sends before it reads): throws refit::error(transport) when buffer i can no
-  /// longer be read whole, so that the BATCH itself is refused and nothing is read from it. host_shm:
-  /// a named segment its streamer truncated. Nothing by default.
-  virtual void check_readable(std::size_t i) const { (void)i; }
   /// Before reading buffer i: orders the reads after the streamer's packing of it.
   virtual void begin_read(std::size_t i) = 0;
   /// After the reads of buffer i are enqueued: lets the streamer reuse it.

@@ -111,18 +111,6 @@ class zmtp_peer {
       return errno != EAGAIN && errno != EWOULDBLOCK;
     }
   }
-  /// Waits up to `wait` until at least `n` bytes were received; true when they were.
-  bool wait_received(std::size_t n, std::chrono::milliseconds wait) {
-    const auto until = std::chrono::steady_clock::now() + wait;
-    for (;;) {
-      const bool closed = hung_up();
-      if (received_.size() >= n) return true;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
-      if (closed || left.count() <= 0) return false;
-      pollfd p{fd_, POLLIN, 0};
-      (void)::poll(&p, 1, static_cast<int>(left.count()));
-    }
-  }
   /// Everything received so far (hung_up() reads).
   [[nodiscard]] const std::string& received() const noexcept { return received_; }
   /// Waits up to `wait` for the server to close the connection; true when it did.

@@ -184,36 +184,9 @@ TEST_CASE("a CURVE receiver on tcp and a streamer that holds its public key refi
   CHECK(rx.stop() == 0);
 }
 
-namespace {
-
-/// What a streamer whose CURVE key `client` (with `server_key`) a receiver refused hears.
-std::string refused_message(const std::string& endpoint, const key_pair& client, const std::string& server_key) {
-  return "the receiver at " + endpoint +
-         " refused this streamer's CURVE key (its CURVE handshake failed, status 400): HELLO never reached it. Either "
-         "the streamer's public key " +
-         client.public_key +
-         " is not among the receiver's receiver_options.curve.allowed_clients, or streamer_options.curve.server_key "
-         "(" +
-         server_key + ") is not the receiver's public key";
-}
-
-/// Refits with `s`, which the receiver refuses at its handshake: the error's code and message, and
-/// how long it took to come (the streamer's timeout is 20 s: the refusal must come long before).
-std::pair<std::optional<refit::error>, refit::milliseconds> refused_refit(refit::streamer& s, const host_tensors& v) {
-  const auto start = clock_type::now();
-  try {
-    s.refit(1, v.refs);
-  } catch (const refit::error& e) {
-    return {e, since(start)};
-  }
-  return {std::nullopt, since(start)};
-}
-
-}  // namespace
-
 TEST_CASE(
-    "a streamer with the wrong CURVE server key hears at once that the receiver refused its key, one with no "
-    "CURVE fails with errc::timeout in time, and the receiver goes on to commit the right streamer's refit",
+    "a streamer with the wrong CURVE server key, or none, fails with errc::timeout in time and the receiver "
+    "goes on to commit the right streamer's refit",
     "[curve]") {
   if (!have_curve()) return;
   const auto metas = rt::mixed_model(30, 0);
@@ -224,14 +197,13 @@ TEST_CASE(
   const host_tensors v1(metas, 1);
 
   SECTION("wrong server key") {
-    refit::streamer_options o = stream_options(rx.endpoint(), client_keys(client, impostor.public_key));
-    o.timeout = 20s;
-    refit::streamer wrong(o);
-    const auto [e, elapsed] = refused_refit(wrong, v1);
-    REQUIRE(e);
-    CHECK(e->code() == refit::errc::unauthorized);
-    CHECK(std::string(e->what()) == refused_message(rx.endpoint(), client, impostor.public_key));
-    CHECK(elapsed < 10s);
+    refit::streamer wrong(stream_options(rx.endpoint(), client_keys(client, impostor.public_key)));
+    const auto start = clock_type::now();
+    const auto code = failure_code([&] { wrong.refit(1, v1.refs); });
+    const auto elapsed = since(start);
+    REQUIRE(code);
+    CHECK(*code == std::string(refit::to_string(refit::errc::timeout)));
+    CHECK(elapsed < streamer_timeout + slack);
   }
   SECTION("no CURVE on the streamer") {
     refit::streamer plain(stream_options(rx.endpoint(), {}));
@@ -342,7 +314,7 @@ TEST_CASE("incomplete or mismatched CURVE keys are refused when the streamer or 
   }
 }
 
-TEST_CASE("a CURVE receiver with allowed client keys refuses any other streamer key at once and commits a listed one",
+TEST_CASE("a CURVE receiver with allowed client keys refuses any other streamer key and commits a listed one",
           "[curve]") {
   if (!have_curve()) return;
   // On a numeric address refit's own ZMTP server checks the key in INITIATE; bound by interface name
@@ -357,16 +329,12 @@ TEST_CASE("a CURVE receiver with allowed client keys refuses any other streamer 
   REQUIRE(rx.endpoint().starts_with("tcp://127.0.0.1:"));
   const host_tensors v1(metas, 1);
 
-  // Told at once (the receiver's ERROR "400", libzmq's ZMQ_EVENT_HANDSHAKE_FAILED_AUTH), not after
-  // its 20 s timeout.
-  refit::streamer_options o = stream_options(rx.endpoint(), client_keys(stranger, server.public_key));
-  o.timeout = 20s;
-  refit::streamer refused(o);
-  const auto [e, elapsed] = refused_refit(refused, v1);
-  REQUIRE(e);
-  CHECK(e->code() == refit::errc::unauthorized);
-  CHECK(std::string(e->what()) == refused_message(rx.endpoint(), stranger, server.public_key));
-  CHECK(elapsed < 10s);
+  refit::streamer refused(stream_options(rx.endpoint(), client_keys(stranger, server.public_key)));
+  const auto start = clock_type::now();
+  const auto code = failure_code([&] { refused.refit(1, v1.refs); });
+  REQUIRE(code);
+  CHECK(*code == std::string(refit::to_string(refit::errc::timeout)));
+  CHECK(since(start) < streamer_timeout + slack);
   CHECK_FALSE(rx.report_within(0ms));  // refused in the handshake: no message reached the receiver
 
   refit::streamer allowed(stream_options(rx.endpoint(), client_keys(listed, server.public_key)));

@@ -9,7 +9,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <csignal>
@@ -30,17 +29,11 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include <fcntl.h>
-#include <fmt/format.h>
-#include <sodium.h>
-#include <sys/stat.h>
-
 #include "channel/channel.hpp"
 #include "channel/zmtp.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
 #include "support/support.hpp"
-#include "support/curve_client.hpp"
 #include "support/zmtp_peer.hpp"
 #include "transport/transport.hpp"
 #include "wire/wire.hpp"
@@ -59,12 +52,11 @@ constexpr std::uint64_t max_version = std::numeric_limits<std::uint64_t>::max();
 class served_receiver {
  public:
   served_receiver(const std::string& endpoint, const std::vector<refit::tensor_meta>& model, std::string token = {},
-                  const std::function<void(refit::receiver&)>& setup = {}, const refit::curve_keys& curve = {}) {
+                  const std::function<void(refit::receiver&)>& setup = {}) {
     refit::receiver_options o;
     o.endpoint = endpoint;
     o.token = std::move(token);
     o.idle_timeout = 60s;
-    o.curve = curve;
     rx_ = std::make_unique<refit::receiver>(o);
     for (const auto& m : model) {
       weights_.emplace_back(m.nbytes(), std::uint8_t{0});
@@ -87,12 +79,6 @@ class served_receiver {
 
   [[nodiscard]] std::string endpoint() const { return rx_->endpoint(); }
   [[nodiscard]] std::optional<std::uint64_t> committed() const { return rx_->committed_version(); }
-  /// True while no byte of any weight was written (they start as zeros).
-  [[nodiscard]] bool untouched() const {
-    for (const auto& w : weights_)
-      if (std::any_of(w.begin(), w.end(), [](std::uint8_t b) { return b != 0; })) return false;
-    return true;
-  }
   /// "" when every weight holds the pattern of `version`, else where it first differs.
   [[nodiscard]] std::string mismatch(std::uint64_t version) const {
     for (std::size_t i = 0; i < model_.size(); ++i) {
@@ -573,151 +559,22 @@ TEST_CASE("a tcp endpoint other hosts can reach is refused without CURVE unless 
 
 // ======================================================================= unfinished messages
 
-namespace {
-
-namespace zmtp = refit::channel::zmtp;
-constexpr std::uint64_t mib = std::uint64_t{1} << 20;
-
-/// Polls `done` (what the receiver's thread changes) until it holds or `wait` has passed.
-bool eventually(const std::function<bool()>& done, std::chrono::milliseconds wait = 30s) {
-  const auto until = std::chrono::steady_clock::now() + wait;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::yield();
-  }
-  return true;
-}
-
-/// A CURVE key pair of the receiver (raw, for curve_client) and its receiver_options.curve, which
-/// allows exactly the client keys of `clients`.
-struct curve_server {
-  rt::curve_client::key public_key{};
-  rt::curve_client::key secret_key{};
-  curve_server() {
-    REQUIRE(sodium_init() >= 0);
-    crypto_box_keypair(public_key.data(), secret_key.data());
-  }
-  static std::string z85(const rt::curve_client::key& k) {
-    char text[41] = {};
-    REQUIRE(zmq_z85_encode(text, k.data(), k.size()) != nullptr);
-    return text;
-  }
-  [[nodiscard]] refit::curve_keys options(const std::vector<std::unique_ptr<rt::curve_client>>& clients) const {
-    refit::curve_keys k{z85(public_key), z85(secret_key), "", {}};
-    for (const auto& c : clients) k.allowed_clients.push_back(z85(c->public_key()));
-    return k;
-  }
-};
-
-/// A raw peer past its handshake: NULL, or CURVE with a client key the receiver allows.
-struct raw_peer {
-  std::unique_ptr<rt::zmtp_peer> socket;
-  rt::curve_client* curve = nullptr;
-
-  /// Greeting and READY (NULL), or greeting, HELLO, WELCOME, INITIATE, READY (CURVE, as `client`).
-  raw_peer(const std::string& endpoint, rt::curve_client* client) : socket(std::make_unique<rt::zmtp_peer>(endpoint)) {
-    curve = client;
-    if (curve == nullptr) {
-      REQUIRE(socket->handshake());
-      return;
-    }
-    REQUIRE(socket->send(rt::curve_client::greeting() + curve->hello()));
-    REQUIRE(socket->wait_received(64 + 2 + 168, 20s));  // the greeting and WELCOME
-    REQUIRE(curve->welcome(std::string_view(socket->received()).substr(64)));
-    REQUIRE(socket->send(curve->initiate()));
-    REQUIRE(socket->wait_received(64 + 2 + 168 + 2 + 52, 20s));  // and READY
-    REQUIRE(curve->ready(std::string_view(socket->received()).substr(64)));
-  }
-  /// The empty delimiter of a request and the header of its body, announcing `announced` bytes
-  /// (CURVE: a MESSAGE box that carries that many); what follows is the body's bytes.
-  std::string request_head(std::uint64_t announced) {
-    if (curve == nullptr) return rt::zmtp_frame("", true) + rt::zmtp_frame_header(announced, false);
-    return curve->seal(1, {}) + rt::zmtp_frame_header(announced + zmtp::curve_overhead, false);
-  }
-};
-
-/// Eight peers each announce a request body of 64 MiB (four times the largest request) and send
-/// half of it: each is closed at that header, long before the heartbeat timeout (60 s here), and
-/// the receiver never holds a byte of it.
-void refused_at_header(const std::string& endpoint, const std::vector<std::unique_ptr<rt::curve_client>>& clients) {
-  const std::string half(32 * mib, 'h');
-  const std::uint64_t base = zmtp::held_total();
-  zmtp::reset_held_peak();
-  const auto start = std::chrono::steady_clock::now();
-  for (std::size_t i = 0; i < 8; ++i) {
-    raw_peer p(endpoint, clients.empty() ? nullptr : clients[i].get());
-    (void)p.socket->send(p.request_head(64 * mib));
-    (void)p.socket->send(half);  // refused at the header: the server may be gone already
-    CHECK(p.socket->wait_hung_up(20s));
-  }
-  CHECK(std::chrono::steady_clock::now() - start < 30s);
-  INFO("held before " << base << " bytes, at most " << zmtp::held_peak());
-  CHECK(zmtp::held_peak() < base + mib);
-}
-
-/// Sixteen peers each send 12 MiB of a request body announced at the largest request's size
-/// (zmtp::max_request_bytes) and stall: 192 MiB would be held without a bound. The bound is the
-/// budget (128 MiB with room for one read): ten peers' 120 MiB fit, and each peer after the tenth
-/// makes the receiver close the one that stalled longest, so the six oldest are closed and the ten
-/// newest kept. Nothing waits on the heartbeats (60 s here).
-void bounded_by_budget(const std::string& endpoint, const std::vector<std::unique_ptr<rt::curve_client>>& clients) {
-  constexpr std::size_t peers_count = 16;
-  constexpr std::size_t kept = 10;
-  const std::string part(12 * mib, 'u');
-  const std::uint64_t base = zmtp::held_total();
-  zmtp::reset_held_peak();
-  const std::uint64_t rss_before = rss_bytes();
-  std::vector<raw_peer> peers;
-  for (std::size_t i = 0; i < peers_count; ++i) {
-    peers.emplace_back(endpoint, clients.empty() ? nullptr : clients[i].get());
-    REQUIRE(peers.back().socket->send(peers.back().request_head(zmtp::max_request_bytes)));
-    REQUIRE(peers.back().socket->send(part));
-    // Read by the receiver before the next peer comes: what it holds for this one is counted.
-    const std::uint64_t expect = base + std::min(i + 1, kept) * part.size();
-    INFO("peer " << i);
-    REQUIRE(eventually([&] { return zmtp::held_total() == expect; }));
-  }
-  const std::uint64_t rss_held = rss_bytes();
-  for (std::size_t i = 0; i < peers_count; ++i) {
-    INFO("peer " << i);
-    if (i < peers_count - kept)
-      CHECK(peers[i].socket->wait_hung_up(20s));
-    else
-      CHECK_FALSE(peers[i].socket->hung_up());
-  }
-  INFO("held before " << base << " bytes, at most " << zmtp::held_peak() << "; resident before " << rss_before
-                      << ", with ten peers held " << rss_held);
-  CHECK(zmtp::held_peak() <= zmtp::default_held_budget);
-  CHECK(zmtp::held_total() == base + kept * part.size());
-  CHECK(rss_held < rss_before + zmtp::default_held_budget + 16 * mib);
-  peers.clear();
-  CHECK(eventually([&] { return zmtp::held_total() == base; }));
-}
-
-/// The options of these tests: the defaults, with heartbeats that never close a peer during one.
-zmtp::options slow_heartbeats() {
-  zmtp::options o;
-  o.heartbeat_timeout = 60s;
-  return o;
-}
-
-}  // namespace
-
-TEST_CASE("a peer sending 8 MiB frames flagged MORE and never a last one grows the receiver by less than two frames",
+TEST_CASE("a peer sending 32 MiB frames flagged MORE and never a last one grows the receiver by less than two frames",
           "[hostile][zmtp]") {
   const auto model = two_tensors();
   served_receiver rx("tcp://127.0.0.1:0", model);
   zmq::context_t ctx;
   streamer_peer s(ctx, rx.endpoint(), "");
   refit_checked(s, rx, model, 1);
-  constexpr std::uint64_t frame = zmtp::max_request_bytes / 2;
+  constexpr std::uint64_t frame = std::uint64_t{32} << 20;
   const std::string header = rt::zmtp_frame_header(frame, true);
   const std::string body(frame, 'm');
   const std::uint64_t before = rss_bytes();
   rt::zmtp_peer p(rx.endpoint());
   REQUIRE(p.handshake());
   // Each send returns once the receiver has read all but what the kernel buffers: ten frames, with
-  // a refit in the middle of them, are read and skipped, none kept (libzmq kept every one).
+  // a refit in the middle of them, are read and skipped, none kept (libzmq kept every one: 12 ->
+  // 268 MiB after eight).
   for (int i = 0; i < 10; ++i) {
     REQUIRE(p.send(header));
     REQUIRE(p.send(body));
@@ -732,149 +589,42 @@ TEST_CASE("a peer sending 8 MiB frames flagged MORE and never a last one grows t
   refit_checked(s, rx, model, 4);
 }
 
-TEST_CASE("the largest BATCH refit sends fits in the request limit, and a streamer refuses a larger request unsent",
-          "[hostile][zmtp]") {
-  // wire::max_batch_entries entries, each with a name of 128 bytes, a shape of wire::max_rank
-  // dimensions and every number at its widest encoding.
-  wire::batch b{std::uint64_t{1} << 40, std::uint64_t{1} << 40, 1, {}};
-  for (std::size_t i = 0; i < wire::max_batch_entries; ++i) {
-    std::string name = fmt::format("model.layers.{}.mlp.experts.{}.", i / 512, i % 512);
-    name.resize(128, 'w');
-    b.entries.push_back(wire::entry{name, refit::dtype::f32, std::vector<std::int64_t>(wire::max_rank, 1ll << 40),
-                                    std::uint64_t{1} << 40, std::uint64_t{1} << 40, std::uint64_t{1} << 40,
-                                    wire::entry_kind::bytes, 0, 0x7fffffff});
-  }
-  const std::string bytes = wire::encode(b, std::string(wire::max_secret_bytes, 's'));
-  INFO("the widest BATCH of " << b.entries.size() << " entries is " << bytes.size() << " bytes");
-  CHECK(bytes.size() <= zmtp::max_request_bytes);
-
-  refit::channel::req_channel req("ipc:///nonexistent/refit-test.sock");
-  const std::string larger(zmtp::max_request_bytes + 1, 'x');
-  CHECK_REFIT_ERROR(req.send(larger, 1s, "BATCH 3 of version 7"), refit::errc::invalid_argument,
-                    "BATCH 3 of version 7 is 16777217 bytes, more than the 16777216 a receiver takes in one request: "
-                    "lower plan_options::max_entries (its entries, or their names, are too many for one BATCH)");
-}
-
-TEST_CASE("eight peers announcing a 64 MiB request are closed at its header, and the receiver holds nothing of them",
-          "[hostile][zmtp]") {
-  const zmtp::scoped_default_options slow(slow_heartbeats());
-  const auto model = two_tensors();
-  served_receiver rx("tcp://127.0.0.1:0", model);
-  zmq::context_t ctx;
-  streamer_peer s(ctx, rx.endpoint(), "");
-  refit_checked(s, rx, model, 1);
-  refused_at_header(rx.endpoint(), {});
-  refit_checked(s, rx, model, 2);
-}
-
 TEST_CASE(
-    "sixteen peers stalled in unfinished requests hold at most the 128 MiB budget together, the oldest closed "
-    "first, and the streamer's versions commit",
+    "eight peers stalled half-way through a 64 MiB frame are dropped at the heartbeat timeout, their memory "
+    "returned",
     "[hostile][zmtp]") {
-  const zmtp::scoped_default_options slow(slow_heartbeats());
+  refit::channel::zmtp::options quick;
+  quick.heartbeat_ivl = 200ms;
+  quick.heartbeat_timeout = 2s;
+  const refit::channel::zmtp::scoped_default_options shorter(quick);
   const auto model = two_tensors();
   served_receiver rx("tcp://127.0.0.1:0", model);
   zmq::context_t ctx;
   streamer_peer s(ctx, rx.endpoint(), "");
   refit_checked(s, rx, model, 1);
-  bounded_by_budget(rx.endpoint(), {});
+  const std::string half(std::size_t{32} << 20, 'h');
+  const std::uint64_t before = rss_bytes();
+  std::vector<std::unique_ptr<rt::zmtp_peer>> peers;
+  for (int i = 0; i < 8; ++i) {
+    peers.push_back(std::make_unique<rt::zmtp_peer>(rx.endpoint()));
+    REQUIRE(peers.back()->handshake());
+    REQUIRE(peers.back()->send(rt::zmtp_frame("", true) + rt::zmtp_frame_header(std::uint64_t{64} << 20, false)));
+    REQUIRE(peers.back()->send(half));
+  }
+  const auto stalled = std::chrono::steady_clock::now();
+  const std::uint64_t held = rss_bytes();
   refit_checked(s, rx, model, 2);
-}
-
-TEST_CASE(
-    "CURVE peers holding allowed keys are refused at a header over the limit and bounded by the budget, as "
-    "unauthenticated ones",
-    "[hostile][zmtp][curve]") {
-  const zmtp::scoped_default_options slow(slow_heartbeats());
-  std::vector<std::unique_ptr<rt::curve_client>> clients;
-  const curve_server server;
-  for (int i = 0; i < 24; ++i) clients.push_back(std::make_unique<rt::curve_client>(server.public_key));
-  const auto model = two_tensors();
-  served_receiver rx("tcp://127.0.0.1:0", model, {}, {}, server.options(clients));
-  std::vector<std::unique_ptr<rt::curve_client>> first(8), rest(16);
-  std::move(clients.begin(), clients.begin() + 8, first.begin());
-  std::move(clients.begin() + 8, clients.end(), rest.begin());
-  SECTION("a frame announced over the limit") { refused_at_header(rx.endpoint(), first); }
-  SECTION("unfinished requests over the budget") { bounded_by_budget(rx.endpoint(), rest); }
-  // A key the receiver did not allow never gets past INITIATE: it is told so (ERROR "400"), and closed.
-  rt::curve_client stranger(server.public_key);
-  rt::zmtp_peer p(rx.endpoint());
-  REQUIRE(p.send(rt::curve_client::greeting() + stranger.hello()));
-  REQUIRE(p.wait_received(64 + 2 + 168, 20s));
-  REQUIRE(stranger.welcome(std::string_view(p.received()).substr(64)));
-  REQUIRE(p.send(stranger.initiate()));
-  CHECK(p.wait_hung_up(20s));
-  CHECK(std::string_view(p.received()).substr(64 + 2 + 168) == zmtp::command("ERROR", zmtp::refused_key_error));
-}
-
-// ========================================================================= host_shm segments
-
-namespace {
-
-/// A named segment as a hostile streamer of this uid makes one: in /dev/shm under a name the
-/// receiver accepts, 0600, its descriptor kept to truncate it later.
-struct named_segment {
-  std::string name;
-  int fd = -1;
-  explicit named_segment(std::uint64_t bytes, std::uint64_t tag) {
-    struct stat ns {};
-    REQUIRE(::stat("/proc/self/ns/pid", &ns) == 0);
-    name = fmt::format("/refit-{}-{}-{:016x}", ::getpid(), ns.st_ino, tag);
-    fd = ::open(("/dev/shm" + name).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    REQUIRE(fd >= 0);
-    REQUIRE(::ftruncate(fd, static_cast<off_t>(bytes)) == 0);
-  }
-  ~named_segment() {
-    ::close(fd);
-    ::unlink(("/dev/shm" + name).c_str());  // the receiver unlinked it once mapped; in case it did not
-  }
-  named_segment(const named_segment&) = delete;
-  named_segment& operator=(const named_segment&) = delete;
-};
-
-}  // namespace
-
-TEST_CASE(
-    "a named segment truncated after HELLO fails the BATCH that reads it, nothing is read from it, and the "
-    "receiver serves the next session",
-    "[hostile][host_shm]") {
-  const auto model = two_tensors();
-  const rt::scoped_endpoint endpoint;
-  served_receiver rx(endpoint.name, model);
-  zmq::context_t ctx;
-  constexpr std::uint64_t bytes = 64 * kib;
-  const auto truncated_to = GENERATE(std::uint64_t{0}, std::uint64_t{4096});
-  INFO("truncated to " << truncated_to << " bytes");
-  const named_segment a(bytes, 0x5e9a), b(bytes, 0x5e9b);
-  peer hostile(ctx, endpoint.name);
-  wire::hello h;
-  h.transport = "host_shm";
-  h.host_id = refit::transport::host_identity();
-  h.peer = "hostile-streamer";
-  h.secret = "hostile-secret";
-  h.buffers = {wire::buffer_desc{bytes, a.name, "", ""}, wire::buffer_desc{bytes, b.name, "", ""}};
-  REQUIRE(text(hostile.request(h, {})) == "OK");
-  REQUIRE(text(hostile.request(wire::begin{1, false, {}}, h.secret)) == "OK");
-  // The streamer fills buffer 0, then cuts it under the receiver's mapping. A batch reading only
-  // its first 1 KiB, which are still there when it is cut to 4 KiB, is refused as well: the
-  // segment is no longer what was mapped.
-  const std::vector<std::uint8_t> filled(bytes, 0x5a);
-  REQUIRE(::pwrite(a.fd, filled.data(), filled.size(), 0) == static_cast<ssize_t>(filled.size()));
-  REQUIRE(::ftruncate(a.fd, static_cast<off_t>(truncated_to)) == 0);
-  const wire::batch batch{1, 0, 0, {wire::entry{"a.weight", refit::dtype::f32, {256}, 0, 1024, 0}}};
-  CHECK(text(hostile.request(batch, h.secret)) ==
-        fmt::format("transport: host_shm: the streamer's shared memory {} (buffer 0) has {} bytes, not the 65536 it "
-                    "was mapped with: the streamer truncated it (it is broken or hostile); the batch was refused "
-                    "before any byte of it was read and the refit was aborted",
-                    a.name, truncated_to));
-  CHECK(rx.committed() == std::nullopt);
-  CHECK(rx.untouched());
-  // The refit is over: its END is refused, and nothing commits.
-  CHECK(text(hostile.request(wire::end{1, 1, 1024, 1, {}}, h.secret)).starts_with("protocol: "));
-  CHECK(rx.committed() == std::nullopt);
-  CHECK(rx.untouched());
-
-  // The next session commits, bit-exact.
-  streamer_peer s(ctx, endpoint.name, "");
-  refit_checked(s, rx, model, 1);
+  for (auto& p : peers) CHECK(p->wait_hung_up(30s));
+  const auto waited = std::chrono::steady_clock::now() - stalled;
+  // The PING after 200 ms of silence, unanswered for 2 s (slack for sanitizer builds).
+  CHECK(waited < 10s);
+  const std::uint64_t after = rss_bytes();
+  INFO("resident before " << before << " bytes, stalled " << held << ", dropped " << after);
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer keeps the shadow of memory unmapped since: resident size cannot tell here.
+  WARN("under ThreadSanitizer the memory returned is not measured (its shadow stays resident)");
+#else
+  CHECK(after < before + (std::uint64_t{64} << 20));
+#endif
+  refit_checked(s, rx, model, 3);
 }
