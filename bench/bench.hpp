@@ -598,7 +598,21 @@ struct row {
     std::int64_t device = -1, pinned = -1, host = -1;
   };
   side_memory streamer_memory, receiver_memory;
+  /// README.md "Memory": what each side may hold (set_memory_budget), the formula it came from, and
+  /// the driver's view of the device memory the side took during the row (cudaMemGetInfo: NCCL's
+  /// own buffers and the CUDA context's growth included; -1 unknown).
+  side_memory streamer_budget, receiver_budget;
+  std::string streamer_formula, receiver_formula;
+  std::int64_t streamer_driver = -1, receiver_driver = -1;
 };
+
+/// Device memory in use on the current GPU by the driver's count (total - free); -1 without CUDA
+/// or a device (bench/memory.cpp).
+std::int64_t driver_used();
+/// Sets r's memory budgets (README.md "Memory") for the row's path (`went_direct`: in place).
+void set_memory_budget(const config& c, const manifest& m, row& r, bool went_direct);
+/// True when a side held more of a kind than its budget.
+bool over_budget(const row& r);
 
 /// Median of a non-empty list (mean of the middle two for an even count).
 double median(std::vector<double> v);
@@ -620,6 +634,8 @@ void write_row(std::ostream& out, const row& r);
 void write_footer(std::ostream& out, const std::vector<row>& rows, bool failed = false);
 /// --memory: a "# memory" line per row, each side's peaks (the JSON rows' "memory" always has them).
 void write_memory(std::ostream& out, const std::vector<row>& rows);
+/// Rows whose memory is over its budget (over_budget()).
+std::size_t rows_over_budget(const std::vector<row>& rows);
 nlohmann::json to_json(const preamble& p, const std::vector<row>& rows);
 /// Throughput against buffer size (log2 axis), one series per (transport, model), with each
 /// transport's staged limit (ceiling / 2) and ceiling. A self-contained SVG document.

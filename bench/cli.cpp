@@ -119,7 +119,8 @@ void add_model_options(CLI::App& app, config& c, cli_text& t) {
   app.add_option("--dtype", t.dtype_name, "element type of the built-in models' tensors")->capture_default_str();
   app.add_option("--convert", t.convert_text,
                  "the receiver registers converted destinations: bf16:fp8-block128 (2-d weights to f8_e4m3 with "
-                 "128x128 block scales), bf16:fp8-tensor (per-tensor scale), f32:bf16; sets --dtype to the source "
+                 "128x128 block scales), bf16:fp8-tensor (per-tensor scale), bf16:fp8-channel (an f32 scale per row), "
+                 "bf16:mxfp8 (OCP MXFP8: an E8M0 scale per 32 elements of a row), f32:bf16; sets --dtype to the source "
                  "dtype; --layout plain only; rows are not verified (wrong = n/a: the test suites check the bytes)");
 }
 
@@ -480,7 +481,7 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   if (!t.convert_text.empty()) {
     c.convert = parse_conversion(t.convert_text);
     if (!c.convert)
-      bad(fmt::format("--convert {}: unknown (bf16:fp8-block128, bf16:fp8-tensor, f32:bf16)", t.convert_text));
+      bad(fmt::format("--convert {}: unknown (bf16:fp8-block128, bf16:fp8-tensor, bf16:fp8-channel, bf16:mxfp8, f32:bf16)", t.convert_text));
     if (c.layout != layout_kind::plain)
       bad(fmt::format("--convert with --layout {}: only --layout plain", t.convert_text));
     if (t.dtype_name != "bf16" && dtype_named(t.dtype_name) != c.convert->from)

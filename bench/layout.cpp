@@ -409,6 +409,9 @@ std::optional<conversion_spec> parse_conversion(std::string_view name) {
   if (name == "bf16:fp8-block128")
     return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::block128};
   if (name == "bf16:fp8-tensor") return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::tensor};
+  if (name == "bf16:fp8-channel")
+    return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::channel};
+  if (name == "bf16:mxfp8") return conversion_spec{std::string(name), dtype::bf16, dtype::f8_e4m3, quant::mxfp8};
   if (name == "f32:bf16") return conversion_spec{std::string(name), dtype::f32, dtype::bf16, quant::none};
   return std::nullopt;
 }
@@ -419,14 +422,15 @@ std::optional<std::uint64_t> converted_scale_offset(const conversion_spec& s, co
   if (meta.shape.size() != 2) return std::nullopt;  // norms and biases stay as they are, as in engines
   const std::uint64_t codes = meta.numel() * itemsize(s.to);
   const std::uint64_t at = (codes + 255) / 256 * 256;
-  const std::uint64_t scale = 4 * *checked_numel(scale_shape(s.q, meta.shape));
+  const std::uint64_t scale = itemsize(scale_dtype(s.q)) * *checked_numel(scale_shape(s.q, meta.shape));
   if (at + scale > meta.nbytes()) return std::nullopt;
   return at;
 }
 
 std::uint64_t converted_bytes(const conversion_spec& s, const tensor_meta& meta) {
   if (!converted_scale_offset(s, meta)) return meta.nbytes();
-  return meta.numel() * itemsize(s.to) + (s.q == quant::none ? 0 : 4 * *checked_numel(scale_shape(s.q, meta.shape)));
+  return meta.numel() * itemsize(s.to) +
+         (s.q == quant::none ? 0 : itemsize(scale_dtype(s.q)) * *checked_numel(scale_shape(s.q, meta.shape)));
 }
 
 }  // namespace refit::bench

@@ -167,6 +167,10 @@ void write_footer(std::ostream& out, const std::vector<row>& rows, bool failed) 
                      : failed     ? "(the run FAILED: its error follows on stderr)"
                      : unverified ? "OK (some rows not verified)"
                                   : "OK");
+  if (std::any_of(rows.begin(), rows.end(), [](const row& r) { return r.streamer_memory.device >= 0; })) {
+    const std::size_t over = rows_over_budget(rows);
+    out << fmt::format("# Memory over budget    : {} {}\n", over, over != 0 ? "FAILED (--memory: which)" : "OK");
+  }
   out << fmt::format("# Avg throughput (GB/s) : {:.3f}\n", rows.empty() ? 0.0 : sum / static_cast<double>(rows.size()));
   out << "#\n";
   out.flush();
@@ -178,15 +182,29 @@ static nlohmann::json side_json(const row::side_memory& m) {
   return {{"device", bytes(m.device)}, {"pinned", bytes(m.pinned)}, {"host", bytes(m.host)}};
 }
 
+static nlohmann::json driver_json(std::int64_t v) { return v < 0 ? nlohmann::json(nullptr) : nlohmann::json(v); }
+
 void write_memory(std::ostream& out, const std::vector<row>& rows) {
   const auto mib = [](std::int64_t v) { return v < 0 ? std::string("?") : fmt::format("{:.1f}", v / 1048576.0); };
-  out << "# memory (MiB, peaks of what refit held beyond the weights; receiver: the largest of them):\n"
-         "#   transport model buffers engine: streamer device/pinned/host | receiver device/pinned/host\n";
+  const auto side = [&](const row::side_memory& m) {
+    return fmt::format("{}/{}/{}", mib(m.device), mib(m.pinned), mib(m.host));
+  };
+  out << "# memory (MiB, peaks of what refit held beyond the weights, device/pinned/host; receiver: the largest of "
+         "them),
+"
+         "#   each side against its budget (README.md \"Memory\": the formula, + 8 MiB a kind), and the device\n"
+         "#   memory the driver saw the side take (cudaMemGetInfo: NCCL's buffers and the context included):\n";
   for (const row& r : rows)
-    out << fmt::format("#   {} {} {} x {:g} MiB {}: {}/{}/{} | {}/{}/{}\n", r.transport, r.model, r.buffers,
-                       r.buffer_bytes / 1048576.0, r.engine, mib(r.streamer_memory.device),
-                       mib(r.streamer_memory.pinned), mib(r.streamer_memory.host), mib(r.receiver_memory.device),
-                       mib(r.receiver_memory.pinned), mib(r.receiver_memory.host));
+    out << fmt::format(
+        "#   {} {} {} x {:g} MiB {}: streamer {} (budget {}: {}; driver {}) | receiver {} (budget {}: {}; driver "
+        "{}){}\n",
+        r.transport, r.model, r.buffers, r.buffer_bytes / 1048576.0, r.engine, side(r.streamer_memory),
+        side(r.streamer_budget), r.streamer_formula, mib(r.streamer_driver), side(r.receiver_memory),
+        side(r.receiver_budget), r.receiver_formula, mib(r.receiver_driver), over_budget(r) ? "  OVER BUDGET" : "");
+}
+
+std::size_t rows_over_budget(const std::vector<row>& rows) {
+  return static_cast<std::size_t>(std::count_if(rows.begin(), rows.end(), [](const row& r) { return over_budget(r); }));
 }
 
 nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
@@ -251,7 +269,16 @@ nlohmann::json to_json(const preamble& p, const std::vector<row>& rows) {
          {"wrong", r.wrong < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.wrong)},
          {"fixed_ms", opt(r.fixed_ms)},
          {"rest_ratio", r.fixed_ms < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.rest_ratio())},
-         {"memory", {{"streamer", side_json(r.streamer_memory)}, {"receiver", side_json(r.receiver_memory)}}}});
+         {"memory",
+          {{"streamer", side_json(r.streamer_memory)},
+           {"receiver", side_json(r.receiver_memory)},
+           {"budget",
+            {{"streamer", side_json(r.streamer_budget)},
+             {"receiver", side_json(r.receiver_budget)},
+             {"streamer_formula", r.streamer_formula},
+             {"receiver_formula", r.receiver_formula}}},
+           {"driver", {{"streamer", driver_json(r.streamer_driver)}, {"receiver", driver_json(r.receiver_driver)}}},
+           {"over_budget", over_budget(r)}}}});
     sum += r.gbps;
   }
   j["wrong"] = total_wrong(rows);

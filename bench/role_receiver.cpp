@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
@@ -144,7 +145,9 @@ void print_banner(const config& c, const manifest& m, const std::string& model, 
 
 /// The committed line for the version just committed: each source's bytes as they landed in its
 /// view(s), after the deliberate damage --corrupt-byte asks for.
-json committed_line(const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest, receiver& r) {
+/// `driver_base`: driver_used() once the weights were allocated (-1: unknown).
+json committed_line(const config& c, const manifest& m, const engine_layout& layout, tensor_memory& dest, receiver& r,
+                    std::int64_t driver_base) {
   const receiver_stats st = r.last_stats();
   const std::uint64_t v = r.committed_version().value_or(0);
   corrupt_after_commit(c, m, layout, dest);
@@ -164,6 +167,10 @@ json committed_line(const config& c, const manifest& m, const engine_layout& lay
   // What refit held at most since the last commit (this refit): the bench's memory columns.
   const memory_usage held = memory_in_use();
   line["memory"] = {{"device", held.device_peak}, {"pinned", held.pinned_peak}, {"host", held.host_peak}};
+  // The driver's view: device memory this process took since its weights were allocated (refit's,
+  // NCCL's buffers, the context's growth), now that the version is committed.
+  const std::int64_t driver_now = driver_used();
+  if (driver_base >= 0 && driver_now >= 0) line["memory"]["driver"] = std::max<std::int64_t>(0, driver_now - driver_base);
   reset_memory_peaks();
   return line;
 }
@@ -245,6 +252,7 @@ class receiver_role {
         dest_(path_->destinations(layout_.tensors)),
         r_(receiver_role_options(c)) {
     register_views(r_, c, m_, layout_, *dest_);
+    driver_base_ = driver_used();
     // Started by hand: the streamer asks for our checksums here (a spawned one reads our stdout).
     // Made after the receiver, so that it goes first: its ipc file may sit in the receiver's
     // private directory.
@@ -288,7 +296,7 @@ class receiver_role {
   }
 
   void on_committed() {
-    const json line = committed_line(c_, m_, layout_, *dest_, r_);
+    const json line = committed_line(c_, m_, layout_, *dest_, r_, driver_base_);
     if (!reports_) return emit(line);
     // Started by hand, stdout is a terminal: the checksums (one per tensor) are for the streamer,
     // which asks for them on the report endpoint.
@@ -315,6 +323,7 @@ class receiver_role {
   receiver r_;
   std::optional<report_endpoint> reports_;
   report_log log_;
+  std::int64_t driver_base_ = -1;  ///< driver_used() with the weights allocated (committed_line)
 };
 
 }  // namespace

@@ -116,6 +116,7 @@ class group_runner {
 
  private:
   row::side_memory receiver_memory_;  ///< the row so far: take_memory()
+  std::int64_t receiver_driver_ = -1;  ///< the row so far: the largest receiver driver view (take_memory)
   [[nodiscard]] std::string who(std::size_t k) const {
     return several_ ? fmt::format("{} {} of {} (GPU {}, pid {})", tp_ ? "rank" : "receiver", k, children_.size(),
                                   devices_[k], children_[k]->pid())
@@ -261,6 +262,9 @@ class group_runner {
     most(receiver_memory_.device, "device");
     most(receiver_memory_.pinned, "pinned");
     most(receiver_memory_.host, "host");
+    const auto driver = it->find("driver");
+    if (driver != it->end() && driver->is_number_integer())
+      receiver_driver_ = std::max(receiver_driver_, driver->get<std::int64_t>());
   }
 
   /// One row: warm-up and counted refits with one streamer, then the row's statistics.
@@ -268,6 +272,8 @@ class group_runner {
     const streamer_options so = options_for(nbuf, mb, want_direct);
     reset_memory_peaks();  // the row's streamer from here (the sources are the caller's: not counted)
     receiver_memory_ = {};
+    receiver_driver_ = -1;
+    const std::int64_t driver_before = driver_used();
     streamer s(so);
     row r = row_head(so);
     row_samples samples;
@@ -309,8 +315,12 @@ class group_runner {
     r.streamer_memory = {static_cast<std::int64_t>(held.device_peak), static_cast<std::int64_t>(held.pinned_peak),
                          static_cast<std::int64_t>(held.host_peak)};
     r.receiver_memory = receiver_memory_;
+    const std::int64_t driver_after = driver_used();
+    if (driver_before >= 0 && driver_after >= 0) r.streamer_driver = std::max<std::int64_t>(0, driver_after - driver_before);
+    r.receiver_driver = receiver_driver_;
     s.close();
     finish_row(r, samples, went_direct, shared);
+    set_memory_budget(c_, g_.m, r, went_direct);
     // Requests through ZeroMQ (--control-lane 0, or no lane offered): labelled, since a small
     // refit's fixed cost differs.
     if (!lane) r.engine += "+zmq";

@@ -320,7 +320,7 @@ int run(const config& c, std::ostream& out) {
   write_footer(out, rows);
   if (c.memory) write_memory(out, rows);
   write_outputs(c, p, rows);
-  return total_wrong(rows) > 0 ? 1 : 0;
+  return total_wrong(rows) > 0 || rows_over_budget(rows) > 0 ? 1 : 0;
 }
 
 }  // namespace refit::bench

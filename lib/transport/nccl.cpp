@@ -140,9 +140,14 @@ ncclResult_t comm_state(ncclComm_t comm, std::string_view what) {
 
 /// Waits until the communicator leaves ncclInProgress (its set-up, or a call that returned
 /// ncclInProgress). Throws errc::nccl when it fails, errc::timeout past `until` (message: `what`
-/// did not complete, then `late`). Aborts nothing: the caller owns the communicator.
-void wait_ready(ncclComm_t comm, const deadline& until, std::string_view what, std::string_view late) {
-  if (!poll_until(until, [&] { return comm_state(comm, what) != ncclInProgress; }))
+/// did not complete, then `late`). `on_poll` (when given) runs at each poll and may throw to stop
+/// the wait. Aborts nothing: the caller owns the communicator.
+void wait_ready(ncclComm_t comm, const deadline& until, std::string_view what, std::string_view late,
+                const std::function<void()>& on_poll = {}) {
+  if (!poll_until(until, [&] {
+        if (on_poll) on_poll();
+        return comm_state(comm, what) != ncclInProgress;
+      }))
     throw error(errc::timeout, fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
 }
 
@@ -209,15 +214,9 @@ class communicator {
     try {
       if (started != ncclSuccess && started != ncclInProgress) throw nccl_error(started, what, c);
       if (c == nullptr) throw error(errc::nccl, fmt::format("{} returned no communicator", what));
-      if (!give_up) {
-        wait_ready(c, until, what, late);
-      } else if (!poll_until(until, [&] {
-                   if (give_up()) throw abandoned{};
-                   return comm_state(c, what) != ncclInProgress;
-                 })) {
-        throw error(errc::timeout,
-                    fmt::format("{} did not complete within {} ms: {}", what, until.budget.count(), late));
-      }
+      wait_ready(c, until, what, late, [&] {
+        if (give_up && give_up()) throw abandoned{};
+      });
     } catch (...) {
       abort();  // on this device, while the guard holds it
       throw;

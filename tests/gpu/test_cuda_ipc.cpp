@@ -952,6 +952,7 @@ TEST_CASE(
           refit::receiver r(o);
           weights.register_with(r);
           refit::cuda::stream engine_stream(cudaStreamNonBlocking);
+          const refit::memory_usage before = refit::memory_in_use();
           ready.send("ready");
           std::size_t next = 0;
           for (;;) {
@@ -960,6 +961,15 @@ TEST_CASE(
             if (e == refit::receiver_event::aborted || e == refit::receiver_event::refused)
               throw std::runtime_error("receiver: " + std::string(refit::to_string(e)) + ": " + r.last_error());
             if (e != refit::receiver_event::prepared) continue;
+            // README.md "Memory": a stage is the table's bytes (device, or page-locked for a host
+            // stage over cuda_ipc), plus the 8 MiB a kind that every mode may take for itself.
+            const refit::memory_usage held = refit::memory_in_use();
+            const std::uint64_t staged = kind == refit::stage_kind::device ? held.device_peak - before.device
+                                                                           : held.pinned_peak - before.pinned;
+            std::uint64_t table = 0;
+            for (const auto& m : metas) table += m.nbytes();
+            expect(staged >= table && staged <= weights.total() + 8 * mib,
+                   "the stage holds " + std::to_string(staged) + " bytes for a table of " + std::to_string(table));
             expect(next < versions.size() && r.prepared_version() == versions[next], "prepared an unexpected version");
             const std::uint64_t before = next == 0 ? 0 : versions[next - 1];
             const auto untouched = weights.mismatch(before);

@@ -2204,6 +2204,14 @@ TEST_CASE("--convert parses its three conversions, sets the source dtype and ref
   REQUIRE(c);
   CHECK(c->type == refit::dtype::f32);
   CHECK(c->convert->to == refit::dtype::bf16);
+  for (const auto& [name, q] : {std::pair{"bf16:fp8-channel", refit::quant::channel},
+                                std::pair{"bf16:mxfp8", refit::quant::mxfp8}}) {
+    const char* row[] = {"refit-bench", "--convert", name};
+    const auto r = parse_args(static_cast<int>(std::size(row)), row, code);
+    REQUIRE(r);
+    CHECK(r->convert->q == q);
+    CHECK(r->convert->to == refit::dtype::f8_e4m3);
+  }
   const char* bad[] = {"refit-bench", "--convert", "bf16:int4"};
   CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(bad)), bad, code),
                     Catch::Contains("--convert bf16:int4: unknown"));
@@ -2217,14 +2225,16 @@ TEST_CASE("--convert parses its three conversions, sets the source dtype and ref
 
 TEST_CASE("a short host_shm run with --convert commits every refit into fp8 destinations, rows with their own floor",
           "[bench][e2e]") {
+  const std::string name = GENERATE("bf16:fp8-block128", "bf16:fp8-channel", "bf16:mxfp8");
+  INFO(name);
   scratch s;
   config c = short_run("tiny");
-  c.convert = parse_conversion("bf16:fp8-block128");
+  c.convert = parse_conversion(name);
   c.json_file = s.file("out.json");
   std::ostringstream out;
   CHECK(run(c, out) == 0);
   INFO(out.str());
-  CHECK_THAT(out.str(), Catch::Contains("+cvt:fp8-block128") && Catch::Contains("--convert bf16:fp8-block128"));
+  CHECK_THAT(out.str(), Catch::Contains("+cvt:" + name.substr(5)) && Catch::Contains("--convert " + name));
   std::ifstream f(c.json_file);
   const json j = json::parse(f);
   REQUIRE(j["rows"].size() == 2);
@@ -2538,4 +2548,72 @@ TEST_CASE(
   std::ostringstream out;
   CHECK(run(c, out) == 0);
   CHECK(rx.process.running());
+}
+
+TEST_CASE("each row's memory budget is README.md's formula for its path; a side over it is counted and fails the run",
+          "[bench][memory]") {
+  config c;
+  const manifest m = preset("tiny");
+  const std::uint64_t mib = 1ull << 20, slack = 8 * mib;
+  const auto at = [](std::uint64_t v) { return static_cast<std::int64_t>(v); };
+  row r;
+  r.buffers = 2;
+  r.buffer_bytes = 64 * mib;
+  r.bytes = 1000 * mib;
+  r.transport = "host_shm";
+  set_memory_budget(c, m, r, false);
+  CHECK(r.streamer_budget.host == at(128 * mib + slack));
+  CHECK(r.receiver_budget.host == at(128 * mib + slack));
+  CHECK(r.streamer_budget.device == at(slack));
+  r.transport = "cuda_ipc";
+  set_memory_budget(c, m, r, true);
+  CHECK(r.streamer_budget.device == at(128 * mib + slack));
+  CHECK(r.receiver_budget.device == at(slack));
+  c.stage = refit::stage_kind::device;
+  set_memory_budget(c, m, r, true);
+  CHECK(r.receiver_budget.device == at(1000 * mib + slack));
+  CHECK(r.receiver_formula == "0 + table device");
+  c.stage = refit::stage_kind::host;
+  set_memory_budget(c, m, r, true);
+  CHECK(r.receiver_budget.pinned == at(1000 * mib + slack));
+  c.stage = refit::stage_kind::none;
+  r.transport = "nccl";
+  set_memory_budget(c, m, r, true);  // in place: the warm-up broadcast only
+  CHECK(r.streamer_budget.device == at(mib + slack));
+  CHECK(r.receiver_budget.device == at(mib + slack));
+  set_memory_budget(c, m, r, false);  // buffered
+  CHECK(r.streamer_budget.device == at(128 * mib + mib + slack));
+  CHECK(r.receiver_budget.device == at(128 * mib + mib + slack));
+
+  r.streamer_memory = {at(128 * mib + mib), 0, 0};
+  r.receiver_memory = {at(128 * mib + mib + slack), 0, 0};
+  CHECK_FALSE(over_budget(r));
+  r.receiver_memory.device += 1;
+  CHECK(over_budget(r));
+  CHECK(rows_over_budget({r, row{}}) == 1);
+}
+
+TEST_CASE("a host_shm run holds both sides to their memory budgets and says so in the footer and the JSON",
+          "[bench][memory][e2e]") {
+  scratch s;
+  config c = short_run("tiny");
+  c.json_file = s.file("out.json");
+  c.memory = true;
+  std::ostringstream out;
+  CHECK(run(c, out) == 0);
+  INFO(out.str());
+  CHECK_THAT(out.str(), Catch::Contains("# Memory over budget    : 0 OK") &&
+                            Catch::Contains("(budget 8.0/8.0/8.5: n x b host; driver "));
+  std::ifstream f(c.json_file);
+  const json j = json::parse(f);
+  REQUIRE(j["rows"].size() == 2);
+  for (const auto& r : j["rows"]) {
+    const auto& mem = r["memory"];
+    CHECK(mem["over_budget"] == false);
+    const std::int64_t buffers = r["buffers"].get<std::int64_t>() * r["buffer_bytes"].get<std::int64_t>();
+    CHECK(mem["budget"]["streamer"]["host"].get<std::int64_t>() == buffers + (8 << 20));
+    CHECK(mem["streamer"]["host"].get<std::int64_t>() >= buffers);  // its segments, counted
+    CHECK(mem["receiver"]["host"].get<std::int64_t>() >= buffers);  // its mappings of them
+    CHECK(mem["budget"]["receiver_formula"] == "n x b host (mapped)");
+  }
 }

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "refit/memory.hpp"
 #include "refit/receiver.hpp"
 #include "refit/streamer.hpp"
 #include "refit/version.hpp"
@@ -188,6 +189,37 @@ TEST_CASE(
       else
         CHECK(x == -1.0f);
     }
+}
+
+TEST_CASE("a host stage holds the table's bytes beside host_shm's buffers, as README.md's memory table says",
+          "[stage][memory]") {
+  // One process holds both sides here: the streamer's segments (n x b), the receiver's mappings of
+  // them (n x b) and the stage (the table's bytes), plus at most the 8 MiB a kind every mode may
+  // take for itself (bench/memory.cpp).
+  const std::vector<tensor_meta> model{tensor_meta{"big", dtype::f32, {3 << 20}},
+                                       tensor_meta{"odd", dtype::bf16, {12345}}};
+  std::uint64_t table = 0;
+  for (const auto& m : model) table += m.nbytes();
+  const std::uint64_t buffers = 2 * (1ull << 20);
+  refit::reset_memory_peaks();
+  const refit::memory_usage before = refit::memory_in_use();
+  serving s(staged());
+  weights w(s.receiver, model, 0);
+  s.start();
+  auto so = rt::host_shm_streamer(s.receiver.endpoint(), 1ull << 20, streamer_timeout);
+  so.buffer_count = 2;
+  refit::streamer st(so);
+  st.refit(1, rt::host_tensors(model, 1).refs);
+  REQUIRE(s.log.wait_for("prepared 1"));
+  const refit::memory_usage held = refit::memory_in_use();
+  const std::uint64_t extra = held.host_peak - before.host;
+  INFO("host memory held: " << extra << " bytes, table " << table << ", buffers " << buffers);
+  CHECK(extra >= table + 2 * buffers);
+  CHECK(extra <= table + 2 * buffers + (8ull << 20));
+  CHECK(held.device == before.device);
+  CHECK(held.pinned == before.pinned);
+  REQUIRE(s.receiver.apply_prepared() == std::optional<std::uint64_t>{1});
+  CHECK(w.mismatch(1).empty());
 }
 
 TEST_CASE("a staged version of 45 MiB is applied on the stage's threads, bit-exact", "[stage]") {
