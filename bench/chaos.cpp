@@ -77,10 +77,14 @@ chaos_spec parse_chaos(std::string_view text) {
     at = comma + 1;
     const std::size_t eq = part.find('=');
     const std::string_view key = part.substr(0, eq), value = eq == std::string_view::npos ? "" : part.substr(eq + 1);
-    if (key == "kill") s.kill = probability(value, part);
-    else if (key == "add") s.add = probability(value, part);
-    else if (key == "remove") s.remove = probability(value, part);
-    else if (key == "back" && (value == "rejoin" || value == "add")) s.rejoin = value == "rejoin";
+    if (key == "kill")
+      s.kill = probability(value, part);
+    else if (key == "add")
+      s.add = probability(value, part);
+    else if (key == "remove")
+      s.remove = probability(value, part);
+    else if (key == "back" && (value == "rejoin" || value == "add"))
+      s.rejoin = value == "rejoin";
     else
       throw error(errc::invalid_argument,
                   fmt::format("refit-bench: --chaos {}: cannot read '{}' (kill=P, add=P, remove=P, back=rejoin or "
@@ -219,9 +223,9 @@ class chaos_run {
   /// from, passed over); the wrong checksums in it.
   std::int64_t verify(member& f, std::uint64_t v) {
     for (;;) {
-      const json line = parse_peer_json(f.proc->read_line(std::chrono::milliseconds(std::max<std::uint64_t>(
-                                            c_.timeout_ms * 4, 60000))),
-                                        max_report_bytes(m_), who(f));
+      const json line = parse_peer_json(
+          f.proc->read_line(std::chrono::milliseconds(std::max<std::uint64_t>(c_.timeout_ms * 4, 60000))),
+          max_report_bytes(m_), who(f));
       if (line.value("event", "") == "aborted") continue;
       std::int64_t printed = 0;
       return count_wrong(c_, line, v, m_, sums_, who(f), " " + f.endpoint, printed);
@@ -249,12 +253,16 @@ class chaos_run {
     return out;
   }
 
-  /// Between versions: the killed ones started again, then maybe one removed and one added.
+  /// Between versions: the killed ones started again (with back=add, added back, as is one dropped
+  /// though alive), then maybe one removed and one added.
   void change_fleet(streamer& s) {
+    const auto eps = s.receivers();
     for (member& f : fleet_) {
-      if (f.proc) continue;
-      respawn(f);
-      ++row_.restarts;
+      if (f.proc && (spec_.rejoin || std::find(eps.begin(), eps.end(), f.endpoint) != eps.end())) continue;
+      if (!f.proc) {
+        respawn(f);
+        ++row_.restarts;
+      }
       if (!spec_.rejoin) s.add_receiver(f.endpoint);
       f.joining = clock::now();
     }
@@ -389,11 +397,11 @@ struct chaos_column {
   int width;
 };
 constexpr chaos_column chaos_columns[] = {
-    {"transport", "", 9},     {"model", "", 14},     {"rcv", "", 4},           {"versions", "", 8},
-    {"done", "", 6},          {"kills", "", 5},      {"adds", "", 4},          {"rms", "", 4},
-    {"joins", "", 5},         {"quiet", "(ms)", 9},  {"joinver", "(ms)", 9},   {"failed", "(ms)", 9},
-    {"failover", "(ms)", 9},  {"fo_max", "(ms)", 9}, {"join", "(ms)", 9},      {"join_max", "(ms)", 9},
-    {"slowest", "(ms)", 9},   {"stalled", "", 7},    {"wrong", "", 6},
+    {"transport", "", 9},    {"model", "", 14},     {"rcv", "", 4},         {"versions", "", 8},
+    {"done", "", 6},         {"kills", "", 5},      {"adds", "", 4},        {"rms", "", 4},
+    {"joins", "", 5},        {"quiet", "(ms)", 9},  {"joinver", "(ms)", 9}, {"failed", "(ms)", 9},
+    {"failover", "(ms)", 9}, {"fo_max", "(ms)", 9}, {"join", "(ms)", 9},    {"join_max", "(ms)", 9},
+    {"slowest", "(ms)", 9},  {"stalled", "", 7},    {"wrong", "", 6},
 };
 
 void write_chaos_header(std::ostream& out) {

@@ -151,8 +151,8 @@ void streamer::impl::add_engine_peers(std::vector<failure>& failures) const {
     for (const std::size_t p : engine_peers(failures[i].receiver)) {
       if (failing(p)) continue;
       failures.push_back({p, failures[i].code,
-                          fmt::format("dropped with its engine, whose rank {} failed: {}", endpoints[failures[i].receiver],
-                                      failures[i].message),
+                          fmt::format("dropped with its engine, whose rank {} failed: {}",
+                                      endpoints[failures[i].receiver], failures[i].message),
                           true, true});
     }
   }

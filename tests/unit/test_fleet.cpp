@@ -586,7 +586,8 @@ TEST_CASE("receiver_groups that do not name the receivers once each are refused 
   auto f = made({x, y}, {{x}, {}});
   REQUIRE(f);
   CHECK(f->code == "invalid_argument");
-  CHECK(f->message == "streamer_options.receiver_groups[1] is empty: a group names the endpoints of one engine's ranks");
+  CHECK(f->message ==
+        "streamer_options.receiver_groups[1] is empty: a group names the endpoints of one engine's ranks");
   f = made({x, y}, {{x, y}, {y}});
   REQUIRE(f);
   CHECK(f->message == "streamer_options.receiver_groups: " + y + " is named twice; a receiver is a rank of one engine");
