@@ -525,8 +525,9 @@ TEST_CASE(
   CHECK(d.dropped.empty());
   for (auto& r : rx) CHECK(r->state() == state_of(1));
 
-  // Rank 1 of engine a SIGKILLed while the source still yields (after 2 of its 6 tensors).
-  d = st.refit(2, 2, [&] { rx[1]->kill(); });
+  // Rank 1 of engine a SIGKILLed once the source has yielded its last tensor: every batch is out,
+  // so at END rank 0 holds the whole version in its stage, prepared, when it is told ABORT.
+  d = st.refit(2, 6, [&] { rx[1]->kill(); });
   REQUIRE(d.ok);
   CHECK(d.ms < static_cast<double>(version_bound(1).count()));
   // Both ranks of engine a named, the one that failed first, with the same code.
@@ -565,7 +566,8 @@ TEST_CASE("engines as groups: without atomic, the broken engine's other rank is 
   const std::vector<std::string> a{eps[0].name, eps[1].name}, b{eps[2].name, eps[3].name};
   fleet_streamer st({a, b}, /*atomic=*/false);
   REQUIRE(st.refit(1).ok);
-  const auto d = st.refit(2, 3, [&] { rx[2]->kill(); });
+  // Killed while the source still yields (after 5 of its 6 tensors: the large one, in 3 batches, to come).
+  const auto d = st.refit(2, 5, [&] { rx[2]->kill(); });
   REQUIRE(d.ok);
   REQUIRE(d.dropped.size() == 2);
   CHECK(d.dropped[0].rfind(b[0] + ":", 0) == 0);
