@@ -148,7 +148,10 @@ std::string ms_text(double ms) { return ms < 0 ? "n/a" : fmt::format("{:.2f}", m
 class chaos_run {
  public:
   chaos_run(const config& c, transport_kind t, const manifest& m)
-      : c_(c), spec_(*c.chaos), kind_(t), m_(m), path_(make_path(t, c)), rng_(c.seed) {
+      : c_(c), receiver_side_(c), spec_(*c.chaos), kind_(t), m_(m), path_(make_path(t, c)), rng_(c.seed) {
+    // A receiver's idle timeout (its --timeout-ms) must outlast the streamer waiting one reply
+    // timeout for another, dead receiver in the middle of a version: else the survivors abort too.
+    receiver_side_.timeout_ms = std::max<std::uint64_t>(5 * c.timeout_ms, 10000);
     row_.transport = to_string(t);
     row_.model = m.name;
     row_.receivers = c.receivers;
@@ -213,7 +216,8 @@ class chaos_run {
   }
 
   void respawn(member& f) {
-    f.proc = std::make_unique<child_process>(c_.receiver_exe, receiver_args(c_, kind_, m_.name, f.endpoint));
+    f.proc =
+        std::make_unique<child_process>(c_.receiver_exe, receiver_args(receiver_side_, kind_, m_.name, f.endpoint));
     const json ready = parse_peer_json(f.proc->read_line(std::chrono::minutes(10)), 1 << 20, who(f));
     if (ready.value("event", "") != "ready")
       throw error(errc::protocol, fmt::format("refit-bench: {} said {} instead of ready", who(f), excerpt(ready)));
@@ -379,6 +383,7 @@ class chaos_run {
   }
 
   const config& c_;
+  config receiver_side_;  ///< what the receivers are started with
   const chaos_spec spec_;
   const transport_kind kind_;
   const manifest& m_;
