@@ -20,8 +20,8 @@
 // new session for every receiver then: lib/streamer/fleet.cpp), or failed (a receiver dropped).
 // Failover: from the kill to refit() returning with the survivors committed. Join: from the
 // receiver being ready and known to the streamer (restarted, or added) to refit() returning with it
-// committed. Targets: a failover within one reply timeout plus one version's transfer (the quiet
-// versions' median; the warm-up versions' when none was quiet), and no version longer than
+// committed. Targets: a failover within one reply timeout plus one version's transfer (to n
+// receivers: chaos_row::transfer_for), and no version longer than
 // failures x (timeout + transfer) + transfer (two for a join: its new session for every receiver)
 // + the grace a drop needs (chaos_grace_ms).
 #include <unistd.h>
