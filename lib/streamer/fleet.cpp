@@ -5,6 +5,9 @@
 // transport's to say (transport::capabilities::peers_apart): on host_shm a receiver leaves without
 // the others noticing; one that joins needs a HELLO, and host_shm's buffers are unlinked once every
 // receiver of a session mapped them, so a join opens a new session for all at the next version.
+// Engines declared as groups (streamer_options::receiver_groups: an engine holds one version on
+// every rank or on none, README.md "One version on every rank, or none") leave whole: a rank's
+// failure drops its engine's other ranks with it, each told ABORT, and the other engines commit.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
