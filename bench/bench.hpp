@@ -280,6 +280,20 @@ struct conversion_spec {
 };
 /// nullopt for an unknown name.
 std::optional<conversion_spec> parse_conversion(std::string_view name);
+
+/// --chaos SPEC (bench/chaos.cpp): what happens to the fleet at each version, each a probability
+/// per version drawn from --seed's generator: `kill` a served receiver (SIGKILL at a random tensor
+/// of the version, then a new process on its endpoint once the version is done), `add` a new
+/// receiver, `remove` one. `back`: how a restarted receiver is served again, by the streamer's
+/// retries (rejoin) or by add_receiver() (add).
+struct chaos_spec {
+  double kill = 0, add = 0, remove = 0;
+  bool rejoin = true;
+  std::string text;  ///< as given
+};
+/// "kill=P,add=P,remove=P,back=rejoin|add" (any subset, in any order; P in [0, 1]) or a bare
+/// number P (kill=P). Throws refit::error(invalid_argument) naming the part it cannot read.
+chaos_spec parse_chaos(std::string_view text);
 /// Where a converted destination of source `meta` keeps its scales: `offset` bytes into the
 /// destination memory allocated for the source (which is larger than the converted bytes); 0 for
 /// no scale. nullopt when the tensor is sent as it is (another dtype; fp8 of fewer than 2
@@ -499,6 +513,9 @@ struct config {
   /// --streamers N: a group of N streamers, each holding the Shard(0) rows of every tensor, into
   /// --receivers full replicas (bench/group.cpp); 0: the usual rows.
   std::size_t streamers = 0;
+  /// --chaos SPEC: a fleet that changes while it trains (bench/chaos.cpp): --receivers receivers,
+  /// --iters versions after --warmup quiet ones; nullopt: the usual rows.
+  std::optional<chaos_spec> chaos;
   std::vector<std::string> argv;  ///< the command line, for the preamble
 };
 
@@ -620,6 +637,9 @@ double median(std::vector<double> v);
 int run_delta(const config& c, std::ostream& out);
 /// refit-bench --streamers N (bench/group.cpp): a group of N shard streamers into the receivers.
 int run_group(const config& c, std::ostream& out);
+/// refit-bench --chaos SPEC (bench/chaos.cpp): receivers killed, restarted, added and removed while
+/// versions go on (host_shm: the one transport whose streamer drops a receiver that fails).
+int run_chaos(const config& c, std::ostream& out);
 /// --streamers N over nccl with `receivers` receivers and `visible` GPUs: throws
 /// refit::error(invalid_argument) saying what to do when NCCL is not built, no GPU is visible, --device
 /// is not one of them, or the N + receivers ranks do not each get a GPU of their own without

@@ -71,6 +71,8 @@ struct cli_text {
   CLI::Option* receivers_opt = nullptr;
   CLI::Option* corrupt_opt = nullptr;
   CLI::Option* receiver_device_opt = nullptr;
+  CLI::Option* timeout_opt = nullptr;
+  std::string chaos_text;
 };
 
 // The options, in the order --help lists them.
@@ -287,7 +289,18 @@ void add_run_options(CLI::App& app, config& c, cli_text& t) {
                                    "(wrapping around the visible GPUs; --layout tpN: N, one per "
                                    "rank; --streamers: full replicas, on cuda_ipc too); other transports ignore it")
                         ->capture_default_str();
-  app.add_option("--timeout-ms", c.timeout_ms, "longest wait for the peer")->capture_default_str();
+  t.timeout_opt = app.add_option("--timeout-ms", c.timeout_ms,
+                                 "longest wait for the peer (--chaos: 1000 unless given; a failure costs one)")
+                      ->capture_default_str();
+  app.add_option("--chaos", t.chaos_text,
+                 "a fleet that changes while it trains (host_shm): --receivers receiver processes served with "
+                 "on_receiver_failure=drop, and at each of --iters versions (after --warmup quiet ones), with "
+                 "the probabilities of SPEC = kill=P,add=P,remove=P,back=rejoin|add (any of them; a bare P is "
+                 "kill=P), drawn from --seed: a served receiver SIGKILLed at a random tensor of the version "
+                 "and restarted on its endpoint after it (back=rejoin: the streamer's retries take it back; "
+                 "back=add: add_receiver()), a new receiver added, one removed. One row per transport: versions "
+                 "done, refit time without and with a failure, failover (death to the survivors committed) and "
+                 "join (ready to first commit) times, every receiver's every commit verified (bench/README.md)");
   app.add_option("--json", c.json_file, "write every row and the preamble as JSON to FILE");
   app.add_option("--plot", c.plot_file, "write throughput vs buffer size as an SVG to FILE");
   app.add_flag("-q,--quiet", c.quiet, "no progress lines on stderr");
@@ -429,6 +442,17 @@ void check_receiver_device(const config& c, const cli_text& t) {
                     n, c.streamers));
 }
 
+/// --chaos: its spec, and what it runs with (both sides here, one model, no other mode).
+void check_chaos(config& c, const cli_text& t) {
+  c.chaos = parse_chaos(t.chaos_text);
+  if (c.side != role::both) bad("--chaos spawns its receivers: leave --role out");
+  if (c.delta_steps > 0 || c.streamers > 0) bad("--chaos runs alone: not with --delta or --streamers");
+  if (c.models.size() != 1 && c.manifest_file.empty()) bad("--chaos: one --model");
+  if (c.layout != layout_kind::plain || !t.convert_text.empty())
+    bad("--chaos: --layout plain without --convert (every receiver holds the whole model)");
+  if (!*t.timeout_opt) c.timeout_ms = 1000;
+}
+
 dtype dtype_named(const std::string& name) {
   const auto t = parse_dtype(name);
   if (!t) bad(fmt::format("--dtype {}: unknown (bf16, f16, f32, f8_e4m3, ...)", name));
@@ -478,6 +502,7 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   parse_paths(c, t.paths);
   parse_layout_options(c, t);
   check_receiver_device(c, t);
+  if (!t.chaos_text.empty()) check_chaos(c, t);
   if (!t.convert_text.empty()) {
     c.convert = parse_conversion(t.convert_text);
     if (!c.convert)

@@ -299,6 +299,7 @@ int run(const config& c, std::ostream& out) {
   if (c.side == role::receiver) return run_receiver(c);
   if (c.delta_steps > 0) return run_delta(c, out);
   if (c.streamers > 0) return run_group(c, out);
+  if (c.chaos) return run_chaos(c, out);
 
   std::vector<std::string> notes;
   const auto paths = resolve_paths(c, notes);

@@ -143,6 +143,18 @@ int child_process::finish(std::chrono::milliseconds grace) noexcept {
   return status_;
 }
 
+int child_process::kill() noexcept {
+  if (stdin_ >= 0) ::close(std::exchange(stdin_, -1));
+  if (pid_ > 0 && !reaped_) {
+    ::kill(pid_, SIGKILL);
+    while (::waitpid(pid_, &status_, 0) < 0 && errno == EINTR) {
+    }
+    reaped_ = true;
+  }
+  if (stdout_ >= 0) ::close(std::exchange(stdout_, -1));
+  return status_;
+}
+
 std::string child_process::describe_exit(int status) {
   if (WIFEXITED(status)) return fmt::format("exit code {}", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));

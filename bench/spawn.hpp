@@ -27,6 +27,9 @@ class child_process {
   bool running() noexcept;
   /// Closes the child's stdin, waits for it (kills it past `grace`); returns its wait status.
   int finish(std::chrono::milliseconds grace) noexcept;
+  /// SIGKILL, then waits until it has ended (waitpid: the process is gone when this returns);
+  /// returns its wait status.
+  int kill() noexcept;
   [[nodiscard]] int pid() const noexcept { return pid_; }
   /// "exit code N" / "killed by signal N" for a wait status.
   static std::string describe_exit(int status);

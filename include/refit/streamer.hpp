@@ -214,6 +214,18 @@ struct streamer_options {
   /// receiver's session anew. add_receiver() and remove_receiver() of the endpoint end its tries.
   /// false: a dropped receiver comes back only by add_receiver().
   bool rejoin = false;
+  /// Engines as groups of receivers: each list names the endpoints of one engine's ranks (its
+  /// TP/EP ranks); a receiver in no group is an engine of its own. With `receivers` and `endpoint`
+  /// empty, the groups' endpoints, in order, are the receivers; otherwise every endpoint of a group
+  /// must be one of them. With on_receiver_failure = drop, a rank that fails drops its whole
+  /// engine: the other ranks are told ABORT (they discard the version: committed_version()
+  /// unchanged, a staged rank's weights untouched) and leave the streamer with it, while the other
+  /// engines commit; refit_stats::dropped names every rank, the one that failed first. With
+  /// `atomic`, a version so reaches every rank of an engine or none, engine by engine. Groups are
+  /// kept by endpoint: a rank served again (add_receiver(), rejoin) is in its group again.
+  /// Throws errc::invalid_argument (constructing the streamer) for an empty group, an endpoint in
+  /// two groups or twice in one, or one that is not among the receivers.
+  std::vector<std::vector<std::string>> receiver_groups;
 };
 
 /// A receiver dropped from a version (streamer_options::on_receiver_failure = drop).

@@ -1322,7 +1322,7 @@ PYBIND11_MODULE(_refit, m) {
                        std::uint64_t delta_max_bytes, std::size_t delta_threads, std::uint64_t delta_batch_bytes,
                        std::size_t group_rank, std::size_t group_size, bool share_tensors, bool control_lane,
                        bool nccl_twin, bool atomic, const std::string& on_receiver_failure, std::size_t min_receivers,
-                       bool rejoin) {
+                       bool rejoin, std::optional<std::vector<std::vector<std::string>>> receiver_groups) {
              streamer_options o = streamer_options_from(
                  std::move(endpoint), transport, std::move(receivers), buffer_bytes, buffers, direct, timeout,
                  std::move(token), device, curve, alignment, keep_whole, engine, layout, delta, delta_memory_name,
@@ -1334,6 +1334,7 @@ PYBIND11_MODULE(_refit, m) {
                throw py::value_error("on_receiver_failure must be 'fail' or 'drop'; got '" + on_receiver_failure + "'");
              o.min_receivers = min_receivers;
              o.rejoin = rejoin;
+             if (receiver_groups) o.receiver_groups = std::move(*receiver_groups);
              return std::make_unique<py_streamer>(std::move(o), transport == "auto");
            }),
            py::arg("endpoint"), py::kw_only(), py::arg("transport") = "auto", py::arg("receivers") = py::none(),
@@ -1345,7 +1346,7 @@ PYBIND11_MODULE(_refit, m) {
            py::arg("delta_threads") = 0, py::arg("delta_batch_bytes") = 0, py::arg("group_rank") = 0,
            py::arg("group_size") = 1, py::arg("share_tensors") = true, py::arg("control_lane") = true,
            py::arg("nccl_twin") = false, py::arg("atomic") = false, py::arg("on_receiver_failure") = "fail",
-           py::arg("min_receivers") = 1, py::arg("rejoin") = false)
+           py::arg("min_receivers") = 1, py::arg("rejoin") = false, py::arg("receiver_groups") = py::none())
       .def_property_readonly("transport", &py_streamer::transport,
                              "the transport in use: the one given, or the one transport='auto' chose at the first "
                              "refit (None before it)")

@@ -5,6 +5,9 @@
 // transport's to say (transport::capabilities::peers_apart): on host_shm a receiver leaves without
 // the others noticing; one that joins needs a HELLO, and host_shm's buffers are unlinked once every
 // receiver of a session mapped them, so a join opens a new session for all at the next version.
+// Engines declared as groups (streamer_options::receiver_groups: an engine holds one version on
+// every rank or on none, README.md "One version on every rank, or none") leave whole: a rank's
+// failure drops its engine's other ranks with it, each told ABORT, and the other engines commit.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -99,7 +102,7 @@ void streamer::impl::remove_receiver(std::string_view endpoint) {
 /// nor a failure of this side's transport (HELLO's join).
 bool streamer::impl::droppable(const failure& f) const noexcept {
   if (f.receiver >= channels.size()) return false;
-  if (!f.answered) return true;  // gone, silent, or an answer that is no answer
+  if (!f.answered || f.with_engine) return true;  // gone, silent, or an answer that is no answer
   return f.code != errc::needs_whole && f.code != errc::peer && f.code != errc::unauthorized;
 }
 
@@ -109,6 +112,7 @@ bool streamer::impl::droppable(const failure& f) const noexcept {
 /// left.
 void streamer::impl::drop_failed(std::vector<failure>& failures, std::vector<wire::ok>& oks) {
   if (options.on_receiver_failure != receiver_failure::drop) return;
+  add_engine_peers(failures);
   std::vector<std::size_t> gone;
   std::vector<failure> kept;
   for (failure& f : failures) {
@@ -137,11 +141,53 @@ void streamer::impl::drop_failed(std::vector<failure>& failures, std::vector<wir
                                      endpoints.size(), last.endpoint, options.min_receivers, last.reason));
 }
 
+/// The other ranks of each engine (streamer_options::receiver_groups) that a droppable failure
+/// breaks, added to `failures` as dropped with it: an engine holds one version on every rank or on
+/// none, so a rank that goes on alone would hold a version its engine cannot serve.
+void streamer::impl::add_engine_peers(std::vector<failure>& failures) const {
+  if (options.receiver_groups.empty()) return;
+  const auto failing = [&](std::size_t k) {
+    return std::ranges::any_of(failures, [&](const failure& x) { return x.receiver == k; });
+  };
+  for (std::size_t i = 0, n = failures.size(); i < n; ++i) {
+    if (!droppable(failures[i])) continue;
+    for (const std::size_t p : engine_peers(failures[i].receiver)) {
+      if (failing(p)) continue;
+      failures.push_back({p, failures[i].code,
+                          fmt::format("dropped with its engine, whose rank {} failed: {}",
+                                      endpoints[failures[i].receiver], failures[i].message),
+                          true, true});
+    }
+  }
+}
+
+/// The receivers served now that form one engine with receiver k (its group's other endpoints).
+std::vector<std::size_t> streamer::impl::engine_peers(std::size_t k) const {
+  std::vector<std::size_t> peers;
+  for (const auto& group : options.receiver_groups) {
+    if (std::ranges::find(group, endpoints[k]) == group.end()) continue;
+    for (std::size_t j = 0; j < endpoints.size(); ++j)
+      if (j != k && std::ranges::find(group, endpoints[j]) != group.end()) peers.push_back(j);
+  }
+  return peers;
+}
+
 /// A receiver dropped that may still hear (its control lane is open: it did not answer in time)
 /// is told ABORT, within 100 ms each way; one that answered ERROR has aborted the version itself,
 /// and one that is gone hears nothing. Closing its channel then closes the lane, at which a
-/// receiver aborts too.
+/// receiver aborts too. A rank dropped with its engine answered the request, so its channel is
+/// free: it is told ABORT over it (1 s at most), and discards the version whatever it had taken.
 void streamer::impl::tell_dropped(std::size_t k, const failure& f) noexcept {
+  if (f.with_engine && k < channels.size() && version_in_progress) {
+    try {
+      channels[k].request(wire::encode(wire::abort{*version_in_progress, f.code, "dropped: " + f.message}, secret),
+                          std::min(options.timeout, milliseconds{1000}),
+                          fmt::format("ABORT of version {}", *version_in_progress));
+    } catch (const std::exception& e) {
+      REFIT_DEBUG("ABORT to {}, dropped with its engine, not answered: {}", who(k), e.what());
+    }
+    return;
+  }
   if (f.answered || k >= channels.size() || !channels[k].has_lane() || !version_in_progress) return;
   try {
     const std::string what = fmt::format("ABORT of version {}", *version_in_progress);

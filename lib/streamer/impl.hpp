@@ -106,6 +106,9 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
     errc code;
     std::string message;
     bool answered = false;  ///< the receiver answered ERROR (it heard the request, and knows)
+    /// Not its own failure: dropped with its engine (streamer_options::receiver_groups), which
+    /// another rank failed; it heard the request and answered, so it must be told ABORT.
+    bool with_engine = false;
   };
   struct in_flight {
     std::string what;
@@ -124,6 +127,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
   void remove_receiver(std::string_view endpoint);
   [[nodiscard]] bool droppable(const failure& f) const noexcept;
   void drop_failed(std::vector<failure>& failures, std::vector<wire::ok>& oks);
+  void add_engine_peers(std::vector<failure>& failures) const;
+  [[nodiscard]] std::vector<std::size_t> engine_peers(std::size_t k) const;
   void tell_dropped(std::size_t k, const failure& f) noexcept;
   void forget_receiver(std::size_t k) noexcept;
   void queue_rejoin(const std::string& endpoint);

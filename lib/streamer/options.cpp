@@ -2,6 +2,7 @@
 // buffers), the copier, the delta base.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -29,10 +30,41 @@ plan_options plan_from(const streamer_options& o) {
   return p;
 }
 
-/// The receivers' endpoints: options.receivers, or the one options.endpoint.
+/// The receivers' endpoints: options.receivers, or the one options.endpoint, or (both empty) the
+/// endpoints of options.receiver_groups in order.
 std::vector<std::string> endpoints_of(const streamer_options& o) {
   if (!o.receivers.empty()) return o.receivers;
+  if (o.endpoint.empty() && !o.receiver_groups.empty()) {
+    std::vector<std::string> all;
+    for (const auto& group : o.receiver_groups) all.insert(all.end(), group.begin(), group.end());
+    return all;
+  }
   return {o.endpoint};
+}
+
+/// streamer_options::receiver_groups: each group a non-empty set of the receivers, no endpoint in two.
+void validate_groups(const streamer_options& o, const std::vector<std::string>& endpoints) {
+  std::vector<std::string> seen;
+  for (std::size_t g = 0; g < o.receiver_groups.size(); ++g) {
+    if (o.receiver_groups[g].empty())
+      throw error(errc::invalid_argument,
+                  fmt::format("streamer_options.receiver_groups[{}] is empty: a group names the endpoints of one "
+                              "engine's ranks",
+                              g));
+    for (const auto& ep : o.receiver_groups[g]) {
+      if (std::find(seen.begin(), seen.end(), ep) != seen.end())
+        throw error(errc::invalid_argument,
+                    fmt::format("streamer_options.receiver_groups: {} is named twice; a receiver is a rank of one "
+                                "engine",
+                                ep));
+      if (std::find(endpoints.begin(), endpoints.end(), ep) == endpoints.end())
+        throw error(errc::invalid_argument,
+                    fmt::format("streamer_options.receiver_groups[{}] names {}, which is not one of the receivers; "
+                                "leave receivers empty to serve the groups' endpoints",
+                                g, ep));
+      seen.push_back(ep);
+    }
+  }
 }
 
 /// The registered name of the transport the options ask for.
@@ -49,6 +81,7 @@ void validate(const streamer_options& o) {
     if (ep.empty())
       throw error(errc::invalid_argument,
                   "streamer_options.endpoint is empty: pass the receiver's endpoint() (ipc://... or tcp://host:port)");
+  validate_groups(o, endpoints);
   const std::string name = transport_name_of(o);
   if (transport::find_transport(name) == nullptr)
     throw error(errc::invalid_argument,

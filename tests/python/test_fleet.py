@@ -102,3 +102,43 @@ def test_on_receiver_failure_takes_fail_or_drop():
         refit.Streamer("ipc:///nowhere.sock", transport="host_shm", on_receiver_failure="ignore")
     with pytest.raises(refit.RefitError, match="min_receivers is 0"):
         refit.Streamer("ipc:///nowhere.sock", transport="host_shm", on_receiver_failure="drop", min_receivers=0)
+
+
+def test_an_engine_that_loses_a_rank_is_dropped_whole_while_the_other_engine_commits():
+    spec = spec_of(mixed_state(1))
+    peers = [Peer() for _ in range(4)]
+    try:
+        jobs = [p.run(serve_table, spec) for p in peers]
+        eps = [j.recv() for j in jobs]
+        a, b = eps[:2], eps[2:]
+        with streamer(eps[0], receiver_groups=[a, b], timeout=TIMEOUT, buffer_bytes=64 << 10,
+                      on_receiver_failure="drop") as st:
+            assert st.receivers == eps
+            assert st.refit(1, mixed_state(1)).dropped == []
+
+            peers[1].process.kill()  # rank 1 of engine a
+            peers[1].process.join(10)
+            second = st.refit(2, mixed_state(2))
+            assert [d.endpoint for d in second.dropped] == [a[1], a[0]]
+            assert second.dropped[0].code == second.dropped[1].code
+            assert "dropped with its engine" in second.dropped[1].reason
+            assert st.receivers == b
+            for j in jobs[2:]:
+                assert j.request("state") == state_bytes(mixed_state(2))
+            # Its other rank heard ABORT before anything was written: version 1, every byte, clean.
+            assert jobs[0].request("state") == state_bytes(mixed_state(1))
+            status = jobs[0].request("status")
+            assert status["committed_version"] == 1
+            assert status["dirty"] is False
+    finally:
+        for p in peers:
+            p.settle()
+            p.close()
+
+
+def test_receiver_groups_must_name_the_receivers():
+    with pytest.raises(refit.RefitError) as failure:
+        refit.Streamer("ipc:///tmp/refit-groups-a", transport="host_shm",
+                       receiver_groups=[["ipc:///tmp/refit-groups-a"], []])
+    assert failure.value.code == refit.Errc.invalid_argument
+    assert "receiver_groups[1] is empty" in str(failure.value)

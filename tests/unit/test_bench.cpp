@@ -2615,5 +2615,90 @@ TEST_CASE("a host_shm run holds both sides to their memory budgets and says so i
     CHECK(mem["streamer"]["host"].get<std::int64_t>() >= buffers);  // its segments, counted
     CHECK(mem["receiver"]["host"].get<std::int64_t>() >= buffers);  // its mappings of them
     CHECK(mem["budget"]["receiver_formula"] == "n x b host (mapped)");
+
+TEST_CASE("--chaos reads kill, add, remove and back, a bare probability as kill, and refuses the rest by name",
+          "[bench][chaos]") {
+  const chaos_spec s = parse_chaos("add=0.05,kill=0.25,back=add,remove=0.1");
+  CHECK(s.kill == 0.25);
+  CHECK(s.add == 0.05);
+  CHECK(s.remove == 0.1);
+  CHECK_FALSE(s.rejoin);
+  const chaos_spec bare = parse_chaos("0.2");
+  CHECK(bare.kill == 0.2);
+  CHECK(bare.add == 0);
+  CHECK(bare.rejoin);
+  CHECK_THROWS_WITH(parse_chaos("kill=1.5"),
+                    "refit-bench: --chaos kill=1.5: kill=1.5 is not a probability in [0, 1] (kill=P,add=P,remove=P,"
+                    "back=rejoin|add, or a bare P for kill=P)");
+  CHECK_THROWS_WITH(parse_chaos("kill=0.1,back=later"),
+                    "refit-bench: --chaos kill=0.1,back=later: cannot read 'back=later' (kill=P, add=P, remove=P, "
+                    "back=rejoin or back=add)");
+
+  int code = -1;
+  const char* args[] = {"refit-bench", "--chaos", "0.3", "--receivers", "4", "--model", "tiny"};
+  const auto c = parse_args(static_cast<int>(std::size(args)), args, code);
+  REQUIRE(c);
+  REQUIRE(c->chaos);
+  CHECK(c->chaos->kill == 0.3);
+  CHECK(c->timeout_ms == 1000);  // a failure costs one: not the usual 120 s
+  const char* timed[] = {"refit-bench", "--chaos", "0.3", "--timeout-ms", "500"};
+  CHECK(parse_args(static_cast<int>(std::size(timed)), timed, code)->timeout_ms == 500);
+  const char* with_delta[] = {"refit-bench", "--chaos", "0.3", "--delta", "2"};
+  CHECK_THROWS_WITH(parse_args(static_cast<int>(std::size(with_delta)), with_delta, code),
+                    "refit-bench: --chaos runs alone: not with --delta or --streamers");
+}
+
+TEST_CASE("--chaos over a transport whose streamer refuses drop stops before any process, with its refusal",
+          "[bench][chaos]") {
+  config c = short_run("tiny");
+  c.chaos = parse_chaos("0.5");
+  c.transports = {transport_kind::nccl};
+  std::ostringstream out;
+  try {
+    (void)run(c, out);
+    FAIL("--chaos over nccl ran");
+  } catch (const refit::error& e) {
+    CHECK(e.code() == errc::invalid_argument);
+    const std::string what = e.what();
+    CHECK(what.rfind("refit-bench: --chaos over nccl: ", 0) == 0);
+    CHECK_THAT(what, Catch::EndsWith("; --chaos runs over host_shm"));
+  }
+  CHECK(out.str().empty());
+}
+
+TEST_CASE("--chaos kills, restarts, adds and removes receivers over many versions; every commit verified",
+          "[bench][e2e][chaos]") {
+  scratch s;
+  for (const bool rejoin : {true, false}) {
+    config c = short_run("tiny");
+    c.chaos = parse_chaos(fmt::format("kill=0.3,add=0.15,remove=0.15,back={}", rejoin ? "rejoin" : "add"));
+    c.receivers = 4;
+    c.iters = 16;
+    c.timeout_ms = 1000;
+    c.seed = 7;
+    c.buffer_mb = {0.25};
+    c.json_file = s.file("chaos.json");
+    std::ostringstream out;
+    CHECK(run(c, out) == 0);
+    INFO(out.str());
+    CHECK_THAT(out.str(), Catch::Contains("# Wrong values          : 0 OK"));
+    CHECK_THAT(out.str(), Catch::Contains("target no stall"));
+    std::ifstream f(c.json_file);
+    const json j = json::parse(f);
+    REQUIRE(j["rows"].size() == 1);
+    const json& r = j["rows"][0];
+    CHECK(r["completed"] == 16);
+    CHECK(r["wrong"] == 0);
+    CHECK(r["kills"].get<int>() >= 1);
+    // Each killed one started again before the next version (the last version's, if any, not).
+    CHECK(r["restarts"].get<int>() >= r["kills"].get<int>() - 1);
+    CHECK(r["restarts"].get<int>() <= r["kills"].get<int>());
+    CHECK(r["failover_ms"].size() == r["kills"]);
+    CHECK(r["unexpected_drops"] == 0);
+    CHECK(r["by_version"].size() == 16);
+    // Every version with a kill names the killed one, and only it, as dropped.
+    for (const auto& v : r["by_version"])
+      if (v["kind"] == "failure") CHECK(v["dropped"].size() == 1);
+    CHECK(j["ok"] == true);
   }
 }

@@ -63,7 +63,11 @@ std::string check_table(const std::vector<tensor_meta>& metas, const std::vector
 /// A receiver in a child: binds its endpoint, serves, and answers "state" between messages.
 class fleet_receiver {
  public:
-  explicit fleet_receiver(std::string endpoint) : endpoint_(std::move(endpoint)) { start(); }
+  /// `staged`: receiver_options::stage host, each version applied as soon as it is prepared (an
+  /// engine between two steps), so that a version aborted after END leaves the weights untouched.
+  explicit fleet_receiver(std::string endpoint, bool staged = false) : endpoint_(std::move(endpoint)), staged_(staged) {
+    start();
+  }
 
   /// A new process on the same endpoint (after kill()).
   void start() {
@@ -101,13 +105,14 @@ class fleet_receiver {
     refit::receiver_options o;
     o.endpoint = endpoint_;
     o.idle_timeout = refit::milliseconds{5000};
+    if (staged_) o.stage = refit::stage_kind::host;
     refit::receiver r(o);
     for (const auto& t : metas) bytes.emplace_back(std::max<std::uint64_t>(t.nbytes(), 1), 0xEE);
     for (std::size_t k = 0; k < metas.size(); ++k)
       r.add_parameter(refit::tensor_dest{metas[k], bytes[k].data(), refit::device::cpu()});
     out_->send("ready");
     for (;;) {
-      (void)r.serve_one(refit::milliseconds{20});
+      if (r.serve_one(refit::milliseconds{20}) == refit::receiver_event::prepared) (void)r.apply_prepared();
       while (const auto c = in_->try_receive(0ms)) {
         if (*c == "stop") return;
         const auto v = r.committed_version();
@@ -118,6 +123,7 @@ class fleet_receiver {
   }
 
   std::string endpoint_;
+  bool staged_ = false;
   std::unique_ptr<rt::signal_pipe> in_, out_;
   std::unique_ptr<rt::child> proc_;
   bool alive_ = false;
@@ -136,6 +142,12 @@ class fleet_streamer {
  public:
   fleet_streamer(std::vector<std::string> endpoints, bool drop, std::size_t min_receivers = 1, bool rejoin = false)
       : endpoints_(std::move(endpoints)), drop_(drop), min_(min_receivers), rejoin_(rejoin) {
+    proc_ = std::make_unique<rt::child>([this] { run(); });
+  }
+  /// Engines as groups (streamer_options::receiver_groups, the receivers their endpoints), with drop
+  /// and engine-wide versions (`atomic`).
+  fleet_streamer(std::vector<std::vector<std::string>> groups, bool atomic)
+      : drop_(true), min_(1), rejoin_(false), groups_(std::move(groups)), atomic_(atomic) {
     proc_ = std::make_unique<rt::child>([this] { run(); });
   }
   ~fleet_streamer() {
@@ -177,8 +189,10 @@ class fleet_streamer {
  private:
   void run() {
     const auto metas = fleet_model();
-    auto o = rt::host_shm_streamer(endpoints_.front(), 16u << 10, reply_timeout);
+    auto o = rt::host_shm_streamer(endpoints_.empty() ? std::string() : endpoints_.front(), 16u << 10, reply_timeout);
     o.receivers = endpoints_;
+    o.receiver_groups = groups_;
+    o.atomic = atomic_;
     if (drop_) o.on_receiver_failure = refit::receiver_failure::drop;
     o.min_receivers = min_;
     o.rejoin = rejoin_;
@@ -232,6 +246,8 @@ class fleet_streamer {
   bool drop_;
   std::size_t min_;
   bool rejoin_;
+  std::vector<std::vector<std::string>> groups_;
+  bool atomic_ = false;
   rt::signal_pipe in_, out_;
   std::unique_ptr<rt::child> proc_;  // last: forks once the rest exists
 };
@@ -492,4 +508,93 @@ TEST_CASE("a chaos of receivers killed, restarted, added and removed never stall
   for (auto& r : rx)
     if (r->alive()) r->stop();
   CHECK(shm_leftovers(pids).empty());
+}
+
+TEST_CASE(
+    "engines as groups: with drop and atomic, an engine that loses a rank mid-version is dropped whole, its other "
+    "rank keeps its old version untouched, the other engine commits bit-exact, and the engine comes back whole",
+    "[fleet][groups]") {
+  std::vector<rt::scoped_endpoint> eps(4);
+  std::vector<std::unique_ptr<fleet_receiver>> rx;
+  for (auto& e : eps) rx.push_back(std::make_unique<fleet_receiver>(e.name, /*staged=*/true));
+  const std::vector<std::string> a{eps[0].name, eps[1].name}, b{eps[2].name, eps[3].name};
+  fleet_streamer st({a, b}, /*atomic=*/true);
+
+  auto d = st.refit(1);
+  REQUIRE(d.ok);
+  CHECK(d.dropped.empty());
+  for (auto& r : rx) CHECK(r->state() == state_of(1));
+
+  // Rank 1 of engine a SIGKILLed once the source has yielded its last tensor: every batch is out,
+  // so at END rank 0 holds the whole version in its stage, prepared, when it is told ABORT.
+  d = st.refit(2, 6, [&] { rx[1]->kill(); });
+  REQUIRE(d.ok);
+  CHECK(d.ms < static_cast<double>(version_bound(1).count()));
+  // Both ranks of engine a named, the one that failed first, with the same code.
+  REQUIRE(d.dropped.size() == 2);
+  CHECK(d.dropped[0].rfind(a[1] + ":", 0) == 0);
+  CHECK(d.dropped[1].rfind(a[0] + ":", 0) == 0);
+  CHECK(d.dropped[0].substr(a[1].size()) == d.dropped[1].substr(a[0].size()));
+  // Its other rank aborted the version: version 1, every byte of it, not dirty.
+  CHECK(rx[0]->state() == state_of(1));
+  for (std::size_t k : {2, 3}) CHECK(rx[k]->state() == state_of(2));
+  CHECK(st.command("list") == "ok " + b[0] + "," + b[1]);
+
+  // The next version goes to engine b alone.
+  d = st.refit(3);
+  REQUIRE(d.ok);
+  CHECK(d.dropped.empty());
+  CHECK(rx[0]->state() == state_of(1));
+  for (std::size_t k : {2, 3}) CHECK(rx[k]->state() == state_of(3));
+
+  // Restarted and added back, rank by rank: engine a holds the next version with b.
+  rx[1]->start();
+  CHECK(st.command("add " + a[0]).rfind("ok ", 0) == 0);
+  CHECK(st.command("add " + a[1]) == "ok " + b[0] + "," + b[1] + "," + a[0] + "," + a[1]);
+  d = st.refit(4);
+  REQUIRE(d.ok);
+  CHECK(d.dropped.empty());
+  for (auto& r : rx) CHECK(r->state() == state_of(4));
+  for (auto& r : rx) r->stop();
+}
+
+TEST_CASE("engines as groups: without atomic, the broken engine's other rank is told ABORT and keeps its version",
+          "[fleet][groups]") {
+  std::vector<rt::scoped_endpoint> eps(4);
+  std::vector<std::unique_ptr<fleet_receiver>> rx;
+  for (auto& e : eps) rx.push_back(std::make_unique<fleet_receiver>(e.name, /*staged=*/true));
+  const std::vector<std::string> a{eps[0].name, eps[1].name}, b{eps[2].name, eps[3].name};
+  fleet_streamer st({a, b}, /*atomic=*/false);
+  REQUIRE(st.refit(1).ok);
+  // Killed while the source still yields (after 5 of its 6 tensors: the large one, in 3 batches, to come).
+  const auto d = st.refit(2, 5, [&] { rx[2]->kill(); });
+  REQUIRE(d.ok);
+  REQUIRE(d.dropped.size() == 2);
+  CHECK(d.dropped[0].rfind(b[0] + ":", 0) == 0);
+  CHECK(d.dropped[1].rfind(b[1] + ":", 0) == 0);
+  CHECK(rx[3]->state() == state_of(1));
+  for (std::size_t k : {0, 1}) CHECK(rx[k]->state() == state_of(2));
+  for (std::size_t k : {0, 1, 3}) rx[k]->stop();
+}
+
+TEST_CASE("receiver_groups that do not name the receivers once each are refused with what to do", "[fleet][groups]") {
+  const auto made = [](std::vector<std::string> receivers, std::vector<std::vector<std::string>> groups) {
+    auto o = rt::host_shm_streamer(receivers.empty() ? std::string() : receivers.front(), 16u << 10, reply_timeout);
+    o.receivers = std::move(receivers);
+    o.receiver_groups = std::move(groups);
+    return rt::failure_of([&] { refit::streamer s(o); });
+  };
+  const std::string x = "ipc:///tmp/refit-groups-x", y = "ipc:///tmp/refit-groups-y";
+  auto f = made({x, y}, {{x}, {}});
+  REQUIRE(f);
+  CHECK(f->code == "invalid_argument");
+  CHECK(f->message ==
+        "streamer_options.receiver_groups[1] is empty: a group names the endpoints of one engine's ranks");
+  f = made({x, y}, {{x, y}, {y}});
+  REQUIRE(f);
+  CHECK(f->message == "streamer_options.receiver_groups: " + y + " is named twice; a receiver is a rank of one engine");
+  f = made({x}, {{x, y}});
+  REQUIRE(f);
+  CHECK(f->message == "streamer_options.receiver_groups[0] names " + y +
+                          ", which is not one of the receivers; leave receivers empty to serve the groups' endpoints");
 }

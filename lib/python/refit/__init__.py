@@ -689,6 +689,13 @@ class Streamer(_refit.Streamer):
             2, 4, ... up to 64 versions while it keeps failing, and served again once it answers
             (a restarted engine on the same endpoint catches up then). Each try of an endpoint
             nobody serves costs that version one ``timeout`` and lists it in ``dropped`` again.
+        receiver_groups: engines as groups of receivers, e.g. ``[[tp0, tp1], [tp0b, tp1b]]``: each
+            list the endpoints of one engine's ranks (each also in ``receivers``; without
+            ``receivers``, the groups' endpoints in order are the receivers). With ``"drop"``, a rank
+            that fails drops its whole engine: its other ranks are told to abort the version
+            (``committed_version`` unchanged, a staged rank's weights untouched) while the other
+            engines commit, and ``RefitStats.dropped`` names every rank of it. With ``atomic``,
+            a version so reaches every rank of an engine or none, engine by engine.
 
     Example::
 
@@ -735,7 +742,10 @@ class Streamer(_refit.Streamer):
         on_receiver_failure: str = "fail",
         min_receivers: int = 1,
         rejoin: bool = False,
+        receiver_groups: Optional[List[List[str]]] = None,
     ) -> None:
+        if receivers is None and receiver_groups:
+            receivers = [ep for group in receiver_groups for ep in group]
         if endpoint is None:
             if not receivers:
                 raise ValueError("Streamer needs the receiver's endpoint (or receivers=[...])")
@@ -772,6 +782,7 @@ class Streamer(_refit.Streamer):
             on_receiver_failure=on_receiver_failure,
             min_receivers=min_receivers,
             rejoin=rejoin,
+            receiver_groups=receiver_groups,
         )
 
     def add_receiver(self, endpoint: str) -> None:
