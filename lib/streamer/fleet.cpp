@@ -128,10 +128,15 @@ void streamer::impl::drop_failed(std::vector<failure>& failures, std::vector<wir
   }
   if (gone.empty()) return;
   std::ranges::sort(gone, std::greater<>());
-  for (const std::size_t k : gone) {
-    forget_receiver(k);
-    if (k < oks.size()) oks.erase(oks.begin() + static_cast<std::ptrdiff_t>(k));
-  }
+  for (const std::size_t k : gone) forget_receiver(k);
+  // The replies of those left, moved into a new list: erase() would instantiate std::copy of
+  // wire::ok out of line at -O1, a libstdc++ template that lib/librefit.map's `refit::*` exports
+  // (its demangled name starts with the return type), which tests/consumer/check_exports.sh refuses.
+  std::vector<wire::ok> left;
+  left.reserve(oks.size());
+  for (std::size_t k = 0; k < oks.size(); ++k)
+    if (std::ranges::find(gone, k) == gone.end()) left.push_back(std::move(oks[k]));
+  oks = std::move(left);
   for (failure& f : kept)
     f.receiver -= static_cast<std::size_t>(std::ranges::count_if(gone, [&](std::size_t k) { return k < f.receiver; }));
   failures = std::move(kept);
