@@ -47,6 +47,7 @@ std::uint8_t e2m1_of(float x) {
   if (std::isnan(x)) return 0;
   const std::uint8_t sign = std::signbit(x) ? 0x8 : 0;
   const double a = std::fabs(static_cast<double>(x));
+  if (a >= 6.0) return sign | 7;  // saturating (±inf too)
   std::uint8_t best = 7;
   double best_d = std::numeric_limits<double>::infinity();
   for (std::uint8_t c = 0; c < 8; ++c) {
