@@ -265,9 +265,9 @@ struct tensor_dest {
   tensor_meta meta;
   void* data = nullptr;
   device dev{};
-  quant q = quant::none;    ///< f8_e4m3 / f4_e2m1x2 destinations only: how to quantise
-  void* scale = nullptr;    ///< the scale tensor of a quantised destination (see above)
-  void* scale_2 = nullptr;  ///< nvfp4 only: its f32 per-tensor scale (one element)
+  quant q = quant::none;                          ///< f8_e4m3 / f4_e2m1x2 destinations only: how to quantise
+  void* scale = nullptr;                          ///< the scale tensor of a quantised destination (see above)
+  void* scale_2 = nullptr;                        ///< nvfp4 only: its f32 per-tensor scale (one element)
   scale_layout layout = scale_layout::row_major;  ///< where `scale` holds the block scales (mxfp8, nvfp4)
 };
 

@@ -326,7 +326,8 @@ REFIT_HOST_DEVICE std::uint8_t f32_to_e2m1(float q) {
 /// dequantises to 0 whatever its codes). Device code divides with __fdiv_rn: IEEE whatever the
 /// compiler's flags.
 REFIT_HOST_DEVICE std::uint8_t nvfp4_code(float x, float d) {
-  if (d == 0.0f) return (bits_of(x) & 0x7fffffffu) > 0x7f800000u ? 0 : static_cast<std::uint8_t>((bits_of(x) >> 28) & 0x8u);
+  if (d == 0.0f)
+    return (bits_of(x) & 0x7fffffffu) > 0x7f800000u ? 0 : static_cast<std::uint8_t>((bits_of(x) >> 28) & 0x8u);
 #if defined(__CUDA_ARCH__)
   return f32_to_e2m1(__fdiv_rn(x, d));
 #else

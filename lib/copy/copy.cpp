@@ -163,8 +163,8 @@ class cpu_copier final : public copier {
       const std::uint32_t si = cvt::item(o.cv.from);
       for (std::uint64_t r = 0; r < o.rows && o.count != 0; ++r)
         convert_row(o, static_cast<const std::byte*>(o.src) + r * o.src_pitch * si,
-                    static_cast<std::byte*>(o.dst) + cvt::bytes_of(o.cv.to, r * o.dst_pitch),
-                    o.first + r * o.src_pitch, o.count);
+                    static_cast<std::byte*>(o.dst) + cvt::bytes_of(o.cv.to, r * o.dst_pitch), o.first + r * o.src_pitch,
+                    o.count);
     }
   }
   void scales(std::span<const scale_job> jobs, void* /*stream*/) override {

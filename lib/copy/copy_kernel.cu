@@ -681,7 +681,7 @@ cudaError_t launch_row_scales(const row_scale_args& a, int blocks, cudaStream_t 
     if (e != cudaSuccess) return e;
     if (a.rows * a.cols != 0)
       tensor_amax<<<blocks, convert_threads, 0, stream>>>(a.src, a.from, a.rows * a.cols,
-                                                           reinterpret_cast<unsigned int*>(a.scale_2));
+                                                          reinterpret_cast<unsigned int*>(a.scale_2));
     nvfp4_finish<<<1, 1, 0, stream>>>(a.scale_2);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
   }
@@ -692,7 +692,7 @@ cudaError_t launch_row_scales(const row_scale_args& a, int blocks, cudaStream_t 
     const std::uint64_t n = a.rows - r0 < 65535 ? a.rows - r0 : 65535;
     const dim3 grid(static_cast<unsigned>((a.cols + per_group - 1) / per_group), static_cast<unsigned>(n));
     row_scales<<<grid, convert_threads, 0, stream>>>(a.src, a.from, a.q, a.cols, per_group, a.scale, a.mul, a.layout,
-                                                      a.mat_rows, r0, a.scale_2);
+                                                     a.mat_rows, r0, a.scale_2);
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;

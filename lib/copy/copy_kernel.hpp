@@ -129,11 +129,11 @@ struct row_scale_args {
   std::uint64_t rows = 0;
   std::uint64_t cols = 0;
   std::uint64_t mat_rows = 1;
-  void* scale = nullptr;             ///< of scale_dtype(q), in `layout`
-  std::uint64_t scale_bytes = 0;     ///< the scale tensor's bytes (a swizzled one is zeroed first)
-  std::uint8_t layout = 0;           ///< refit::scale_layout code
-  float* mul = nullptr;              ///< one per group, row-major
-  float* scale_2 = nullptr;          ///< nvfp4: the per-tensor scale, written first
+  void* scale = nullptr;          ///< of scale_dtype(q), in `layout`
+  std::uint64_t scale_bytes = 0;  ///< the scale tensor's bytes (a swizzled one is zeroed first)
+  std::uint8_t layout = 0;        ///< refit::scale_layout code
+  float* mul = nullptr;           ///< one per group, row-major
+  float* scale_2 = nullptr;       ///< nvfp4: the per-tensor scale, written first
 };
 
 /// Enqueues a row format's scale pass: for nvfp4 a reduction over the whole tensor (`blocks`

@@ -125,10 +125,10 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout) {
                 fmt::format("{} has an unknown quant (code {})", what, static_cast<unsigned>(d.q)));
   check_nvfp4(d, layout, what);
   if (d.meta.type != quant_dtype(d.q))
-    throw error(errc::invalid_argument,
-                fmt::format("{} asks for quant {}, which quantises to {}: register the destination as {}, not {}", what,
-                            to_string(d.q), to_string(quant_dtype(d.q)), to_string(quant_dtype(d.q)),
-                            to_string(d.meta.type)));
+    throw error(
+        errc::invalid_argument,
+        fmt::format("{} asks for quant {}, which quantises to {}: register the destination as {}, not {}", what,
+                    to_string(d.q), to_string(quant_dtype(d.q)), to_string(quant_dtype(d.q)), to_string(d.meta.type)));
   const std::size_t rank = d.meta.shape.size();
   if (rank < min_rank(d.q))
     throw error(
@@ -140,12 +140,12 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout) {
   const std::vector<std::int64_t> elements = element_shape(d.meta.type, d.meta.shape);
   const auto scale_numel = checked_numel(scale_shape(d.q, elements, d.layout));
   if (d.scale == nullptr && scale_numel.value_or(0) != 0)
-    throw error(errc::invalid_argument,
-                fmt::format("{} is quantised ({}) but has no scale: pass its {} tensor of shape [{}]", what,
-                            to_string(d.q),
-                            scale_dtype(d.q) == dtype::f32 ? "f32 scale_inv"
-                                                           : fmt::format("{} scale", to_string(scale_dtype(d.q))),
-                            fmt::join(scale_shape(d.q, elements, d.layout), ", ")));
+    throw error(
+        errc::invalid_argument,
+        fmt::format(
+            "{} is quantised ({}) but has no scale: pass its {} tensor of shape [{}]", what, to_string(d.q),
+            scale_dtype(d.q) == dtype::f32 ? "f32 scale_inv" : fmt::format("{} scale", to_string(scale_dtype(d.q))),
+            fmt::join(scale_shape(d.q, elements, d.layout), ", ")));
   if (!layout.slice || layout.slice->dim < 0) return;
   const auto dim = static_cast<std::size_t>(layout.slice->dim);
   const std::uint64_t b = slice_block(d.q, rank, dim);
@@ -164,8 +164,8 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout) {
 void check_nvfp4(const tensor_dest& d, const dest_layout& layout, const std::string& what) {
   if (d.layout != scale_layout::row_major && d.q != quant::mxfp8 && d.q != quant::nvfp4)
     throw error(errc::invalid_argument,
-                fmt::format("{} asks for scale layout {} with quant {}: only mxfp8 and nvfp4 scales are swizzled",
-                            what, to_string(d.layout), to_string(d.q)));
+                fmt::format("{} asks for scale layout {} with quant {}: only mxfp8 and nvfp4 scales are swizzled", what,
+                            to_string(d.layout), to_string(d.q)));
   if (d.layout != scale_layout::row_major && layout.slice)
     throw error(errc::invalid_argument,
                 fmt::format("{} takes a slice of its source, but its scales are {}: a swizzled scale grid "

@@ -127,7 +127,8 @@ void streamer::impl::send_converted(batch_writer& w, planner& pl, const tensor_r
   const bool staged_fused = !w.direct && whole_block128 && t.meta.numel() != 0;
   if (staged_fused)
     fused.push_back(staged_fused_job(t, *scale));  // its dst is the buffer's, known once its batch is open
-  const float* mul = scale && fused.empty() ? queue_scale_pass(w, t, c, *scale, scale_2 ? &*scale_2 : nullptr) : nullptr;
+  const float* mul =
+      scale && fused.empty() ? queue_scale_pass(w, t, c, *scale, scale_2 ? &*scale_2 : nullptr) : nullptr;
   const copy::cvt::conversion cv = copy::conversion_of(t.meta.type, c.type, c.q, t.meta.shape, mul);
   for (placement p : placed) {
     while (w.first_batch + p.batch > w.seq) w.flush();
@@ -221,7 +222,7 @@ bool streamer::impl::send_striped(batch_writer& w, planner& pl, const tensor_ref
 const float* streamer::impl::queue_scale_pass(batch_writer& w, const tensor_ref& t, const wire::conversion& c,
                                               tensor_ref& scale, tensor_ref* scale_2) {
   const std::uint64_t groups = *checked_numel(scale_shape(c.q, t.meta.shape));  // row-major: one per group
-  float* inv = copier->scratch(std::max(groups, scale.meta.numel()));            // a swizzled grid is padded
+  float* inv = copier->scratch(std::max(groups, scale.meta.numel()));           // a swizzled grid is padded
   float* m = copier->scratch(groups);
   scale.data = inv;
   float* global = nullptr;

@@ -535,7 +535,7 @@ std::vector<conversion> decode_conversions(reader& r, const object& o) {
   for (std::size_t i = 0; i < list.size(); ++i) {
     r.set_context(fmt::format("convert[{}]: ", i));
     const auto f = list[i].type == mt::ARRAY && list[i].via.array.size == 4 ? r.record(list[i], "descriptor", 4)
-                                                                             : r.record(list[i], "descriptor", 3);
+                                                                            : r.record(list[i], "descriptor", 3);
     conversion c;
     c.name = r.str(f[0], "name", max_name_bytes);
     if (c.name.empty()) r.fail("name", "is empty");

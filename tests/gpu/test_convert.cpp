@@ -547,8 +547,8 @@ nvfp4_expected cpu_nvfp4(const host_source& src, dtype from, quant q, const std:
   out.q.resize(refit::copy::cvt::bytes_of(static_cast<std::uint8_t>(to), n));
   out.scale.resize(*refit::checked_numel(refit::scale_shape(q, shape, layout)));
   std::vector<float> mul(groups);
-  const refit::copy::scale_job job{src.bytes.data(), from, shape, q, out.scale.data(), mul.data(),
-                                   &out.scale_2,     layout};
+  const refit::copy::scale_job job{src.bytes.data(), from,       shape,        q,
+                                   out.scale.data(), mul.data(), &out.scale_2, layout};
   cpu->scales(std::span(&job, 1), nullptr);
   const auto cv = refit::copy::conversion_of(from, to, q, shape, mul.data());
   const refit::copy::convert_op op{src.bytes.data(), out.q.data(), n, 1, 0, 0, 0, cv};
@@ -569,19 +569,18 @@ void nvfp4_kernels_body() {
           const host_source src = make_source(from, rows, cols, 51);
           const auto dsrc = upload(src.bytes);
           const std::vector<std::int64_t> shape{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
-          const std::string what = std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) +
-                                   " " + std::string(refit::to_string(layout)) + " cols " + std::to_string(cols);
+          const std::string what = std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) + " " +
+                                   std::string(refit::to_string(layout)) + " cols " + std::to_string(cols);
           const nvfp4_expected want = cpu_nvfp4(src, from, q, shape, layout);
           const std::uint64_t groups = *refit::checked_numel(refit::scale_shape(q, shape));
           float* scale = gpu->scratch(want.scale.size());
           float* mul = gpu->scratch(groups);
           float* scale_2 = gpu->scratch(1);
-          const refit::copy::scale_job job{dsrc.handle(), from, shape, q, scale, mul, q == quant::nvfp4 ? scale_2 : nullptr,
-                                           layout};
+          const refit::copy::scale_job job{
+              dsrc.handle(), from, shape, q, scale, mul, q == quant::nvfp4 ? scale_2 : nullptr, layout};
           gpu->scales(std::span(&job, 1), nullptr);
           expect(download(scale, want.scale.size()) == want.scale, what + ": scales differ");
-          if (q == quant::nvfp4)
-            expect(download_floats(scale_2, 1)[0] == want.scale_2, what + ": scale_2 differs");
+          if (q == quant::nvfp4) expect(download_floats(scale_2, 1)[0] == want.scale_2, what + ": scale_2 differs");
           const dtype to = refit::quant_dtype(q);
           const auto cv = refit::copy::conversion_of(from, to, q, shape, mul);
           const std::uint64_t n = rows * cols;

@@ -178,15 +178,15 @@ nvfp4_expected cpu_nvfp4(const source_tensor& src, dtype from, const std::vector
   out.scale.assign(*refit::checked_numel(refit::scale_shape(quant::nvfp4, shape, layout)), 0xaa);
   out.scale_2 = -1.0f;
   std::vector<float> mul(groups, -1.0f);
-  const refit::copy::scale_job job{src.bytes.data(), from, shape, quant::nvfp4, out.scale.data(), mul.data(),
-                                   &out.scale_2,     layout};
+  const refit::copy::scale_job job{src.bytes.data(), from,       shape,        quant::nvfp4,
+                                   out.scale.data(), mul.data(), &out.scale_2, layout};
   copier->scales(std::span(&job, 1), nullptr);
   const auto cv = refit::copy::conversion_of(from, dtype::f4_e2m1x2, quant::nvfp4, shape, mul.data());
   std::vector<refit::copy::convert_op> ops;
   for (std::uint64_t e = 0; e < n; e += piece) {
     const std::uint64_t count = std::min(piece, n - e);
-    ops.push_back(refit::copy::convert_op{src.bytes.data() + e * refit::itemsize(from), out.q.data() + e / 2, count,
-                                          1, 0, 0, e, cv});
+    ops.push_back(refit::copy::convert_op{src.bytes.data() + e * refit::itemsize(from), out.q.data() + e / 2, count, 1,
+                                          0, 0, e, cv});
   }
   copier->convert(ops, nullptr);
   return out;
@@ -264,9 +264,8 @@ TEST_CASE("the CPU engine quantises to NVFP4 bit for bit like the reference, how
 
 TEST_CASE("the CPU engine quantises stacked 3-d tensors, rank-1 tensors and all-zero tensors to NVFP4",
           "[convert][quant][nvfp4]") {
-  for (const std::vector<std::int64_t>& shape :
-       {std::vector<std::int64_t>{3, 5, 40}, std::vector<std::int64_t>{100}, std::vector<std::int64_t>{2},
-        std::vector<std::int64_t>{1, 2}}) {
+  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{3, 5, 40}, std::vector<std::int64_t>{100},
+                                                 std::vector<std::int64_t>{2}, std::vector<std::int64_t>{1, 2}}) {
     const auto n = static_cast<std::size_t>(*refit::checked_numel(shape));
     const auto cols = static_cast<std::size_t>(shape.back());
     const source_tensor src = make_source(dtype::bf16, edge_values(n / cols, cols, 13));
@@ -314,8 +313,8 @@ TEST_CASE("swizzled 128 x 4 scales are vLLM's swizzle_blockscale of the row-majo
   std::vector<std::uint8_t> plain(150 * 7), swz(256 * 8, 0xaa);
   std::vector<float> mul(150 * 7), mul2(150 * 7);
   const refit::copy::scale_job a{src.bytes.data(), dtype::f32, shape, quant::mxfp8, plain.data(), mul.data()};
-  const refit::copy::scale_job b{src.bytes.data(), dtype::f32,  shape, quant::mxfp8, swz.data(), mul2.data(),
-                                 nullptr,          scale_layout::swizzled_128x4};
+  const refit::copy::scale_job b{src.bytes.data(), dtype::f32,  shape,   quant::mxfp8,
+                                 swz.data(),       mul2.data(), nullptr, scale_layout::swizzled_128x4};
   copier->scales(std::span(&a, 1), nullptr);
   copier->scales(std::span(&b, 1), nullptr);
   CHECK(mul == mul2);
@@ -426,7 +425,7 @@ std::vector<nvfp4_source> nvfp4_sources() {
   };
   add("w_nv", dtype::bf16, {64, 96}, quant::nvfp4, scale_layout::row_major, 1);
   add("w_nv_swz", dtype::f32, {40, 72}, quant::nvfp4, scale_layout::swizzled_128x4, 2);  // a short last block
-  add("w_nv_big", dtype::bf16, {256, 200}, quant::nvfp4, scale_layout::row_major, 3);   // several 16 KiB buffers
+  add("w_nv_big", dtype::bf16, {256, 200}, quant::nvfp4, scale_layout::row_major, 3);    // several 16 KiB buffers
   add("w_nv_zero", dtype::bf16, {8, 32}, quant::nvfp4, scale_layout::row_major, 4);
   add("w_mx_swz", dtype::bf16, {130, 70}, quant::mxfp8, scale_layout::swizzled_128x4, 5);
   return out;
