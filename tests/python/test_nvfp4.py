@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import refit
-from conftest import serve_loop, streamer
+from conftest import need_gpus, serve_loop, streamer
 from test_convert import e4m3, E4M3
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -164,3 +164,48 @@ def test_nvfp4_registrations_check_both_scales_and_the_layout():
         with pytest.raises(refit.RefitError, match="has no scale_2"):
             rx.add_parameter("w", w, quant="nvfp4", scale=s)
         rx.add_parameter("w", w, quant="nvfp4", scale=s, scale_2=torch.zeros(1))
+
+
+def serve_nvfp4_gpu(chan) -> None:
+    """Job: the same two NVFP4 weights on cuda:0 (uint8 tensors: no float4 dtype needed)."""
+    torch.cuda.set_device(0)
+    dests = {
+        "w_nv": torch.zeros(64, 48, dtype=torch.uint8, device="cuda:0"),
+        "w_nv.scale": torch.zeros(64, 6, dtype=torch.uint8, device="cuda:0"),
+        "w_nv.scale_2": torch.zeros(1, device="cuda:0"),
+        "w_swz": torch.zeros(40, 36, dtype=torch.uint8, device="cuda:0"),
+        "w_swz.scale": torch.zeros(128, 8, dtype=torch.uint8, device="cuda:0"),
+        "w_swz.scale_2": torch.zeros(1, device="cuda:0"),
+    }
+    with refit.Receiver(device=0) as rx:
+        rx.add_parameter("w_nv", dests["w_nv"], quant="nvfp4", scale=dests["w_nv.scale"],
+                         scale_2=dests["w_nv.scale_2"])
+        rx.add_parameter("w_swz", dests["w_swz"], quant="nvfp4", scale=dests["w_swz.scale"],
+                         scale_2=dests["w_swz.scale_2"], scale_layout="swizzled")
+        chan.send(rx.endpoint)
+
+        def state():
+            torch.cuda.synchronize(0)
+            return {k: v.cpu().numpy().tobytes() for k, v in dests.items()}
+
+        return serve_loop(rx, chan, {"state": state})
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_cuda_ipc_writes_nvfp4_like_the_reference(peer, direct):
+    need_gpus(1)
+    torch.cuda.set_device(0)
+    job = peer.run(serve_nvfp4_gpu)
+    endpoint = job.recv()
+    with streamer(endpoint, transport="cuda_ipc", device=0, direct=direct, buffer_bytes=16 << 10) as st:
+        for version in (1, 2):
+            state = nvfp4_state(version)
+            st.refit(version, {k: v.to("cuda:0") for k, v in state.items()})
+            got = job.request("state")
+            q, s, s2 = quantise_nvfp4(state["w_nv"])
+            assert got["w_nv"] == q.tobytes() and got["w_nv.scale"] == s.tobytes()
+            assert got["w_nv.scale_2"] == np.float32(s2).tobytes()
+            q, s, s2 = quantise_nvfp4(state["w_swz"])
+            assert got["w_swz"] == q.tobytes() and got["w_swz.scale"] == swizzle(s).tobytes()
+            assert got["w_swz.scale_2"] == np.float32(s2).tobytes()
+    job.stop()
