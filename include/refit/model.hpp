@@ -146,43 +146,102 @@ struct source_slice {
 ///   shape[:-2] + {ceil(rows / 128), ceil(cols / 128)} for `block128` (rows, cols: the last two
 ///   dimensions); shape[:-1] + {ceil(cols / block_cols)} for the row formats, so {out, 1} for
 ///   `channel` of [out, in] (compressed-tensors' weight_scale) and {out, ceil(in / 32)} for `mxfp8`.
+/// - NVFP4 (`nvfp4`, f4_e2m1x2 destinations; NVIDIA's definition, TensorRT-Model-Optimizer's
+///   `NVFP4QTensor` (modelopt/torch/quantization/qtensor/nvfp4_tensor.py:
+///   get_weights_scaling_factor_2, get_weights_scaling_factor, quantize, _cast_fp4), the
+///   `weight`, `weight_scale`, `weight_scale_2` of NVFP4 checkpoints): groups of 16 consecutive
+///   elements of a row (short last block as mxfp8), two scales. A pass over the whole tensor first:
+///   A = max |x| over its finite elements, the per-tensor scale (`scale_2`, f32, shape {1})
+///   g = A / 2688.0f (2688 = 6 · 448: e2m1's largest value times e4m3's). Then per block, with a
+///   its amax: the block scale (`scale`, f8_e4m3) is e4m3((a / 6.0f) / g) (two f32 divisions,
+///   rounded to nearest even and saturated as above), or e4m3(1.0) = 0x38 for a block with a = 0
+///   (all zero, or only non-finite: modelopt's `per_block_scale == 0 → 1.0`); the divisor
+///   d = f32(block scale) · g (f32 product); element q = e2m1(x / d) (f32 division, then rounded to
+///   the nearest e2m1 value {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to even, saturated: |x / d| > 6,
+///   ±inf included, gives ±6; the sign is x's, so -0 gives 0x8). NaN gives 0x0 (e2m1 has no NaN:
+///   refit sends +0, which is what the element is worth; the block's scale ignores it). Where
+///   d = 0 (an all-zero tensor, g = 0; or a block whose scale underflows e4m3's smallest
+///   subnormal 2^-9, so dequantised to 0 whatever its codes) every element is written as ±0.
+///   Dequantised: x ≈ e2m1 · f32(scale) · scale_2. Two elements a byte: element 2k of a row in the
+///   low nibble, 2k + 1 in the high one (modelopt's `q[..., 1::2] << 4 | q[..., 0::2]`, torch's
+///   float4_e2m1fn_x2), so a destination of [..., out, in] elements is an f4_e2m1x2 tensor of
+///   shape [..., out, in / 2] (its storage shape, as torch and the checkpoints hold it; `in` must
+///   be even), its block scales [..., out, ceil(in / 16)];
+/// - a scale layout (refit::scale_layout) places mxfp8's and nvfp4's block scales either dense
+///   row-major (above) or in the 128 × 4 tiles block-scaled GEMMs read (`swizzled_128x4`).
 /// For finite inputs `tensor`/`block128`/`channel` are what
 /// `(x.float() * (448 / amax)).to(torch.float8_e4m3fn)` gives.
 /// Casts among f32, bf16 and f16 (quant none, another destination dtype) round to nearest even
 /// (NaN becomes the canonical quiet NaN: 0x7FC0 in bf16, 0x7E00 in f16; f16 overflows to ±inf).
-/// A peer of an older refit refuses the codes it does not know (`channel`, `mxfp8`) by name in
-/// HELLO's validation; the protocol version is unchanged.
+/// A peer of an older refit refuses the codes it does not know (`channel`, `mxfp8`, `nvfp4`) by
+/// name in HELLO's validation (and a swizzled scale layout by its descriptor's length); the
+/// protocol version is unchanged.
 enum class quant : std::uint8_t {
   none = 0,      ///< no quantisation (a plain copy, or a cast among f32 / bf16 / f16)
   tensor = 1,    ///< f8_e4m3 with one f32 scale for the whole tensor
   block128 = 2,  ///< f8_e4m3 with one f32 scale per 128 × 128 block of the last two dimensions
   channel = 3,   ///< f8_e4m3 with one f32 scale per row (output channel) of the last two dimensions
   mxfp8 = 4,     ///< f8_e4m3 with one f8_e8m0 scale per 32 elements of a row (OCP MXFP8)
+  nvfp4 = 5,     ///< f4_e2m1x2 with one f8_e4m3 scale per 16 elements of a row and one f32 per tensor
 };
-/// "none", "tensor", "block128", "channel", "mxfp8".
+/// "none", "tensor", "block128", "channel", "mxfp8", "nvfp4".
 REFIT_API std::string_view to_string(quant q) noexcept;
 /// Parses "none", "tensor" (also "per_tensor"), "block128" (also "block"), "channel" (also
-/// "per_channel"), "mxfp8" (also "mx"); nullopt if unknown.
+/// "per_channel"), "mxfp8" (also "mx"), "nvfp4"; nullopt if unknown.
 REFIT_API std::optional<quant> parse_quant(std::string_view name) noexcept;
 /// The quant with this wire code, nullopt if none.
 REFIT_API std::optional<quant> quant_from_code(std::uint64_t code) noexcept;
-/// The shape of the scale tensor of a `q`-quantised tensor of `shape` ({} for quant::none).
-REFIT_API std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> shape);
-/// The dtype of the scale tensor of `q`: f32, or f8_e8m0 for mxfp8 (f32 for none, unused).
+/// Where a block format's scales lie in its scale tensor (tensor_dest::layout). The numeric
+/// values are the wire codes and never change.
+/// - `row_major`: dense, shape[:-1] + {ceil(cols / block_cols)} (refit::quant).
+/// - `swizzled_128x4`: the layout cuBLAS's and CUTLASS's block-scaled GEMMs read (cuBLAS docs,
+///   "1D Block Scaling Factors Layout"; vLLM's `swizzle_blockscale`, FlashInfer's
+///   `pad_and_swizzle`): each matrix of the last two dimensions' scales, R rows × C block
+///   columns, is padded with zeros to R' = ceil(R / 128) · 128 rows and C' = ceil(C / 4) · 4
+///   columns and cut into 128 × 4 tiles, stored tile after tile (row of tiles major); the scale
+///   of row r, column c lies at byte
+///   ((r / 128) · (C' / 4) + c / 4) · 512 + (r % 32) · 16 + (r % 128 / 32) · 4 + c % 4
+///   of its matrix. Shape: shape[:-2] + {R', C'} (a 1-d tensor is one row). Padding is written
+///   as 0 on every refit. mxfp8 and nvfp4 only.
+enum class scale_layout : std::uint8_t {
+  row_major = 0,
+  swizzled_128x4 = 1,
+};
+/// "row_major", "swizzled_128x4".
+REFIT_API std::string_view to_string(scale_layout l) noexcept;
+/// Parses "row_major", "swizzled_128x4" (also "swizzled"); nullopt if unknown.
+REFIT_API std::optional<scale_layout> parse_scale_layout(std::string_view name) noexcept;
+/// The shape of the scale tensor of a `q`-quantised tensor of `shape` ({} for quant::none), in
+/// `layout`. `shape` counts elements, not bytes: for nvfp4 the source's shape, [out, in], not the
+/// packed destination's [out, in / 2] (see element_shape).
+REFIT_API std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> shape,
+                                                scale_layout layout = scale_layout::row_major);
+/// The shape in elements of a tensor of dtype `t` whose storage shape is `shape`: the last
+/// dimension doubled for f4_e2m1x2 (two elements a byte), `shape` otherwise.
+REFIT_API std::vector<std::int64_t> element_shape(dtype t, std::span<const std::int64_t> shape);
+/// The storage shape of a tensor of dtype `t` with `shape` elements: the last dimension halved for
+/// f4_e2m1x2 (its caller makes sure it is even), `shape` otherwise.
+REFIT_API std::vector<std::int64_t> storage_shape(dtype t, std::span<const std::int64_t> shape);
+/// The dtype of the destination `q` writes: f4_e2m1x2 for nvfp4, f8_e4m3 for the others (none: any).
+REFIT_API dtype quant_dtype(quant q) noexcept;
+/// The dtype of the scale tensor of `q`: f32, f8_e8m0 for mxfp8, f8_e4m3 for nvfp4's block scales
+/// (f32 for none, unused).
 REFIT_API dtype scale_dtype(quant q) noexcept;
-/// Rows of the last-two-dims matrix that one group of `q` spans: 128 for block128, 1 for channel and
-/// mxfp8, 0 (all of them) for tensor and none.
+/// Rows of the last-two-dims matrix that one group of `q` spans: 128 for block128, 1 for channel,
+/// mxfp8 and nvfp4, 0 (all of them) for tensor and none.
 REFIT_API std::uint64_t block_rows(quant q) noexcept;
-/// Columns that one group of `q` spans: 128 for block128, 32 for mxfp8, 0 (the whole row) for
-/// channel, tensor and none.
+/// Columns that one group of `q` spans: 128 for block128, 32 for mxfp8, 16 for nvfp4, 0 (the whole
+/// row) for channel, tensor and none.
 REFIT_API std::uint64_t block_cols(quant q) noexcept;
-/// The fewest dimensions a tensor quantised as `q` has: 2 for block128, 1 for channel and mxfp8,
-/// 0 otherwise.
+/// The fewest dimensions a tensor quantised as `q` has: 2 for block128, 1 for channel, mxfp8 and
+/// nvfp4, 0 otherwise.
 REFIT_API std::size_t min_rank(quant q) noexcept;
 /// Appended to a tensor's name to name its scale tensor on the wire and in the receiver's table
 /// ("\x1fscale_inv": a control character, so no user name collides; add_parameter refuses names
 /// that contain it).
 inline constexpr std::string_view scale_suffix = "\x1fscale_inv";
+/// Appended to a tensor's name to name its second scale tensor (nvfp4's per-tensor f32 scale_2).
+inline constexpr std::string_view scale_2_suffix = "\x1fscale_2";
 
 /// A destination the receiver writes (generation side, parameter table). The memory must stay
 /// valid, at its address, while it is registered and, after it is removed, until the receiver's
@@ -193,16 +252,23 @@ inline constexpr std::string_view scale_suffix = "\x1fscale_inv";
 /// is a view that may take part of it.
 ///
 /// Conversion: `meta.type` is the destination's dtype and may differ from the source's: a cast
-/// among f32, bf16 and f16, or f8_e4m3 quantised as `q` says (see refit::quant for the exact
-/// definition), with its scales written to `scale` (of scale_dtype(q), on the same device as `data`,
-/// dense, of scale_shape(q, shape): for a view with a slice, the part of the scale grid its slice takes). The
-/// streamer converts once, before the bytes leave it, so every transport carries converted bytes.
+/// among f32, bf16 and f16, or f8_e4m3 (f4_e2m1x2 for nvfp4) quantised as `q` says (see
+/// refit::quant for the exact definition), with its scales written to `scale` (of scale_dtype(q),
+/// on the same device as `data`, of scale_shape(q, element shape, layout): for a view with a
+/// slice, the part of the scale grid its slice takes). nvfp4 has a second scale, `scale_2` (one
+/// f32, the per-tensor scale; the same version writes the codes and both scales). An nvfp4
+/// destination's `meta.shape` is its storage shape ([out, in / 2] for a source of [out, in]).
+/// The streamer converts once, before the bytes leave it, so every transport carries converted
+/// bytes; each scale travels as a tensor of its own (name + scale_suffix, name + scale_2_suffix),
+/// already in `layout`.
 struct tensor_dest {
   tensor_meta meta;
   void* data = nullptr;
   device dev{};
-  quant q = quant::none;  ///< f8_e4m3 destinations only: how to quantise
-  void* scale = nullptr;  ///< the scale tensor of a quantised destination (see above)
+  quant q = quant::none;                          ///< f8_e4m3 / f4_e2m1x2 destinations only: how to quantise
+  void* scale = nullptr;                          ///< the scale tensor of a quantised destination (see above)
+  void* scale_2 = nullptr;                        ///< nvfp4 only: its f32 per-tensor scale (one element)
+  scale_layout layout = scale_layout::row_major;  ///< where `scale` holds the block scales (mxfp8, nvfp4)
 };
 
 /// A destination in the engine's own layout (receiver::add_parameter(dest, layout)): a view into a

@@ -26,7 +26,11 @@ static_assert(cvt::quant_none == static_cast<std::uint8_t>(quant::none) &&
               cvt::quant_block128 == static_cast<std::uint8_t>(quant::block128) &&
               cvt::quant_channel == static_cast<std::uint8_t>(quant::channel) &&
               cvt::quant_mxfp8 == static_cast<std::uint8_t>(quant::mxfp8));
-static_assert(cvt::f8_e8m0 == static_cast<std::uint8_t>(dtype::f8_e8m0));
+static_assert(cvt::f8_e8m0 == static_cast<std::uint8_t>(dtype::f8_e8m0) &&
+              cvt::f4_e2m1x2 == static_cast<std::uint8_t>(dtype::f4_e2m1x2) &&
+              cvt::quant_nvfp4 == static_cast<std::uint8_t>(quant::nvfp4));
+static_assert(cvt::layout_row_major == static_cast<std::uint8_t>(scale_layout::row_major) &&
+              cvt::layout_swizzled == static_cast<std::uint8_t>(scale_layout::swizzled_128x4));
 
 namespace {
 
@@ -34,7 +38,13 @@ namespace {
 /// the loop has no switch in it.
 template <std::uint8_t From, std::uint8_t To>
 void convert_stretch(const void* src, void* dst, std::uint64_t from, std::uint64_t to, float mul) {
-  for (std::uint64_t k = from; k < to; ++k) cvt::store(dst, To, k, cvt::load(src, From, k), mul);
+  if constexpr (To == cvt::f4_e2m1x2) {
+    // Pairs: a stretch starts on an even element and is even long (rows and NVFP4 blocks are).
+    for (std::uint64_t k = from; k + 1 < to; k += 2)
+      cvt::store_pair(dst, k / 2, cvt::load(src, From, k), cvt::load(src, From, k + 1), mul);
+  } else {
+    for (std::uint64_t k = from; k < to; ++k) cvt::store(dst, To, k, cvt::load(src, From, k), mul);
+  }
 }
 
 using stretch_fn = void (*)(const void*, void*, std::uint64_t, std::uint64_t, float);
@@ -45,6 +55,7 @@ stretch_fn stretch_to(std::uint8_t to) {
     case cvt::f32: return convert_stretch<From, cvt::f32>;
     case cvt::bf16: return convert_stretch<From, cvt::bf16>;
     case cvt::f16: return convert_stretch<From, cvt::f16>;
+    case cvt::f4_e2m1x2: return convert_stretch<From, cvt::f4_e2m1x2>;
     default: return convert_stretch<From, cvt::f8_e4m3>;
   }
 }
@@ -74,10 +85,33 @@ void convert_row(const convert_op& o, const void* src, void* dst, std::uint64_t 
   }
 }
 
+/// Writes the scales of groups whose amaxes are `amax` (row-major) through the job's layout;
+/// nvfp4's per-tensor scale first (the largest block amax is the tensor's).
+void write_scales(const scale_job& j, const cvt::conversion& c, std::span<const float> amax) {
+  const auto q = static_cast<std::uint8_t>(j.q);
+  const auto layout = static_cast<std::uint8_t>(j.layout);
+  const std::uint64_t bc = cvt::group_cols(q, c.cols);
+  const std::uint64_t grid_cols = (c.cols + bc - 1) / bc;
+  if (j.layout == scale_layout::swizzled_128x4 && j.scale != nullptr)
+    std::memset(j.scale, 0, *checked_numel(scale_shape(j.q, j.shape, j.layout)));  // the padding
+  if (j.q != quant::nvfp4) {
+    for (std::uint64_t g = 0; g < amax.size(); ++g)
+      cvt::write_scale(q, amax[g], j.scale, cvt::scale_index(layout, g, c.rows, grid_cols), j.mul, g);
+    return;
+  }
+  float tensor_amax = 0.0f;
+  for (const float a : amax) tensor_amax = std::max(tensor_amax, a);
+  const float global = cvt::nvfp4_global(tensor_amax);
+  if (j.scale_2 != nullptr) *j.scale_2 = global;
+  for (std::uint64_t g = 0; g < amax.size(); ++g)
+    cvt::write_nvfp4_scale(amax[g], global, j.scale, cvt::scale_index(layout, g, c.rows, grid_cols), j.mul, g);
+}
+
 void cpu_scales(const scale_job& j) {
   const auto from = static_cast<std::uint8_t>(j.from);
   const std::uint64_t n = *checked_numel(j.shape);
-  const cvt::conversion c = conversion_of(j.from, dtype::f8_e4m3, j.q, j.shape, nullptr);
+  const cvt::conversion c =
+      conversion_of(j.from, j.q == quant::nvfp4 ? dtype::f4_e2m1x2 : dtype::f8_e4m3, j.q, j.shape, nullptr);
   const std::uint64_t groups = *checked_numel(scale_shape(j.q, j.shape));
   std::vector<float> amax(groups, 0.0f);
   if (j.q == quant::tensor) {
@@ -98,7 +132,7 @@ void cpu_scales(const scale_job& j) {
       e += stretch;
     }
   }
-  for (std::uint64_t g = 0; g < groups; ++g) cvt::write_scale(c.q, amax[g], j.scale, j.mul, g);
+  write_scales(j, c, amax);
 }
 
 /// The CPU engine's copies of a batch (`ops` points at a std::span<const op>). Run inside
@@ -127,10 +161,10 @@ class cpu_copier final : public copier {
   void convert(std::span<const convert_op> ops, void* /*stream*/) override {
     for (const convert_op& o : ops) {
       const std::uint32_t si = cvt::item(o.cv.from);
-      const std::uint32_t di = cvt::item(o.cv.to);
       for (std::uint64_t r = 0; r < o.rows && o.count != 0; ++r)
         convert_row(o, static_cast<const std::byte*>(o.src) + r * o.src_pitch * si,
-                    static_cast<std::byte*>(o.dst) + r * o.dst_pitch * di, o.first + r * o.src_pitch, o.count);
+                    static_cast<std::byte*>(o.dst) + cvt::bytes_of(o.cv.to, r * o.dst_pitch), o.first + r * o.src_pitch,
+                    o.count);
     }
   }
   void scales(std::span<const scale_job> jobs, void* /*stream*/) override {
@@ -236,12 +270,13 @@ bool append_convert_route(std::span<const plan::run> runs, std::uint64_t from, s
                           std::vector<plan::run>& scratch) {
   scratch.clear();
   for (const plan::run& r : runs) plan::clip(r, from, from + bytes, scratch);
-  const std::uint64_t di = cvt::item(cv.to);
   const std::uint64_t si = cvt::item(cv.from);
   for (const plan::run& r : scratch) {
-    const std::uint64_t first = r.src / di;
-    ops.push_back(convert_op{static_cast<const std::byte*>(src) + first * si, dst + r.dst, r.width / di, r.rows,
-                             r.src_pitch / di, r.dst_pitch / di, first, cv});
+    // Byte counts of the converted tensor, as elements (two a byte for f4_e2m1x2).
+    const std::uint64_t first = cvt::elements_of(cv.to, r.src);
+    ops.push_back(convert_op{static_cast<const std::byte*>(src) + first * si, dst + r.dst,
+                             cvt::elements_of(cv.to, r.width), r.rows, cvt::elements_of(cv.to, r.src_pitch),
+                             cvt::elements_of(cv.to, r.dst_pitch), first, cv});
   }
   return !scratch.empty();
 }

@@ -62,14 +62,18 @@ struct convert_op {
 /// The scale pass of a quantised tensor (source `src` of `from` with `shape`, quantised as `q`):
 /// for every group, its scale (what the scale tensor holds: f32 scale_inv = amax / 448, or an E8M0
 /// code for mxfp8; cvt::write_scale) and its multiplier s (what convert_op::cv.mul points at),
-/// numel(scale_shape(q, shape)) of each.
+/// numel(scale_shape(q, shape)) of each. nvfp4 (cvt::write_nvfp4_scale): the per-tensor scale
+/// into `scale_2` first, then the blocks' e4m3 codes and their divisors. `scale` is in `layout`:
+/// for swizzled_128x4, numel(scale_shape(q, shape, layout)) bytes, its padding written as 0.
 struct scale_job {
   const void* src = nullptr;
   dtype from = dtype::f32;
-  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> shape;  ///< elements (nvfp4: the source's, not the packed one)
   quant q = quant::tensor;
   void* scale = nullptr;  ///< the scale tensor, of scale_dtype(q)
   float* mul = nullptr;
+  float* scale_2 = nullptr;  ///< nvfp4: the per-tensor scale (one f32)
+  scale_layout layout = scale_layout::row_major;
 };
 
 /// The fused one-pass block128 quantisation of a direct write (see

@@ -61,18 +61,30 @@ class cuda_copier : public copier {
     const auto s = static_cast<cudaStream_t>(stream);
     for (const scale_job& j : jobs) {
       const auto from = static_cast<std::uint8_t>(j.from);
-      const cvt::conversion c = conversion_of(j.from, dtype::f8_e4m3, j.q, j.shape, nullptr);
+      const cvt::conversion c = conversion_of(j.from, quant_dtype(j.q), j.q, j.shape, nullptr);
       const std::uint64_t n = *checked_numel(j.shape);
       if (j.q == quant::tensor) {
         const std::uint64_t wanted = std::max<std::uint64_t>(1, n / (kernel::convert_threads * 16));
         const int blocks = static_cast<int>(std::min<std::uint64_t>(wanted, static_cast<std::uint64_t>(max_blocks())));
         check_cuda(kernel::launch_tensor_scale(j.src, from, n, static_cast<float*>(j.scale), j.mul, blocks, s),
                    [&] { return fmt::format("per-tensor scale kernels ({} elements, device {})", n, device_); });
-      } else if (j.q == quant::channel || j.q == quant::mxfp8) {
-        const std::uint64_t rows = c.cols == 0 ? 0 : n / c.cols;
-        check_cuda(
-            kernel::launch_row_scales(j.src, from, static_cast<std::uint8_t>(j.q), rows, c.cols, j.scale, j.mul, s),
-            [&] { return fmt::format("row scale kernel ({} elements, device {})", n, device_); });
+      } else if (j.q == quant::channel || j.q == quant::mxfp8 || j.q == quant::nvfp4) {
+        kernel::row_scale_args a;
+        a.src = j.src;
+        a.from = from;
+        a.q = static_cast<std::uint8_t>(j.q);
+        a.rows = c.cols == 0 ? 0 : n / c.cols;
+        a.cols = c.cols;
+        a.mat_rows = c.rows;
+        a.scale = j.scale;
+        a.scale_bytes = *checked_numel(scale_shape(j.q, j.shape, j.layout)) * itemsize(scale_dtype(j.q));
+        a.layout = static_cast<std::uint8_t>(j.layout);
+        a.mul = j.mul;
+        a.scale_2 = j.scale_2;
+        const std::uint64_t wanted = std::max<std::uint64_t>(1, n / (kernel::convert_threads * 16));
+        const int blocks = static_cast<int>(std::min<std::uint64_t>(wanted, static_cast<std::uint64_t>(max_blocks())));
+        check_cuda(kernel::launch_row_scales(a, blocks, s),
+                   [&] { return fmt::format("row scale kernels ({} elements, device {})", n, device_); });
       } else {
         const std::uint64_t lead = c.rows * c.cols == 0 ? 0 : n / (c.rows * c.cols);
         check_cuda(

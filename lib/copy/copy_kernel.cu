@@ -281,12 +281,14 @@ __global__ void __launch_bounds__(convert_threads) convert_elements(convert_args
   const cvt::conversion& c = a.cv;
   const std::uint64_t total = a.count * a.rows;
   const std::uint32_t si = cvt::item(c.from);
-  const std::uint32_t di = cvt::item(c.to);
   const std::uint64_t br = cvt::group_rows(c.q, c.rows);
   const std::uint64_t bc = cvt::group_cols(c.q, c.cols);
   const std::uint64_t grid_rows = (c.rows + br - 1) / br;
   const std::uint64_t grid_cols = (c.cols + bc - 1) / bc;
-  const bool grouped = c.q == cvt::quant_block128 || c.q == cvt::quant_channel || c.q == cvt::quant_mxfp8;
+  const bool grouped = c.q != cvt::quant_none && c.q != cvt::quant_tensor;
+  // f4_e2m1x2 packs two elements a byte: a thread takes them in pairs (its run starts on an even
+  // element, and rows are even long, so a pair never straddles a row or an NVFP4 block).
+  const std::uint64_t step = cvt::per_item(c.to);
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x * per;
   for (std::uint64_t base = (static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * per; base < total;
        base += stride) {
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(convert_threads) convert_elements(convert_args
     };
     locate();
     const std::uint64_t n = total - base < per ? total - base : per;
-    for (std::uint64_t j = 0; j < n; ++j) {
+    for (std::uint64_t j = 0; j < n; j += step) {
       if (k == a.count) {
         ++r;
         k = 0;
@@ -314,10 +316,14 @@ __global__ void __launch_bounds__(convert_threads) convert_elements(convert_args
       else if (grouped)
         mul = __ldg(c.mul + (lead * grid_rows + rr / br) * grid_cols + col / bc);
       const auto* srow = static_cast<const unsigned char*>(a.src) + r * a.src_pitch * si;
-      auto* drow = static_cast<unsigned char*>(a.dst) + r * a.dst_pitch * di;
-      cvt::store(drow, c.to, k, cvt::load(srow, c.from, k), mul);
-      ++k;
-      if (++col == c.cols) {
+      auto* drow = static_cast<unsigned char*>(a.dst) + cvt::bytes_of(c.to, r * a.dst_pitch);
+      if (step == 2)
+        cvt::store_pair(drow, k / 2, cvt::load(srow, c.from, k), cvt::load(srow, c.from, k + 1), mul);
+      else
+        cvt::store(drow, c.to, k, cvt::load(srow, c.from, k), mul);
+      k += step;
+      col += step;
+      if (col == c.cols) {
         col = 0;
         if (++rr == c.rows) {
           rr = 0;
@@ -353,21 +359,35 @@ __global__ void __launch_bounds__(convert_threads)
                 (static_cast<std::uint64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
 }
 
-/// The scale pass of a row format (channel, mxfp8): one block per group of `per_group` elements
-/// (the last group of a row may be shorter), a reduction over its elements, then thread 0 writes
-/// its scale and multiplier (cvt::write_scale). blockIdx.x is the group within its row, blockIdx.y
-/// the row (rows counted over all matrices).
+/// The scale pass of a row format (channel, mxfp8, nvfp4): one block per group of `per_group`
+/// elements (the last group of a row may be shorter), a reduction over its elements, then thread 0
+/// writes its scale, where `layout` puts it (cvt::scale_index over matrices of `mat_rows` rows),
+/// and its multiplier (cvt::write_scale; nvfp4: cvt::write_nvfp4_scale with the per-tensor scale
+/// at `global`, written before). blockIdx.x is the group within its row, row0 + blockIdx.y the
+/// row (rows counted over all matrices).
 __global__ void __launch_bounds__(convert_threads)
     row_scales(const void* src, std::uint8_t from, std::uint8_t q, std::uint64_t cols, std::uint64_t per_group,
-               void* scale, float* mul) {
+               void* scale, float* mul, std::uint8_t layout, std::uint64_t mat_rows, std::uint64_t row0,
+               const float* global) {
+  const std::uint64_t row = row0 + blockIdx.y;
   const std::uint64_t c0 = static_cast<std::uint64_t>(blockIdx.x) * per_group;
   const std::uint64_t n = cols - c0 < per_group ? cols - c0 : per_group;
-  const std::uint64_t first = static_cast<std::uint64_t>(blockIdx.y) * cols + c0;
+  const std::uint64_t first = row * cols + c0;
   float m = 0.0f;
   for (std::uint64_t i = threadIdx.x; i < n; i += convert_threads) take(m, cvt::load(src, from, first + i));
   m = block_max(m);
-  if (threadIdx.x == 0)
-    cvt::write_scale(q, m, scale, mul, static_cast<std::uint64_t>(blockIdx.y) * gridDim.x + blockIdx.x);
+  if (threadIdx.x != 0) return;
+  const std::uint64_t g = row * gridDim.x + blockIdx.x;
+  const std::uint64_t at = cvt::scale_index(layout, g, mat_rows, gridDim.x);
+  if (q == cvt::quant_nvfp4)
+    cvt::write_nvfp4_scale(m, *global, scale, at, mul, g);
+  else
+    cvt::write_scale(q, m, scale, at, mul, g);
+}
+
+/// NVFP4's per-tensor scale from the amax tensor_amax left (as bits) in place.
+__global__ void nvfp4_finish(float* global) {
+  *global = cvt::nvfp4_global(__uint_as_float(*reinterpret_cast<const unsigned int*>(global)));
 }
 
 __global__ void __launch_bounds__(convert_threads)
@@ -649,27 +669,33 @@ cudaError_t launch_block_scales(const void* src, std::uint8_t from, std::uint64_
   return cudaGetLastError();
 }
 
-cudaError_t launch_row_scales(const void* src, std::uint8_t from, std::uint8_t q, std::uint64_t rows,
-                              std::uint64_t cols, void* scale, float* mul, cudaStream_t stream) noexcept {
+cudaError_t launch_row_scales(const row_scale_args& a, int blocks, cudaStream_t stream) noexcept {
   (void)cudaGetLastError();
-  if (rows == 0 || cols == 0) return cudaSuccess;
-  const std::uint64_t per_group = cvt::group_cols(q, cols);
-  if (rows > 65535) {
-    // gridDim.y is at most 65,535: launch the rows in slices.
-    for (std::uint64_t r0 = 0; r0 < rows; r0 += 65535) {
-      const std::uint64_t n = rows - r0 < 65535 ? rows - r0 : 65535;
-      const std::uint64_t groups = (cols + per_group - 1) / per_group;
-      const std::uint64_t scale_item = q == cvt::quant_mxfp8 ? 1 : 4;
-      const cudaError_t e =
-          launch_row_scales(static_cast<const unsigned char*>(src) + r0 * cols * cvt::item(from), from, q, n, cols,
-                            static_cast<unsigned char*>(scale) + r0 * groups * scale_item, mul + r0 * groups, stream);
-      if (e != cudaSuccess) return e;
-    }
-    return cudaSuccess;
+  if (a.layout == cvt::layout_swizzled && a.scale_bytes != 0) {
+    const cudaError_t e = cudaMemsetAsync(a.scale, 0, a.scale_bytes, stream);  // the padding
+    if (e != cudaSuccess) return e;
   }
-  const dim3 grid(static_cast<unsigned>((cols + per_group - 1) / per_group), static_cast<unsigned>(rows));
-  row_scales<<<grid, convert_threads, 0, stream>>>(src, from, q, cols, per_group, scale, mul);
-  return cudaGetLastError();
+  if (a.q == cvt::quant_nvfp4) {
+    // The per-tensor scale first: every block scale divides by it.
+    cudaError_t e = cudaMemsetAsync(a.scale_2, 0, sizeof(float), stream);
+    if (e != cudaSuccess) return e;
+    if (a.rows * a.cols != 0)
+      tensor_amax<<<blocks, convert_threads, 0, stream>>>(a.src, a.from, a.rows * a.cols,
+                                                          reinterpret_cast<unsigned int*>(a.scale_2));
+    nvfp4_finish<<<1, 1, 0, stream>>>(a.scale_2);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  if (a.rows == 0 || a.cols == 0) return cudaSuccess;
+  const std::uint64_t per_group = cvt::group_cols(a.q, a.cols);
+  // gridDim.y is at most 65,535: launch the rows in slices.
+  for (std::uint64_t r0 = 0; r0 < a.rows; r0 += 65535) {
+    const std::uint64_t n = a.rows - r0 < 65535 ? a.rows - r0 : 65535;
+    const dim3 grid(static_cast<unsigned>((a.cols + per_group - 1) / per_group), static_cast<unsigned>(n));
+    row_scales<<<grid, convert_threads, 0, stream>>>(a.src, a.from, a.q, a.cols, per_group, a.scale, a.mul, a.layout,
+                                                     a.mat_rows, r0, a.scale_2);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t launch_tensor_scale(const void* src, std::uint8_t from, std::uint64_t n, float* scale_inv, float* mul,

@@ -120,11 +120,26 @@ cudaError_t launch_convert(const convert_args& a, int max_blocks, cudaStream_t s
 cudaError_t launch_block_scales(const void* src, std::uint8_t from, std::uint64_t lead, std::uint64_t rows,
                                 std::uint64_t cols, float* scale_inv, float* mul, cudaStream_t stream) noexcept;
 
-/// Enqueues the scale pass of a row format (channel, mxfp8) of `rows` rows (over all matrices)
-/// of `cols` elements of type `from` at `src`: one block per group writes its scale (f32 or
-/// E8M0, of scale_dtype(q)) and its multiplier mul[g] (refit::quant).
-cudaError_t launch_row_scales(const void* src, std::uint8_t from, std::uint8_t q, std::uint64_t rows,
-                              std::uint64_t cols, void* scale, float* mul, cudaStream_t stream) noexcept;
+/// The scale pass of a row format (channel, mxfp8, nvfp4): `rows` rows (over all matrices, each
+/// of `mat_rows`) of `cols` elements of type `from` at `src`.
+struct row_scale_args {
+  const void* src = nullptr;
+  std::uint8_t from = 0;
+  std::uint8_t q = 0;
+  std::uint64_t rows = 0;
+  std::uint64_t cols = 0;
+  std::uint64_t mat_rows = 1;
+  void* scale = nullptr;          ///< of scale_dtype(q), in `layout`
+  std::uint64_t scale_bytes = 0;  ///< the scale tensor's bytes (a swizzled one is zeroed first)
+  std::uint8_t layout = 0;        ///< refit::scale_layout code
+  float* mul = nullptr;           ///< one per group, row-major
+  float* scale_2 = nullptr;       ///< nvfp4: the per-tensor scale, written first
+};
+
+/// Enqueues a row format's scale pass: for nvfp4 a reduction over the whole tensor (`blocks`
+/// blocks) into scale_2 first; then one block per group writes its scale (f32, E8M0 or e4m3, of
+/// scale_dtype(q)) where the layout puts it and its multiplier mul[g] (refit::quant).
+cudaError_t launch_row_scales(const row_scale_args& a, int blocks, cudaStream_t stream) noexcept;
 
 /// Enqueues the scale pass of a per-tensor quantisation of `n` elements (a reduction with
 /// `blocks` blocks, then one thread writing scale_inv[0] and mul[0]).

@@ -115,8 +115,23 @@ std::string_view to_string(quant q) noexcept {
     case quant::block128: return "block128";
     case quant::channel: return "channel";
     case quant::mxfp8: return "mxfp8";
+    case quant::nvfp4: return "nvfp4";
   }
   return "?";
+}
+
+std::string_view to_string(scale_layout l) noexcept {
+  switch (l) {
+    case scale_layout::row_major: return "row_major";
+    case scale_layout::swizzled_128x4: return "swizzled_128x4";
+  }
+  return "?";
+}
+
+std::optional<scale_layout> parse_scale_layout(std::string_view name) noexcept {
+  if (name == "row_major") return scale_layout::row_major;
+  if (name == "swizzled_128x4" || name == "swizzled") return scale_layout::swizzled_128x4;
+  return std::nullopt;
 }
 
 std::optional<quant> parse_quant(std::string_view name) noexcept {
@@ -125,15 +140,24 @@ std::optional<quant> parse_quant(std::string_view name) noexcept {
   if (name == "block128" || name == "block") return quant::block128;
   if (name == "channel" || name == "per_channel") return quant::channel;
   if (name == "mxfp8" || name == "mx") return quant::mxfp8;
+  if (name == "nvfp4") return quant::nvfp4;
   return std::nullopt;
 }
 
 std::optional<quant> quant_from_code(std::uint64_t code) noexcept {
-  if (code <= static_cast<std::uint64_t>(quant::mxfp8)) return static_cast<quant>(code);
+  if (code <= static_cast<std::uint64_t>(quant::nvfp4)) return static_cast<quant>(code);
   return std::nullopt;
 }
 
-std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> shape) {
+std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> shape, scale_layout layout) {
+  if (layout == scale_layout::swizzled_128x4 && (q == quant::mxfp8 || q == quant::nvfp4)) {
+    // The row-major grid's last two dimensions padded to whole 128 × 4 tiles (a 1-d one is a row).
+    std::vector<std::int64_t> s = scale_shape(q, shape);
+    if (s.size() < 2) s.insert(s.begin(), 1);
+    s[s.size() - 2] = (s[s.size() - 2] + 127) / 128 * 128;
+    s[s.size() - 1] = (s[s.size() - 1] + 3) / 4 * 4;
+    return s;
+  }
   switch (q) {
     case quant::none: return {};
     case quant::tensor: return {1};
@@ -143,7 +167,8 @@ std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> sha
       return s;
     }
     case quant::channel:
-    case quant::mxfp8: {
+    case quant::mxfp8:
+    case quant::nvfp4: {
       std::vector<std::int64_t> s(shape.begin(), shape.end());
       if (s.empty()) return {1};
       const auto b = static_cast<std::int64_t>(block_cols(q));
@@ -154,13 +179,30 @@ std::vector<std::int64_t> scale_shape(quant q, std::span<const std::int64_t> sha
   return {};
 }
 
-dtype scale_dtype(quant q) noexcept { return q == quant::mxfp8 ? dtype::f8_e8m0 : dtype::f32; }
+dtype scale_dtype(quant q) noexcept {
+  return q == quant::mxfp8 ? dtype::f8_e8m0 : q == quant::nvfp4 ? dtype::f8_e4m3 : dtype::f32;
+}
+
+dtype quant_dtype(quant q) noexcept { return q == quant::nvfp4 ? dtype::f4_e2m1x2 : dtype::f8_e4m3; }
+
+std::vector<std::int64_t> element_shape(dtype t, std::span<const std::int64_t> shape) {
+  std::vector<std::int64_t> s(shape.begin(), shape.end());
+  if (t == dtype::f4_e2m1x2 && !s.empty()) s.back() *= 2;
+  return s;
+}
+
+std::vector<std::int64_t> storage_shape(dtype t, std::span<const std::int64_t> shape) {
+  std::vector<std::int64_t> s(shape.begin(), shape.end());
+  if (t == dtype::f4_e2m1x2 && !s.empty()) s.back() /= 2;
+  return s;
+}
 
 std::uint64_t block_rows(quant q) noexcept {
   switch (q) {
     case quant::block128: return 128;
     case quant::channel:
-    case quant::mxfp8: return 1;
+    case quant::mxfp8:
+    case quant::nvfp4: return 1;
     case quant::none:
     case quant::tensor: break;
   }
@@ -171,6 +213,7 @@ std::uint64_t block_cols(quant q) noexcept {
   switch (q) {
     case quant::block128: return 128;
     case quant::mxfp8: return 32;
+    case quant::nvfp4: return 16;
     case quant::none:
     case quant::tensor:
     case quant::channel: break;
@@ -182,7 +225,8 @@ std::size_t min_rank(quant q) noexcept {
   switch (q) {
     case quant::block128: return 2;
     case quant::channel:
-    case quant::mxfp8: return 1;
+    case quant::mxfp8:
+    case quant::nvfp4: return 1;
     case quant::none:
     case quant::tensor: break;
   }

@@ -32,6 +32,7 @@ struct destination {
   const void* alloc = nullptr;
   std::uint64_t alloc_bytes = 0;
   quant q = quant::none;  ///< how an f8_e4m3 destination is quantised (its scale is a destination of its own)
+  scale_layout layout = scale_layout::row_major;  ///< where its block scales lie (mxfp8, nvfp4)
 
   destination() = default;
   destination(const tensor_dest& d, const dest_layout& l)
@@ -42,7 +43,8 @@ struct destination {
         slice(l.slice),
         alloc(l.alloc),
         alloc_bytes(l.alloc_bytes),
-        q(d.q) {}
+        q(d.q),
+        layout(d.layout) {}
 };
 
 /// `rows` runs of `width` bytes: run r reads source bytes [src + r·src_pitch, + width) and writes

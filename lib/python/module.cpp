@@ -204,7 +204,8 @@ class py_receiver {
   /// `source_slice`: None or (dim, start, length); dim may be negative (counted from the end).
   void add_parameter(const std::string& name, const py::handle& tensor, const py::object& source_slice,
                      const py::object& scale, const std::optional<std::string>& quant_name,
-                     const std::optional<std::string>& dtype_name) {
+                     const std::optional<std::string>& dtype_name, const py::object& scale_2,
+                     const std::string& scale_layout_name) {
     borrowed_tensor b = world().borrow(tensor, name, /*views=*/true);
     if (dtype_name) {
       // Reinterprets the tensor's bytes: torch without float8 holds f8_e4m3 as uint8.
@@ -224,24 +225,32 @@ class py_receiver {
       const auto parsed = parse_quant(*quant_name);
       if (!parsed)
         throw py::value_error("tensor '" + name +
-                              "': quant must be 'tensor', 'block128', 'channel', 'mxfp8' or 'none', not '" +
+                              "': quant must be 'tensor', 'block128', 'channel', 'mxfp8', 'nvfp4' or 'none', not '" +
                               *quant_name + "'");
       q = *parsed;
     }
+    // NVFP4 checkpoints hold the packed weight as uint8: its bytes are the f4_e2m1x2 pairs.
+    if (q == refit::quant::nvfp4 && !dtype_name && b.meta.type == dtype::u8) b.meta.type = dtype::f4_e2m1x2;
+    const auto layout_code = parse_scale_layout(scale_layout_name);
+    if (!layout_code)
+      throw py::value_error("tensor '" + name + "': scale_layout must be 'row_major' or 'swizzled' (swizzled_128x4), " +
+                            "not '" + scale_layout_name + "'");
     std::optional<borrowed_tensor> sb;
     if (!scale.is_none()) {
       sb = world().borrow(scale, name + " (scale)");
-      // A scale of the format's dtype, or its bytes as uint8 (torch without float8_e8m0fnu).
+      // A scale of the format's dtype, or its bytes as uint8 (torch without float8_e8m0fnu or
+      // float8_e4m3fn).
       const dtype want_type = scale_dtype(q);
-      if (sb->meta.type != want_type && !(want_type == dtype::f8_e8m0 && sb->meta.type == dtype::u8))
+      if (sb->meta.type != want_type && !(want_type != dtype::f32 && sb->meta.type == dtype::u8))
         throw py::type_error("tensor '" + name + "': scale must be " +
-                             std::string(want_type == dtype::f32
-                                             ? "float32"
-                                             : "float8_e8m0fnu (or its bytes as uint8) for quant 'mxfp8'") +
+                             std::string(want_type == dtype::f32 ? "float32"
+                                         : want_type == dtype::f8_e8m0
+                                             ? "float8_e8m0fnu (or its bytes as uint8) for quant 'mxfp8'"
+                                             : "float8_e4m3fn (or its bytes as uint8) for quant 'nvfp4'") +
                              ", not " + std::string(to_string(sb->meta.type)));
       if (!(sb->dev == b.dev))
         throw py::value_error("tensor '" + name + "': scale must be on the destination's device");
-      const auto want = scale_shape(q, b.meta.shape);
+      const auto want = scale_shape(q, element_shape(b.meta.type, b.meta.shape), *layout_code);
       if (q != refit::quant::none && sb->meta.numel() != checked_numel(want).value_or(0))
         throw py::value_error("tensor '" + name + "': scale has " + std::to_string(sb->meta.numel()) +
                               " elements, but quant '" + std::string(to_string(q)) + "' of this destination needs " +
@@ -270,12 +279,24 @@ class py_receiver {
                               " is not one of the view's " + std::to_string(rank) + " dimensions");
       layout.slice = refit::source_slice{static_cast<int>(dim), std::get<1>(s), std::get<2>(s)};
     }
+    std::optional<borrowed_tensor> s2;
+    if (!scale_2.is_none()) {
+      s2 = world().borrow(scale_2, name + " (scale_2)");
+      if (s2->meta.type != dtype::f32 || s2->meta.numel() != 1)
+        throw py::type_error("tensor '" + name + "': scale_2 must be one float32 element (nvfp4's per-tensor " +
+                             "scale, a checkpoint's weight_scale_2), not " + refit::describe(s2->meta));
+      if (!(s2->dev == b.dev))
+        throw py::value_error("tensor '" + name + "': scale_2 must be on the destination's device");
+    }
     tensor_dest d{b.meta, b.data, b.dev};
     d.q = q;
     d.scale = sb ? sb->data : nullptr;
+    d.scale_2 = s2 ? s2->data : nullptr;
+    d.layout = *layout_code;
     rx().add_parameter(d, layout);
     keep_.emplace(name, std::move(b.keep));
     if (sb) keep_.emplace(name, std::move(sb->keep));
+    if (s2) keep_.emplace(name, std::move(s2->keep));
   }
 
   void clear_parameters() {
@@ -1294,7 +1315,8 @@ PYBIND11_MODULE(_refit, m) {
       .def_property_readonly("device", &py_receiver::device)
       .def("add_parameter", &py_receiver::add_parameter, py::arg("name"), py::arg("tensor"),
            py::arg("source_slice") = py::none(), py::kw_only(), py::arg("scale") = py::none(),
-           py::arg("quant") = py::none(), py::arg("dtype") = py::none())
+           py::arg("quant") = py::none(), py::arg("dtype") = py::none(), py::arg("scale_2") = py::none(),
+           py::arg("scale_layout") = "row_major")
       .def("clear_parameters", &py_receiver::clear_parameters)
       .def("_on_batch", &py_receiver::on_batch, py::arg("fn"), py::arg("what") = "on_batch")
       .def("_on_begin", &py_receiver::on_begin, py::arg("fn"))

@@ -43,6 +43,9 @@ void receiver::add_parameter(const tensor_dest& dest, const dest_layout& layout)
   std::lock_guard lock(impl_->stage_mutex);  // apply_prepared() reads the table (see impl.hpp)
   if (dest.q == quant::none) {
     impl_->table.add(plan::destination(dest, layout));
+  } else if (dest.q == quant::nvfp4) {
+    impl_->table.add_triple(plan::destination(dest, layout), scale_destination(dest, layout),
+                            scale_2_destination(dest));
   } else {
     impl_->table.add_pair(plan::destination(dest, layout), scale_destination(dest, layout));
   }

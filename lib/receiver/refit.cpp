@@ -11,6 +11,8 @@ namespace {
 
 /// The tensor a table name stands for, for messages: "w", or "the scale_inv of 'w'".
 std::string shown(const std::string& name) {
+  if (const auto at = name.find(scale_2_suffix); at != std::string::npos)
+    return fmt::format("the scale_2 of '{}'", name.substr(0, at));
   const auto at = name.find(scale_suffix);
   if (at == std::string::npos) return fmt::format("'{}'", name);
   return fmt::format("the scale_inv of '{}'", name.substr(0, at));

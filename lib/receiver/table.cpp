@@ -22,6 +22,23 @@ void table_t::add_pair(plan::destination d, plan::destination scale) {
   insert(std::move(b));
 }
 
+void table_t::add_triple(plan::destination d, plan::destination scale, plan::destination scale_2) {
+  prepared a = prepare(std::move(d));
+  prepared b = prepare(std::move(scale));
+  prepared c = prepare(std::move(scale_2));
+  const auto share = [](const prepared& x, const prepared& y) {
+    return x.reach != 0 && y.reach != 0 && x.s.dest.dev == y.s.dest.dev &&
+           plan::overlaps(x.lo, x.s.foot, y.lo, y.s.foot);
+  };
+  if (share(a, b) || share(a, c) || share(b, c))
+    throw error(errc::invalid_argument,
+                fmt::format("add_parameter: the destination of '{}' ({}), its scale and its scale_2 share bytes",
+                            a.s.dest.meta.name, describe(a.s.dest.meta)));
+  insert(std::move(a));
+  insert(std::move(b));
+  insert(std::move(c));
+}
+
 table_t::prepared table_t::prepare(plan::destination d) {
   std::uint64_t reach = 0;
   try {
@@ -80,7 +97,9 @@ std::optional<plan::destination> table_t::overlapping(const slot& s, std::uintpt
 }
 
 std::string_view blocks_of(quant q) {
-  return q == quant::mxfp8 ? "MX blocks of 32 elements of a row" : "128 × 128 blocks";
+  return q == quant::mxfp8   ? "MX blocks of 32 elements of a row"
+         : q == quant::nvfp4 ? "NVFP4 blocks of 16 elements of a row"
+                             : "128 × 128 blocks";
 }
 
 std::uint64_t slice_block(quant q, std::size_t rank, std::size_t dim) {
@@ -89,24 +108,27 @@ std::uint64_t slice_block(quant q, std::size_t rank, std::size_t dim) {
   return 1;
 }
 
+void check_nvfp4(const tensor_dest& d, const dest_layout& layout, const std::string& what);
+
 void check_conversion(const tensor_dest& d, const dest_layout& layout) {
   const std::string what = fmt::format("add_parameter: '{}' ({})", d.meta.name, describe(d.meta));
   if (d.q == quant::none) {
-    if (d.scale != nullptr)
+    if (d.scale != nullptr || d.scale_2 != nullptr)
       throw error(errc::invalid_argument,
                   fmt::format("{} has a scale but no quant: a scale belongs to an f8_e4m3 destination quantised per "
                               "tensor or per 128 × 128 block, channel or MX block of 32 (set quant)",
                               what));
     return;
   }
-  if (static_cast<std::uint8_t>(d.q) > static_cast<std::uint8_t>(quant::mxfp8))
+  if (static_cast<std::uint8_t>(d.q) > static_cast<std::uint8_t>(quant::nvfp4))
     throw error(errc::invalid_argument,
                 fmt::format("{} has an unknown quant (code {})", what, static_cast<unsigned>(d.q)));
-  if (d.meta.type != dtype::f8_e4m3)
-    throw error(errc::invalid_argument,
-                fmt::format("{} asks for quant {}, which quantises to f8_e4m3: register the destination as f8_e4m3, "
-                            "not {}",
-                            what, to_string(d.q), to_string(d.meta.type)));
+  check_nvfp4(d, layout, what);
+  if (d.meta.type != quant_dtype(d.q))
+    throw error(
+        errc::invalid_argument,
+        fmt::format("{} asks for quant {}, which quantises to {}: register the destination as {}, not {}", what,
+                    to_string(d.q), to_string(quant_dtype(d.q)), to_string(quant_dtype(d.q)), to_string(d.meta.type)));
   const std::size_t rank = d.meta.shape.size();
   if (rank < min_rank(d.q))
     throw error(
@@ -115,12 +137,15 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout) {
                     to_string(d.q),
                     d.q == quant::block128 ? "128 × 128 blocks of the last two dimensions" : "along the last dimension",
                     min_rank(d.q), min_rank(d.q) == 1 ? "" : "s", rank));
-  const auto scale_numel = checked_numel(scale_shape(d.q, d.meta.shape));
+  const std::vector<std::int64_t> elements = element_shape(d.meta.type, d.meta.shape);
+  const auto scale_numel = checked_numel(scale_shape(d.q, elements, d.layout));
   if (d.scale == nullptr && scale_numel.value_or(0) != 0)
-    throw error(errc::invalid_argument,
-                fmt::format("{} is quantised ({}) but has no scale: pass its {} tensor of shape [{}]", what,
-                            to_string(d.q), scale_dtype(d.q) == dtype::f32 ? "f32 scale_inv" : "f8_e8m0 scale",
-                            fmt::join(scale_shape(d.q, d.meta.shape), ", ")));
+    throw error(
+        errc::invalid_argument,
+        fmt::format(
+            "{} is quantised ({}) but has no scale: pass its {} tensor of shape [{}]", what, to_string(d.q),
+            scale_dtype(d.q) == dtype::f32 ? "f32 scale_inv" : fmt::format("{} scale", to_string(scale_dtype(d.q))),
+            fmt::join(scale_shape(d.q, elements, d.layout), ", ")));
   if (!layout.slice || layout.slice->dim < 0) return;
   const auto dim = static_cast<std::size_t>(layout.slice->dim);
   const std::uint64_t b = slice_block(d.q, rank, dim);
@@ -133,9 +158,41 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout) {
                             what, to_string(d.q), blocks_of(d.q), layout.slice->dim, b, layout.slice->start));
 }
 
+/// What nvfp4 and the scale layouts ask beyond the other formats: a per-tensor scale, an even
+/// row, no slice (the per-tensor scale is the global tensor's, and a swizzled grid is laid out
+/// over the whole matrix).
+void check_nvfp4(const tensor_dest& d, const dest_layout& layout, const std::string& what) {
+  if (d.layout != scale_layout::row_major && d.q != quant::mxfp8 && d.q != quant::nvfp4)
+    throw error(errc::invalid_argument,
+                fmt::format("{} asks for scale layout {} with quant {}: only mxfp8 and nvfp4 scales are swizzled", what,
+                            to_string(d.layout), to_string(d.q)));
+  if (d.layout != scale_layout::row_major && layout.slice)
+    throw error(errc::invalid_argument,
+                fmt::format("{} takes a slice of its source, but its scales are {}: a swizzled scale grid "
+                            "covers the whole matrix; register the whole tensor, or row-major scales",
+                            what, to_string(d.layout)));
+  if (d.q != quant::nvfp4) {
+    if (d.scale_2 != nullptr)
+      throw error(errc::invalid_argument,
+                  fmt::format("{} has a scale_2, which only nvfp4 destinations have (their per-tensor scale)", what));
+    return;
+  }
+  if (d.scale_2 == nullptr)
+    throw error(errc::invalid_argument,
+                fmt::format("{} is quantised (nvfp4) but has no scale_2: pass its f32 per-tensor scale (one element, "
+                            "a checkpoint's weight_scale_2)",
+                            what));
+  if (layout.slice)
+    throw error(errc::invalid_argument,
+                fmt::format("{} takes a slice of its source, but nvfp4's per-tensor scale is the whole source's: "
+                            "register the whole tensor",
+                            what));
+}
+
 plan::destination scale_destination(const tensor_dest& d, const dest_layout& layout) {
   plan::destination s;
-  s.meta = tensor_meta{d.meta.name + std::string(scale_suffix), scale_dtype(d.q), scale_shape(d.q, d.meta.shape)};
+  s.meta = tensor_meta{d.meta.name + std::string(scale_suffix), scale_dtype(d.q),
+                       scale_shape(d.q, element_shape(d.meta.type, d.meta.shape), d.layout)};
   s.data = d.scale;
   s.dev = d.dev;
   if (d.q != quant::tensor && layout.slice) {
@@ -149,6 +206,14 @@ plan::destination scale_destination(const tensor_dest& d, const dest_layout& lay
   return s;
 }
 
+plan::destination scale_2_destination(const tensor_dest& d) {
+  plan::destination s;
+  s.meta = tensor_meta{d.meta.name + std::string(scale_2_suffix), dtype::f32, {1}};
+  s.data = d.scale_2;
+  s.dev = d.dev;
+  return s;
+}
+
 }  // namespace receiver_detail
 
 /// What the table asks the streamer to send each name as: every name whose destinations have a
@@ -158,10 +223,10 @@ std::vector<wire::conversion> receiver::impl::conversions() const {
   std::vector<wire::conversion> out;
   for (const auto& [name, slots] : table) {
     const plan::destination& d = slots.front().dest;
-    if (name.find(scale_suffix) != std::string::npos) continue;
+    if (name.find('\x1f') != std::string::npos) continue;  // a scale (scale_suffix, scale_2_suffix)
     const bool cast =
         d.q == quant::none && (d.meta.type == dtype::f32 || d.meta.type == dtype::bf16 || d.meta.type == dtype::f16);
-    if (cast || d.q != quant::none) out.push_back(wire::conversion{name, d.meta.type, d.q});
+    if (cast || d.q != quant::none) out.push_back(wire::conversion{name, d.meta.type, d.q, d.layout});
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
   return out;

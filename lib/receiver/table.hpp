@@ -71,6 +71,8 @@ class table_t {
   /// Registers a quantised destination and its scale together, or neither. Throws
   /// errc::invalid_argument.
   void add_pair(plan::destination d, plan::destination scale);
+  /// add_pair, and nvfp4's per-tensor scale `scale_2` beside them (no two of the three overlap).
+  void add_triple(plan::destination d, plan::destination scale, plan::destination scale_2);
 
   /// Checks `d` against itself and the table; throws errc::invalid_argument.
   prepared prepare(plan::destination d);
@@ -101,6 +103,8 @@ void check_conversion(const tensor_dest& d, const dest_layout& layout);
 /// `d.scale`, taking the part of the source's scale grid that the destination's slice takes of the
 /// source.
 plan::destination scale_destination(const tensor_dest& d, const dest_layout& layout);
+/// The hidden destination of an nvfp4 destination's per-tensor scale: one f32 at `d.scale_2`.
+plan::destination scale_2_destination(const tensor_dest& d);
 
 /// The size of the groups of `q` along dimension `dim` of a tensor of `rank` dimensions, where a
 /// slice along it must start (and end, unless at the source's end) on a group's edge: 128 for the

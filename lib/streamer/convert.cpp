@@ -19,6 +19,7 @@ std::string_view group_name(quant q) {
     case quant::block128: return "128 × 128 block";
     case quant::channel: return "row (output channel)";
     case quant::mxfp8: return "MX block of 32 (mxfp8)";
+    case quant::nvfp4: return "block of 16 (nvfp4)";
     case quant::none:
     case quant::tensor: break;
   }
@@ -63,6 +64,11 @@ const wire::conversion* streamer::impl::conversion_for(const tensor_ref& t, rout
     throw error(errc::invalid_argument,
                 fmt::format("tensor {}: the receiver asks for {}, which needs at least {} dimension{}",
                             describe(t.meta), asked, min_rank(c.q), min_rank(c.q) == 1 ? "" : "s"));
+  if (c.q == quant::nvfp4 && t.meta.shape.back() % 2 != 0)
+    throw error(errc::invalid_argument,
+                fmt::format("tensor {}: the receiver asks for {}, which packs two elements a byte along the last "
+                            "dimension: its length must be even, not {}",
+                            describe(t.meta), asked, t.meta.shape.back()));
   return &c;
 }
 
@@ -75,6 +81,7 @@ void streamer::impl::send_converted(batch_writer& w, planner& pl, const tensor_r
                                     refit_stats& stats, const shard_place* part) {
   tensor_ref sent = t;
   sent.meta.type = c.type;
+  sent.meta.shape = storage_shape(c.type, t.meta.shape);  // nvfp4: [..., in / 2] bytes
   if (part != nullptr && c.q != quant::none)
     throw error(errc::invalid_argument,
                 fmt::format("tensor {} is sent as a shard (elements [{}, {})), but the receiver asks for it "
@@ -86,9 +93,15 @@ void streamer::impl::send_converted(batch_writer& w, planner& pl, const tensor_r
   std::optional<tensor_ref> scale;
   if (c.q != quant::none) {
     scale.emplace();
-    scale->meta =
-        tensor_meta{t.meta.name + std::string(scale_suffix), scale_dtype(c.q), scale_shape(c.q, t.meta.shape)};
+    scale->meta = tensor_meta{t.meta.name + std::string(scale_suffix), scale_dtype(c.q),
+                              scale_shape(c.q, t.meta.shape, c.layout)};
     scale->dev = buffers->where();
+  }
+  std::optional<tensor_ref> scale_2;  // nvfp4's per-tensor scale, a tensor of its own
+  if (c.q == quant::nvfp4) {
+    scale_2.emplace();
+    scale_2->meta = tensor_meta{t.meta.name + std::string(scale_2_suffix), dtype::f32, {1}};
+    scale_2->dev = buffers->where();
   }
   const std::vector<transport::routed> targets =
       w.direct ? buffers->routes(sent.meta) : std::vector<transport::routed>{};
@@ -114,7 +127,8 @@ void streamer::impl::send_converted(batch_writer& w, planner& pl, const tensor_r
   const bool staged_fused = !w.direct && whole_block128 && t.meta.numel() != 0;
   if (staged_fused)
     fused.push_back(staged_fused_job(t, *scale));  // its dst is the buffer's, known once its batch is open
-  const float* mul = scale && fused.empty() ? queue_scale_pass(w, t, c, *scale) : nullptr;
+  const float* mul =
+      scale && fused.empty() ? queue_scale_pass(w, t, c, *scale, scale_2 ? &*scale_2 : nullptr) : nullptr;
   const copy::cvt::conversion cv = copy::conversion_of(t.meta.type, c.type, c.q, t.meta.shape, mul);
   for (placement p : placed) {
     while (w.first_batch + p.batch > w.seq) w.flush();
@@ -134,6 +148,11 @@ void streamer::impl::send_converted(batch_writer& w, planner& pl, const tensor_r
     send_scale(w, pl, *scale,
                fused.empty() ? std::span<const transport::routed>(scale_targets) : std::span<const transport::routed>(),
                stats);
+  if (scale_2) {
+    const std::vector<transport::routed> targets_2 =
+        w.direct ? buffers->routes(scale_2->meta) : std::vector<transport::routed>{};
+    send_scale(w, pl, *scale_2, targets_2, stats);
+  }
 }
 
 /// The staged block128 tensor `t`'s one-pass job: the codes into the buffer (its dst, set once
@@ -199,14 +218,20 @@ bool streamer::impl::send_striped(batch_writer& w, planner& pl, const tensor_ref
 /// (of scale_dtype(c.q), sent as `scale`; a float of scratch each holds an E8M0 code too) and its
 /// multipliers into scratch; returns the multipliers, which
 /// the converting copies read.
+/// nvfp4: its per-tensor scale into scratch too, sent as `scale_2`.
 const float* streamer::impl::queue_scale_pass(batch_writer& w, const tensor_ref& t, const wire::conversion& c,
-                                              tensor_ref& scale) {
-  const std::uint64_t groups = scale.meta.numel();
-  float* inv = copier->scratch(groups);
+                                              tensor_ref& scale, tensor_ref* scale_2) {
+  const std::uint64_t groups = *checked_numel(scale_shape(c.q, t.meta.shape));  // row-major: one per group
+  float* inv = copier->scratch(std::max(groups, scale.meta.numel()));           // a swizzled grid is padded
   float* m = copier->scratch(groups);
   scale.data = inv;
+  float* global = nullptr;
+  if (scale_2 != nullptr) {
+    global = copier->scratch(1);
+    scale_2->data = global;
+  }
   // Even with no elements: a per-tensor scale is then that of amax 0 (clamped).
-  w.jobs.push_back(copy::scale_job{t.data, t.meta.type, t.meta.shape, c.q, inv, m});
+  w.jobs.push_back(copy::scale_job{t.data, t.meta.type, t.meta.shape, c.q, inv, m, global, c.layout});
   return m;
 }
 
@@ -327,14 +352,15 @@ void streamer::impl::batch_writer::add_converted(const tensor_ref& t, const plac
     note_direct(p.entry.bytes);
     return;
   }
-  const std::uint64_t first = p.entry.tensor_offset / di;
+  const std::uint64_t first = copy::cvt::elements_of(cv.to, p.entry.tensor_offset);  // f4_e2m1x2: two a byte
   // An in-place session packs converted entries after all, into its staging buffers (the
   // planned offsets fit: they are an in-place batch's).
   std::byte* base =
       in_place ? st.buffers->staging(seq % st.buffers->count()) : st.buffers->data(seq % st.buffers->count());
   if (base == nullptr) refuse_unconverted(t);
   cops.push_back(copy::convert_op{static_cast<const std::byte*>(t.data) + first * copy::cvt::item(cv.from),
-                                  base + p.entry.buffer_offset, p.entry.bytes / di, 1, 0, 0, first, cv});
+                                  base + p.entry.buffer_offset, copy::cvt::elements_of(cv.to, p.entry.bytes), 1, 0, 0,
+                                  first, cv});
   if (by_entry) segments.push_back(transport::segment{nullptr, p.entry.buffer_offset, p.entry.bytes});
 }
 

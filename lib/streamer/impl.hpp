@@ -391,7 +391,8 @@ struct __attribute__((visibility("hidden"))) streamer::impl {
                       const shard_place* part = nullptr);
   copy::fused_job staged_fused_job(const tensor_ref& t, tensor_ref& scale);
   bool send_striped(batch_writer& w, planner& pl, const tensor_ref& t, const tensor_ref& sent, tensor_ref& scale);
-  const float* queue_scale_pass(batch_writer& w, const tensor_ref& t, const wire::conversion& c, tensor_ref& scale);
+  const float* queue_scale_pass(batch_writer& w, const tensor_ref& t, const wire::conversion& c, tensor_ref& scale,
+                                tensor_ref* scale_2);
   void send_scale(batch_writer& w, planner& pl, const tensor_ref& scale,
                   std::span<const transport::routed> scale_targets, refit_stats& stats);
   static std::vector<copy::fused_job> fused_jobs(const tensor_ref& t, std::span<const transport::routed> targets,

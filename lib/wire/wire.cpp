@@ -187,10 +187,14 @@ void encode_body(packer& p, const ok& m, std::string_view) {
   pack_uint(p, static_cast<std::uint8_t>(m.mode));
   p.pack_array(static_cast<std::uint32_t>(m.convert.size()));
   for (const auto& c : m.convert) {
-    p.pack_array(3);
+    // A fourth element only for a scale layout other than row-major: a peer that knows no layouts
+    // refuses it by the descriptor's length instead of writing row-major scales.
+    const bool layout = c.layout != scale_layout::row_major;
+    p.pack_array(layout ? 4 : 3);
     pack_str(p, c.name);
     pack_uint(p, static_cast<std::uint64_t>(c.type));
     pack_uint(p, static_cast<std::uint64_t>(c.q));
+    if (layout) pack_uint(p, static_cast<std::uint64_t>(c.layout));
   }
   pack_bin(p, m.lane);
 }
@@ -530,7 +534,8 @@ std::vector<conversion> decode_conversions(reader& r, const object& o) {
   std::set<std::string, std::less<>> seen;
   for (std::size_t i = 0; i < list.size(); ++i) {
     r.set_context(fmt::format("convert[{}]: ", i));
-    const auto f = r.record(list[i], "descriptor", 3);
+    const auto f = list[i].type == mt::ARRAY && list[i].via.array.size == 4 ? r.record(list[i], "descriptor", 4)
+                                                                            : r.record(list[i], "descriptor", 3);
     conversion c;
     c.name = r.str(f[0], "name", max_name_bytes);
     if (c.name.empty()) r.fail("name", "is empty");
@@ -538,17 +543,32 @@ std::vector<conversion> decode_conversions(reader& r, const object& o) {
     const std::uint64_t code = r.u64(f[1], "dtype");
     const auto t = dtype_from_code(code);
     if (!t) r.fail("dtype", fmt::format("has unknown code {}; the peer runs a newer refit or is broken", code));
-    if (*t != dtype::f32 && *t != dtype::bf16 && *t != dtype::f16 && *t != dtype::f8_e4m3)
-      r.fail("dtype", fmt::format("is {}: refit converts only to f32, bf16, f16 and f8_e4m3", to_string(*t)));
+    if (*t != dtype::f32 && *t != dtype::bf16 && *t != dtype::f16 && *t != dtype::f8_e4m3 && *t != dtype::f4_e2m1x2)
+      r.fail("dtype",
+             fmt::format("is {}: refit converts only to f32, bf16, f16, f8_e4m3 and f4_e2m1x2", to_string(*t)));
     c.type = *t;
     const std::uint64_t qcode = r.u64(f[2], "quant");
     const auto q = quant_from_code(qcode);
     if (!q) r.fail("quant", fmt::format("has unknown code {}; the peer runs a newer refit or is broken", qcode));
     c.q = *q;
-    if ((c.type == dtype::f8_e4m3) != (c.q != quant::none))
-      r.fail("quant",
-             fmt::format("is {} for dtype {}: f8_e4m3 needs tensor, block128, channel or mxfp8, other dtypes none",
-                         to_string(c.q), to_string(c.type)));
+    const bool quantised = c.type == dtype::f8_e4m3 || c.type == dtype::f4_e2m1x2;
+    if (quantised != (c.q != quant::none) || (c.q != quant::none && quant_dtype(c.q) != c.type))
+      r.fail("quant", fmt::format("is {} for dtype {}: f8_e4m3 needs tensor, block128, channel or mxfp8, "
+                                  "f4_e2m1x2 nvfp4, other dtypes none",
+                                  to_string(c.q), to_string(c.type)));
+    if (f.size() == 4) {
+      const std::uint64_t lcode = r.u64(f[3], "scale_layout");
+      if (lcode != static_cast<std::uint64_t>(scale_layout::swizzled_128x4))
+        r.fail("scale_layout",
+               fmt::format("has code {}; 1 (swizzled_128x4) is the only one sent, so the peer runs a newer refit or "
+                           "is broken",
+                           lcode));
+      if (c.q != quant::mxfp8 && c.q != quant::nvfp4)
+        r.fail("scale_layout", fmt::format("is swizzled_128x4 for quant {}: only mxfp8 and nvfp4 scales are "
+                                           "swizzled",
+                                           to_string(c.q)));
+      c.layout = scale_layout::swizzled_128x4;
+    }
     out.push_back(std::move(c));
     if (!seen.insert(out.back().name).second) r.fail("name", "is listed twice");
   }

@@ -221,13 +221,17 @@ struct abort {
 };
 
 /// A receiver's request, in its OK to HELLO, that the streamer send tensor `name` as `type`
-/// (quantised as `q` when f8_e4m3, with its scale tensor `name` + refit::scale_suffix): see
+/// (quantised as `q` when f8_e4m3 or f4_e2m1x2, with its scale tensor `name` + refit::scale_suffix,
+/// and for nvfp4 `name` + refit::scale_2_suffix): see
 /// refit::tensor_dest. Listed for every destination of a float dtype (the receiver does not know
 /// the source's); the streamer converts the names whose source differs.
 struct conversion {
   std::string name;
   dtype type = dtype::f32;
   quant q = quant::none;
+  /// Where the block scales go (mxfp8, nvfp4): a fourth element of the descriptor, sent only when
+  /// not row-major (a peer of an older refit refuses it by the length).
+  scale_layout layout = scale_layout::row_major;
   friend bool operator==(const conversion&, const conversion&) = default;
 };
 

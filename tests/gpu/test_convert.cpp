@@ -530,6 +530,179 @@ void row_end_to_end(bool direct) {
   CHECK(rx.wait(60s) == 0);
 }
 
+/// NVFP4 (and swizzled scales) the CPU engine's way, which the unit tests hold to the
+/// specification's reference: packed codes, the scale tensor's bytes, scale_2.
+struct nvfp4_expected {
+  std::vector<std::uint8_t> q, scale;
+  float scale_2 = 0.0f;
+};
+
+nvfp4_expected cpu_nvfp4(const host_source& src, dtype from, quant q, const std::vector<std::int64_t>& shape,
+                         refit::scale_layout layout) {
+  auto cpu = refit::copy::make_copier(refit::copy::engine::cpu);
+  const std::uint64_t n = *refit::checked_numel(shape);
+  const std::uint64_t groups = *refit::checked_numel(refit::scale_shape(q, shape));
+  nvfp4_expected out;
+  const dtype to = refit::quant_dtype(q);
+  out.q.resize(refit::copy::cvt::bytes_of(static_cast<std::uint8_t>(to), n));
+  out.scale.resize(*refit::checked_numel(refit::scale_shape(q, shape, layout)));
+  std::vector<float> mul(groups);
+  const refit::copy::scale_job job{src.bytes.data(), from,       shape,        q,
+                                   out.scale.data(), mul.data(), &out.scale_2, layout};
+  cpu->scales(std::span(&job, 1), nullptr);
+  const auto cv = refit::copy::conversion_of(from, to, q, shape, mul.data());
+  const refit::copy::convert_op op{src.bytes.data(), out.q.data(), n, 1, 0, 0, 0, cv};
+  cpu->convert(std::span(&op, 1), nullptr);
+  return out;
+}
+
+/// The GPU's NVFP4 scale pass (the per-tensor reduction, then the blocks) and converting copies,
+/// and its swizzled scale writes (nvfp4 and mxfp8), against the CPU engine.
+void nvfp4_kernels_body() {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice(0)");
+  auto gpu = refit::copy::make_copier(refit::copy::engine::kernel, 0);
+  for (const dtype from : {dtype::bf16, dtype::f32, dtype::f16})
+    for (const quant q : {quant::nvfp4, quant::mxfp8})
+      for (const auto layout : {refit::scale_layout::row_major, refit::scale_layout::swizzled_128x4})
+        for (const std::size_t cols : {std::size_t{256}, std::size_t{72}, std::size_t{2}}) {
+          const std::size_t rows = 300;
+          const host_source src = make_source(from, rows, cols, 51);
+          const auto dsrc = upload(src.bytes);
+          const std::vector<std::int64_t> shape{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
+          const std::string what = std::string(refit::to_string(from)) + " " + std::string(refit::to_string(q)) + " " +
+                                   std::string(refit::to_string(layout)) + " cols " + std::to_string(cols);
+          const nvfp4_expected want = cpu_nvfp4(src, from, q, shape, layout);
+          const std::uint64_t groups = *refit::checked_numel(refit::scale_shape(q, shape));
+          float* scale = gpu->scratch(want.scale.size());
+          float* mul = gpu->scratch(groups);
+          float* scale_2 = gpu->scratch(1);
+          const refit::copy::scale_job job{
+              dsrc.handle(), from, shape, q, scale, mul, q == quant::nvfp4 ? scale_2 : nullptr, layout};
+          gpu->scales(std::span(&job, 1), nullptr);
+          expect(download(scale, want.scale.size()) == want.scale, what + ": scales differ");
+          if (q == quant::nvfp4) expect(download_floats(scale_2, 1)[0] == want.scale_2, what + ": scale_2 differs");
+          const dtype to = refit::quant_dtype(q);
+          const auto cv = refit::copy::conversion_of(from, to, q, shape, mul);
+          const std::uint64_t n = rows * cols;
+          for (const std::uint64_t piece : {std::uint64_t{78}, std::uint64_t{1} << 20}) {
+            refit::cuda::device_buffer out(want.q.size());
+            std::vector<refit::copy::convert_op> ops;
+            for (std::uint64_t e = 0; e < n; e += piece)
+              ops.push_back(refit::copy::convert_op{
+                  static_cast<const std::byte*>(dsrc.handle()) + e * refit::itemsize(from),
+                  static_cast<std::byte*>(out.handle()) + refit::copy::cvt::bytes_of(static_cast<std::uint8_t>(to), e),
+                  std::min(piece, n - e), 1, 0, 0, e, cv});
+            gpu->convert(ops, nullptr);
+            const auto diff = first_difference(download(out.handle(), want.q.size()), want.q);
+            expect(diff.empty(), what + " pieces of " + std::to_string(piece) + ": " + diff);
+          }
+          gpu->reset_scratch();
+        }
+}
+
+/// NVFP4 end to end: w_nv bf16 [300, 256] row-major scales; w_nv_swz f32 [200, 72] swizzled (a
+/// short last block); w_mx_swz bf16 [130, 70] MXFP8 swizzled; w_nv_big bf16 [1024, 1024] (several
+/// staged batches).
+struct nvfp4_model {
+  host_source nv = make_source(dtype::bf16, 300, 256, 61);
+  host_source swz = make_source(dtype::f32, 200, 72, 62);
+  host_source mx = make_source(dtype::bf16, 130, 70, 63);
+  host_source big = make_source(dtype::bf16, 1024, 1024, 64);
+};
+
+struct nvfp4_param {
+  const char* name;
+  quant q;
+  refit::scale_layout layout;
+  std::vector<std::int64_t> shape;
+  dtype from;
+};
+
+const std::vector<nvfp4_param>& nvfp4_params() {
+  static const std::vector<nvfp4_param> p{
+      {"w_nv", quant::nvfp4, refit::scale_layout::row_major, {300, 256}, dtype::bf16},
+      {"w_nv_swz", quant::nvfp4, refit::scale_layout::swizzled_128x4, {200, 72}, dtype::f32},
+      {"w_mx_swz", quant::mxfp8, refit::scale_layout::swizzled_128x4, {130, 70}, dtype::bf16},
+      {"w_nv_big", quant::nvfp4, refit::scale_layout::row_major, {1024, 1024}, dtype::bf16}};
+  return p;
+}
+
+void nvfp4_receiver_body(const std::string& ep, rt::signal_pipe& ready) {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+  const nvfp4_model m;
+  const host_source* srcs[] = {&m.nv, &m.swz, &m.mx, &m.big};
+  refit::receiver_options o;
+  o.endpoint = ep;
+  o.idle_timeout = 30000ms;
+  refit::receiver r(o);
+  std::vector<nvfp4_expected> want;
+  std::vector<refit::cuda::device_buffer> mem;
+  for (std::size_t k = 0; k < nvfp4_params().size(); ++k) {
+    const nvfp4_param& p = nvfp4_params()[k];
+    want.push_back(cpu_nvfp4(*srcs[k], p.from, p.q, p.shape, p.layout));
+    mem.emplace_back(want.back().q.size());
+    mem.emplace_back(want.back().scale.size());
+    mem.emplace_back(4);
+    const dtype to = refit::quant_dtype(p.q);
+    refit::tensor_dest d{{p.name, to, refit::storage_shape(to, p.shape)}, mem[3 * k].handle(), refit::device::cuda(0)};
+    d.q = p.q;
+    d.scale = mem[3 * k + 1].handle();
+    d.scale_2 = p.q == quant::nvfp4 ? mem[3 * k + 2].handle() : nullptr;
+    d.layout = p.layout;
+    r.add_parameter(d);
+  }
+  ready.send("ready");
+  int commits = 0;
+  for (auto last = std::chrono::steady_clock::now();;) {
+    const auto e = r.serve_one(100ms);
+    if (e == refit::receiver_event::bye) break;
+    expect(e != refit::receiver_event::aborted && e != refit::receiver_event::refused, "receiver: " + r.last_error());
+    if (e == refit::receiver_event::idle) {
+      expect(std::chrono::steady_clock::now() - last < 60s, "receiver: no message for 60 s");
+      continue;
+    }
+    last = std::chrono::steady_clock::now();
+    if (e != refit::receiver_event::committed) continue;
+    ++commits;
+    for (std::size_t k = 0; k < nvfp4_params().size(); ++k) {
+      const std::string name = nvfp4_params()[k].name;
+      const auto d = first_difference(download(mem[3 * k].handle(), want[k].q.size()), want[k].q);
+      expect(d.empty(), name + ": " + d);
+      const auto ds = first_difference(download(mem[3 * k + 1].handle(), want[k].scale.size()), want[k].scale);
+      expect(ds.empty(), name + " scales: " + ds);
+      if (nvfp4_params()[k].q == quant::nvfp4)
+        expect(download_floats(static_cast<const float*>(mem[3 * k + 2].handle()), 1)[0] == want[k].scale_2,
+               name + ": scale_2 differs");
+    }
+  }
+  expect(commits == 2, std::to_string(commits) + " commits");
+}
+
+void nvfp4_streamer_body(const std::string& ep, bool direct) {
+  refit::check_cuda(cudaSetDevice(0), "cudaSetDevice");
+  const nvfp4_model m;
+  const auto a = upload(m.nv.bytes), b = upload(m.swz.bytes), c = upload(m.mx.bytes), g = upload(m.big.bytes);
+  const void* data[] = {a.handle(), b.handle(), c.handle(), g.handle()};
+  std::vector<refit::tensor_ref> refs;
+  for (std::size_t k = 0; k < nvfp4_params().size(); ++k) {
+    const nvfp4_param& p = nvfp4_params()[k];
+    refs.push_back({{p.name, p.from, p.shape}, data[k], refit::device::cuda(0), nullptr});
+  }
+  refit::streamer_options o;
+  o.endpoint = ep;
+  o.transport = refit::transport_kind::cuda_ipc;
+  o.buffer_bytes = 256 << 10;
+  o.direct = direct;
+  o.timeout = 30000ms;
+  refit::streamer st(o);
+  for (std::uint64_t v : {1, 2}) {
+    const auto stats = st.refit(v, refs);
+    expect(stats.direct == direct, direct ? "the refit was staged" : "the refit was direct");
+    expect(stats.tensors == 3 * 3 + 2, "stats.tensors " + std::to_string(stats.tensors));
+  }
+  st.close();
+}
+
 }  // namespace
 
 TEST_CASE("cuda_ipc refits, staged and direct, write per-channel and MXFP8 weights and scales bit-exact",
@@ -537,6 +710,25 @@ TEST_CASE("cuda_ipc refits, staged and direct, write per-channel and MXFP8 weigh
   const bool direct = GENERATE(false, true);
   INFO((direct ? "direct" : "staged"));
   row_end_to_end(direct);
+}
+
+TEST_CASE("the CUDA NVFP4 scale pass, converting copies and swizzled scale writes match the CPU engine",
+          "[convert][copy][quant][nvfp4]") {
+  rt::child c(nvfp4_kernels_body);
+  CHECK(c.wait(300s) == 0);
+}
+
+TEST_CASE("cuda_ipc refits, staged and direct, write NVFP4 codes, block scales and scale_2, and swizzled scales",
+          "[convert][cuda_ipc][quant][nvfp4]") {
+  const bool direct = GENERATE(false, true);
+  INFO((direct ? "direct" : "staged"));
+  const auto ep = rt::temp_endpoint();
+  rt::signal_pipe ready;
+  rt::child rx([&] { nvfp4_receiver_body(ep, ready); });
+  REQUIRE(ready.receive(60s) == "ready");
+  rt::child tx([&] { nvfp4_streamer_body(ep, direct); });
+  CHECK(tx.wait(180s) == 0);
+  CHECK(rx.wait(60s) == 0);
 }
 
 TEST_CASE("the CUDA scale passes, converting copies and fused kernel match the reference bit for bit",

@@ -161,7 +161,7 @@ def test_bad_conversion_registrations_raise_naming_the_tensor():
     with refit.Receiver() as rx:
         w = torch.zeros(256, 256, dtype=torch.uint8)
         s = torch.zeros(2, 2)
-        with pytest.raises(ValueError, match="'w': quant must be 'tensor', 'block128', 'channel', 'mxfp8' or 'none', "
+        with pytest.raises(ValueError, match="'w': quant must be 'tensor', 'block128', 'channel', 'mxfp8', 'nvfp4' or 'none', "
                                              "not 'blocks'"):
             rx.add_parameter("w", w, scale=s, quant="blocks", dtype="f8_e4m3")
         with pytest.raises(ValueError, match="'w': scale has 1 elements, but quant 'block128' of this destination "

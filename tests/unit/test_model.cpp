@@ -73,12 +73,21 @@ TEST_CASE("parse_dtype accepts canonical, safetensors and torch names", "[model]
 
 TEST_CASE("every quant names its groups, its scale dtype and the shape of its scale tensor", "[model]") {
   using refit::quant;
-  for (std::uint64_t code = 0; code <= 4; ++code) {
+  for (std::uint64_t code = 0; code <= 5; ++code) {
     const auto q = refit::quant_from_code(code);
     REQUIRE(q);
     CHECK(refit::parse_quant(refit::to_string(*q)) == q);
   }
-  CHECK_FALSE(refit::quant_from_code(5));
+  CHECK_FALSE(refit::quant_from_code(6));
+  CHECK(refit::parse_quant("nvfp4") == quant::nvfp4);
+  CHECK(refit::scale_dtype(quant::nvfp4) == dtype::f8_e4m3);
+  CHECK(refit::quant_dtype(quant::nvfp4) == dtype::f4_e2m1x2);
+  CHECK(refit::quant_dtype(quant::mxfp8) == dtype::f8_e4m3);
+  CHECK(refit::block_cols(quant::nvfp4) == 16);
+  CHECK(refit::parse_scale_layout("swizzled") == refit::scale_layout::swizzled_128x4);
+  CHECK(refit::parse_scale_layout("row_major") == refit::scale_layout::row_major);
+  CHECK_FALSE(refit::parse_scale_layout("tiled"));
+  CHECK(refit::to_string(refit::scale_layout::swizzled_128x4) == "swizzled_128x4");
   CHECK(refit::parse_quant("per_channel") == quant::channel);
   CHECK(refit::parse_quant("mx") == quant::mxfp8);
   CHECK(refit::to_string(quant::channel) == "channel");

@@ -366,10 +366,10 @@ TEST_CASE("row-format registrations are checked: scale, rank and slices on block
         "invalid_argument: add_parameter: 'w' (w bf16[64, 100]) asks for quant channel, which quantises to f8_e4m3: "
         "register the destination as f8_e4m3, not bf16");
   auto unknown = d;
-  unknown.q = static_cast<quant>(5);
+  unknown.q = static_cast<quant>(6);
   CHECK(registration_error(unknown) ==
         "invalid_argument: add_parameter: 'w' (w f8_e4m3[64, 100]) has an unknown "
-        "quant (code 5)");
+        "quant (code 6)");
   refit::dest_layout shard;
   auto mx = d;
   mx.q = quant::mxfp8;

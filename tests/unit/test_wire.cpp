@@ -624,14 +624,17 @@ TEST_CASE("decode rejects every bad conversion an OK asks for", "[wire]") {
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", 99, 2)})), errc::protocol,
                     "convert[0] ('w'): dtype has unknown code 99");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::i32), 0)})), errc::protocol,
-                    "convert[0] ('w'): dtype is i32: refit converts only to f32, bf16, f16 and f8_e4m3");
+                    "convert[0] ('w'): dtype is i32: refit converts only to f32, bf16, f16, f8_e4m3 and f4_e2m1x2");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 6)})), errc::protocol,
+                    "convert[0] ('w'): quant has unknown code 6; the peer runs a newer refit or is broken");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 5)})), errc::protocol,
-                    "convert[0] ('w'): quant has unknown code 5; the peer runs a newer refit or is broken");
+                    "convert[0] ('w'): quant is nvfp4 for dtype f8_e4m3: f8_e4m3 needs tensor, block128, channel or "
+                    "mxfp8, f4_e2m1x2 nvfp4, other dtypes none");
   CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f8), S("block128")})})), errc::protocol,
                     "convert[0] ('w'): quant must be an unsigned integer, got str");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 0)})), errc::protocol,
                     "convert[0] ('w'): quant is none for dtype f8_e4m3: f8_e4m3 needs tensor, block128, channel or "
-                    "mxfp8, other dtypes none");
+                    "mxfp8, f4_e2m1x2 nvfp4, other dtypes none");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", bf16, 1)})), errc::protocol,
                     "convert[0] ('w'): quant is tensor for dtype bf16");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", f8, 2), conv("w", bf16, 0)})), errc::protocol,
@@ -654,15 +657,42 @@ TEST_CASE("an OK may ask for f8_e4m3 per channel and as mxfp8, never for the sca
   CHECK(o.convert[1] == wire::conversion{"b", dtype::f8_e4m3, quant::mxfp8});
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", bf16, 3)})), errc::protocol,
                     "convert[0] ('w'): quant is channel for dtype bf16: f8_e4m3 needs tensor, block128, channel or "
-                    "mxfp8, other dtypes none");
+                    "mxfp8, f4_e2m1x2 nvfp4, other dtypes none");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", bf16, 4)})), errc::protocol,
                     "convert[0] ('w'): quant is mxfp8 for dtype bf16");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::f8_e8m0), 4)})), errc::protocol,
-                    "convert[0] ('w'): dtype is f8_e8m0: refit converts only to f32, bf16, f16 and f8_e4m3");
+                    "convert[0] ('w'): dtype is f8_e8m0: refit converts only to f32, bf16, f16, f8_e4m3 and f4_e2m1x2");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", static_cast<std::uint64_t>(dtype::f4_e2m1x2), 0)})), errc::protocol,
-                    "convert[0] ('w'): dtype is f4_e2m1x2: refit converts only to f32, bf16, f16 and f8_e4m3");
+                    "convert[0] ('w'): quant is none for dtype f4_e2m1x2");
   CHECK_REFIT_ERROR(wire::decode(ok_with({conv("w", 17, 0)})), errc::protocol,
                     "convert[0] ('w'): dtype has unknown code 17; the peer runs a newer refit or is broken");
+}
+
+TEST_CASE("an OK may ask for nvfp4 and for swizzled scales, as a fourth descriptor element only when swizzled",
+          "[wire][nvfp4]") {
+  const auto ok_with = [](std::vector<field> list) {
+    return message(OK, {NIL(), T(false), ARR({}), U(0), ARR(std::move(list)), B("")});
+  };
+  constexpr auto f8 = static_cast<std::uint64_t>(dtype::f8_e4m3);
+  constexpr auto f4 = static_cast<std::uint64_t>(dtype::f4_e2m1x2);
+  wire::ok ok;
+  ok.convert = {wire::conversion{"a", dtype::f4_e2m1x2, quant::nvfp4},
+                wire::conversion{"b", dtype::f4_e2m1x2, quant::nvfp4, refit::scale_layout::swizzled_128x4},
+                wire::conversion{"c", dtype::f8_e4m3, quant::mxfp8, refit::scale_layout::swizzled_128x4}};
+  CHECK(std::get<wire::ok>(roundtrip(ok)) == ok);
+  // A row-major conversion stays three elements long: peers that know no layouts read it.
+  const auto decoded = wire::decode(ok_with({ARR({S("a"), U(f4), U(5)}), ARR({S("b"), U(f4), U(5), U(1)})}));
+  CHECK(std::get<wire::ok>(decoded).convert[0].layout == refit::scale_layout::row_major);
+  CHECK(std::get<wire::ok>(decoded).convert[1].layout == refit::scale_layout::swizzled_128x4);
+  CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f8), U(3), U(1)})})), errc::protocol,
+                    "convert[0] ('w'): scale_layout is swizzled_128x4 for quant channel: only mxfp8 and nvfp4 scales "
+                    "are swizzled");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f4), U(5), U(0)})})), errc::protocol,
+                    "convert[0] ('w'): scale_layout has code 0; 1 (swizzled_128x4) is the only one sent");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f4), U(5), U(2)})})), errc::protocol,
+                    "convert[0] ('w'): scale_layout has code 2");
+  CHECK_REFIT_ERROR(wire::decode(ok_with({ARR({S("w"), U(f4), U(5), U(1), U(1)})})), errc::protocol,
+                    "OK message: convert[0]: descriptor must have 3 elements, got 5");
 }
 
 TEST_CASE("decode rejects OK and ERROR fields of the wrong type", "[wire]") {

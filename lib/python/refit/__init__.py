@@ -341,6 +341,8 @@ class Receiver(_refit.Receiver):
         scale: Any = None,
         quant: Optional[str] = None,
         dtype: Optional[str] = None,
+        scale_2: Any = None,
+        scale_layout: str = "row_major",
     ) -> None:
         """Registers ``tensor`` as where the source tensor ``name`` lands, written in place.
 
@@ -390,6 +392,25 @@ class Receiver(_refit.Receiver):
             s = torch.empty(4096, 128, dtype=torch.float8_e8m0fnu, device="cuda")
             rx.add_parameter("o_proj.weight", w, scale=s, quant="mxfp8")
 
+        ``quant="nvfp4"`` is NVIDIA's NVFP4 as TensorRT-Model-Optimizer computes it: e2m1 elements
+        two a byte (element 2k in the low nibble; the destination is ``torch.float4_e2m1fn_x2`` or
+        uint8 of shape ``[rows, cols/2]``, ``cols`` even), one e4m3 scale per 16 elements of a row
+        (``scale``: ``[rows, ceil(cols/16)]``, float8_e4m3fn or uint8) and one float32 per-tensor
+        scale (``scale_2``, one element): scale_2 = amax / (6 * 448), block scale
+        e4m3((amax_block / 6) / scale_2), elements e2m1(x / (block scale * scale_2)), round to
+        nearest even, saturating; a checkpoint's ``weight``, ``weight_scale``, ``weight_scale_2``::
+
+            w = torch.empty(4096, 2048, dtype=torch.uint8, device="cuda")
+            s = torch.empty(4096, 256, dtype=torch.float8_e4m3fn, device="cuda")
+            s2 = torch.empty(1, dtype=torch.float32, device="cuda")
+            rx.add_parameter("o_proj.weight", w, quant="nvfp4", scale=s, scale_2=s2,
+                             scale_layout="swizzled")
+
+        ``scale_layout="swizzled"`` (mxfp8 and nvfp4) writes the block scales in the 128 x 4 tiles
+        cuBLAS/CUTLASS block-scaled GEMMs read (vLLM's ``swizzle_blockscale``): the grid padded
+        to a multiple of 128 rows and 4 columns (``[4096, 256]`` above too; ``[ceil(rows/128)*128,
+        ceil(cols/16/4)*4]``), padding written as zero; such a destination takes its source whole.
+
         Torch without float8 dtypes (before 2.1): pass a uint8 tensor and ``dtype="f8_e4m3"``,
         which reads its bytes as e4m3. A block128 shard (``source_slice`` along one of the last
         two dimensions) must start on a multiple of 128 and end on one or at the source's end;
@@ -398,7 +419,16 @@ class Receiver(_refit.Receiver):
         scale of the wrong dtype (float32; float8_e8m0fnu or uint8 for mxfp8),
         RefitError(invalid_argument) for a quant without an f8_e4m3 destination or a scale, a
         scale without quant, or a shard starting inside a block."""
-        super().add_parameter(name, tensor, source_slice, scale=scale, quant=quant, dtype=dtype)
+        super().add_parameter(
+            name,
+            tensor,
+            source_slice,
+            scale=scale,
+            quant=quant,
+            dtype=dtype,
+            scale_2=scale_2,
+            scale_layout=scale_layout,
+        )
 
     def add_parameters(self, params: Tensors) -> None:
         """Registers every ``(name, tensor)`` of a ``state_dict()``, ``named_parameters()`` or

@@ -83,6 +83,8 @@ class Receiver:
         scale: Any = None,
         quant: Optional[str] = None,
         dtype: Optional[str] = None,
+        scale_2: Any = None,
+        scale_layout: str = "row_major",
     ) -> None: ...
     def clear_parameters(self) -> None: ...
     def serve_one(self, timeout: float = 0.1) -> int: ...  # an Event value
