@@ -416,17 +416,17 @@ event decoder::sealed_done() {
     return fail("a CURVE MESSAGE that does not open with this connection's keys (forged or corrupted)");
   const std::uint8_t inner = d[16];
   const std::uint64_t size = n - curve_overhead;
-  if ((inner & ~(flag_more | flag_command)) != 0)
+  if ((inner & ~(sealed_more | sealed_command)) != 0)
     return fail(fmt::format("a CURVE MESSAGE with reserved flag bits set ({:#04x})", inner));
-  if ((inner & flag_command) != 0) {
-    if ((inner & flag_more) != 0) return fail("a command frame flagged MORE");
+  if ((inner & sealed_command) != 0) {
+    if ((inner & sealed_more) != 0) return fail("a command frame flagged MORE");
     if (size == 0 || size > max_command_bytes)
       return fail(fmt::format("a command of {} bytes (1 to {} allowed)", size, max_command_bytes));
     command_.assign(reinterpret_cast<const char*>(d + 17), size);
     return command_done();
   }
-  flags_ = inner;
-  if (const event e = message_frame((inner & flag_more) != 0, size); e != event::none) return e;
+  flags_ = (inner & sealed_more) != 0 ? flag_more : 0;  // read on as a frame header's flags
+  if (const event e = message_frame((inner & sealed_more) != 0, size); e != event::none) return e;
   if (!discarding_ && frames_ == 2) {  // the request's body: kept where it was opened
     body_ = std::move(box);
     body_from_ = 17;
@@ -953,7 +953,7 @@ bool server::reply(const std::string& peer, std::string_view bytes) {
   connection& c = *it->second;
   const auto now = clock::now();
   if (c.dec.sealed()) {                         // CURVE: the delimiter and the body, each its own MESSAGE
-    std::string sealed = c.dec.seal(0x01, {});  // first: the nonces must rise in the order sent
+    std::string sealed = c.dec.seal(sealed_more, {});  // first: the nonces must rise in the order sent
     sealed += c.dec.seal(0, bytes);
     queue(c, sealed, now);
     return true;
@@ -1039,7 +1039,7 @@ void server::timers(connection& c, clock::time_point now) {
 
 /// A command frame to connection `c`: plain, or sealed in a MESSAGE (CURVE).
 std::string server::command_to(connection& c, std::string_view name, std::string_view data) {
-  return c.dec.sealed() ? c.dec.seal(0x04, command_body(name, data)) : command(name, data);
+  return c.dec.sealed() ? c.dec.seal(sealed_command, command_body(name, data)) : command(name, data);
 }
 
 void server::close(connection& c, std::string_view why) {

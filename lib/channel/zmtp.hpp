@@ -67,6 +67,14 @@ struct curve_server_keys {
 
 /// The bytes a CURVE MESSAGE adds to the frame it carries: its name, nonce, MAC and flags.
 inline constexpr std::uint64_t curve_overhead = 8 + 8 + 16 + 1;
+/// The flags byte inside a CURVE MESSAGE box: MORE is bit 0 as in a frame header, but COMMAND is
+/// bit 1 (0x02), not the frame header's bit 2 (0x04). libzmq puts its message flags there masked to
+/// more | command (msg_t::more = 1, msg_t::command = 2) and reads them back the same way: a PING
+/// sealed with 0x04 reaches a libzmq REQ as a data frame outside any reply, which its session
+/// refuses, ending the connection for good (a protocol error is never reconnected) with the
+/// request in flight unanswered.
+inline constexpr std::uint8_t sealed_more = 0x01;
+inline constexpr std::uint8_t sealed_command = 0x02;
 
 /// A server's limits and intervals. The defaults are the receiver's; tests shorten the intervals.
 struct options {
@@ -147,7 +155,8 @@ class decoder {
   [[nodiscard]] bool sealed() const noexcept { return curve_ != nullptr; }
   /// CURVE: frames to send that the handshake produced (WELCOME, READY), then empty.
   std::string take_output() { return std::exchange(output_, std::string()); }
-  /// CURVE, after event::ready: one frame (`flags`: MORE, COMMAND) with `payload`, as a MESSAGE.
+  /// CURVE, after event::ready: one frame (`flags`: sealed_more, sealed_command) with `payload`, as a
+  /// MESSAGE.
   std::string seal(std::uint8_t flags, std::string_view payload);
   /// CURVE, after event::ready: the client's long-term public key (Z85 text).
   [[nodiscard]] const std::string& client_key() const noexcept { return client_key_; }

@@ -106,7 +106,8 @@ class curve_client {
     return plain.find("ROUTER") != std::string::npos;
   }
 
-  /// One frame (`flags`: 1 MORE, 4 COMMAND) sealed in a MESSAGE with the next nonce (or `nonce`).
+  /// One frame (`flags`: zmtp::sealed_more, zmtp::sealed_command) sealed in a MESSAGE with the next
+  /// nonce (or `nonce`).
   std::string seal(std::uint8_t flags, std::string_view payload, std::uint64_t nonce_value = 0) {
     const std::uint64_t used = nonce_value != 0 ? nonce_value : next_nonce_++;
     const std::string n = be(used);

@@ -337,6 +337,34 @@ TEST_CASE("the ZMTP server speaks CURVE with a libzmq REQ: the handshake, a requ
   }
 }
 
+TEST_CASE(
+    "a libzmq CURVE REQ idle for many heartbeat intervals answers the server's sealed PINGs and keeps its connection",
+    "[channel][zmtp][curve]") {
+  // The PINGs are sealed commands: sealed as data, the first one ended the connection (libzmq's REQ
+  // session refuses a data frame outside a reply), and the next request was never answered.
+  const z85_pair server = curve_pair(), client = curve_pair();
+  const zmtp::scoped_default_options quick_heartbeats(quick());
+  rep_channel rep("tcp://127.0.0.1:*", refit::curve_keys{server.public_key, server.secret_key, "", {}});
+  req_channel req(rep.endpoint(), refit::curve_keys{client.public_key, client.secret_key, server.public_key, {}});
+  req.send("HELLO", 10s, "HELLO");
+  std::optional<std::string> got;
+  REQUIRE(serve_until(rep, [&] { return (got = got ? got : rep.receive(10ms)).has_value(); }));
+  rep.reply("re:HELLO");
+  REQUIRE(req.receive(10s, "HELLO") == "re:HELLO");
+  // Served for five heartbeat timeouts (fifty PING intervals) while the REQ says nothing but PONG.
+  const auto until = std::chrono::steady_clock::now() + 2500ms;
+  REQUIRE(serve_until(rep, [&] { return std::chrono::steady_clock::now() >= until; }));
+  CHECK(rep.connections() == 1);
+  CHECK(rep.closed() == 0);
+  req.send("BEGIN", 10s, "BEGIN");
+  got.reset();
+  REQUIRE(serve_until(rep, [&] { return (got = got ? got : rep.receive(10ms)).has_value(); }));
+  CHECK(*got == "BEGIN");
+  rep.reply("re:BEGIN");
+  CHECK(req.receive(10s, "BEGIN") == "re:BEGIN");
+  CHECK(req.resets() == 0);
+}
+
 namespace {
 
 /// A CURVE server decoder (its keys, and `allowed` client keys) and a client that completed the
@@ -392,8 +420,10 @@ TEST_CASE("the ZMTP decoder's CURVE handshake and sealed frames: a request opene
   const std::string body = p.dec->seal(0, "OK");
   CHECK(p.client->open(delimiter) == std::pair<std::uint8_t, std::string>{1, ""});
   CHECK(p.client->open(body) == std::pair<std::uint8_t, std::string>{0, "OK"});
-  // A PING sealed as a command is answered: its context comes out.
-  REQUIRE(p.feed(p.client->seal(4, zmtp::command_body("PING", std::string("\0\0ctx", 5)))) == zmtp::event::ping);
+  // A PING sealed as a command (a MESSAGE's COMMAND bit, 0x02, as libzmq seals it) is answered: its
+  // context comes out.
+  REQUIRE(p.feed(p.client->seal(zmtp::sealed_command, zmtp::command_body("PING", std::string("\0\0ctx", 5)))) ==
+          zmtp::event::ping);
   CHECK(p.dec->ping_context() == "ctx");
   // A message that is not a request is dropped whole, opened frame by frame.
   std::string two = p.client->seal(1, "x");  // sealed in the order sent: nonces rise
@@ -402,6 +432,17 @@ TEST_CASE("the ZMTP decoder's CURVE handshake and sealed frames: a request opene
   CHECK(p.dec->dropped_frames() == 2);
   REQUIRE(p.feed(p.client->request("END")) == zmtp::event::request);
   CHECK(p.dec->take_body() == "END");
+}
+
+TEST_CASE("a sealed frame with the frame header's COMMAND bit (0x04) inside its box is refused as reserved bits",
+          "[channel][zmtp][curve]") {
+  // Inside a MESSAGE box the COMMAND bit is 0x02 (zmtp::sealed_command); 0x04 there is no flag libzmq
+  // sends, and a server that took it for one would also send it, which libzmq reads as data.
+  sealed_pair p;
+  std::string why;
+  REQUIRE(p.feed(p.client->seal(0x04, zmtp::command_body("PING", std::string("\0\0", 2))), &why) ==
+          zmtp::event::error);
+  CHECK(why == "a CURVE MESSAGE with reserved flag bits set (0x04)");
 }
 
 TEST_CASE("the ZMTP decoder refuses a CURVE peer that breaks the handshake, with the reason",
