@@ -190,8 +190,7 @@ void write_memory(std::ostream& out, const std::vector<row>& rows) {
     return fmt::format("{}/{}/{}", mib(m.device), mib(m.pinned), mib(m.host));
   };
   out << "# memory (MiB, peaks of what refit held beyond the weights, device/pinned/host; receiver: the largest of "
-         "them),
-"
+         "them),\n"
          "#   each side against its budget (README.md \"Memory\": the formula, + 8 MiB a kind), and the device\n"
          "#   memory the driver saw the side take (cudaMemGetInfo: NCCL's buffers and the context included):\n";
   for (const row& r : rows)
