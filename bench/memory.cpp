@@ -31,7 +31,10 @@ constexpr std::uint64_t in_place_batch = 1ull << 30;
 
 /// The conversion's scale scratch on the streamer's GPU (lib/streamer/convert.cpp): two floats per
 /// scale group (the scale and its multiplier), in 256-byte pieces, for every tensor of a refit (the
-/// scratch rewinds once per refit), in chunks of at least 1 Mi floats.
+/// scratch rewinds once per refit), in chunks of at least 1 Mi floats (lib/copy/copy_cuda.cpp). A
+/// piece that does not fit the rest of a chunk starts the next one, leaving that rest unused: the
+/// waste is less than the pieces that caused it, so at most twice what the pieces take, plus the
+/// first chunk.
 std::uint64_t scale_scratch(const config& c, const manifest& m) {
   if (!c.convert || c.convert->q == quant::none) return 0;
   std::uint64_t floats = 0;
@@ -40,7 +43,7 @@ std::uint64_t scale_scratch(const config& c, const manifest& m) {
     const auto groups = checked_numel(scale_shape(c.convert->q, e.meta.shape)).value_or(0);
     floats += 2 * ((groups + 63) / 64 * 64);
   }
-  return floats == 0 ? 0 : floats * sizeof(float) + 4 * mib;
+  return floats == 0 ? 0 : 2 * floats * sizeof(float) + 4 * mib;
 }
 
 /// Bytes the receiver's largest table takes: each distinct rank's share is at most the row's.

@@ -2615,6 +2615,8 @@ TEST_CASE("a host_shm run holds both sides to their memory budgets and says so i
     CHECK(mem["streamer"]["host"].get<std::int64_t>() >= buffers);  // its segments, counted
     CHECK(mem["receiver"]["host"].get<std::int64_t>() >= buffers);  // its mappings of them
     CHECK(mem["budget"]["receiver_formula"] == "n x b host (mapped)");
+  }
+}
 
 TEST_CASE("--chaos reads kill, add, remove and back, a bare probability as kill, and refuses the rest by name",
           "[bench][chaos]") {
