@@ -506,7 +506,9 @@ std::optional<config> parse_args(int argc, const char* const* argv, int& exit_co
   if (!t.convert_text.empty()) {
     c.convert = parse_conversion(t.convert_text);
     if (!c.convert)
-      bad(fmt::format("--convert {}: unknown (bf16:fp8-block128, bf16:fp8-tensor, bf16:fp8-channel, bf16:mxfp8, f32:bf16)", t.convert_text));
+      bad(fmt::format(
+          "--convert {}: unknown (bf16:fp8-block128, bf16:fp8-tensor, bf16:fp8-channel, bf16:mxfp8, f32:bf16)",
+          t.convert_text));
     if (c.layout != layout_kind::plain)
       bad(fmt::format("--convert with --layout {}: only --layout plain", t.convert_text));
     if (t.dtype_name != "bf16" && dtype_named(t.dtype_name) != c.convert->from)

@@ -192,7 +192,8 @@ void write_memory(std::ostream& out, const std::vector<row>& rows) {
   out << "# memory (MiB, peaks of what refit held beyond the weights, device/pinned/host; receiver: the largest of "
          "them),\n"
          "#   each side against its budget (README.md \"Memory\": the formula, + 8 MiB a kind), and the device\n"
-         "#   memory the driver saw the side take (cudaMemGetInfo: NCCL's buffers and the context included):\n";
+         "#   memory the driver saw taken during the row (cudaMemGetInfo, the whole GPU's: NCCL's buffers and the\n"
+         "#   context included, and on a GPU both sides share what the other side allocated meanwhile):\n";
   for (const row& r : rows)
     out << fmt::format(
         "#   {} {} {} x {:g} MiB {}: streamer {} (budget {}: {}; driver {}) | receiver {} (budget {}: {}; driver "

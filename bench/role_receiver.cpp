@@ -170,7 +170,8 @@ json committed_line(const config& c, const manifest& m, const engine_layout& lay
   // The driver's view: device memory this process took since its weights were allocated (refit's,
   // NCCL's buffers, the context's growth), now that the version is committed.
   const std::int64_t driver_now = driver_used();
-  if (driver_base >= 0 && driver_now >= 0) line["memory"]["driver"] = std::max<std::int64_t>(0, driver_now - driver_base);
+  if (driver_base >= 0 && driver_now >= 0)
+    line["memory"]["driver"] = std::max<std::int64_t>(0, driver_now - driver_base);
   reset_memory_peaks();
   return line;
 }

@@ -115,7 +115,7 @@ class group_runner {
   }
 
  private:
-  row::side_memory receiver_memory_;  ///< the row so far: take_memory()
+  row::side_memory receiver_memory_;   ///< the row so far: take_memory()
   std::int64_t receiver_driver_ = -1;  ///< the row so far: the largest receiver driver view (take_memory)
   [[nodiscard]] std::string who(std::size_t k) const {
     return several_ ? fmt::format("{} {} of {} (GPU {}, pid {})", tp_ ? "rank" : "receiver", k, children_.size(),
@@ -316,7 +316,8 @@ class group_runner {
                          static_cast<std::int64_t>(held.host_peak)};
     r.receiver_memory = receiver_memory_;
     const std::int64_t driver_after = driver_used();
-    if (driver_before >= 0 && driver_after >= 0) r.streamer_driver = std::max<std::int64_t>(0, driver_after - driver_before);
+    if (driver_before >= 0 && driver_after >= 0)
+      r.streamer_driver = std::max<std::int64_t>(0, driver_after - driver_before);
     r.receiver_driver = receiver_driver_;
     s.close();
     finish_row(r, samples, went_direct, shared);

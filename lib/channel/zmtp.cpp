@@ -952,7 +952,7 @@ bool server::reply(const std::string& peer, std::string_view bytes) {
   if (it == conns_.end() || it->second->closing) return false;
   connection& c = *it->second;
   const auto now = clock::now();
-  if (c.dec.sealed()) {                         // CURVE: the delimiter and the body, each its own MESSAGE
+  if (c.dec.sealed()) {                                // CURVE: the delimiter and the body, each its own MESSAGE
     std::string sealed = c.dec.seal(sealed_more, {});  // first: the nonces must rise in the order sent
     sealed += c.dec.seal(0, bytes);
     queue(c, sealed, now);

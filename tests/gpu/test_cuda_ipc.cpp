@@ -964,8 +964,8 @@ TEST_CASE(
             // README.md "Memory": a stage is the table's bytes (device, or page-locked for a host
             // stage over cuda_ipc), plus the 8 MiB a kind that every mode may take for itself.
             const refit::memory_usage held = refit::memory_in_use();
-            const std::uint64_t staged = kind == refit::stage_kind::device ? held.device_peak - before.device
-                                                                           : held.pinned_peak - before.pinned;
+            const std::uint64_t staged =
+                kind == refit::stage_kind::device ? held.device_peak - before.device : held.pinned_peak - before.pinned;
             std::uint64_t table = 0;
             for (const auto& m : metas) table += m.nbytes();
             expect(staged >= table && staged <= weights.total() + 8 * mib,

@@ -2204,8 +2204,8 @@ TEST_CASE("--convert parses its three conversions, sets the source dtype and ref
   REQUIRE(c);
   CHECK(c->type == refit::dtype::f32);
   CHECK(c->convert->to == refit::dtype::bf16);
-  for (const auto& [name, q] : {std::pair{"bf16:fp8-channel", refit::quant::channel},
-                                std::pair{"bf16:mxfp8", refit::quant::mxfp8}}) {
+  for (const auto& [name, q] :
+       {std::pair{"bf16:fp8-channel", refit::quant::channel}, std::pair{"bf16:mxfp8", refit::quant::mxfp8}}) {
     const char* row[] = {"refit-bench", "--convert", name};
     const auto r = parse_args(static_cast<int>(std::size(row)), row, code);
     REQUIRE(r);

@@ -440,8 +440,7 @@ TEST_CASE("a sealed frame with the frame header's COMMAND bit (0x04) inside its 
   // sends, and a server that took it for one would also send it, which libzmq reads as data.
   sealed_pair p;
   std::string why;
-  REQUIRE(p.feed(p.client->seal(0x04, zmtp::command_body("PING", std::string("\0\0", 2))), &why) ==
-          zmtp::event::error);
+  REQUIRE(p.feed(p.client->seal(0x04, zmtp::command_body("PING", std::string("\0\0", 2))), &why) == zmtp::event::error);
   CHECK(why == "a CURVE MESSAGE with reserved flag bits set (0x04)");
 }
 
