@@ -4,12 +4,16 @@
 // the library's bit tricks cannot hide in both.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <span>
+#include <string>
 #include <vector>
+
+#include "refit/model.hpp"
 
 namespace refit::test::ref {
 
@@ -124,6 +128,42 @@ inline quantised quantise(std::span<const float> x, std::size_t lead, std::size_
         out.q[i] = e4m3(scaled);
       }
   return out;
+}
+
+// ------------------------------------------------------------------ inputs and comparisons
+
+/// A source tensor as stored in `type` (f32, bf16 or f16), and its exact f32 values.
+struct source_tensor {
+  std::vector<std::uint8_t> bytes;
+  std::vector<float> values;
+};
+
+inline source_tensor make_source(refit::dtype type, const std::vector<float>& x) {
+  source_tensor s;
+  s.values.resize(x.size());
+  s.bytes.resize(x.size() * refit::itemsize(type));
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (type == refit::dtype::f32) {
+      std::memcpy(s.bytes.data() + 4 * i, &x[i], 4);
+      s.values[i] = x[i];
+    } else {
+      const std::uint16_t h = type == refit::dtype::bf16 ? bf16(x[i]) : f16(x[i]);
+      std::memcpy(s.bytes.data() + 2 * i, &h, 2);
+      s.values[i] = type == refit::dtype::bf16 ? bf16_value(h) : f16_value(h);
+    }
+  }
+  return s;
+}
+
+/// Bytes where `a` and `b` differ (a length difference counts each missing byte); `first` names the
+/// first differing byte.
+inline std::size_t differing(const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b,
+                             std::string& first) {
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    if (a[i] != b[i] && n++ == 0)
+      first = "byte " + std::to_string(i) + ": " + std::to_string(a[i]) + " vs " + std::to_string(b[i]);
+  return n + (a.size() > b.size() ? a.size() - b.size() : b.size() - a.size());
 }
 
 }  // namespace refit::test::ref

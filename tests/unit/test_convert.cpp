@@ -180,27 +180,8 @@ std::vector<float> source_values(std::size_t rows, std::size_t cols, std::uint32
 }
 
 /// The source as stored in `type` (what the trainer holds), and its exact f32 values.
-struct source_tensor {
-  std::vector<std::uint8_t> bytes;
-  std::vector<float> values;
-};
-
-source_tensor make_source(dtype type, const std::vector<float>& x) {
-  source_tensor s;
-  s.values.resize(x.size());
-  s.bytes.resize(x.size() * refit::itemsize(type));
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (type == dtype::f32) {
-      std::memcpy(s.bytes.data() + 4 * i, &x[i], 4);
-      s.values[i] = x[i];
-    } else {
-      const std::uint16_t h = type == dtype::bf16 ? ref::bf16(x[i]) : ref::f16(x[i]);
-      std::memcpy(s.bytes.data() + 2 * i, &h, 2);
-      s.values[i] = type == dtype::bf16 ? ref::bf16_value(h) : ref::f16_value(h);
-    }
-  }
-  return s;
-}
+using ref::make_source;  // support/convert_ref.hpp
+using ref::source_tensor;
 
 /// Runs the CPU engine's scale pass and converting copies over `src`, cut into ops of `piece`
 /// elements, into `out` (and `scale_inv`).
@@ -227,12 +208,7 @@ void cpu_convert(const source_tensor& src, dtype from, dtype to, quant q, const 
   copier->convert(ops, nullptr);
 }
 
-std::size_t differing(const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b, std::string& first) {
-  std::size_t n = 0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    if (a[i] != b[i] && n++ == 0) first = "byte " + std::to_string(i) + ": " + hex(a[i]) + " vs " + hex(b[i]);
-  return n + (a.size() > b.size() ? a.size() - b.size() : b.size() - a.size());
-}
+using ref::differing;
 
 bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;

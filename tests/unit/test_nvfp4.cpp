@@ -118,27 +118,8 @@ std::vector<std::uint8_t> swizzle_reference(const std::vector<std::uint8_t>& s, 
 
 // ------------------------------------------------------------------ sources and the CPU engine
 
-struct source_tensor {
-  std::vector<std::uint8_t> bytes;
-  std::vector<float> values;
-};
-
-source_tensor make_source(dtype type, const std::vector<float>& x) {
-  source_tensor s;
-  s.values.resize(x.size());
-  s.bytes.resize(x.size() * refit::itemsize(type));
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (type == dtype::f32) {
-      std::memcpy(s.bytes.data() + 4 * i, &x[i], 4);
-      s.values[i] = x[i];
-    } else {
-      const std::uint16_t h = type == dtype::bf16 ? ref::bf16(x[i]) : ref::f16(x[i]);
-      std::memcpy(s.bytes.data() + 2 * i, &h, 2);
-      s.values[i] = type == dtype::bf16 ? ref::bf16_value(h) : ref::f16_value(h);
-    }
-  }
-  return s;
-}
+using ref::make_source;  // support/convert_ref.hpp
+using ref::source_tensor;
 
 /// Rows of `cols` with an edge case per row: row 0 all zero; row 1 NaN, ±inf among normal values;
 /// row 2 subnormal values only; row 3 the f32 maximum; row 4 a block whose scale underflows
@@ -192,13 +173,7 @@ nvfp4_expected cpu_nvfp4(const source_tensor& src, dtype from, const std::vector
   return out;
 }
 
-std::size_t differing(const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b, std::string& first) {
-  std::size_t n = 0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    if (a[i] != b[i] && n++ == 0)
-      first = "byte " + std::to_string(i) + ": " + std::to_string(a[i]) + " vs " + std::to_string(b[i]);
-  return n + (a.size() > b.size() ? a.size() - b.size() : b.size() - a.size());
-}
+using ref::differing;
 
 }  // namespace
 
