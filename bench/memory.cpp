@@ -11,6 +11,7 @@
 #include "bench/bench.hpp"
 #include "config/config.hpp"
 #include "refit/model.hpp"
+#include "transport/transport.hpp"
 
 #if REFIT_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -25,9 +26,6 @@ constexpr std::uint64_t mib = 1ull << 20;
 constexpr std::uint64_t slack = 8 * mib;
 /// nccl's warm-up broadcast of each session (lib/transport/nccl.cpp, warm_up_bytes).
 std::uint64_t warm_up(std::uint64_t buffer_bytes) { return std::min<std::uint64_t>(buffer_bytes, mib); }
-/// nccl in place: the batch of an in-place session (lib/transport/nccl.cpp, direct_batch_bytes),
-/// whose buffers a converting in-place streamer makes to pack the converted bytes.
-constexpr std::uint64_t in_place_batch = 1ull << 30;
 
 /// The conversion's scale scratch on the streamer's GPU (lib/streamer/convert.cpp): two floats per
 /// scale group (the scale and its multiplier), in 256-byte pieces, for every tensor of a refit (the
@@ -99,7 +97,7 @@ void set_memory_budget(const config& c, const manifest& m, row& r, bool went_dir
     const bool parts = went_direct && c.layout != layout_kind::plain;
     const std::uint64_t warm = warm_up(b);
     if (went_direct) {
-      add(st, &s::device, warm + (parts ? buffers : 0) + (c.convert ? n * in_place_batch + scales : 0));
+      add(st, &s::device, warm + (parts ? buffers : 0) + (c.convert ? n * transport::direct_batch_bytes + scales : 0));
       add(rx, &s::device, warm + (parts ? buffers : 0));
       fs = parts ? "n x b + 1 MiB device" : c.convert ? "n x 1 GiB + scales + 1 MiB device" : "1 MiB device";
       fr = parts ? "n x b + 1 MiB device" : "1 MiB device";
